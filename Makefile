@@ -1,0 +1,33 @@
+# `make test` and `make bench` set everything up from nothing: a venv, torch, the package.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  := torch==2.13.0
+
+.PHONY: test test-fast lint bench bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test,cli]"
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check src tests benchmarks examples
+	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+test-fast: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow and not distributed"
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check src tests benchmarks examples
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/ampkit bench
+
+bench-quick: $(VENV)/.installed
+	$(VENV)/bin/ampkit bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
