@@ -21,6 +21,8 @@ from .errors import (
     StateError,
 )
 
+from ._reset import reset
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "PolicyError",
     "ScalerError",
     "StateError",
+    "reset",
 ]
 
 # --- casting engine (policy, lists, autocast, init/reset, explain) ---
