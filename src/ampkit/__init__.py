@@ -12,6 +12,7 @@ Quick start::
 
 from __future__ import annotations
 
+from ._reset import reset
 from .errors import (
     AmpError,
     DistributedError,
@@ -20,8 +21,6 @@ from .errors import (
     ScalerError,
     StateError,
 )
-
-from ._reset import reset
 
 __version__ = "0.1.0"
 
@@ -36,5 +35,20 @@ __all__ = [
 ]
 
 # --- casting engine (policy, lists, autocast, init/reset, explain) ---
+from .casting import autocast, current_policy, init, is_active  # noqa: E402
+from .explain import ExplainReport, explain  # noqa: E402
+from .policy import Policy, canonical_op, default_policy  # noqa: E402
+
+__all__ += [
+    "ExplainReport",
+    "Policy",
+    "autocast",
+    "canonical_op",
+    "current_policy",
+    "default_policy",
+    "explain",
+    "init",
+    "is_active",
+]
 # --- loss scaling and optimizer integration ---
 # --- opt levels, master weights, compensated updates ---

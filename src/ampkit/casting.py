@@ -1,0 +1,652 @@
+"""The casting engine: applies a :class:`~ampkit.Policy` in a scope.
+
+How it works:
+
+- Every scope runs under native ``torch.autocast(device_type, dtype)``. When the
+  policy's categories equal torch's own lists (the default policy), that is all:
+  no Python runs per op.
+- Ops whose category differs from torch's get a kernel of ours on the device's
+  ``Autocast*`` dispatch key (``torch.library``), so they are seen wherever they are
+  called from, also inside other torch functions, and casts happen before autograd
+  records the op (saved activations are 16-bit, as with torch.autocast). The kernel
+  looks up the innermost ampkit scope of its thread; outside one it behaves like
+  torch's own kernel.
+- Python-level torch functions without an aten op are intercepted by a
+  ``TorchFunctionMode`` pushed only while a scope needs one.
+- Module rules use global forward pre/post hooks (no forward replacement), installed
+  only while a scope with module rules is active.
+- Casts of fp32 leaf tensors that require grad (parameters) are cached for the scope
+  and dropped when the tensor's version counter moves (an in-place update) or an
+  optimizer steps; ``cache_enabled=False`` turns caching off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from . import _reset
+from .errors import PolicyError
+from .lists import AUTOCAST_KEYS, native_categories
+from .policy import (
+    Policy,
+    check_compute_dtype,
+    check_device_type,
+    default_dtype,
+    is_python_op,
+    python_callable,
+)
+
+__all__ = ["autocast", "init", "is_active", "current_policy", "active_scopes"]
+
+logger = logging.getLogger("ampkit")
+
+_NATIVE: dict[str, dict[str, str]] = {dev: native_categories(dev) for dev in AUTOCAST_KEYS}
+
+
+# ---------------------------------------------------------------------------
+# Resolved scope state
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Frame:
+    """One active scope: what its kernels, mode and hooks consult."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    policy: Policy | None
+    categories: dict[str, str]  # aten base name -> category, effective
+    conditionals: dict[str, tuple[Callable[..., bool], ...]]
+    python_ops: dict[Any, str]  # function object -> category
+    cache_enabled: bool
+    cache: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+    categories: dict[str, str]
+    conditionals: dict[str, tuple[Callable[..., bool], ...]]
+    python_ops: dict[Any, str]
+    intercepted: frozenset[str]  # aten base names that need our kernel
+
+
+_RESOLVED: dict[tuple[int, str, bool], tuple[Policy, _Resolved]] = {}
+
+
+def _resolve(policy: Policy, device_type: str, intercept_all: bool = False) -> _Resolved:
+    key = (id(policy), device_type, intercept_all)
+    hit = _RESOLVED.get(key)
+    if hit is not None and hit[0] is policy:
+        return hit[1]
+    native = _NATIVE[device_type]
+    categories = dict(native)
+    python_ops: dict[Any, str] = {}
+    for name, category in policy.categories().items():
+        if is_python_op(name):
+            python_ops[python_callable(name)] = category
+        else:
+            categories[name] = category
+    conditionals: dict[str, tuple[Callable[..., bool], ...]] = {}
+    for name, preds in policy.conditionals().items():
+        if is_python_op(name):
+            raise PolicyError(
+                f"conditional_fp32_ops: {name[3:]} has no aten op; conditional rules apply to "
+                "aten ops (torch.pow, torch.exp, ...)."
+            )
+        conditionals[name] = preds
+    if intercept_all:
+        intercepted = frozenset(categories) | frozenset(conditionals)
+    else:
+        intercepted = frozenset(
+            {n for n, c in categories.items() if native.get(n) != c}
+            | set(conditionals)
+        )
+    resolved = _Resolved(categories, conditionals, python_ops, intercepted)
+    if len(_RESOLVED) > 256:
+        _RESOLVED.clear()
+    _RESOLVED[key] = (policy, resolved)
+    return resolved
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.frames: dict[str, list[_Frame]] = {}
+        self.scopes: list[_Frame] = []  # all devices, entry order
+        self.py_mode_depth = 0
+        self.module_stack: list[nn.Module] = []
+        self.rule_stack: list[tuple[nn.Module, contextlib.ExitStack]] = []
+
+
+_state = _State()
+
+
+def _top(device_type: str) -> _Frame | None:
+    frames = _state.frames.get(device_type)
+    return frames[-1] if frames else None
+
+
+def is_active(device_type: str | None = None) -> bool:
+    """Whether an enabled ampkit scope (or ``ampkit.init``) is active in this thread."""
+    if device_type is not None:
+        top = _top(device_type)
+        return top is not None and top.enabled
+    return any(f.enabled for f in _state.scopes[-1:])
+
+
+def current_policy(device_type: str | None = None) -> Policy | None:
+    """The policy of the innermost enabled scope (for ``device_type`` if given)."""
+    frames = _state.frames.get(device_type, []) if device_type else _state.scopes
+    for frame in reversed(frames):
+        if frame.policy is not None:
+            return frame.policy if frame.enabled else None
+    return None
+
+
+def active_scopes() -> int:
+    return len(_state.scopes)
+
+
+# ---------------------------------------------------------------------------
+# Casting helpers (used by the kernels, the function mode and module rules)
+# ---------------------------------------------------------------------------
+def _eligible(t: Any, device_type: str) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype is not torch.float64
+        and t.device.type == device_type
+    )
+
+
+def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, frame: _Frame | None) -> torch.Tensor:
+    if t.dtype is dtype:
+        return t
+    cacheable = (
+        frame is not None
+        and frame.cache_enabled
+        and t.requires_grad
+        and t.is_leaf
+        and not t._is_view()
+        and torch.is_grad_enabled()
+    )
+    if not cacheable:
+        return t.to(dtype)
+    key = id(t)
+    hit = frame.cache.get(key)
+    if hit is not None:
+        ref, version, hit_dtype, cast = hit
+        if ref() is t and version == t._version and hit_dtype is dtype:
+            return cast
+    cast = t.to(dtype)
+    frame.cache[key] = (weakref.ref(t), t._version, dtype, cast)
+    return cast
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and value and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def _iter_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    yield v
+
+
+def _widest(args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str, low: torch.dtype) -> torch.dtype:
+    for t in _iter_tensors(args, kwargs):
+        if _eligible(t, device_type) and t.dtype is torch.float32:
+            return torch.float32
+    return low
+
+
+def cast_arguments(
+    category: str | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    dtype: torch.dtype,
+    frame: _Frame | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Cast an op's floating ``device_type`` tensors as ``category`` says."""
+    if category is None:
+        return args, kwargs
+    if category == "lower":
+        target = dtype
+    elif category == "fp32":
+        target = torch.float32
+    elif category == "promote":
+        target = _widest(args, kwargs, device_type, dtype)
+    else:  # pragma: no cover - categories are validated
+        raise PolicyError(f"unknown category {category!r}")
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return _cast_tensor(t, target, frame) if _eligible(t, device_type) else t
+
+    args = tuple(_map_tensors(a, cast) for a in args)
+    kwargs = {k: _map_tensors(v, cast) for k, v in kwargs.items()} if kwargs else kwargs
+    return args, kwargs
+
+
+# ---------------------------------------------------------------------------
+# Kernels on the Autocast dispatch keys
+# ---------------------------------------------------------------------------
+_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(
+    torch._C.DispatchKey.AutocastCUDA
+)
+
+
+def _overloads(base: str) -> list[Any]:
+    packet = getattr(torch.ops.aten, base)
+    out = []
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        schema = overload._schema
+        if name.endswith("out") or any(a.is_out for a in schema.arguments):
+            continue
+        if not any("Tensor" in str(a.type) for a in schema.arguments):
+            continue
+        out.append(overload)
+    return out
+
+
+class _KernelRegistry:
+    """Lazily puts ampkit kernels on ``Autocast<Device>`` for the ops that need them.
+
+    Registrations stay for the process (registering is not free); outside an ampkit
+    scope a kernel reproduces torch's own category for its op, so plain
+    ``torch.autocast`` behaves as before.
+    """
+
+    def __init__(self) -> None:
+        self._libs: dict[str, torch.library.Library] = {}
+        self._done: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def ensure(self, device_type: str, names: frozenset[str]) -> None:
+        todo = [n for n in names if (device_type, n) not in self._done]
+        if not todo:
+            return
+        with self._lock:
+            lib = self._libs.get(device_type)
+            if lib is None:
+                lib = self._libs[device_type] = torch.library.Library("aten", "IMPL")
+            key = AUTOCAST_KEYS[device_type]
+            with warnings.catch_warnings():
+                # torch warns once that a registered kernel is being overridden
+                warnings.simplefilter("ignore")
+                for base in todo:
+                    if (device_type, base) in self._done:
+                        continue
+                    for overload in _overloads(base):
+                        lib.impl(overload._schema.name.split("::")[1] + (
+                            "." + overload._overloadname if overload._overloadname != "default" else ""
+                        ), _make_kernel(device_type, base, overload), key)
+                    self._done.add((device_type, base))
+
+    def registered(self, device_type: str) -> set[str]:
+        return {b for d, b in self._done if d == device_type}
+
+
+_registry = _KernelRegistry()
+
+
+def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., Any]:
+    native = _NATIVE[device_type].get(base)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        frame = _top(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+        if frame is not None and frame.enabled and frame.dtype is dtype:
+            category = frame.categories.get(base)
+            preds = frame.conditionals.get(base)
+            if preds and any(p(*args, **kwargs) for p in preds):
+                category = "fp32"
+        else:
+            frame, category = None, native
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            args, kwargs = cast_arguments(category, args, kwargs, device_type, dtype, frame)
+            return overload(*args, **kwargs)
+
+    kernel.__name__ = f"ampkit_autocast_{base}"
+    return kernel
+
+
+# ---------------------------------------------------------------------------
+# Python-level functions
+# ---------------------------------------------------------------------------
+class _PythonOpMode(TorchFunctionMode):
+    """Casts the arguments of Python-level torch functions a policy lists."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        frame = _state.scopes[-1] if _state.scopes else None
+        category = frame.python_ops.get(func) if (frame is not None and frame.enabled) else None
+        if category is None:
+            return func(*args, **kwargs)
+        args, kwargs = cast_arguments(category, tuple(args), kwargs, frame.device_type, frame.dtype, frame)
+        if category == "fp32":
+            with torch.autocast(frame.device_type, enabled=False):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Module rules and cache invalidation (global module hooks)
+# ---------------------------------------------------------------------------
+class _ModuleHooks:
+    """Global forward pre/post hooks, installed while a scope needs them."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._handles: list[Any] = []
+        self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+
+    def acquire(self) -> None:
+        self._users += 1
+        if self._users == 1:
+            reg = nn.modules.module
+            self._handles = [
+                reg.register_module_forward_pre_hook(self._pre),
+                reg.register_module_forward_hook(self._post, always_call=True),
+            ]
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+
+    def _name_of(self, module: nn.Module) -> str | None:
+        root = _state.module_stack[0] if _state.module_stack else module
+        names = self._names.get(root)
+        if names is None or id(module) not in names:
+            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            self._names[root] = names
+        return names.get(id(module))
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        frame = _state.scopes[-1] if _state.scopes else None
+        _state.module_stack.append(module)
+        if frame is None:
+            return None
+        if frame.cache_enabled and frame.enabled:
+            _check_param_versions(module, frame)
+        policy = frame.policy
+        if policy is None or not policy.module_rules:
+            return None
+        dtype = policy.module_dtype(module, self._name_of(module))
+        if dtype is None:
+            return None
+        stack = contextlib.ExitStack()
+        if dtype is torch.float32:
+            stack.enter_context(autocast(policy, frame.device_type, enabled=False))
+            args = tuple(_map_tensors(a, _to_fp32) for a in args)
+        else:
+            stack.enter_context(
+                autocast(policy.override(dtype=dtype), frame.device_type, cache_enabled=frame.cache_enabled)
+            )
+        _state.rule_stack.append((module, stack))
+        return args
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _state.rule_stack and _state.rule_stack[-1][0] is module:
+            _state.rule_stack.pop()[1].close()
+        if _state.module_stack and _state.module_stack[-1] is module:
+            _state.module_stack.pop()
+        return None
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() and t.dtype is not torch.float64 else t
+
+
+def _check_param_versions(module: nn.Module, frame: _Frame) -> None:
+    """Drop cached casts when one of ``module``'s own parameters changed in place."""
+    changed = False
+    for p in module._parameters.values():
+        if p is None:
+            continue
+        version = p._version
+        if getattr(p, "_ampkit_version", version) != version:
+            changed = True
+        p._ampkit_version = version
+    if changed:
+        _clear_caches()
+
+
+_hooks = _ModuleHooks()
+
+
+def _clear_caches() -> None:
+    torch.clear_autocast_cache()
+    for frame in _state.scopes:
+        frame.cache.clear()
+
+
+_step_hook_installed = False
+
+
+def _install_step_hook() -> None:
+    """Cached casts go stale when an optimizer updates weights in place: drop them."""
+    global _step_hook_installed
+    if _step_hook_installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _state.scopes:
+            _clear_caches()
+
+    register_optimizer_step_post_hook(after_step)
+    _step_hook_installed = True
+
+
+# ---------------------------------------------------------------------------
+# The scope
+# ---------------------------------------------------------------------------
+_warned_fp16_cpu = False
+
+
+def _warn_fp16_cpu() -> None:
+    global _warned_fp16_cpu
+    if not _warned_fp16_cpu:
+        _warned_fp16_cpu = True
+        warnings.warn(
+            "ampkit: float16 on CPU computes far slower than float32 on most CPUs (no fp16 "
+            "kernels); prefer dtype=torch.bfloat16 on CPU.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autocast
+    """Run ops in the dtypes ``policy`` says, inside a ``with`` block or a decorated function.
+
+    Args:
+        policy: a :class:`Policy`; ``None`` means the device's defaults
+            (:func:`default_policy`: bf16 on CPU, fp16 on CUDA, torch's own lists).
+            The policy's lists override the defaults op by op.
+        device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` when a GPU is
+            available, else ``"cpu"``.
+        enabled: ``False`` turns casting off inside the block (ops run in their
+            inputs' dtypes), also inside an outer ampkit scope or ``ampkit.init``.
+        cache_enabled: cache 16-bit casts of fp32 parameters for the scope (default
+            True); entries are dropped when a parameter changes in place or an
+            optimizer steps.
+        dtype: shorthand for ``policy.override(dtype=...)``.
+
+    Scopes nest; the innermost wins. Gradients reach each parameter in its own dtype.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        device_type: str | None = None,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        _intercept_all: bool = False,
+    ) -> None:
+        self.device_type = check_device_type(device_type or _default_device_type())
+        if policy is not None and not isinstance(policy, Policy):
+            raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
+        if policy is None:
+            policy = Policy(dtype=check_compute_dtype(dtype) if dtype else default_dtype(self.device_type))
+        elif dtype is not None:
+            policy = policy.override(dtype=check_compute_dtype(dtype))
+        self.policy = policy
+        self.enabled = bool(enabled)
+        self.cache_enabled = bool(cache_enabled)
+        self._intercept_all = _intercept_all
+        self._stacks: list[contextlib.ExitStack] = []
+        if self.enabled and self.device_type == "cpu" and policy.dtype is torch.float16:
+            _warn_fp16_cpu()
+
+    def _recreate_cm(self) -> autocast:
+        return self  # __enter__/__exit__ keep a stack, so reuse and nesting are safe
+
+    def _make_frame(self) -> _Frame:
+        if not self.enabled:
+            return _Frame(self.device_type, False, self.policy.dtype, self.policy, {}, {}, {}, self.cache_enabled)
+        resolved = _resolve(self.policy, self.device_type, self._intercept_all)
+        _registry.ensure(self.device_type, resolved.intercepted)
+        return _Frame(
+            self.device_type,
+            True,
+            self.policy.dtype,
+            self.policy,
+            resolved.categories,
+            resolved.conditionals,
+            resolved.python_ops,
+            self.cache_enabled,
+        )
+
+    def __enter__(self) -> autocast:
+        frame = self._make_frame()
+        stack = contextlib.ExitStack()
+        if self.enabled:
+            stack.enter_context(
+                torch.autocast(self.device_type, dtype=self.policy.dtype, cache_enabled=self.cache_enabled)
+            )
+        else:
+            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+        _install_step_hook()
+        _state.frames.setdefault(self.device_type, []).append(frame)
+        _state.scopes.append(frame)
+        stack.callback(self._pop, frame)
+        if frame.python_ops and _state.py_mode_depth == 0:
+            stack.enter_context(_PythonOpMode())
+            _state.py_mode_depth += 1
+            stack.callback(self._dec_mode)
+        needs_hooks = bool(self.policy.module_rules) or (self.enabled and self.cache_enabled)
+        if needs_hooks:
+            _hooks.acquire()
+            stack.callback(_hooks.release)
+        self._stacks.append(stack)
+        return self
+
+    @staticmethod
+    def _dec_mode() -> None:
+        _state.py_mode_depth -= 1
+
+    @staticmethod
+    def _pop(frame: _Frame) -> None:
+        frames = _state.frames[frame.device_type]
+        if frames and frames[-1] is frame:
+            frames.pop()
+        else:  # exited out of order (a generator closed late): remove wherever it is
+            frames.remove(frame)
+        if _state.scopes and _state.scopes[-1] is frame:
+            _state.scopes.pop()
+        else:
+            _state.scopes.remove(frame)
+        frame.cache.clear()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._stacks.pop().close()
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Process-wide switch
+# ---------------------------------------------------------------------------
+_global_scope: autocast | None = None
+
+
+def init(
+    dtype: torch.dtype | None = None,
+    device_type: str | None = None,
+    *,
+    policy: Policy | None = None,
+    cache_enabled: bool = True,
+    **policy_fields: Any,
+) -> Policy:
+    """Turn op-level casting on for this thread until :func:`ampkit.reset`.
+
+    Equivalent to entering ``ampkit.autocast(policy, device_type)`` and never leaving.
+
+    Args:
+        dtype: compute dtype; default bf16 on CPU, fp16 on CUDA.
+        device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` if available else ``"cpu"``.
+        policy: a base policy (default: the device's defaults).
+        cache_enabled: as in :class:`autocast`.
+        **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
+            ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
+
+    Returns the policy in force. Calling ``init`` again replaces the previous one.
+    """
+    global _global_scope
+    device = check_device_type(device_type or _default_device_type())
+    base = policy if policy is not None else Policy(dtype=dtype or default_dtype(device))
+    if dtype is not None and policy is not None:
+        base = base.override(dtype=dtype)
+    if policy_fields:
+        base = base.override(dtype=base.dtype, **policy_fields)
+    if _global_scope is not None:
+        _stop_global()
+    scope = autocast(base, device, cache_enabled=cache_enabled)
+    scope.__enter__()
+    _global_scope = scope
+    logger.info("ampkit: casting on for %s in %s", device, base.dtype)
+    return base
+
+
+def _stop_global() -> None:
+    global _global_scope
+    scope, _global_scope = _global_scope, None
+    if scope is not None and scope._stacks:
+        scope.__exit__(None, None, None)
+
+
+@_reset.on_reset
+def _reset_engine() -> None:
+    _stop_global()
+    for stack in reversed(_state.rule_stack):
+        stack[1].close()
+    _state.rule_stack.clear()
+    _state.module_stack.clear()

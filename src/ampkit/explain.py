@@ -1,0 +1,207 @@
+"""``ampkit.explain``: which op ran in which dtype, and which casts were inserted.
+
+The report is recorded below autocast and autograd with a ``TorchDispatchMode``, so
+it shows the aten ops that actually computed, with the casts (``aten::_to_copy``)
+that autocast or ampkit inserted in front of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import casting
+from .policy import Policy
+
+__all__ = ["explain", "ExplainReport", "OpRecord", "CastRecord"]
+
+_LOW = (torch.bfloat16, torch.float16)
+_CAST_OPS = {"_to_copy", "to", "_to_copy.default"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CastRecord:
+    """A dtype conversion of one tensor (``shape``) from ``src`` to ``dst``."""
+
+    src: torch.dtype
+    dst: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One aten op call: its name, the dtypes of its tensor inputs and outputs, and
+    the casts that were inserted for it (those recorded since the previous op)."""
+
+    op: str
+    input_dtypes: tuple[torch.dtype, ...]
+    output_dtypes: tuple[torch.dtype, ...]
+    casts: tuple[CastRecord, ...]
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The floating dtype the op produced (None when it produced no float tensor)."""
+        for dt in self.output_dtypes:
+            if dt.is_floating_point:
+                return dt
+        return None
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    """What :func:`explain` recorded. ``records`` holds every non-view aten op in call
+    order; ``totals`` counts ops by the floating dtype they produced and the casts."""
+
+    records: list[OpRecord]
+    trailing_casts: list[CastRecord]
+
+    @property
+    def casts(self) -> list[CastRecord]:
+        out = [c for r in self.records for c in r.casts]
+        out.extend(self.trailing_casts)
+        return out
+
+    @property
+    def totals(self) -> dict[str, int]:
+        counts = {"ops_bf16": 0, "ops_fp16": 0, "ops_fp32": 0, "ops_other": 0, "casts": len(self.casts)}
+        for r in self.records:
+            dt = r.compute_dtype
+            if dt is torch.bfloat16:
+                counts["ops_bf16"] += 1
+            elif dt is torch.float16:
+                counts["ops_fp16"] += 1
+            elif dt is torch.float32:
+                counts["ops_fp32"] += 1
+            else:
+                counts["ops_other"] += 1
+        return counts
+
+    def ops_in(self, dtype: torch.dtype) -> list[str]:
+        """Names of the ops that produced ``dtype``."""
+        return [r.op for r in self.records if r.compute_dtype is dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (dtype names as strings), e.g. for JSON."""
+
+        def names(dts: tuple[torch.dtype, ...]) -> list[str]:
+            return [str(d).replace("torch.", "") for d in dts]
+
+        return {
+            "ops": [
+                {
+                    "op": r.op,
+                    "inputs": names(r.input_dtypes),
+                    "outputs": names(r.output_dtypes),
+                    "casts": [
+                        {"from": names((c.src,))[0], "to": names((c.dst,))[0], "shape": list(c.shape)}
+                        for c in r.casts
+                    ],
+                }
+                for r in self.records
+            ],
+            "totals": self.totals,
+        }
+
+    def table(self) -> str:
+        """The report as a fixed-width text table."""
+
+        def short(dts: tuple[torch.dtype, ...]) -> str:
+            return ",".join(_SHORT.get(d, str(d).replace("torch.", "")) for d in dts) or "-"
+
+        rows = [("#", "op", "inputs", "outputs", "casts inserted")]
+        for i, r in enumerate(self.records):
+            casts = ", ".join(f"{_SHORT.get(c.src, c.src)}->{_SHORT.get(c.dst, c.dst)}" for c in r.casts)
+            rows.append((str(i), r.op, short(r.input_dtypes), short(r.output_dtypes), casts or ""))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        t = self.totals
+        lines.append(
+            f"totals: {t['ops_bf16']} ops in bf16, {t['ops_fp16']} in fp16, {t['ops_fp32']} in fp32, "
+            f"{t['ops_other']} other, {t['casts']} casts"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __rich__(self) -> Any:  # pragma: no cover - rendering only
+        from rich.table import Table
+
+        table = Table(title="ampkit.explain", caption=self.table().splitlines()[-1])
+        for col in ("#", "op", "inputs", "outputs", "casts inserted"):
+            table.add_column(col)
+        for i, r in enumerate(self.records):
+            casts = ", ".join(f"{_SHORT.get(c.src)}->{_SHORT.get(c.dst)}" for c in r.casts)
+            table.add_row(str(i), r.op, ",".join(_SHORT.get(d, str(d)) for d in r.input_dtypes),
+                          ",".join(_SHORT.get(d, str(d)) for d in r.output_dtypes), casts)
+        return table
+
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
+          torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+
+
+def _tensor_dtypes(value: Any) -> tuple[torch.dtype, ...]:
+    leaves, _ = tree_flatten(value)
+    return tuple(x.dtype for x in leaves if isinstance(x, torch.Tensor))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[OpRecord] = []
+        self.pending: list[CastRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _CAST_OPS:
+            src = args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+            if isinstance(out, torch.Tensor) and src is not None and src != out.dtype:
+                self.pending.append(CastRecord(src, out.dtype, tuple(out.shape)))
+            return out
+        if func.is_view or name in ("detach", "alias", "lift_fresh"):
+            return out
+        self.records.append(
+            OpRecord(name, _tensor_dtypes((args, kwargs)), _tensor_dtypes(out), tuple(self.pending))
+        )
+        self.pending = []
+        return out
+
+
+def explain(
+    fn_or_module: Callable[..., Any] | nn.Module,
+    *inputs: Any,
+    policy: Policy | None = None,
+    device_type: str | None = None,
+    **kwargs: Any,
+) -> ExplainReport:
+    """Run ``fn_or_module(*inputs, **kwargs)`` once and report each op's dtypes.
+
+    If ``policy`` is given, or no ampkit scope is active, the call runs under
+    ``ampkit.autocast(policy, device_type)`` (the device's defaults when ``policy`` is
+    None); otherwise under the scope already active (e.g. ``ampkit.init``). Runs under
+    ``torch.no_grad`` only if the caller did; nothing is kept beyond the report.
+
+    Returns an :class:`ExplainReport`; ``print(report)`` shows a table.
+    """
+    recorder = _Recorder()
+    use_scope = policy is not None or not casting.is_active()
+    scope = casting.autocast(policy, device_type) if use_scope else None
+    if scope is not None:
+        scope.__enter__()
+    try:
+        with recorder:
+            fn_or_module(*inputs, **kwargs)
+    finally:
+        if scope is not None:
+            scope.__exit__(None, None, None)
+    return ExplainReport(recorder.records, recorder.pending)
