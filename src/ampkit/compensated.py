@@ -1,0 +1,369 @@
+"""Compensated updates for parameters stored in bfloat16 (opt level O2K).
+
+A bf16 weight has 8 significant bits: an update smaller than half a unit in the
+last place of the weight (|u| < |w| * 2**-9) is rounded away entirely, so with a
+small learning rate pure-bf16 training stalls. Two remedies, without an fp32
+master copy of the weights:
+
+``"kahan"``
+    Kahan-compensated summation. Each bf16 parameter ``w`` gets a bf16 buffer
+    ``c`` holding what rounding took off; the value being trained is ``w + c``.
+    Per step, with ``w'`` the optimizer's result computed in fp32::
+
+        t = w' + c            (fp32)
+        w = round_bf16(t)
+        c = round_bf16(t - w)
+
+    2 extra bytes per parameter; sums keep ~16 significant bits.
+``"stochastic"``
+    Stochastic rounding: ``w = round_bf16(w')`` up or down at random, with the
+    probability of rounding up equal to the fraction of the gap below ``w'``, so
+    the expected value is exact. No buffer; uses a dedicated ``torch.Generator``
+    whose state is saved with the rest, so a resumed run draws the same bits.
+``"nearest"``
+    Plain round-to-nearest from the fp32 step: the reference the other two are
+    measured against.
+
+Works with any ``torch.optim`` optimizer whose update of a parameter depends only
+on that parameter, its grad and its own state (all of them except LBFGS): the
+real optimizer runs, on fp32 copies of a bounded chunk of parameters, grads and
+state at a time, and its result is rounded as above. State is stored back in the
+parameter's dtype (bf16), as torch does for bf16 parameters, so an Adam moment
+costs 2 bytes, not 4. Peak extra memory during the step is about
+``chunk_numel * 20`` bytes (fp32 parameter, grad, Adam's two moments, the sum).
+
+How the step is intercepted without replacing ``optimizer.step``: a step
+pre-hook (``Optimizer.register_step_pre_hook``) runs the optimizer's class-level
+``step`` once per chunk, with every grad outside the chunk set aside (torch
+optimizers skip parameters whose ``.grad`` is None), then sets all grads aside so
+the step the user called finds nothing left to do; the post-hook puts the grads
+back. A step skipped by the loss scaler never reaches the hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .errors import AmpError, StateError
+
+__all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
+
+Method = Literal["kahan", "stochastic", "nearest"]
+_METHODS = ("kahan", "stochastic", "nearest")
+_LOW = (torch.bfloat16, torch.float16)
+_STATE_FORMAT = 1
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16 stochastically: up with probability equal to the
+    dropped fraction of a bf16 unit, so ``E[result] == x``. Non-finite values
+    round to nearest."""
+    if dtype != torch.bfloat16 or x.dtype != torch.float32:
+        raise AmpError(
+            f"stochastic rounding goes from float32 to bfloat16, got {x.dtype} -> {dtype}."
+        )
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    # Adding noise below the 16 kept bits then truncating rounds the magnitude
+    # up with the right probability (bf16 keeps the upper half of the fp32 bits).
+    rounded = (bits + noise).bitwise_and_(-65536).view(torch.float32)
+    out = torch.where(torch.isfinite(x), rounded, x)
+    return out.to(torch.bfloat16)
+
+
+def kahan_round(
+    target: torch.Tensor, compensation: torch.Tensor
+) -> torch.Tensor:
+    """Return ``round(target + compensation)`` in ``compensation``'s dtype and
+    store the rounding error into ``compensation`` in place. ``target`` (fp32) is
+    overwritten with scratch values."""
+    total = target.add_(compensation)
+    stored = total.to(compensation.dtype)
+    compensation.copy_(total.sub_(stored))
+    return stored
+
+
+class CompensatedUpdates:
+    """Make ``optimizer`` update its bf16 parameters with compensation.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer except LBFGS; its low-precision
+            parameters may be added later with ``add_param_group``.
+        method: ``"kahan"`` (default), ``"stochastic"`` or ``"nearest"``.
+        chunk_numel: at most this many elements of low-precision parameters are
+            expanded to fp32 at once (a single larger parameter is stepped alone).
+            Default 2**20.
+        seed: seed of the generator used by ``"stochastic"``. Default 0.
+
+    fp32 parameters in the same optimizer (normalization layers) are stepped as
+    usual. Call :meth:`remove` to detach.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        method: Method = "kahan",
+        chunk_numel: int = 1 << 20,
+        seed: int = 0,
+    ) -> None:
+        if method not in _METHODS:
+            raise AmpError(f"compensation method must be one of {_METHODS}, got {method!r}.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise AmpError(
+                "LBFGS mixes all parameters in one update and calls a closure many "
+                "times per step; compensated updates need a per-parameter optimizer."
+            )
+        if chunk_numel < 1:
+            raise AmpError(f"chunk_numel must be positive, got {chunk_numel}.")
+        self.optimizer = optimizer
+        self.method: Method = method
+        self.chunk_numel = chunk_numel
+        self._buffers: dict[int, torch.Tensor] = {}  # id(param) -> compensation
+        self._params: dict[int, nn.Parameter] = {}  # keeps ids valid
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self._inside = False
+        self._set_aside: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+
+    def remove(self) -> None:
+        """Detach from the optimizer (compensation buffers are dropped)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- which parameters ---------------------------------------------------------
+
+    def _low_params(self) -> Iterator[tuple[int, int, nn.Parameter]]:
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.dtype in _LOW:
+                    yield gi, pi, p
+
+    def buffer(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The Kahan compensation buffer of ``param`` (None before its first step
+        or with another method)."""
+        return self._buffers.get(id(param))
+
+    def _buffer_for(self, p: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(id(p))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.zeros_like(like, memory_format=torch.preserve_format)
+            self._buffers[id(p)] = buf
+            self._params[id(p)] = p
+        return buf
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self._generator
+        gen = self._device_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._generator)))
+            self._device_generators[device] = gen
+        return gen
+
+    # -- the step -----------------------------------------------------------------
+
+    def _chunks(self, params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
+        chunk: list[nn.Parameter] = []
+        size = 0
+        for p in params:
+            if chunk and size + p.numel() > self.chunk_numel:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(p)
+            size += p.numel()
+        if chunk:
+            yield chunk
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._inside:
+            return None
+        # args[0] is the optimizer itself; anything after it is a closure.
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise AmpError(
+                "compensated updates do not support optimizer.step(closure): compute "
+                "the loss and backward before calling step()."
+            )
+        low = [p for _, _, p in self._low_params() if p.grad is not None]
+        low_ids = {id(p) for p in low}
+        every = [p for g in optimizer.param_groups for p in g["params"]]
+        # Grads of everything not stepped yet; fp32 parameters go with the first chunk.
+        pending = {id(p): p.grad for p in every if p.grad is not None}
+        fp32_first = [p for p in every if id(p) not in low_ids and p.grad is not None]
+        chunks = list(self._chunks(low)) or [[]]
+        chunks[0] = fp32_first + chunks[0]
+        self._inside = True
+        try:
+            for chunk in chunks:
+                self._step_chunk(optimizer, chunk, pending, every)
+        except BaseException:
+            for p in every:
+                p.grad = pending.get(id(p))
+            raise
+        finally:
+            self._inside = False
+        # The step the user called runs after this hook: it must find no grads.
+        self._set_aside = [(p, pending[id(p)]) for p in every if id(p) in pending]
+        for p in every:
+            p.grad = None
+        return None
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._inside or self._set_aside is None:
+            return
+        for p, g in self._set_aside:
+            p.grad = g
+        self._set_aside = None
+
+    def _step_chunk(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chunk: list[nn.Parameter],
+        grads: dict[int, torch.Tensor],
+        every: list[nn.Parameter],
+    ) -> None:
+        in_chunk = {id(p) for p in chunk}
+        for p in every:
+            p.grad = grads[id(p)] if id(p) in in_chunk else None
+        widened = [self._widen(optimizer, p, grads[id(p)]) for p in chunk if p.dtype in _LOW]
+        try:
+            type(optimizer).step(optimizer)
+        finally:
+            for p, low_value in widened:
+                self._narrow(optimizer, p, low_value, grads[id(p)])
+            for p in chunk:
+                p.grad = None
+
+    def _widen(
+        self, optimizer: torch.optim.Optimizer, p: nn.Parameter, grad: torch.Tensor
+    ) -> tuple[nn.Parameter, torch.Tensor]:
+        """Give the optimizer an fp32 view of ``p``: value, grad and state."""
+        low_value = p.data
+        p.grad = None
+        p.data = low_value.to(torch.float32)
+        p.grad = grad.to(torch.float32)
+        state = optimizer.state.get(p)
+        if state:
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dtype == low_value.dtype:
+                    state[k] = v.to(torch.float32)
+        return p, low_value
+
+    def _narrow(
+        self,
+        optimizer: torch.optim.Optimizer,
+        p: nn.Parameter,
+        low_value: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> None:
+        """Round the optimizer's fp32 result back into ``p`` (in the storage it
+        had) and store its state in ``p``'s dtype."""
+        low = low_value.dtype
+        result = p.data
+        p.grad = None
+        with torch.no_grad():
+            if self.method == "kahan":
+                new = kahan_round(result, self._buffer_for(p, low_value))
+            elif self.method == "stochastic":
+                new = stochastic_round(result, low, self._generator_for(result.device))
+            else:
+                new = result.to(low)
+            low_value.copy_(new)
+        p.data = low_value
+        state = optimizer.state.get(p)
+        if state:
+            # "step" counters stay as the optimizer keeps them (fp32 scalars).
+            for k, v in list(state.items()):
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                    state[k] = v.to(low)
+        p.grad = grad
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "method", "buffers": [[group, index, tensor], ...],
+        "generator": ByteTensor}``: what a resumed run needs to continue bitwise."""
+        entries = [
+            [gi, pi, self._buffers[id(p)]]
+            for gi, pi, p in self._low_params()
+            if id(p) in self._buffers
+        ]
+        return {
+            "format": _STATE_FORMAT,
+            "method": self.method,
+            "buffers": entries,
+            "generator": self._generator.get_state(),
+            "device_generators": {
+                str(d): g.get_state() for d, g in self._device_generators.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers and generator saved by :meth:`state_dict`; the
+        optimizer must have the same param groups as when saved."""
+        if state.get("format") != _STATE_FORMAT:
+            raise StateError(
+                f"compensation state has format {state.get('format')!r}, expected "
+                f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
+            )
+        if state["method"] != self.method:
+            raise StateError(
+                f"the checkpoint used compensation {state['method']!r}, this run "
+                f"{self.method!r}: initialize with the same compensation to resume."
+            )
+        groups = self.optimizer.param_groups
+        buffers: dict[int, torch.Tensor] = {}
+        for gi, pi, t in state["buffers"]:
+            try:
+                p = groups[gi]["params"][pi]
+            except (IndexError, KeyError):
+                raise StateError(
+                    f"the checkpoint has a compensation buffer for group {gi}, index "
+                    f"{pi}, which this optimizer lacks: build the same param groups "
+                    "before loading."
+                ) from None
+            if p.shape != t.shape or p.dtype not in _LOW:
+                raise StateError(
+                    f"compensation buffer at group {gi}, index {pi} has shape "
+                    f"{tuple(t.shape)}; the parameter there is {p.dtype} "
+                    f"{tuple(p.shape)}: the model does not match the checkpoint."
+                )
+            buffers[id(p)] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            self._params[id(p)] = p
+        self._buffers = buffers
+        self._generator.set_state(state["generator"])
+        self._device_generators = {}
+        for d, s in state.get("device_generators", {}).items():
+            gen = torch.Generator(device=torch.device(d))
+            gen.set_state(s)
+            self._device_generators[torch.device(d)] = gen
+
+    def param_and_state_bytes(self) -> int:
+        """Bytes held by the optimizer's parameters, its state tensors and the
+        compensation buffers."""
+        return _tensor_bytes(
+            [p for g in self.optimizer.param_groups for p in g["params"]],
+            self.optimizer,
+        ) + sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in params)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+

@@ -1,0 +1,235 @@
+"""Model casting for the opt levels that store weights in 16 bits (O2, O3, O2K).
+
+:func:`cast_model` converts a model's parameters and floating buffers to the
+compute dtype in place (the ``Parameter`` objects keep their identity, so an
+optimizer built before the cast still points at them), except normalization
+layers, which keep fp32 weights and statistics by default: their reductions
+(mean, variance) lose too much in 16 bits, and their parameters are few.
+
+Casting is done with forward hooks, never by replacing ``forward``:
+
+* the model gets a forward pre-hook that casts its floating inputs to the compute
+  dtype and a forward hook that casts its 16-bit floating outputs to fp32, so a
+  loss computed outside the model runs in fp32;
+* every normalization layer kept in fp32 gets a pre-hook casting its inputs to
+  fp32 and a hook casting its outputs back to the compute dtype, so the layer
+  after it receives the dtype its weights have.
+
+Hooks live on the module objects themselves, so a wrapper built afterwards
+(``DistributedDataParallel``, ``DataParallel`` replicas, ``torch.compile``) calls
+the same hooks. Casting a model twice replaces its hooks instead of stacking them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import AmpError
+
+__all__ = [
+    "NORM_LAYER_TYPES",
+    "is_norm_layer",
+    "params_to_cast",
+    "cast_model",
+    "add_io_casts",
+    "remove_io_casts",
+    "cast_tensors",
+]
+
+#: Normalization layers kept in fp32 by :func:`cast_model` (subclasses included):
+#: every BatchNorm (1d/2d/3d, lazy, SyncBatchNorm), InstanceNorm (1d/2d/3d, lazy),
+#: LayerNorm, GroupNorm, RMSNorm and LocalResponseNorm.
+NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._BatchNorm,
+        nn.modules.instancenorm._InstanceNorm,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),
+        nn.LocalResponseNorm,
+        nn.CrossMapLRN2d,
+    )
+    if t is not None
+)
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# module -> hook handles installed by this file, so a second cast replaces them.
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def is_norm_layer(module: nn.Module, extra_types: tuple[type[nn.Module], ...] = ()) -> bool:
+    """True if ``module`` is a normalization layer (:data:`NORM_LAYER_TYPES` or
+    one of ``extra_types``)."""
+    return isinstance(module, NORM_LAYER_TYPES + tuple(extra_types))
+
+
+def _modules_to_cast(
+    model: nn.Module, keep_norm_fp32: bool, extra_fp32_types: tuple[type[nn.Module], ...]
+) -> Iterator[nn.Module]:
+    """Modules whose *own* parameters and buffers are cast (children are visited
+    separately, so a norm layer inside a cast block keeps its fp32 weights)."""
+    for module in model.modules():
+        if keep_norm_fp32 and is_norm_layer(module, extra_fp32_types):
+            continue
+        yield module
+
+
+def params_to_cast(
+    model: nn.Module,
+    keep_norm_fp32: bool = True,
+    extra_fp32_types: tuple[type[nn.Module], ...] = (),
+) -> list[nn.Parameter]:
+    """The floating parameters :func:`cast_model` would convert, in
+    ``model.modules()`` order, each once (shared parameters are listed once)."""
+    extra = tuple(extra_fp32_types)
+    kept = _kept_param_ids(model, keep_norm_fp32, extra)
+    seen: set[int] = set()
+    out: list[nn.Parameter] = []
+    for module in _modules_to_cast(model, keep_norm_fp32, extra):
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and id(p) not in kept and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _kept_param_ids(
+    model: nn.Module, keep_norm_fp32: bool, extra: tuple[type[nn.Module], ...]
+) -> set[int]:
+    """ids of parameters owned by a norm layer kept in fp32 (a parameter shared
+    between such a layer and a cast module stays fp32)."""
+    if not keep_norm_fp32:
+        return set()
+    return {
+        id(p)
+        for m in model.modules()
+        if is_norm_layer(m, extra)
+        for p in m.parameters(recurse=False)
+    }
+
+
+def _is_cast_target(t: object, dtypes: tuple[torch.dtype, ...] | None) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and (dtypes is None or t.dtype in dtypes)
+    )
+
+
+def cast_tensors(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
+    """Return ``obj`` with every floating tensor inside it (through tuples,
+    named tuples, lists and dicts) cast to ``dtype``; with ``only``, just tensors
+    of those dtypes. Integer and boolean tensors and other objects pass through."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if _is_cast_target(obj, only) and obj.dtype != dtype else obj
+    if isinstance(obj, tuple):
+        items = [cast_tensors(x, dtype, only) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [cast_tensors(x, dtype, only) for x in obj]
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_tensors(v, dtype, only)) for k, v in obj.items())
+    return obj
+
+
+def _input_caster(dtype: torch.dtype) -> Callable[..., Any]:
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_tensors(args, dtype), cast_tensors(kwargs, dtype)
+
+    return pre_hook
+
+
+def _output_caster(dtype: torch.dtype, only: tuple[torch.dtype, ...] | None) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_tensors(output, dtype, only)
+
+    return hook
+
+
+def remove_io_casts(module: nn.Module) -> None:
+    """Remove the cast hooks :func:`add_io_casts` or :func:`cast_model` put on
+    ``module`` itself (not on its children)."""
+    for handle in _HANDLES.pop(module, []):
+        handle.remove()
+
+
+def add_io_casts(
+    module: nn.Module,
+    input_dtype: torch.dtype,
+    output_dtype: torch.dtype | None = torch.float32,
+    output_only: tuple[torch.dtype, ...] | None = _LOW_PRECISION,
+) -> None:
+    """Cast ``module``'s floating inputs to ``input_dtype`` with a forward
+    pre-hook and its outputs to ``output_dtype`` with a forward hook.
+
+    ``output_only`` restricts the output cast to tensors of those dtypes (default:
+    fp16 and bf16, so an fp64 output stays fp64); ``output_dtype=None`` leaves
+    outputs alone. Replaces hooks a previous call installed on ``module``.
+    """
+    remove_io_casts(module)
+    handles = [module.register_forward_pre_hook(_input_caster(input_dtype), with_kwargs=True)]
+    if output_dtype is not None:
+        handles.append(module.register_forward_hook(_output_caster(output_dtype, output_only)))
+    _HANDLES[module] = handles
+
+
+def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, keep: set[int]) -> None:
+    """Convert ``module``'s own floating parameters (in place, keeping the
+    ``Parameter`` objects; grads follow) and buffers, except parameters in ``keep``."""
+    for p in module.parameters(recurse=False):
+        if p.is_floating_point() and p.dtype != dtype and id(p) not in keep:
+            with torch.no_grad():
+                p.data = p.data.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None and b.is_floating_point() and b.dtype != dtype:
+            module._buffers[name] = b.to(dtype)
+
+
+def cast_model(
+    model: nn.Module,
+    dtype: torch.dtype,
+    keep_norm_fp32: bool = True,
+    cast_outputs: torch.dtype | None = torch.float32,
+    extra_fp32_types: Iterable[type[nn.Module]] = (),
+) -> nn.Module:
+    """Convert ``model`` in place to ``dtype`` (fp16 or bf16) and install the
+    input/output cast hooks; return it.
+
+    Args:
+        model: an fp32 (or already cast) module.
+        dtype: the storage and compute dtype of every cast parameter.
+        keep_norm_fp32: keep every normalization layer (:data:`NORM_LAYER_TYPES`
+            plus ``extra_fp32_types``) in fp32, with hooks that run it on fp32
+            inputs and hand its output back in ``dtype``. Default True.
+        cast_outputs: dtype the model's fp16/bf16 outputs are cast to (default
+            fp32); None leaves outputs in ``dtype``.
+        extra_fp32_types: further module classes to keep in fp32 like norm layers.
+    """
+    if dtype not in _LOW_PRECISION:
+        raise AmpError(
+            f"cast_model casts to float16 or bfloat16, got {dtype}; "
+            "for fp32 training leave the model as it is (opt level O0 or O1)."
+        )
+    extra = tuple(extra_fp32_types)
+    for module in model.modules():  # a re-cast replaces the hooks of the previous one
+        remove_io_casts(module)
+    kept = [m for m in model.modules() if keep_norm_fp32 and is_norm_layer(m, extra)]
+    kept_params = _kept_param_ids(model, keep_norm_fp32, extra)
+    for module in _modules_to_cast(model, keep_norm_fp32, extra):
+        # A parameter shared with a kept norm layer stays fp32.
+        _cast_own_tensors(module, dtype, keep=kept_params)
+    for m in kept:
+        _cast_own_tensors(m, torch.float32, keep=set())
+        add_io_casts(m, torch.float32, output_dtype=dtype, output_only=(torch.float32,))
+    if not (keep_norm_fp32 and is_norm_layer(model, extra)):
+        add_io_casts(model, dtype, output_dtype=cast_outputs)
+    return model
