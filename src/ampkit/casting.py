@@ -270,41 +270,56 @@ def _overloads(base: str) -> list[Any]:
 
 
 class _KernelRegistry:
-    """Lazily puts ampkit kernels on ``Autocast<Device>`` for the ops that need them.
+    """Puts ampkit kernels on ``Autocast<Device>`` for the ops active scopes need.
 
-    Registrations stay for the process (registering is not free); outside an ampkit
-    scope a kernel reproduces torch's own category for its op, so plain
-    ``torch.autocast`` behaves as before.
+    Reference-counted per (device, op): a kernel is registered when the first scope
+    that needs it enters and removed when the last one leaves (tens of microseconds
+    per op), so ops no scope overrides keep torch's native kernels and native cast
+    cache. While registered, a kernel reproduces torch's own category for its op
+    outside ampkit scopes (e.g. plain ``torch.autocast`` in another thread).
     """
 
     def __init__(self) -> None:
-        self._libs: dict[str, torch.library.Library] = {}
-        self._done: set[tuple[str, str]] = set()
+        self._libs: dict[tuple[str, str], torch.library.Library] = {}
+        self._counts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
 
-    def ensure(self, device_type: str, names: frozenset[str]) -> None:
-        todo = [n for n in names if (device_type, n) not in self._done]
-        if not todo:
+    def acquire(self, device_type: str, names: frozenset[str]) -> None:
+        if not names:
             return
+        with self._lock, warnings.catch_warnings():
+            # torch warns once that a registered kernel is being overridden
+            warnings.simplefilter("ignore")
+            for base in names:
+                key = (device_type, base)
+                count = self._counts.get(key, 0)
+                if count == 0:
+                    self._libs[key] = _register(device_type, base)
+                self._counts[key] = count + 1
+
+    def release(self, device_type: str, names: frozenset[str]) -> None:
         with self._lock:
-            lib = self._libs.get(device_type)
-            if lib is None:
-                lib = self._libs[device_type] = torch.library.Library("aten", "IMPL")
-            key = AUTOCAST_KEYS[device_type]
-            with warnings.catch_warnings():
-                # torch warns once that a registered kernel is being overridden
-                warnings.simplefilter("ignore")
-                for base in todo:
-                    if (device_type, base) in self._done:
-                        continue
-                    for overload in _overloads(base):
-                        lib.impl(overload._schema.name.split("::")[1] + (
-                            "." + overload._overloadname if overload._overloadname != "default" else ""
-                        ), _make_kernel(device_type, base, overload), key)
-                    self._done.add((device_type, base))
+            for base in names:
+                key = (device_type, base)
+                count = self._counts.get(key, 0) - 1
+                if count <= 0:
+                    self._counts.pop(key, None)
+                    lib = self._libs.pop(key, None)
+                    if lib is not None:
+                        lib._destroy()
+                else:
+                    self._counts[key] = count
 
     def registered(self, device_type: str) -> set[str]:
-        return {b for d, b in self._done if d == device_type}
+        return {b for d, b in self._counts if d == device_type}
+
+
+def _register(device_type: str, base: str) -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    for overload in _overloads(base):
+        name = base if overload._overloadname == "default" else f"{base}.{overload._overloadname}"
+        lib.impl(name, _make_kernel(device_type, base, overload), AUTOCAST_KEYS[device_type])
+    return lib
 
 
 _registry = _KernelRegistry()
@@ -534,7 +549,6 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         if not self.enabled:
             return _Frame(self.device_type, False, self.policy.dtype, self.policy, {}, {}, {}, self.cache_enabled)
         resolved = _resolve(self.policy, self.device_type, self._intercept_all)
-        _registry.ensure(self.device_type, resolved.intercepted)
         return _Frame(
             self.device_type,
             True,
@@ -549,6 +563,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def __enter__(self) -> autocast:
         frame = self._make_frame()
         stack = contextlib.ExitStack()
+        if frame.enabled:
+            intercepted = _resolve(self.policy, self.device_type, self._intercept_all).intercepted
+            _registry.acquire(self.device_type, intercepted)
+            stack.callback(_registry.release, self.device_type, intercepted)
         if self.enabled:
             stack.enter_context(
                 torch.autocast(self.device_type, dtype=self.policy.dtype, cache_enabled=self.cache_enabled)

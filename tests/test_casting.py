@@ -1,0 +1,425 @@
+"""The casting engine: overrides, module rules, scopes, the cast cache, training."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit as amp
+from ampkit import casting
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def x44(dtype=FP32, seed=0):
+    return torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# --- op-level overrides --------------------------------------------------------
+def test_op_moved_to_fp32_others_untouched():
+    a = x44()
+    with amp.autocast(amp.Policy(fp32_ops=[torch.mm]), "cpu"):
+        assert torch.mm(a, a).dtype == FP32
+        assert torch.mm(a.bfloat16(), a.bfloat16()).dtype == FP32  # inputs cast up
+        assert torch.matmul(a, a).dtype == BF16
+        assert F.linear(a, a).dtype == BF16
+    # the value is the fp32 result, not a rounded one
+    with amp.autocast(amp.Policy(fp32_ops=["mm"]), "cpu"):
+        got = torch.mm(a, a)
+    assert torch.equal(got, torch.mm(a, a))
+
+
+def test_op_moved_to_lower_precision():
+    a = x44()
+    with amp.autocast(amp.Policy(lower_ops=[torch.exp, F.gelu]), "cpu"):
+        assert torch.exp(a).dtype == BF16
+        assert F.gelu(a).dtype == BF16
+        assert torch.tanh(a).dtype == FP32  # not listed: input dtype
+    with amp.autocast(amp.Policy(lower_ops=["torch.nn.functional.softmax"]), "cpu"):
+        assert F.softmax(a, -1).dtype == BF16
+        ref = F.softmax(a.bfloat16(), -1)
+        assert torch.equal(F.softmax(a, -1), ref)
+
+
+def test_promote_op():
+    a = x44()
+    policy = amp.Policy(promote_ops=[torch.mm])
+    with amp.autocast(policy, "cpu"):
+        assert torch.mm(a.bfloat16(), a).dtype == FP32
+        assert torch.mm(a.bfloat16(), a.bfloat16()).dtype == BF16
+    with torch.autocast("cpu", dtype=BF16):  # natively mm is lower
+        assert torch.mm(a.bfloat16(), a).dtype == BF16
+
+
+def test_conditional_fp32_both_ways():
+    a = x44().abs() + 0.5
+
+    def big_exponent(x, e, **kw):
+        return isinstance(e, (int, float)) and abs(e) > 2
+
+    policy = amp.Policy(lower_ops=[torch.pow], conditional_fp32_ops=[(torch.pow, big_exponent)])
+    with amp.autocast(policy, "cpu"):
+        assert torch.pow(a, 2).dtype == BF16
+        assert torch.pow(a, 8).dtype == FP32
+        assert (a**8).dtype == FP32
+    got = None
+    with amp.autocast(policy, "cpu"):
+        got = torch.pow(a, 8)
+    assert torch.equal(got, torch.pow(a, 8))
+
+
+def test_python_level_function_is_intercepted():
+    a = x44()
+    with amp.autocast(amp.Policy(lower_ops=[F.normalize]), "cpu"):
+        assert F.normalize(a).dtype == BF16
+    with amp.autocast(amp.Policy(), "cpu"):
+        assert F.normalize(a).dtype == FP32
+
+
+def test_override_reaches_ops_inside_other_torch_functions():
+    """MultiheadAttention calls linear from Python inside F.multi_head_attention_forward;
+    moving linear to fp32 must reach those calls too."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    with amp.autocast(amp.Policy(), "cpu"):
+        assert mha(x, x, x)[0].dtype == BF16
+    with amp.autocast(amp.Policy(fp32_ops=[F.linear]), "cpu"):
+        rep = amp.explain(mha, x, x, x)
+    lin = [r for r in rep.records if r.op in ("addmm", "mm", "linear")]
+    assert lin and all(r.compute_dtype == FP32 for r in lin)
+
+
+def test_gradients_reach_parameters_in_their_own_dtype():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with amp.autocast(amp.Policy(fp32_ops=[torch.relu]), "cpu"):
+        out = model(torch.randn(3, 4))
+    out.float().sum().backward()
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dtype == FP32
+
+
+# --- module rules --------------------------------------------------------------
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(self.body(x)))
+
+
+def _dtypes_by_module(model, x, policy):
+    seen = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, (i[0].dtype, o.dtype)))
+        for n, m in model.named_modules()
+        if n
+    ]
+    with amp.autocast(policy, "cpu"):
+        model(x)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_module_rule_by_class():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 8)
+    base = _dtypes_by_module(model, x, amp.Policy())
+    assert base["norm"] == (BF16, BF16)
+    ruled = _dtypes_by_module(model, x, amp.Policy(module_rules={nn.LayerNorm: FP32}))
+    assert ruled["norm"] == (FP32, FP32)  # input cast up, computed in fp32
+    assert ruled["body"][1] == BF16 and ruled["head"][1] == BF16
+
+
+def test_module_rule_by_name_glob():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 8)
+    ruled = _dtypes_by_module(model, x, amp.Policy(module_rules={"head": FP32}))
+    assert ruled["head"] == (FP32, FP32)
+    assert ruled["body"][1] == BF16
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Net(), Net()
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    outer = Pair()
+    seen = _dtypes_by_module(outer, x, amp.Policy(module_rules={"*.head": FP32}))
+    assert seen["a.head"][1] == FP32 and seen["b.head"][1] == FP32 and seen["b.body"][1] == BF16
+
+
+def test_module_rule_lower_dtype_and_exception_safety():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 8)
+    seen = _dtypes_by_module(model, x, amp.Policy(module_rules={"head": FP16}))
+    assert seen["head"][1] == FP16 and seen["body"][1] == BF16
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    bad = nn.Sequential(nn.Linear(8, 8), Boom())
+    with amp.autocast(amp.Policy(module_rules={Boom: FP32}), "cpu"):
+        with pytest.raises(RuntimeError, match="boom"):
+            bad(x)
+        # the rule's scope was closed: casting is back to the outer policy
+        assert torch.mm(x, x.T).dtype == BF16
+    assert casting.active_scopes() == 0
+
+
+def test_module_rules_class_specificity_and_name_precedence():
+    class MyNorm(nn.LayerNorm):
+        pass
+
+    policy = amp.Policy(module_rules={nn.Module: BF16, nn.LayerNorm: FP32, "special": FP16})
+    assert policy.module_dtype(MyNorm(4), "x") == FP32
+    assert policy.module_dtype(nn.Linear(2, 2), "x") == BF16
+    assert policy.module_dtype(MyNorm(4), "special") == FP16
+
+
+# --- scopes ----------------------------------------------------------------------
+def test_nested_scopes_and_enabled_false():
+    a = x44()
+    with amp.autocast(amp.Policy(fp32_ops=[torch.mm]), "cpu"):
+        assert torch.mm(a, a).dtype == FP32
+        with amp.autocast(amp.Policy(), "cpu"):
+            assert torch.mm(a, a).dtype == BF16
+            with amp.autocast(enabled=False, device_type="cpu"):
+                assert torch.mm(a, a).dtype == FP32
+                assert torch.matmul(a, a).dtype == FP32
+            assert torch.matmul(a, a).dtype == BF16
+        assert torch.mm(a, a).dtype == FP32
+        assert torch.matmul(a, a).dtype == BF16
+    assert torch.mm(a, a).dtype == FP32
+    assert casting.active_scopes() == 0
+
+
+def test_decorator_and_reuse():
+    scope = amp.autocast(amp.Policy(lower_ops=[torch.exp]), "cpu")
+
+    @scope
+    def f(a):
+        return torch.exp(a)
+
+    a = x44()
+    assert f(a).dtype == BF16
+    assert torch.exp(a).dtype == FP32
+    with scope:
+        with scope:  # the same object nests
+            assert f(a).dtype == BF16
+        assert torch.exp(a).dtype == BF16
+    assert torch.exp(a).dtype == FP32
+
+
+def test_init_and_reset_global():
+    a = x44()
+    policy = amp.init(device_type="cpu", fp32_ops=[torch.mm])
+    assert policy.dtype == BF16
+    assert torch.mm(a, a).dtype == FP32 and torch.matmul(a, a).dtype == BF16
+    assert amp.is_active("cpu") and amp.current_policy() is policy
+    amp.init(dtype=BF16, device_type="cpu")  # replaces
+    assert torch.mm(a, a).dtype == BF16
+    amp.reset()
+    assert torch.matmul(a, a).dtype == FP32 and not amp.is_active()
+    assert casting.active_scopes() == 0
+
+
+def test_scopes_are_per_thread():
+    a = x44()
+    result = {}
+    with amp.autocast(amp.Policy(), "cpu"):
+        t = threading.Thread(target=lambda: result.setdefault("dtype", torch.mm(a, a).dtype))
+        t.start()
+        t.join()
+        assert torch.mm(a, a).dtype == BF16
+    assert result["dtype"] == FP32
+
+
+# --- the weight-cast cache -------------------------------------------------------
+def test_cache_invalidated_by_in_place_weight_update():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4)
+    with amp.autocast(amp.Policy(), "cpu"):
+        y1 = lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        y2 = lin(x)
+    assert torch.allclose(y2.float(), 2 * y1.float(), rtol=1e-2)
+
+
+def test_native_cache_alone_would_be_stale():
+    """What the version check protects against: torch.autocast's own cache keeps the
+    old cast after an in-place update."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, bias=False)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=BF16):
+        y1 = lin(x)
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        y2 = lin(x)
+    assert torch.equal(y1, y2)
+
+
+def test_cache_invalidated_by_optimizer_step_under_init():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+    amp.init(device_type="cpu")
+    outs = []
+    for _ in range(3):
+        out = lin(x)
+        outs.append(out.detach().float())
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        last = lin(x)
+    amp.reset()
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        fresh = lin(x)  # a new scope: casts of the current weights
+    assert torch.equal(last, fresh)
+
+
+def test_own_cache_reuses_and_invalidates_on_version():
+    """For ops ampkit casts itself, a parameter is cast once per scope while unchanged."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(4, 4)
+    with amp.autocast(amp.Policy(lower_ops=[torch.exp]), "cpu") as scope:
+        e1 = torch.exp(w)
+        e2 = torch.exp(w)
+        frame = casting._top("cpu")
+        assert len(frame.cache) == 1
+        with torch.no_grad():
+            w.add_(1.0)
+        e3 = torch.exp(w)
+    assert scope is not None
+    assert torch.equal(e1, e2)
+    assert torch.allclose(e3.float(), (w.detach()).exp(), rtol=1e-2)
+    with amp.autocast(amp.Policy(lower_ops=[torch.exp]), "cpu", cache_enabled=False):
+        torch.exp(w)
+        assert len(casting._top("cpu").cache) == 0
+    del x
+
+
+def test_cache_not_used_under_no_grad_then_grad():
+    """train -> eval under no_grad -> train: gradients still flow to the weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    amp.init(device_type="cpu", lower_ops=[torch.tanh])
+    model(x).float().sum().backward()
+    g1 = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.no_grad():
+        model.eval()
+        model(x)
+        model.train()
+    model(x).float().sum().backward()
+    g2 = [p.grad.clone() for p in model.parameters()]
+    amp.reset()
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=BF16, cache_enabled=False):
+        ref(x).float().sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=2e-2, atol=1e-3)
+
+
+# --- training ------------------------------------------------------------------
+@pytest.mark.slow
+def test_training_loop_matches_fp32_within_bf16_tolerance():
+    def run(policy):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        w_true = torch.randn(16, 4, generator=g)
+        losses = []
+        for _ in range(300):
+            x = torch.randn(64, 16, generator=g)
+            y = (x @ w_true).argmax(-1)
+            if policy is None:
+                loss = F.cross_entropy(model(x), y)
+            else:
+                with amp.autocast(policy, "cpu"):
+                    loss = F.cross_entropy(model(x), y)
+                    assert loss.dtype == FP32
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses[-30:]) / 30
+
+    fp32 = run(None)
+    bf16 = run(amp.default_policy("cpu"))
+    custom = run(amp.Policy(module_rules={nn.LayerNorm: FP32}, fp32_ops=[F.gelu]))
+    assert fp32 < 0.35  # it learned
+    assert abs(bf16 - fp32) < 0.05 + 0.1 * fp32
+    assert abs(custom - fp32) < 0.05 + 0.1 * fp32
+
+
+# --- errors ----------------------------------------------------------------------
+def test_policy_errors_name_the_problem():
+    with pytest.raises(amp.PolicyError, match="both"):
+        amp.Policy(lower_ops=[torch.mm], fp32_ops=["mm"])
+    with pytest.raises(amp.PolicyError, match="not the name of a torch op"):
+        amp.Policy(fp32_ops=["not_an_op_at_all"])
+    with pytest.raises(amp.PolicyError, match="not a torch function"):
+        amp.Policy(fp32_ops=[lambda x: x])
+    with pytest.raises(amp.PolicyError, match="fp8"):
+        amp.Policy(dtype=torch.float8_e4m3fn)
+    with pytest.raises(amp.PolicyError, match="full precision"):
+        amp.Policy(dtype=torch.float32)
+    with pytest.raises(amp.PolicyError, match="cannot autocast|op lists"):
+        amp.autocast(device_type="nosuchdevice")
+    with pytest.raises(amp.PolicyError, match="single op"):
+        amp.Policy(fp32_ops=torch.mm)
+    with pytest.raises(amp.PolicyError, match="module rule"):
+        amp.Policy(module_rules={nn.LayerNorm: torch.float64})
+    with pytest.raises(amp.PolicyError, match="module rule key"):
+        amp.Policy(module_rules={3: FP32})
+    with pytest.raises(amp.PolicyError, match="pairs"):
+        amp.Policy(conditional_fp32_ops=[torch.pow])
+    assert issubclass(amp.PolicyError, amp.AmpError)
+
+
+def test_fp16_on_cpu_warns_once():
+    casting._warned_fp16_cpu = False
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        amp.autocast(amp.Policy(dtype=FP16), "cpu")
+        amp.autocast(amp.Policy(dtype=FP16), "cpu")
+    msgs = [str(w.message) for w in rec if "float16 on CPU" in str(w.message)]
+    assert len(msgs) == 1
+
+
+def test_policy_combination_user_wins_per_op():
+    base = amp.default_policy("cpu")
+    merged = base.override(amp.Policy(fp32_ops=[torch.mm], lower_ops=[torch.exp]))
+    cats = merged.categories()
+    assert cats["mm"] == "fp32" and cats["exp"] == "lower" and cats["cat"] == "promote"
+    assert cats["conv2d"] == "lower"
+    assert base.categories()["mm"] == "lower"  # immutable
+    assert amp.canonical_op(torch.Tensor.__matmul__) == "matmul"
+    assert amp.canonical_op(F.cross_entropy) == "cross_entropy_loss"
+    assert amp.canonical_op("aten::pow.Tensor_Scalar") == "pow"
+    assert amp.canonical_op(F.normalize).startswith("py:")

@@ -1,0 +1,199 @@
+"""The default lists equal torch.autocast's, op by op, for the installed torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit as amp
+from ampkit.lists import AUTOCAST_KEYS, BANNED_OPS, CATEGORIES, DEFAULT_LISTS
+
+
+@pytest.mark.parametrize("device_type", sorted(AUTOCAST_KEYS))
+def test_lists_cover_exactly_the_registered_autocast_kernels(device_type):
+    registered = {
+        r.split("::", 1)[1].split(".", 1)[0]
+        for r in torch._C._dispatch_get_registrations_for_dispatch_key(AUTOCAST_KEYS[device_type])
+        if r.startswith("aten::")
+    }
+    ours = {n for names in DEFAULT_LISTS[device_type].values() for n in names}
+    assert ours | set(BANNED_OPS[device_type]) == registered
+
+
+@pytest.mark.parametrize("device_type", sorted(DEFAULT_LISTS))
+def test_categories_are_disjoint_and_name_real_ops(device_type):
+    seen: dict[str, str] = {}
+    for category in CATEGORIES:
+        for name in DEFAULT_LISTS[device_type][category]:
+            assert name not in seen, f"{name} in {seen.get(name)} and {category}"
+            seen[name] = category
+            assert torch.ops.aten.__getattr__(name).overloads()
+
+
+# --- op table: (label, fn, kind). kind picks the inputs. ------------------------
+def _spd(x):
+    return x @ x.mT + 4 * torch.eye(x.shape[-1], dtype=x.dtype)
+
+
+OPS = [
+    # lower
+    ("mm", lambda t: torch.mm(t["m"], t["m"]), "m"),
+    ("matmul_op", lambda t: t["m"] @ t["m"], "m"),
+    ("matmul", lambda t: torch.matmul(t["b3"], t["b3"]), "m"),
+    ("bmm", lambda t: torch.bmm(t["b3"], t["b3"]), "m"),
+    ("addmm", lambda t: torch.addmm(t["v"], t["m"], t["m"]), "m"),
+    ("baddbmm", lambda t: torch.baddbmm(t["b3"], t["b3"], t["b3"]), "m"),
+    ("addbmm", lambda t: torch.addbmm(t["m"], t["b3"], t["b3"]), "m"),
+    ("linear", lambda t: F.linear(t["m"], t["m"], t["v"]), "m"),
+    ("conv1d", lambda t: F.conv1d(t["c1"], t["w1"]), "m"),
+    ("conv2d", lambda t: F.conv2d(t["c2"], t["w2"]), "m"),
+    ("conv3d", lambda t: F.conv3d(t["c3"], t["w3"]), "m"),
+    ("conv_transpose1d", lambda t: F.conv_transpose1d(t["c1"], t["w1"].transpose(0, 1)), "m"),
+    ("conv_transpose2d", lambda t: F.conv_transpose2d(t["c2"], t["w2"].transpose(0, 1)), "m"),
+    ("conv_transpose3d", lambda t: F.conv_transpose3d(t["c3"], t["w3"].transpose(0, 1)), "m"),
+    ("prelu", lambda t: F.prelu(t["c2"], t["v"][:2]), "m"),
+    ("sdpa", lambda t: F.scaled_dot_product_attention(t["q"], t["q"], t["q"]), "m"),
+    ("linalg_vecdot", lambda t: torch.linalg.vecdot(t["m"], t["m"]), "m"),
+    ("einsum", lambda t: torch.einsum("ij,jk->ik", t["m"], t["m"]), "m"),
+    # fp32
+    ("avg_pool3d", lambda t: F.avg_pool3d(t["c3"], 2), "m"),
+    ("max_pool3d", lambda t: F.max_pool3d(t["c3"], 2), "m"),
+    ("adaptive_avg_pool3d", lambda t: F.adaptive_avg_pool3d(t["c3"], 1), "m"),
+    ("adaptive_max_pool3d", lambda t: F.adaptive_max_pool3d(t["c3"], 1), "m"),
+    ("binary_cross_entropy", lambda t: F.binary_cross_entropy(t["p"], t["p"]), "m"),
+    ("bce_with_logits", lambda t: F.binary_cross_entropy_with_logits(t["m"], t["p"]), "m"),
+    ("grid_sample", lambda t: F.grid_sample(t["c2"], t["grid"], align_corners=False), "m"),
+    ("polar", lambda t: torch.polar(t["p"], t["m"]), "m"),
+    ("prod", lambda t: torch.prod(t["m"]), "m"),
+    ("prod_dim", lambda t: torch.prod(t["m"], 1), "m"),
+    ("quantile", lambda t: torch.quantile(t["m"], 0.5), "m"),
+    ("nanquantile", lambda t: torch.nanquantile(t["m"], 0.5), "m"),
+    ("cdist", lambda t: torch.cdist(t["m"], t["m"]), "m"),
+    ("trace", lambda t: torch.trace(t["m"]), "m"),
+    ("cholesky", lambda t: torch.linalg.cholesky(_spd(t["m"])), "m"),
+    ("inverse", lambda t: torch.inverse(_spd(t["m"])), "m"),
+    ("linalg_inv", lambda t: torch.linalg.inv(_spd(t["m"])), "m"),
+    ("pinverse", lambda t: torch.pinverse(t["m"]), "m"),
+    ("linalg_solve", lambda t: torch.linalg.solve(_spd(t["m"]), t["m"]), "m"),
+    ("linalg_qr", lambda t: torch.linalg.qr(t["m"]), "m"),
+    ("linalg_svd", lambda t: torch.linalg.svd(t["m"]), "m"),
+    ("linalg_svdvals", lambda t: torch.linalg.svdvals(t["m"]), "m"),
+    ("linalg_eigh", lambda t: torch.linalg.eigh(_spd(t["m"])), "m"),
+    ("linalg_eigvalsh", lambda t: torch.linalg.eigvalsh(_spd(t["m"])), "m"),
+    ("linalg_matrix_rank", lambda t: torch.linalg.matrix_rank(t["m"]), "m"),
+    ("reflection_pad1d", lambda t: F.pad(t["c1"], (1, 1), mode="reflect"), "m"),
+    ("replication_pad2d", lambda t: F.pad(t["c2"], (1, 1, 1, 1), mode="replicate"), "m"),
+    ("mse_loss", lambda t: F.mse_loss(t["m"], t["m"] * 0.5), "m"),
+    ("l1_loss", lambda t: F.l1_loss(t["m"], t["m"] * 0.5), "m"),
+    ("smooth_l1_loss", lambda t: F.smooth_l1_loss(t["m"], t["m"] * 0.5), "m"),
+    ("huber_loss", lambda t: F.huber_loss(t["m"], t["m"] * 0.5), "m"),
+    ("cross_entropy", lambda t: F.cross_entropy(t["m"], t["y"]), "m"),
+    ("nll_loss", lambda t: F.nll_loss(t["m"], t["y"]), "m"),
+    ("kl_div", lambda t: F.kl_div(t["m"], t["p"], reduction="batchmean"), "m"),
+    ("poisson_nll_loss", lambda t: F.poisson_nll_loss(t["m"], t["p"]), "m"),
+    ("soft_margin_loss", lambda t: F.soft_margin_loss(t["m"], t["m"].sign()), "m"),
+    ("hinge_embedding_loss", lambda t: F.hinge_embedding_loss(t["m"], t["m"].sign()), "m"),
+    ("margin_ranking_loss", lambda t: F.margin_ranking_loss(t["v"], t["v"] * 2, t["v"].sign()), "m"),
+    ("cosine_embedding_loss", lambda t: F.cosine_embedding_loss(t["m"], t["m"] + 1, t["v"].sign()), "m"),
+    ("triplet_margin_loss", lambda t: F.triplet_margin_loss(t["m"], t["m"] + 1, t["m"] - 1), "m"),
+    ("multi_margin_loss", lambda t: F.multi_margin_loss(t["m"], t["y"]), "m"),
+    ("multilabel_margin_loss", lambda t: F.multilabel_margin_loss(t["m"], t["y2"]), "m"),
+    ("fft_fft", lambda t: torch.fft.fft(t["m"]), "m"),
+    ("fft_rfft", lambda t: torch.fft.rfft(t["m"]), "m"),
+    ("fft_ifft", lambda t: torch.fft.ifft(t["m"]), "m"),
+    ("fft_rfft2", lambda t: torch.fft.rfft2(t["m"]), "m"),
+    # promote
+    ("cat", lambda t: torch.cat([t["m"], t["mlow"]]), "m"),
+    ("stack", lambda t: torch.stack([t["m"], t["mlow"]]), "m"),
+    ("index_copy", lambda t: t["m"].index_copy(0, t["idx"], t["mlow"][:2]), "m"),
+    # not listed: run in the inputs' dtype
+    ("relu", lambda t: torch.relu(t["m"]), "m"),
+    ("gelu", lambda t: F.gelu(t["m"]), "m"),
+    ("softmax", lambda t: torch.softmax(t["m"], -1), "m"),
+    ("log_softmax", lambda t: F.log_softmax(t["m"], -1), "m"),
+    ("exp", lambda t: torch.exp(t["m"]), "m"),
+    ("sum", lambda t: t["m"].sum(), "m"),
+    ("mean", lambda t: t["m"].mean(), "m"),
+    ("layer_norm", lambda t: F.layer_norm(t["m"], (4,)), "m"),
+    ("add_mixed", lambda t: t["m"] + t["mlow"], "m"),
+    ("tanh", lambda t: torch.tanh(t["m"]), "m"),
+]
+
+
+def _inputs(dtype: torch.dtype, low: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "m": r(4, 4),
+        "mlow": r(4, 4).to(low),
+        "v": r(4),
+        "b3": r(2, 4, 4),
+        "c1": r(1, 2, 6),
+        "w1": r(2, 2, 3),
+        "c2": r(1, 2, 6, 6),
+        "w2": r(2, 2, 3, 3),
+        "c3": r(1, 2, 4, 4, 4),
+        "w3": r(2, 2, 3, 3, 3),
+        "q": r(1, 2, 4, 4),
+        "p": torch.rand(4, 4, generator=g).to(dtype) * 0.8 + 0.1,
+        "grid": (torch.rand(1, 3, 3, 2, generator=g) * 2 - 1).to(dtype),
+        "y": torch.tensor([0, 1, 2, 3]),
+        "y2": torch.tensor([[0, 1, -1, 0], [2, -1, 0, 0], [3, 2, 1, -1], [1, -1, 0, 0]]),
+        "idx": torch.tensor([0, 2]),
+    }
+
+
+def _outcome(fn, inputs):
+    try:
+        out = fn(inputs)
+    except Exception as e:  # the same failure is also a match
+        return type(e).__name__
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(x.dtype for x in leaves if isinstance(x, torch.Tensor))
+
+
+def test_table_has_at_least_60_ops_in_every_category():
+    assert len(OPS) >= 60
+    names = " ".join(label for label, _, _ in OPS)
+    for op in ("mm", "cross_entropy", "cat", "relu"):
+        assert op in names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("input_dtype", ["fp32", "low"])
+@pytest.mark.parametrize("intercept_all", [False, True], ids=["native", "ampkit-kernels"])
+def test_default_policy_matches_torch_autocast_op_by_op(dtype, input_dtype, intercept_all):
+    """Same output dtypes as torch.autocast, both when ampkit defers to the native
+    kernels and when every listed op goes through ampkit's own kernels."""
+    inputs = _inputs(torch.float32 if input_dtype == "fp32" else dtype, dtype)
+    policy = amp.default_policy("cpu", dtype)
+    mismatches = []
+    for label, fn, _ in OPS:
+        with torch.autocast("cpu", dtype=dtype):
+            want = _outcome(fn, inputs)
+        with amp.autocast(policy, "cpu", _intercept_all=intercept_all):
+            got = _outcome(fn, inputs)
+        if want != got:
+            mismatches.append((label, want, got))
+    assert not mismatches
+
+
+def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
+    """Once ampkit registered kernels, torch.autocast outside any ampkit scope still
+    behaves exactly as before."""
+    inputs = _inputs(torch.float32, torch.bfloat16)
+    with amp.autocast(amp.default_policy("cpu"), "cpu", _intercept_all=True):
+        pass
+    for label, fn, _ in OPS:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _outcome(fn, inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            again = _outcome(fn, inputs)
+        assert got == again, label
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(inputs["m"], inputs["m"]).dtype == torch.bfloat16
+        assert F.cross_entropy(inputs["m"].bfloat16(), inputs["y"]).dtype == torch.float32
