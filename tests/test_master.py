@@ -1,0 +1,161 @@
+"""fp32 master weights (ampkit.master.MasterWeights), without the trainer around it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.errors import AmpError, StateError
+from ampkit.master import MasterWeights
+from ampkit.model import cast_model, params_to_cast
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+
+
+def _o2(opt_cls=torch.optim.SGD, **kw):
+    model = _model()
+    fp32_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = opt_cls(model.parameters(), lr=0.1, **kw)
+    masters = MasterWeights(opt, params_to_cast(model))
+    cast_model(model, torch.bfloat16)
+    return model, opt, masters, fp32_weights
+
+
+def test_masters_replace_cast_params_and_start_from_the_fp32_weights():
+    model, opt, masters, fp32 = _o2()
+    stepped = list(opt.param_groups[0]["params"])
+    assert [p.dtype for p in stepped] == [torch.float32] * 6
+    # Linear params are masters (new objects); LayerNorm params stay the model's own.
+    lin0, norm, lin1 = model[0], model[1], model[2]
+    assert lin1.weight.dtype == torch.bfloat16 and stepped[4] is not lin1.weight
+    assert stepped[0] is not lin0.weight and stepped[2] is norm.weight and stepped[3] is norm.bias
+    assert lin0.weight.dtype == torch.bfloat16 and norm.weight.dtype == torch.float32
+    # Bitwise the fp32 weights, not the bf16 round trip.
+    assert torch.equal(masters.master_of(lin0.weight), fp32["0.weight"])
+    assert not torch.equal(lin0.weight.float(), fp32["0.weight"])
+    assert masters.model_param_of(stepped[0]) is lin0.weight
+    assert len(masters.pairs()) == 4
+
+
+def test_masters_refuse_params_that_are_already_16_bit():
+    model = cast_model(_model(), torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match="before casting"):
+        MasterWeights(opt, params_to_cast(model))
+
+
+def test_gather_moves_grads_into_fp32_masters_and_accumulates():
+    model, opt, masters, _ = _o2()
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    g1 = model[0].weight.grad.clone()
+    assert g1.dtype == torch.bfloat16
+    masters.gather_grads()
+    m0 = masters.master_of(model[0].weight)
+    assert model[0].weight.grad is None
+    assert m0.grad.dtype == torch.float32 and torch.equal(m0.grad, g1.float())
+    model(x).sum().backward()
+    g2 = model[0].weight.grad.clone()
+    masters.gather_grads()
+    assert torch.equal(m0.grad, g1.float() + g2.float())
+
+
+def test_step_on_masters_matches_fp32_sgd_and_publishes_rounded_weights():
+    model, opt, masters, fp32 = _o2()
+    ref = _model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn_like(p, dtype=torch.float32) for p in ref.parameters()]
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        # The model receives the same grads, rounded to its dtype.
+        opt.zero_grad()
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.to(p.dtype)
+        masters.gather_grads()
+        opt.step()
+        masters.publish()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        master = masters.master_of(p)
+        if master is None:  # LayerNorm, fp32 in the model: grads were exact
+            assert torch.equal(p, p_ref), name
+        else:
+            assert torch.equal(p, master.to(torch.bfloat16)), name
+            # Same update as fp32 SGD up to the bf16 rounding of the grads.
+            assert torch.allclose(master, p_ref, atol=2e-3), name
+
+
+def test_add_param_group_after_construction_gets_masters():
+    model, opt, masters, _ = _o2()
+    extra = nn.Linear(3, 2).to(torch.bfloat16)
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 0.5})
+    assert masters.master_of(extra.weight) is not None
+    new = opt.param_groups[1]["params"]
+    assert all(p.dtype == torch.float32 for p in new)
+    assert torch.equal(new[0], extra.weight.float())
+    before = new[0].detach().clone()
+    extra.weight.grad = torch.ones_like(extra.weight)
+    masters.gather_grads()
+    assert extra.weight.grad is None and torch.equal(new[0].grad, torch.ones(2, 3))
+    opt.step()
+    masters.publish()
+    assert torch.equal(new[0], before - 0.5)  # the group's lr times the grad
+    assert torch.equal(extra.weight, new[0].to(torch.bfloat16))
+
+
+def test_adam_state_stays_fp32_through_optimizer_load_state_dict():
+    model, opt, masters, _ = _o2(torch.optim.Adam)
+    model(torch.randn(2, 6)).sum().backward()
+    masters.gather_grads()
+    opt.step()
+    masters.publish()
+    buf = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "masters": masters.state_dict()},
+        buf,
+    )
+    buf.seek(0)
+    saved = torch.load(buf)
+    model2, opt2, masters2, _ = _o2(torch.optim.Adam)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    masters2.load_state_dict(saved["masters"])
+    for p1, p2 in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
+        assert p2.dtype == torch.float32 and torch.equal(p1, p2)
+        s1, s2 = opt.state[p1], opt2.state[p2]
+        assert s2["exp_avg"].dtype == torch.float32
+        assert torch.equal(s1["exp_avg"], s2["exp_avg"])
+    # load_state_dict also rounded the masters into the fresh model.
+    for p1, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p1, p2)
+
+
+def test_load_refuses_a_checkpoint_of_another_layout():
+    _, _, masters, _ = _o2()
+    state = masters.state_dict()
+    state["masters"] = state["masters"][:-1]
+    with pytest.raises(StateError, match="positions"):
+        masters.load_state_dict(state)
+    with pytest.raises(StateError, match="format"):
+        masters.load_state_dict({"masters": []})
+
+
+def test_existing_optimizer_state_moves_to_the_master():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    buf = opt.state[model[0].weight]["momentum_buffer"].clone()
+    masters = MasterWeights(opt, params_to_cast(model))
+    cast_model(model, torch.bfloat16)
+    master = masters.master_of(model[0].weight)
+    assert model[0].weight not in opt.state
+    assert torch.equal(opt.state[master]["momentum_buffer"], buf)
