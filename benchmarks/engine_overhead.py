@@ -1,0 +1,109 @@
+"""Step time of fp32, torch.autocast, ampkit's default policy and a custom policy.
+
+All four run interleaved in one process (round-robin blocks of steps), on the same
+model weights and batches, so machine noise hits them alike. Prints median step
+times and ratios. Targets: ampkit default <= 1.02x torch.autocast, custom <= 1.05x.
+
+    python benchmarks/engine_overhead.py [--workloads cnn,transformer,gpt2] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import WORKLOADS  # noqa: E402
+
+import ampkit as amp  # noqa: E402
+
+CUSTOM = amp.Policy(
+    fp32_ops=[F.softmax, F.log_softmax],
+    lower_ops=[F.gelu],
+    module_rules={nn.LayerNorm: torch.float32},
+)
+
+
+def modes(device: str, dtype: torch.dtype):
+    return {
+        "fp32": contextlib.nullcontext,
+        "torch.autocast": lambda: torch.autocast(device, dtype=dtype),
+        "ampkit default": lambda: amp.autocast(amp.default_policy(device, dtype), device),
+        "ampkit custom": lambda: amp.autocast(CUSTOM.override(dtype=dtype), device),
+    }
+
+
+def bench(name: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -> dict[str, float]:
+    wl = WORKLOADS[name]
+    torch.manual_seed(0)
+    base = wl.make_model().to(device)
+    g = torch.Generator().manual_seed(0)
+    batch = [t.to(device) for t in wl.make_batch(g)]
+    runs = {}
+    for mode, ctx in modes(device, dtype).items():
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        runs[mode] = (model, opt, ctx)
+    times: dict[str, list[float]] = {m: [] for m in runs}
+
+    def step(model, opt, ctx):
+        with ctx():
+            loss = wl.loss(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for model, opt, ctx in runs.values():  # warm-up
+        for _ in range(2):
+            step(model, opt, ctx)
+    for _ in range(rounds):
+        for mode, (model, opt, ctx) in runs.items():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(model, opt, ctx)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[mode].append((time.perf_counter() - t0) / steps)
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="cnn,transformer,gpt2")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="steps per round per mode")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16"])
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+    dtype = dtype or (torch.float16 if args.device == "cuda" else torch.bfloat16)
+    print(f"device={args.device} dtype={dtype} threads={args.threads} torch={torch.__version__} "
+          f"rounds={args.rounds}x{args.steps} steps, median step time")
+    header = f"{'workload':<12} {'fp32 ms':>9} {'autocast ms':>12} {'default ms':>11} {'custom ms':>10} " \
+             f"{'autocast/fp32':>14} {'default/autocast':>17} {'custom/autocast':>16}"
+    print(header)
+    print("-" * len(header))
+    for name in args.workloads.split(","):
+        r = bench(name, args.rounds, args.steps, args.device, dtype)
+        ac = r["torch.autocast"]
+        print(f"{name:<12} {r['fp32'] * 1e3:>9.1f} {ac * 1e3:>12.1f} {r['ampkit default'] * 1e3:>11.1f} "
+              f"{r['ampkit custom'] * 1e3:>10.1f} {ac / r['fp32']:>14.2f} "
+              f"{r['ampkit default'] / ac:>17.3f} {r['ampkit custom'] / ac:>16.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
