@@ -197,3 +197,19 @@ def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.mm(inputs["m"], inputs["m"]).dtype == torch.bfloat16
         assert F.cross_entropy(inputs["m"].bfloat16(), inputs["y"]).dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("intercept_all", [False, True], ids=["native", "ampkit-kernels"])
+def test_default_cuda_policy_matches_torch_autocast(intercept_all):
+    inputs = {k: v.cuda() for k, v in _inputs(torch.float32, torch.float16).items()}
+    policy = amp.default_policy("cuda", torch.float16)
+    mismatches = []
+    for label, fn, _ in OPS:
+        with torch.autocast("cuda", dtype=torch.float16):
+            want = _outcome(fn, inputs)
+        with amp.autocast(policy, "cuda", _intercept_all=intercept_all):
+            got = _outcome(fn, inputs)
+        if want != got:
+            mismatches.append((label, want, got))
+    assert not mismatches
