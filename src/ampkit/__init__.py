@@ -51,4 +51,28 @@ __all__ += [
     "is_active",
 ]
 # --- loss scaling and optimizer integration ---
+from .grad_scaler import GradScaler  # noqa: E402
+from .optim import (  # noqa: E402
+    StepStats,
+    init_trainer,
+    scale_loss,
+    stats,
+    step_skipped,
+    unscale,
+)
+from .scaling import LossScaler  # noqa: E402
+from .session import load_state_dict, state_dict  # noqa: E402
+
+__all__ += [
+    "GradScaler",
+    "LossScaler",
+    "StepStats",
+    "init_trainer",
+    "load_state_dict",
+    "scale_loss",
+    "state_dict",
+    "stats",
+    "step_skipped",
+    "unscale",
+]
 # --- opt levels, master weights, compensated updates ---

@@ -1,0 +1,756 @@
+"""Optimizer integration: loss scaling, step skipping and the skipped-step signal.
+
+The seed API::
+
+    opt = ampkit.init_trainer(opt)                 # once
+    for batch in data:
+        opt.zero_grad()
+        with ampkit.scale_loss(loss_fn(model(batch)), opt) as scaled:
+            scaled.backward()
+        ampkit.unscale(opt)                        # optional, before clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()                                 # skips itself on inf/NaN grads
+        sched.step()
+
+How a step runs. ``scale_loss`` multiplies the loss by its loss scaler's scale ``S`` and
+leaves the gradients alone afterwards: several backward passes (gradient accumulation,
+DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()`` (after
+``init_trainer``, an instance attribute wrapping the optimizer's own ``step``):
+
+1. runs the ``pre_unscale_hooks`` (once per step),
+2. unscales the grads of the params in ``optimizer.param_groups`` by ``1/S`` and checks
+   them for inf/NaN, one fused kernel per (device, dtype) -- unless ``ampkit.unscale``
+   already did this step,
+3. reads the found-inf flag(s) with one host sync,
+4. if every grad is finite, calls the optimizer's own ``step`` and then the
+   ``post_step_hooks``; otherwise it returns without touching params or optimizer
+   state (bitwise) and runs the ``skip_hooks``,
+5. feeds the event to the loss scaler(s), which may raise :class:`~ampkit.NumericsError`.
+
+Several losses (``num_losses > 1``): each ``loss_id`` has its own :class:`LossScaler`.
+When one step mixes loss ids, ``scale_loss`` for a new loss id first rescales the grads
+already accumulated from ``S_old`` to ``S_new`` in place, checking them for inf/NaN in
+the same fused pass, so each loss's overflow is known separately without moving grads
+aside. The step is skipped if any loss's grads overflowed. Each scaler updates on its own
+events only: an overflow found in loss ``k``'s grads backs off scaler ``k``; clean grads
+count as a clean step for it; if an earlier loss already overflowed in the same step, the
+grads of later losses are necessarily non-finite too, so their scalers are left unchanged
+for that step (their event is unknown).
+
+Several optimizers in one ``init_trainer`` call share one scaler per ``loss_id`` (one
+backward fills all their grads with the same scale); the scaler updates once all the
+optimizers that received that loss's grads have stepped. Optimizers passed to separate
+``init_trainer`` calls have separate scalers.
+
+Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW) go through the
+generic path above: ampkit unscales and checks the grads itself and calls ``step()``
+only when they are finite, so the fused kernel never sees ``grad_scale``/``found_inf``.
+The result equals the fused optimizer stepping on unscaled grads; ampkit needs the one
+host sync anyway (hysteresis, NumericsError and schedulers act on the host).
+
+LR schedulers: the skip wrapper is a bound method whose function LR schedulers can wrap,
+it keeps the ``_wrapped_by_lr_sched`` marker of a scheduler created earlier, and sets
+``optimizer._opt_called`` on every call, skipped or not, so schedulers never warn that
+``lr_scheduler.step()`` came before ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import torch
+
+from . import session as _session
+from .errors import NumericsError, StateError
+from .scaling import LossScaler, group_grads, to_fp32, unscale_and_check_
+
+__all__ = [
+    "ManagedOptimizer",
+    "StepStats",
+    "init_trainer",
+    "scale_loss",
+    "unscale",
+    "step_skipped",
+    "stats",
+    "managed_state",
+    "release",
+]
+
+_ATTR = "_ampkit_managed"
+_MISSING = object()
+
+# Last skip decision of optimizers stepped through ampkit.GradScaler (not managed).
+_GRADSCALER_SKIPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
+    weakref.WeakKeyDictionary()
+)
+
+_Opt = TypeVar("_Opt", bound=torch.optim.Optimizer)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Counters of one managed optimizer, as returned by :func:`stats`.
+
+    Attributes:
+        steps: calls to ``optimizer.step()`` since ``init_trainer`` (taken or skipped).
+        skipped: steps skipped because grads were inf/NaN.
+        last_skipped: whether the most recent step was skipped.
+        scales: current scale of each loss's scaler, by ``loss_id``.
+        overflows: overflow events seen by each loss's scaler, by ``loss_id``.
+    """
+
+    steps: int
+    skipped: int
+    last_skipped: bool
+    scales: tuple[float, ...]
+    overflows: tuple[int, ...]
+
+    @property
+    def taken(self) -> int:
+        """Steps that updated the parameters."""
+        return self.steps - self.skipped
+
+
+class _LossSlot:
+    """One loss id of a trainer: its scaler and the optimizers that owe it an event
+    for the current iteration (those that received this loss's grads and have not
+    stepped yet). The scaler updates when the last of them steps."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.scaler = scaler
+        self.owed: list[ManagedOptimizer] = []
+        self.reports: list[bool | None] = []
+
+    def expect(self, state: ManagedOptimizer) -> None:
+        if not any(s is state for s in self.owed):
+            self.owed.append(state)
+
+    def report(self, state: ManagedOptimizer, event: bool | None) -> None:
+        """``event``: True overflow, False clean, None unknown (masked by another loss)."""
+        if not any(s is state for s in self.owed):
+            return
+        self.owed = [s for s in self.owed if s is not state]
+        self.reports.append(event)
+        if self.owed:
+            return
+        reports, self.reports = self.reports, []
+        if any(r is True for r in reports):
+            self.scaler.update(True)
+        elif all(r is False for r in reports):
+            self.scaler.update(False)
+
+    def clear(self) -> None:
+        self.owed = []
+        self.reports = []
+
+
+class ManagedOptimizer:
+    """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
+
+    Extension points (used by fp32 master weights):
+
+    - ``scalers``: ``list[LossScaler]``, one per ``loss_id`` (shared with the other
+      optimizers of the same ``init_trainer`` call).
+    - ``pre_unscale_hooks``: ``list[Callable[[], None]]``, called once per step before
+      the grads are unscaled and checked (by ``ampkit.unscale`` or by ``step``). Master
+      weights copy the model grads into fp32 master grads here.
+    - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
+      skipped) step. Master weights copy the masters back into the model here.
+    - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
+    - Unscaling and the check act on the grads of the params *currently* in
+      ``optimizer.param_groups``: swap master params in there and their grads are what
+      gets checked and stepped.
+    - ``backward_params``: ``list[Tensor] | None``, the tensors whose ``.grad`` backward
+      accumulates into, when these are not the params in ``param_groups`` (master
+      weights: the model's params). Only used when one step mixes loss ids, to rescale
+      the grads accumulated so far to the next loss's scale. ``None``: the params in
+      ``param_groups``.
+    - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
+      ``ampkit.state_dict()``.
+
+    Counters: ``steps``, ``skipped``, ``last_skipped`` (see :class:`StepStats`).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        slots: list[_LossSlot],
+        hold_schedulers_on_skip: bool,
+    ) -> None:
+        self.optimizer = optimizer
+        self._slots = slots
+        self.scalers: list[LossScaler] = [slot.scaler for slot in slots]
+        self.pre_unscale_hooks: list[Callable[[], None]] = []
+        self.post_step_hooks: list[Callable[[], None]] = []
+        self.skip_hooks: list[Callable[[], None]] = []
+        self.backward_params: list[torch.Tensor] | None = None
+        self.hold_schedulers_on_skip = hold_schedulers_on_skip
+        self.steps = 0
+        self.skipped = 0
+        self.last_skipped = False
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._active = True
+        self._fp16_warned = False
+        # Per-step state: the loss id whose scale the grads carry (not yet unscaled),
+        # the found-inf flags of this step's segments in order, and whether the grads
+        # were already unscaled this step.
+        self._pending: int | None = None
+        self._segments: list[tuple[int | None, torch.Tensor | None]] = []
+        self._unscaled = False
+        # Schedulers held after a skipped step: (scheduler, its previous instance `step`).
+        self._held: list[tuple[Any, Any]] = []
+        self._previous_step: Any = _MISSING
+        self._install_step()
+
+    # --- extension API ---------------------------------------------------------------
+    def register_extra_state(
+        self, name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+    ) -> None:
+        """Save ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``;
+        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``."""
+        if name in self._extra:
+            raise StateError(f"extra state {name!r} is already registered for this optimizer.")
+        self._extra[name] = (get_fn, set_fn)
+
+    # --- the step wrapper ------------------------------------------------------------
+    def _install_step(self) -> None:
+        opt = self.optimizer
+        self._previous_step = opt.__dict__.get("step", _MISSING)
+        inner = opt.step  # the class's step (bound) or a wrapper set on the instance
+        state = self
+
+        def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return state._step(inner, args, kwargs)
+
+        functools.update_wrapper(
+            step, type(opt).step, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            # A scheduler created before us wrapped `step`; keep its marker. We set
+            # `_opt_called` ourselves on every call, so the marker stays truthful.
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._step_function = step
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        """Stop managing the optimizer: its previous ``step`` comes back (if something
+        wrapped ours since, ours stays but only forwards)."""
+        if not self._active:
+            return
+        self._active = False
+        self._release_held_schedulers()
+        opt = self.optimizer
+        current = opt.__dict__.get("step")
+        if getattr(current, "__func__", None) is self._step_function:
+            if self._previous_step is _MISSING:
+                del opt.__dict__["step"]
+            else:
+                opt.step = self._previous_step  # type: ignore[method-assign]
+        if opt.__dict__.get(_ATTR) is self:
+            del opt.__dict__[_ATTR]
+        for slot in self._slots:
+            slot.owed = [s for s in slot.owed if s is not self]
+
+    def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self._release_held_schedulers()
+        opt = self.optimizer
+        opt._opt_called = True  # type: ignore[attr-defined]
+        if not self._active:
+            return inner(*args, **kwargs)
+        closure, args, kwargs = _pop_closure(args, kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._unscale()
+        events, skip = self._resolve_step()
+        self.steps += 1
+        if skip:
+            self.skipped += 1
+            self.last_skipped = True
+            for hook in self.skip_hooks:
+                hook()
+            if self.hold_schedulers_on_skip:
+                self._hold_schedulers()
+            self._report(events)  # may raise NumericsError; the step stays skipped
+            return loss
+        self.last_skipped = False
+        self._report(events)  # clean events never raise
+        if closure is None:
+            result = inner(*args, **kwargs)
+        else:
+            result = inner(*args, closure=self._replay_closure(closure, loss), **kwargs)
+        for hook in self.post_step_hooks:
+            hook()
+        return result
+
+    def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
+        """The closure handed to the optimizer: its first call returns the loss ampkit
+        already computed (grads in place, unscaled); later calls (LBFGS) evaluate the
+        closure again and unscale its grads. Such a re-evaluation cannot be skipped, so
+        inf/NaN grads there raise NumericsError."""
+        calls = 0
+
+        def replay() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return first_loss
+            with torch.enable_grad():
+                loss = closure()
+            self._unscale()
+            events, overflow = self._resolve_step()
+            self._report(events)
+            if overflow:
+                raise NumericsError(
+                    "inf/NaN gradients in a re-evaluation of the step closure: the optimizer "
+                    "is mid-step and cannot skip it. Use a lower or static loss scale with "
+                    "optimizers that evaluate the closure several times (LBFGS)."
+                )
+            return loss
+
+        return replay
+
+    # --- per-step gradient bookkeeping -----------------------------------------------
+    def _grad_params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def _before_backward(self, loss_id: int) -> None:
+        """Called by ``scale_loss`` before the backward of ``loss_id``."""
+        if self._unscaled:
+            raise StateError(
+                "this optimizer's grads were already unscaled this step (ampkit.unscale): "
+                "run every scale_loss/backward of the step before unscale, then step()."
+            )
+        pending = self._pending
+        if pending is not None and pending != loss_id:
+            # Bring the grads accumulated at S_old to S_new and check them on the way.
+            old = self._slots[pending].scaler.scale
+            new = self._slots[loss_id].scaler.scale
+            params = self.backward_params
+            groups = group_grads(params if params is not None else self._grad_params())
+            found = unscale_and_check_(groups, _ratio(new, old))
+            self._segments.append((pending, found))
+        self._pending = loss_id
+        self._slots[loss_id].expect(self)
+
+    def _unscale(self) -> None:
+        """Hooks, then the fused unscale + check of this step's pending grads (no sync).
+        Idempotent within a step."""
+        if self._unscaled:
+            return
+        for hook in self.pre_unscale_hooks:
+            hook()
+        groups = group_grads(self._grad_params())
+        if self._pending is not None:
+            scaler = self._slots[self._pending].scaler
+            if not self._fp16_warned and scaler.scale != 1.0:
+                self._warn_fp16(groups)
+            found = unscale_and_check_(groups, scaler.inv_scale, scaler._inv_tensors_for(groups))
+            self._segments.append((self._pending, found))
+            self._pending = None
+        elif not self._segments:
+            # No scale_loss this step: still refuse to step on inf/NaN grads.
+            self._segments.append((None, unscale_and_check_(groups, 1.0)))
+        self._unscaled = True
+
+    def _warn_fp16(self, groups: dict) -> None:
+        if any(dtype == torch.float16 for _, dtype in groups):
+            self._fp16_warned = True
+            warnings.warn(
+                "ampkit: this optimizer holds float16 parameters; unscaling their grads in "
+                "float16 loses the small values loss scaling preserved. Keep the parameters "
+                "in float32 (casting in the forward pass) or use fp32 master weights.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
+        """Read this step's found-inf flags (the step's one host sync) and attribute them
+        to loss ids. Returns ({loss_id: True/False/None(unknown)}, skip)."""
+        segments, self._segments = self._segments, []
+        self._pending = None
+        self._unscaled = False
+        tensors = [f for _, f in segments if f is not None]
+        if not tensors:
+            flags_iter = iter(())
+        elif len(tensors) == 1:
+            flags_iter = iter([bool(tensors[0].item())])
+        else:
+            device = tensors[0].device
+            stacked = torch.stack([t.to(device, non_blocking=True) for t in tensors])
+            flags_iter = iter(bool(v) for v in stacked.tolist())
+        events: dict[int, bool | None] = {}
+        masked = False
+        skip = False
+        for loss_id, found in segments:
+            flag = bool(next(flags_iter)) if found is not None else False
+            skip = skip or flag
+            if loss_id is None:
+                masked = masked or flag
+            elif masked:
+                if events.get(loss_id) is not True:
+                    events[loss_id] = None
+            elif flag:
+                events[loss_id] = True
+                masked = True
+            else:
+                events.setdefault(loss_id, False)
+        return events, skip
+
+    def _report(self, events: dict[int, bool | None]) -> None:
+        errors: list[NumericsError] = []
+        for loss_id, slot in enumerate(self._slots):
+            if loss_id in events or any(s is self for s in slot.owed):
+                try:
+                    slot.report(self, events.get(loss_id))
+                except NumericsError as err:  # let every scaler see its event first
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+    # --- schedulers ---------------------------------------------------------------
+    def _hold_schedulers(self) -> None:
+        """Make the next ``step()`` of each LR scheduler attached to this optimizer a
+        no-op (until the optimizer steps again). Schedulers are found by a scan of the
+        garbage collector's objects, on skipped steps only; ReduceLROnPlateau (driven
+        by a metric, usually per epoch) is never held."""
+        lr_sched = torch.optim.lr_scheduler
+        opt = self.optimizer
+        for obj in gc.get_objects():
+            cls = type(obj)  # not isinstance: some objects warn when __class__ is read
+            if (
+                issubclass(cls, lr_sched.LRScheduler)
+                and not issubclass(cls, lr_sched.ReduceLROnPlateau)
+                and obj.__dict__.get("optimizer") is opt
+                and not any(s is obj for s, _ in self._held)
+            ):
+                self._hold(obj)
+
+    def _hold(self, scheduler: Any) -> None:
+        previous = scheduler.__dict__.get("step", _MISSING)
+        state = self
+
+        def held_step(*args: Any, **kwargs: Any) -> None:
+            # One call swallowed: the scheduler gets its own step back.
+            state._unhold(scheduler)
+
+        scheduler.step = held_step
+        self._held.append((scheduler, previous))
+
+    def _unhold(self, scheduler: Any) -> None:
+        for i, (sched, previous) in enumerate(self._held):
+            if sched is scheduler:
+                del self._held[i]
+                if previous is _MISSING:
+                    sched.__dict__.pop("step", None)
+                else:
+                    sched.step = previous
+                return
+
+    def _release_held_schedulers(self) -> None:
+        while self._held:
+            self._unhold(self._held[0][0])
+
+    # --- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "last_skipped": self.last_skipped,
+            "extra": {name: get() for name, (get, _) in self._extra.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
+        extra = state_dict.get("extra", {})
+        if set(extra) != set(self._extra):
+            raise StateError(
+                f"{where}: extra optimizer state differs: checkpoint has {sorted(extra)}, "
+                f"this run registers {sorted(self._extra)}; set the run up the same way "
+                "(e.g. master weights on or off) before loading."
+            )
+        self.steps = int(state_dict["steps"])
+        self.skipped = int(state_dict["skipped"])
+        self.last_skipped = bool(state_dict["last_skipped"])
+        self._segments = []
+        self._pending = None
+        self._unscaled = False
+        for name, (_, set_fn) in self._extra.items():
+            set_fn(extra[name])
+
+    def stats(self) -> StepStats:
+        return StepStats(
+            steps=self.steps,
+            skipped=self.skipped,
+            last_skipped=self.last_skipped,
+            scales=tuple(s.scale for s in self.scalers),
+            overflows=tuple(s.num_overflows for s in self.scalers),
+        )
+
+
+class Trainer:
+    """What one ``init_trainer`` call registers in the session: its optimizers and
+    their shared scalers (one per loss id)."""
+
+    def __init__(self, optimizers: list[ManagedOptimizer], slots: list[_LossSlot]) -> None:
+        self.optimizers = optimizers
+        self.slots = slots
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_losses": len(self.slots),
+            "scalers": [slot.scaler.state_dict() for slot in self.slots],
+            "optimizers": [state.state_dict() for state in self.optimizers],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
+        if state_dict["num_losses"] != len(self.slots):
+            raise StateError(
+                f"{where}: the checkpoint has num_losses={state_dict['num_losses']}, this run "
+                f"{len(self.slots)}; pass the same num_losses to init_trainer."
+            )
+        if len(state_dict["optimizers"]) != len(self.optimizers):
+            raise StateError(
+                f"{where}: the checkpoint has {len(state_dict['optimizers'])} optimizer(s), "
+                f"this run {len(self.optimizers)}; pass the same optimizers to init_trainer."
+            )
+        for state, sd in zip(self.optimizers, state_dict["optimizers"]):
+            state.load_state_dict(sd, where)
+        for slot, sd in zip(self.slots, state_dict["scalers"]):
+            slot.clear()
+            slot.scaler.load_state_dict(sd)
+
+    def release(self) -> None:
+        for state in self.optimizers:
+            state.release()
+        for slot in self.slots:
+            slot.clear()
+            slot.scaler._attached = False
+
+
+def _ratio(new: float, old: float) -> float:
+    return to_fp32(new / old)
+
+
+def _pop_closure(args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, tuple, dict]:
+    if "closure" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if args:
+        return args[0], args[1:], kwargs
+    return None, args, kwargs
+
+
+def _as_list(obj: Any) -> list[Any]:
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
+    if scaler is None:
+        scalers = [LossScaler() for _ in range(num_losses)]
+    elif isinstance(scaler, LossScaler):
+        scalers = [scaler] + [scaler.new_like() for _ in range(num_losses - 1)]
+    elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+        scalers = [LossScaler(init_scale=float(scaler), dynamic=False) for _ in range(num_losses)]
+    elif isinstance(scaler, (list, tuple)) and all(isinstance(s, LossScaler) for s in scaler):
+        if len(scaler) != num_losses:
+            raise StateError(
+                f"init_trainer: got {len(scaler)} scalers for num_losses={num_losses}; "
+                "pass one LossScaler per loss id."
+            )
+        scalers = list(scaler)
+    else:
+        raise StateError(
+            "init_trainer: scaler must be None, a LossScaler, a list of LossScalers (one per "
+            f"loss id) or a number (static scale), got {type(scaler).__name__}."
+        )
+    if len({id(s) for s in scalers}) != len(scalers):
+        raise StateError("init_trainer: the same LossScaler was given for two loss ids.")
+    for i, s in enumerate(scalers):
+        if s._attached:
+            raise StateError(
+                f"init_trainer: {s!r} already drives another trainer; give each init_trainer "
+                "call its own LossScaler (LossScaler.new_like() copies the configuration)."
+            )
+        if s.name == "loss scaler":
+            s.name = f"loss scaler {i}"
+    return scalers
+
+
+@overload
+def init_trainer(
+    optimizer_or_list: _Opt,
+    scaler: LossScaler | Sequence[LossScaler] | float | None = ...,
+    num_losses: int = ...,
+    *,
+    hold_schedulers_on_skip: bool = ...,
+) -> _Opt: ...
+
+
+@overload
+def init_trainer(
+    optimizer_or_list: list[_Opt],
+    scaler: LossScaler | Sequence[LossScaler] | float | None = ...,
+    num_losses: int = ...,
+    *,
+    hold_schedulers_on_skip: bool = ...,
+) -> list[_Opt]: ...
+
+
+def init_trainer(
+    optimizer_or_list: Any,
+    scaler: LossScaler | Sequence[LossScaler] | float | None = None,
+    num_losses: int = 1,
+    *,
+    hold_schedulers_on_skip: bool = False,
+) -> Any:
+    """Put one or several optimizers under ampkit's loss scaling and step skipping.
+
+    Args:
+        optimizer_or_list: a ``torch.optim.Optimizer`` or a list/tuple of them. Optimizers
+            passed together share one scaler per loss id.
+        scaler: ``None`` (a default dynamic :class:`LossScaler` per loss: init 2**16,
+            growth 2 every 2000 clean steps, backoff 0.5, floor 1, cap 2**24), a
+            :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
+            its configuration), a list of ``num_losses`` LossScalers, or a number (a
+            static scale for every loss).
+        num_losses (int) [1]: how many losses get their own scaler (``loss_id`` in
+            ``scale_loss``).
+        hold_schedulers_on_skip (bool) [False]: when a step is skipped, the next
+            ``step()`` of each LR scheduler attached to the optimizer does nothing, so the
+            LR schedule advances only on real steps. Found by a garbage-collector scan
+            (a few ms to tens of ms) on skipped steps only; ReduceLROnPlateau is never held.
+
+    Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
+    grads. Registers into the current AMP session (``ampkit.state_dict()``).
+    """
+    optimizers = _as_list(optimizer_or_list)
+    if not optimizers:
+        raise StateError("init_trainer: got no optimizer.")
+    if not isinstance(num_losses, int) or num_losses < 1:
+        raise StateError(f"init_trainer: num_losses must be an int >= 1, got {num_losses!r}.")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise StateError(
+                f"init_trainer: expected torch.optim.Optimizer objects, got {type(opt).__name__}."
+            )
+        if _ATTR in opt.__dict__:
+            raise StateError(
+                f"init_trainer: this {type(opt).__name__} is already managed by ampkit; call it "
+                "once per optimizer (ampkit.reset() or ampkit.optim.release(opt) undoes it)."
+            )
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise StateError("init_trainer: the same optimizer appears twice in the list.")
+    slots = [_LossSlot(s) for s in _build_scalers(scaler, num_losses)]
+    states = []
+    for opt in optimizers:
+        state = ManagedOptimizer(opt, slots, hold_schedulers_on_skip)
+        opt.__dict__[_ATTR] = state
+        states.append(state)
+    for slot in slots:
+        slot.scaler._attached = True
+    _session.current_session().register(Trainer(states, slots))
+    return optimizer_or_list
+
+
+def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
+    """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`;
+    raises :class:`~ampkit.StateError` if ampkit does not manage it."""
+    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    if state is None or not state._active:
+        raise StateError(
+            f"this {type(optimizer).__name__} is not managed by ampkit: pass it to "
+            "ampkit.init_trainer (or ampkit.initialize) first."
+        )
+    return state
+
+
+def release(optimizer: torch.optim.Optimizer) -> None:
+    """Stop managing ``optimizer`` (its own ``step`` comes back) and drop its trainer
+    from the session. Other optimizers of the same ``init_trainer`` call are released too."""
+    state = managed_state(optimizer)
+    session = _session.current_session()
+    for member in session.members:
+        if isinstance(member, Trainer) and any(s is state for s in member.optimizers):
+            member.release()
+            session.unregister(member)
+            return
+    state.release()
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss_or_losses: torch.Tensor | Sequence[torch.Tensor],
+    optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_id: int = 0,
+) -> Iterator[Any]:
+    """Context manager yielding ``loss * S`` (S: the scale of ``loss_id``'s scaler, an
+    fp32 0-dim tensor) for you to call ``backward()`` on; a list of losses yields a list.
+
+    Nothing happens at exit: grads stay scaled until ``ampkit.unscale`` or the
+    optimizer's ``step()``, so several backward passes (gradient accumulation, DDP
+    ``no_sync``) accumulate normally. All optimizers given must share ``loss_id``'s
+    scaler (pass them to one ``init_trainer`` call)."""
+    states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
+    scalers = set()
+    for state in states:
+        if not 0 <= loss_id < len(state._slots):
+            raise StateError(
+                f"scale_loss: loss_id={loss_id} but the optimizer was set up with "
+                f"num_losses={len(state._slots)}; pass num_losses to init_trainer."
+            )
+        scalers.add(id(state._slots[loss_id].scaler))
+    if len(scalers) != 1:
+        raise StateError(
+            "scale_loss: these optimizers have different loss scalers for "
+            f"loss_id={loss_id}; a loss can only be scaled once. Pass optimizers that share "
+            "a loss to one ampkit.init_trainer call."
+        )
+    scaler = states[0]._slots[loss_id].scaler
+    for state in states:
+        state._before_backward(loss_id)
+    if isinstance(loss_or_losses, torch.Tensor):
+        yield scaler.scale_loss(loss_or_losses)
+    else:
+        yield type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
+
+
+def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
+    """Unscale the optimizer's grads now (in place, and check them for inf/NaN), e.g.
+    before clipping. Idempotent until the next ``step()``; no host sync."""
+    for opt in _as_list(optimizer_or_list):
+        managed_state(opt)._unscale()
+
+
+def step_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's most recent step was skipped for inf/NaN grads (False
+    before the first step). Works for optimizers managed by :func:`init_trainer` and
+    for those stepped through :class:`ampkit.GradScaler`."""
+    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    if state is not None and state._active:
+        return state.last_skipped
+    try:
+        return _GRADSCALER_SKIPS[optimizer]
+    except (KeyError, TypeError):
+        raise StateError(
+            f"step_skipped: ampkit has no step record for this {type(optimizer).__name__}; "
+            "pass it to ampkit.init_trainer or step it with ampkit.GradScaler."
+        ) from None
+
+
+def stats(optimizer: torch.optim.Optimizer) -> StepStats:
+    """The step counters and current scales of a managed optimizer (readable any time)."""
+    return managed_state(optimizer).stats()
+
+
+def _record_gradscaler_step(optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+    _GRADSCALER_SKIPS[optimizer] = skipped

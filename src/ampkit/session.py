@@ -1,0 +1,154 @@
+"""The AMP session: which optimizers (and their loss scalers) ampkit manages now.
+
+:func:`ampkit.init_trainer` registers into the current session; ``ampkit.initialize``
+starts a fresh one with :func:`new_session`. ``ampkit.state_dict()`` covers the
+session's trainers in registration order (one entry per ``init_trainer`` call), so a
+checkpoint from one run loads into a fresh run set up the same way.
+
+What the checkpoint holds: every scaler's state, each managed optimizer's step
+counters and any extra state registered by extensions (e.g. fp32 master weights). It
+does not hold the optimizer's own ``state_dict()`` or the model's: save those as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import _reset
+from .errors import StateError
+
+__all__ = [
+    "Session",
+    "current_session",
+    "new_session",
+    "register_extra_state",
+    "state_dict",
+    "load_state_dict",
+]
+
+_FORMAT = "ampkit.session/1"
+
+
+class SessionMember(Protocol):
+    """What a session holds per ``init_trainer`` call (see ``ampkit.optim.Trainer``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Session:
+    """An ordered registry of trainers plus session-wide extra state."""
+
+    def __init__(self) -> None:
+        self._members: list[SessionMember] = []
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._closed = False
+
+    @property
+    def members(self) -> tuple[SessionMember, ...]:
+        """The registered trainers, in registration order."""
+        return tuple(self._members)
+
+    def register(self, member: SessionMember) -> None:
+        if self._closed:
+            raise StateError("this AMP session was closed; use ampkit.session.current_session().")
+        self._members.append(member)
+
+    def unregister(self, member: SessionMember) -> None:
+        self._members = [m for m in self._members if m is not member]
+
+    def register_extra_state(
+        self, name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+    ) -> None:
+        """Save ``get_fn()`` under ``name`` in :meth:`state_dict`; :meth:`load_state_dict`
+        passes the saved value to ``set_fn``. Names are unique per session."""
+        if name in self._extra:
+            raise StateError(f"extra session state {name!r} is already registered.")
+        self._extra[name] = (get_fn, set_fn)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "trainers": [per init_trainer call], "extra": {name: value}}``."""
+        return {
+            "format": _FORMAT,
+            "trainers": [m.state_dict() for m in self._members],
+            "extra": {name: get() for name, (get, _) in self._extra.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a session set up the same way (same number
+        of ``init_trainer`` calls, optimizers per call and losses, same extra state)."""
+        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+            raise StateError(
+                "not an ampkit session state dict (expected the dict returned by "
+                "ampkit.state_dict())."
+            )
+        trainers = state_dict["trainers"]
+        if len(trainers) != len(self._members):
+            raise StateError(
+                f"the checkpoint holds {len(trainers)} trainer(s) but this session has "
+                f"{len(self._members)}: call ampkit.init_trainer the same way (same order and "
+                "number of calls) before loading."
+            )
+        extra = state_dict.get("extra", {})
+        if set(extra) != set(self._extra):
+            raise StateError(
+                f"extra session state differs: checkpoint has {sorted(extra)}, this session "
+                f"registers {sorted(self._extra)}; set the run up the same way before loading."
+            )
+        for i, (member, sd) in enumerate(zip(self._members, trainers)):
+            member.load_state_dict(sd, where=f"trainer {i}")
+        for name, (_, set_fn) in self._extra.items():
+            set_fn(extra[name])
+
+    def close(self) -> None:
+        """Release every trainer (optimizers get their own ``step`` back)."""
+        for member in reversed(self._members):
+            member.release()
+        self._members = []
+        self._extra = {}
+        self._closed = True
+
+
+_current = Session()
+
+
+def current_session() -> Session:
+    """The session :func:`ampkit.init_trainer` registers into."""
+    return _current
+
+
+def new_session() -> Session:
+    """Close the current session (its optimizers are released and get their own
+    ``step`` back) and start an empty one, which becomes current."""
+    global _current
+    _current.close()
+    _current = Session()
+    return _current
+
+
+def register_extra_state(
+    name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+) -> None:
+    """Register session-wide extra state in the current session (see
+    :meth:`Session.register_extra_state`). Per-optimizer extra state goes through
+    ``ampkit.optim.managed_state(opt).register_extra_state``."""
+    _current.register_extra_state(name, get_fn, set_fn)
+
+
+def state_dict() -> dict[str, Any]:
+    """The current session's state: every managed optimizer's scalers, counters and
+    extra state, in registration order. Save it next to the model and optimizer state."""
+    return _current.state_dict()
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Load :func:`state_dict` output into the current session, which must be set up
+    the same way as the one that saved it."""
+    _current.load_state_dict(state_dict)
+
+
+_reset.on_reset(new_session)
