@@ -1,0 +1,25 @@
+"""``ampkit bench``: built-in workloads and the interleaved benchmark runner.
+
+Modules: :mod:`.data` (digits, standard-library text), :mod:`.workloads` (models
+and training settings), :mod:`.recipes` (one object per precision),
+:mod:`.worker` / :mod:`.runner` (interleaved training in one process per
+precision), :mod:`.memory` (memory figures), :mod:`.report` (table, JSON, plot).
+Importing this package needs only torch; the data loaders, table and plot import
+scikit-learn, rich and matplotlib (the ``cli`` extra) when called.
+"""
+
+from __future__ import annotations
+
+from .recipes import PRECISIONS, make_recipe
+from .runner import BenchConfig, BenchError, run_bench
+from .workloads import WORKLOADS, make_workload
+
+__all__ = [
+    "PRECISIONS",
+    "WORKLOADS",
+    "BenchConfig",
+    "BenchError",
+    "make_recipe",
+    "make_workload",
+    "run_bench",
+]

@@ -1,0 +1,202 @@
+"""Output of ``ampkit bench``: the rich table, results.json and the PNG plot.
+
+rich and matplotlib (the ``cli`` extra) are imported inside the functions, so
+``import ampkit.bench`` needs only torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["render_tables", "write_json", "write_plot", "fmt_precision_row"]
+
+DASH = "—"
+
+
+def _num(x: Any, spec: str) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return DASH
+    return format(x, spec)
+
+
+def _scale(x: float | None) -> str:
+    if x is None:
+        return DASH
+    if x >= 1 and float(x).is_integer():
+        exp = math.log2(x)
+        return f"2^{int(exp)}" if exp.is_integer() and x >= 1024 else f"{int(x)}"
+    return f"{x:.3g}"
+
+
+def fmt_precision_row(name: str, entry: dict[str, Any], lm: bool) -> list[str]:
+    """Cells of one table row (also used for plain-text output)."""
+    if entry.get("status") != "ok":
+        cells = [name] + [DASH] * (11 if lm else 10)
+        cells[-1] = f"{entry.get('status')}: {entry.get('note', '')}"
+        return cells
+    acc = entry.get("accuracy")
+    cells = [
+        name,
+        _num(entry.get("step_ms"), ".1f"),
+        _num(entry.get("speedup"), ".2f") + ("×" if entry.get("speedup") is not None else ""),
+        _num(entry.get("peak_mib"), ".1f"),
+        _num(entry.get("memory_vs_fp32"), ".2f") + ("×" if entry.get("memory_vs_fp32") is not None else ""),
+        _num(entry.get("final_train_loss"), ".4f"),
+        _num(entry.get("eval_loss"), ".4f"),
+    ]
+    if lm:
+        cells.append(_num(entry.get("bits_per_char"), ".3f"))
+    cells += [
+        _num(None if acc is None else 100 * acc, ".2f") + ("%" if acc is not None else ""),
+        str(entry.get("skipped_steps", 0)),
+        _scale(entry.get("final_loss_scale")),
+    ]
+    notes = []
+    if entry.get("nonfinite_losses"):
+        notes.append(f"{entry['nonfinite_losses']} non-finite losses")
+    cells.append("; ".join(notes))
+    return cells
+
+
+def render_tables(results: dict[str, Any], console: Any = None) -> None:
+    """Print one rich table per workload, then what the columns mean."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: do not squeeze to 80 columns
+            console = Console(width=150)
+    for name, wl in results["workloads"].items():
+        lm = wl.get("metric") == "bits_per_char"
+        table = Table(
+            title=f"[bold]{name}[/]: {wl.get('description', '')}",
+            caption=(
+                f"{results['device']} ({results['device_name']}), {results['dtype']}, "
+                f"{results['threads']} thread(s), {wl['steps']} steps per precision, "
+                f"interleaved in blocks of {wl['block_steps']}"
+            ),
+            caption_justify="left",
+        )
+        table.add_column("precision", style="bold", no_wrap=True)
+        table.add_column("ms/step", justify="right")
+        table.add_column("speedup", justify="right")
+        table.add_column("peak MiB", justify="right")
+        table.add_column("mem vs fp32", justify="right")
+        table.add_column("train loss", justify="right")
+        table.add_column("eval loss", justify="right")
+        if lm:
+            table.add_column("bits/char", justify="right")
+        table.add_column("next-char acc" if lm else "test acc", justify="right")
+        table.add_column("skipped", justify="right")
+        table.add_column("loss scale", justify="right")
+        table.add_column("note", overflow="fold")
+        for pname, entry in wl["precisions"].items():
+            table.add_row(*fmt_precision_row(pname, entry, lm))
+        console.print(table)
+    console.print(
+        "ms/step: median over interleaved blocks (first block = warm-up, left out); speedup "
+        "and mem vs fp32: ratios to fp32 in this run; train loss: mean of the last 10% of "
+        "steps; eval loss/acc: held-out data after training; skipped: steps skipped for "
+        f"inf/NaN gradients. {results['memory_method']}.",
+        style="dim",
+    )
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    """Write ``results`` as JSON (non-finite floats become null)."""
+
+    def clean(obj: Any) -> Any:
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else None
+        if isinstance(obj, dict):
+            return {k: clean(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [clean(v) for v in obj]
+        return obj
+
+    _atomic_write(path, (json.dumps(clean(results), indent=1, allow_nan=False) + "\n").encode())
+
+
+def _smooth(values: list[float | None], alpha: float) -> list[float]:
+    out: list[float] = []
+    ema: float | None = None
+    for v in values:
+        if v is None:
+            out.append(float("nan"))
+            continue
+        ema = v if ema is None else (1 - alpha) * ema + alpha * v
+        out.append(ema)
+    return out
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """One row per workload: training loss per precision (raw, faint, and an
+    exponential moving average) and the loss scale over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = results["workloads"]
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, (name, wl) in enumerate(workloads.items()):
+        ax_loss, ax_scale = axes[row]
+        any_scale = False
+        for i, (pname, entry) in enumerate(wl["precisions"].items()):
+            color = colors[i % len(colors)]
+            if entry.get("status") != "ok":
+                continue
+            losses = entry["losses"]
+            steps = list(range(1, len(losses) + 1))
+            raw = [float("nan") if v is None else v for v in losses]
+            alpha = min(1.0, 10.0 / max(10, len(losses)))
+            ax_loss.plot(steps, raw, color=color, alpha=0.2, linewidth=0.8)
+            ax_loss.plot(steps, _smooth(losses, alpha), color=color, label=pname, linewidth=1.5)
+            scales = [float("nan") if s is None else s for s in entry["loss_scales"]]
+            if any(s is not None for s in entry["loss_scales"]):
+                any_scale = True
+                ax_scale.step(steps, scales, where="post", color=color, label=pname)
+        ax_loss.set_title(f"{name}: training loss ({results['dtype']}, {results['device']})")
+        ax_loss.set_xlabel("step")
+        ax_loss.set_ylabel("cross-entropy")
+        ax_loss.set_yscale("log")
+        ax_loss.grid(alpha=0.3)
+        ax_loss.legend(fontsize=8)
+        ax_scale.set_title(f"{name}: loss scale")
+        ax_scale.set_xlabel("step")
+        if any_scale:
+            ax_scale.set_yscale("log", base=2)
+            ax_scale.legend(fontsize=8)
+        else:
+            ax_scale.text(0.5, 0.5, "no precision scaled the loss", ha="center", va="center",
+                          transform=ax_scale.transAxes)
+        ax_scale.grid(alpha=0.3)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)

@@ -1,0 +1,7 @@
+"""The ``ampkit`` command line (``ampkit bench``); entry point :func:`main`."""
+
+from __future__ import annotations
+
+from .main import main
+
+__all__ = ["main"]
