@@ -76,3 +76,16 @@ __all__ += [
     "unscale",
 ]
 # --- opt levels, master weights, compensated updates ---
+from .compensated import CompensatedUpdates  # noqa: E402
+from .levels import OptLevel, initialize, master_params  # noqa: E402
+from .master import MasterWeights  # noqa: E402
+from .model import cast_model  # noqa: E402
+
+__all__ += [
+    "CompensatedUpdates",
+    "MasterWeights",
+    "OptLevel",
+    "cast_model",
+    "initialize",
+    "master_params",
+]

@@ -155,6 +155,12 @@ class MasterWeights:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def backward_params(self) -> _BackwardParams:
+        """A live view of the tensors backward accumulates into: the model parameter
+        in place of each master, other parameters as they are (follows
+        ``add_param_group``)."""
+        return _BackwardParams(self)
+
     # -- the step --------------------------------------------------------------------
 
     def gather_grads(self) -> None:
@@ -234,3 +240,18 @@ class MasterWeights:
                     )
                 master.copy_(t)
         self.publish()
+
+
+class _BackwardParams:
+    """Iterable over the parameters backward writes grads to, re-read on every
+    iteration (the loss scaler rescales these grads between two losses of a step)."""
+
+    def __init__(self, masters: MasterWeights) -> None:
+        self._masters = masters
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        mw = self._masters
+        mw.refresh()
+        for group in mw.optimizer.param_groups:
+            for p in group["params"]:
+                yield mw._model_of.get(id(p), p)

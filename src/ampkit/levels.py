@@ -1,0 +1,480 @@
+"""Opt levels: apex-style one-call setup of casting, model dtype, master weights
+and loss scaling, on top of ampkit's scoped pieces.
+
+========  ============================  ==================  ===================  ============
+level     weights                       op-level casting    optimizer steps      loss scale
+========  ============================  ==================  ===================  ============
+``O0``    fp32                          off                 fp32 weights         1
+``O1``    fp32                          on (``ampkit.init``) fp32 weights        dynamic [*]
+``O2``    16-bit, norm layers fp32      off                 fp32 master copies   dynamic [*]
+``O3``    16-bit, norm layers too       off                 16-bit weights       1
+``O2K``   bf16, norm layers fp32        off                 bf16 weights with    1
+                                                            Kahan compensation
+========  ============================  ==================  ===================  ============
+
+[*] with ``dtype=torch.float16``. bf16 has fp32's exponent range, so gradients do
+not underflow and the default scale is a static 1 for every level when the compute
+dtype is bf16 (the default on CPU); pass ``loss_scale="dynamic"`` to get apex's
+behaviour anyway. Every level, static scale included, skips a step whose gradients
+are not finite (``ampkit.step_skipped``).
+
+``initialize`` starts afresh: like :func:`ampkit.reset` it ends the previous AMP
+session and any process-wide casting, then sets up the chosen level. Models are
+cast in place and get input/output cast hooks (:mod:`ampkit.model`), never a new
+``forward``, so they can be wrapped by ``DistributedDataParallel`` afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+from . import _reset
+from .compensated import CompensatedUpdates
+from .errors import AmpError
+from .master import MasterWeights
+from .model import cast_model, params_to_cast
+
+__all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+LossScale = float | Literal["dynamic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptLevel:
+    """What an opt level sets up, after overrides.
+
+    Attributes:
+        name: ``"O0"`` ... ``"O3"``, ``"O2K"``.
+        dtype: compute dtype of casting and of the 16-bit weights.
+        op_casting: turn on op-level casting (``ampkit.init``) in ``dtype``.
+        cast_model_type: dtype the model's weights are stored in (None: left fp32).
+        keep_norm_fp32: keep normalization layers in fp32 when casting the model.
+        master_weights: step fp32 master copies of the 16-bit weights.
+        compensation: ``"kahan"``/``"stochastic"`` updates of bf16 weights, or None.
+        loss_scale: ``"dynamic"`` or a static scale.
+        num_losses: loss scalers per optimizer (one per ``loss_id``).
+        min_loss_scale / max_loss_scale: floor and cap of a dynamic scale (None:
+            the :class:`ampkit.LossScaler` defaults, 1 and 2**24).
+        cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
+            (default fp32; None keeps them 16-bit).
+    """
+
+    name: str
+    dtype: torch.dtype
+    op_casting: bool
+    cast_model_type: torch.dtype | None
+    keep_norm_fp32: bool
+    master_weights: bool
+    compensation: str | None
+    loss_scale: LossScale
+    num_losses: int = 1
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+    cast_model_outputs: torch.dtype | None = torch.float32
+
+
+#: The base settings of each level; ``dtype`` and the loss scale are filled per device.
+OPT_LEVELS: dict[str, dict[str, Any]] = {
+    "O0": dict(op_casting=False, cast=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale=1.0),
+    "O1": dict(op_casting=True, cast=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale="dynamic"),
+    "O2": dict(op_casting=False, cast=True, keep_norm_fp32=True, master_weights=True, compensation=None, fp16_scale="dynamic"),
+    "O3": dict(op_casting=False, cast=True, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale=1.0),
+    "O2K": dict(op_casting=False, cast=True, keep_norm_fp32=True, master_weights=False, compensation="kahan", fp16_scale=1.0),
+}  # fmt: skip
+
+_OVERRIDES = (
+    "dtype",
+    "op_casting",
+    "cast_model_type",
+    "keep_norm_fp32",
+    "master_weights",
+    "compensation",
+    "loss_scale",
+    "num_losses",
+    "min_loss_scale",
+    "max_loss_scale",
+    "cast_model_outputs",
+    "policy",
+)
+
+_COMPENSATIONS = ("kahan", "stochastic")
+
+
+def _default_dtype(device_type: str) -> torch.dtype:
+    return torch.float16 if device_type == "cuda" else torch.bfloat16
+
+
+def _check_dtype(value: Any, what: str) -> torch.dtype:
+    if value not in _LOW:
+        raise AmpError(f"{what} must be torch.float16 or torch.bfloat16, got {value!r}.")
+    return value
+
+
+def resolve_opt_level(
+    opt_level: str, device_type: str = "cpu", **overrides: Any
+) -> OptLevel:
+    """The :class:`OptLevel` that ``initialize(..., opt_level, **overrides)`` sets up
+    for models on ``device_type``; raises :class:`AmpError` on nonsense."""
+    if not isinstance(opt_level, str) or opt_level.upper() not in OPT_LEVELS:
+        raise AmpError(
+            f"unknown opt_level {opt_level!r}; choose one of {sorted(OPT_LEVELS)} "
+            "(O0 fp32, O1 op-level casting, O2 16-bit model with fp32 masters, O3 pure "
+            "16-bit, O2K bf16 model with compensated updates)."
+        )
+    name = opt_level.upper()
+    unknown = sorted(set(overrides) - set(_OVERRIDES))
+    if unknown:
+        raise AmpError(f"initialize got unknown option(s) {unknown}; valid: {list(_OVERRIDES)}.")
+    base = OPT_LEVELS[name]
+    ov = {k: v for k, v in overrides.items() if v is not None}
+
+    dtype = _check_dtype(ov.get("dtype", _default_dtype(device_type)), "dtype")
+    cast = ov.get("cast_model_type", dtype if base["cast"] else None)
+    if cast is False or cast == torch.float32:
+        cast = None
+    if cast is not None:
+        cast = _check_dtype(cast, "cast_model_type")
+
+    keep_norm = ov.get("keep_norm_fp32", base["keep_norm_fp32"] if cast is not None else False)
+    if "keep_norm_fp32" in ov and cast is None:
+        raise AmpError(
+            f"keep_norm_fp32 only applies when the model is cast to 16 bits; {name} keeps "
+            "the whole model in fp32. Drop the option or use O2/O3."
+        )
+    compensation = ov.get("compensation", base["compensation"] if cast is not None else None)
+    if compensation is False:
+        compensation = None
+    if compensation is not None:
+        if compensation not in _COMPENSATIONS:
+            raise AmpError(f"compensation must be one of {_COMPENSATIONS} or None, got {compensation!r}.")
+        if cast is not torch.bfloat16:
+            raise AmpError(
+                f"compensated updates need bf16 weights, but {name} stores the model in "
+                f"{cast}; use dtype=torch.bfloat16, or master weights (O2) for fp16."
+            )
+    master = bool(ov.get("master_weights", base["master_weights"] and compensation is None))
+    if master and cast is None:
+        raise AmpError(
+            f"master_weights=True needs a 16-bit model, but {name} keeps the model in "
+            "fp32 (its weights are already the masters); use O2 or set cast_model_type."
+        )
+    if master and compensation is not None:
+        raise AmpError(
+            "master_weights and compensation both keep updates from being rounded away; "
+            "choose one (O2: fp32 masters, O2K: compensated bf16 weights)."
+        )
+    op_casting = bool(ov.get("op_casting", base["op_casting"]))
+
+    default_scale = base["fp16_scale"] if dtype == torch.float16 else 1.0
+    loss_scale = ov.get("loss_scale", default_scale)
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise AmpError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.")
+    else:
+        try:
+            loss_scale = float(loss_scale)
+        except (TypeError, ValueError):
+            raise AmpError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.") from None
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise AmpError(f"loss_scale must be 'dynamic' or a finite number > 0, got {loss_scale!r}.")
+    min_s, max_s = ov.get("min_loss_scale"), ov.get("max_loss_scale")
+    if loss_scale != "dynamic" and (min_s is not None or max_s is not None):
+        raise AmpError(
+            f"min_loss_scale/max_loss_scale bound a dynamic scale, but the loss scale is a "
+            f"static {loss_scale}; pass loss_scale='dynamic' or drop the bounds."
+        )
+    if min_s is not None and max_s is not None and min_s > max_s:
+        raise AmpError(f"min_loss_scale {min_s} is above max_loss_scale {max_s}.")
+    num_losses = ov.get("num_losses", 1)
+    if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
+        raise AmpError(f"num_losses must be an int >= 1, got {num_losses!r}.")
+    outputs = ov.get("cast_model_outputs", torch.float32)
+    return OptLevel(
+        name=name,
+        dtype=dtype,
+        op_casting=op_casting,
+        cast_model_type=cast,
+        keep_norm_fp32=bool(keep_norm),
+        master_weights=master,
+        compensation=compensation,
+        loss_scale=loss_scale,
+        num_losses=num_losses,
+        min_loss_scale=min_s,
+        max_loss_scale=max_s,
+        cast_model_outputs=outputs,
+    )
+
+
+# --- objects that outlive a session: they describe how an optimizer was rebuilt -------
+
+# Masters stay in an optimizer's param_groups after reset; a later initialize on the
+# same optimizer reuses them instead of mastering the masters.
+_MASTERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, MasterWeights] = (
+    weakref.WeakKeyDictionary()
+)
+# Compensation hooks belong to a session: removed on reset / re-initialize.
+_COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdates] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@_reset.on_reset
+def _drop_compensation() -> None:
+    for comp in list(_COMPENSATED.values()):
+        comp.remove()
+    _COMPENSATED.clear()
+
+
+T = TypeVar("T")
+
+
+def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    if isinstance(obj, kind):
+        return [obj], True
+    if isinstance(obj, (list, tuple)) and all(isinstance(o, kind) for o in obj) and obj:
+        if len({id(o) for o in obj}) != len(obj):
+            raise AmpError(f"the same {kind.__name__} appears twice in {what}.")
+        return list(obj), False
+    raise AmpError(
+        f"{what} must be a {kind.__name__} or a non-empty list of them, got {type(obj).__name__}."
+    )
+
+
+def _device_type(models: Sequence[nn.Module]) -> str:
+    types = {t.device.type for m in models for t in list(m.parameters()) + list(m.buffers())}
+    if len(types) > 1:
+        raise AmpError(
+            f"the models' tensors are on several device types {sorted(types)}; move each "
+            "model to one device before initialize."
+        )
+    if types:
+        return types.pop()
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _make_scaler(level: OptLevel) -> Any:
+    from .scaling import LossScaler
+
+    if level.loss_scale == "dynamic":
+        kw: dict[str, Any] = {}
+        if level.min_loss_scale is not None:
+            kw["min_scale"] = level.min_loss_scale
+        if level.max_loss_scale is not None:
+            kw["max_scale"] = level.max_loss_scale
+        init = 2.0**16
+        if "max_scale" in kw:
+            init = min(init, kw["max_scale"])
+        if "min_scale" in kw:
+            init = max(init, kw["min_scale"])
+        return LossScaler(init_scale=init, dynamic=True, **kw)
+    return LossScaler(init_scale=float(level.loss_scale), dynamic=False)
+
+
+def _check_fp32(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], level: OptLevel) -> None:
+    """Casting and masters start from fp32 weights (a second initialize of the same
+    objects is fine: their masters are reused)."""
+    if level.cast_model_type is None:
+        return
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32 and not _has_master(p, optimizers):
+                raise AmpError(
+                    f"model {i} parameter {name!r} is {p.dtype}: initialize expects fp32 "
+                    "models (it casts them itself, after building fp32 master weights); "
+                    "build the model in fp32."
+                )
+
+
+def _has_master(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    return any(
+        (mw := _MASTERS.get(opt)) is not None and mw.master_of(p) is not None for opt in optimizers
+    )
+
+
+def initialize(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    opt_level: str = "O1",
+    **overrides: Any,
+) -> tuple[Any, Any]:
+    """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
+
+    Args:
+        models: an ``nn.Module`` or a list of them, in fp32, already on their device.
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference).
+        opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
+            the table in :mod:`ampkit.levels`.
+        **overrides: change one setting of the level:
+
+            - ``dtype``: compute dtype; default bf16 on CPU, fp16 on CUDA.
+            - ``cast_model_type``: dtype to store the model in (None/False/fp32: fp32).
+            - ``keep_norm_fp32``: keep normalization layers fp32 in a cast model.
+            - ``master_weights``: fp32 master copies for a 16-bit model.
+            - ``compensation``: ``"kahan"`` or ``"stochastic"`` updates of bf16 weights.
+            - ``op_casting``: op-level casting (apex's ``patch_torch_functions``).
+            - ``policy``: an :class:`ampkit.Policy` for op-level casting.
+            - ``loss_scale``: ``"dynamic"`` or a number.
+            - ``num_losses``: loss scalers per optimizer, one per ``loss_id``.
+            - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
+            - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
+
+    Returns:
+        ``(models, optimizers)`` in the shape given (one object or a list;
+        ``optimizers`` is None when None was passed). The objects are the ones passed
+        in, modified in place: weights cast, masters swapped into ``param_groups``,
+        each optimizer registered with :func:`ampkit.init_trainer`.
+
+    Raises:
+        AmpError: unknown level or option, a combination that makes no sense
+            (e.g. ``master_weights=True`` with O1), models not in fp32.
+    """
+    from . import casting
+
+    model_list, one_model = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        opt_list: list[torch.optim.Optimizer] = []
+        one_opt = False
+    else:
+        opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    policy = overrides.pop("policy", None)
+    device_type = _device_type(model_list)
+    level = resolve_opt_level(opt_level, device_type, **overrides)
+    _check_fp32(model_list, opt_list, level)
+
+    _reset.reset()  # a new session: no leftovers of a previous initialize or init
+
+    masters: list[MasterWeights | None] = []
+    if level.cast_model_type is not None:
+        # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
+        to_cast = [p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32)]
+        for opt in opt_list:
+            mw = _MASTERS.get(opt)
+            if level.master_weights:
+                if mw is None:
+                    mw = MasterWeights(opt, [p for p in to_cast if p.dtype == torch.float32])
+                    _MASTERS[opt] = mw
+                masters.append(mw)
+            else:
+                if mw is not None:
+                    raise AmpError(
+                        "this optimizer holds fp32 master weights from an earlier O2 "
+                        f"initialize; {level.name} has none. Build a fresh optimizer."
+                    )
+                masters.append(None)
+        for m in model_list:
+            cast_model(
+                m,
+                level.cast_model_type,
+                keep_norm_fp32=level.keep_norm_fp32,
+                cast_outputs=level.cast_model_outputs,
+            )
+        if not level.master_weights:
+            for opt in opt_list:
+                _cast_state_to_params(opt)
+    else:
+        masters = [_MASTERS.get(opt) for opt in opt_list]
+        if any(mw is not None for mw in masters):
+            raise AmpError(
+                "this optimizer holds fp32 master weights from an earlier O2 initialize, "
+                f"but {level.name} keeps the model in fp32; build a fresh optimizer."
+            )
+
+    if level.op_casting:
+        casting.init(dtype=level.dtype, device_type=device_type, policy=policy)
+    elif policy is not None:
+        raise AmpError(
+            f"a policy only applies with op-level casting, which {level.name} leaves off; "
+            "use O1 or op_casting=True."
+        )
+
+    if opt_list:
+        _attach_trainer(opt_list, masters, level)
+
+    _STATE.level = level
+    out_models: Any = model_list[0] if one_model else model_list
+    out_opts: Any = None if optimizers is None else (opt_list[0] if one_opt else opt_list)
+    return out_models, out_opts
+
+
+def _attach_trainer(
+    opt_list: list[torch.optim.Optimizer], masters: list[MasterWeights | None], level: OptLevel
+) -> None:
+    """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
+    id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
+    master-weight or compensation hooks of each optimizer."""
+    from . import optim
+
+    optim.init_trainer(opt_list, scaler=_make_scaler(level), num_losses=level.num_losses)
+    for opt, mw in zip(opt_list, masters):
+        managed = optim.managed_state(opt)
+        if mw is not None:
+            managed.pre_unscale_hooks.append(mw.gather_grads)
+            managed.post_step_hooks.append(mw.publish)
+            managed.backward_params = mw.backward_params()  # type: ignore[assignment]
+            managed.register_extra_state("master_weights", mw.state_dict, mw.load_state_dict)
+        if level.compensation is not None:
+            comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
+            _COMPENSATED[opt] = comp
+            managed.register_extra_state("compensation", comp.state_dict, comp.load_state_dict)
+
+
+def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
+    """Optimizer state created before the cast follows its parameter's dtype (as
+    ``Optimizer.load_state_dict`` would do)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            for k, v in state.items():
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dtype != p.dtype:
+                    state[k] = v.to(p.dtype)
+
+
+class _LevelState:
+    level: OptLevel | None = None
+
+
+_STATE = _LevelState()
+
+
+@_reset.on_reset
+def _forget_level() -> None:
+    _STATE.level = None
+
+
+def current_opt_level() -> OptLevel | None:
+    """The :class:`OptLevel` set up by the last :func:`initialize` (None after
+    :func:`ampkit.reset`)."""
+    return _STATE.level
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
+    """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
+    under O2 (plus fp32 model parameters such as norm layers), the model's own
+    parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``."""
+    mw = _MASTERS.get(optimizer)
+    if mw is not None:
+        yield from mw.params()
+        return
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def master_weights_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+    """The :class:`~ampkit.master.MasterWeights` of an optimizer set up by O2, or None."""
+    return _MASTERS.get(optimizer)
+
+
+def compensation_of(optimizer: torch.optim.Optimizer) -> CompensatedUpdates | None:
+    """The :class:`~ampkit.compensated.CompensatedUpdates` of an O2K optimizer, or None."""
+    return _COMPENSATED.get(optimizer)
