@@ -747,3 +747,23 @@ def test_overflow_logged_once_per_event_not_per_optimizer(caplog):
         ob.step()
     records = [r for r in caplog.records if r.name == "ampkit"]
     assert len(records) == 1 and "loss scaler 0" in records[0].getMessage()
+
+
+def test_scaler_argument_forms():
+    model = mlp()
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=128.0)
+    with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
+        assert s.dtype == torch.float32
+        s.backward()
+    opt.step()
+    assert amp.step_skipped(opt) and amp.stats(opt).scales == (128.0,)  # static: never moves
+
+    template = LossScaler(init_scale=2.0**6, hysteresis=3)
+    opt2 = amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), template, num_losses=3)
+    scalers = managed_state(opt2).scalers
+    assert scalers[0] is template and len({id(s) for s in scalers}) == 3
+    assert [s.hysteresis for s in scalers] == [3, 3, 3] and amp.stats(opt2).scales == (64.0,) * 3
+    with pytest.raises(StateError, match="already drives another trainer"):
+        amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), template)
+    with pytest.raises(StateError, match="one LossScaler per loss id"):
+        amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), [LossScaler()], num_losses=2)
