@@ -173,6 +173,11 @@ class ManagedOptimizer:
       weights: the model's params). Only used when one step mixes loss ids, to rescale
       the grads accumulated so far to the next loss's scale. ``None``: the params in
       ``param_groups``.
+    - ``rescale_after_unscale``: ``bool`` (default False). When True, a ``scale_loss``
+      that comes after the grads were unscaled in the same step multiplies the
+      (unscaled) grads of the params in ``param_groups`` by the new loss's scale and
+      the step goes on accumulating, instead of raising :class:`StateError`. Set by
+      ``ampkit.compat.apex``, whose ``scale_loss`` unscales at exit as apex did.
     - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
       ``ampkit.state_dict()``.
 
@@ -192,6 +197,7 @@ class ManagedOptimizer:
         self.post_step_hooks: list[Callable[[], None]] = []
         self.skip_hooks: list[Callable[[], None]] = []
         self.backward_params: list[torch.Tensor] | None = None
+        self.rescale_after_unscale = False
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
         self.steps = 0
         self.skipped = 0
@@ -326,6 +332,12 @@ class ManagedOptimizer:
 
     def _before_backward(self, loss_id: int) -> None:
         """Called by ``scale_loss`` before the backward of ``loss_id``."""
+        if self._unscaled and self.rescale_after_unscale:
+            # The grads are at scale 1 now: bring them to the new loss's scale (an
+            # overflow here shows up in the check at unscale time).
+            groups = group_grads(self._grad_params())
+            unscale_and_check_(groups, self._slots[loss_id].scaler.scale)
+            self._unscaled = False
         if self._unscaled:
             raise StateError(
                 "this optimizer's grads were already unscaled this step (ampkit.unscale): "
