@@ -1,0 +1,82 @@
+"""The example scripts run for a few steps with every --amp value."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import ampkit
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+LEVELS = ("O0", "O1", "O2", "O3", "O2K")
+TINY_CLASSIFIER = ["--steps", "4", "--width", "4", "--image-size", "16", "--batch-size", "32",
+                   "--log-every", "2"]
+TINY_LM = ["--steps", "4", "--d-model", "16", "--layers", "1", "--heads", "2", "--seq-len", "16",
+           "--batch-size", "4", "--corpus-chars", "20000", "--sample", "8", "--log-every", "2"]
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _skip_without_levels(amp: str) -> None:
+    if amp in LEVELS and not hasattr(ampkit, "initialize"):
+        pytest.skip("ampkit.initialize (opt levels) is not in this install")
+
+
+@pytest.mark.parametrize("amp", ("off", "init", *LEVELS))
+def test_train_classifier_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _skip_without_levels(amp)
+    module = _load("train_classifier")
+    metrics = module.main(["--amp", amp, *TINY_CLASSIFIER])
+    out = capsys.readouterr().out
+    assert f"amp={amp}" in out and "test accuracy" in out
+    assert math.isfinite(metrics["test_loss"]) and 0.0 <= metrics["test_accuracy"] <= 1.0
+    if amp != "off":
+        assert "skipped" in out and "scale" in out
+
+
+@pytest.mark.parametrize("amp", ("off", "init", *LEVELS))
+def test_train_lm_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _skip_without_levels(amp)
+    module = _load("train_lm")
+    metrics = module.main(["--amp", amp, *TINY_LM])
+    out = capsys.readouterr().out
+    assert "bits/char" in out and "sample:\ndef " in out
+    assert math.isfinite(metrics["eval_loss"]) and 0.0 <= metrics["eval_accuracy"] <= 1.0
+
+
+def test_train_classifier_fp16_dynamic_scaling_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """fp16 on CPU is slow but must work; the loss scaler reports its scale."""
+    module = _load("train_classifier")
+    metrics = module.main(["--amp", "init", "--dtype", "fp16", *TINY_CLASSIFIER])
+    out = capsys.readouterr().out
+    assert "dtype=float16" in out and "scale" in out
+    assert math.isfinite(metrics["test_loss"])
+
+
+def test_examples_run_as_scripts() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_classifier.py"), "--amp", "off", *TINY_CLASSIFIER],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "test accuracy" in proc.stdout
+
+
+def test_bad_steps_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    module = _load("train_lm")
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--steps", "0"])
+    assert exc.value.code == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err
