@@ -62,7 +62,7 @@ import gc
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -168,10 +168,11 @@ class ManagedOptimizer:
     - Unscaling and the check act on the grads of the params *currently* in
       ``optimizer.param_groups``: swap master params in there and their grads are what
       gets checked and stepped.
-    - ``backward_params``: ``list[Tensor] | None``, the tensors whose ``.grad`` backward
-      accumulates into, when these are not the params in ``param_groups`` (master
-      weights: the model's params). Only used when one step mixes loss ids, to rescale
-      the grads accumulated so far to the next loss's scale. ``None``: the params in
+    - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
+      backward accumulates into, when these are not the params in ``param_groups``
+      (master weights: the model's params). Iterated afresh each time it is needed, so a
+      live view is fine. Only used when one step mixes loss ids, to rescale the grads
+      accumulated so far to the next loss's scale. ``None``: the params in
       ``param_groups``.
     - ``rescale_after_unscale``: ``bool`` (default False). When True, a ``scale_loss``
       that comes after the grads were unscaled in the same step multiplies the
@@ -196,7 +197,7 @@ class ManagedOptimizer:
         self.pre_unscale_hooks: list[Callable[[], None]] = []
         self.post_step_hooks: list[Callable[[], None]] = []
         self.skip_hooks: list[Callable[[], None]] = []
-        self.backward_params: list[torch.Tensor] | None = None
+        self.backward_params: Iterable[torch.Tensor] | None = None
         self.rescale_after_unscale = False
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
         self.steps = 0
