@@ -767,3 +767,25 @@ def test_scaler_argument_forms():
         amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), template)
     with pytest.raises(StateError, match="one LossScaler per loss id"):
         amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), [LossScaler()], num_losses=2)
+
+
+def test_rescale_after_unscale_accumulates_exactly():
+    """The opt-in used by ampkit.compat.apex (unscale at scale_loss exit): a later
+    scale_loss in the same step rescales the unscaled grads instead of raising."""
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1),
+                           [LossScaler(init_scale=2.0**4), LossScaler(init_scale=2.0**9)], num_losses=2)
+    managed_state(opt).rescale_after_unscale = True
+    for i in range(2):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for loss_id in (0, 1):
+            loss_of(ref, 2 * i + loss_id).backward()
+            with amp.scale_loss(loss_of(model, 2 * i + loss_id), opt, loss_id=loss_id) as s:
+                s.backward()
+            amp.unscale(opt)
+        ref_opt.step()
+        opt.step()
+    assert params_bits(model) == params_bits(ref)
+    assert amp.stats(opt).skipped == 0
