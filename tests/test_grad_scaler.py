@@ -25,12 +25,15 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bits(model: torch.nn.Module) -> list[bytes]:
-    return [p.detach().numpy().tobytes() for p in model.parameters()]
+    return [p.detach().cpu().numpy().tobytes() for p in model.parameters()]
+
+
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def _amp_loop_step(model, opt, scaler, i, poison):
     """nanoGPT-style: fp16 forward under autocast-like casts, scale, unscale_, clip, step, update."""
-    x, y = batch(i)
+    x, y = (t.to(model[0].weight.device) for t in batch(i))
     opt.zero_grad(set_to_none=True)
     out = torch.nn.functional.linear(
         torch.tanh(F.linear(x.half(), model[0].weight.half(), model[0].bias.half())),
@@ -48,13 +51,14 @@ def _amp_loop_step(model, opt, scaler, i, poison):
     return result
 
 
-def test_bitwise_parity_with_torch_gradscaler_over_a_run_with_overflows():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitwise_parity_with_torch_gradscaler_over_a_run_with_overflows(device):
     poison = {0: INF, 3: float("nan"), 4: -INF, 9: INF}
-    ours_m, torch_m = mlp(), mlp()
+    ours_m, torch_m = mlp().to(device), mlp().to(device)
     ours_o = torch.optim.AdamW(ours_m.parameters(), lr=1e-2)
     torch_o = torch.optim.AdamW(torch_m.parameters(), lr=1e-2)
-    ours = amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3, hysteresis=1)
-    ref = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    ours = amp.GradScaler(device, init_scale=2.0**12, growth_interval=3, hysteresis=1)
+    ref = torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=3)
     scales = []
     for i in range(14):
         stepped = _amp_loop_step(ours_m, ours_o, ours, i, poison)
