@@ -197,7 +197,10 @@ def resolve_opt_level(
     num_losses = ov.get("num_losses", 1)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise AmpError(f"num_losses must be an int >= 1, got {num_losses!r}.")
-    outputs = ov.get("cast_model_outputs", torch.float32)
+    # None is meaningful here: keep a cast model's outputs 16-bit.
+    outputs = overrides.get("cast_model_outputs", torch.float32)
+    if outputs is not None and outputs not in (torch.float32, *_LOW):
+        raise AmpError(f"cast_model_outputs must be a float dtype or None, got {outputs!r}.")
     return OptLevel(
         name=name,
         dtype=dtype,
@@ -221,6 +224,8 @@ def resolve_opt_level(
 _MASTERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, MasterWeights] = (
     weakref.WeakKeyDictionary()
 )
+# Models cast by initialize (a later initialize may cast them again).
+_CAST_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Compensation hooks belong to a session: removed on reset / re-initialize.
 _COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdates] = (
     weakref.WeakKeyDictionary()
@@ -279,19 +284,32 @@ def _make_scaler(level: OptLevel) -> Any:
     return LossScaler(init_scale=float(level.loss_scale), dynamic=False)
 
 
-def _check_fp32(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], level: OptLevel) -> None:
-    """Casting and masters start from fp32 weights (a second initialize of the same
-    objects is fine: their masters are reused)."""
+def _check_fp32(
+    models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], level: OptLevel
+) -> None:
+    """Casting and masters start from fp32 weights. A model cast by an earlier
+    ``initialize`` may be initialized again, as long as no new master would have to
+    be built from its 16-bit weights."""
     if level.cast_model_type is None:
         return
     for i, model in enumerate(models):
+        recast = model in _CAST_MODELS
         for name, p in model.named_parameters():
-            if p.is_floating_point() and p.dtype != torch.float32 and not _has_master(p, optimizers):
-                raise AmpError(
-                    f"model {i} parameter {name!r} is {p.dtype}: initialize expects fp32 "
-                    "models (it casts them itself, after building fp32 master weights); "
-                    "build the model in fp32."
-                )
+            if not p.is_floating_point() or p.dtype == torch.float32:
+                continue
+            if _has_master(p, optimizers):
+                continue
+            if recast and not (level.master_weights and _in_optimizers(p, optimizers)):
+                continue
+            raise AmpError(
+                f"model {i} parameter {name!r} is {p.dtype}: initialize expects fp32 "
+                "models (it casts them itself, after building fp32 master weights); "
+                "build the model in fp32."
+            )
+
+
+def _in_optimizers(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    return any(p is q for opt in optimizers for g in opt.param_groups for q in g["params"])
 
 
 def _has_master(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
@@ -377,6 +395,7 @@ def initialize(
                 keep_norm_fp32=level.keep_norm_fp32,
                 cast_outputs=level.cast_model_outputs,
             )
+            _CAST_MODELS.add(m)
         if not level.master_weights:
             for opt in opt_list:
                 _cast_state_to_params(opt)

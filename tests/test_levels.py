@@ -1,0 +1,454 @@
+"""ampkit.initialize: opt levels O0-O3 and O2K end to end (dtypes, norm layers,
+hooks and DDP, skipped steps with several models/optimizers/losses,
+add_param_group, the cast cache across eval, exact resume)."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from ampkit.errors import AmpError
+from ampkit.levels import resolve_opt_level
+
+LEVELS = ["O0", "O1", "O2", "O3", "O2K"]
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+class AllNorms(nn.Module):
+    """One of every normalization layer ampkit keeps in fp32, between linear/conv layers."""
+
+    def __init__(self, lrn: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
+        # torch has no bf16 CPU kernel for LocalResponseNorm's avg_pool3d: O3 (which
+        # runs norms in bf16) leaves it out.
+        self.lrn = nn.LocalResponseNorm(2) if lrn else nn.Identity()
+        self.fc = nn.Linear(4 * 4 * 4, 8)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lrn(self.inorm(self.gn(self.bn2(self.conv(x)))))
+        h = self.bn1(self.fc(h.flatten(1)))
+        return self.head(F.relu(self.rms(self.ln(h))))
+
+
+NORMS = ("bn2", "gn", "inorm", "lrn", "bn1", "ln", "rms")
+
+
+def _all_norms(level: str = "O2") -> AllNorms:
+    torch.manual_seed(0)
+    return AllNorms(lrn=level != "O3")
+
+
+def _x(seed: int = 0) -> torch.Tensor:
+    return torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+
+
+# --- dtypes -----------------------------------------------------------------------------
+
+
+EXPECTED = {
+    # level: (dtype of linear/conv weights, of norm weights, of what the optimizer steps)
+    "O0": (FP32, FP32, FP32),
+    "O1": (FP32, FP32, FP32),
+    "O2": (BF16, FP32, FP32),
+    "O3": (BF16, BF16, BF16),
+    "O2K": (BF16, FP32, None),  # None: as the model (bf16 weights, fp32 norms)
+}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_param_grad_and_state_dtypes_per_level(level):
+    model = _all_norms(level)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level=level)
+    weight_dtype, norm_dtype, stepped_dtype = EXPECTED[level]
+    out = model(_x())
+    assert out.dtype == (BF16 if level == "O1" else FP32)  # O1: the head ran in bf16
+    with ampkit.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    for name, p in model.named_parameters():
+        expected = norm_dtype if name.split(".")[0] in NORMS else weight_dtype
+        assert p.dtype == expected, name
+        assert p.grad is not None and p.grad.dtype == expected, name
+    opt.step()
+    assert not ampkit.step_skipped(opt)
+    stepped = list(ampkit.master_params(opt))
+    assert len(stepped) == len(list(model.parameters()))
+    for p, model_p in zip(stepped, model.parameters()):
+        assert p.dtype == (stepped_dtype or model_p.dtype)
+        assert opt.state[p]["exp_avg"].dtype == p.dtype
+        if level == "O2":
+            assert p.grad.dtype == FP32
+    if level == "O2":
+        assert all(p.grad is None for p in model.parameters() if p.dtype == BF16)
+        master = ampkit.levels.master_weights_of(opt).master_of(model.head.weight)
+        assert torch.equal(model.head.weight, master.to(BF16))
+    running = model.bn2.running_mean
+    assert running.dtype == norm_dtype
+
+
+def test_o2_runs_every_norm_layer_in_fp32_and_hands_back_bf16():
+    model = _all_norms()
+    model, _ = ampkit.initialize(model, None, opt_level="O2")
+    seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    handed: dict[str, torch.dtype] = {}
+    for name in NORMS + ("fc", "head"):
+        module = getattr(model, name)
+        # prepend=True: runs before ampkit's output cast, so it sees what the layer
+        # computed in (its input is already cast by ampkit's pre-hook).
+        module.register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, (args[0].dtype, out.dtype)),
+            prepend=True,
+        )
+        # Appended: sees what the next layer receives.
+        module.register_forward_hook(
+            lambda m, args, out, name=name: handed.__setitem__(name, out.dtype)
+        )
+    out = model(_x())
+    for name in NORMS:
+        assert seen[name] == (FP32, FP32), name
+        assert handed[name] == BF16, name
+        for t in list(getattr(model, name).parameters()) + list(getattr(model, name).buffers()):
+            if t.is_floating_point():
+                assert t.dtype == FP32, name
+    assert seen["fc"] == (BF16, BF16) and seen["head"] == (BF16, BF16)
+    assert out.dtype == FP32
+    assert "forward" not in model.__dict__  # hooks, not a replaced forward
+    # keep_norm_fp32=False: norms go 16-bit like the rest (apex O2 without the flag).
+    model2, _ = ampkit.initialize(_all_norms("O3"), None, opt_level="O2", keep_norm_fp32=False)
+    assert model2.ln.weight.dtype == BF16 and model2(_x()).dtype == FP32
+
+
+def test_integer_inputs_pass_and_outputs_come_back_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    model, _ = ampkit.initialize(model, None, opt_level="O3")
+    tokens = torch.tensor([[1, 2, 3]])
+    out = model(tokens)
+    assert model[0].weight.dtype == BF16 and out.dtype == FP32
+    # Re-initializing the same model does not stack hooks.
+    model, _ = ampkit.initialize(model, None, opt_level="O3", cast_model_outputs=None)
+    assert model(tokens).dtype == BF16
+
+
+def test_fp16_o2_uses_dynamic_scaling_and_fp32_masters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", dtype=torch.float16)
+    assert resolve_opt_level("O2", "cpu", dtype=torch.float16).loss_scale == "dynamic"
+    assert ampkit.optim.managed_state(opt).scalers[0].scale == 2.0**16
+    with ampkit.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
+        scaled.backward()
+    assert model[0].weight.grad.dtype == torch.float16
+    opt.step()
+    assert all(p.dtype == FP32 for p in ampkit.master_params(opt))
+    assert model[0].weight.dtype == torch.float16
+
+
+# --- option checks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "level, overrides, match",
+    [
+        ("O4", {}, "unknown opt_level"),
+        ("O1", {"master_weights": True}, "needs a 16-bit model"),
+        ("O1", {"keep_norm_fp32": True}, "only applies"),
+        ("O2", {"dtype": torch.float32}, "float16 or torch.bfloat16"),
+        ("O2", {"compensation": "kahan", "master_weights": True}, "choose one"),
+        ("O2K", {"dtype": torch.float16}, "need bf16 weights"),
+        ("O3", {"compensation": "magic"}, "compensation must be"),
+        ("O2", {"loss_scale": "auto"}, "loss_scale"),
+        ("O2", {"loss_scale": -1}, "loss_scale"),
+        ("O2", {"loss_scale": 128.0, "min_loss_scale": 1.0}, "bound a dynamic"),
+        ("O2", {"loss_scale": "dynamic", "min_loss_scale": 8.0, "max_loss_scale": 2.0}, "above"),
+        ("O2", {"num_losses": 0}, "num_losses"),
+        ("O2", {"patch_everything": True}, "unknown option"),
+    ],
+)
+def test_nonsense_combinations_raise(level, overrides, match):
+    with pytest.raises(AmpError, match=match):
+        resolve_opt_level(level, "cpu", **overrides)
+
+
+def test_initialize_checks_its_arguments():
+    model = _all_norms()
+    with pytest.raises(AmpError, match="non-empty list"):
+        ampkit.initialize([], None)
+    with pytest.raises(AmpError, match="Optimizer"):
+        ampkit.initialize(model, "sgd")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match="twice"):
+        ampkit.initialize(model, [opt, opt])
+    half = _all_norms().to(BF16)
+    with pytest.raises(AmpError, match="expects fp32 models"):
+        ampkit.initialize(half, torch.optim.SGD(half.parameters(), lr=0.1), opt_level="O2")
+    with pytest.raises(AmpError, match="policy only applies"):
+        ampkit.initialize(model, opt, opt_level="O2", policy=ampkit.Policy())
+
+
+def test_bf16_defaults_to_static_scale_one_and_still_skips_inf():
+    level = resolve_opt_level("O2", "cpu")
+    assert level.dtype == BF16 and level.loss_scale == 1.0 and level.master_weights
+    assert resolve_opt_level("O1", "cuda").dtype == torch.float16
+    model = _all_norms()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")
+    model(_x()).sum().backward()
+    model.head.weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert ampkit.step_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# --- DDP ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_ddp_wraps_an_initialized_o2_model():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        results = []
+        for wrap in (False, True):
+            model = _all_norms()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model, opt = ampkit.initialize(model, opt, opt_level="O2")
+            net = DDP(model) if wrap else model
+            for step in range(2):
+                opt.zero_grad()
+                out = net(_x(step))
+                assert out.dtype == FP32
+                with ampkit.scale_loss(out.pow(2).mean(), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+            results.append([p.detach().clone() for p in model.parameters()])
+    finally:
+        dist.destroy_process_group()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# --- several models, optimizers and losses with injected infs ---------------------------
+
+
+def _two_models():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 2))
+    b = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    return a, b
+
+
+# step -> (loss id, model) whose grads get an inf after that loss's backward
+INJECT = {1: (0, "a"), 3: (1, "b"), 4: (0, "b"), 6: (1, "a")}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_injected_infs_skip_exactly_the_right_steps(level):
+    a, b = _two_models()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9)
+    opt_b = torch.optim.Adam(b.parameters(), lr=1e-3)
+    (a, b), (opt_a, opt_b) = ampkit.initialize(
+        [a, b], [opt_a, opt_b], opt_level=level, num_losses=2, loss_scale="dynamic"
+    )
+    models = {"a": a, "b": b}
+    opts = {"a": opt_a, "b": opt_b}
+    scalers = ampkit.optim.managed_state(opt_a).scalers
+    for step in range(8):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for opt in opts.values():
+            opt.zero_grad()
+        scales_before = [s.scale for s in scalers]
+        out_a, out_b = a(x).float(), b(x).float()
+        # loss 0 trains both models, loss 1 only b... and a through a shared term.
+        loss0 = out_a.pow(2).mean() + out_b.pow(2).mean()
+        loss1 = (out_b - out_a.detach()).abs().mean() + 0.1 * out_a.sum()
+        for loss_id, loss in enumerate((loss0, loss1)):
+            with ampkit.scale_loss(loss, [opt_a, opt_b], loss_id=loss_id) as scaled:
+                scaled.backward(retain_graph=loss_id == 0)
+            if INJECT.get(step, (None,))[0] == loss_id:
+                p = next(models[INJECT[step][1]].parameters())
+                p.grad.view(-1)[0] = float("inf")
+        before = {k: [p.detach().clone() for p in m.parameters()] for k, m in models.items()}
+        for opt in opts.values():
+            opt.step()
+        hit = INJECT.get(step)
+        for name in "ab":
+            skipped = hit is not None and hit[1] == name
+            assert ampkit.step_skipped(opts[name]) == skipped, (step, name)
+            unchanged = all(
+                torch.equal(x0, x1) for x0, x1 in zip(before[name], models[name].parameters())
+            )
+            assert unchanged == skipped, (step, name)
+        # Only the scaler of the loss whose grads overflowed backs off.
+        expected = list(scales_before)
+        if hit is not None:
+            expected[hit[0]] = scales_before[hit[0]] / 2
+        assert [s.scale for s in scalers] == expected, step
+    assert ampkit.stats(opt_a).skipped == 2 and ampkit.stats(opt_b).skipped == 2
+
+
+# --- add_param_group ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O2K"])
+def test_add_param_group_mid_training(level):
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    head = nn.Linear(8, 2)
+    opt = torch.optim.Adam(body.parameters(), lr=1e-2)
+    body, opt = ampkit.initialize(body, opt, opt_level=level)
+    dtype = body[0].weight.dtype
+    head = head.to(dtype)  # the new layer joins in the model's dtype
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": list(head.parameters()), "lr": 1e-2})
+            head_before = [p.detach().clone() for p in head.parameters()]
+        opt.zero_grad()
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        loss = head(body(x).to(dtype)).float().pow(2).mean()
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert not ampkit.step_skipped(opt)
+    new_group = opt.param_groups[1]["params"]
+    assert all(not torch.equal(p, q) for p, q in zip(head.parameters(), head_before))
+    if level == "O2":
+        assert all(p.dtype == FP32 for p in new_group)
+        assert all(p is not q for p, q in zip(new_group, head.parameters()))
+        for p, master in zip(head.parameters(), new_group):
+            assert torch.equal(p, master.to(BF16))
+    else:
+        assert all(p is q for p, q in zip(new_group, head.parameters()))
+    assert len(ampkit.state_dict()["trainers"]) == 1
+
+
+# --- train -> eval under no_grad -> train ---------------------------------------------------
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_eval_under_no_grad_between_train_steps_keeps_grads_exact(level):
+    def run(with_eval: bool) -> list[list[torch.Tensor]]:
+        model = _all_norms(level)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ampkit.initialize(model, opt, opt_level=level)
+        grads = []
+        for step in range(3):
+            model.train()
+            opt.zero_grad()
+            with ampkit.scale_loss(model(_x(step)).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            if with_eval:
+                model.eval()
+                with torch.no_grad():
+                    model(_x(100 + step))
+        return grads
+
+    reference, with_eval = run(False), run(True)
+    for step, (ref, got) in enumerate(zip(reference, with_eval)):
+        for g_ref, g in zip(ref, got):
+            assert torch.equal(g_ref, g), step
+
+
+# --- exact resume ---------------------------------------------------------------------------
+
+
+def _resume_run(level: str, num_losses: int, steps: int, start: int, ckpt: bytes | None):
+    """Build everything from scratch, optionally load ``ckpt``, train steps
+    ``start..start+steps``; return (params, checkpoint bytes)."""
+    model = _all_norms(level)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = ampkit.initialize(
+        model, opt, opt_level=level, num_losses=num_losses, loss_scale="dynamic"
+    )
+    if ckpt is not None:
+        saved = torch.load(io.BytesIO(ckpt))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        ampkit.load_state_dict(saved["amp"])
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        out = model(_x(step)).float()
+        losses = [out.pow(2).mean(), out.abs().mean()][:num_losses]
+        for loss_id, loss in enumerate(losses):
+            with ampkit.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                scaled.backward(retain_graph=loss_id + 1 < num_losses)
+        if step == 1:  # one overflow, so the scalers' state matters
+            model.head.weight.grad.view(-1)[0] = float("nan")
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()},
+        buf,
+    )
+    params = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    return params + buffers, buf.getvalue()
+
+
+@pytest.mark.parametrize("num_losses", [1, 2])
+@pytest.mark.parametrize("level", LEVELS)
+def test_checkpoint_and_resume_is_bitwise(level, num_losses):
+    straight, _ = _resume_run(level, num_losses, 5, 0, None)
+    _, ckpt = _resume_run(level, num_losses, 3, 0, None)
+    resumed, _ = _resume_run(level, num_losses, 2, 3, ckpt)
+    assert len(straight) == len(resumed)
+    for a, b in zip(straight, resumed):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_resume_without_master_state_is_refused():
+    # O2 checkpoints carry the masters; loading one into an O3 run is caught.
+    _, ckpt = _resume_run("O2", 1, 1, 0, None)
+    model = _all_norms("O3")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level="O3", loss_scale="dynamic")
+    with pytest.raises(ampkit.StateError, match="extra"):
+        ampkit.load_state_dict(torch.load(io.BytesIO(ckpt))["amp"])
+
+
+def test_masters_are_restored_from_the_checkpoint_not_from_bf16_weights():
+    _, ckpt = _resume_run("O2", 1, 3, 0, None)
+    saved = torch.load(io.BytesIO(ckpt))
+    entries = saved["amp"]["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"]
+    assert entries and all(t.dtype == FP32 for _, _, t in entries)
+    # The saved masters carry bits that their bf16 model weights do not.
+    assert any(not torch.equal(t, t.to(BF16).float()) for _, _, t in entries)
+    model = _all_norms()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    ampkit.load_state_dict(saved["amp"])
+    mw = ampkit.levels.master_weights_of(opt)
+    for gi, pi, t in entries:
+        master = opt.param_groups[gi]["params"][pi]
+        assert master.dtype == FP32 and torch.equal(master, t)
+        assert torch.equal(mw.model_param_of(master), t.to(BF16))
