@@ -156,6 +156,21 @@ def _outcome(fn, inputs):
     return tuple(x.dtype for x in leaves if isinstance(x, torch.Tensor))
 
 
+def _mismatches(device_type, dtype, inputs, intercept_all):
+    """Ops whose outcome (output dtypes, or the error raised) differs between
+    torch.autocast and ampkit's default policy."""
+    policy = amp.default_policy(device_type, dtype)
+    out = []
+    for label, fn, _ in OPS:
+        with torch.autocast(device_type, dtype=dtype):
+            want = _outcome(fn, inputs)
+        with amp.autocast(policy, device_type, _intercept_all=intercept_all):
+            got = _outcome(fn, inputs)
+        if want != got:
+            out.append((label, want, got))
+    return out
+
+
 def test_table_has_at_least_60_ops_in_every_category():
     assert len(OPS) >= 60
     names = " ".join(label for label, _, _ in OPS)
@@ -170,16 +185,7 @@ def test_default_policy_matches_torch_autocast_op_by_op(dtype, input_dtype, inte
     """Same output dtypes as torch.autocast, both when ampkit defers to the native
     kernels and when every listed op goes through ampkit's own kernels."""
     inputs = _inputs(torch.float32 if input_dtype == "fp32" else dtype, dtype)
-    policy = amp.default_policy("cpu", dtype)
-    mismatches = []
-    for label, fn, _ in OPS:
-        with torch.autocast("cpu", dtype=dtype):
-            want = _outcome(fn, inputs)
-        with amp.autocast(policy, "cpu", _intercept_all=intercept_all):
-            got = _outcome(fn, inputs)
-        if want != got:
-            mismatches.append((label, want, got))
-    assert not mismatches
+    assert not _mismatches("cpu", dtype, inputs, intercept_all)
 
 
 def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
@@ -203,13 +209,4 @@ def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
 @pytest.mark.parametrize("intercept_all", [False, True], ids=["native", "ampkit-kernels"])
 def test_default_cuda_policy_matches_torch_autocast(intercept_all):
     inputs = {k: v.cuda() for k, v in _inputs(torch.float32, torch.float16).items()}
-    policy = amp.default_policy("cuda", torch.float16)
-    mismatches = []
-    for label, fn, _ in OPS:
-        with torch.autocast("cuda", dtype=torch.float16):
-            want = _outcome(fn, inputs)
-        with amp.autocast(policy, "cuda", _intercept_all=intercept_all):
-            got = _outcome(fn, inputs)
-        if want != got:
-            mismatches.append((label, want, got))
-    assert not mismatches
+    assert not _mismatches("cuda", torch.float16, inputs, intercept_all)
