@@ -71,7 +71,7 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
                 continue
             assert entry["status"] == "ok", (name, p, entry.get("note"), entry.get("traceback"))
             assert entry["steps"] == wl["steps"] and len(entry["losses"]) == wl["steps"]
-            for key in ("step_ms", "speedup", "peak_mib", "memory_vs_fp32", "eval_loss",
+            for key in ("step_ms", "step_ms_min", "speedup", "speedup_min", "peak_mib", "memory_vs_fp32", "eval_loss",
                         "final_train_loss", "accuracy"):
                 assert entry[key] is not None and entry[key] > 0, (name, p, key, entry[key])
                 assert math.isfinite(entry[key])
@@ -221,6 +221,7 @@ def test_summary_leaves_out_the_warmup_block_and_counts_skips() -> None:
     ]
     s = summarize_precision(blocks, {"accuracy": 0.9})
     assert s["step_ms"] == pytest.approx(15.0)  # median of 10, 20, 15 ms; 500 ms warm-up left out
+    assert s["step_ms_min"] == pytest.approx(10.0)
     assert s["skipped_steps"] == 2 and s["nonfinite_losses"] == 1
     assert s["final_train_loss"] == pytest.approx(0.5)  # last 10% of 8 steps = last step
     assert s["final_loss_scale"] == 1.0 and s["losses"][5] is None and s["accuracy"] == 0.9

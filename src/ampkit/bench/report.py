@@ -36,13 +36,14 @@ def _scale(x: float | None) -> str:
 def fmt_precision_row(name: str, entry: dict[str, Any], lm: bool) -> list[str]:
     """Cells of one table row (also used for plain-text output)."""
     if entry.get("status") != "ok":
-        cells = [name] + [DASH] * (11 if lm else 10)
+        cells = [name] + [DASH] * (12 if lm else 11)
         cells[-1] = f"{entry.get('status')}: {entry.get('note', '')}"
         return cells
     acc = entry.get("accuracy")
     cells = [
         name,
         _num(entry.get("step_ms"), ".1f"),
+        _num(entry.get("step_ms_min"), ".1f"),
         _num(entry.get("speedup"), ".2f") + ("×" if entry.get("speedup") is not None else ""),
         _num(entry.get("peak_mib"), ".1f"),
         _num(entry.get("memory_vs_fp32"), ".2f") + ("×" if entry.get("memory_vs_fp32") is not None else ""),
@@ -85,6 +86,7 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
         )
         table.add_column("precision", style="bold", no_wrap=True)
         table.add_column("ms/step", justify="right")
+        table.add_column("min ms", justify="right")
         table.add_column("speedup", justify="right")
         table.add_column("peak MiB", justify="right")
         table.add_column("mem vs fp32", justify="right")
@@ -100,7 +102,8 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
             table.add_row(*fmt_precision_row(pname, entry, lm))
         console.print(table)
     console.print(
-        "ms/step: median over interleaved blocks (first block = warm-up, left out); speedup "
+        "ms/step: median over interleaved blocks (first block = warm-up, left out); min ms: "
+        "fastest block (less sensitive to other load on the machine); speedup (of the median) "
         "and mem vs fp32: ratios to fp32 in this run; train loss: mean of the last 10% of "
         "steps; eval loss/acc: held-out data after training; skipped: steps skipped for "
         f"inf/NaN gradients. {results['memory_method']}.",
@@ -134,21 +137,20 @@ def write_json(results: dict[str, Any], path: Path) -> None:
     _atomic_write(path, (json.dumps(clean(results), indent=1, allow_nan=False) + "\n").encode())
 
 
-def _smooth(values: list[float | None], alpha: float) -> list[float]:
+def _smooth(values: list[float | None], window: int) -> list[float]:
+    """Centered moving average over ``window`` steps (shorter at the ends; missing
+    values left out), so the curve does not lag behind the raw losses."""
+    half = window // 2
     out: list[float] = []
-    ema: float | None = None
-    for v in values:
-        if v is None:
-            out.append(float("nan"))
-            continue
-        ema = v if ema is None else (1 - alpha) * ema + alpha * v
-        out.append(ema)
+    for i in range(len(values)):
+        near = [v for v in values[max(0, i - half) : i + half + 1] if v is not None]
+        out.append(sum(near) / len(near) if near else float("nan"))
     return out
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
-    """One row per workload: training loss per precision (raw, faint, and an
-    exponential moving average) and the loss scale over steps."""
+    """One row per workload: training loss per precision (raw, faint, and a
+    centered moving average) and the loss scale over steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,23 +159,24 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     workloads = results["workloads"]
     fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "--", "-.", ":", (0, (5, 1))]
     for row, (name, wl) in enumerate(workloads.items()):
         ax_loss, ax_scale = axes[row]
         any_scale = False
         for i, (pname, entry) in enumerate(wl["precisions"].items()):
-            color = colors[i % len(colors)]
+            color, style = colors[i % len(colors)], styles[i % len(styles)]
             if entry.get("status") != "ok":
                 continue
             losses = entry["losses"]
             steps = list(range(1, len(losses) + 1))
             raw = [float("nan") if v is None else v for v in losses]
-            alpha = min(1.0, 10.0 / max(10, len(losses)))
-            ax_loss.plot(steps, raw, color=color, alpha=0.2, linewidth=0.8)
-            ax_loss.plot(steps, _smooth(losses, alpha), color=color, label=pname, linewidth=1.5)
+            ax_loss.plot(steps, raw, color=color, alpha=0.15, linewidth=0.8)
+            ax_loss.plot(steps, _smooth(losses, max(1, len(losses) // 20)), color=color,
+                         linestyle=style, label=pname, linewidth=1.5)
             scales = [float("nan") if s is None else s for s in entry["loss_scales"]]
             if any(s is not None for s in entry["loss_scales"]):
                 any_scale = True
-                ax_scale.step(steps, scales, where="post", color=color, label=pname)
+                ax_scale.step(steps, scales, where="post", color=color, linestyle=style, label=pname)
         ax_loss.set_title(f"{name}: training loss ({results['dtype']}, {results['device']})")
         ax_loss.set_xlabel("step")
         ax_loss.set_ylabel("cross-entropy")

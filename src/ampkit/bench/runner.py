@@ -200,6 +200,7 @@ def summarize_precision(blocks: list[dict[str, Any]], result: dict[str, Any]) ->
         "steps": len(losses),
         "step_ms": statistics.median(timed) if timed else None,
         "step_ms_mean": statistics.fmean(timed) if timed else None,
+        "step_ms_min": min(timed) if timed else None,
         "block_ms": block_ms,
         "final_train_loss": final_loss,
         "nonfinite_losses": sum(not math.isfinite(v) for v in losses),
@@ -219,6 +220,11 @@ def _add_ratios(precisions: dict[str, dict[str, Any]]) -> None:
         entry["speedup"] = (
             base["step_ms"] / entry["step_ms"]
             if base.get("status") == "ok" and base.get("step_ms") and entry.get("step_ms")
+            else None
+        )
+        entry["speedup_min"] = (
+            base["step_ms_min"] / entry["step_ms_min"]
+            if base.get("status") == "ok" and base.get("step_ms_min") and entry.get("step_ms_min")
             else None
         )
         entry["memory_vs_fp32"] = (

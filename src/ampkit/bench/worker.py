@@ -18,6 +18,7 @@ import dataclasses
 import math
 import time
 import traceback
+import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -154,6 +155,8 @@ def _finite(x: float) -> float | None:
 def worker_main(conn: Connection, threads: int) -> None:
     """Entry point of a worker process: serve commands until ``("close",)``."""
     torch.set_num_threads(threads)
+    # The parent prints its own note once for fp16 on CPU; one per worker is noise.
+    warnings.filterwarnings("ignore", message=r".*float16 on CPU.*", category=UserWarning)
     run: TrainingRun | None = None
     while True:
         try:
