@@ -45,6 +45,7 @@ class AllNorms(nn.Module):
 
 
 NORMS = ("bn2", "gn", "inorm", "lrn", "bn1", "ln", "rms")
+MIXED_INPUT_NORMS = ("bn2", "gn", "inorm", "bn1")
 
 
 def _all_norms(level: str = "O2") -> AllNorms:
@@ -119,7 +120,10 @@ def test_o2_runs_every_norm_layer_in_fp32_and_hands_back_bf16():
         )
     out = model(_x())
     for name in NORMS:
-        assert seen[name] == (FP32, FP32), name
+        # BatchNorm/InstanceNorm/GroupNorm kernels take the bf16 activation and
+        # accumulate in fp32 themselves; the others get an fp32 input.
+        computed_in = BF16 if name in MIXED_INPUT_NORMS else FP32
+        assert seen[name] == (computed_in, computed_in), name
         assert handed[name] == BF16, name
         for t in list(getattr(model, name).parameters()) + list(getattr(model, name).buffers()):
             if t.is_floating_point():
@@ -130,6 +134,34 @@ def test_o2_runs_every_norm_layer_in_fp32_and_hands_back_bf16():
     # keep_norm_fp32=False: norms go 16-bit like the rest (apex O2 without the flag).
     model2, _ = ampkit.initialize(_all_norms("O3"), None, opt_level="O2", keep_norm_fp32=False)
     assert model2.ln.weight.dtype == BF16 and model2(_x()).dtype == FP32
+
+
+@pytest.mark.parametrize(
+    "norm, shape",
+    [
+        (lambda: nn.BatchNorm2d(16), (16, 16, 8, 8)),
+        (lambda: nn.GroupNorm(4, 16), (16, 16, 8, 8)),
+        (lambda: nn.InstanceNorm2d(16, affine=True), (16, 16, 8, 8)),
+        (lambda: nn.LayerNorm(64), (32, 16, 64)),
+        (lambda: nn.RMSNorm(64), (32, 16, 64)),
+    ],
+)
+def test_o2_norm_weight_grads_are_fp32_accurate(norm, shape):
+    torch.manual_seed(0)
+    layer = norm()
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    reference = norm().double()
+    reference.load_state_dict(layer.state_dict())
+    model, _ = ampkit.initialize(nn.Sequential(nn.Identity(), layer), None, opt_level="O2")
+    x = torch.randn(shape) * 3 + 1
+    g = torch.randn(shape)
+    model(x).backward(g)
+    # The reference sees the same bf16-rounded input and output grad, in fp64.
+    reference(x.to(BF16).double()).backward(g.to(BF16).double())
+    got, want = layer.weight.grad.double(), reference.weight.grad
+    assert layer.weight.grad.dtype == FP32
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_integer_inputs_pass_and_outputs_come_back_fp32():
