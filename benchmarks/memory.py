@@ -1,0 +1,331 @@
+"""Peak memory of one training step per opt level, against torch.autocast.
+
+Each (workload, mode) runs in its own process, so one measurement cannot inherit
+another's allocations. In the worker: build the fp32 model and AdamW, set the mode
+up, train two warm-up steps (optimizer state exists, caches are warm), then reset
+the kernel's peak-RSS mark (Linux ``/proc/self/clear_refs``) and train one measured
+step. Reported per mode:
+
+- ``step peak``: peak RSS during the measured step minus the RSS of the same
+  process before the model was built (torch and ampkit imported): parameters,
+  masters, optimizer state, gradients and activations.
+- ``param+opt``: bytes of parameters, fp32 masters, compensation buffers and
+  optimizer state tensors, counted exactly (each storage once).
+
+glibc is told to serve every allocation above 64 KiB with mmap
+(``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the RSS at once and the peak
+reflects what the step holds. Targets checked at the end: O1 <= torch.autocast,
+O2 <= 0.8 x O0 (step peak), O2K param+opt >= 30% below O2's.
+
+    python benchmarks/memory.py            # both workloads, every mode (~1-2 min)
+    python benchmarks/memory.py --quick    # smaller workloads, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+MODES = ("O0", "autocast", "O1", "O2", "O3", "O2K")
+WORKLOADS = ("cnn", "transformer")
+MIB = 2.0**20
+
+
+# --- workloads (defined here, so the script stands alone) ------------------------------
+
+
+def _cnn(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any, Any], Any]]:
+    import torch
+    from torch import nn
+
+    c, size, batch = (16, 16, 16) if quick else (32, 32, 64)
+
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+
+    model = nn.Sequential(
+        *block(3, c), *block(c, c), nn.MaxPool2d(2),
+        *block(c, 2 * c), *block(2 * c, 2 * c), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * c * (size // 4) ** 2, 512), nn.LayerNorm(512), nn.ReLU(),
+        nn.Linear(512, 10),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    return model, lambda: (x, y), lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+class _Encoder:
+    """A pre-norm transformer encoder classifier over token ids."""
+
+    @staticmethod
+    def build(quick: bool) -> Any:
+        import torch
+        from torch import nn
+
+        vocab, d, heads, layers = 1000, (128 if quick else 256), 4, (2 if quick else 4)
+
+        class Encoder(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(vocab, d)
+                layer = nn.TransformerEncoderLayer(
+                    d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+                )
+                self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+                self.norm = nn.LayerNorm(d)
+                self.head = nn.Linear(d, 10)
+
+            def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+                return self.head(self.norm(self.encoder(self.embed(tokens))).mean(1))
+
+        return Encoder()
+
+
+def _transformer(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any, Any], Any]]:
+    import torch
+    from torch import nn
+
+    batch, seq = (4, 64) if quick else (16, 128)
+    model = _Encoder.build(quick)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (batch, seq), generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    return model, lambda: (tokens, y), lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _rss() -> float:
+    kib = _status_kib("VmRSS")
+    if kib is None:  # no procfs: the lifetime peak is all there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return kib / 1024.0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak() -> float:
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return kib / 1024.0
+
+
+def _param_and_state_bytes(model: Any, opt: Any) -> int:
+    import torch
+
+    import ampkit
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+    comp = ampkit.levels.compensation_of(opt)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add(p)
+            if comp is not None and comp.buffer(p) is not None:
+                add(comp.buffer(p))
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                add(v)
+    return total
+
+
+def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[[], float]]:
+    """Build the workload in fp32, set ``mode`` up; return (model, optimizer, step)."""
+    import torch
+
+    import ampkit
+
+    model, batch, loss_fn = (_cnn if workload == "cnn" else _transformer)(quick)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    if mode == "autocast":
+        scope = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    else:
+        model, opt = ampkit.initialize(model, opt, opt_level=mode)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        x, y = batch()
+        with scope():
+            out = model(x)
+            loss = loss_fn(out.float(), y)
+        with ampkit.scale_loss(loss, opt) if mode != "autocast" else _plain(loss) as scaled:
+            scaled.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return model, opt, step
+
+
+def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    import ampkit
+
+    # A throwaway pass first: it loads every kernel the step uses (code pages and
+    # one-time buffers count as RSS), then its tensors are freed. What is resident
+    # after that is the baseline the step is measured against.
+    model, opt, step = _setup(workload, mode, quick)
+    step()
+    del model, opt, step
+    ampkit.reset()
+    gc.collect()
+    bare = _rss()
+    model, opt, step = _setup(workload, mode, quick)
+    for _ in range(2):
+        step()
+    gc.collect()
+    before = _rss()
+    exact_peak = _reset_peak()
+    loss = step()
+    peak = _peak()
+    return {
+        "workload": workload,
+        "mode": mode,
+        "step_peak_mib": peak - bare,
+        "resident_before_step_mib": before - bare,
+        "bare_mib": bare,
+        "param_opt_mib": _param_and_state_bytes(model, opt) / MIB,
+        "params": sum(p.numel() for p in model.parameters()),
+        "loss": loss,
+        "peak_is_per_step": exact_peak,
+    }
+
+
+@contextlib.contextmanager
+def _plain(loss: Any) -> Iterator[Any]:
+    yield loss
+
+
+# --- the driver ------------------------------------------------------------------------
+
+
+def _run(workload: str, mode: str, quick: bool) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, __file__, "--worker", workload, mode] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{workload}/{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _table(rows: list[dict[str, Any]], markdown: bool = False) -> tuple[str, list[tuple[str, bool, str]]]:
+    if markdown:
+        lines = [
+            "| workload | mode | step peak MiB | vs O0 | param+opt MiB | vs O2 |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+    else:
+        lines = [
+            f"{'workload':<12} {'mode':<9} {'step peak MiB':>14} {'vs O0':>7} {'param+opt MiB':>14} {'vs O2':>7}",
+            "-" * 68,
+        ]
+    checks: list[tuple[str, bool, str]] = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        by_mode = {r["mode"]: r for r in rows if r["workload"] == workload}
+        o0, o2 = by_mode.get("O0"), by_mode.get("O2")
+        for mode, r in by_mode.items():
+            vs_o0 = f"{r['step_peak_mib'] / o0['step_peak_mib']:.2f}" if o0 else "-"
+            vs_o2 = f"{r['param_opt_mib'] / o2['param_opt_mib']:.2f}" if o2 else "-"
+            if markdown:
+                lines.append(
+                    f"| {workload} | {mode} | {r['step_peak_mib']:.1f} | {vs_o0} | "
+                    f"{r['param_opt_mib']:.2f} | {vs_o2} |"
+                )
+            else:
+                lines.append(
+                    f"{workload:<12} {mode:<9} {r['step_peak_mib']:>14.1f} {vs_o0:>7} "
+                    f"{r['param_opt_mib']:>14.2f} {vs_o2:>7}"
+                )
+        if "O1" in by_mode and "autocast" in by_mode:
+            a, b = by_mode["O1"]["step_peak_mib"], by_mode["autocast"]["step_peak_mib"]
+            # Same kernels underneath: equal up to page-level noise, hence 1% slack.
+            checks.append(
+                (f"{workload}: O1 step peak <= torch.autocast (1% slack)", a <= 1.01 * b, f"{a:.1f} vs {b:.1f} MiB")
+            )
+        if o0 and o2:
+            ratio = o2["step_peak_mib"] / o0["step_peak_mib"]
+            checks.append((f"{workload}: O2 step peak <= 0.8 x O0", ratio <= 0.8, f"ratio {ratio:.2f}"))
+        if o2 and "O2K" in by_mode:
+            saving = 1 - by_mode["O2K"]["param_opt_mib"] / o2["param_opt_mib"]
+            checks.append(
+                (f"{workload}: O2K param+opt >= 30% below O2", saving >= 0.30, f"{saving:.0%} less")
+            )
+        if not markdown:
+            lines.append("")
+    return "\n".join(lines), checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.quick)))
+        return 0
+    rows = []
+    for workload in args.workloads.split(","):
+        for mode in args.modes.split(","):
+            rows.append(_run(workload, mode, args.quick))
+            print(f"  measured {workload}/{mode}", file=sys.stderr, flush=True)
+    table, checks = _table(rows, args.markdown)
+    print(table)
+    if not all(r["peak_is_per_step"] for r in rows):
+        print("note: no /proc/self/clear_refs here; peaks are lifetime peaks of each process")
+    for name, ok, detail in checks:
+        print(f"[{'ok' if ok else 'MISS'}] {name}: {detail}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

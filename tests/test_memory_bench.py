@@ -1,0 +1,35 @@
+"""benchmarks/memory.py runs (quick sizes) and counts parameter+optimizer bytes exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
+
+
+@pytest.mark.slow
+def test_memory_benchmark_quick_run(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--workloads", "cnn", "--modes", "O0,O2,O2K",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step peak MiB" in proc.stdout
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"O0", "O2", "O2K"}
+    assert all(r["step_peak_mib"] > 0 for r in rows.values())
+    # AdamW: O0 holds 12 bytes per parameter (fp32 weights + 2 moments); O2 adds bf16
+    # model weights (+2); O2K holds bf16 weights, bf16 compensation and bf16 moments
+    # (8), norm layers aside.
+    params = rows["O0"]["params"]
+    assert rows["O0"]["param_opt_mib"] * 2**20 == pytest.approx(12 * params, rel=0.01)
+    assert rows["O2"]["param_opt_mib"] * 2**20 == pytest.approx(14 * params, rel=0.02)
+    assert rows["O2K"]["param_opt_mib"] <= 0.7 * rows["O2"]["param_opt_mib"]
+    assert "[ok] cnn: O2K param+opt >= 30% below O2" in proc.stdout
