@@ -237,6 +237,7 @@ def test_bf16_defaults_to_static_scale_one_and_still_skips_inf():
     level = resolve_opt_level("O2", "cpu")
     assert level.dtype == BF16 and level.loss_scale == 1.0 and level.master_weights
     assert resolve_opt_level("O1", "cuda").dtype == torch.float16
+    assert resolve_opt_level("O2K", "cuda").dtype == BF16
     model = _all_norms()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ampkit.initialize(model, opt, opt_level="O2")
@@ -484,3 +485,71 @@ def test_masters_are_restored_from_the_checkpoint_not_from_bf16_weights():
         master = opt.param_groups[gi]["params"][pi]
         assert master.dtype == FP32 and torch.equal(master, t)
         assert torch.equal(mw.model_param_of(master), t.to(BF16))
+
+
+# --- initialize again ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_initialize_again_reuses_state_and_stacks_nothing(level):
+    model = _all_norms()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level=level)
+    masters = list(ampkit.master_params(opt))
+    model(_x()).sum().backward()
+    opt.step()
+    model, opt = ampkit.initialize(model, opt, opt_level=level)  # a new session
+    assert all(p is q for p, q in zip(masters, ampkit.master_params(opt)))
+    assert len(opt._optimizer_step_pre_hooks) == (1 if level == "O2K" else 0)
+    hooks = [len(m._forward_pre_hooks) for m in model.modules()]
+    model, opt = ampkit.initialize(model, opt, opt_level=level)
+    assert hooks == [len(m._forward_pre_hooks) for m in model.modules()]
+    before = [p.detach().clone() for p in model.parameters()]
+    with ampkit.scale_loss(model(_x(1)).sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not ampkit.step_skipped(opt)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    if level == "O2":
+        with pytest.raises(AmpError, match="master weights from an earlier O2"):
+            ampkit.initialize(model, opt, opt_level="O3")
+
+
+# --- CUDA (runs where a GPU is present) ---------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_levels_train_skip_and_resume(level):
+    def run(steps: int, start: int, ckpt: bytes | None):
+        torch.manual_seed(0)
+        model = AllNorms().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = ampkit.initialize(model, opt, opt_level=level, loss_scale="dynamic")
+        if ckpt is not None:
+            saved = torch.load(io.BytesIO(ckpt))
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+            ampkit.load_state_dict(saved["amp"])
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            with ampkit.scale_loss(model(_x(step).cuda()).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            if step == 1:
+                model.head.weight.grad.view(-1)[0] = float("inf")
+            opt.step()
+            assert ampkit.step_skipped(opt) == (step == 1)
+        buf = io.BytesIO()
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()},
+            buf,
+        )
+        return [p.detach().clone() for p in model.parameters()], buf.getvalue()
+
+    straight, _ = run(4, 0, None)
+    _, ckpt = run(2, 0, None)
+    resumed, _ = run(2, 2, ckpt)
+    expected_weight = {"O0": FP32, "O1": FP32, "O2": torch.float16, "O3": torch.float16}
+    assert straight[0].dtype == expected_weight.get(level, BF16)
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)

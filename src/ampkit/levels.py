@@ -137,7 +137,9 @@ def resolve_opt_level(
     base = OPT_LEVELS[name]
     ov = {k: v for k, v in overrides.items() if v is not None}
 
-    dtype = _check_dtype(ov.get("dtype", _default_dtype(device_type)), "dtype")
+    # O2K is bf16 by definition (compensation needs bf16's range), on any device.
+    default = torch.bfloat16 if base["compensation"] else _default_dtype(device_type)
+    dtype = _check_dtype(ov.get("dtype", default), "dtype")
     cast = ov.get("cast_model_type", dtype if base["cast"] else None)
     if cast is False or cast == torch.float32:
         cast = None
@@ -367,6 +369,9 @@ def initialize(
     device_type = _device_type(model_list)
     level = resolve_opt_level(opt_level, device_type, **overrides)
     _check_fp32(model_list, opt_list, level)
+    from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
+
+    check_models(model_list, level.name, level.cast_model_type is not None)
 
     _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
