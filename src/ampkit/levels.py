@@ -1,16 +1,16 @@
 """Opt levels: apex-style one-call setup of casting, model dtype, master weights
 and loss scaling, on top of ampkit's scoped pieces.
 
-========  ============================  ==================  ===================  ============
-level     weights                       op-level casting    optimizer steps      loss scale
-========  ============================  ==================  ===================  ============
-``O0``    fp32                          off                 fp32 weights         1
-``O1``    fp32                          on (``ampkit.init``) fp32 weights        dynamic [*]
-``O2``    16-bit, norm layers fp32      off                 fp32 master copies   dynamic [*]
-``O3``    16-bit, norm layers too       off                 16-bit weights       1
-``O2K``   bf16, norm layers fp32        off                 bf16 weights with    1
-                                                            Kahan compensation
-========  ============================  ==================  ===================  ============
+- ``O0``: fp32 weights, no casting, the optimizer steps the fp32 weights; scale 1.
+- ``O1``: fp32 weights, op-level casting (``ampkit.init``) in the compute dtype;
+  dynamic scale [*].
+- ``O2``: weights in the compute dtype except normalization layers (fp32); the
+  optimizer steps fp32 master copies; dynamic scale [*].
+- ``O3``: every weight in the compute dtype, norm layers too; the optimizer steps
+  the 16-bit weights; scale 1.
+- ``O2K``: bf16 weights except norm layers (fp32), no master copy; the optimizer's
+  updates are applied with Kahan compensation (``compensation="stochastic"`` for
+  stochastic rounding), see :mod:`ampkit.compensated`; scale 1. Always bf16.
 
 [*] with ``dtype=torch.float16``. bf16 has fp32's exponent range, so gradients do
 not underflow and the default scale is a static 1 for every level when the compute
@@ -30,7 +30,7 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -240,8 +240,6 @@ def _drop_compensation() -> None:
         comp.remove()
     _COMPENSATED.clear()
 
-
-T = TypeVar("T")
 
 
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
