@@ -237,57 +237,74 @@ class CompensatedUpdates:
         in_chunk = {id(p) for p in chunk}
         for p in every:
             p.grad = grads[id(p)] if id(p) in in_chunk else None
-        widened = [self._widen(optimizer, p, grads[id(p)]) for p in chunk if p.dtype in _LOW]
+        positions = {
+            id(p): (gi, pi)
+            for gi, group in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(group["params"])
+            if id(p) in in_chunk
+        }
+        widened = [
+            self._widen(optimizer, p, grads[id(p)], positions[id(p)]) for p in chunk if p.dtype in _LOW
+        ]
         try:
             type(optimizer).step(optimizer)
         finally:
-            for p, low_value in widened:
-                self._narrow(optimizer, p, low_value, grads[id(p)])
+            for p, wide in widened:
+                self._narrow(optimizer, p, wide, grads[id(p)], positions[id(p)])
             for p in chunk:
                 p.grad = None
 
     def _widen(
-        self, optimizer: torch.optim.Optimizer, p: nn.Parameter, grad: torch.Tensor
-    ) -> tuple[nn.Parameter, torch.Tensor]:
-        """Give the optimizer an fp32 view of ``p``: value, grad and state."""
-        low_value = p.data
+        self,
+        optimizer: torch.optim.Optimizer,
+        p: nn.Parameter,
+        grad: torch.Tensor,
+        where: tuple[int, int],
+    ) -> tuple[nn.Parameter, nn.Parameter]:
+        """Give the optimizer an fp32 stand-in for ``p``: a parameter with ``p``'s value,
+        grad and state in fp32, in ``p``'s place in ``param_groups``. ``p`` keeps its
+        dtype: changing it through ``p.data`` would reset ``p``'s gradient accumulator in
+        autograd, and with it the hooks DistributedDataParallel registered there."""
+        wide = nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
+        wide.grad = grad.to(torch.float32)
         p.grad = None
-        p.data = low_value.to(torch.float32)
-        p.grad = grad.to(torch.float32)
-        state = optimizer.state.get(p)
+        state = optimizer.state.pop(p, None)
         if state:
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.dtype == low_value.dtype:
-                    state[k] = v.to(torch.float32)
-        return p, low_value
+            optimizer.state[wide] = {
+                k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
+                for k, v in state.items()
+            }
+        optimizer.param_groups[where[0]]["params"][where[1]] = wide
+        return p, wide
 
     def _narrow(
         self,
         optimizer: torch.optim.Optimizer,
         p: nn.Parameter,
-        low_value: torch.Tensor,
+        wide: nn.Parameter,
         grad: torch.Tensor,
+        where: tuple[int, int],
     ) -> None:
-        """Round the optimizer's fp32 result back into ``p`` (in the storage it
-        had) and store its state in ``p``'s dtype."""
-        low = low_value.dtype
-        result = p.data
-        p.grad = None
+        """Round the optimizer's fp32 result back into ``p`` (in place) and store its
+        state in ``p``'s dtype, under ``p`` again."""
+        low = p.dtype
+        optimizer.param_groups[where[0]]["params"][where[1]] = p
+        result = wide.detach()
         with torch.no_grad():
             if self.method == "kahan":
-                new = kahan_round(result, self._buffer_for(p, low_value))
+                new = kahan_round(result, self._buffer_for(p, p.detach()))
             elif self.method == "stochastic":
                 new = stochastic_round(result, low, self._generator_for(result.device))
             else:
                 new = result.to(low)
-            low_value.copy_(new)
-        p.data = low_value
-        state = optimizer.state.get(p)
+            p.copy_(new)
+        state = optimizer.state.pop(wide, None)
         if state:
             # "step" counters stay as the optimizer keeps them (fp32 scalars).
-            for k, v in list(state.items()):
-                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
-                    state[k] = v.to(low)
+            optimizer.state[p] = {
+                k: v.to(low) if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 else v
+                for k, v in state.items()
+            }
         p.grad = grad
 
     # -- checkpoints --------------------------------------------------------------
