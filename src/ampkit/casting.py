@@ -419,7 +419,7 @@ class _ModuleHooks:
             args = tuple(_map_tensors(a, _to_fp32) for a in args)
         else:
             stack.enter_context(
-                autocast(policy.override(dtype=dtype), frame.device_type, cache_enabled=frame.cache_enabled)
+                autocast(_with_dtype(policy, dtype), frame.device_type, cache_enabled=frame.cache_enabled)
             )
         _state.rule_stack.append((module, stack))
         return args
@@ -430,6 +430,23 @@ class _ModuleHooks:
         if _state.module_stack and _state.module_stack[-1] is module:
             _state.module_stack.pop()
         return None
+
+
+_DERIVED: dict[tuple[int, torch.dtype], tuple[Policy, Policy]] = {}
+
+
+def _with_dtype(policy: Policy, dtype: torch.dtype) -> Policy:
+    """``policy`` computing in ``dtype``; one object per pair, so a module rule does not
+    build (and resolve) a new policy on every forward."""
+    key = (id(policy), dtype)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0] is policy:
+        return hit[1]
+    derived = policy if policy.dtype is dtype else policy.override(dtype=dtype)
+    if len(_DERIVED) > 256:
+        _DERIVED.clear()
+    _DERIVED[key] = (policy, derived)
+    return derived
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
