@@ -89,3 +89,7 @@ __all__ += [
     "initialize",
     "master_params",
 ]
+# --- distributed ---
+from . import distributed  # noqa: E402  (installs the cross-rank skip agreement)
+
+__all__ += ["distributed"]

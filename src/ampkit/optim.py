@@ -21,7 +21,9 @@ DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()
 2. unscales the grads of the params in ``optimizer.param_groups`` by ``1/S`` and checks
    them for inf/NaN, one fused kernel per (device, dtype) -- unless ``ampkit.unscale``
    already did this step,
-3. reads the found-inf flag(s) with one host sync,
+3. reads the found-inf flag(s) with one host sync (in a multi-process run, after one
+   all-reduce that makes every rank reach the same decision when they could disagree;
+   see :mod:`ampkit.distributed`),
 4. if every grad is finite, calls the optimizer's own ``step`` and then the
    ``post_step_hooks``; otherwise it returns without touching params or optimizer
    state (bitwise) and runs the ``skip_hooks``,
@@ -69,7 +71,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from . import session as _session
-from .errors import NumericsError, StateError
+from .errors import DistributedError, NumericsError, StateError
 from .scaling import LossScaler, group_grads, to_fp32, unscale_and_check_
 
 __all__ = [
@@ -93,6 +95,18 @@ _GRADSCALER_SKIPS: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
 )
 
 _Opt = TypeVar("_Opt", bound=torch.optim.Optimizer)
+
+# Cross-rank agreement on the skip decision (installed by ampkit.distributed on import).
+# Called once per step with the step's segments, before their flags are read: returns
+# None when this rank decides alone, else an object with ``device`` and
+# ``reduce(tensor)`` (an in-place all-reduce MAX over the ranks that must agree).
+_agreement_hook: Callable[[ManagedOptimizer, list], Any] | None = None
+
+
+def set_agreement_hook(hook: Callable[[ManagedOptimizer, list], Any] | None) -> None:
+    """Install the cross-rank agreement hook (see ``ampkit.distributed``)."""
+    global _agreement_hook
+    _agreement_hook = hook
 
 
 @dataclass(frozen=True)
@@ -393,6 +407,10 @@ class ManagedOptimizer:
         segments, self._segments = self._segments, []
         self._pending = None
         self._unscaled = False
+        hook = _agreement_hook
+        agreement = hook(self, segments) if hook is not None else None
+        if agreement is not None:
+            return _resolve_agreed(segments, len(self._slots), agreement)
         tensors = [f for _, f in segments if f is not None]
         if not tensors:
             flags_iter = iter(())
@@ -548,6 +566,61 @@ class Trainer:
         for slot in self.slots:
             slot.clear()
             slot.scaler._attached = False
+
+
+# Per-loss event codes of an agreed step, ordered so that MAX across ranks combines
+# them: an overflow on any rank is an overflow; a loss masked by an earlier overflow
+# on some rank (and overflowing on none) is unknown; clean means clean everywhere.
+_ABSENT, _CLEAN, _MASKED, _OVERFLOW = -1.0, 0.0, 1.0, 2.0
+
+
+def _encode_events(
+    segments: list[tuple[int | None, torch.Tensor | None]], num_losses: int, device: torch.device
+) -> torch.Tensor:
+    """On ``device``, no host sync: ``[code per loss id] + [skip] + [1.0 per loss id
+    absent on this rank]``, the same meaning as the local path of ``_resolve_step``."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    flags = [zero if f is None else f.to(device, non_blocking=True) for _, f in segments]
+    found = (torch.stack(flags) > 0).to(torch.float32) if flags else zero.view(1)
+    if found.numel() > 1:  # masked: an earlier segment of this step overflowed
+        before = torch.cummax(found, 0).values[:-1]
+        masked = torch.cat([zero.view(1), before])
+    else:
+        masked = torch.zeros_like(found)
+    status = torch.where(masked > 0, _MASKED, found * _OVERFLOW)
+    codes = torch.full((num_losses,), _ABSENT, dtype=torch.float32, device=device)
+    picked = [i for i, (loss_id, _) in enumerate(segments) if loss_id is not None]
+    if picked:
+        index = torch.tensor([segments[i][0] for i in picked], device=device)
+        codes.scatter_reduce_(0, index, status[picked], reduce="amax")
+    absent = (codes < 0).to(torch.float32)
+    return torch.cat([codes, found.max().view(1), absent])
+
+
+def _resolve_agreed(
+    segments: list[tuple[int | None, torch.Tensor | None]], num_losses: int, agreement: Any
+) -> tuple[dict[int, bool | None], bool]:
+    """``_resolve_step`` with the events combined across ranks: one all-reduce (MAX) of
+    the encoded events, then the step's one host sync."""
+    vector = _encode_events(segments, num_losses, agreement.device)
+    agreement.reduce(vector)
+    values = vector.tolist()
+    codes, skip, absent = values[:num_losses], values[num_losses] > 0, values[num_losses + 1 :]
+    events: dict[int, bool | None] = {}
+    mismatched = []
+    for loss_id, code in enumerate(codes):
+        if code == _ABSENT:
+            continue
+        if absent[loss_id] > 0:
+            mismatched.append(loss_id)
+        events[loss_id] = None if code == _MASKED else code == _OVERFLOW
+    if mismatched:
+        raise DistributedError(
+            f"loss id(s) {mismatched} were scaled on some ranks but not on others this step, "
+            "so their loss scalers would drift apart. Run the same scale_loss calls (same "
+            "loss ids) on every rank each step; scale a zero loss where a rank has none."
+        )
+    return events, skip
 
 
 def _ratio(new: float, old: float) -> float:
