@@ -185,13 +185,13 @@ class LMConfig:
     """Size and training settings of the ``lm`` workload."""
 
     d_model: int = 128
-    n_layers: int = 4
+    n_layers: int = 2
     n_heads: int = 4
     seq_len: int = 128
     batch_size: int = 16
     lr: float = 3e-3
     warmup: int = 30
-    steps: int = 300
+    steps: int = 600
     corpus_chars: int = 400_000
     eval_windows: int = 128
 
