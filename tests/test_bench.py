@@ -270,3 +270,48 @@ def test_ampkit_recipe_unavailable_without_initialize(monkeypatch: pytest.Monkey
 def test_unknown_recipe_name() -> None:
     with pytest.raises(ValueError, match="unknown precision"):
         make_recipe("fp8", torch.device("cpu"), torch.bfloat16)
+
+
+class _ScriptedWorker:
+    """Stands in for a worker process: answers the parent's messages in-process."""
+
+    def __init__(self, fail_at_block: int | None = None, unavailable: bool = False) -> None:
+        self.fail_at_block = fail_at_block
+        self.unavailable = unavailable
+        self.blocks = 0
+        self.last: tuple = ()
+
+    def send(self, *msg: object) -> None:
+        self.last = msg
+
+    def recv(self) -> tuple:
+        cmd = self.last[0]
+        if cmd == "setup":
+            if self.unavailable:
+                return ("unavailable", "not in this install")
+            return ("ready", {"description": "scripted", "config": {}})
+        if cmd == "train":
+            self.blocks += 1
+            if self.blocks == self.fail_at_block:
+                return ("error", "RuntimeError: boom", "Traceback ...")
+            n = self.last[1]
+            return ("block", {"losses": [1.0] * n, "skipped": [False] * n, "scales": [None] * n,
+                              "seconds": 0.01 * n, "steps": n})
+        return ("result", {"accuracy": 0.9, "eval_loss": 0.3, "peak_mib": 2.0})
+
+
+def test_runner_keeps_going_when_one_precision_fails() -> None:
+    from ampkit.bench.runner import _run_workload
+
+    config = BenchConfig(workloads=("cnn",), precisions=("fp32", "torch-autocast", "ampkit-O2"),
+                         steps=6, block=2)
+    pool = {"fp32": _ScriptedWorker(), "torch-autocast": _ScriptedWorker(fail_at_block=2),
+            "ampkit-O2": _ScriptedWorker(unavailable=True)}
+    seen: list[tuple[int, int]] = []
+    wl = _run_workload("cnn", config, pool, lambda w, d, t: seen.append((d, t)), None)
+    entries = wl["precisions"]
+    assert entries["fp32"]["status"] == "ok" and entries["fp32"]["steps"] == 6
+    assert entries["torch-autocast"]["status"] == "error" and "boom" in entries["torch-autocast"]["note"]
+    assert entries["ampkit-O2"] == {"status": "unavailable", "note": "not in this install"}
+    assert seen[-1] == (8, 8)  # 6 fp32 steps + the 2 autocast ran before failing
+    assert entries["fp32"]["speedup"] == 1.0

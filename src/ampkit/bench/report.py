@@ -108,6 +108,7 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
         "steps; eval loss/acc: held-out data after training; skipped: steps skipped for "
         f"inf/NaN gradients. {results['memory_method']}.",
         style="dim",
+        highlight=False,
     )
 
 
