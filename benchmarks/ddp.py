@@ -1,0 +1,229 @@
+"""DDP step time with 1 vs N processes per opt level, and the collectives ampkit adds.
+
+Each opt level trains the same MLP (Linear-BatchNorm-ReLU blocks) under
+DistributedDataParallel with a fixed per-process batch (weak scaling: N processes see
+N times the samples per step). Per level and process count the table gives the median
+step time and samples/s; for N processes also the step time when the skip decision is
+all-reduced on every step (``set_sync(opt, "always")``), and how many all-reduces
+ampkit itself added per step:
+
+- "registered": ``register_ddp(DDP(model))``, grads all-reduced by DDP -> target 0;
+- "can disagree": the same DDP not registered (ampkit cannot tell) -> target 1.
+
+Configurations run interleaved in blocks inside the same processes, so machine noise
+hits them alike. On a machine with GPUs each process takes one GPU and NCCL; on CPU,
+gloo with one thread per process (two processes need two free cores).
+
+    python benchmarks/ddp.py [--nproc 2] [--steps 40] [--levels O0,O1,O2,O3,O2K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+LEVELS = ("off", "O0", "O1", "O2", "O3", "O2K")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--nproc", type=int, default=2, help="processes of the multi-process run")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per block")
+    p.add_argument("--blocks", type=int, default=4, help="interleaved blocks the steps are split in")
+    p.add_argument("--levels", default=",".join(LEVELS), help="comma-separated; 'off' is fp32 without ampkit")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=128, help="per process")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="default: bf16 on CPU, fp16 on CUDA")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# --- worker ------------------------------------------------------------------------------
+
+
+class CountAllReduce:
+    """Counts torch.distributed.all_reduce calls inside the block: ampkit's agreement goes
+    through it; DDP's gradient buckets (C++ reducer) do not."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self) -> CountAllReduce:
+        self._orig = dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._orig(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._orig
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(hidden, 10),
+    )  # fmt: skip
+
+
+def worker(args: argparse.Namespace, out: Path) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ampkit as amp
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "", None)
+    dtype = dtype or (torch.float16 if cuda else torch.bfloat16)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, 256, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+
+    def setup(level: str, register: bool, sync: str = "auto"):
+        amp.reset()
+        model = make_model(args.hidden).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if level != "off":
+            model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype)
+        net = DDP(model, device_ids=[device.index] if cuda else None)
+        if level != "off":
+            if register:
+                amp.distributed.register_ddp(net)
+            amp.distributed.set_sync(opt, sync)
+        return net, opt
+
+    def step(net, opt, level: str, counter: CountAllReduce) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x).float(), y)
+        if level == "off":
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        with counter:
+            opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # initialize() starts a new AMP session, so configurations cannot coexist: each block
+    # sets one up afresh; blocks of every level and configuration alternate.
+    names = ["registered"] + (["always", "unregistered"] if world > 1 else [])
+    levels = args.levels.split(",")
+    times: dict[tuple[str, str], list[float]] = {}
+    counts: dict[tuple[str, str], list[int]] = {}
+    per_block = max(1, args.steps // args.blocks)
+    for _ in range(args.blocks):
+        for level in levels:
+            for name in names if level != "off" else ["registered"]:
+                net, opt = setup(level, register=name != "unregistered", sync="always" if name == "always" else "auto")
+                for _ in range(args.warmup):
+                    step(net, opt, level, CountAllReduce())
+                for _ in range(per_block):
+                    counter = CountAllReduce()
+                    times.setdefault((level, name), []).append(step(net, opt, level, counter))
+                    counts.setdefault((level, name), []).append(counter.calls)
+    results: dict[str, dict] = {}
+    for (level, name), ts in times.items():
+        results.setdefault(level, {})[name] = {
+            "ms": 1000 * statistics.median(ts),
+            "collectives": max(counts[(level, name)]),
+        }
+    amp.reset()
+    if rank == 0:
+        out.write_text(json.dumps({"world": world, "device": device.type, "dtype": str(dtype), "results": results}))
+    dist.destroy_process_group()
+
+
+# --- driver ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(nproc: int, argv: list[str], tmp: Path) -> dict:
+    out = tmp / f"world{nproc}.json"
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(out)], env=env))
+    if any(p.wait() for p in procs):
+        raise SystemExit(f"a worker of the {nproc}-process run failed")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args, Path(args.worker))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        one = run(1, argv, Path(tmp))
+        many = run(args.nproc, argv, Path(tmp))
+        wall = time.perf_counter() - t0
+    n = args.nproc
+    print(
+        f"DDP, {many['device']}, {many['dtype'].removeprefix('torch.')}, MLP hidden {args.hidden}, "
+        f"batch {args.batch} per process, median of {args.steps} steps ({wall:.0f} s in all)"
+    )
+    head = (
+        f"{'level':6} {'1 proc ms':>10} {f'{n} procs ms':>11} {f'{n}p/1p':>7} {'samples/s 1p':>13} "
+        f"{f'samples/s {n}p':>13} {f'{n}p agree ms':>13} {'collectives/step':>17}"
+    )
+    print(head)
+    print("-" * len(head))
+    for level, r1 in one["results"].items():
+        rn = many["results"][level]
+        t1, tn = r1["registered"]["ms"], rn["registered"]["ms"]
+        agree = rn.get("always", {}).get("ms")
+        agree_ms = "-" if agree is None else f"{agree:.2f}"
+        coll = "-" if level == "off" else f"{rn['registered']['collectives']} reg / {rn['unregistered']['collectives']} unreg"
+        print(
+            f"{level:6} {t1:10.2f} {tn:11.2f} {tn / t1:7.2f} {1000 * args.batch / t1:13.0f} "
+            f"{1000 * n * args.batch / tn:13.0f} {agree_ms:>13} {coll:>17}"
+        )
+    print(
+        "collectives/step: all-reduces ampkit adds to a step, with the DDP model registered "
+        "(register_ddp; target 0) and not registered (ranks could disagree; target 1). "
+        f"'{n}p agree ms': the {n}-process step with set_sync(opt, 'always')."
+    )
+
+
+if __name__ == "__main__":
+    main()
