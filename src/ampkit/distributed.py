@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -247,7 +248,14 @@ def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
         return SyncPlan(False, "sync='never'")
     if s.sync == "always":
         return SyncPlan(True, "sync='always'")
-    grads = [p.grad for p in state._grad_params() if p.grad is not None]
+    # The grads are on the params in param_groups or, before an O2 step moved them into
+    # the masters, on the model's params.
+    backward = state.backward_params
+    grads = [
+        p.grad
+        for p in itertools.chain(state._grad_params(), backward if backward is not None else ())
+        if p.grad is not None
+    ]
     if not grads:
         return SyncPlan(True, "no gradients on this rank (other ranks may have some)")
     dtensor = _dtensor_type()
@@ -332,7 +340,8 @@ def _agreement_for(
     first_step_error: str | None | bool = False
     if not s.masters_checked:
         s.masters_checked = True
-        first_step_error = _masters_mismatch(state)
+        if _master_pairs(state):
+            first_step_error = _masters_mismatch(state)
     if not _plan(state, len(segments)).agree:
         if first_step_error:  # no collective to tell the others: raise here
             raise DistributedError(first_step_error)
