@@ -347,6 +347,30 @@ def test_sync_batchnorm_is_refused_without_a_gpu():
     assert type(model[1]) is nn.BatchNorm1d  # untouched
 
 
+def test_sync_batchnorm_conversion_keeps_parameters_and_cast_hooks():
+    """The conversion itself (what convert_sync_batchnorm does on a GPU machine), checked
+    on CPU in eval mode, where SyncBatchNorm runs plain batch norm: same Parameter
+    objects, ampkit's cast hooks moved to the new layer, the same output bitwise."""
+    from ampkit import model as amp_model
+    from ampkit.distributed import _convert_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")
+    model.eval()
+    x = torch.randn(6, 4)
+    before = model(x)
+    old_bn, weight = model[1], model[1].weight
+    hooks = len(amp_model._HANDLES[old_bn])
+    model = _convert_bn(model, None)
+    assert type(model[1]) is nn.SyncBatchNorm
+    assert model[1].weight is weight and weight.dtype == torch.float32
+    assert model[1].running_var.dtype == torch.float32
+    assert old_bn not in amp_model._HANDLES and len(amp_model._HANDLES[model[1]]) == hooks > 0
+    assert torch.equal(model(x), before)
+
+
 @pytest.mark.cuda
 def test_sync_batchnorm_under_o2_stays_fp32_with_its_parameters():
     torch.manual_seed(0)
