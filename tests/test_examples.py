@@ -59,7 +59,8 @@ def test_train_lm_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_train_classifier_fp16_dynamic_scaling_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     """fp16 on CPU is slow but must work; the loss scaler reports its scale."""
     module = _load("train_classifier")
-    metrics = module.main(["--amp", "init", "--dtype", "fp16", *TINY_CLASSIFIER])
+    with pytest.warns(UserWarning, match="float16 on CPU"):
+        metrics = module.main(["--amp", "init", "--dtype", "fp16", *TINY_CLASSIFIER])
     out = capsys.readouterr().out
     assert "dtype=float16" in out and "scale" in out
     assert math.isfinite(metrics["test_loss"])
