@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
     log = print if rank == 0 else (lambda *a, **k: None)
     if rank == 0:  # ampkit logs every overflow (on rank 0 only)
         logging.basicConfig(level=logging.INFO, format="  [ampkit] %(message)s")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.bfloat16)
+    cuda_fp16 = device.type == "cuda" and args.amp != "O2K"  # O2K is bf16 by design
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if cuda_fp16 else torch.bfloat16)
 
     torch.manual_seed(args.seed)  # the same start everywhere (DDP would broadcast it anyway)
     xtr, ytr, xte, yte = load_data(device)

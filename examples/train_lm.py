@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.set_num_threads(args.threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
-    dtype = DTYPES[args.dtype or ("fp16" if device == "cuda" else "bf16")]
+    # O2K is bf16 by design; elsewhere torch.autocast's defaults: fp16 on CUDA, bf16 on CPU
+    dtype = DTYPES[args.dtype or ("fp16" if device == "cuda" and args.amp != "O2K" else "bf16")]
     torch.manual_seed(args.seed)
 
     data = load_stdlib_text(args.corpus_chars, device=device)
