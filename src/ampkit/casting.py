@@ -680,6 +680,8 @@ def _stop_global() -> None:
 
 @_reset.on_reset
 def _reset_engine() -> None:
+    global _warned_fp16_cpu
+    _warned_fp16_cpu = False  # warn once per ampkit session (reset starts a new one)
     _stop_global()
     for stack in reversed(_state.rule_stack):
         stack[1].close()
