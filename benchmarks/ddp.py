@@ -191,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args, Path(args.worker))
-        return
+        # gloo in torch 2.13 sometimes aborts during interpreter teardown after all
+        # work is done; skip the teardown so the driver sees the real exit status
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         one = run(1, argv, Path(tmp))

@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -251,3 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # With the gloo backend, torch 2.13 sometimes aborts while tearing the process down
+    # ("terminate called without an active exception"), after all work is done; leave
+    # without that teardown so torchrun sees the real result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -526,6 +526,9 @@ def main(argv: list[str]) -> int:
     try:
         results = JOBS[job](rank, world, outdir)
         torch.save(results, outdir / f"rank{rank}.pt")
+        # leave together: rank 0 hosts the store, and tearing the group down while the
+        # other rank still has work in flight can abort the process at exit
+        dist.barrier()
     except BaseException:
         traceback.print_exc()
         return 1
@@ -535,4 +538,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: with gloo, static destructors at exit sometimes abort
+    # ("terminate called without an active exception") after all work is done and
+    # saved, which would turn a passing job into a failure.
+    os._exit(code)
