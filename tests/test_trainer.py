@@ -454,14 +454,61 @@ def test_hold_is_dropped_if_the_scheduler_does_not_step_before_the_next_step():
     with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
         s.backward()
     opt.step()
-    assert "step" in sched.__dict__ and "step" not in plateau.__dict__
+    assert type(sched) is not torch.optim.lr_scheduler.StepLR  # held
+    assert type(plateau) is torch.optim.lr_scheduler.ReduceLROnPlateau  # never held
+    assert "step" not in sched.__dict__ and "step" not in plateau.__dict__
     opt.zero_grad()
     with amp.scale_loss(loss_of(model, 1), opt) as s:
         s.backward()
     opt.step()
+    assert type(sched) is torch.optim.lr_scheduler.StepLR
     assert "step" not in sched.__dict__
     sched.step()
     assert sched.last_epoch == 1
+
+
+def _held_scheduler():
+    model = mlp()
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=1.0), hold_schedulers_on_skip=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
+        s.backward()
+    opt.step()
+    assert amp.step_skipped(opt)
+    return model, opt, sched
+
+
+def test_held_scheduler_state_dict_pickles_and_carries_no_hold():
+    """A checkpoint taken right after a skipped step: the scheduler's state_dict (its
+    __dict__) must pickle, and loading it must not freeze the loading scheduler."""
+    _, _, sched = _held_scheduler()
+    sd = sched.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for source in (sd, loaded):  # in memory and from disk
+        opt2 = torch.optim.SGD(mlp().parameters(), lr=1.0)
+        fresh = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+        fresh.load_state_dict(source)
+        for _ in range(3):
+            opt2.step()
+            fresh.step()
+        assert fresh.last_epoch == 3
+        assert opt2.param_groups[0]["lr"] == 0.5**3
+    sched.step()  # the held scheduler itself still swallows its one step
+    assert sched.last_epoch == 0 and type(sched) is torch.optim.lr_scheduler.StepLR
+
+
+def test_copy_of_a_held_scheduler_is_not_held():
+    _, opt, sched = _held_scheduler()
+    twin = copy.deepcopy(sched)
+    with warnings.catch_warnings():  # the copied optimizer lost torch's step marker
+        warnings.simplefilter("ignore")
+        twin.step()
+    assert twin.last_epoch == 1 and type(twin) is torch.optim.lr_scheduler.StepLR
+    sched.step()
+    assert sched.last_epoch == 0
 
 
 # --- several losses, several optimizers ------------------------------------------------

@@ -226,7 +226,7 @@ class ManagedOptimizer:
         self._pending: int | None = None
         self._segments: list[tuple[int | None, torch.Tensor | None]] = []
         self._unscaled = False
-        # Schedulers held after a skipped step: (scheduler, its previous instance `step`).
+        # Schedulers held after a skipped step: (scheduler, its own class).
         self._held: list[tuple[Any, Any]] = []
         self._previous_step: Any = _MISSING
         self._install_step()
@@ -468,24 +468,20 @@ class ManagedOptimizer:
                 self._hold(obj)
 
     def _hold(self, scheduler: Any) -> None:
-        previous = scheduler.__dict__.get("step", _MISSING)
-        state = self
-
-        def held_step(*args: Any, **kwargs: Any) -> None:
-            # One call swallowed: the scheduler gets its own step back.
-            state._unhold(scheduler)
-
-        scheduler.step = held_step
+        # The hold is a class swap, not an instance attribute: a scheduler's state_dict()
+        # is its __dict__, and a hold stored there would fail to pickle and, loaded into
+        # a scheduler, swallow its steps forever.
+        previous = type(scheduler)
+        scheduler.__class__ = _held_class(previous)
+        _HELD_BY[scheduler] = self
         self._held.append((scheduler, previous))
 
     def _unhold(self, scheduler: Any) -> None:
         for i, (sched, previous) in enumerate(self._held):
             if sched is scheduler:
                 del self._held[i]
-                if previous is _MISSING:
-                    sched.__dict__.pop("step", None)
-                else:
-                    sched.step = previous
+                _HELD_BY.pop(sched, None)
+                sched.__class__ = previous
                 return
 
     def _release_held_schedulers(self) -> None:
@@ -623,6 +619,31 @@ def _resolve_agreed(
     return events, skip
 
 
+# LR schedulers held after a skipped step -> the ManagedOptimizer holding them.
+_HELD_BY: weakref.WeakKeyDictionary[Any, ManagedOptimizer] = weakref.WeakKeyDictionary()
+# Scheduler class -> its held twin (same name; ``step`` swallows one call).
+_HELD_CLASSES: dict[type, type] = {}
+
+
+def _held_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``step`` does nothing once and then gives the
+    scheduler its own class back (see ``ManagedOptimizer._hold``)."""
+    held = _HELD_CLASSES.get(cls)
+    if held is None:
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> None:
+            state = _HELD_BY.get(self)
+            if state is None:  # a copy of a held scheduler: not held itself
+                self.__class__ = cls
+                return cls.step(self, *args, **kwargs)
+            state._unhold(self)
+            return None
+
+        namespace = {"__slots__": (), "step": step, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        held = _HELD_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    return held
+
+
 def _ratio(new: float, old: float) -> float:
     return to_fp32(new / old)
 
@@ -715,6 +736,8 @@ def init_trainer(
             ``step()`` of each LR scheduler attached to the optimizer does nothing, so the
             LR schedule advances only on real steps. Found by a garbage-collector scan
             (a few ms to tens of ms) on skipped steps only; ReduceLROnPlateau is never held.
+            While held, a scheduler's class is a same-named subclass (``type(s)`` differs,
+            ``isinstance`` holds); its ``state_dict()`` carries no trace of the hold.
 
     Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
     grads. Registers into the current AMP session (``ampkit.state_dict()``).
