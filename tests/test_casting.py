@@ -423,3 +423,24 @@ def test_policy_combination_user_wins_per_op():
     assert amp.canonical_op(F.cross_entropy) == "cross_entropy_loss"
     assert amp.canonical_op("aten::pow.Tensor_Scalar") == "pow"
     assert amp.canonical_op(F.normalize).startswith("py:")
+
+
+def test_conditional_op_left_alone_keeps_autocast_inside_composite_ops():
+    """einsum is not on the CPU lists but decomposes into bmm, which is: when a
+    conditional rule on einsum does not fire, bmm must still run in bf16, as under
+    torch.autocast (not in fp32 because ampkit's kernel ran with autocast excluded)."""
+    a = torch.randn(2, 4, 4, requires_grad=True)
+
+    def fires(eq, tensors, *rest, **kw):  # aten::einsum(equation, tensors, path)
+        return tensors[0].shape[0] == 3
+
+    policy = amp.Policy(conditional_fp32_ops=[(torch.einsum, fires)])
+    with torch.autocast("cpu", dtype=BF16):
+        ref = torch.einsum("bij,bjk->bik", a, a)
+    with amp.autocast(policy, "cpu"):
+        out = torch.einsum("bij,bjk->bik", a, a)
+        assert torch.einsum("bij,bjk->bik", *[torch.randn(3, 4, 4)] * 2).dtype == FP32  # fires
+    assert out.dtype == ref.dtype == BF16
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    assert a.grad is not None and a.grad.dtype == FP32

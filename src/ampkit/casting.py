@@ -325,8 +325,16 @@ def _register(device_type: str, base: str) -> torch.library.Library:
 _registry = _KernelRegistry()
 
 
+def _is_composite(overload: Any) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # an overload the dispatcher does not know by name (einsum.sublist)
+        return False
+
+
 def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., Any]:
     native = _NATIVE[device_type].get(base)
+    composite = _is_composite(overload)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         frame = _top(device_type)
@@ -338,6 +346,10 @@ def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., An
                 category = "fp32"
         else:
             frame, category = None, native
+        if category is None and composite:
+            # Nothing to cast: decompose as torch's fallthrough would, so the ops
+            # inside (einsum's bmm) still meet autocast instead of running excluded.
+            return overload._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
             args, kwargs = cast_arguments(category, args, kwargs, device_type, dtype, frame)
             return overload(*args, **kwargs)
