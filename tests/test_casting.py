@@ -444,3 +444,23 @@ def test_conditional_op_left_alone_keeps_autocast_inside_composite_ops():
     assert torch.equal(out, ref)
     out.float().sum().backward()
     assert a.grad is not None and a.grad.dtype == FP32
+
+
+def test_module_rules_off_in_a_disabled_scope():
+    """``autocast(policy, enabled=False)`` (the ``enabled=args.amp`` pattern) turns the
+    policy's module rules off too; inside an fp32 rule, nested rules still apply."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 8)
+    policy = amp.Policy(module_rules={nn.Linear: BF16, nn.LayerNorm: FP32})
+    with amp.autocast(policy, "cpu", enabled=False):
+        assert model(x).dtype == FP32
+    half = Net().bfloat16()
+    with amp.autocast(policy, "cpu", enabled=False):
+        assert half(x.bfloat16()).dtype == BF16  # no fp32 cast of LayerNorm's input
+    amp.init(device_type="cpu", policy=policy)
+    with amp.autocast(policy, "cpu", enabled=False):
+        assert model(x).dtype == FP32
+    amp.reset()
+    nested = amp.Policy(module_rules={Net: FP32, "head": BF16})
+    seen = _dtypes_by_module(model, x, nested)
+    assert seen["body"][1] == FP32 and seen["head"][1] == BF16

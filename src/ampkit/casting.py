@@ -69,6 +69,7 @@ class _Frame:
     conditionals: dict[str, tuple[Callable[..., bool], ...]]
     python_ops: dict[Any, str]  # function object -> category
     cache_enabled: bool
+    rules: bool = True  # module rules apply (False in a scope the user disabled)
     cache: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor]] = dataclasses.field(
         default_factory=dict
     )
@@ -420,14 +421,14 @@ class _ModuleHooks:
         if frame.cache_enabled and frame.enabled:
             _check_param_versions(module, frame)
         policy = frame.policy
-        if policy is None or not policy.module_rules:
+        if policy is None or not policy.module_rules or not frame.rules:
             return None
         dtype = policy.module_dtype(module, self._name_of(module))
         if dtype is None:
             return None
         stack = contextlib.ExitStack()
         if dtype is torch.float32:
-            stack.enter_context(autocast(policy, frame.device_type, enabled=False))
+            stack.enter_context(autocast(policy, frame.device_type, enabled=False, _from_rule=True))
             args = tuple(_map_tensors(a, _to_fp32) for a in args)
         else:
             stack.enter_context(
@@ -555,6 +556,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         cache_enabled: bool = True,
         dtype: torch.dtype | None = None,
         _intercept_all: bool = False,
+        _from_rule: bool = False,
     ) -> None:
         self.device_type = check_device_type(device_type or _default_device_type())
         if policy is not None and not isinstance(policy, Policy):
@@ -567,6 +569,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         self.enabled = bool(enabled)
         self.cache_enabled = bool(cache_enabled)
         self._intercept_all = _intercept_all
+        self._from_rule = _from_rule  # an fp32 module rule: casting off, the policy's rules still on
         self._stacks: list[contextlib.ExitStack] = []
         if self.enabled and self.device_type == "cpu" and policy.dtype is torch.float16:
             _warn_fp16_cpu()
@@ -576,7 +579,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
 
     def _make_frame(self) -> _Frame:
         if not self.enabled:
-            return _Frame(self.device_type, False, self.policy.dtype, self.policy, {}, {}, {}, self.cache_enabled)
+            return _Frame(
+                self.device_type, False, self.policy.dtype, self.policy, {}, {}, {}, self.cache_enabled,
+                rules=self._from_rule,
+            )
         resolved = _resolve(self.policy, self.device_type, self._intercept_all)
         return _Frame(
             self.device_type,
@@ -610,7 +616,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             stack.enter_context(_PythonOpMode())
             _state.py_mode_depth += 1
             stack.callback(self._dec_mode)
-        needs_hooks = bool(self.policy.module_rules) or (self.enabled and self.cache_enabled)
+        rules = bool(self.policy.module_rules) and (self.enabled or self._from_rule)
+        needs_hooks = rules or (self.enabled and self.cache_enabled)
         if needs_hooks:
             _hooks.acquire()
             stack.callback(_hooks.release)
