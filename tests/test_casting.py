@@ -464,3 +464,29 @@ def test_module_rules_off_in_a_disabled_scope():
     nested = amp.Policy(module_rules={Net: FP32, "head": BF16})
     seen = _dtypes_by_module(model, x, nested)
     assert seen["body"][1] == FP32 and seen["head"][1] == BF16
+
+
+def test_init_and_reset_from_different_threads():
+    """init's scope belongs to its thread: reset or init in another thread neither
+    fails nor tears down half of it, and the owning thread can still reset."""
+    a = x44()
+    amp.init(device_type="cpu")
+    errors = []
+
+    def other():
+        try:
+            amp.reset()
+            amp.init(device_type="cpu", fp32_ops=[torch.mm])
+            assert torch.mm(a, a).dtype == FP32
+            amp.reset()
+            assert torch.matmul(a, a).dtype == FP32
+        except Exception as exc:  # pragma: no cover - the failure being tested
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors == []
+    assert torch.matmul(a, a).dtype == BF16 and casting.active_scopes() == 1
+    amp.reset()
+    assert torch.matmul(a, a).dtype == FP32 and casting.active_scopes() == 0

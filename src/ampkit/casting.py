@@ -128,6 +128,7 @@ class _State(threading.local):
         self.py_mode_depth = 0
         self.module_stack: list[nn.Module] = []
         self.rule_stack: list[tuple[nn.Module, contextlib.ExitStack]] = []
+        self.global_scope: autocast | None = None  # ampkit.init's scope: per thread, as torch's autocast state
 
 
 _state = _State()
@@ -649,9 +650,6 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
 # ---------------------------------------------------------------------------
 # Process-wide switch
 # ---------------------------------------------------------------------------
-_global_scope: autocast | None = None
-
-
 def init(
     dtype: torch.dtype | None = None,
     device_type: str | None = None,
@@ -672,27 +670,26 @@ def init(
         **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 
-    Returns the policy in force. Calling ``init`` again replaces the previous one.
+    Returns the policy in force. Calling ``init`` again in the thread replaces the
+    previous one; :func:`ampkit.reset` turns casting off in the thread that calls it.
     """
-    global _global_scope
     device = check_device_type(device_type or _default_device_type())
     base = policy if policy is not None else Policy(dtype=dtype or default_dtype(device))
     if dtype is not None and policy is not None:
         base = base.override(dtype=dtype)
     if policy_fields:
         base = base.override(dtype=base.dtype, **policy_fields)
-    if _global_scope is not None:
+    if _state.global_scope is not None:
         _stop_global()
     scope = autocast(base, device, cache_enabled=cache_enabled)
     scope.__enter__()
-    _global_scope = scope
+    _state.global_scope = scope
     logger.info("ampkit: casting on for %s in %s", device, base.dtype)
     return base
 
 
 def _stop_global() -> None:
-    global _global_scope
-    scope, _global_scope = _global_scope, None
+    scope, _state.global_scope = _state.global_scope, None
     if scope is not None and scope._stacks:
         scope.__exit__(None, None, None)
 
