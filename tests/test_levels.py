@@ -553,3 +553,35 @@ def test_cuda_levels_train_skip_and_resume(level):
     assert straight[0].dtype == expected_weight.get(level, BF16)
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
+
+
+# --- model weights loaded after initialize ----------------------------------------------
+
+
+def test_model_loaded_after_o2_initialize_is_not_overwritten_by_stale_masters():
+    """Fine-tuning: initialize, then load pretrained weights into the model (whole or a
+    submodule). The masters follow the loaded weights; a step with lr=0 keeps them."""
+    pretrained = _all_norms().state_dict()
+    for k, v in pretrained.items():
+        if v.is_floating_point():
+            pretrained[k] = v + 0.25  # different from the weights initialize saw
+    model = _all_norms()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")
+    model.load_state_dict(pretrained)
+    model.head.load_state_dict({"weight": pretrained["head.weight"] + 1, "bias": pretrained["head.bias"]})
+    loaded = [p.detach().clone() for p in model.parameters()]
+    mw = ampkit.levels.master_weights_of(opt)
+    for model_p, master in mw.pairs():
+        assert torch.equal(master.to(model_p.dtype), model_p)
+    with ampkit.scale_loss(model(_x()).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not ampkit.step_skipped(opt)
+    for a, b in zip(loaded, model.parameters()):
+        assert torch.equal(a, b)
+    hooks = [len(m._load_state_dict_post_hooks) for m in model.modules()]
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")  # hooks replaced, not stacked
+    assert hooks == [len(m._load_state_dict_post_hooks) for m in model.modules()]
+    ampkit.reset()
+    assert all(len(m._load_state_dict_post_hooks) == 0 for m in model.modules())

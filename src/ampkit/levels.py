@@ -241,6 +241,37 @@ def _drop_compensation() -> None:
     _COMPENSATED.clear()
 
 
+# Load-state-dict hooks that resync masters from a model loaded after initialize (O2).
+_LOAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+@_reset.on_reset
+def _drop_load_hooks() -> None:
+    for handle in list(_LOAD_HOOKS.values()):
+        handle.remove()
+    _LOAD_HOOKS.clear()
+
+
+def _watch_model_loads(model: nn.Module, masters: list[MasterWeights]) -> None:
+    """After ``module.load_state_dict`` on any module of ``model``, re-derive the masters
+    of that module's own parameters from the loaded 16-bit weights; otherwise the next
+    step would publish the old masters over the loaded weights."""
+    refs = [weakref.ref(mw) for mw in masters]  # the model must not keep optimizers alive
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        own = list(module.parameters(recurse=False))
+        for ref in refs:
+            mw = ref()
+            if mw is not None:
+                mw.sync_from_model(own)
+
+    for module in model.modules():
+        old = _LOAD_HOOKS.pop(module, None)
+        if old is not None:
+            old.remove()
+        if any(p.is_floating_point() for p in module.parameters(recurse=False)):
+            _LOAD_HOOKS[module] = module.register_load_state_dict_post_hook(hook)
+
 
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
     if isinstance(obj, kind):
@@ -420,6 +451,10 @@ def initialize(
 
     if opt_list:
         _attach_trainer(opt_list, masters, level)
+    live_masters = [mw for mw in masters if mw is not None]
+    if live_masters:
+        for m in model_list:
+            _watch_model_loads(m, live_masters)
 
     _STATE.level = level
     out_models: Any = model_list[0] if one_model else model_list

@@ -186,6 +186,21 @@ class MasterWeights:
         with torch.no_grad():
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
 
+    def sync_from_model(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """Re-derive the master of each model parameter (of ``params``; default: all)
+        whose 16-bit value is no longer its master rounded, i.e. that was changed
+        outside ampkit (``model.load_state_dict`` after ``initialize``). Masters that
+        still round to their model weight keep their low bits. ``initialize`` calls
+        this from a load-state-dict hook on the model."""
+        if params is None:
+            pairs = self.pairs()
+        else:
+            pairs = [(p, m) for p in params if (m := self.master_of(p)) is not None]
+        with torch.no_grad():
+            for model_p, master in pairs:
+                if not torch.equal(master.to(model_p.dtype), model_p):
+                    master.copy_(model_p)
+
     def zero_model_grads(self) -> None:
         """Drop the model's 16-bit grads not yet moved into the masters."""
         for model_p, _ in self.pairs():
