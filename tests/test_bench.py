@@ -182,6 +182,18 @@ def test_config_validation_messages() -> None:
     assert BenchConfig(block=3).block_for(200) == 3
 
 
+def test_repeated_precision_runs_once() -> None:
+    """``--precisions fp32,fp32`` used to send each command twice to the one fp32
+    worker, which then reported 'finish before setup' as a training failure."""
+    from ampkit.bench.runner import _run_workload
+
+    config = BenchConfig(workloads=("cnn", "cnn"), precisions=("fp32", "ampkit-O2", "fp32"), steps=4, block=2)
+    assert config.workloads == ("cnn",) and config.precisions == ("fp32", "ampkit-O2")
+    pool = {"fp32": _ScriptedWorker(), "ampkit-O2": _ScriptedWorker()}
+    wl = _run_workload("cnn", config, pool, None, None)
+    assert wl["precisions"]["fp32"]["status"] == "ok" and wl["precisions"]["fp32"]["steps"] == 4
+
+
 # ---------------------------------------------------------------------------
 # Pieces
 # ---------------------------------------------------------------------------

@@ -60,6 +60,9 @@ class BenchConfig:
     block: int | None = None
 
     def __post_init__(self) -> None:
+        # one worker per precision: a name given twice would drive it twice per round
+        self.workloads = tuple(dict.fromkeys(self.workloads))
+        self.precisions = tuple(dict.fromkeys(self.precisions))
         for w in self.workloads:
             if w not in WORKLOADS:
                 raise BenchError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
