@@ -213,3 +213,18 @@ def test_fused_adam_through_gradscaler_matches_unscaled_fused_adam():
         F.mse_loss(ref_m(x), y).backward()
         ref_o.step()
     assert bits(ours_m) == bits(ref_m)
+
+
+def test_setters_validate_like_the_constructor():
+    scaler = amp.GradScaler("cpu")
+    with pytest.raises(ScalerError):
+        scaler.set_growth_factor(0.5)
+    with pytest.raises(ScalerError):
+        scaler.set_backoff_factor(2.0)
+    with pytest.raises(ScalerError):
+        scaler.set_growth_interval(0)
+    assert scaler.get_growth_factor() == 2.0
+    assert scaler.get_backoff_factor() == 0.5
+    assert scaler.get_growth_interval() == 2000
+    scaler.set_growth_factor(4.0)
+    assert scaler.get_growth_factor() == 4.0

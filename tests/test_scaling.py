@@ -302,3 +302,12 @@ def test_set_scale_and_new_like():
     assert c.hysteresis_left == 3
     with pytest.raises(ScalerError):
         s.set_scale(math.inf)
+
+
+def test_load_state_dict_with_bad_config_changes_nothing():
+    scaler = LossScaler(init_scale=8.0, growth_interval=3)
+    before = scaler.state_dict()
+    bad = dict(before, growth_factor=0.5, growth_interval=7)
+    with pytest.raises(ScalerError):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import StateError
+from .errors import ScalerError, StateError
 from .optim import _record_gradscaler_step
 from .scaling import LossScaler, group_grads, unscale_and_check_
 
@@ -216,19 +216,30 @@ class GradScaler:
         return self._scaler.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._scaler.growth_factor = float(new_factor)
+        self._set_config("growth_factor", float(new_factor))
 
     def get_backoff_factor(self) -> float:
         return self._scaler.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._scaler.backoff_factor = float(new_factor)
+        self._set_config("backoff_factor", float(new_factor))
 
     def get_growth_interval(self) -> int:
         return self._scaler.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._scaler.growth_interval = int(new_interval)
+        self._set_config("growth_interval", int(new_interval))
+
+    def _set_config(self, key: str, value: float | int) -> None:
+        """Set one scaler setting, validated like the constructor's arguments
+        (a bad value raises ScalerError and changes nothing)."""
+        old = getattr(self._scaler, key)
+        setattr(self._scaler, key, value)
+        try:
+            self._scaler._validate()
+        except ScalerError:
+            setattr(self._scaler, key, old)
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``,

@@ -441,9 +441,15 @@ class LossScaler:
                 f"{self.name}: state dict lacks {missing}; pass a dict returned by "
                 "LossScaler.state_dict()."
             )
+        previous = {key: getattr(self, key) for key in _CONFIG_KEYS}
         for key in _CONFIG_KEYS:
             setattr(self, key, state_dict[key])
-        self._validate()
+        try:
+            self._validate()
+        except ScalerError:
+            for key, value in previous.items():  # leave this scaler as it was
+                setattr(self, key, value)
+            raise
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_left = int(state_dict["hysteresis_left"])
         self._consecutive_skips = int(state_dict["consecutive_skips"])
