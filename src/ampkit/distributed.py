@@ -353,7 +353,8 @@ def _agreement_for(
 _MASTERS_FIX = (
     "Call ampkit.distributed.register_ddp(ddp_model) on every rank right after wrapping "
     "(it broadcasts the masters too), or seed every rank the same before building the "
-    "model; to load model weights, load them before initialize or use ampkit.load_state_dict."
+    "model (loading model weights with load_state_dict, before or after initialize, "
+    "keeps the masters in step too)."
 )
 _MASTERS_ELSEWHERE = (
     "fp32 master weights do not match the model's 16-bit weights on another rank at the "
