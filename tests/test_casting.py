@@ -490,3 +490,15 @@ def test_init_and_reset_from_different_threads():
     assert torch.matmul(a, a).dtype == BF16 and casting.active_scopes() == 1
     amp.reset()
     assert torch.matmul(a, a).dtype == FP32 and casting.active_scopes() == 0
+
+
+def test_python_level_rule_survives_a_nested_scope_for_another_device():
+    """A cuda scope nested in a cpu scope must not hide the cpu policy's rules for
+    Python-level functions called on cpu tensors (torch.autocast keeps both on)."""
+    a = x44()
+    with amp.autocast(amp.Policy(lower_ops=[F.normalize]), "cpu"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no GPU here: torch warns and disables its cuda autocast
+            with amp.autocast(amp.Policy(dtype=FP16), "cuda"):
+                assert F.normalize(a).dtype == BF16
+        assert F.normalize(a).dtype == BF16

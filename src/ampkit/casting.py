@@ -369,6 +369,11 @@ class _PythonOpMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         frame = _state.scopes[-1] if _state.scopes else None
+        if len(_state.frames) > 1:
+            # scopes for several device types: the innermost one of the device the call
+            # computes on (its first tensor's) decides, so a nested scope for another
+            # device does not hide this device's rules
+            frame = next((_top(t.device.type) for t in _iter_tensors(args, kwargs)), None)
         category = frame.python_ops.get(func) if (frame is not None and frame.enabled) else None
         if category is None:
             return func(*args, **kwargs)
