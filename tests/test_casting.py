@@ -502,3 +502,49 @@ def test_python_level_rule_survives_a_nested_scope_for_another_device():
             with amp.autocast(amp.Policy(dtype=FP16), "cuda"):
                 assert F.normalize(a).dtype == BF16
         assert F.normalize(a).dtype == BF16
+
+
+# --- activation checkpointing ------------------------------------------------------
+def test_checkpoint_recomputes_under_the_same_policy():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(F.gelu(self.fc(x)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x, ckpt):
+            h = checkpoint(self.block, x, use_reentrant=False, context_fn=amp.checkpoint_context) if ckpt else self.block(x)
+            return self.head(h)
+
+    policy = amp.Policy(fp32_ops=[F.gelu], module_rules={"block.norm": FP32})
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(4, 8)
+    grads = {}
+    for ckpt in (False, True):
+        model.zero_grad()
+        with amp.autocast(policy, "cpu"):
+            out = model(x, ckpt)
+        out.float().sum().backward()
+        grads[ckpt] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+    assert casting.active_scopes() == 0
+
+    # without the context the recomputation runs under torch's lists only and fails
+    model.zero_grad()
+    with amp.autocast(policy, "cpu"):
+        out = model.head(checkpoint(model.block, x, use_reentrant=False))
+    with pytest.raises(Exception, match="(?i)metadata|recomput|shape|dtype"):
+        out.float().sum().backward()

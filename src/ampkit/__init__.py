@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 # --- casting engine (policy, lists, autocast, init/reset, explain) ---
-from .casting import autocast, current_policy, init, is_active  # noqa: E402
+from .casting import autocast, checkpoint_context, current_policy, init, is_active  # noqa: E402
 from .explain import ExplainReport, explain  # noqa: E402
 from .policy import Policy, canonical_op, default_policy  # noqa: E402
 
@@ -44,6 +44,7 @@ __all__ += [
     "Policy",
     "autocast",
     "canonical_op",
+    "checkpoint_context",
     "current_policy",
     "default_policy",
     "explain",

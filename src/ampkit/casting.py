@@ -47,7 +47,7 @@ from .policy import (
     python_callable,
 )
 
-__all__ = ["autocast", "init", "is_active", "current_policy", "active_scopes"]
+__all__ = ["autocast", "init", "is_active", "current_policy", "active_scopes", "checkpoint_context"]
 
 logger = logging.getLogger("ampkit")
 
@@ -649,6 +649,54 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
 
     def __exit__(self, *exc: Any) -> bool:
         self._stacks.pop().close()
+        return False
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing
+# ---------------------------------------------------------------------------
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    torch re-runs a checkpointed function during backward under plain ``torch.autocast``
+    only; with a policy that differs from torch's lists the recomputation would run in
+    other dtypes (torch then raises ``CheckpointError``). This records the ampkit scopes
+    active now and re-enters them, in order, around the recomputation::
+
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                              context_fn=ampkit.checkpoint_context)
+
+    Returns ``(forward context, recompute context)``; the forward one does nothing.
+    """
+    frames = [(f.policy, f.device_type, f.enabled, f.cache_enabled, f.rules) for f in _state.scopes]
+    return contextlib.nullcontext(), _Replay(frames, list(_state.module_stack))
+
+
+class _Replay:
+    """Re-enters recorded ampkit scopes (for checkpoint recomputation)."""
+
+    def __init__(
+        self, frames: list[tuple[Policy | None, str, bool, bool, bool]], modules: list[nn.Module]
+    ) -> None:
+        self._frames = frames
+        self._modules = modules  # the modules being called, so name rules see the same names
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> _Replay:
+        stack = contextlib.ExitStack()
+        saved, _state.module_stack = _state.module_stack, list(self._modules)
+        stack.callback(setattr, _state, "module_stack", saved)
+        for policy, device_type, enabled, cache_enabled, rules in self._frames:
+            scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled)
+            scope._from_rule = not enabled and rules
+            stack.enter_context(scope)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
         return False
 
 
