@@ -22,7 +22,7 @@ from .policy import Policy
 __all__ = ["explain", "ExplainReport", "OpRecord", "CastRecord"]
 
 _LOW = (torch.bfloat16, torch.float16)
-_CAST_OPS = {"_to_copy", "to", "_to_copy.default"}
+_CAST_OPS = {"_to_copy"}  # what .to(dtype) and autocast's casts reach the dispatcher as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,24 +108,34 @@ class ExplainReport:
             "totals": self.totals,
         }
 
-    def table(self) -> str:
-        """The report as a fixed-width text table."""
+    _COLUMNS = ("#", "op", "inputs", "outputs", "casts inserted")
 
-        def short(dts: tuple[torch.dtype, ...]) -> str:
-            return ",".join(_SHORT.get(d, str(d).replace("torch.", "")) for d in dts) or "-"
+    def _rows(self) -> list[tuple[str, str, str, str, str]]:
+        return [
+            (
+                str(i),
+                r.op,
+                _short(r.input_dtypes),
+                _short(r.output_dtypes),
+                ", ".join(f"{_short((c.src,))}->{_short((c.dst,))}" for c in r.casts),
+            )
+            for i, r in enumerate(self.records)
+        ]
 
-        rows = [("#", "op", "inputs", "outputs", "casts inserted")]
-        for i, r in enumerate(self.records):
-            casts = ", ".join(f"{_SHORT.get(c.src, c.src)}->{_SHORT.get(c.dst, c.dst)}" for c in r.casts)
-            rows.append((str(i), r.op, short(r.input_dtypes), short(r.output_dtypes), casts or ""))
-        widths = [max(len(row[i]) for row in rows) for i in range(5)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+    def _totals_line(self) -> str:
         t = self.totals
-        lines.append(
+        return (
             f"totals: {t['ops_bf16']} ops in bf16, {t['ops_fp16']} in fp16, {t['ops_fp32']} in fp32, "
             f"{t['ops_other']} other, {t['casts']} casts"
         )
+
+    def table(self) -> str:
+        """The report as a fixed-width text table."""
+        rows = [self._COLUMNS, *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self._COLUMNS))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(self._totals_line())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -134,18 +144,20 @@ class ExplainReport:
     def __rich__(self) -> Any:  # pragma: no cover - rendering only
         from rich.table import Table
 
-        table = Table(title="ampkit.explain", caption=self.table().splitlines()[-1])
-        for col in ("#", "op", "inputs", "outputs", "casts inserted"):
+        table = Table(title="ampkit.explain", caption=self._totals_line())
+        for col in self._COLUMNS:
             table.add_column(col)
-        for i, r in enumerate(self.records):
-            casts = ", ".join(f"{_SHORT.get(c.src)}->{_SHORT.get(c.dst)}" for c in r.casts)
-            table.add_row(str(i), r.op, ",".join(_SHORT.get(d, str(d)) for d in r.input_dtypes),
-                          ",".join(_SHORT.get(d, str(d)) for d in r.output_dtypes), casts)
+        for row in self._rows():
+            table.add_row(*row)
         return table
 
 
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+
+
+def _short(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ",".join(_SHORT.get(d, str(d).replace("torch.", "")) for d in dtypes) or "-"
 
 
 def _tensor_dtypes(value: Any) -> tuple[torch.dtype, ...]:
