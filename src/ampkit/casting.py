@@ -552,6 +552,9 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         dtype: shorthand for ``policy.override(dtype=...)``.
 
     Scopes nest; the innermost wins. Gradients reach each parameter in its own dtype.
+    Scopes belong to the thread that enters them. As a decorator the scope covers each
+    call; on a generator function that is only the creation of the generator (as with
+    ``torch.autocast``): enter the scope inside the generator's body instead.
     """
 
     def __init__(
