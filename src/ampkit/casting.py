@@ -391,25 +391,28 @@ class _ModuleHooks:
     """Global forward pre/post hooks, installed while a scope needs them."""
 
     def __init__(self) -> None:
-        self._users = 0
+        self._users = 0  # scopes needing the hooks, over all threads
+        self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
     def acquire(self) -> None:
-        self._users += 1
-        if self._users == 1:
-            reg = nn.modules.module
-            self._handles = [
-                reg.register_module_forward_pre_hook(self._pre),
-                reg.register_module_forward_hook(self._post, always_call=True),
-            ]
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                reg = nn.modules.module
+                self._handles = [
+                    reg.register_module_forward_pre_hook(self._pre),
+                    reg.register_module_forward_hook(self._post, always_call=True),
+                ]
 
     def release(self) -> None:
-        self._users -= 1
-        if self._users == 0:
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
 
     def _name_of(self, module: nn.Module) -> str | None:
         root = _state.module_stack[0] if _state.module_stack else module
