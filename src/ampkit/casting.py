@@ -432,7 +432,9 @@ class _ModuleHooks:
         policy = frame.policy
         if policy is None or not policy.module_rules or not frame.rules:
             return None
-        dtype = policy.module_dtype(module, self._name_of(module))
+        # qualified names cost a walk of the module tree: only for name-glob rules
+        by_name = any(isinstance(key, str) for key in policy.module_rules)
+        dtype = policy.module_dtype(module, self._name_of(module) if by_name else None)
         if dtype is None:
             return None
         stack = contextlib.ExitStack()
