@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import ampkit
 from ampkit.bench import PRECISIONS
 from ampkit.bench.data import image_batches, load_digits, load_stdlib_text, text_batches
 from ampkit.bench.memory import SavedActivations, live_tensor_bytes, storage_ptrs
@@ -20,7 +19,6 @@ from ampkit.bench.recipes import RecipeUnavailable, TorchAutocast, make_recipe
 from ampkit.bench.runner import BenchConfig, BenchError, summarize_precision
 from ampkit.cli.main import main
 
-AMPKIT_LEVELS_AVAILABLE = hasattr(ampkit, "initialize")
 MIXED = [p for p in PRECISIONS if p != "fp32"]
 # Tiny runs train for 30-40 steps: a mixed run may differ from fp32 by a few
 # borderline test images (CNN: 360 of them) or characters; the full-size bench
@@ -66,9 +64,6 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
     for name, wl in results["workloads"].items():
         assert list(wl["precisions"]) == list(PRECISIONS), name
         for p, entry in wl["precisions"].items():
-            if p.startswith("ampkit-") and not AMPKIT_LEVELS_AVAILABLE:
-                assert entry["status"] == "unavailable" and "initialize" in entry["note"]
-                continue
             assert entry["status"] == "ok", (name, p, entry.get("note"), entry.get("traceback"))
             assert entry["steps"] == wl["steps"] and len(entry["losses"]) == wl["steps"]
             for key in ("step_ms", "step_ms_min", "speedup", "speedup_min", "peak_mib", "memory_vs_fp32", "eval_loss",
@@ -273,10 +268,12 @@ def test_torch_autocast_recipe_reports_a_skipped_fp16_step() -> None:
     assert not torch.equal(model.weight, before)
 
 
-def test_ampkit_recipe_unavailable_without_initialize(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(ampkit, "initialize", raising=False)
-    with pytest.raises(RecipeUnavailable, match="ampkit.initialize"):
-        make_recipe("ampkit-O2", torch.device("cpu"), torch.bfloat16)
+def test_ampkit_recipe_unavailable_for_a_dtype_its_level_refuses() -> None:
+    recipe = make_recipe("ampkit-O2K", torch.device("cpu"), torch.float16)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(RecipeUnavailable, match="ampkit-O2K"):
+        recipe.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    recipe.cleanup()
 
 
 def test_unknown_recipe_name() -> None:

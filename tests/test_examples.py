@@ -11,8 +11,6 @@ from types import ModuleType
 
 import pytest
 
-import ampkit
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LEVELS = ("O0", "O1", "O2", "O3", "O2K")
 TINY_CLASSIFIER = ["--steps", "4", "--width", "4", "--image-size", "16", "--batch-size", "32",
@@ -29,14 +27,8 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def _skip_without_levels(amp: str) -> None:
-    if amp in LEVELS and not hasattr(ampkit, "initialize"):
-        pytest.skip("ampkit.initialize (opt levels) is not in this install")
-
-
 @pytest.mark.parametrize("amp", ("off", "init", *LEVELS))
 def test_train_classifier_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _skip_without_levels(amp)
     module = _load("train_classifier")
     metrics = module.main(["--amp", amp, *TINY_CLASSIFIER])
     out = capsys.readouterr().out
@@ -48,7 +40,6 @@ def test_train_classifier_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.parametrize("amp", ("off", "init", *LEVELS))
 def test_train_lm_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
-    _skip_without_levels(amp)
     module = _load("train_lm")
     metrics = module.main(["--amp", amp, *TINY_LM])
     out = capsys.readouterr().out

@@ -44,8 +44,8 @@ __all__ = [
 
 
 class RecipeUnavailable(RuntimeError):
-    """This precision cannot run here (an API it needs is missing, or the level
-    does not support the dtype); the bench shows the message and carries on."""
+    """This precision cannot run here (e.g. the level does not support the dtype);
+    the bench shows the message and carries on."""
 
 
 class Recipe:
@@ -126,13 +126,6 @@ class AmpkitLevel(Recipe):
         self.optimizer: torch.optim.Optimizer | None = None
         import ampkit
 
-        missing = [
-            verb for verb in ("initialize", "scale_loss", "step_skipped") if not hasattr(ampkit, verb)
-        ]
-        if missing:
-            raise RecipeUnavailable(
-                f"this ampkit install has no {', '.join('ampkit.' + m for m in missing)}"
-            )
         self.amp = ampkit
 
     def prepare(
@@ -152,10 +145,9 @@ class AmpkitLevel(Recipe):
         return bool(self.amp.step_skipped(optimizer))
 
     def loss_scale(self) -> float | None:
-        stats = getattr(self.amp, "stats", None)
-        if stats is None or self.optimizer is None:
+        if self.optimizer is None:
             return None
-        scales = stats(self.optimizer).scales
+        scales = self.amp.stats(self.optimizer).scales
         return float(scales[0]) if scales else None
 
     def cleanup(self) -> None:
@@ -167,8 +159,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "torch-autocast", "ampkit-O1", "ampkit-O2
 
 
 def make_recipe(name: str, device: torch.device, dtype: torch.dtype) -> Recipe:
-    """The recipe called ``name`` (one of :data:`PRECISIONS`). Raises
-    :class:`RecipeUnavailable` when it cannot run in this install."""
+    """The recipe called ``name`` (one of :data:`PRECISIONS`); its ``prepare`` raises
+    :class:`RecipeUnavailable` when the precision cannot run with this dtype."""
     if name == "fp32":
         return FP32(device, dtype)
     if name == "torch-autocast":
