@@ -25,7 +25,7 @@ import dataclasses
 import fnmatch
 import functools
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .errors import PolicyError
-from .lists import BANNED_OPS, DEFAULT_LISTS
+from .lists import DEFAULT_LISTS
 
 __all__ = ["Policy", "default_policy", "canonical_op", "COMPUTE_DTYPES"]
 
@@ -407,6 +407,3 @@ def default_dtype(device_type: str) -> torch.dtype:
     """bf16 on CPU, fp16 on CUDA (torch.autocast's defaults)."""
     return torch.float16 if device_type == "cuda" else torch.bfloat16
 
-
-def banned_ops(device_type: str) -> Iterable[str]:
-    return BANNED_OPS.get(device_type, ())
