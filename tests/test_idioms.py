@@ -1,0 +1,1284 @@
+"""The idiom matrix: training loops written the way real scripts write them, run
+under every opt level and the three-line ``amp.init`` API, against the same loop
+in plain fp32.
+
+Each idiom is one self-contained function ``loop(h) -> Result``. It builds its
+model, optimizer(s) and data from fixed seeds, calls ``h.setup(...)`` where a
+script adds ``amp.initialize`` (or ``amp.init(); amp.init_trainer(opt)``), and
+``h.backward(loss, opt)`` where a script wraps ``loss.backward()`` in
+``amp.scale_loss``. Everything else is the idiom itself, unchanged: the way it
+zeroes grads, clips, updates weights through ``.data``, saves and reloads, ...
+With ``Harness("fp32")`` those calls do nothing, so the fp32 reference is the
+same function run without ampkit.
+
+Modes: ``O0``..``O3`` and ``O2K`` through ``amp.initialize``; ``init`` is the
+README's quick start, ``amp.init(); amp.init_trainer(opt)`` (``amp.init()``
+alone for a loop without an optimizer).
+
+A case compares the loop's losses (and its logged series: grad norms,
+validation losses, ...) with fp32's after N steps; see ``TOLERANCE`` for why
+each level's tolerance is what it is. Loops check the idiom's own claims
+inline (dtypes, a resumed run replaying bitwise, replicas' dtypes).
+
+Cases known to fail on today's library are listed in ``KNOWN_FAILURES`` with the
+issue and the cause, and run as ``xfail(strict=True)``: a fix turns them into
+an XPASS error, so the entry must then be removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ampkit as amp
+
+torch.set_num_threads(1)
+
+# ---------------------------------------------------------------------------
+# Tolerances
+# ---------------------------------------------------------------------------
+#: Machine epsilon (spacing of numbers in [1, 2)): 2**-7 for bf16, 2**-10 for fp16.
+#: Rounding a value to the format changes it by at most eps/2 relative.
+EPS = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+#: Relative tolerance, in units of the compute dtype's eps, on the loss averaged
+#: over the last ``TAIL`` steps and on every logged value (grad norms, validation
+#: losses, ...). Why these numbers:
+#: - O0 runs fp32 exactly as the script does: bitwise equal at every step.
+#: - O1 / init, O2, O2K: each step's forward and backward round their operands (and
+#:   at O2/O2K the weights) to 16 bits, so a step's loss and update are off by a few
+#:   eps/2. The weights themselves are kept in fp32 (O1, O2's masters) or summed to
+#:   ~16 bits (O2K's Kahan buffers), so these errors do not compound from step to
+#:   step; the trajectories only drift apart as far as training amplifies them.
+#:   Over <= 25 steps we allow 16 half-ulps: 8 eps (6.25% in bf16).
+#: - O3: the updates are rounded to 16 bits too (up to eps/2 of each weight per
+#:   step, uncompensated), on top of O2's errors: 12 eps (9.4% in bf16).
+#: The headline is the mean loss of the last ``TAIL`` steps, not the last step's:
+#: one batch's loss near the end of a run can be close to 0, where a rounding-sized
+#: difference of the logits is a large relative one.
+#: Each idiom's fp32 run must lower its loss by more than twice the largest
+#: tolerance (checked in ``fp32_reference``), so a loop that stops training, or
+#: trains on stale weights or piled-up grads, cannot pass.
+TOLERANCE_EPS = {"O0": 0.0, "O1": 8.0, "init": 8.0, "O2": 8.0, "O2K": 8.0, "O3": 12.0}
+TAIL = 5
+
+MODES = ["O0", "O1", "O2", "O3", "O2K", "init"]
+CAST_LEVELS = ("O2", "O3", "O2K")  # levels that store the model in 16 bits
+
+
+def tolerance(mode: str, dtype: torch.dtype) -> float:
+    return TOLERANCE_EPS[mode] * EPS[dtype]
+
+
+# ---------------------------------------------------------------------------
+# What a script adds to run under ampkit
+# ---------------------------------------------------------------------------
+class Harness:
+    """The lines a script adds for ampkit, per mode; in mode ``"fp32"`` none."""
+
+    def __init__(
+        self,
+        mode: str,
+        dtype: torch.dtype = torch.bfloat16,
+        policy: amp.Policy | None = None,
+        keep_fp32: list[Any] | None = None,
+    ) -> None:
+        self.mode = mode
+        self.dtype = dtype
+        self.policy = policy  # op-level casting policy (O1 and init only)
+        self.keep_fp32 = keep_fp32  # initialize(keep_fp32=...) at O2/O3/O2K
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "fp32"
+
+    @property
+    def casts_model(self) -> bool:
+        return self.mode in CAST_LEVELS
+
+    def setup(self, models: Any, optimizers: Any = None, num_losses: int = 1) -> tuple[Any, Any]:
+        if self.mode == "fp32":
+            return models, optimizers
+        if self.mode == "init":
+            amp.init(dtype=self.dtype, device_type="cpu", policy=self.policy)
+            if optimizers is not None:
+                amp.init_trainer(optimizers, num_losses=num_losses)
+            return models, optimizers
+        kw: dict[str, Any] = {"dtype": self.dtype}
+        if num_losses != 1:
+            kw["num_losses"] = num_losses
+        if self.policy is not None and self.mode == "O1":
+            kw["policy"] = self.policy
+        if self.keep_fp32 is not None and self.casts_model:
+            kw["keep_fp32"] = self.keep_fp32
+        return amp.initialize(models, optimizers, opt_level=self.mode, **kw)
+
+    def backward(self, loss: torch.Tensor, optimizers: Any = None, loss_id: int = 0) -> None:
+        if self.mode == "fp32" or optimizers is None:
+            loss.backward()
+            return
+        with amp.scale_loss(loss, optimizers, loss_id=loss_id) as scaled:
+            scaled.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.active:
+            amp.unscale(optimizer)
+
+    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        if self.active:
+            return list(amp.master_params(optimizer))
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return amp.state_dict() if self.active else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.active:
+            amp.load_state_dict(state)
+
+    def checkpoint_context(self) -> dict[str, Any]:
+        """``checkpoint(...)`` keyword the README asks for under ampkit."""
+        return {"context_fn": amp.checkpoint_context} if self.active else {}
+
+
+@dataclasses.dataclass
+class Result:
+    """What a loop reports: per-step losses (compared within tolerance; the last
+    one is the headline), further logged series (each value compared within
+    tolerance) and values that must be equal at every level (LRs, counts)."""
+
+    losses: list[float]
+    series: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    exact: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Idiom:
+    name: str
+    fn: Callable[[Harness], Result]
+    dtype: torch.dtype = torch.bfloat16
+    policy: amp.Policy | None = None
+    keep_fp32: tuple[Any, ...] | None = None
+    #: (mode -> regex) of levels that cannot run the idiom and must say so with an AmpError
+    raises: tuple[tuple[str, str], ...] = ()
+
+    def harness(self, mode: str) -> Harness:
+        keep = list(self.keep_fp32) if self.keep_fp32 is not None else None
+        return Harness(mode, self.dtype, self.policy, keep)
+
+
+IDIOMS: dict[str, Idiom] = {}
+
+
+def idiom(**kw: Any) -> Callable[[Callable[[Harness], Result]], Callable[[Harness], Result]]:
+    def register(fn: Callable[[Harness], Result]) -> Callable[[Harness], Result]:
+        name = fn.__name__.removeprefix("loop_")
+        IDIOMS[name] = Idiom(name, fn, **kw)
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------------------
+# Data and models (tiny: sizes <= 64, <= 30 steps)
+# ---------------------------------------------------------------------------
+D_IN, HIDDEN, N_CLS = 16, 32, 4
+
+
+def classification_batches(n: int, batch: int = 32, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of a fixed teacher task (labels = argmax of a random linear map)."""
+    teacher = torch.randn(D_IN, N_CLS, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, D_IN, generator=g)
+        out.append((x, (x @ teacher).argmax(1)))
+    return out
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLS))
+
+
+def token_batches(n: int, vocab: int = 32, batch: int = 8, seq: int = 12, seed: int = 1) -> list[torch.Tensor]:
+    """Sequences of a learnable pattern: each token is (previous * 5 + 3) mod vocab,
+    from a random start, with 10% random tokens mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(vocab, (batch, 1), generator=g)
+        cols = [start]
+        for _ in range(seq):
+            cols.append((cols[-1] * 5 + 3) % vocab)
+        s = torch.cat(cols, 1)
+        noise = torch.rand(s.shape, generator=g) < 0.1
+        s = torch.where(noise, torch.randint(vocab, s.shape, generator=g), s)
+        out.append(s)
+    return out
+
+
+def ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def train_step(h: Harness, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The usual step, for idioms that are about something else: ``opt.zero_grad()``,
+    forward, backward (through ``amp.scale_loss`` under ampkit), ``opt.step()``."""
+    opt.zero_grad()
+    loss = ce(model, x, y)
+    h.backward(loss, opt)
+    opt.step()
+    return loss.item()
+
+
+def plain_train(h: Harness, zero: Callable[[nn.Module, torch.optim.Optimizer], None], steps: int = 20) -> Result:
+    """The basic classifier loop, with grads cleared by ``zero``."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for x, y in classification_batches(steps):
+        zero(model, opt)
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+# ---------------------------------------------------------------------------
+# The idioms
+# ---------------------------------------------------------------------------
+@idiom()
+def loop_zero_grad_optimizer(h: Harness) -> Result:
+    """``optimizer.zero_grad()`` at the top of each step (set_to_none default)."""
+    return plain_train(h, lambda m, o: o.zero_grad())
+
+
+@idiom()
+def loop_zero_grad_model(h: Harness) -> Result:
+    """``model.zero_grad()``: the grads are cleared through the model (apex-era scripts)."""
+    return plain_train(h, lambda m, o: m.zero_grad())
+
+
+@idiom()
+def loop_grad_none(h: Harness) -> Result:
+    """``for p in model.parameters(): p.grad = None`` by hand."""
+
+    def zero(m: nn.Module, o: Any) -> None:
+        for p in m.parameters():
+            p.grad = None
+
+    return plain_train(h, zero)
+
+
+@idiom()
+def loop_zero_grad_keep_optimizer(h: Harness) -> Result:
+    """``optimizer.zero_grad(set_to_none=False)``: zeroed grad tensors kept (old default)."""
+    return plain_train(h, lambda m, o: o.zero_grad(set_to_none=False))
+
+
+@idiom()
+def loop_zero_grad_keep_model(h: Harness) -> Result:
+    """``model.zero_grad(set_to_none=False)``."""
+    return plain_train(h, lambda m, o: m.zero_grad(set_to_none=False))
+
+
+@idiom(raises=(("O2", "optimi"), ("O2K", "optimi")))
+def loop_manual_sgd(h: Harness) -> Result:
+    """No optimizer: ``p.data.add_(p.grad, alpha=-lr)`` after backward (PyTorch's
+    word-language-model example). O2 keeps fp32 masters in an optimizer and O2K
+    compensates an optimizer's updates: without one they must refuse clearly
+    (issue 16); O0/O1/O3/init have nothing that needs an optimizer."""
+    model = mlp()
+    model, _ = h.setup(model, None)
+    lr = 1.0
+    losses = []
+    for x, y in classification_batches(20):
+        model.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-lr)
+        losses.append(loss.item())
+    return Result(losses)
+
+
+@idiom()
+def loop_grad_accumulation(h: Harness) -> Result:
+    """``(loss / k).backward()`` over k=4 micro-batches, one step per k."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    k = 4
+    losses = []
+    opt.zero_grad()
+    for i, (x, y) in enumerate(classification_batches(15 * k, batch=8)):
+        loss = ce(model, x, y) / k
+        h.backward(loss, opt)
+        if (i + 1) % k == 0:
+            opt.step()
+            opt.zero_grad()
+        if i % k == 0:
+            losses.append(loss.item() * k)
+    return Result(losses)
+
+
+def clipped_train(h: Harness, clip: Callable[[nn.Module, torch.optim.Optimizer], torch.Tensor]) -> Result:
+    """Classifier loop with ``opt.zero_grad()`` and a clip between backward and
+    step; logs the total norm the clip reports. max_norm is below the fp32 norms,
+    so the clip is active (checked)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    model, opt = h.setup(model, opt)
+    losses, norms = [], []
+    for x, y in classification_batches(20):
+        opt.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        norms.append(float(clip(model, opt)))
+        opt.step()
+        losses.append(loss.item())
+    if not h.active:
+        assert sum(n > MAX_NORM for n in norms) >= 10, norms  # the clip does clip
+    return Result(losses, {"grad_norm": norms})
+
+
+MAX_NORM = 0.25
+
+
+@idiom()
+def loop_clip_unchanged(h: Harness) -> Result:
+    """``clip_grad_norm_(model.parameters(), max_norm)`` exactly as the fp32 script
+    has it: no ``amp.unscale`` added (issue 16: grads scripts see are real grads)."""
+    return clipped_train(h, lambda m, o: nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
+
+
+@idiom()
+def loop_clip_after_unscale(h: Harness) -> Result:
+    """The README's recipe: ``amp.unscale(opt)`` then clip ``model.parameters()``."""
+
+    def clip(m: nn.Module, o: torch.optim.Optimizer) -> torch.Tensor:
+        h.unscale(o)
+        return nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM)
+
+    return clipped_train(h, clip)
+
+
+@idiom()
+def loop_clip_master_params(h: Harness) -> Result:
+    """apex's documented O2 recipe: ``amp.unscale(opt)``, clip ``amp.master_params(opt)``."""
+
+    def clip(m: nn.Module, o: torch.optim.Optimizer) -> torch.Tensor:
+        h.unscale(o)
+        return nn.utils.clip_grad_norm_(h.master_params(o), MAX_NORM)
+
+    return clipped_train(h, clip)
+
+
+@idiom()
+def loop_clip_value(h: Harness) -> Result:
+    """``clip_grad_value_(model.parameters(), v)`` unchanged (an in-place grad edit)."""
+
+    def clip(m: nn.Module, o: torch.optim.Optimizer) -> torch.Tensor:
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+        nn.utils.clip_grad_value_(m.parameters(), 0.02)
+        return norm
+
+    return clipped_train(h, clip)
+
+
+@idiom()
+def loop_grad_norm_logging(h: Harness) -> Result:
+    """Logs the global grad norm and each layer's grad norm from ``p.grad`` before
+    ``opt.step()`` (what wandb/tensorboard loggers read); the logged values must be
+    the fp32 run's, within tolerance."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    losses, total, first_layer = [], [], []
+    for x, y in classification_batches(20):
+        opt.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+        assert len(norms) == 6, "every parameter has a grad between backward and step"
+        total.append(torch.linalg.vector_norm(torch.stack(norms)).item())
+        first_layer.append(model[0].weight.grad.float().norm().item())
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses, {"grad_norm": total, "layer0_grad_norm": first_layer})
+
+
+@idiom()
+def loop_two_optimizers(h: Harness) -> Result:
+    """Two optimizers over parts of one model (body SGD, head Adam), one loss."""
+    model = mlp()
+    body = torch.optim.SGD(model[:4].parameters(), lr=0.2, momentum=0.9)
+    head = torch.optim.Adam(model[4].parameters(), lr=1e-2)
+    model, (body, head) = h.setup(model, [body, head])
+    losses = []
+    for x, y in classification_batches(20):
+        body.zero_grad()
+        head.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, [body, head])
+        body.step()
+        head.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+@idiom()
+def loop_gan(h: Harness) -> Result:
+    """DCGAN-style: generator and discriminator, two optimizers, two losses (loss ids
+    0 and 1), ``netD.zero_grad()``/``netG.zero_grad()``, ``fake.detach()`` for D.
+    Logged: how far G's sample mean is from the data mean (falls as G learns)."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    net_d = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    (net_g, net_d), (opt_g, opt_d) = h.setup([net_g, net_d], [opt_g, opt_d], num_losses=2)
+    g = torch.Generator().manual_seed(3)
+    center = torch.tensor([2.0, -1.0])
+    gaps, d_losses = [], []
+    for _ in range(22):
+        real = center + 0.3 * torch.randn(32, 2, generator=g)
+        z = torch.randn(32, 8, generator=g)
+        fake = net_g(z)
+        net_d.zero_grad()
+        err_d = F.binary_cross_entropy_with_logits(net_d(real), torch.ones(32, 1)) + F.binary_cross_entropy_with_logits(
+            net_d(fake.detach()), torch.zeros(32, 1)
+        )
+        h.backward(err_d, opt_d, loss_id=0)
+        opt_d.step()
+        net_g.zero_grad()
+        err_g = F.binary_cross_entropy_with_logits(net_d(fake), torch.ones(32, 1))
+        h.backward(err_g, opt_g, loss_id=1)
+        opt_g.step()
+        gaps.append((fake.detach().float().mean(0) - center).norm().item())
+        d_losses.append(err_d.item())
+    return Result(gaps, {"d_loss": d_losses[-5:]})
+
+
+class SegmentationLoss(nn.Module):
+    """A parameter-less criterion module, passed to initialize with the model (apex
+    segmentation trainers do ``amp.initialize([model, criterion], ...)``)."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target, ignore_index=-1)
+
+
+@idiom()
+def loop_models_list_with_loss_module(h: Harness) -> Result:
+    """A list of models incl. a parameter-less loss module, two SGD optimizers
+    (encoder, decoder), ``model.zero_grad()`` each iteration (issue 9's
+    segmentation trainer)."""
+    model = mlp()
+    crit = SegmentationLoss()
+    enc = torch.optim.SGD(model[:4].parameters(), lr=0.2, momentum=0.9)
+    dec = torch.optim.SGD(model[4].parameters(), lr=0.2, momentum=0.9)
+    (model, crit), (enc, dec) = h.setup([model, crit], [enc, dec])
+    losses = []
+    for x, y in classification_batches(20):
+        y = torch.where(torch.arange(len(y)) % 8 == 0, -1, y)  # some ignored pixels
+        model.zero_grad()
+        loss = crit(model(x), y)
+        h.backward(loss, [enc, dec])
+        enc.step()
+        dec.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+@idiom()
+def loop_adam_param_groups(h: Harness) -> Result:
+    """Adam with param groups: weights with weight decay, biases without, and a
+    per-group learning rate (the head 3x the body)."""
+    model = mlp()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and not n.startswith("4.")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") and not n.startswith("4.")]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.05},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": model[4].parameters(), "lr": 3e-2, "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    model, opt = h.setup(model, opt)
+    losses = []
+    for x, y in classification_batches(20):
+        losses.append(train_step(h, model, opt, x, y))
+    return Result(losses, exact={"lrs": [g["lr"] for g in opt.param_groups]})
+
+
+@idiom()
+def loop_target_network(h: Harness) -> Result:
+    """Target network / mean teacher, DDPG-style: a second model with its own
+    (trainable-looking) parameters, run with grad on and its output ``.detach()``ed
+    as the target, updated after each step with
+    ``p_t.data.mul_(d).add_(p.data, alpha=1 - d)`` (no optimizer of its own).
+    Logged: the target network's loss on held-out data after each update."""
+    student, teacher = mlp(), mlp()
+    teacher.load_state_dict(student.state_dict())
+    opt = torch.optim.SGD(student.parameters(), lr=0.2, momentum=0.9)
+    (student, teacher), opt = h.setup([student, teacher], opt)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    d = 0.7
+    losses, teacher_losses = [], []
+    for x, y in classification_batches(20):
+        opt.zero_grad()
+        target = F.softmax(teacher(x), -1).detach()
+        logits = student(x)
+        loss = F.cross_entropy(logits, y) + 0.5 * F.kl_div(F.log_softmax(logits, -1), target, reduction="batchmean")
+        h.backward(loss, opt)
+        opt.step()
+        for p_t, p in zip(teacher.parameters(), student.parameters()):
+            p_t.data.mul_(d).add_(p.data, alpha=1 - d)
+        with torch.no_grad():
+            teacher_losses.append(ce(teacher, xv, yv).item())
+        losses.append(loss.item())
+    return Result(teacher_losses, {"student_loss": losses[-5:]})
+
+
+@idiom()
+def loop_ema_deepcopy(h: Harness) -> Result:
+    """timm's ModelEma: ``ema = copy.deepcopy(model)`` after setup, updated with
+    ``ema_v.copy_(ema_v * d + (1 - d) * model_v)`` over the state dicts. The copy
+    must be an independent working model; logged: the EMA model's eval loss."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    ema = copy.deepcopy(model)
+    ema.eval()
+    for p in ema.parameters():
+        p.requires_grad_(False)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    d = 0.7
+    losses, ema_losses = [], []
+    for x, y in classification_batches(20):
+        losses.append(train_step(h, model, opt, x, y))
+        with torch.no_grad():
+            for ema_v, model_v in zip(ema.state_dict().values(), model.state_dict().values()):
+                if ema_v.is_floating_point():
+                    ema_v.copy_(ema_v * d + (1.0 - d) * model_v)
+            ema_losses.append(ce(ema, xv, yv).item())
+    for p, q in zip(ema.parameters(), model.parameters()):
+        assert p.data_ptr() != q.data_ptr() and p.dtype == q.dtype
+    return Result(ema_losses, {"loss": losses[-5:]})
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head sharing one weight (GPT-2 / AWD-LSTM tying)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+@idiom()
+def loop_weight_tying(h: Harness) -> Result:
+    """Shared embedding/head weight: one parameter, grads from both uses."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for s in token_batches(25):
+        opt.zero_grad()
+        logits = model(s[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), s[:, 1:].reshape(-1))
+        h.backward(loss, opt)
+        opt.step()
+        losses.append(loss.item())
+    assert model.head.weight is model.emb.weight
+    return Result(losses)
+
+
+@idiom()
+def loop_freeze_unfreeze(h: Harness) -> Result:
+    """The first layer frozen with ``requires_grad_(False)`` for 10 steps, then
+    unfrozen; the optimizer holds every parameter from the start."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    w0 = model[0].weight.detach().clone()
+    losses = []
+    for i, (x, y) in enumerate(classification_batches(24)):
+        if i == 10:
+            assert torch.equal(model[0].weight, w0), "a frozen layer moved"
+            model[0].requires_grad_(True)
+        losses.append(train_step(h, model, opt, x, y))
+    assert not torch.equal(model[0].weight, w0), "the unfrozen layer never trained"
+    return Result(losses)
+
+
+@idiom()
+def loop_unfreeze_add_param_group(h: Harness) -> Result:
+    """Fine-tuning: the optimizer starts with the trainable params only
+    (``filter(lambda p: p.requires_grad, ...)``); at step 10 the frozen layer is
+    unfrozen and added with ``opt.add_param_group`` at a lower LR."""
+    model = mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(filter(lambda p: p.requires_grad, model.parameters()), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    w0 = model[0].weight.detach().clone()
+    losses = []
+    for i, (x, y) in enumerate(classification_batches(24)):
+        if i == 10:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": model[0].parameters(), "lr": 3e-3})
+        losses.append(train_step(h, model, opt, x, y))
+    assert not torch.equal(model[0].weight, w0), "the unfrozen layer never trained"
+    return Result(losses)
+
+
+def bn_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, N_CLS))
+
+
+@idiom()
+def loop_eval_validation(h: Harness) -> Result:
+    """``model.eval()`` + ``torch.no_grad()`` validation every 4 steps, then
+    ``model.train()`` (BatchNorm switches to its running statistics)."""
+    model = bn_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    losses, val = [], []
+    for i, (x, y) in enumerate(classification_batches(20)):
+        losses.append(train_step(h, model, opt, x, y))
+        if i % 4 == 3:
+            model.eval()
+            with torch.no_grad():
+                val.append(ce(model, xv, yv).item())
+            model.train()
+    return Result(losses, {"val_loss": val})
+
+
+@idiom()
+def loop_no_grad_inference(h: Harness) -> Result:
+    """Inference mid-training without ``eval()``: predictions on a probe batch
+    under ``torch.no_grad()`` and under ``torch.inference_mode()`` every 3 steps
+    (metrics, sample generation), training goes on in between."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    losses, probe = [], []
+    for i, (x, y) in enumerate(classification_batches(21)):
+        if i % 3 == 1:
+            with torch.no_grad():
+                probe.append(ce(model, xv, yv).item())
+        if i % 3 == 2:
+            with torch.inference_mode():
+                probe.append(ce(model, xv, yv).item())
+        losses.append(train_step(h, model, opt, x, y))
+    return Result(losses, {"probe_loss": probe})
+
+
+class CellRNN(nn.Module):
+    """A GRU cell called in a Python loop over time (char-RNN tutorials)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.cell = nn.GRUCell(dim, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for t in range(idx.shape[1]):
+            hidden = self.cell(self.emb(idx[:, t]), hidden)
+            outs.append(self.out(hidden))
+        return torch.stack(outs, 1), hidden
+
+
+@idiom()
+def loop_rnn_cell(h: Harness) -> Result:
+    """An ``nn.GRUCell`` stepped in a Python loop, hidden state carried across
+    batches and detached (truncated BPTT)."""
+    torch.manual_seed(0)
+    model = CellRNN()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    hidden = torch.zeros(8, 32)
+    losses = []
+    for s in token_batches(20):
+        hidden = hidden.detach()
+        opt.zero_grad()
+        logits, hidden = model(s[:, :-1], hidden)
+        loss = F.cross_entropy(logits.reshape(-1, 32), s[:, 1:].reshape(-1))
+        h.backward(loss, opt)
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.rnn = nn.LSTM(dim, dim, batch_first=True)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, hidden: Any) -> tuple[torch.Tensor, Any]:
+        y, hidden = self.rnn(self.emb(idx), hidden)
+        return self.out(y), hidden
+
+
+@idiom()
+def loop_lstm_lm(h: Harness) -> Result:
+    """``nn.LSTM`` language model as in PyTorch's word-language-model example:
+    ``repackage_hidden`` between batches, ``model.zero_grad()``,
+    ``clip_grad_norm_(model.parameters(), 0.25)``, SGD."""
+    torch.manual_seed(0)
+    model = LSTMLM()
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    model, opt = h.setup(model, opt)
+    hidden = (torch.zeros(1, 8, 32), torch.zeros(1, 8, 32))
+    losses = []
+    for s in token_batches(25):
+        hidden = tuple(t.detach() for t in hidden)
+        model.zero_grad()
+        logits, hidden = model(s[:, :-1], hidden)
+        loss = F.cross_entropy(logits.reshape(-1, 32), s[:, 1:].reshape(-1))
+        h.backward(loss, opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+class CheckpointedMLP(nn.Module):
+    """Blocks run through ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, ckpt_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, HIDDEN)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU()) for _ in range(2))
+        self.out = nn.Linear(HIDDEN, N_CLS)
+        self.ckpt_kwargs = ckpt_kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False, **self.ckpt_kwargs)
+        return self.out(x)
+
+
+@idiom(policy=amp.Policy(dtype=torch.bfloat16, fp32_ops=[F.gelu]))
+def loop_activation_checkpointing(h: Harness) -> Result:
+    """Activation checkpointing, ``use_reentrant=False``, with
+    ``context_fn=amp.checkpoint_context`` as the README asks; O1/init run a policy
+    that differs from torch's lists (gelu in fp32), so the recomputation must
+    re-enter it."""
+    torch.manual_seed(0)
+    model = CheckpointedMLP(h.checkpoint_context())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for x, y in classification_batches(20):
+        losses.append(train_step(h, model, opt, x, y))
+    return Result(losses)
+
+
+@contextlib.contextmanager
+def cpu_as_accelerator() -> Iterator[None]:
+    """``torch.nn.parallel.parallel_apply`` (how ``nn.DataParallel`` runs its
+    replicas: one thread each, entering ``torch.amp.autocast`` with the caller's
+    accelerator autocast state) refuses to run without an accelerator. Let the CPU
+    stand in for it, so torch's own replica threads run here: device index 0, no
+    streams, and the caller's autocast state read for 'cpu' (as it is read for the
+    accelerator on a GPU machine)."""
+    pa = sys.modules["torch.nn.parallel.parallel_apply"]
+    enabled = torch.is_autocast_enabled
+    with (
+        mock.patch.object(pa, "_get_device_index", lambda device, optional=False: 0),
+        mock.patch.object(torch.accelerator, "is_available", lambda: True),
+        mock.patch.object(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu")),
+        mock.patch.object(torch.accelerator, "current_stream", lambda *a, **k: contextlib.nullcontext()),
+        mock.patch.object(torch.accelerator, "device_index", lambda *a, **k: contextlib.nullcontext()),
+        mock.patch.object(torch, "is_autocast_enabled", lambda *a: enabled(*a) if a else enabled("cpu")),
+    ):
+        yield
+
+
+class CpuDataParallel(nn.DataParallel):
+    """``nn.DataParallel.forward`` over 2 'devices': scatter the batch, run the
+    replicas with ``parallel_apply``, gather. On CPU ``replicate`` has nothing to
+    broadcast to, so each replica is the module itself (same parameters, as
+    broadcast replicas are)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        chunks = x.chunk(2)
+        with cpu_as_accelerator():
+            outs = torch.nn.parallel.parallel_apply([self.module] * len(chunks), [(c,) for c in chunks])
+        return torch.cat(outs)
+
+
+class GeluHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D_IN, HIDDEN)
+        self.act = nn.GELU()
+        self.head = nn.Linear(HIDDEN, N_CLS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc(x)))
+
+
+@idiom(policy=amp.Policy(dtype=torch.bfloat16, fp32_ops=[F.gelu], module_rules={"head": torch.float32}))
+def loop_data_parallel(h: Harness) -> Result:
+    """``nn.DataParallel`` replicas in ``parallel_apply``'s threads. The dtypes
+    seen inside the replicas (gelu output, head output) must be the main thread's,
+    here under a custom policy (gelu and the head pinned to fp32 at O1/init)."""
+    torch.manual_seed(0)
+    model = GeluHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    seen: dict[threading.Thread, list[tuple[str, torch.dtype]]] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen.setdefault(threading.current_thread(), []).append((name, out.dtype))
+
+        return hook
+
+    handles = [model.act.register_forward_hook(record("act")), model.head.register_forward_hook(record("head"))]
+    dp = CpuDataParallel(model)
+    losses = []
+    for i, (x, y) in enumerate(classification_batches(20)):
+        opt.zero_grad()
+        loss = F.cross_entropy(dp(x), y)
+        h.backward(loss, opt)
+        opt.step()
+        losses.append(loss.item())
+        if i == 0:
+            replicas = dict(seen)
+            seen.clear()
+            with torch.no_grad():
+                model(x)
+            (main,) = seen.values()
+            assert len(replicas) == 2 and threading.current_thread() not in replicas
+            for dtypes in replicas.values():
+                assert dtypes == main, f"replica thread saw {dtypes}, main thread {main}"
+            for handle in handles:
+                handle.remove()
+    return Result(losses)
+
+
+def checkpoint_bytes(obj: Any) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+@idiom()
+def loop_resume_checkpoint(h: Harness) -> Result:
+    """Save ``{model, optimizer, amp}`` state at step 8, train on to step 14, load
+    the checkpoint back mid-run and redo steps 8..14 on the same batches: the
+    replayed losses must equal the first ones bitwise (at every level), then train
+    on to the end."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    batches = classification_batches(22)
+    losses, first_pass = [], []
+    for x, y in batches[:8]:
+        losses.append(train_step(h, model, opt, x, y))
+    buf = checkpoint_bytes({"model": model.state_dict(), "opt": opt.state_dict(), "amp": h.state_dict()})
+    for x, y in batches[8:14]:
+        first_pass.append(train_step(h, model, opt, x, y))
+    ckpt = torch.load(buf, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    h.load_state_dict(ckpt["amp"])
+    for x, y in batches[8:]:
+        losses.append(train_step(h, model, opt, x, y))
+    assert losses[8:14] == first_pass, "a resumed run must replay bitwise"
+    return Result(losses)
+
+
+@idiom()
+def loop_save_best_model(h: Harness) -> Result:
+    """``torch.save(model, f)`` of the whole model whenever validation improves;
+    at the end the best model is reloaded with ``torch.load`` and evaluated."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    best_val, best_file = math.inf, None
+    losses = []
+    for i, (x, y) in enumerate(classification_batches(20)):
+        losses.append(train_step(h, model, opt, x, y))
+        if i % 5 == 4:
+            with torch.no_grad():
+                val = ce(model, xv, yv).item()
+            if val < best_val:
+                best_val, best_file = val, checkpoint_bytes(model)
+    assert best_file is not None
+    best = torch.load(best_file, weights_only=False)
+    best.eval()
+    with torch.no_grad():
+        reloaded_val = ce(best, xv, yv).item()
+    assert reloaded_val == best_val, "the reloaded model computes what the saved one did"
+    return Result(losses, {"best_val": [reloaded_val]})
+
+
+@idiom()
+def loop_early_stopping_restore(h: Harness) -> Result:
+    """Early stopping with the best weights kept in memory
+    (``[p.detach().clone() for p in model.parameters()]``) and put back at the end
+    with ``p.data.copy_(best)`` (Keras' restore_best_weights, course notebooks), then
+    a final evaluation, which must compute what the best weights computed."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    (xv, yv), = classification_batches(1, batch=64, seed=7)
+    best_val, best = math.inf, None
+    losses, vals = [], []
+    for i, (x, y) in enumerate(classification_batches(20)):
+        losses.append(train_step(h, model, opt, x, y))
+        if i in (3, 7, 11, 15):
+            with torch.no_grad():
+                vals.append(ce(model, xv, yv).item())
+            if vals[-1] < best_val:
+                best_val, best = vals[-1], [p.detach().clone() for p in model.parameters()]
+    assert best is not None
+    with torch.no_grad():
+        last_val = ce(model, xv, yv).item()
+    for p, b in zip(model.parameters(), best):
+        p.data.copy_(b)
+    with torch.no_grad():
+        restored_val = ce(model, xv, yv).item()
+    assert restored_val == best_val, (
+        f"the restored best weights give {restored_val}, they gave {best_val} (the last weights: {last_val})"
+    )
+    return Result(losses, {"val_loss": [*vals, last_val, restored_val]})
+
+
+@idiom()
+def loop_lr_scheduler_per_iteration(h: Harness) -> Result:
+    """OneCycleLR built with the optimizer (before setup) and stepped every
+    iteration; the LR schedule must be fp32's exactly."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.3, total_steps=20)
+    model, opt = h.setup(model, opt)
+    losses, lrs = [], []
+    for x, y in classification_batches(20):
+        opt.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        losses.append(loss.item())
+    return Result(losses, exact={"lr": lrs})
+
+
+class LayerNorm(nn.Module):
+    """A hand-written LayerNorm, as GPT codebases define their own (mean and
+    variance by hand)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class NormedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D_IN, HIDDEN)
+        self.ln = LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, N_CLS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(F.gelu(self.ln(h + 3.0)))  # an offset mean: 16-bit statistics lose it
+
+
+@idiom(keep_fp32=(LayerNorm,))
+def loop_custom_layernorm(h: Harness) -> Result:
+    """A hand-written LayerNorm class kept fp32 with ``initialize(keep_fp32=[LayerNorm])``
+    at O2/O3/O2K (issue 16); its parameters must stay fp32 and its statistics be
+    computed in fp32."""
+    torch.manual_seed(0)
+    model = NormedMLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    if h.casts_model:
+        assert model.fc.weight.dtype == h.dtype
+        assert {p.dtype for p in model.ln.parameters()} == {torch.float32}
+    seen: list[torch.dtype] = []
+    # prepend: see the norm's own output, before a cast hook hands it on in 16 bits
+    model.ln.register_forward_hook(lambda m, a, out: seen.append(out.dtype), prepend=True)
+    losses = []
+    for x, y in classification_batches(20):
+        losses.append(train_step(h, model, opt, x, y))
+    if h.casts_model:
+        assert set(seen) == {torch.float32}, f"custom LayerNorm computed in {set(seen)}"
+    return Result(losses)
+
+
+class GPTHead(nn.Module):
+    """nanoGPT's contract: ``forward(idx, targets) -> (logits, loss)``, the
+    cross-entropy computed inside ``forward``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(F.gelu(self.fc(self.emb(idx))))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+@idiom()
+def loop_cross_entropy_in_forward(h: Harness) -> Result:
+    """The model returns ``(logits, loss)``. Every level but O3 (pure 16-bit by
+    definition) must compute that loss in fp32 (issue 16): equal, to fp32
+    rounding, to fp32 cross-entropy of the logits the model returned."""
+    torch.manual_seed(0)
+    model = GPTHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for s in token_batches(25):
+        opt.zero_grad()
+        logits, loss = model(s[:, :-1], s[:, 1:])
+        assert loss.dtype == torch.float32
+        if h.mode != "O3":
+            exact = F.cross_entropy(logits.detach().float().reshape(-1, 32), s[:, 1:].reshape(-1))
+            assert abs(loss.item() - exact.item()) <= 1e-5 * exact.item(), (
+                f"loss {loss.item()} vs fp32 cross-entropy of the same logits {exact.item()}"
+            )
+        h.backward(loss, opt)
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+@idiom(dtype=torch.float16, raises=(("O2K", "bf16|bfloat16"),))
+def loop_clip_fp16(h: Harness) -> Result:
+    """fp16 with loss scaling (tiny tensors): ``model.zero_grad()`` and an unchanged
+    ``clip_grad_norm_(model.parameters(), max_norm)``; the clip must see unscaled
+    grads. O2K is bf16 by definition and refuses fp16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    model, opt = h.setup(model, opt)
+    teacher = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    for _ in range(20):
+        x = torch.randn(8, 8, generator=g)
+        y = (x @ teacher > 0).long()
+        model.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.2)))
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses, {"grad_norm": norms})
+
+
+# ---------------------------------------------------------------------------
+# Known failures on today's library: (idiom, mode) -> "issue N: cause"
+# ---------------------------------------------------------------------------
+_PILE_UP = (
+    "issue 9: O2 master grads pile up: MasterWeights.gather_grads adds each step's grads into the "
+    "fp32 master .grad, which model.zero_grad() / p.grad = None (on model params) never clear"
+)
+_STALE = (
+    "issue 9: stale cast cache: a p.data update bumps no version counter and no optimizer steps "
+    "before the next forward, so the cached bf16 copy of the old weights is used"
+)
+_REPLICAS = (
+    "issue 9: parallel_apply's replica threads re-enter torch.autocast but not ampkit's thread-local "
+    "scopes: the custom policy (gelu and head in fp32) is replaced by torch's lists in the replicas"
+)
+_PICKLE = (
+    "issue 9: torch.save(model) of a cast model fails: its cast hooks are local closures "
+    "(Can't pickle local object '_output_caster.<locals>.hook')"
+)
+_NO_OPTIMIZER = (
+    "issue 16: initialize(model, None, level) with a level that needs an optimizer (O2 masters, "
+    "O2K compensation) is accepted and the hand-written update trains bare bf16 weights silently"
+)
+_SCALED_BF16 = (
+    "issue 16: init_trainer defaults to a dynamic 2**16 scale under bf16, so grads read or clipped "
+    "between backward and step (no amp.unscale in the script) are 65536x too large"
+)
+_SCALED_FP16 = (
+    "issue 16: fp16 dynamic scale: an unchanged clip_grad_norm_(model.parameters()) sees the scaled "
+    "grads (no amp.unscale in the script) and clips them to almost nothing"
+)
+_KEEP_FP32 = "issue 16: initialize has no keep_fp32 option, so a hand-written LayerNorm class is cast to bf16"
+_LOSS_IN_FORWARD = (
+    "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
+    "in forward runs in bf16 (rel. error ~3e-4 against fp32 CE of the same logits)"
+)
+_CLIP_AFTER_UNSCALE = (
+    "issue 16: O2: after amp.unscale the bf16 model params have no grads (moved to the masters), so "
+    "clip_grad_norm_(model.parameters()) sees a norm of 0 and clips nothing"
+)
+_LSTM_BF16_CPU = (
+    "not filed yet: torch 2.13 CPU autocast lowers nn.LSTM to bf16 and oneDNN has no bf16 LSTM "
+    "primitive ('could not create a primitive descriptor for the LSTM forward propagation "
+    "primitive'); plain torch.autocast fails the same way, ampkit's cpu list keeps lstm in bf16"
+)
+
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("zero_grad_model", "O2"): _PILE_UP,
+    ("grad_none", "O2"): _PILE_UP,
+    ("zero_grad_keep_model", "O2"): _PILE_UP,
+    ("gan", "O2"): _PILE_UP,
+    ("models_list_with_loss_module", "O2"): _PILE_UP,
+    ("lstm_lm", "O2"): _PILE_UP,
+    ("manual_sgd", "O1"): _STALE,
+    ("manual_sgd", "init"): _STALE,
+    ("early_stopping_restore", "O1"): _STALE,
+    ("early_stopping_restore", "init"): _STALE,
+    ("data_parallel", "O1"): _REPLICAS,
+    ("data_parallel", "init"): _REPLICAS,
+    ("save_best_model", "O2"): _PICKLE,
+    ("save_best_model", "O3"): _PICKLE,
+    ("save_best_model", "O2K"): _PICKLE,
+    ("manual_sgd", "O2"): _NO_OPTIMIZER,
+    ("manual_sgd", "O2K"): _NO_OPTIMIZER,
+    ("clip_unchanged", "init"): _SCALED_BF16,
+    ("clip_value", "init"): _SCALED_BF16,
+    ("grad_norm_logging", "init"): _SCALED_BF16,
+    ("clip_fp16", "O1"): _SCALED_FP16,
+    ("clip_fp16", "O2"): _SCALED_FP16,
+    ("clip_fp16", "init"): _SCALED_FP16,
+    ("clip_after_unscale", "O2"): _CLIP_AFTER_UNSCALE,
+    ("custom_layernorm", "O2"): _KEEP_FP32,
+    ("custom_layernorm", "O3"): _KEEP_FP32,
+    ("custom_layernorm", "O2K"): _KEEP_FP32,
+    ("cross_entropy_in_forward", "O2"): _LOSS_IN_FORWARD,
+    ("cross_entropy_in_forward", "O2K"): _LOSS_IN_FORWARD,
+    ("lstm_lm", "O1"): _LSTM_BF16_CPU,
+    ("lstm_lm", "init"): _LSTM_BF16_CPU,
+}
+
+
+# ---------------------------------------------------------------------------
+# The matrix
+# ---------------------------------------------------------------------------
+_REFERENCES: dict[str, Result] = {}
+
+
+def fp32_reference(name: str) -> Result:
+    """The idiom run without ampkit; checked to train far more than the largest
+    level tolerance, so a case that does not train cannot pass."""
+    if name not in _REFERENCES:
+        spec = IDIOMS[name]
+        amp.reset()
+        ref = spec.fn(Harness("fp32", spec.dtype))
+        first, last = ref.losses[0], tail_mean(ref.losses)
+        widest = max(tolerance(m, spec.dtype) for m in MODES)
+        assert first - last > 2 * widest * abs(last), (
+            f"{name}: fp32 goes from {first:.4f} to {last:.4f}; the loop must train by "
+            f"more than twice the widest tolerance ({widest:.3f} relative) to tell levels apart"
+        )
+        _REFERENCES[name] = ref
+    return _REFERENCES[name]
+
+
+def tail_mean(losses: list[float]) -> float:
+    return sum(losses[-TAIL:]) / len(losses[-TAIL:])
+
+
+def assert_close(name: str, got: list[float], ref: list[float], tol: float, mode: str) -> None:
+    assert len(got) == len(ref), f"{name}: {len(got)} values, fp32 has {len(ref)}"
+    if tol == 0.0:
+        assert got == ref, f"{name}: {mode} must be bitwise fp32: {got} vs {ref}"
+        return
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert math.isfinite(a), f"{name}[{i}] is {a} under {mode}"
+        assert abs(a - b) <= tol * abs(b), (
+            f"{name}[{i}]: {mode} {a:.6g} vs fp32 {b:.6g} (rel {abs(a - b) / abs(b):.3g} > tol {tol:.3g})"
+        )
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for name in IDIOMS:
+        for mode in MODES:
+            marks = []
+            if (name, mode) in KNOWN_FAILURES:
+                marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[(name, mode)]))
+            cases.append(pytest.param(name, mode, id=f"{name}-{mode}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_fp32_reference_trains(name: str) -> None:
+    fp32_reference(name)
+
+
+@pytest.mark.parametrize(("name", "mode"), _cases())
+def test_idiom(name: str, mode: str) -> None:
+    spec = IDIOMS[name]
+    expected_error = dict(spec.raises).get(mode)
+    if expected_error is not None:
+        with pytest.raises(amp.AmpError, match=expected_error):
+            spec.fn(spec.harness(mode))
+        return
+    ref = fp32_reference(name)
+    amp.reset()
+    got = spec.fn(spec.harness(mode))
+    tol = tolerance(mode, spec.dtype)
+    assert got.exact == ref.exact
+    # The headline: the loss (or the idiom's metric) over the last TAIL steps.
+    assert_close(f"mean loss of the last {TAIL} steps", [tail_mean(got.losses)], [tail_mean(ref.losses)], tol, mode)
+    for key, values in ref.series.items():
+        assert_close(key, got.series[key], values, tol, mode)
+    if mode == "O0":
+        assert got.losses == ref.losses, "O0 must be bitwise fp32 at every step"
+
+
+def test_matrix_size() -> None:
+    """The matrix covers at least 18 idioms under every level."""
+    assert len(IDIOMS) >= 18
+    assert len(_cases()) == len(IDIOMS) * len(MODES)
