@@ -25,7 +25,7 @@ parameters and scales are bitwise those of torch.amp.GradScaler.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +37,27 @@ from .scaling import LossScaler, group_grads, unscale_and_check_
 __all__ = ["GradScaler"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _check_device(device: Any) -> str:
+    """``device`` as torch.amp.GradScaler takes it: a device type string, with a
+    backend torch knows ("cuda" may be absent: the scaler then disables itself)."""
+    if not isinstance(device, str):
+        raise ScalerError(f"GradScaler: device must be a device type string such as 'cpu', got {device!r}.")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ScalerError(f"GradScaler: {device!r} is not a torch device type; use 'cpu' or 'cuda'.") from None
+    if kind not in ("cpu", "cuda"):
+        backend = getattr(torch, kind, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise ScalerError(
+                f"GradScaler: device {device!r} is not available on this machine; use 'cpu' "
+                "(or the device your model's parameters are on)."
+            )
+    return device
 
 
 class _OptRecord:
@@ -74,16 +95,9 @@ class GradScaler:
         consecutive_hysteresis: bool = False,
         max_consecutive_skips: int | None = 100,
     ) -> None:
-        self._device = device
-        self._enabled = bool(enabled)
-        if self._enabled and device == "cuda" and not torch.cuda.is_available():
-            warnings.warn(
-                "ampkit.GradScaler is enabled for device 'cuda', but CUDA is not available; "
-                "disabling. Pass device='cpu' to scale on the CPU.",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._enabled = False
+        device = _check_device(device)
+        if not isinstance(enabled, bool):
+            raise ScalerError(f"GradScaler: enabled must be True or False, got {enabled!r}.")
         self._scaler = LossScaler(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -96,6 +110,16 @@ class GradScaler:
             max_consecutive_skips=max_consecutive_skips,
             name="GradScaler",
         )
+        self._device = device
+        self._enabled = enabled
+        if self._enabled and device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "ampkit.GradScaler is enabled for device 'cuda', but CUDA is not available; "
+                "disabling. Pass device='cpu' to scale on the CPU.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._enabled = False
         self._records: dict[int, _OptRecord] = {}
 
     @property
@@ -183,16 +207,17 @@ class GradScaler:
         ``step`` for every optimizer. May raise :class:`~ampkit.NumericsError`."""
         if not self._enabled:
             return
-        records, self._records = self._records, {}
         if new_scale is not None:
             if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1 or new_scale.requires_grad:
+                if new_scale.numel() != 1 or new_scale.requires_grad or new_scale.is_complex():
                     raise StateError(
-                        "new_scale must be a float or a 1-element tensor without requires_grad."
+                        "new_scale must be a float or a 1-element real tensor without requires_grad."
                     )
-                new_scale = float(new_scale.item())
-            self._scaler.set_scale(new_scale)
+                new_scale = new_scale.item()
+            self._scaler.set_scale(new_scale)  # validates before changing anything
+            self._records = {}
             return
+        records, self._records = self._records, {}
         if not records:
             raise StateError(
                 "update(): no inf checks were recorded this iteration; call scaler.step(opt) "
@@ -216,30 +241,19 @@ class GradScaler:
         return self._scaler.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._set_config("growth_factor", float(new_factor))
+        self._scaler.with_config(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._scaler.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._set_config("backoff_factor", float(new_factor))
+        self._scaler.with_config(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         return self._scaler.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._set_config("growth_interval", int(new_interval))
-
-    def _set_config(self, key: str, value: float | int) -> None:
-        """Set one scaler setting, validated like the constructor's arguments
-        (a bad value raises ScalerError and changes nothing)."""
-        old = getattr(self._scaler, key)
-        setattr(self._scaler, key, value)
-        try:
-            self._scaler._validate()
-        except ScalerError:
-            setattr(self._scaler, key, old)
-            raise
+        self._scaler.with_config(growth_interval=new_interval)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``,
@@ -259,9 +273,17 @@ class GradScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`, or a torch.amp.GradScaler state dict (then only its
-        five fields change; hysteresis and the other ampkit fields keep their values)."""
+        five fields change; hysteresis and the other ampkit fields keep their values).
+        The dict is validated completely first: a rejected one raises
+        :class:`~ampkit.ScalerError` (or :class:`~ampkit.StateError` when empty) and
+        changes nothing."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, Mapping):
+            raise ScalerError(
+                f"GradScaler: expected a state dict (a dict returned by state_dict()), got "
+                f"{type(state_dict).__name__}."
+            )
         if len(state_dict) == 0:
             raise StateError(
                 "The source state dict is empty, possibly because it was saved from a "
@@ -270,16 +292,21 @@ class GradScaler:
         if "ampkit" in state_dict:
             self._scaler.load_state_dict(state_dict["ampkit"])
             return
-        scaler = self._scaler
-        sd = scaler.state_dict()
+        missing = [k for k in _TORCH_KEYS if k not in state_dict]
+        if missing:
+            raise ScalerError(
+                f"GradScaler: state dict lacks {missing}; pass a dict returned by "
+                "GradScaler.state_dict() (ampkit's or torch.amp's)."
+            )
+        sd = self._scaler.state_dict()
         sd.update(
-            scale=float(state_dict["scale"]),
-            growth_factor=float(state_dict["growth_factor"]),
-            backoff_factor=float(state_dict["backoff_factor"]),
-            growth_interval=int(state_dict["growth_interval"]),
-            growth_tracker=int(state_dict["_growth_tracker"]),
+            scale=state_dict["scale"],
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+            growth_tracker=state_dict["_growth_tracker"],
         )
-        scaler.load_state_dict(sd)
+        self._scaler.load_state_dict(sd)
 
     def __repr__(self) -> str:
         return f"ampkit.GradScaler(device={self._device!r}, enabled={self._enabled}, {self._scaler!r})"

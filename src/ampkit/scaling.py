@@ -41,15 +41,16 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .errors import NumericsError, ScalerError
 
-__all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32"]
+__all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
 
 _LOG = logging.getLogger("ampkit")
 
@@ -85,6 +86,113 @@ def to_fp32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def is_real(value: Any) -> bool:
+    """A real number (int, float, numpy scalar), not a bool, str or tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, str))
+
+
+def is_count(value: Any) -> bool:
+    """An integer (int, numpy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, allow_inf: bool = False) -> float:
+    """``value`` rounded to fp32 if it is a usable loss scale, else ``error``.
+
+    A usable scale is a real number (not a bool) whose fp32 value is finite and > 0
+    and whose reciprocal -- what unscaling multiplies the grads by -- is finite in
+    fp32 too (scales below about 2.9e-39 have none). ``allow_inf`` also accepts
+    ``+inf`` (a cap that caps nothing)."""
+    if not is_real(value):
+        raise error(f"{what} must be a number, got {value!r} ({type(value).__name__}).")
+    scale = to_fp32(float(value))
+    if allow_inf and scale == math.inf:
+        return scale
+    if not (math.isfinite(scale) and scale > 0):
+        raise error(f"{what} must be a finite number > 0, got {value!r}.")
+    if not math.isfinite(to_fp32(1.0 / scale)):
+        raise error(
+            f"{what}={value!r} is too small: its reciprocal overflows float32, so unscaling "
+            "would turn every gradient into inf/NaN. Use a scale of at least 1e-38 "
+            "(scales below 1 are rarely useful)."
+        )
+    return scale
+
+
+def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The scaler configuration in ``cfg`` (keys: ``_CONFIG_KEYS``) validated and
+    normalized (fp32 scales, Python ints and bools), or :class:`ScalerError`."""
+
+    def bad(msg: str) -> ScalerError:
+        return ScalerError(f"{name}: {msg}")
+
+    def count(key: str, low: int, allow_none: bool = False) -> int | None:
+        value = cfg[key]
+        if value is None and allow_none:
+            return None
+        if not is_count(value) or value < low:
+            extra = " or None" if allow_none else ""
+            raise bad(f"{key} must be an int >= {low}{extra}, got {value!r}.")
+        return int(value)
+
+    def flag(key: str) -> bool:
+        value = cfg[key]
+        if not isinstance(value, bool):
+            raise bad(f"{key} must be True or False, got {value!r} ({type(value).__name__}).")
+        return value
+
+    out: dict[str, Any] = {}
+    out["init_scale"] = check_scale(cfg["init_scale"], f"{name}: init_scale")
+    out["min_scale"] = check_scale(cfg["min_scale"], f"{name}: min_scale")
+    out["max_scale"] = check_scale(cfg["max_scale"], f"{name}: max_scale", allow_inf=True)
+    growth, backoff = cfg["growth_factor"], cfg["backoff_factor"]
+    if not (is_real(growth) and math.isfinite(growth) and growth > 1.0):
+        raise bad(f"growth_factor must be a finite number > 1, got {growth!r}.")
+    if not (is_real(backoff) and 0.0 < backoff < 1.0):
+        raise bad(f"backoff_factor must be a number in (0, 1), got {backoff!r}.")
+    out["growth_factor"] = float(growth)
+    out["backoff_factor"] = float(backoff)
+    out["growth_interval"] = count("growth_interval", 1)
+    out["hysteresis"] = count("hysteresis", 1)
+    out["max_consecutive_skips"] = count("max_consecutive_skips", 0, allow_none=True)
+    out["dynamic"] = flag("dynamic")
+    out["consecutive_hysteresis"] = flag("consecutive_hysteresis")
+    if out["dynamic"] and not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
+        raise bad(
+            f"need min_scale <= init_scale <= max_scale, got {out['min_scale']} <= "
+            f"{out['init_scale']} <= {out['max_scale']}; adjust one of them."
+        )
+    return out
+
+
+def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The state fields of a scaler state dict, validated against the (validated)
+    configuration ``cfg``, or :class:`ScalerError`."""
+
+    def bad(msg: str) -> ScalerError:
+        return ScalerError(f"{name}: state dict {msg}; pass a dict returned by LossScaler.state_dict().")
+
+    out: dict[str, Any] = {"scale": check_scale(sd["scale"], f"{name}: state dict scale")}
+    if cfg["dynamic"] and not cfg["min_scale"] <= out["scale"] <= cfg["max_scale"]:
+        raise bad(
+            f"has scale {out['scale']} outside [min_scale, max_scale] = "
+            f"[{cfg['min_scale']}, {cfg['max_scale']}]"
+        )
+    for key in ("growth_tracker", "hysteresis_left", "consecutive_skips", "num_events", "num_overflows"):
+        value = sd[key]
+        if not is_count(value) or value < 0:
+            raise bad(f"has {key}={value!r}, expected an int >= 0")
+        out[key] = int(value)
+    if not 1 <= out["hysteresis_left"] <= cfg["hysteresis"]:
+        raise bad(f"has hysteresis_left={out['hysteresis_left']}, expected 1..hysteresis={cfg['hysteresis']}")
+    if not out["consecutive_skips"] <= out["num_overflows"] <= out["num_events"]:
+        raise bad(
+            "has inconsistent counters (need consecutive_skips <= num_overflows <= num_events, "
+            f"got {out['consecutive_skips']}, {out['num_overflows']}, {out['num_events']})"
+        )
+    return out
+
+
 def _is_rank_zero() -> bool:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -98,7 +206,8 @@ def group_grads(
     """The gradients of ``params`` (those that have one), grouped by (device, dtype).
 
     Sparse gradients contribute their values (an fp16 sparse gradient is coalesced
-    first so that duplicate indices are summed before the check). With
+    first so that duplicate indices are summed before the check); complex gradients
+    their real view (``torch.view_as_real``), which shares their storage. With
     ``allow_fp16=False`` an fp16 gradient raises :class:`~ampkit.ScalerError`."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
@@ -115,6 +224,9 @@ def group_grads(
             if grad.dtype == torch.float16:
                 p.grad = grad = grad.coalesce()
             grad = grad._values()
+        if grad.is_complex():
+            # Unscale and check the real and imaginary parts in place, as floats.
+            grad = torch.view_as_real(grad)
         key = (grad.device, grad.dtype)
         bucket = groups.get(key)
         if bucket is None:
@@ -128,16 +240,23 @@ def unscale_and_check_(
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
     factor: float,
     factor_tensors: dict[torch.device, torch.Tensor] | None = None,
+    *,
+    check_result: bool | None = None,
 ) -> torch.Tensor | None:
     """Multiply every tensor in ``groups`` in place by ``factor`` (an fp32 value) and
     check them for inf/NaN, one fused kernel per (device, dtype) group.
 
-    Returns a float32 0-dim tensor, 1.0 if any tensor held a non-finite value (before
-    the multiply) and 0.0 otherwise, or ``None`` when ``groups`` is empty. No host
-    sync. ``factor_tensors`` (device -> fp32 0-dim tensor holding ``factor``) lets a
-    caller reuse cached tensors."""
+    Returns a float32 0-dim tensor, 1.0 if any tensor held a non-finite value and 0.0
+    otherwise, or ``None`` when ``groups`` is empty. No host sync. The fused kernel
+    checks the values before the multiply; a factor above 1 (a loss scale below 1) can
+    overflow finite values, so by default (``check_result=None``) the products are then
+    checked too, in a second pass (``True``/``False`` force it on/off).
+    ``factor_tensors`` (device -> fp32 0-dim tensor holding ``factor``) lets a caller
+    reuse cached tensors."""
     if not groups:
         return None
+    if check_result is None:
+        check_result = factor > 1.0
     found_per_device: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for (device, _dtype), grads in groups.items():
@@ -148,6 +267,9 @@ def unscale_and_check_(
             if factor_t is None:
                 factor_t = torch.full((), factor, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor_t)
+            if check_result:
+                one = torch.ones((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     founds = iter(found_per_device.values())
     total = next(founds)
     for other in founds:
@@ -159,7 +281,11 @@ class LossScaler:
     """A loss scale for one loss: static or dynamic, with hysteresis, a floor and a cap.
 
     Args (defaults in brackets):
-        init_scale (float) [2**16]: starting scale ``S``, rounded to fp32.
+        init_scale (float) [2**16]: starting scale ``S``, rounded to fp32. Every scale
+            (``init_scale``, ``min_scale``, ``max_scale``, a loaded or set scale) must be
+            a finite number > 0 whose fp32 reciprocal is finite too (>= about 2.9e-39);
+            ``max_scale`` may also be ``math.inf``. When dynamic, ``min_scale <=
+            init_scale <= max_scale``; a static scale ignores ``min_scale``/``max_scale``.
         growth_factor (float) [2.0]: ``S *= growth_factor`` after ``growth_interval``
             clean steps in a row; must be > 1.
         backoff_factor (float) [0.5]: ``S *= backoff_factor`` on an overflow that is not
@@ -177,6 +303,10 @@ class LossScaler:
         max_consecutive_skips (int | None) [100]: raise :class:`~ampkit.NumericsError` when
             more than this many overflows happen in a row; ``None`` turns the check off.
         name (str) ["loss scaler"]: how log records and errors call this scaler.
+
+    Counts (``growth_interval``, ``hysteresis``, ``max_consecutive_skips``) must be
+    ints and flags (``dynamic``, ``consecutive_hysteresis``) bools; anything else
+    raises :class:`~ampkit.ScalerError`.
 
     Use: ``scale(loss)`` before backward, ``unscale_(params)`` for the fused unscale and
     check (returns a 0-dim found-inf tensor, no sync), then ``update(found_inf)`` once
@@ -199,20 +329,11 @@ class LossScaler:
         max_consecutive_skips: int | None = 100,
         name: str = "loss scaler",
     ) -> None:
-        self.init_scale = to_fp32(float(init_scale))
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = to_fp32(float(min_scale))
-        self.max_scale = to_fp32(float(max_scale))
-        self.dynamic = bool(dynamic)
-        self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        self.max_consecutive_skips = (
-            None if max_consecutive_skips is None else int(max_consecutive_skips)
-        )
+        if not isinstance(name, str):
+            raise ScalerError(f"LossScaler: name must be a str, got {name!r}.")
         self.name = name
-        self._validate()
+        arguments = locals()  # the constructor arguments are the configuration
+        self._apply_config(_check_config({k: arguments[k] for k in _CONFIG_KEYS}, "LossScaler"))
         self._scale = self.init_scale
         self._growth_tracker = 0
         self._hysteresis_left = self.hysteresis
@@ -226,33 +347,38 @@ class LossScaler:
         # Set while a trainer (init_trainer) drives this scaler, so two cannot share it.
         self._attached = False
 
-    def _validate(self) -> None:
-        def bad(msg: str) -> ScalerError:
-            return ScalerError(f"LossScaler: {msg}")
+    def _apply_config(self, cfg: dict[str, Any]) -> None:
+        self.init_scale: float = cfg["init_scale"]
+        self.growth_factor: float = cfg["growth_factor"]
+        self.backoff_factor: float = cfg["backoff_factor"]
+        self.growth_interval: int = cfg["growth_interval"]
+        self.hysteresis: int = cfg["hysteresis"]
+        self.min_scale: float = cfg["min_scale"]
+        self.max_scale: float = cfg["max_scale"]
+        self.dynamic: bool = cfg["dynamic"]
+        self.consecutive_hysteresis: bool = cfg["consecutive_hysteresis"]
+        self.max_consecutive_skips: int | None = cfg["max_consecutive_skips"]
 
-        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
-            raise bad(f"init_scale must be a finite number > 0, got {self.init_scale}.")
-        if self.max_consecutive_skips is not None and self.max_consecutive_skips < 0:
-            raise bad(
-                f"max_consecutive_skips must be >= 0 or None, got {self.max_consecutive_skips}."
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``)."""
+        return {key: getattr(self, key) for key in _CONFIG_KEYS}
+
+    def with_config(self, **changes: Any) -> None:
+        """Change configuration fields (constructor arguments), validated like the
+        constructor's; a rejected change raises :class:`~ampkit.ScalerError` and
+        changes nothing. The state (scale, counters) is kept; a hysteresis budget
+        above a lowered ``hysteresis`` is cut to it."""
+        unknown = sorted(set(changes) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ScalerError(f"{self.name}: unknown setting(s) {unknown}; valid: {list(_CONFIG_KEYS)}.")
+        cfg = _check_config({**self.config(), **changes}, self.name)
+        if cfg["dynamic"] and not cfg["min_scale"] <= self._scale <= cfg["max_scale"]:
+            raise ScalerError(
+                f"{self.name}: the current scale {self._scale} would lie outside "
+                f"[min_scale, max_scale] = [{cfg['min_scale']}, {cfg['max_scale']}]."
             )
-        if not self.dynamic:
-            return
-        if not self.growth_factor > 1.0:
-            raise bad(f"growth_factor must be > 1, got {self.growth_factor}.")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise bad(f"backoff_factor must be in (0, 1), got {self.backoff_factor}.")
-        if self.growth_interval < 1:
-            raise bad(f"growth_interval must be >= 1, got {self.growth_interval}.")
-        if self.hysteresis < 1:
-            raise bad(f"hysteresis must be >= 1 (1 = back off on every overflow), got {self.hysteresis}.")
-        if not self.min_scale > 0:
-            raise bad(f"min_scale must be > 0, got {self.min_scale}.")
-        if not self.min_scale <= self.init_scale <= self.max_scale:
-            raise bad(
-                f"need min_scale <= init_scale <= max_scale, got {self.min_scale} <= "
-                f"{self.init_scale} <= {self.max_scale}; adjust one of them."
-            )
+        self._apply_config(cfg)
+        self._hysteresis_left = min(self._hysteresis_left, self.hysteresis)
 
     # --- reading the state -------------------------------------------------------
     @property
@@ -386,9 +512,7 @@ class LossScaler:
     def set_scale(self, value: float) -> None:
         """Set ``S`` by hand (rounded to fp32; clamped to [min_scale, max_scale] when
         dynamic). Counters and the growth tracker are kept."""
-        value = to_fp32(float(value))
-        if not (math.isfinite(value) and value > 0):
-            raise ScalerError(f"{self.name}: a scale must be a finite number > 0, got {value}.")
+        value = check_scale(value, f"{self.name}: set_scale")
         if self.dynamic:
             value = min(max(value, self.min_scale), self.max_scale)
         self._set_scale(value)
@@ -434,28 +558,40 @@ class LossScaler:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` exactly (configuration and state)."""
+        """Restore a :meth:`state_dict` exactly (configuration and state).
+
+        The whole dict is validated first (types, scales usable and within
+        ``[min_scale, max_scale]`` when dynamic, counters ints >= 0); a rejected dict
+        raises :class:`~ampkit.ScalerError` and leaves this scaler unchanged."""
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
+        """Validate ``state_dict`` completely; return the function that applies it
+        (which cannot fail). Lets a caller validate several objects before changing any."""
+        if not isinstance(state_dict, Mapping):
+            raise ScalerError(
+                f"{self.name}: expected a state dict (a dict returned by LossScaler.state_dict()), "
+                f"got {type(state_dict).__name__}."
+            )
         missing = [k for k in (*_STATE_KEYS, *_CONFIG_KEYS) if k not in state_dict]
         if missing:
             raise ScalerError(
                 f"{self.name}: state dict lacks {missing}; pass a dict returned by "
                 "LossScaler.state_dict()."
             )
-        previous = {key: getattr(self, key) for key in _CONFIG_KEYS}
-        for key in _CONFIG_KEYS:
-            setattr(self, key, state_dict[key])
-        try:
-            self._validate()
-        except ScalerError:
-            for key, value in previous.items():  # leave this scaler as it was
-                setattr(self, key, value)
-            raise
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_left = int(state_dict["hysteresis_left"])
-        self._consecutive_skips = int(state_dict["consecutive_skips"])
-        self._num_events = int(state_dict["num_events"])
-        self._num_overflows = int(state_dict["num_overflows"])
-        self._set_scale(to_fp32(float(state_dict["scale"])))
+        cfg = _check_config({k: state_dict[k] for k in _CONFIG_KEYS}, self.name)
+        state = _check_state(state_dict, cfg, self.name)
+
+        def apply() -> None:
+            self._apply_config(cfg)
+            self._growth_tracker = state["growth_tracker"]
+            self._hysteresis_left = state["hysteresis_left"]
+            self._consecutive_skips = state["consecutive_skips"]
+            self._num_events = state["num_events"]
+            self._num_overflows = state["num_overflows"]
+            self._set_scale(state["scale"])
+
+        return apply
 
     def new_like(self, name: str | None = None) -> LossScaler:
         """A fresh scaler with this one's configuration and its initial state."""
