@@ -735,6 +735,8 @@ def init(
     previous one; :func:`ampkit.reset` turns casting off in the thread that calls it.
     """
     device = check_device_type(device_type or _default_device_type())
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     base = policy if policy is not None else Policy(dtype=dtype or default_dtype(device))
     if dtype is not None and policy is not None:
         base = base.override(dtype=dtype)

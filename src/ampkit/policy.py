@@ -156,6 +156,13 @@ def _canonical_op(spec: OpSpec) -> str:
         )
     if not callable(spec):
         raise PolicyError(f"op {spec!r} is neither a callable nor a name.")
+    if isinstance(spec, type):
+        if issubclass(spec, nn.Module):
+            raise PolicyError(
+                f"{spec.__qualname__} is a module class, not an op; pin a module's dtype with "
+                f"module_rules={{{spec.__qualname__}: torch.float32}} instead."
+            )
+        raise PolicyError(f"{spec.__qualname__} is a class, not a torch op.")
     if not _is_torch_callable(spec):
         raise PolicyError(
             f"{getattr(spec, '__qualname__', spec)!r} is not a torch function; ampkit "
@@ -286,7 +293,13 @@ class Policy:
                     "(torch.pow, lambda x, e, **kw: abs(e) > 4); got "
                     f"{entry!r}."
                 )
-            canonical_op(entry[0])
+            if is_python_op(canonical_op(entry[0])):
+                raise PolicyError(
+                    f"conditional_fp32_ops: {canonical_op(entry[0])[len(_PY_PREFIX):]} has no "
+                    "aten op; conditional rules apply to aten ops (torch.pow, torch.exp, ...). "
+                    "Put a Python-level function in fp32_ops, or pin the module that calls it "
+                    "with module_rules."
+                )
         object.__setattr__(self, "conditional_fp32_ops", conds)
         if not isinstance(self.module_rules, Mapping):
             raise PolicyError("module_rules must be a mapping {module class or name glob: dtype}.")
@@ -320,6 +333,16 @@ class Policy:
         """
         if other is not None and fields:
             raise PolicyError("pass either another Policy or keyword fields to override(), not both.")
+        if other is not None and not isinstance(other, Policy):
+            raise PolicyError(
+                f"override() takes another Policy or keyword fields, got {type(other).__name__}."
+            )
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Policy)})
+        if unknown:
+            raise PolicyError(
+                f"unknown Policy field(s) {unknown}; valid: "
+                f"{[f.name for f in dataclasses.fields(Policy)]}."
+            )
         if other is None:
             base = {"dtype": fields.pop("dtype", self.dtype)}
             other = Policy(**base, **fields)
