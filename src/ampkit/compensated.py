@@ -42,7 +42,7 @@ back. A step skipped by the loss scaler never reaches the hooks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -329,20 +329,55 @@ class CompensatedUpdates:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore buffers and generator saved by :meth:`state_dict`; the
-        optimizer must have the same param groups as when saved."""
-        if state.get("format") != _STATE_FORMAT:
+        optimizer must have the same param groups as when saved. Validated
+        completely first (:meth:`check_state_dict`): a rejected state raises
+        :class:`~ampkit.StateError` and changes nothing."""
+        buffers, generator, device_generators = self._checked(state)
+        for p, _ in buffers:
+            self._params[id(p)] = p
+        self._buffers = {id(p): t for p, t in buffers}
+        self._generator.set_state(generator)
+        self._device_generators = device_generators
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~ampkit.StateError` unless :meth:`load_state_dict` would
+        accept ``state``."""
+        self._checked(state)
+
+    def _checked(
+        self, state: Any
+    ) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], torch.Tensor, dict[torch.device, torch.Generator]]:
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise StateError(
-                f"compensation state has format {state.get('format')!r}, expected "
+                f"compensation state has format {found!r}, expected "
                 f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
             )
+        missing = [k for k in ("method", "buffers", "generator") if k not in state]
+        if missing:
+            raise StateError(f"compensation state lacks {missing}: it was not written by state_dict().")
         if state["method"] != self.method:
             raise StateError(
                 f"the checkpoint used compensation {state['method']!r}, this run "
                 f"{self.method!r}: initialize with the same compensation to resume."
             )
+        entries = state["buffers"]
+        if not isinstance(entries, (list, tuple)):
+            raise StateError(f"compensation state: 'buffers' must be a list, got {entries!r:.80}.")
         groups = self.optimizer.param_groups
-        buffers: dict[int, torch.Tensor] = {}
-        for gi, pi, t in state["buffers"]:
+        buffers: list[tuple[nn.Parameter, torch.Tensor]] = []
+        seen: set[tuple[int, int]] = set()
+        for entry in entries:
+            if not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 3
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in entry[:2])
+                and isinstance(entry[2], torch.Tensor)
+            ):
+                raise StateError(
+                    f"compensation state: each buffer entry must be [group, index, tensor], got {entry!r:.80}."
+                )
+            gi, pi, t = entry
             try:
                 p = groups[gi]["params"][pi]
             except (IndexError, KeyError):
@@ -351,21 +386,28 @@ class CompensatedUpdates:
                     f"{pi}, which this optimizer lacks: build the same param groups "
                     "before loading."
                 ) from None
-            if p.shape != t.shape or p.dtype not in _LOW:
+            if (gi, pi) in seen or p.shape != t.shape or p.dtype not in _LOW or t.dtype != p.dtype:
                 raise StateError(
-                    f"compensation buffer at group {gi}, index {pi} has shape "
-                    f"{tuple(t.shape)}; the parameter there is {p.dtype} "
+                    f"compensation buffer at group {gi}, index {pi} is a {t.dtype} tensor of "
+                    f"shape {tuple(t.shape)}; the parameter there is {p.dtype} "
                     f"{tuple(p.shape)}: the model does not match the checkpoint."
                 )
-            buffers[id(p)] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
-            self._params[id(p)] = p
-        self._buffers = buffers
-        self._generator.set_state(state["generator"])
-        self._device_generators = {}
-        for d, s in state.get("device_generators", {}).items():
-            gen = torch.Generator(device=torch.device(d))
-            gen.set_state(s)
-            self._device_generators[torch.device(d)] = gen
+            seen.add((gi, pi))
+            buffers.append((p, t.detach().to(device=p.device, copy=True)))
+        generator = _checked_generator_state(state["generator"], "cpu")
+        saved_devices = state.get("device_generators", {})
+        if not isinstance(saved_devices, Mapping):
+            raise StateError(f"compensation state: 'device_generators' must be a dict, got {saved_devices!r:.80}.")
+        device_generators: dict[torch.device, torch.Generator] = {}
+        for d, s in saved_devices.items():
+            try:
+                device = torch.device(d)
+                gen = torch.Generator(device=device)
+            except (RuntimeError, TypeError):
+                raise StateError(f"compensation state: no generator on device {d!r} here.") from None
+            gen.set_state(_checked_generator_state(s, str(device)))
+            device_generators[device] = gen
+        return buffers, generator, device_generators
 
     def param_and_state_bytes(self) -> int:
         """Bytes held by the optimizer's parameters, its state tensors and the
@@ -374,6 +416,19 @@ class CompensatedUpdates:
             [p for g in self.optimizer.param_groups for p in g["params"]],
             self.optimizer,
         ) + sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
+    """``state`` if a generator on ``device`` accepts it (tried on a scratch one)."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise StateError(
+            f"compensation state: a generator state must be a uint8 tensor, got {state!r:.80}."
+        )
+    try:
+        torch.Generator(device=device).set_state(state)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise StateError(f"compensation state: invalid {device} generator state ({err}).") from None
+    return state
 
 
 def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:

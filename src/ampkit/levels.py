@@ -27,7 +27,6 @@ cast in place and get input/output cast hooks (:mod:`ampkit.model`), never a new
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -37,9 +36,10 @@ from torch import nn
 
 from . import _reset
 from .compensated import CompensatedUpdates
-from .errors import AmpError
+from .errors import AmpError, PolicyError, ScalerError
 from .master import MasterWeights
 from .model import cast_model, params_to_cast
+from .scaling import LossScaler, check_scale
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
 
@@ -146,6 +146,9 @@ def resolve_opt_level(
     if cast is not None:
         cast = _check_dtype(cast, "cast_model_type")
 
+    for flag in ("keep_norm_fp32", "master_weights", "op_casting"):
+        if flag in ov and not isinstance(ov[flag], bool):
+            raise AmpError(f"{flag} must be True or False, got {ov[flag]!r}.")
     keep_norm = ov.get("keep_norm_fp32", base["keep_norm_fp32"] if cast is not None else False)
     if "keep_norm_fp32" in ov and cast is None:
         raise AmpError(
@@ -180,15 +183,14 @@ def resolve_opt_level(
     loss_scale = ov.get("loss_scale", default_scale)
     if isinstance(loss_scale, str):
         if loss_scale != "dynamic":
-            raise AmpError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.")
+            raise ScalerError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.")
     else:
-        try:
-            loss_scale = float(loss_scale)
-        except (TypeError, ValueError):
-            raise AmpError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.") from None
-        if not (math.isfinite(loss_scale) and loss_scale > 0):
-            raise AmpError(f"loss_scale must be 'dynamic' or a finite number > 0, got {loss_scale!r}.")
+        loss_scale = check_scale(loss_scale, "loss_scale")
     min_s, max_s = ov.get("min_loss_scale"), ov.get("max_loss_scale")
+    if min_s is not None:
+        min_s = check_scale(min_s, "min_loss_scale")
+    if max_s is not None:
+        max_s = check_scale(max_s, "max_loss_scale", allow_inf=True)
     if loss_scale != "dynamic" and (min_s is not None or max_s is not None):
         raise AmpError(
             f"min_loss_scale/max_loss_scale bound a dynamic scale, but the loss scale is a "
@@ -222,10 +224,15 @@ def resolve_opt_level(
 # --- objects that outlive a session: they describe how an optimizer was rebuilt -------
 
 # Masters stay in an optimizer's param_groups after reset; a later initialize on the
-# same optimizer reuses them instead of mastering the masters.
-_MASTERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, MasterWeights] = (
-    weakref.WeakKeyDictionary()
-)
+# same optimizer reuses them instead of mastering the masters. Kept in the optimizer's
+# own __dict__ (a MasterWeights refers to its optimizer, so a weak-keyed table would
+# keep every O2 setup alive forever); the cycle goes with the optimizer.
+_MASTERS_ATTR = "_ampkit_master_weights"
+
+
+def _masters_of(optimizer: Any) -> MasterWeights | None:
+    return getattr(optimizer, "__dict__", {}).get(_MASTERS_ATTR)
+
 # Models cast by initialize (a later initialize may cast them again).
 _CAST_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Compensation hooks belong to a session: removed on reset / re-initialize.
@@ -297,9 +304,7 @@ def _device_type(models: Sequence[nn.Module]) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _make_scaler(level: OptLevel) -> Any:
-    from .scaling import LossScaler
-
+def _make_scaler(level: OptLevel) -> LossScaler:
     if level.loss_scale == "dynamic":
         kw: dict[str, Any] = {}
         if level.min_loss_scale is not None:
@@ -345,7 +350,7 @@ def _in_optimizers(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer])
 
 def _has_master(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
     return any(
-        (mw := _MASTERS.get(opt)) is not None and mw.master_of(p) is not None for opt in optimizers
+        (mw := _masters_of(opt)) is not None and mw.master_of(p) is not None for opt in optimizers
     )
 
 
@@ -384,10 +389,17 @@ def initialize(
 
     Raises:
         AmpError: unknown level or option, a combination that makes no sense
-            (e.g. ``master_weights=True`` with O1), models not in fp32.
+            (e.g. ``master_weights=True`` with O1), a value of the wrong type or out of
+            range (``loss_scale=True``, a scale whose reciprocal overflows fp32), models
+            not in fp32. Every argument is checked before anything changes: a refused
+            call leaves the models, the optimizers and the previous session as they were.
     """
     from . import casting
+    from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
+    from .policy import Policy, check_device_type
 
+    # Everything is validated before anything changes: a refused initialize leaves the
+    # models, the optimizers and the previous session as they were.
     model_list, one_model = _as_list(models, nn.Module, "models")
     if optimizers is None:
         opt_list: list[torch.optim.Optimizer] = []
@@ -395,33 +407,45 @@ def initialize(
     else:
         opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
     policy = overrides.pop("policy", None)
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     device_type = _device_type(model_list)
     level = resolve_opt_level(opt_level, device_type, **overrides)
+    if policy is not None and not level.op_casting:
+        raise AmpError(
+            f"a policy only applies with op-level casting, which {level.name} leaves off; "
+            "use O1 or op_casting=True."
+        )
+    if level.op_casting:
+        check_device_type(device_type)
     _check_fp32(model_list, opt_list, level)
-    from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
-
+    for opt in opt_list:
+        if _masters_of(opt) is not None and not level.master_weights:
+            where = "keeps the model in fp32" if level.cast_model_type is None else "has none"
+            raise AmpError(
+                "this optimizer holds fp32 master weights from an earlier O2 initialize, "
+                f"but {level.name} {where}; build a fresh optimizer."
+            )
+        if level.compensation is not None and isinstance(opt, torch.optim.LBFGS):
+            raise AmpError(
+                "LBFGS mixes all parameters in one update and calls a closure many times "
+                f"per step; {level.name}'s compensated updates need a per-parameter optimizer."
+            )
+    scaler = _make_scaler(level)
     check_models(model_list, level.name, level.cast_model_type is not None)
 
     _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
-    masters: list[MasterWeights | None] = []
+    masters: list[MasterWeights | None] = [_masters_of(opt) for opt in opt_list]
     if level.cast_model_type is not None:
         # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
-        to_cast = [p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32)]
-        for opt in opt_list:
-            mw = _MASTERS.get(opt)
-            if level.master_weights:
-                if mw is None:
+        if level.master_weights:
+            to_cast = [p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32)]
+            for i, opt in enumerate(opt_list):
+                if masters[i] is None:
                     mw = MasterWeights(opt, [p for p in to_cast if p.dtype == torch.float32])
-                    _MASTERS[opt] = mw
-                masters.append(mw)
-            else:
-                if mw is not None:
-                    raise AmpError(
-                        "this optimizer holds fp32 master weights from an earlier O2 "
-                        f"initialize; {level.name} has none. Build a fresh optimizer."
-                    )
-                masters.append(None)
+                    opt.__dict__[_MASTERS_ATTR] = mw
+                    masters[i] = mw
         for m in model_list:
             cast_model(
                 m,
@@ -433,24 +457,12 @@ def initialize(
         if not level.master_weights:
             for opt in opt_list:
                 _cast_state_to_params(opt)
-    else:
-        masters = [_MASTERS.get(opt) for opt in opt_list]
-        if any(mw is not None for mw in masters):
-            raise AmpError(
-                "this optimizer holds fp32 master weights from an earlier O2 initialize, "
-                f"but {level.name} keeps the model in fp32; build a fresh optimizer."
-            )
 
     if level.op_casting:
         casting.init(dtype=level.dtype, device_type=device_type, policy=policy)
-    elif policy is not None:
-        raise AmpError(
-            f"a policy only applies with op-level casting, which {level.name} leaves off; "
-            "use O1 or op_casting=True."
-        )
 
     if opt_list:
-        _attach_trainer(opt_list, masters, level)
+        _attach_trainer(opt_list, masters, level, scaler)
     live_masters = [mw for mw in masters if mw is not None]
     if live_masters:
         for m in model_list:
@@ -463,25 +475,32 @@ def initialize(
 
 
 def _attach_trainer(
-    opt_list: list[torch.optim.Optimizer], masters: list[MasterWeights | None], level: OptLevel
+    opt_list: list[torch.optim.Optimizer],
+    masters: list[MasterWeights | None],
+    level: OptLevel,
+    scaler: LossScaler,
 ) -> None:
     """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
     id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
     master-weight or compensation hooks of each optimizer."""
     from . import optim
 
-    optim.init_trainer(opt_list, scaler=_make_scaler(level), num_losses=level.num_losses)
+    optim.init_trainer(opt_list, scaler=scaler, num_losses=level.num_losses)
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if mw is not None:
             managed.pre_unscale_hooks.append(mw.gather_grads)
             managed.post_step_hooks.append(mw.publish)
             managed.backward_params = mw.backward_params()  # type: ignore[assignment]
-            managed.register_extra_state("master_weights", mw.state_dict, mw.load_state_dict)
+            managed.register_extra_state(
+                "master_weights", mw.state_dict, mw.load_state_dict, mw.check_state_dict
+            )
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
-            managed.register_extra_state("compensation", comp.state_dict, comp.load_state_dict)
+            managed.register_extra_state(
+                "compensation", comp.state_dict, comp.load_state_dict, comp.check_state_dict
+            )
 
 
 def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
@@ -519,7 +538,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
     """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
     under O2 (plus fp32 model parameters such as norm layers), the model's own
     parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``."""
-    mw = _MASTERS.get(optimizer)
+    mw = _masters_of(optimizer)
     if mw is not None:
         yield from mw.params()
         return
@@ -529,7 +548,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
 
 def master_weights_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
     """The :class:`~ampkit.master.MasterWeights` of an optimizer set up by O2, or None."""
-    return _MASTERS.get(optimizer)
+    return _masters_of(optimizer)
 
 
 def compensation_of(optimizer: torch.optim.Optimizer) -> CompensatedUpdates | None:

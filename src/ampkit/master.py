@@ -30,7 +30,7 @@ a batch between backward and step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -222,39 +222,71 @@ class MasterWeights:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore master values saved by :meth:`state_dict` and round them into
-        the model. The optimizer must have the same param groups as when saved."""
+        the model. The optimizer must have the same param groups as when saved.
+        Validated completely first (:meth:`check_state_dict`): a rejected state
+        raises :class:`~ampkit.StateError` and changes nothing."""
+        saved = self._checked(state)
+        groups = self.optimizer.param_groups
+        with torch.no_grad():
+            for (gi, pi), t in saved.items():
+                groups[gi]["params"][pi].copy_(t)
+        self.publish()
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~ampkit.StateError` unless :meth:`load_state_dict` would
+        accept ``state``: format 1, one fp32 tensor per mastered position of
+        ``param_groups``, each of its master's shape."""
+        self._checked(state)
+
+    def _checked(self, state: Any) -> dict[tuple[int, int], torch.Tensor]:
         self.refresh()
-        if state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise StateError(
-                f"master-weight state has format {state.get('format')!r}, expected "
+                f"master-weight state has format {found!r}, expected "
                 f"{_STATE_FORMAT}: it was not written by MasterWeights.state_dict()."
             )
+        entries = state.get("masters")
+        if not isinstance(entries, (list, tuple)):
+            raise StateError(f"master-weight state: 'masters' must be a list, got {entries!r:.80}.")
+        saved: dict[tuple[int, int], torch.Tensor] = {}
+        for entry in entries:
+            if not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 3
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in entry[:2])
+                and isinstance(entry[2], torch.Tensor)
+            ):
+                raise StateError(
+                    f"master-weight state: each entry must be [group, index, tensor], got {entry!r:.80}."
+                )
+            gi, pi, t = entry
+            if (gi, pi) in saved:
+                raise StateError(f"master-weight state: position ({gi}, {pi}) appears twice.")
+            saved[(gi, pi)] = t
         groups = self.optimizer.param_groups
-        saved = {(gi, pi): t for gi, pi, t in state["masters"]}
         mine = {
-            (gi, pi)
+            (gi, pi): p
             for gi, g in enumerate(groups)
             for pi, p in enumerate(g["params"])
             if id(p) in self._model_of
         }
-        if set(saved) != mine:
+        if set(saved) != set(mine):
             raise StateError(
                 f"the checkpoint has master weights at {len(saved)} positions and this "
-                f"optimizer at {len(mine)} ({sorted(set(saved) ^ mine)[:4]} differ): "
+                f"optimizer at {len(mine)} ({sorted(set(saved) ^ set(mine))[:4]} differ): "
                 "build the model, optimizer and param groups as in the saved run, and "
                 "call initialize with the same opt level, before loading."
             )
-        with torch.no_grad():
-            for (gi, pi), t in saved.items():
-                master = groups[gi]["params"][pi]
-                if master.shape != t.shape:
-                    raise StateError(
-                        f"saved master weight at group {gi}, index {pi} has shape "
-                        f"{tuple(t.shape)}, the optimizer's {tuple(master.shape)}: the "
-                        "model does not match the checkpoint."
-                    )
-                master.copy_(t)
-        self.publish()
+        for (gi, pi), t in saved.items():
+            master = mine[(gi, pi)]
+            if t.dtype != torch.float32 or t.is_sparse or master.shape != t.shape:
+                raise StateError(
+                    f"saved master weight at group {gi}, index {pi} is a {t.dtype} tensor of "
+                    f"shape {tuple(t.shape)}; the optimizer's is float32 {tuple(master.shape)}: "
+                    "the model does not match the checkpoint (masters are saved in fp32)."
+                )
+        return saved
 
 
 class _BackwardParams:

@@ -61,18 +61,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
 
 from . import session as _session
-from .errors import DistributedError, NumericsError, StateError
-from .scaling import LossScaler, group_grads, to_fp32, unscale_and_check_
+from .errors import AmpError, DistributedError, NumericsError, StateError
+from .scaling import LossScaler, group_grads, is_count, is_real, to_fp32, unscale_and_check_
 
 __all__ = [
     "ManagedOptimizer",
@@ -107,6 +108,36 @@ def set_agreement_hook(hook: Callable[[ManagedOptimizer, list], Any] | None) -> 
     """Install the cross-rank agreement hook (see ``ampkit.distributed``)."""
     global _agreement_hook
     _agreement_hook = hook
+
+
+# Extra state of an optimizer or a session: (get_fn, set_fn, check_fn or None).
+_Extra = tuple[Callable[[], Any], Callable[[Any], None], "Callable[[Any], None] | None"]
+
+
+def _require_keys(state_dict: Any, keys: Sequence[str], where: str) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise StateError(
+            f"{where}: expected a dict (from ampkit.state_dict()), got {type(state_dict).__name__}."
+        )
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise StateError(
+            f"{where}: the state dict lacks {missing}; pass the dict returned by ampkit.state_dict()."
+        )
+
+
+def _check_extra(registered: Mapping[str, _Extra], saved: Mapping[str, Any], where: str) -> None:
+    """Run the ``check_fn`` of each registered extra state on its saved value. Errors
+    other than AmpError (a check tripping over a malformed value) become StateError."""
+    for name, (_, _, check_fn) in registered.items():
+        if check_fn is None:
+            continue
+        try:
+            check_fn(saved[name])
+        except AmpError:
+            raise
+        except Exception as err:
+            raise StateError(f"{where}: extra state {name!r} is malformed ({type(err).__name__}: {err}).") from err
 
 
 @dataclass(frozen=True)
@@ -217,15 +248,17 @@ class ManagedOptimizer:
         self.steps = 0
         self.skipped = 0
         self.last_skipped = False
-        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._extra: dict[str, _Extra] = {}
         self._active = True
         self._fp16_warned = False
         # Per-step state: the loss id whose scale the grads carry (not yet unscaled),
-        # the found-inf flags of this step's segments in order, and whether the grads
-        # were already unscaled this step.
+        # the found-inf flags of this step's segments in order, whether the grads
+        # were already unscaled this step, and whether a scale_loss block of this
+        # step was left by an exception (the step may have been abandoned).
         self._pending: int | None = None
         self._segments: list[tuple[int | None, torch.Tensor | None]] = []
         self._unscaled = False
+        self._aborted = False
         # Schedulers held after a skipped step: (scheduler, its own class).
         self._held: list[tuple[Any, Any]] = []
         self._previous_step: Any = _MISSING
@@ -233,13 +266,22 @@ class ManagedOptimizer:
 
     # --- extension API ---------------------------------------------------------------
     def register_extra_state(
-        self, name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+        self,
+        name: str,
+        get_fn: Callable[[], Any],
+        set_fn: Callable[[Any], None],
+        check_fn: Callable[[Any], None] | None = None,
     ) -> None:
         """Save ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``;
-        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``."""
+        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``.
+
+        ``check_fn(value)``, if given, validates a saved value without changing anything
+        (raising an :class:`~ampkit.AmpError`); ``ampkit.load_state_dict`` runs every
+        check of the checkpoint before any ``set_fn``, so a rejected checkpoint leaves
+        everything as it was. ``set_fn`` must then not fail."""
         if name in self._extra:
             raise StateError(f"extra state {name!r} is already registered for this optimizer.")
-        self._extra[name] = (get_fn, set_fn)
+        self._extra[name] = (get_fn, set_fn, check_fn)
 
     # --- the step wrapper ------------------------------------------------------------
     def _install_step(self) -> None:
@@ -345,19 +387,64 @@ class ManagedOptimizer:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def _tracked_grads(self) -> list[torch.Tensor]:
+        """The grads this step holds: of the params in ``param_groups`` and of the
+        ``backward_params`` (each tensor once; sparse grads by their values)."""
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        grads: dict[int, torch.Tensor] = {}
+        for p in params:
+            g = p.grad
+            if g is not None:
+                grads[id(g)] = g._values() if g.is_sparse else g
+        return list(grads.values())
+
+    def _start_fresh_step(self) -> None:
+        self._segments = []
+        self._pending = None
+        self._unscaled = False
+        self._aborted = False
+
+    def _drop_abandoned_step(self) -> None:
+        """At a ``scale_loss``: if this step's grads were dropped since ampkit last
+        looked at them (``zero_grad()`` after an exception in backward, in a clip, or
+        any abandoned batch), forget the old step's flags and start a fresh one.
+
+        The grads count as dropped when every one is None (``zero_grad()``), or -- only
+        after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
+        one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
+        flagged = self._unscaled or any(f is not None for _, f in self._segments)
+        aborted, self._aborted = self._aborted, False
+        if not flagged:
+            return
+        grads = self._tracked_grads()
+        if not grads:
+            self._start_fresh_step()
+            return
+        if aborted or (self._unscaled and not self.rescale_after_unscale):
+            nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
+            if not bool(nonzero):
+                self._start_fresh_step()
+
+    def _check_before_backward(self) -> None:
+        """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
+        cannot start a backward pass now."""
+        self._drop_abandoned_step()
+        if self._unscaled and not self.rescale_after_unscale:
+            raise StateError(
+                "this optimizer's grads were already unscaled this step (ampkit.unscale): "
+                "run every scale_loss/backward of the step before unscale, then step(). To "
+                "drop a batch after unscale, call optimizer.zero_grad() first."
+            )
+
     def _before_backward(self, loss_id: int) -> None:
-        """Called by ``scale_loss`` before the backward of ``loss_id``."""
+        """Called by ``scale_loss`` before the backward of ``loss_id`` (after
+        :meth:`_check_before_backward` passed for every optimizer of the call)."""
         if self._unscaled and self.rescale_after_unscale:
             # The grads are at scale 1 now: bring them to the new loss's scale (an
             # overflow here shows up in the check at unscale time).
             groups = group_grads(self._grad_params())
-            unscale_and_check_(groups, self._slots[loss_id].scaler.scale)
+            unscale_and_check_(groups, self._slots[loss_id].scaler.scale, check_result=False)
             self._unscaled = False
-        if self._unscaled:
-            raise StateError(
-                "this optimizer's grads were already unscaled this step (ampkit.unscale): "
-                "run every scale_loss/backward of the step before unscale, then step()."
-            )
         pending = self._pending
         if pending is not None and pending != loss_id:
             # Bring the grads accumulated at S_old to S_new and check them on the way.
@@ -365,7 +452,7 @@ class ManagedOptimizer:
             new = self._slots[loss_id].scaler.scale
             params = self.backward_params
             groups = group_grads(params if params is not None else self._grad_params())
-            found = unscale_and_check_(groups, _ratio(new, old))
+            found = unscale_and_check_(groups, _ratio(new, old), check_result=False)
             self._segments.append((pending, found))
         self._pending = loss_id
         self._slots[loss_id].expect(self)
@@ -494,25 +581,43 @@ class ManagedOptimizer:
             "steps": self.steps,
             "skipped": self.skipped,
             "last_skipped": self.last_skipped,
-            "extra": {name: get() for name, (get, _) in self._extra.items()},
+            "extra": {name: get() for name, (get, _, _) in self._extra.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
-        extra = state_dict.get("extra", {})
-        if set(extra) != set(self._extra):
+        self.prepare_load(state_dict, where)()
+
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` (counters, extra state via the ``check_fn`` of
+        each :meth:`register_extra_state`); return the function that loads it."""
+        _require_keys(state_dict, ("steps", "skipped", "last_skipped"), where)
+        steps, skipped, last = state_dict["steps"], state_dict["skipped"], state_dict["last_skipped"]
+        if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps):
             raise StateError(
-                f"{where}: extra optimizer state differs: checkpoint has {sorted(extra)}, "
+                f"{where}: steps={steps!r}, skipped={skipped!r} are not step counters (ints, "
+                "0 <= skipped <= steps); pass the dict returned by ampkit.state_dict()."
+            )
+        if not isinstance(last, bool):
+            raise StateError(f"{where}: last_skipped must be True or False, got {last!r}.")
+        extra = state_dict.get("extra", {})
+        if not isinstance(extra, Mapping) or set(extra) != set(self._extra):
+            shown = sorted(extra) if isinstance(extra, Mapping) else repr(extra)
+            raise StateError(
+                f"{where}: extra optimizer state differs: checkpoint has {shown}, "
                 f"this run registers {sorted(self._extra)}; set the run up the same way "
                 "(e.g. master weights on or off) before loading."
             )
-        self.steps = int(state_dict["steps"])
-        self.skipped = int(state_dict["skipped"])
-        self.last_skipped = bool(state_dict["last_skipped"])
-        self._segments = []
-        self._pending = None
-        self._unscaled = False
-        for name, (_, set_fn) in self._extra.items():
-            set_fn(extra[name])
+        _check_extra(self._extra, extra, where)
+
+        def apply() -> None:
+            self.steps = int(steps)
+            self.skipped = int(skipped)
+            self.last_skipped = last
+            self._start_fresh_step()
+            for name, (_, set_fn, _) in self._extra.items():
+                set_fn(extra[name])
+
+        return apply
 
     def stats(self) -> StepStats:
         return StepStats(
@@ -540,21 +645,40 @@ class Trainer:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
-        if state_dict["num_losses"] != len(self.slots):
+        self.prepare_load(state_dict, where)()
+
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` completely (every scaler and optimizer entry);
+        return the function that loads it."""
+        _require_keys(state_dict, ("num_losses", "scalers", "optimizers"), where)
+        num_losses, scalers, opts = (
+            state_dict["num_losses"], state_dict["scalers"], state_dict["optimizers"]
+        )
+        if not is_count(num_losses) or num_losses != len(self.slots):
             raise StateError(
-                f"{where}: the checkpoint has num_losses={state_dict['num_losses']}, this run "
+                f"{where}: the checkpoint has num_losses={num_losses!r}, this run "
                 f"{len(self.slots)}; pass the same num_losses to init_trainer."
             )
-        if len(state_dict["optimizers"]) != len(self.optimizers):
+        if not isinstance(scalers, (list, tuple)) or len(scalers) != len(self.slots):
             raise StateError(
-                f"{where}: the checkpoint has {len(state_dict['optimizers'])} optimizer(s), "
+                f"{where}: expected a list of {len(self.slots)} scaler state(s), got {scalers!r:.80}."
+            )
+        if not isinstance(opts, (list, tuple)) or len(opts) != len(self.optimizers):
+            count = len(opts) if isinstance(opts, (list, tuple)) else repr(opts)
+            raise StateError(
+                f"{where}: the checkpoint has {count} optimizer(s), "
                 f"this run {len(self.optimizers)}; pass the same optimizers to init_trainer."
             )
-        for state, sd in zip(self.optimizers, state_dict["optimizers"]):
-            state.load_state_dict(sd, where)
-        for slot, sd in zip(self.slots, state_dict["scalers"]):
-            slot.clear()
-            slot.scaler.load_state_dict(sd)
+        steps = [slot.scaler._prepare_load(sd) for slot, sd in zip(self.slots, scalers)]
+        steps += [state.prepare_load(sd, where) for state, sd in zip(self.optimizers, opts)]
+
+        def apply() -> None:
+            for slot in self.slots:
+                slot.clear()
+            for step in steps:
+                step()
+
+        return apply
 
     def release(self) -> None:
         for state in self.optimizers:
@@ -666,8 +790,8 @@ def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
         scalers = [LossScaler() for _ in range(num_losses)]
     elif isinstance(scaler, LossScaler):
         scalers = [scaler] + [scaler.new_like() for _ in range(num_losses - 1)]
-    elif isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-        scalers = [LossScaler(init_scale=float(scaler), dynamic=False) for _ in range(num_losses)]
+    elif is_real(scaler):
+        scalers = [LossScaler(init_scale=scaler, dynamic=False) for _ in range(num_losses)]
     elif isinstance(scaler, (list, tuple)) and all(isinstance(s, LossScaler) for s in scaler):
         if len(scaler) != num_losses:
             raise StateError(
@@ -682,14 +806,12 @@ def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
         )
     if len({id(s) for s in scalers}) != len(scalers):
         raise StateError("init_trainer: the same LossScaler was given for two loss ids.")
-    for i, s in enumerate(scalers):
+    for s in scalers:
         if s._attached:
             raise StateError(
                 f"init_trainer: {s!r} already drives another trainer; give each init_trainer "
                 "call its own LossScaler (LossScaler.new_like() copies the configuration)."
             )
-        if s.name == "loss scaler":
-            s.name = f"loss scaler {i}"
     return scalers
 
 
@@ -745,8 +867,12 @@ def init_trainer(
     optimizers = _as_list(optimizer_or_list)
     if not optimizers:
         raise StateError("init_trainer: got no optimizer.")
-    if not isinstance(num_losses, int) or num_losses < 1:
+    if not is_count(num_losses) or num_losses < 1:
         raise StateError(f"init_trainer: num_losses must be an int >= 1, got {num_losses!r}.")
+    if not isinstance(hold_schedulers_on_skip, bool):
+        raise StateError(
+            f"init_trainer: hold_schedulers_on_skip must be True or False, got {hold_schedulers_on_skip!r}."
+        )
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise StateError(
@@ -759,7 +885,11 @@ def init_trainer(
             )
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise StateError("init_trainer: the same optimizer appears twice in the list.")
-    slots = [_LossSlot(s) for s in _build_scalers(scaler, num_losses)]
+    scalers = _build_scalers(scaler, int(num_losses))
+    for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
+        if s.name == "loss scaler":
+            s.name = f"loss scaler {i}"
+    slots = [_LossSlot(s) for s in scalers]
     states = []
     for opt in optimizers:
         state = ManagedOptimizer(opt, slots, hold_schedulers_on_skip)
@@ -808,8 +938,31 @@ def scale_loss(
     Nothing happens at exit: grads stay scaled until ``ampkit.unscale`` or the
     optimizer's ``step()``, so several backward passes (gradient accumulation, DDP
     ``no_sync``) accumulate normally. All optimizers given must share ``loss_id``'s
-    scaler (pass them to one ``init_trainer`` call)."""
+    scaler (pass them to one ``init_trainer`` call).
+
+    An abandoned iteration does not leak into the next: when a ``scale_loss`` finds
+    that the grads of a step begun earlier were dropped (``optimizer.zero_grad()`` after
+    an exception in backward or in clipping), it starts a fresh step. Raises
+    :class:`~ampkit.StateError`, before changing anything, for a loss that is not a
+    floating-point tensor or a ``loss_id`` that is not an int below ``num_losses``."""
     states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
+    if not states:
+        raise StateError("scale_loss: got no optimizer.")
+    if not is_count(loss_id):
+        raise StateError(f"scale_loss: loss_id must be an int, got {loss_id!r}.")
+    losses = [loss_or_losses] if isinstance(loss_or_losses, torch.Tensor) else loss_or_losses
+    if not isinstance(losses, (list, tuple)) or not losses:
+        raise StateError(
+            "scale_loss: expected a loss tensor or a list/tuple of them, got "
+            f"{type(loss_or_losses).__name__}."
+        )
+    for loss in losses:
+        if not (isinstance(loss, torch.Tensor) and (loss.is_floating_point() or loss.is_complex())):
+            what = f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise StateError(
+                f"scale_loss: a loss must be a floating-point torch.Tensor (the output of the "
+                f"loss function), got {what}."
+            )
     scalers = set()
     for state in states:
         if not 0 <= loss_id < len(state._slots):
@@ -826,18 +979,29 @@ def scale_loss(
         )
     scaler = states[0]._slots[loss_id].scaler
     for state in states:
+        state._check_before_backward()
+    for state in states:
         state._before_backward(loss_id)
     if isinstance(loss_or_losses, torch.Tensor):
-        yield scaler.scale_loss(loss_or_losses)
+        scaled: Any = scaler.scale_loss(loss_or_losses)
     else:
-        yield type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
+        scaled = type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
+    try:
+        yield scaled
+    except BaseException:
+        # The backward may have stopped halfway; the next scale_loss checks whether the
+        # user dropped the batch (see ManagedOptimizer._drop_abandoned_step).
+        for state in states:
+            state._aborted = True
+        raise
 
 
 def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
     """Unscale the optimizer's grads now (in place, and check them for inf/NaN), e.g.
     before clipping. Idempotent until the next ``step()``; no host sync."""
-    for opt in _as_list(optimizer_or_list):
-        managed_state(opt)._unscale()
+    states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
+    for state in states:
+        state._unscale()
 
 
 def step_skipped(optimizer: torch.optim.Optimizer) -> bool:

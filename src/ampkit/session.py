@@ -12,7 +12,7 @@ does not hold the optimizer's own ``state_dict()`` or the model's: save those as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from . import _reset
@@ -37,6 +37,11 @@ class SessionMember(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None: ...
 
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate ``state_dict`` completely, changing nothing; return the function
+        that loads it (which must not fail)."""
+        ...
+
     def release(self) -> None: ...
 
 
@@ -45,7 +50,7 @@ class Session:
 
     def __init__(self) -> None:
         self._members: list[SessionMember] = []
-        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {}
         self._closed = False
 
     @property
@@ -62,46 +67,66 @@ class Session:
         self._members = [m for m in self._members if m is not member]
 
     def register_extra_state(
-        self, name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+        self,
+        name: str,
+        get_fn: Callable[[], Any],
+        set_fn: Callable[[Any], None],
+        check_fn: Callable[[Any], None] | None = None,
     ) -> None:
         """Save ``get_fn()`` under ``name`` in :meth:`state_dict`; :meth:`load_state_dict`
-        passes the saved value to ``set_fn``. Names are unique per session."""
+        passes the saved value to ``set_fn``. Names are unique per session.
+        ``check_fn(value)``, if given, validates a saved value without changing anything;
+        every check runs before any state is loaded."""
         if name in self._extra:
             raise StateError(f"extra session state {name!r} is already registered.")
-        self._extra[name] = (get_fn, set_fn)
+        self._extra[name] = (get_fn, set_fn, check_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"format", "trainers": [per init_trainer call], "extra": {name: value}}``."""
         return {
             "format": _FORMAT,
             "trainers": [m.state_dict() for m in self._members],
-            "extra": {name: get() for name, (get, _) in self._extra.items()},
+            "extra": {name: get() for name, (get, _, _) in self._extra.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` into a session set up the same way (same number
-        of ``init_trainer`` calls, optimizers per call and losses, same extra state)."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _FORMAT:
+        of ``init_trainer`` calls, optimizers per call and losses, same extra state).
+
+        All or nothing: the whole checkpoint -- every trainer's scalers, counters and
+        extra state (fp32 masters, compensation buffers) -- is validated before anything
+        is loaded; a rejected one raises an :class:`~ampkit.AmpError` (``StateError`` or
+        ``ScalerError``) and leaves every trainer as it was."""
+        from .optim import _check_extra
+
+        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
             raise StateError(
                 "not an ampkit session state dict (expected the dict returned by "
                 "ampkit.state_dict())."
             )
-        trainers = state_dict["trainers"]
-        if len(trainers) != len(self._members):
+        trainers = state_dict.get("trainers")
+        if not isinstance(trainers, (list, tuple)) or len(trainers) != len(self._members):
+            count = len(trainers) if isinstance(trainers, (list, tuple)) else repr(trainers)
             raise StateError(
-                f"the checkpoint holds {len(trainers)} trainer(s) but this session has "
+                f"the checkpoint holds {count} trainer(s) but this session has "
                 f"{len(self._members)}: call ampkit.init_trainer the same way (same order and "
                 "number of calls) before loading."
             )
         extra = state_dict.get("extra", {})
-        if set(extra) != set(self._extra):
+        if not isinstance(extra, Mapping) or set(extra) != set(self._extra):
+            shown = sorted(extra) if isinstance(extra, Mapping) else repr(extra)
             raise StateError(
-                f"extra session state differs: checkpoint has {sorted(extra)}, this session "
+                f"extra session state differs: checkpoint has {shown}, this session "
                 f"registers {sorted(self._extra)}; set the run up the same way before loading."
             )
-        for i, (member, sd) in enumerate(zip(self._members, trainers)):
-            member.load_state_dict(sd, where=f"trainer {i}")
-        for name, (_, set_fn) in self._extra.items():
+        loads = [
+            member.prepare_load(sd, where=f"trainer {i}")
+            for i, (member, sd) in enumerate(zip(self._members, trainers))
+        ]
+        _check_extra(self._extra, extra, "session")
+        for load in loads:
+            load()
+        for name, (_, set_fn, _) in self._extra.items():
             set_fn(extra[name])
 
     def close(self) -> None:
@@ -131,12 +156,15 @@ def new_session() -> Session:
 
 
 def register_extra_state(
-    name: str, get_fn: Callable[[], Any], set_fn: Callable[[Any], None]
+    name: str,
+    get_fn: Callable[[], Any],
+    set_fn: Callable[[Any], None],
+    check_fn: Callable[[Any], None] | None = None,
 ) -> None:
     """Register session-wide extra state in the current session (see
     :meth:`Session.register_extra_state`). Per-optimizer extra state goes through
     ``ampkit.optim.managed_state(opt).register_extra_state``."""
-    _current.register_extra_state(name, get_fn, set_fn)
+    _current.register_extra_state(name, get_fn, set_fn, check_fn)
 
 
 def state_dict() -> dict[str, Any]:

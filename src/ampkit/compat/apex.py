@@ -238,22 +238,29 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         return
     if not _state.initialized:
         raise StateError("amp.load_state_dict called before amp.initialize; initialize first.")
+    if not isinstance(state_dict, dict):
+        raise StateError(f"amp.load_state_dict expects a dict from amp.state_dict(), got {type(state_dict).__name__}.")
     if "ampkit" in state_dict:
         ampkit.load_state_dict(state_dict["ampkit"])
         return
     scalers = _scalers()
     keys = sorted(k for k in state_dict if k.startswith("loss_scaler"))
-    if len(keys) != len(scalers):
+    if keys != sorted(f"loss_scaler{i}" for i in range(len(scalers))):
         raise StateError(
-            f"the checkpoint has {len(keys)} loss scaler(s), this run {len(scalers)}: "
+            f"the checkpoint has loss scalers {keys}, this run {len(scalers)}: "
             "pass the same num_losses to amp.initialize."
         )
+    loads = []  # every scaler's entry is validated before any is loaded
     for i, scaler in enumerate(scalers):
         entry = state_dict[f"loss_scaler{i}"]
+        if not isinstance(entry, dict) or "loss_scale" not in entry:
+            raise StateError(f"loss_scaler{i} must be a dict with 'loss_scale' and 'unskipped', got {entry!r:.80}.")
         sd = scaler.state_dict()
-        sd["scale"] = float(entry["loss_scale"])
-        sd["growth_tracker"] = int(entry.get("unskipped", 0))
-        scaler.load_state_dict(sd)
+        sd["scale"] = entry["loss_scale"]
+        sd["growth_tracker"] = entry.get("unskipped", 0)
+        loads.append(scaler._prepare_load(sd))
+    for load in loads:
+        load()
 
 
 # --- function registration (before initialize) --------------------------------------
