@@ -626,6 +626,72 @@ def loop_two_backward_passes(h: Harness) -> Result:
     return Result(losses)
 
 
+class ApexScript:
+    """What a legacy ``apex.amp`` script does, with ``from apex import amp`` changed
+    to ``from ampkit.compat.apex import amp``: ``amp.initialize`` at O0..O3 (and
+    ampkit's O2K), or in mode ``init`` apex's older handle API
+    (``handle = amp.init(enabled=True)``, ``handle.scale_loss(loss, optimizer)``)."""
+
+    def __init__(self, h: Harness) -> None:
+        from ampkit.compat.apex import amp as apex_amp
+
+        self.h = h
+        self.amp = apex_amp
+        self.handle: Any = None
+
+    def initialize(self, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not self.h.active:
+            return model, opt
+        if self.h.mode == "init":
+            self.handle = self.amp.init(enabled=True)
+            return model, opt
+        return self.amp.initialize(model, opt, opt_level=self.h.mode)
+
+    def scale_loss(self, loss: torch.Tensor, opt: torch.optim.Optimizer) -> Any:
+        if not self.h.active:
+            return contextlib.nullcontext(loss)
+        return (self.handle or self.amp).scale_loss(loss, opt)
+
+    def master_params(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        if not self.h.active or self.handle is not None:
+            return [p for g in opt.param_groups for p in g["params"]]
+        return list(self.amp.master_params(opt))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.amp.state_dict() if self.h.active and self.handle is None else {}
+
+
+@idiom()
+def loop_apex_legacy_script(h: Harness) -> Result:
+    """A legacy apex.amp training script (apex's ImageNet example, timm's
+    ApexScaler) with only the import changed: ``with amp.scale_loss(loss, optimizer)
+    as scaled_loss: scaled_loss.backward()`` (apex unscales at exit), then
+    ``clip_grad_norm_(amp.master_params(optimizer), 1.0)``, and a checkpoint of
+    ``model.state_dict()`` + ``amp.state_dict()`` every 5 steps. As in apex, a cast
+    model's ``state_dict()`` holds fp32 tensors (apex's O2StateDictHook, installed
+    whenever ``cast_model_type`` is set: O2 and O3)."""
+    apex = ApexScript(h)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    model, optimizer = apex.initialize(model, optimizer)
+    losses = []
+    for i, (x, y) in enumerate(classification_batches(20)):
+        optimizer.zero_grad()
+        loss = ce(model, x, y)
+        with apex.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        nn.utils.clip_grad_norm_(apex.master_params(optimizer), MAX_NORM)
+        optimizer.step()
+        losses.append(loss.item())
+        if i % 5 == 4:
+            checkpoint = {"model": model.state_dict(), "amp": apex.state_dict()}
+            if h.mode != "O2K":  # not an apex level: its state_dict is ampkit's (16-bit)
+                assert {v.dtype for v in checkpoint["model"].values()} == {torch.float32}
+    if apex.handle is not None:
+        apex.handle._deactivate()
+    return Result(losses)
+
+
 class SegmentationLoss(nn.Module):
     """A parameter-less criterion module, passed to initialize with the model (apex
     segmentation trainers do ``amp.initialize([model, criterion], ...)``)."""
@@ -1319,6 +1385,14 @@ _MASTERS_UNDO_EDITS = (
     "in-place edits of model weights (WGAN's p.data.clamp_, manual weight decay, renorm) are "
     "undone: the critic's weights reach 1.05 with clip 0.1"
 )
+_APEX_HANDLE = (
+    "issue 9: ampkit.compat.apex has no amp.init(enabled=True) handle API (handle.scale_loss, "
+    "handle._deactivate) of apex's older scripts"
+)
+_APEX_STATE_DICT = (
+    "issue 9: through ampkit.compat.apex a cast model's state_dict() holds bf16 tensors; apex's "
+    "O2StateDictHook (registered for any cast_model_type: O2 and O3) returned fp32"
+)
 _LSTM_BF16_CPU = (
     "not filed yet: torch 2.13 CPU autocast lowers nn.LSTM to bf16 and oneDNN has no bf16 LSTM "
     "primitive ('could not create a primitive descriptor for the LSTM forward propagation "
@@ -1358,6 +1432,9 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("gradient_penalty", "O2"): _LEFT_MODEL_GRADS,
     ("drop_batch_after_backward", "O2"): _LEFT_MODEL_GRADS,
     ("wgan_weight_clipping", "O2"): _MASTERS_UNDO_EDITS,
+    ("apex_legacy_script", "init"): _APEX_HANDLE,
+    ("apex_legacy_script", "O2"): _APEX_STATE_DICT,
+    ("apex_legacy_script", "O3"): _APEX_STATE_DICT,
     ("lstm_lm", "O1"): _LSTM_BF16_CPU,
     ("lstm_lm", "init"): _LSTM_BF16_CPU,
 }
