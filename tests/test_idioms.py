@@ -246,16 +246,21 @@ def train_step(h: Harness, model: nn.Module, opt: torch.optim.Optimizer, x: torc
     return loss.item()
 
 
-def plain_train(h: Harness, zero: Callable[[nn.Module, torch.optim.Optimizer], None], steps: int = 20) -> Result:
-    """The basic classifier loop, with grads cleared by ``zero``."""
+def plain_train(
+    h: Harness,
+    zero: Callable[[nn.Module, torch.optim.Optimizer], None],
+    backward: Callable[[torch.Tensor, torch.optim.Optimizer], None] | None = None,
+) -> Result:
+    """The basic classifier loop, with grads cleared by ``zero`` (and the backward
+    done by ``backward``, default ``h.backward``)."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     model, opt = h.setup(model, opt)
     losses = []
-    for x, y in classification_batches(steps):
+    for x, y in classification_batches(20):
         zero(model, opt)
         loss = ce(model, x, y)
-        h.backward(loss, opt)
+        (backward or h.backward)(loss, opt)
         opt.step()
         losses.append(loss.item())
     return Result(losses)
@@ -297,6 +302,13 @@ def loop_zero_grad_keep_optimizer(h: Harness) -> Result:
 def loop_zero_grad_keep_model(h: Harness) -> Result:
     """``model.zero_grad(set_to_none=False)``."""
     return plain_train(h, lambda m, o: m.zero_grad(set_to_none=False))
+
+
+@idiom()
+def loop_plain_backward(h: Harness) -> Result:
+    """The script keeps ``loss.backward()``: only the setup lines are added, no
+    ``amp.scale_loss`` (issue 16's aim: nothing beyond the three lines)."""
+    return plain_train(h, lambda m, o: o.zero_grad(), backward=lambda loss, o: loss.backward())
 
 
 @idiom(raises=(("O2", "optimi"), ("O2K", "optimi")))
