@@ -150,6 +150,11 @@ class Harness:
         if self.active:
             amp.load_state_dict(state)
 
+    def new_process(self) -> None:
+        """What starting a new process does to ampkit: no session, no casting on."""
+        if self.active:
+            amp.reset()
+
     def checkpoint_context(self) -> dict[str, Any]:
         """``checkpoint(...)`` keyword the README asks for under ampkit."""
         return {"context_fn": amp.checkpoint_context} if self.active else {}
@@ -1151,6 +1156,37 @@ def loop_resume_checkpoint(h: Harness) -> Result:
         losses.append(train_step(h, model, opt, x, y))
     assert losses[8:14] == first_pass, "a resumed run must replay bitwise"
     return Result(losses)
+
+
+@idiom()
+def loop_resume_in_new_run(h: Harness) -> Result:
+    """A run saves ``{model, optimizer, amp}`` state at step 10 and stops; a new run
+    (fresh process: model and optimizer built again, setup again, then the three
+    ``load_state_dict`` calls) goes on from it. Its losses must equal, bitwise, those
+    of the run that was never interrupted (README: exact checkpoints)."""
+    batches = classification_batches(20)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return h.setup(model, opt)
+
+    model, opt = build()
+    uninterrupted = [train_step(h, model, opt, x, y) for x, y in batches]
+    h.new_process()
+    model, opt = build()
+    for x, y in batches[:10]:
+        train_step(h, model, opt, x, y)
+    buf = checkpoint_bytes({"model": model.state_dict(), "opt": opt.state_dict(), "amp": h.state_dict()})
+    h.new_process()
+    model, opt = build()
+    ckpt = torch.load(buf, weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    h.load_state_dict(ckpt["amp"])
+    resumed = [train_step(h, model, opt, x, y) for x, y in batches[10:]]
+    assert resumed == uninterrupted[10:], "a resumed run must continue bitwise"
+    return Result(uninterrupted)
 
 
 @idiom()
