@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         amp.distributed.register_ddp(net)  # ampkit: grads are all-reduced, no extra collective
 
     if args.resume:
-        ckpt = torch.load(args.resume, map_location=device, weights_only=False)
+        ckpt = torch.load(args.resume, map_location=device, weights_only=True)  # tensors and plain data only
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         if args.amp != "off":

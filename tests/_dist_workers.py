@@ -105,6 +105,20 @@ def make_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def registered_o2(sync: str) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module]:
+    """An O2 model (dynamic scale) wrapped in a registered DDP, with ``sync`` set."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ampkit
+
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
+    net = ampkit.distributed.register_ddp(DDP(model))
+    ampkit.distributed.set_sync(opt, sync)
+    return model, opt, net
+
+
 def batch(rank: int, step: int, same_on_all_ranks: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + (0 if same_on_all_ranks else rank + 1))
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
@@ -301,11 +315,7 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
     # rank 1's inf makes both skip and the replicas stay bitwise equal. With
     # sync="never" they split.
     for mode in ("auto", "never"):
-        model = make_model(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        model, opt = ampkit.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
-        net = register_ddp(DDP(model))
-        set_sync(opt, mode)
+        model, opt, net = registered_o2(mode)
         local: dict[str, list] = {"skipped": [], "scale": [], "collectives": []}
         for step in range(3):
             opt.zero_grad()
@@ -329,6 +339,36 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
     # 7. Several losses, per-rank models outside DDP (same seed and data everywhere):
     # the ranks must agree on which loss overflowed.
     res["multi_loss"] = _multi_loss(rank)
+
+    # 9. Registered DDP: ampkit trusts DDP's all-reduce and adds no collective, so grads
+    # changed on one rank only after the synchronized backward (rank 1 writes an inf at
+    # step 1) are decided on alone: with sync="auto" rank 1 skips, rank 0 steps, and the
+    # replicas split (the README's stated limit). ampkit warns on rank 1, nobody hangs:
+    # both ranks finish and check_ranks_agree reports the split on both. sync="always"
+    # keeps them together.
+    import warnings
+
+    for mode in ("auto", "always"):
+        model, opt, net = registered_o2(mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            r = run_steps(rank, net, opt, range(4), inject=lambda s: s == 1 and rank == 1)
+            # amp.unscale, then clipping: changes after ampkit's check do not count.
+            opt.zero_grad()
+            x, y = batch(rank, 9)
+            with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
+                scaled.backward()
+            ampkit.unscale(opt)
+            torch.nn.utils.clip_grad_norm_(ampkit.master_params(opt), 0.1)
+            opt.step()
+        r["warnings"] = [str(w.message) for w in caught if "changed after" in str(w.message)]
+        r["params"] = snapshot(model.parameters())
+        r["check_error"] = None
+        try:
+            check_ranks_agree()
+        except ampkit.DistributedError as err:
+            r["check_error"] = str(err)
+        res[f"changed_after_allreduce_{mode}"] = r
 
     # 8. A DDP model cannot be handed to initialize at a level that casts weights.
     wrapped = DDP(make_model(0))

@@ -107,6 +107,30 @@ def test_registered_ddp_needs_no_collective_and_masters_agree(ddp):
 
 
 @spawned
+def test_registered_ddp_grads_changed_on_one_rank_after_the_all_reduce(ddp):
+    """The documented limit of registered DDP: no collective, so an inf written into rank
+    1's grads after the synchronized backward skips on rank 1 only (sync='auto'); rank 1
+    warns, both ranks finish, check_ranks_agree reports the split on both. With
+    sync='always' both skip and stay bitwise equal. Clipping after amp.unscale (after
+    ampkit's check) does not warn."""
+    a0, a1 = ddp[0]["changed_after_allreduce_auto"], ddp[1]["changed_after_allreduce_auto"]
+    assert a0["skipped"] == [False, False, False, False]
+    assert a1["skipped"] == [False, True, False, False]
+    assert a0["collectives"] == a1["collectives"] == [0] * 4
+    assert a0["warnings"] == [] and len(a1["warnings"]) == 1
+    assert "rank 1" in a1["warnings"][0] and "set_sync" in a1["warnings"][0]
+    assert not equal(a0["params"], a1["params"])
+    for r in (a0, a1):
+        assert "differs from group rank 0's" in r["check_error"]
+    w0, w1 = ddp[0]["changed_after_allreduce_always"], ddp[1]["changed_after_allreduce_always"]
+    for r in (w0, w1):
+        assert r["skipped"] == [False, True, False, False]
+        assert r["collectives"] == [1] * 4
+        assert r["warnings"] == [] and r["check_error"] is None
+    assert equal(w0["params"], w1["params"])
+
+
+@spawned
 def test_masters_that_differ_from_the_broadcast_model_raise_on_every_rank(ddp):
     assert "master weights do not match" in ddp[1]["unregistered_seeds"]
     assert "rank 1" in ddp[1]["unregistered_seeds"]
@@ -261,7 +285,15 @@ def test_train_ddp_example_under_torchrun(tmp_path):
     assert out.count("optimizer step skipped") == 1
     assert "skipped steps 1" in out
     assert "replicas identical: yes" in out
-    assert (tmp_path / "ckpt.pt").exists()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # tensors and plain data only
+    assert saved["amp"]["trainers"][0]["optimizers"][0]["steps"] == 12
+    # Resuming loads the checkpoint with weights_only=True on every rank.
+    resume = [*cmd[:-2], "--resume", str(tmp_path / "ckpt.pt")]
+    resume[resume.index("--steps") + 1] = "2"
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "resumed from" in out and "replicas identical: yes" in out
 
 
 # --- single process ------------------------------------------------------------------------------

@@ -323,10 +323,13 @@ def test_o2_setups_are_freed_after_reset():
         train_step(model, opt, i)
         refs.append((weakref.ref(model), weakref.ref(opt), weakref.ref(master_weights_of(opt))))
         del model, opt
+    gc.collect()
+    alive = [any(r() is not None for r in triple) for triple in refs]
+    assert alive == [False] * 39 + [True]  # each initialize ended the session before it
     amp.reset()
     gc.collect()
-    alive = [[r() is not None for r in triple] for triple in refs]
-    assert not any(any(a) for a in alive), alive
+    alive = [any(r() is not None for r in triple) for triple in refs]
+    assert alive == [False] * 40
 
 
 def test_masters_are_reused_by_a_second_initialize_of_the_same_optimizer():

@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -92,6 +93,10 @@ class _Settings:
     sync: SyncMode = "auto"
     group: Any = None  # process group; None: the default (world) group
     masters_checked: bool = False
+    # This step's grads differ from what a registered DDP model's reducer left (seen
+    # before ampkit touched them); warned about once per optimizer.
+    changed_after_reduce: bool = False
+    warned_changed: bool = False
 
 
 _SETTINGS: weakref.WeakKeyDictionary[_optim.ManagedOptimizer, _Settings] = (
@@ -136,24 +141,84 @@ def set_sync(
 
 class _DDPRecord:
     """What ampkit knows about one registered DDP model: the ids of the parameters
-    whose grads it all-reduces, and whether its last forward with grad enabled will
-    be (or was) followed by a synchronized backward."""
+    whose grads it all-reduces, whether its last forward with grad enabled will be (or
+    was) followed by a synchronized backward, and each grad as the reducer left it.
+
+    The last is taken at the very end of the backward pass, after DDP's reducer wrote
+    the all-reduced grads: a hook on the forward's outputs queues an autograd callback
+    when backward reaches them, which queues the snapshot behind the reducer's own
+    callback (callbacks queued while callbacks run go to the end of the line)."""
 
     def __init__(self, ddp: nn.Module) -> None:
         ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-        self.param_ids = frozenset(
-            id(p)
-            for name, p in ddp.module.named_parameters()
-            if p.requires_grad and name not in ignored
-        )
+        self.params = [
+            p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored
+        ]
+        self.param_ids = frozenset(id(p) for p in self.params)
         self.group_size = dist.get_world_size(ddp.process_group)
         self.synced: bool | None = None  # None: no forward seen since registration
-        self.handle = ddp.register_forward_pre_hook(self._on_forward)
+        # id(param) -> (its grad, weakly; the grad's version) after the last backward.
+        self.reduced: dict[int, tuple[Any, int]] | None = None
+        self._armed = False
+        self.handles = [
+            ddp.register_forward_pre_hook(self._on_forward),
+            ddp.register_forward_hook(self._after_forward),
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             # The decision DDP itself takes in this forward for the following backward.
             self.synced = bool(module.require_backward_grad_sync)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._armed = True
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        if self._armed:
+            self._armed = False
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._snapshot))
+
+    def _snapshot(self) -> None:
+        self.reduced = {
+            id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            for p in self.params
+        }
+
+    def changed(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether the grad of any of ``params`` (those of this model) was replaced or
+        modified in place since the reducer finished."""
+        if self.reduced is None:
+            return False
+        for p in params:
+            seen = self.reduced.get(id(p))
+            if seen is None:
+                continue
+            ref, version = seen
+            grad = None if ref is None else ref()
+            if p.grad is not grad or (grad is not None and grad._version != version):
+                return True
+        return False
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
 
 
 _DDPS: weakref.WeakKeyDictionary[nn.Module, _DDPRecord] = weakref.WeakKeyDictionary()
@@ -181,7 +246,7 @@ def register_ddp(ddp_model: nn.Module) -> nn.Module:
         )
     old = _DDPS.pop(ddp_model, None)
     if old is not None:
-        old.handle.remove()
+        old.remove()
     record = _DDPRecord(ddp_model)
     _DDPS[ddp_model] = record
     _broadcast_masters(record.param_ids, ddp_model.process_group)
@@ -248,6 +313,9 @@ def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
         return SyncPlan(False, "sync='never'")
     if s.sync == "always":
         return SyncPlan(True, "sync='always'")
+    # Only what every rank sees alike decides (a rank that all-reduces while another
+    # does not would hang): the sync mode, the kind of grads, the loss ids of the step,
+    # the registered DDP models and their no_sync state -- never this rank's values.
     # The grads are on the params in param_groups or, before an O2 step moved them into
     # the masters, on the model's params.
     backward = state.backward_params
@@ -256,10 +324,8 @@ def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
         for p in itertools.chain(state._grad_params(), backward if backward is not None else ())
         if p.grad is not None
     ]
-    if not grads:
-        return SyncPlan(True, "no gradients on this rank (other ranks may have some)")
     dtensor = _dtensor_type()
-    if dtensor is not None and all(isinstance(g, dtensor) for g in grads):
+    if grads and dtensor is not None and all(isinstance(g, dtensor) for g in grads):
         return SyncPlan(
             False, "the grads are DTensors: torch's unscale kernel already all-reduces the flag"
         )
@@ -328,6 +394,16 @@ def _comm_device(group: Any, like: torch.device) -> torch.device:
     return like  # e.g. "cpu:gloo,cuda:nccl": the flags' own device is supported
 
 
+def _before_check(state: _optim.ManagedOptimizer) -> None:
+    """The trainer's hook, called once per step with the grads as backward left them:
+    note whether they changed since a registered DDP model's reducer wrote them."""
+    if not _DDPS or not (dist.is_available() and dist.is_initialized()):
+        return
+    backward = state.backward_params
+    params = list(backward if backward is not None else state._grad_params())
+    _settings(state).changed_after_reduce = any(r.changed(params) for r in list(_DDPS.values()))
+
+
 def _agreement_for(
     state: _optim.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
 ) -> _Agreement | None:
@@ -337,17 +413,31 @@ def _agreement_for(
     s = _settings(state)
     if dist.get_world_size(s.group) < 2:
         return None
+    changed, s.changed_after_reduce = s.changed_after_reduce, False
+    if not _plan(state, len(segments)).agree:
+        if changed and not s.warned_changed:
+            s.warned_changed = True
+            warnings.warn(_CHANGED_AFTER_REDUCE.format(rank=dist.get_rank()), UserWarning, stacklevel=4)
+        return None
+    # The masters check rides on the collective, so that a mismatch on one rank raises
+    # on every rank. Without one (registered DDP), register_ddp broadcast the masters.
     first_step_error: str | None | bool = False
     if not s.masters_checked:
         s.masters_checked = True
         if _master_pairs(state):
             first_step_error = _masters_mismatch(state)
-    if not _plan(state, len(segments)).agree:
-        if first_step_error:  # no collective to tell the others: raise here
-            raise DistributedError(first_step_error)
-        return None
     like = next((f.device for _, f in segments if f is not None), torch.device("cpu"))
     return _Agreement(s.group, like, first_step_error)
+
+
+_CHANGED_AFTER_REDUCE = (
+    "ampkit: on rank {rank}, gradients changed after DistributedDataParallel all-reduced "
+    "them (written in place or replaced between backward and the step). With a registered "
+    "DDP model ampkit does not all-reduce the overflow flag, trusting that every rank holds "
+    "the same grads; if this change is not the same on every rank, the ranks may skip "
+    "different steps and the replicas split. Call "
+    "ampkit.distributed.set_sync(optimizer, 'always') to agree on every step."
+)
 
 
 _MASTERS_FIX = (
@@ -379,7 +469,7 @@ def _masters_mismatch(state: _optim.ManagedOptimizer) -> str | None:
     return None
 
 
-_optim.set_agreement_hook(_agreement_for)
+_optim.set_agreement_hook(_agreement_for, _before_check)
 
 
 # --- initialize-time checks --------------------------------------------------------------

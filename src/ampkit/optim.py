@@ -104,10 +104,20 @@ _Opt = TypeVar("_Opt", bound=torch.optim.Optimizer)
 _agreement_hook: Callable[[ManagedOptimizer, list], Any] | None = None
 
 
-def set_agreement_hook(hook: Callable[[ManagedOptimizer, list], Any] | None) -> None:
-    """Install the cross-rank agreement hook (see ``ampkit.distributed``)."""
-    global _agreement_hook
+# Called once per step before the grads are first touched (before the pre-unscale
+# hooks), with the grads as backward left them (installed by ampkit.distributed).
+_before_check_hook: Callable[[ManagedOptimizer], None] | None = None
+
+
+def set_agreement_hook(
+    hook: Callable[[ManagedOptimizer, list], Any] | None,
+    before_check: Callable[[ManagedOptimizer], None] | None = None,
+) -> None:
+    """Install the cross-rank agreement hook and the hook that sees the grads before
+    ampkit touches them (see ``ampkit.distributed``)."""
+    global _agreement_hook, _before_check_hook
     _agreement_hook = hook
+    _before_check_hook = before_check
 
 
 # Extra state of an optimizer or a session: (get_fn, set_fn, check_fn or None).
@@ -462,6 +472,8 @@ class ManagedOptimizer:
         Idempotent within a step."""
         if self._unscaled:
             return
+        if _before_check_hook is not None:
+            _before_check_hook(self)
         for hook in self.pre_unscale_hooks:
             hook()
         groups = group_grads(self._grad_params())
