@@ -11,17 +11,21 @@ import copy
 import gc
 import io
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import ampkit as amp
 from ampkit import AmpError, LossScaler, ScalerError, StateError
 from ampkit.distributed import _fingerprint as freeze  # bitwise digest of nested state
 from ampkit.levels import compensation_of, master_weights_of
+from ampkit.optim import managed_state
 
 INF, NAN = float("inf"), float("nan")
 
@@ -538,3 +542,383 @@ def test_scaler_checkpoints_load_with_weights_only():
     for sd in (scaler.state_dict(), loss_scaler.state_dict()):
         assert freeze(roundtrip(sd)) == freeze(sd)
     scaler.load_state_dict(roundtrip(scaler.state_dict()))
+
+
+# --- hypothesis: malformed state dicts --------------------------------------------------------
+#
+# A mutation takes a valid state dict and breaks it in one place, with a value known to be
+# invalid there (chosen by the key it sits under): a bad scale or count, a wrong type, a
+# tensor of the wrong dtype or shape, a missing key, a container of the wrong kind or
+# length. Every mutation must raise an AmpError and change nothing.
+
+_SCALE_BAD = [NAN, INF, -INF, -4.0, 0.0, 1e-40, 2.0**30, 0.5, "1", None, True, [2.0]]
+_COUNT_BAD = [-1, 2.5, True, "3", None]
+_FLAG_BAD = ["False", "True", 0, 1, None]
+_BAD_BY_KEY: dict[str, list[Any]] = {
+    "scale": _SCALE_BAD,
+    "init_scale": _SCALE_BAD,
+    "loss_scale": [NAN, INF, -4.0, 0.0, 1e-40, "1", None, True],
+    "min_scale": [NAN, INF, -4.0, 0.0, 1e-40, 2.0**30, "1", None, True],
+    "max_scale": [NAN, -4.0, 0.0, 1e-40, 1.0, "x", None, True],
+    "growth_factor": [1.0, 0.5, -2.0, NAN, INF, "2", None, True],
+    "backoff_factor": [0.0, 1.0, 1.5, -0.5, NAN, "x", None, True],
+    "growth_interval": [0, *_COUNT_BAD],
+    "hysteresis": [0, *_COUNT_BAD],
+    "hysteresis_left": [0, 2, *_COUNT_BAD],
+    "growth_tracker": _COUNT_BAD,
+    "_growth_tracker": _COUNT_BAD,
+    "unskipped": _COUNT_BAD,
+    "num_events": _COUNT_BAD,
+    "consecutive_skips": [10**9, *_COUNT_BAD],
+    "num_overflows": [10**9, *_COUNT_BAD],
+    "max_consecutive_skips": [-1, 2.5, True, "100"],
+    "steps": _COUNT_BAD,
+    "skipped": [10**9, *_COUNT_BAD],
+    "dynamic": _FLAG_BAD,
+    "consecutive_hysteresis": _FLAG_BAD,
+    "last_skipped": _FLAG_BAD,
+    "num_losses": [0, 3, 1.0, True, "1", None],
+    "format": ["ampkit.session/2", 2, "1", None, True],
+    "method": ["nearest", "x", None],
+}
+_POSITION_BAD = [99, -1, "0", None, 1.5, True]  # group / index inside a [group, index, tensor] entry
+
+
+def _nodes(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, value) of every node below the root, depth first."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    out = []
+    for key, value in items:
+        out.append((path + (key,), value))
+        out += _nodes(value, path + (key,))
+    return out
+
+
+def _bad_tensors(t: torch.Tensor) -> list[Any]:
+    other = torch.float32 if t.dtype != torch.float32 else torch.float64
+    return [t.to(torch.int64), t.to(other), t.unsqueeze(0), t.reshape(-1)[:0], "tensor", None]
+
+
+def _mutations(sd: Any, optional: frozenset[str], keep_lists: frozenset[str]) -> list[tuple[tuple, str, Any]]:
+    """Every known-invalid mutation of ``sd``: (path, kind, value). ``optional``: keys a
+    loader may do without; ``keep_lists``: lists whose length may change validly."""
+    out: list[tuple[tuple, str, Any]] = [((), "root", bad) for bad in (None, [], "sd", 3)]
+    for path, value in _nodes(sd):
+        key = path[-1]
+        parent_key = next((k for k in reversed(path[:-1]) if isinstance(k, str)), None)
+        if isinstance(key, str) and key not in optional and not (isinstance(value, dict) and not value):
+            out.append((path, "delete", None))
+        if isinstance(value, torch.Tensor):
+            out += [(path, "set", bad) for bad in _bad_tensors(value)]
+        elif isinstance(value, (dict, list)):
+            out += [(path, "set", bad) for bad in (None, 3, "x")]
+            if isinstance(value, list) and value and key not in keep_lists and parent_key not in keep_lists:
+                out += [(path, "drop_last", None), (path, "repeat_last", None)]
+        elif isinstance(key, int) and len(path) >= 2 and isinstance(key, int) and key < 2:
+            out += [(path, "set", bad) for bad in _POSITION_BAD]  # in a [group, index, tensor] entry
+        elif isinstance(key, str) and key in _BAD_BY_KEY:
+            out += [(path, "set", bad) for bad in _BAD_BY_KEY[key] if not _same(bad, value)]
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))
+
+
+def _apply(sd: Any, mutation: tuple[tuple, str, Any]) -> Any:
+    path, kind, value = mutation
+    if kind == "root":
+        return value
+    broken = copy.deepcopy(sd)
+    parent = broken
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    if kind == "delete":
+        del parent[key]
+    elif kind == "set":
+        parent[key] = value
+    elif kind == "drop_last":
+        parent[key] = parent[key][:-1]
+    elif kind == "repeat_last":
+        parent[key] = parent[key] + [copy.deepcopy(parent[key][-1])]
+    return broken
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def _session_setup() -> tuple[list[nn.Module], list[torch.optim.Optimizer], dict]:
+    """Two trainers (O2 with masters, and a plain one with two losses) and a checkpoint
+    taken two steps before their current state. Built once per test (a refused load
+    changes nothing, so the examples can share it; if one did, its test fails)."""
+    session = amp.session.current_session()
+    cached = _CACHE.get("session")
+    if cached is None or cached[0] is not session or not session.members:
+        models, opts = two_trainers()
+        sd = amp.state_dict()
+        for i in range(2, 4):
+            train_step(models[0], opts[0], i)
+            train_step(models[1], opts[1], i, loss_id=i % 2)
+        cached = _CACHE["session"] = (amp.session.current_session(), models, opts, sd)
+    return cached[1], cached[2], cached[3]
+
+
+_EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _check_refused(load: Callable[[Any], None], sd: Any, mutation: tuple, state: Callable[[], Any]) -> None:
+    before = state()
+    broken = _apply(sd, mutation)
+    with pytest.raises(AmpError):
+        load(broken)
+    assert state() == before, mutation
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_malformed_session_checkpoints_are_refused_and_change_nothing(data):
+    models, opts, sd = _session_setup()
+    mutations = _mutations(sd, optional=frozenset(), keep_lists=frozenset())
+    mutation = data.draw(st.sampled_from(mutations))
+    _check_refused(amp.load_state_dict, sd, mutation, lambda: snapshot(models, opts))
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_malformed_scaler_states_are_refused_and_change_nothing(data):
+    scaler = LossScaler(init_scale=2.0**10, hysteresis=1, growth_interval=3)
+    for overflow in (False, True, False):
+        scaler.update(overflow)
+    grad_scaler = amp.GradScaler("cpu", init_scale=2.0**10)
+    torch_format = {k: v for k, v in grad_scaler.state_dict().items() if k != "ampkit"}
+    target, sd = data.draw(
+        st.sampled_from(
+            [
+                (scaler, LossScaler(init_scale=8.0).state_dict()),
+                (grad_scaler, grad_scaler.state_dict()),  # ampkit's format
+                (grad_scaler, torch_format),  # torch.amp's format
+            ]
+        )
+    )
+    optional = frozenset({"ampkit"})  # without it, GradScaler reads torch.amp's keys
+    mutations = [m for m in _mutations(sd, optional, frozenset()) if not (len(m[0]) == 1 and m[0][0] in torch_format and "ampkit" in sd)]
+    mutation = data.draw(st.sampled_from(mutations))
+    _check_refused(target.load_state_dict, sd, mutation, lambda: freeze(target.state_dict()))
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_malformed_master_and_compensation_states_are_refused(data):
+    kind = data.draw(st.sampled_from(["masters", "kahan", "stochastic", "apex"]))
+    cached = _CACHE.get(kind)
+    session = amp.session.current_session()
+    if cached is None or cached[0] is not session or not session.members:
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if kind == "apex":
+            from ampkit.compat.apex import amp as apex_amp
+
+            model, opt = apex_amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", num_losses=2)
+            train_step(model, opt, 0)
+            sd = {k: v for k, v in apex_amp.state_dict().items() if k != "ampkit"}  # apex's format
+            target: Any = apex_amp
+        elif kind == "masters":
+            model, opt = amp.initialize(model, opt, opt_level="O2")
+            train_step(model, opt, 0)
+            target = master_weights_of(opt)
+            sd = target.state_dict()
+        else:
+            model, opt = amp.initialize(model, opt, opt_level="O2K", compensation=kind)
+            train_step(model, opt, 0)
+            target = compensation_of(opt)
+            sd = target.state_dict()
+        sd = copy.deepcopy(sd)
+        train_step(model, opt, 1)
+        cached = _CACHE[kind] = (amp.session.current_session(), model, opt, target, sd)
+    _, model, opt, target, sd = cached
+    # Compensation buffers may be absent (they start at zero), apex's growth counter too.
+    optional = frozenset({"device_generators", "unskipped"})
+    mutations = _mutations(sd, optional, keep_lists=frozenset({"buffers"}))
+    if kind == "kahan":
+        mutations.append((("buffers",), "repeat_last", None))  # a buffer given twice
+    mutation = data.draw(st.sampled_from(mutations))
+
+    def state() -> Any:
+        extra = target.state_dict() if kind != "apex" else None
+        return (snapshot([model], [opt]), freeze(extra), freeze(getattr(target, "_buffers", None)))
+
+    _check_refused(target.load_state_dict, sd, mutation, state)
+
+
+# --- hypothesis: malformed arguments ----------------------------------------------------------
+
+_SCALER_ARGS: dict[str, list[Any]] = {
+    "init_scale": [NAN, INF, -1.0, 0.0, 1e-40, "big", None, True, 2.0**30],
+    "growth_factor": _BAD_BY_KEY["growth_factor"],
+    "backoff_factor": _BAD_BY_KEY["backoff_factor"],
+    "growth_interval": _BAD_BY_KEY["growth_interval"],
+    "hysteresis": _BAD_BY_KEY["hysteresis"],
+    "min_scale": [NAN, INF, -1.0, 0.0, 1e-40, "1", None, True, 2.0**20],
+    "max_scale": [NAN, -1.0, 0.0, 1e-40, 1.0, "x", None, True],
+    "dynamic": _FLAG_BAD,
+    "consecutive_hysteresis": _FLAG_BAD,
+    "max_consecutive_skips": _BAD_BY_KEY["max_consecutive_skips"],
+}
+_LEVEL_ARGS: dict[str, list[Any]] = {
+    "dtype": [torch.float32, torch.int8, "bf16", 3],
+    "cast_model_type": [torch.int8, "half", 3],
+    "keep_norm_fp32": ["yes", 1],
+    "master_weights": ["yes", 1],
+    "op_casting": ["yes", 1],
+    "compensation": ["kahn", True, 1],
+    "loss_scale": [True, "big", 1e-40, NAN, INF, -1.0, 0.0, [1.0]],
+    "num_losses": [0, True, 1.5, "2"],
+    "min_loss_scale": ["a", 1e-40, NAN, -1.0, True],
+    "max_loss_scale": ["a", NAN, -1.0, 0.0, True],
+    "cast_model_outputs": [torch.int64, "fp32", 3],
+    "policy": ["x", 3, torch.bfloat16],
+    "bogus": [1],
+}
+_POLICY_ARGS: dict[str, list[Any]] = {
+    "dtype": [torch.float32, "bf16", 3],
+    "lower_ops": [[nn.Linear], "mm", [3], ["notanop"], [torch.mm, "mm", lambda x: x]],
+    "fp32_ops": [[nn.Linear], torch.exp, [3.0], ["aten::nothing"]],
+    "promote_ops": [[object()], ["torch.nothing"]],
+    "conditional_fp32_ops": [[(F.normalize, lambda *a, **k: True)], [(torch.pow,)], [("pow", 3)], [torch.pow]],
+    "module_rules": [{3: torch.float32}, {nn.Linear: torch.int8}, "x", {"": torch.float32}],
+}
+
+
+@_EXAMPLES
+@given(field=st.sampled_from(sorted(_SCALER_ARGS)), data=st.data(), grad_scaler=st.booleans())
+def test_bad_scaler_arguments_raise_scaler_errors(field, data, grad_scaler):
+    bad = data.draw(st.sampled_from(_SCALER_ARGS[field]))
+    if grad_scaler and field == "dynamic":
+        field, bad = "enabled", bad  # GradScaler is always dynamic; its flag is enabled
+    with pytest.raises(ScalerError):
+        if grad_scaler:
+            amp.GradScaler("cpu", **{field: bad})
+        else:
+            LossScaler(**{field: bad})
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_bad_scaler_calls_change_nothing(data):
+    scaler = LossScaler(init_scale=64.0, growth_interval=3)
+    grad_scaler = amp.GradScaler("cpu", init_scale=64.0)
+    scales = [NAN, INF, -1.0, 0.0, 1e-40, "x", True]
+    call, bads = data.draw(
+        st.sampled_from(
+            [
+                (scaler.set_scale, [*scales, None]),
+                (lambda v: scaler.with_config(growth_factor=v), _BAD_BY_KEY["growth_factor"]),
+                (lambda v: scaler.with_config(max_scale=v), _BAD_BY_KEY["max_scale"]),
+                (lambda v: scaler.with_config(bogus=v), [1]),
+                (grad_scaler.update, [*scales, torch.ones(2), torch.tensor(2.0, requires_grad=True)]),
+                (grad_scaler.set_growth_factor, _BAD_BY_KEY["growth_factor"]),
+                (grad_scaler.set_backoff_factor, _BAD_BY_KEY["backoff_factor"]),
+                (grad_scaler.set_growth_interval, _BAD_BY_KEY["growth_interval"]),
+            ]
+        )
+    )
+    bad = data.draw(st.sampled_from(bads))
+    before = freeze([scaler.state_dict(), grad_scaler.state_dict()])
+    with pytest.raises(AmpError):
+        call(bad)
+    assert freeze([scaler.state_dict(), grad_scaler.state_dict()]) == before
+
+
+@_EXAMPLES
+@given(data=st.data(), level=st.sampled_from(["O0", "O1", "O2", "O3", "O2K"]))
+def test_bad_initialize_arguments_change_nothing(data, level):
+    """A previous O2 session, a fresh fp32 model with Adam state: a refused initialize
+    leaves all of it as it was."""
+    old_models, old_opts, _ = _session_setup()
+    model = mlp(7)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loss_of(model, 0).backward()
+    opt.step()
+    field = data.draw(st.sampled_from(sorted(_LEVEL_ARGS) + ["opt_level", "models", "optimizers"]))
+    kwargs: dict[str, Any] = {}
+    args: list[Any] = [model, opt, level]
+    if field == "opt_level":
+        args[2] = data.draw(st.sampled_from(["O5", "o2x", 3, None]))
+    elif field == "models":
+        args[0] = data.draw(st.sampled_from([[], "model", [model, model], [model, 3]]))
+    elif field == "optimizers":
+        args[1] = data.draw(st.sampled_from(["opt", [opt, opt], [opt, 3], []]))
+    else:
+        kwargs[field] = data.draw(st.sampled_from(_LEVEL_ARGS[field]))
+    before = snapshot([*old_models, model], [*old_opts, opt])
+    with pytest.raises(AmpError):
+        amp.initialize(*args, **kwargs)
+    assert snapshot([*old_models, model], [*old_opts, opt]) == before
+
+
+@_EXAMPLES
+@given(data=st.data())
+def test_bad_trainer_calls_change_nothing(data):
+    """init_trainer, scale_loss, unscale, set_sync, register_ddp, step_skipped and stats
+    with nonsense: an AmpError, and the session, params, grads and per-step state as
+    they were."""
+    models, opts, _ = _session_setup()
+    model, opt = models[1], opts[1]
+    opt.zero_grad()
+    with amp.scale_loss(loss_of(model, 5), opt, loss_id=0) as scaled:
+        scaled.backward()  # a step in progress: its grads and flags must survive
+    fresh = torch.optim.SGD(mlp(3).parameters(), lr=0.1)
+    attached = managed_state(opt).scalers[0]
+    calls: list[Callable[[], Any]] = [
+        lambda: amp.init_trainer(fresh, scaler=data.draw(st.sampled_from([1e-40, NAN, -1.0, "x", True, [LossScaler()] * 2, attached]))),
+        lambda: amp.init_trainer(fresh, num_losses=data.draw(st.sampled_from([0, True, 1.5, "2"]))),
+        lambda: amp.init_trainer(fresh, hold_schedulers_on_skip="yes"),
+        lambda: amp.init_trainer([fresh, fresh]),
+        lambda: amp.init_trainer(opt),  # already managed
+        lambda: amp.init_trainer([]),
+        lambda: amp.scale_loss(loss_of(model, 6), opt, loss_id=data.draw(st.sampled_from(["0", 2, -1, True, 1.0, None]))).__enter__(),
+        lambda: amp.scale_loss(data.draw(st.sampled_from([1.0, None, "loss", torch.tensor(3), [], [loss_of(model, 6), 2.0]])), opt).__enter__(),
+        lambda: amp.scale_loss(loss_of(model, 6), [opt, opts[0]]).__enter__(),  # two trainers' scalers
+        lambda: amp.scale_loss(loss_of(model, 6), fresh).__enter__(),
+        lambda: amp.unscale([opt, fresh]),
+        lambda: amp.distributed.set_sync(opt, data.draw(st.sampled_from(["sometimes", None, True]))),
+        lambda: amp.distributed.register_ddp(model),
+        lambda: amp.step_skipped(fresh),
+        lambda: amp.stats(fresh),
+    ]
+    call = data.draw(st.sampled_from(calls))
+    state = managed_state(opt)
+
+    def everything() -> Any:
+        return (
+            snapshot(models, opts),
+            freeze([p.grad for m in models for p in m.parameters()]),
+            state._pending,
+            freeze([f for _, f in state._segments]),
+            state._unscaled,
+            "_ampkit_managed" in fresh.__dict__,
+        )
+
+    before = everything()
+    with pytest.raises(AmpError):
+        call()
+    assert everything() == before
+
+
+@_EXAMPLES
+@given(field=st.sampled_from(sorted(_POLICY_ARGS)), data=st.data(), how=st.sampled_from(["Policy", "override", "init"]))
+def test_bad_policies_raise_policy_errors_and_keep_casting(field, data, how):
+    bad = data.draw(st.sampled_from(_POLICY_ARGS[field]))
+    amp.init(device_type="cpu", fp32_ops=["mm"])
+    policy = amp.current_policy()
+    with pytest.raises(amp.PolicyError):
+        if how == "Policy":
+            amp.Policy(**{field: bad})
+        elif how == "override":
+            amp.Policy().override(**{field: bad})
+        else:
+            amp.init(device_type="cpu", **{field: bad})
+    assert amp.current_policy() is policy and amp.is_active()
+    with amp.autocast(enabled=False):
+        pass

@@ -347,7 +347,7 @@ class CompensatedUpdates:
     def _checked(
         self, state: Any
     ) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], torch.Tensor, dict[torch.device, torch.Generator]]:
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, Mapping) or type(state.get("format")) is not int or state["format"] != _STATE_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise StateError(
                 f"compensation state has format {found!r}, expected "
@@ -420,9 +420,9 @@ class CompensatedUpdates:
 
 def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
     """``state`` if a generator on ``device`` accepts it (tried on a scratch one)."""
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
         raise StateError(
-            f"compensation state: a generator state must be a uint8 tensor, got {state!r:.80}."
+            f"compensation state: a generator state must be a 1-d uint8 tensor, got {state!r:.80}."
         )
     try:
         torch.Generator(device=device).set_state(state)

@@ -240,7 +240,7 @@ class MasterWeights:
 
     def _checked(self, state: Any) -> dict[tuple[int, int], torch.Tensor]:
         self.refresh()
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+        if not isinstance(state, Mapping) or type(state.get("format")) is not int or state["format"] != _STATE_FORMAT:
             found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
             raise StateError(
                 f"master-weight state has format {found!r}, expected "
