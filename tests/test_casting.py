@@ -548,16 +548,3 @@ def test_checkpoint_recomputes_under_the_same_policy():
         out = model.head(checkpoint(model.block, x, use_reentrant=False))
     with pytest.raises(Exception, match="(?i)metadata|recomput|shape|dtype"):
         out.float().sum().backward()
-
-
-def test_kernels_are_registered_only_while_a_scope_needs_them():
-    registry = casting._registry
-    assert "mm" not in registry.registered("cpu")
-    policy = amp.Policy(fp32_ops=[torch.mm])
-    with amp.autocast(policy, "cpu"):
-        with amp.autocast(policy, "cpu"):
-            assert "mm" in registry.registered("cpu")
-        assert "mm" in registry.registered("cpu")  # the outer scope still needs it
-    assert "mm" not in registry.registered("cpu")
-    with torch.autocast("cpu", dtype=BF16):  # torch's own kernel is back
-        assert torch.mm(x44(), x44()).dtype == BF16

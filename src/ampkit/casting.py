@@ -10,11 +10,15 @@ How it works:
   called from, also inside other torch functions, and casts happen before autograd
   records the op (saved activations are 16-bit, as with torch.autocast). The kernel
   looks up the innermost ampkit scope of its thread; outside one it behaves like
-  torch's own kernel.
+  torch's own kernel (same category, so the same dtypes and values).
+- Thread safety: a kernel is registered the first time a policy needs its op and
+  kept, so the dispatcher's tables never change under threads dispatching through
+  them; the global module hooks below are installed once, likewise. Both go only on
+  ``ampkit.reset()`` in a process with one thread and no scope open.
 - Python-level torch functions without an aten op are intercepted by a
   ``TorchFunctionMode`` pushed only while a scope needs one.
-- Module rules use global forward pre/post hooks (no forward replacement), installed
-  only while a scope with module rules is active.
+- Module rules use global forward pre/post hooks (no forward replacement); in a
+  thread with no ampkit scope they return at once.
 - Casts of fp32 leaf tensors that require grad (parameters) are cached for the scope
   and dropped when the tensor's version counter moves (an in-place update) or an
   optimizer steps; ``cache_enabled=False`` turns caching off.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import threading
 import warnings
 import weakref
@@ -122,6 +127,9 @@ def _resolve(policy: Policy, device_type: str, intercept_all: bool = False) -> _
 
 
 class _State(threading.local):
+    """Per-thread scope state. A thread that exits takes its state, and any scope it
+    left open (``init`` in a worker thread), with it."""
+
     def __init__(self) -> None:
         self.frames: dict[str, list[_Frame]] = {}
         self.scopes: list[_Frame] = []  # all devices, entry order
@@ -163,13 +171,22 @@ def active_scopes() -> int:
 # ---------------------------------------------------------------------------
 # Casting helpers (used by the kernels, the function mode and module rules)
 # ---------------------------------------------------------------------------
-def _eligible(t: Any, device_type: str) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.is_floating_point()
-        and t.dtype is not torch.float64
-        and t.device.type == device_type
-    )
+_F32, _F64 = torch.float32, torch.float64
+_ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {
+    "cpu": operator.attrgetter("is_cpu"),
+    "cuda": operator.attrgetter("is_cuda"),
+}
+
+
+def _on_device(device_type: str) -> Callable[[torch.Tensor], bool]:
+    """A fast test for "this tensor is on ``device_type``" (``t.device`` builds an object)."""
+    test = _ON_DEVICE.get(device_type)
+    if test is None:
+        def test(t: torch.Tensor) -> bool:
+            return t.device.type == device_type
+
+        _ON_DEVICE[device_type] = test
+    return test
 
 
 def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, frame: _Frame | None) -> torch.Tensor:
@@ -215,10 +232,26 @@ def _iter_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tor
 
 
 def _widest(args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str, low: torch.dtype) -> torch.dtype:
+    on = _on_device(device_type)
     for t in _iter_tensors(args, kwargs):
-        if _eligible(t, device_type) and t.dtype is torch.float32:
-            return torch.float32
+        if t.dtype is _F32 and on(t):
+            return _F32
     return low
+
+
+def _cast_value(
+    v: Any, target: torch.dtype, on: Callable[[torch.Tensor], bool], frame: _Frame | None
+) -> Any:
+    """``v`` with its floating tensors on the device (also inside a list or tuple) cast
+    to ``target``; float64 and other devices' tensors are left alone."""
+    if isinstance(v, torch.Tensor):
+        dt = v.dtype
+        if dt is target or dt is _F64 or not dt.is_floating_point or not on(v):
+            return v
+        return _cast_tensor(v, target, frame)
+    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+        return type(v)([_cast_value(x, target, on, frame) for x in v])
+    return v
 
 
 def cast_arguments(
@@ -235,17 +268,15 @@ def cast_arguments(
     if category == "lower":
         target = dtype
     elif category == "fp32":
-        target = torch.float32
+        target = _F32
     elif category == "promote":
         target = _widest(args, kwargs, device_type, dtype)
     else:  # pragma: no cover - categories are validated
         raise PolicyError(f"unknown category {category!r}")
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return _cast_tensor(t, target, frame) if _eligible(t, device_type) else t
-
-    args = tuple(_map_tensors(a, cast) for a in args)
-    kwargs = {k: _map_tensors(v, cast) for k, v in kwargs.items()} if kwargs else kwargs
+    on = _on_device(device_type)
+    args = tuple([_cast_value(a, target, on, frame) for a in args])
+    if kwargs:
+        kwargs = {k: _cast_value(v, target, on, frame) for k, v in kwargs.items()}
     return args, kwargs
 
 
@@ -272,48 +303,46 @@ def _overloads(base: str) -> list[Any]:
 
 
 class _KernelRegistry:
-    """Puts ampkit kernels on ``Autocast<Device>`` for the ops active scopes need.
+    """Puts ampkit kernels on ``Autocast<Device>`` for the ops policies need.
 
-    Reference-counted per (device, op): a kernel is registered when the first scope
-    that needs it enters and removed when the last one leaves (tens of microseconds
-    per op), so ops no scope overrides keep torch's native kernels and native cast
-    cache. While registered, a kernel reproduces torch's own category for its op
-    outside ampkit scopes (e.g. plain ``torch.autocast`` in another thread).
+    A kernel is registered the first time a scope needs its op and then kept: the
+    dispatcher's tables are not changed while other threads dispatch through them
+    (registering and destroying kernels at every scope entry and exit crashed threads
+    running concurrently). A kept kernel looks up the innermost ampkit scope of the
+    calling thread; with none (plain ``torch.autocast``, or no scope at all) it does
+    what torch's own kernel for that op does: the same category, so the same dtypes
+    and values. Kernels are removed by :func:`ampkit.reset` only when it runs in the
+    process's only thread and no scope is open (:meth:`clear`).
     """
 
     def __init__(self) -> None:
         self._libs: dict[tuple[str, str], torch.library.Library] = {}
-        self._counts: dict[tuple[str, str], int] = {}
+        self._done: dict[str, frozenset[str]] = {}  # device type -> registered ops (read lock-free)
         self._lock = threading.Lock()
 
-    def acquire(self, device_type: str, names: frozenset[str]) -> None:
-        if not names:
+    def ensure(self, device_type: str, names: frozenset[str]) -> None:
+        """Register kernels for those of ``names`` that have none yet."""
+        if names <= self._done.get(device_type, frozenset()):
             return
         with self._lock, warnings.catch_warnings():
             # torch warns once that a registered kernel is being overridden
             warnings.simplefilter("ignore")
-            for base in names:
-                key = (device_type, base)
-                count = self._counts.get(key, 0)
-                if count == 0:
-                    self._libs[key] = _register(device_type, base)
-                self._counts[key] = count + 1
+            done = self._done.get(device_type, frozenset())
+            for base in names - done:
+                self._libs[(device_type, base)] = _register(device_type, base)
+            self._done[device_type] = done | names
 
-    def release(self, device_type: str, names: frozenset[str]) -> None:
+    def clear(self) -> None:
+        """Remove every kernel (torch's own are back). Only safe when no other thread
+        can be dispatching: see :func:`_reset_engine`."""
         with self._lock:
-            for base in names:
-                key = (device_type, base)
-                count = self._counts.get(key, 0) - 1
-                if count <= 0:
-                    self._counts.pop(key, None)
-                    lib = self._libs.pop(key, None)
-                    if lib is not None:
-                        lib._destroy()
-                else:
-                    self._counts[key] = count
+            self._done = {}
+            libs, self._libs = self._libs, {}
+            for lib in libs.values():
+                lib._destroy()
 
-    def registered(self, device_type: str) -> set[str]:
-        return {b for d, b in self._counts if d == device_type}
+    def registered(self, device_type: str) -> frozenset[str]:
+        return self._done.get(device_type, frozenset())
 
 
 def _register(device_type: str, base: str) -> torch.library.Library:
@@ -337,24 +366,30 @@ def _is_composite(overload: Any) -> bool:
 def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., Any]:
     native = _NATIVE[device_type].get(base)
     composite = _is_composite(overload)
+    op = overload._op  # the C++ callable: skips OpOverload.__call__'s Python layer
+    get_dtype = torch.get_autocast_dtype
+    exclude = torch._C._ExcludeDispatchKeyGuard
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        frame = _top(device_type)
-        dtype = torch.get_autocast_dtype(device_type)
+        frames = _state.frames.get(device_type)
+        frame = frames[-1] if frames else None
+        dtype = get_dtype(device_type)
         if frame is not None and frame.enabled and frame.dtype is dtype:
             category = frame.categories.get(base)
-            preds = frame.conditionals.get(base)
-            if preds and any(p(*args, **kwargs) for p in preds):
-                category = "fp32"
-        else:
+            if frame.conditionals:
+                preds = frame.conditionals.get(base)
+                if preds and any(p(*args, **kwargs) for p in preds):
+                    category = "fp32"
+        else:  # no ampkit scope of this thread decides: torch's own category
             frame, category = None, native
         if category is None and composite:
             # Nothing to cast: decompose as torch's fallthrough would, so the ops
             # inside (einsum's bmm) still meet autocast instead of running excluded.
             return overload._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
-        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
-            args, kwargs = cast_arguments(category, args, kwargs, device_type, dtype, frame)
-            return overload(*args, **kwargs)
+        with exclude(_EXCLUDE):
+            if category is not None:
+                args, kwargs = cast_arguments(category, args, kwargs, device_type, dtype, frame)
+            return op(*args, **kwargs)
 
     kernel.__name__ = f"ampkit_autocast_{base}"
     return kernel
@@ -388,31 +423,39 @@ class _PythonOpMode(TorchFunctionMode):
 # Module rules and cache invalidation (global module hooks)
 # ---------------------------------------------------------------------------
 class _ModuleHooks:
-    """Global forward pre/post hooks, installed while a scope needs them."""
+    """Global forward pre/post hooks (module rules, the cast cache).
+
+    Installed the first time a scope is entered and kept, like the kernels: torch
+    iterates the global hook dicts in Python on a forward that raises, so adding or
+    removing hooks while another thread runs a module is not safe. A thread with no
+    ampkit scope pays two calls that return at once. Removed by :func:`ampkit.reset`
+    under the same condition as the kernels.
+    """
 
     def __init__(self) -> None:
-        self._users = 0  # scopes needing the hooks, over all threads
         self._lock = threading.Lock()
         self._handles: list[Any] = []
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
-    def acquire(self) -> None:
+    def ensure(self) -> None:
+        if self._handles:
+            return
         with self._lock:
-            self._users += 1
-            if self._users == 1:
+            if not self._handles:
                 reg = nn.modules.module
                 self._handles = [
                     reg.register_module_forward_pre_hook(self._pre),
                     reg.register_module_forward_hook(self._post, always_call=True),
                 ]
 
-    def release(self) -> None:
+    def remove(self) -> None:
         with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for h in self._handles:
-                    h.remove()
-                self._handles = []
+            handles, self._handles = self._handles, []
+            for h in handles:
+                h.remove()
+
+    def installed(self) -> bool:
+        return bool(self._handles)
 
     def _name_of(self, module: nn.Module) -> str | None:
         root = _state.module_stack[0] if _state.module_stack else module
@@ -423,10 +466,10 @@ class _ModuleHooks:
         return names.get(id(module))
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        frame = _state.scopes[-1] if _state.scopes else None
-        _state.module_stack.append(module)
-        if frame is None:
+        if not _state.scopes:
             return None
+        frame = _state.scopes[-1]
+        _state.module_stack.append(module)
         if frame.cache_enabled and frame.enabled:
             _check_param_versions(module, frame)
         policy = frame.policy
@@ -501,10 +544,12 @@ def _clear_caches() -> None:
 
 
 _step_hook_installed = False
+_step_hook_lock = threading.Lock()
 
 
 def _install_step_hook() -> None:
-    """Cached casts go stale when an optimizer updates weights in place: drop them."""
+    """Cached casts go stale when an optimizer updates weights in place: drop them.
+    Installed once per process; a step in a thread with no scope costs one check."""
     global _step_hook_installed
     if _step_hook_installed:
         return
@@ -514,8 +559,10 @@ def _install_step_hook() -> None:
         if _state.scopes:
             _clear_caches()
 
-    register_optimizer_step_post_hook(after_step)
-    _step_hook_installed = True
+    with _step_hook_lock:
+        if not _step_hook_installed:
+            register_optimizer_step_post_hook(after_step)
+            _step_hook_installed = True
 
 
 # ---------------------------------------------------------------------------
@@ -611,36 +658,25 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
 
     def __enter__(self) -> autocast:
         frame = self._make_frame()
-        stack = contextlib.ExitStack()
         if frame.enabled:
-            intercepted = _resolve(self.policy, self.device_type, self._intercept_all).intercepted
-            _registry.acquire(self.device_type, intercepted)
-            stack.callback(_registry.release, self.device_type, intercepted)
-        if self.enabled:
-            stack.enter_context(
-                torch.autocast(self.device_type, dtype=self.policy.dtype, cache_enabled=self.cache_enabled)
-            )
-        else:
-            stack.enter_context(torch.autocast(self.device_type, enabled=False))
+            _registry.ensure(self.device_type, _resolve(self.policy, self.device_type, self._intercept_all).intercepted)
+        _hooks.ensure()
         _install_step_hook()
+        native = _native_enter(self.device_type, self.enabled, self.policy.dtype, self.cache_enabled)
         _state.frames.setdefault(self.device_type, []).append(frame)
         _state.scopes.append(frame)
-        stack.callback(self._pop, frame)
+        mode = None
         if frame.python_ops and _state.py_mode_depth == 0:
-            stack.enter_context(_PythonOpMode())
+            mode = _PythonOpMode()
+            try:
+                mode.__enter__()
+            except BaseException:
+                self._pop(frame)
+                _native_exit(native)
+                raise
             _state.py_mode_depth += 1
-            stack.callback(self._dec_mode)
-        rules = bool(self.policy.module_rules) and (self.enabled or self._from_rule)
-        needs_hooks = rules or (self.enabled and self.cache_enabled)
-        if needs_hooks:
-            _hooks.acquire()
-            stack.callback(_hooks.release)
-        self._stacks.append(stack)
+        self._stacks.append((native, frame, mode))
         return self
-
-    @staticmethod
-    def _dec_mode() -> None:
-        _state.py_mode_depth -= 1
 
     @staticmethod
     def _pop(frame: _Frame) -> None:
@@ -656,8 +692,58 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         frame.cache.clear()
 
     def __exit__(self, *exc: Any) -> bool:
-        self._stacks.pop().close()
+        native, frame, mode = self._stacks.pop()
+        try:
+            if mode is not None:
+                _state.py_mode_depth -= 1
+                mode.__exit__(None, None, None)
+        finally:
+            try:
+                self._pop(frame)
+            finally:
+                _native_exit(native)
         return False
+
+
+def _native_enter(device_type: str, enabled: bool, dtype: torch.dtype, cache_enabled: bool) -> Any:
+    """Enter native autocast as ``torch.autocast.__enter__`` does; returns what
+    :func:`_native_exit` needs. On CPU the thread-local switches are set directly (a
+    ``torch.autocast`` object costs more to build than the rest of a scope); when a
+    torch function mode is active (``torch.export`` records autocast through one) or on
+    other devices (torch checks the device can autocast, and warns), a real
+    ``torch.autocast`` is entered."""
+    if device_type != "cpu" or torch._C._is_torch_function_mode_enabled():
+        cm = (
+            torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled)
+            if enabled
+            else torch.autocast(device_type, enabled=False)
+        )
+        cm.__enter__()
+        return cm
+    prev = (
+        device_type,
+        torch.is_autocast_cache_enabled(),
+        torch.is_autocast_enabled(device_type),
+        torch.get_autocast_dtype(device_type),
+    )
+    torch.set_autocast_enabled(device_type, enabled)
+    torch.autocast_increment_nesting()
+    if enabled:  # a disabled scope leaves dtype and cache switch as they are
+        torch.set_autocast_dtype(device_type, dtype)
+        torch.set_autocast_cache_enabled(cache_enabled)
+    return prev
+
+
+def _native_exit(token: Any) -> None:
+    if isinstance(token, torch.autocast):
+        token.__exit__(None, None, None)
+        return
+    device_type, cache_enabled, enabled, dtype = token
+    if torch.autocast_decrement_nesting() == 0:
+        torch.clear_autocast_cache()  # leaving the outermost autocast scope, as torch does
+    torch.set_autocast_enabled(device_type, enabled)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_cache_enabled(cache_enabled)
 
 
 # ---------------------------------------------------------------------------
@@ -692,8 +778,9 @@ class _Replay:
 
     def __enter__(self) -> _Replay:
         stack = contextlib.ExitStack()
-        saved, _state.module_stack = _state.module_stack, list(self._modules)
-        stack.callback(setattr, _state, "module_stack", saved)
+        saved = list(_state.module_stack)  # replaced in place: other code holds the list
+        _state.module_stack[:] = self._modules
+        stack.callback(_state.module_stack.__setitem__, slice(None), saved)
         for policy, device_type, enabled, cache_enabled, rules in self._frames:
             scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled)
             scope._from_rule = not enabled and rules
@@ -766,3 +853,8 @@ def _reset_engine() -> None:
         stack[1].close()
     _state.rule_stack.clear()
     _state.module_stack.clear()
+    # Kernels and hooks are kept while anything could be running through them: only
+    # the process's one thread, with no scope of its own open, may take them down.
+    if threading.active_count() == 1 and not _state.scopes:
+        _registry.clear()
+        _hooks.remove()

@@ -1,0 +1,146 @@
+"""The engine under threads: scopes of different policies and plain torch.autocast
+at once, kernels and hooks kept while anything may run through them, and teardown
+of state left by threads that are gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit as amp
+from ampkit import casting
+
+BF16, FP32 = torch.bfloat16, torch.float32
+STRESS = Path(__file__).with_name("_thread_stress.py")
+
+
+def _global_hooks() -> int:
+    mod = nn.modules.module
+    return len(mod._global_forward_pre_hooks) + len(mod._global_forward_hooks)
+
+
+def _run_in_thread(fn) -> None:
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_kernels_stay_after_the_scope_and_act_as_torch_autocast_outside_it():
+    a = torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        native_mm, native_softmax = torch.mm(a, a), F.softmax(a, -1)
+    with amp.autocast(amp.Policy(fp32_ops=["mm"], lower_ops=["softmax"]), "cpu"):
+        assert torch.mm(a, a).dtype == FP32 and F.softmax(a, -1).dtype == BF16
+    assert {"mm", "softmax"} <= casting._registry.registered("cpu")  # kept
+    with torch.autocast("cpu", dtype=BF16):  # through ampkit's kernels: torch's categories
+        mm, softmax = torch.mm(a, a), F.softmax(a, -1)
+    assert torch.equal(mm, native_mm) and mm.dtype == BF16
+    assert torch.equal(softmax, native_softmax) and softmax.dtype == FP32
+    assert torch.mm(a, a).dtype == FP32  # no autocast at all
+    amp.reset()  # the only thread, no scope open: torch's own kernels are back
+    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+
+
+def test_reset_keeps_kernels_and_hooks_while_another_thread_runs():
+    started, stop = threading.Event(), threading.Event()
+    policy = amp.Policy(fp32_ops=["mm"], module_rules={nn.LayerNorm: FP32})
+    seen = []
+
+    def worker():
+        with amp.autocast(policy, "cpu"):
+            started.set()
+            stop.wait(30)
+            seen.append(torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)
+            seen.append(nn.LayerNorm(2)(torch.ones(2, 2)).dtype)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    started.wait(30)
+    hooks = _global_hooks()
+    amp.reset()
+    assert "mm" in casting._registry.registered("cpu") and casting._hooks.installed()
+    assert _global_hooks() == hooks
+    stop.set()
+    t.join()
+    assert seen == [FP32, FP32]  # the other thread's scope kept working
+    amp.reset()
+    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+
+
+def test_init_in_a_thread_that_exits_leaves_nothing_reset_cannot_remove():
+    hooks = _global_hooks()
+    a = torch.randn(4, 4)
+
+    def init_and_leave():
+        amp.init(device_type="cpu", fp32_ops=["mm"], module_rules={nn.LayerNorm: FP32})
+        assert torch.mm(a, a).dtype == FP32
+
+    _run_in_thread(init_and_leave)
+    assert casting.active_scopes() == 0  # the main thread has none
+    assert torch.mm(a, a).dtype == FP32  # nothing leaked into this thread
+    with torch.autocast("cpu", dtype=BF16):
+        assert torch.mm(a, a).dtype == BF16
+    amp.reset()
+    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+    assert _global_hooks() == hooks
+
+
+def test_threads_with_different_policies_see_their_own_dtypes():
+    """One process, no fork: three threads with their own policy, interleaved."""
+    a = torch.randn(8, 8)
+    barrier = threading.Barrier(3)
+    errors = []
+
+    def loop(ctx, want_mm, want_softmax):
+        try:
+            barrier.wait(30)
+            for _ in range(300):
+                with ctx():
+                    assert torch.mm(a, a).dtype == want_mm
+                    assert F.softmax(a, -1).dtype == want_softmax
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=loop, args=(lambda: amp.autocast(amp.Policy(fp32_ops=["mm"]), "cpu"), FP32, FP32)),
+        threading.Thread(target=loop, args=(lambda: amp.autocast(amp.Policy(lower_ops=["softmax"]), "cpu"), BF16, BF16)),
+        threading.Thread(target=loop, args=(lambda: torch.autocast("cpu", dtype=BF16), BF16, FP32)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@pytest.mark.slow
+def test_concurrent_scopes_stress_in_fresh_processes():
+    """Issue 10's crash: 4 threads (fp32_ops=[mm], lower_ops=[softmax], plain
+    torch.autocast, module rules) x 2000 scope entries, every op's dtype checked, in
+    30 fresh processes. Registering and destroying kernels at every entry crashed
+    most runs (segfault, SafePyObject INTERNAL ASSERT, a wrong op's kernel)."""
+    proc = subprocess.run(
+        [sys.executable, str(STRESS), "--runs", "30", "--enters", "2000"],
+        capture_output=True, text=True, timeout=600,
+        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(casting.__file__).parents[1]),
+             "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "30/30 runs clean" in proc.stdout
