@@ -10,6 +10,14 @@ inert outside its scopes, but not free); before each fp32 / torch.autocast block
 enters its scope once untimed first (re-installing them).
 
     python benchmarks/engine_overhead.py [--workloads cnn,transformer,gpt2] [--rounds 8]
+    python benchmarks/engine_overhead.py --micro   # the engine's own costs, in microseconds
+
+``--micro`` times what the engine adds per event, interleaved with the same thing
+under plain torch.autocast: a module call (global hooks), a scope entry and exit, and
+a call of an op a policy overrides (a Python kernel). A step's overhead is about
+(module calls x the first) + the second + (overridden op calls x the third); on a
+machine whose 16-bit kernels are slow (no native bf16) the step ratios below are
+dominated by compute and noise, and these figures say more.
 """
 
 from __future__ import annotations
@@ -89,6 +97,56 @@ def bench(name: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -
     return {m: statistics.median(v) for m, v in times.items()}
 
 
+def micro(rounds: int, dtype: torch.dtype) -> None:
+    """Microseconds per event, ampkit vs torch.autocast, medians of interleaved rounds."""
+    torch.manual_seed(0)
+    tiny = nn.Sequential(*[nn.Identity() for _ in range(64)])  # 65 module calls, no compute
+    x = torch.randn(8, 8)
+    default = amp.default_policy("cpu", dtype)
+    over = amp.Policy(dtype=dtype, fp32_ops=["mm"], lower_ops=["softmax"])
+
+    def per_call(fn, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def in_scope(ctx, fn):
+        def run():
+            with ctx():
+                fn()
+        return run
+
+    def calls(fn, n):
+        def run():
+            for _ in range(n):
+                fn()
+        return run
+
+    cases = {  # name -> (label, calls per run, torch.autocast fn, ampkit fn, ampkit scope to restore first)
+        "module call": (65, in_scope(lambda: torch.autocast("cpu", dtype=dtype), lambda: tiny(x)),
+                        in_scope(lambda: amp.autocast(default, "cpu"), lambda: tiny(x))),
+        "scope enter+exit": (1, in_scope(lambda: torch.autocast("cpu", dtype=dtype), lambda: None),
+                             in_scope(lambda: amp.autocast(default, "cpu"), lambda: None)),
+        "overridden mm (fp32)": (20, in_scope(lambda: torch.autocast("cpu", dtype=dtype), calls(lambda: torch.mm(x, x), 20)),
+                                 in_scope(lambda: amp.autocast(over, "cpu"), calls(lambda: torch.mm(x, x), 20))),
+        "overridden softmax (bf16)": (20, in_scope(lambda: torch.autocast("cpu", dtype=dtype), calls(lambda: F.softmax(x, -1), 20)),
+                                      in_scope(lambda: amp.autocast(over, "cpu"), calls(lambda: F.softmax(x, -1), 20))),
+    }
+    print(f"{'event':<26} {'torch.autocast us':>18} {'ampkit us':>10} {'added us':>9}")
+    for name, (n_calls, native, ours) in cases.items():
+        t_native, t_ours = [], []
+        for _ in range(rounds):
+            amp.reset()  # torch's own kernels, no global hooks
+            t_native.append(per_call(native, 200) / n_calls)
+            with amp.autocast(over, "cpu"):
+                pass  # ampkit's kernels and hooks back
+            t_ours.append(per_call(ours, 200) / n_calls)
+        a, b = statistics.median(t_native), statistics.median(t_ours)
+        print(f"{name:<26} {a:>18.2f} {b:>10.2f} {b - a:>9.2f}", flush=True)
+    amp.reset()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="cnn,transformer,gpt2")
@@ -97,10 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--micro", action="store_true", help="per-event engine costs (CPU) instead of steps")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
     dtype = dtype or (torch.float16 if args.device == "cuda" else torch.bfloat16)
+    if args.micro:
+        print(f"device=cpu dtype={dtype} torch={torch.__version__} rounds={args.rounds}, median per event")
+        micro(args.rounds, dtype)
+        return
     print(f"device={args.device} dtype={dtype} threads={args.threads} torch={torch.__version__} "
           f"rounds={args.rounds}x{args.steps} steps, median step time")
     header = f"{'workload':<12} {'fp32 ms':>9} {'autocast ms':>12} {'default ms':>11} {'custom ms':>10} " \

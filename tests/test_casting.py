@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -297,26 +298,154 @@ def test_cache_invalidated_by_optimizer_step_under_init():
     assert torch.equal(last, fresh)
 
 
-def test_own_cache_reuses_and_invalidates_on_version():
-    """For ops ampkit casts itself, a parameter is cast once per scope while unchanged."""
+class _TwiceExp(nn.Module):
+    """Uses its weight twice in one forward through an op ampkit casts itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+        self.cache_sizes = []
+
+    def forward(self, x):
+        y = torch.exp(self.w) + torch.exp(self.w)
+        self.cache_sizes.append(len(casting._top("cpu").cache))
+        return x @ y
+
+
+def test_own_cache_lives_for_one_outermost_module_call():
+    """For ops ampkit casts itself, a parameter is cast once per outermost module
+    call; between calls (and outside module calls) nothing is cached."""
+    m = _TwiceExp()
+    x = torch.randn(2, 4)
+    policy = amp.Policy(lower_ops=[torch.exp])
+    with amp.autocast(policy, "cpu"):
+        y1 = m(x)
+        assert m.cache_sizes == [1] and len(casting._top("cpu").cache) == 0
+        m.w.data.add_(1.0)  # .data: a version counter of its own, invisible to version checks
+        y2 = m(x)
+        e1, e2 = torch.exp(m.w), torch.exp(m.w)
+        assert len(casting._top("cpu").cache) == 0  # outside module calls: no cache
+    assert not torch.equal(y1, y2)
+    with torch.no_grad():
+        want = x.bfloat16() @ (2 * torch.exp(m.w.bfloat16()))
+    assert torch.equal(y2, want) and torch.equal(e1, e2)
+    with amp.autocast(policy, "cpu", cache_enabled=False):
+        m(x)
+    assert m.cache_sizes[-1] == 0
+
+
+def _fresh(model, x):
+    """What torch.autocast around this one call computes: casts of the weights now."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        return model(x)
+
+
+@pytest.mark.parametrize("scope", ["init", "autocast"])
+def test_weights_changed_any_way_are_never_computed_stale(scope):
+    """``.data`` updates move no version counter the parameter has; copy_,
+    load_state_dict, EMA updates, no optimizer: every forward sees the weights as
+    they are, under amp.init and inside one long amp.autocast scope."""
     torch.manual_seed(0)
-    w = nn.Parameter(torch.randn(4, 4))
-    x = torch.randn(4, 4)
-    with amp.autocast(amp.Policy(lower_ops=[torch.exp]), "cpu") as scope:
-        e1 = torch.exp(w)
-        e2 = torch.exp(w)
-        frame = casting._top("cpu")
-        assert len(frame.cache) == 1
-        with torch.no_grad():
-            w.add_(1.0)
-        e3 = torch.exp(w)
-    assert scope is not None
-    assert torch.equal(e1, e2)
-    assert torch.allclose(e3.float(), (w.detach()).exp(), rtol=1e-2)
-    with amp.autocast(amp.Policy(lower_ops=[torch.exp]), "cpu", cache_enabled=False):
-        torch.exp(w)
-        assert len(casting._top("cpu").cache) == 0
-    del x
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    other = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    updates = [
+        lambda: m[0].weight.data.add_(1.0),
+        lambda: m[2].weight.data.copy_(torch.randn(2, 8)),
+        lambda: [p.data.mul_(0.5).add_(q.data, alpha=0.5) for p, q in zip(m.parameters(), other.parameters())],
+        lambda: m.load_state_dict(other.state_dict()),
+        lambda: m[0].bias.data.fill_(3.0),
+    ]
+    with contextlib.ExitStack() as stack:
+        if scope == "init":
+            amp.init(device_type="cpu")
+        else:
+            stack.enter_context(amp.autocast(device_type="cpu"))
+        before = m(x)
+        for update in updates:
+            update()
+            with torch.no_grad():
+                got = m(x)
+            want = _fresh(m, x)
+            assert not torch.equal(got, before)
+            assert torch.equal(got, want)
+            before = got
+    amp.reset()
+
+
+def test_manual_sgd_through_data_under_init_trains_as_torch_autocast_per_forward():
+    """The classic loop (``p.data.add_(p.grad, alpha=-lr)``, no optimizer) under
+    amp.init: bitwise the same as torch.autocast around each forward, and close to
+    fp32."""
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        w_true = torch.randn(8, 1, generator=g)
+        data = [(x, x @ w_true) for x in torch.randn(40, 32, 8, generator=g)]
+        if mode == "init":
+            amp.init(device_type="cpu")
+        losses = []
+        for x, y in data:
+            if mode == "torch":
+                with torch.autocast("cpu", dtype=BF16):
+                    out = model(x)
+            else:
+                out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            model.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.05)
+            losses.append(loss.item())
+        amp.reset()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    fp32, _ = run("fp32")
+    init, w_init = run("init")
+    ref, w_ref = run("torch")
+    assert init == ref
+    assert all(torch.equal(a, b) for a, b in zip(w_init, w_ref))
+    assert fp32[-1] < 0.5 * fp32[0]  # it learned
+    assert abs(init[-1] - fp32[-1]) < 0.05 + 0.1 * fp32[-1]
+
+
+def test_leaf_tensor_outside_any_module_is_never_cached():
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(2, 4)
+    amp.init(device_type="cpu")
+    y1 = x @ w
+    w.data.add_(1.0)
+    y2 = x @ w
+    amp.reset()
+    with torch.no_grad():
+        assert torch.equal(y2, (x.bfloat16() @ w.bfloat16()))
+    assert not torch.equal(y1, y2)
+
+
+def test_weight_used_twice_in_one_forward_matches_torch_autocast_bitwise():
+    """Inside one module call casts are cached as torch.autocast caches them, so a
+    weight used twice gets the same gradient, bit for bit."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    torch.manual_seed(0)
+    m = Tied()
+    ref = copy.deepcopy(m)
+    x = torch.randn(5, 6)
+    with amp.autocast(device_type="cpu"):
+        m(x).float().sum().backward()
+    with torch.autocast("cpu", dtype=BF16):
+        ref(x).float().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_cache_not_used_under_no_grad_then_grad():

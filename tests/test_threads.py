@@ -49,6 +49,7 @@ def test_kernels_stay_after_the_scope_and_act_as_torch_autocast_outside_it():
     with amp.autocast(amp.Policy(fp32_ops=["mm"], lower_ops=["softmax"]), "cpu"):
         assert torch.mm(a, a).dtype == FP32 and F.softmax(a, -1).dtype == BF16
     assert {"mm", "softmax"} <= casting._registry.registered("cpu")  # kept
+    assert not casting._hooks.installed()  # one thread, no scope: module calls on torch's fast path
     with torch.autocast("cpu", dtype=BF16):  # through ampkit's kernels: torch's categories
         mm, softmax = torch.mm(a, a), F.softmax(a, -1)
     assert torch.equal(mm, native_mm) and mm.dtype == BF16
@@ -144,3 +145,101 @@ def test_concurrent_scopes_stress_in_fresh_processes():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "30/30 runs clean" in proc.stdout
+
+
+# --- replica threads (nn.DataParallel / parallel_apply) ------------------------------
+@pytest.fixture
+def cpu_parallel_apply(monkeypatch):
+    """torch.nn.parallel.parallel_apply as it runs on GPUs (one thread per replica),
+    made to run on CPU: torch.accelerator is pointed at the CPU with no-op streams."""
+    import contextlib
+
+    from torch.nn.parallel import parallel_apply
+
+    acc = torch.accelerator
+    monkeypatch.setattr(acc, "is_available", lambda: True)
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+    monkeypatch.setattr(acc, "current_stream", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(acc, "device_index", lambda *a, **k: contextlib.nullcontext())
+
+    def run(modules, inputs):
+        return parallel_apply(modules, inputs, devices=[-1] * len(modules))
+
+    return run
+
+
+class _Recorder(nn.Module):
+    """Records, per submodule call, the thread and the dtypes in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.norm(self.body(x))
+        return self.head(h), torch.tanh(x).dtype, h.dtype
+
+
+def _replicas(model, n):
+    import copy
+
+    return [copy.deepcopy(model) for _ in range(n)]
+
+
+def test_replica_threads_run_under_the_callers_policy(cpu_parallel_apply):
+    torch.manual_seed(0)
+    model = _Recorder()
+    x = torch.randn(3, 8)
+    policy = amp.Policy(lower_ops=[torch.tanh], module_rules={nn.LayerNorm: FP32, "head": FP32})
+    with amp.autocast(policy, "cpu"):
+        want = model(x)
+        got = cpu_parallel_apply(_replicas(model, 3), [(x,)] * 3)
+    # torch's lists would give bf16, fp32, bf16: the rules, the op override
+    assert (want[0].dtype, want[1], want[2]) == (FP32, BF16, FP32)
+    for out in got:
+        assert (out[0].dtype, out[1], out[2]) == (want[0].dtype, want[1], want[2])
+        assert torch.equal(out[0], want[0])
+    # and under amp.init (the replicas of a DataParallel model under the 3-line API)
+    amp.init(device_type="cpu", policy=policy)
+    got = cpu_parallel_apply(_replicas(model, 2), [(x,)] * 2)
+    amp.reset()
+    assert all(torch.equal(out[0], want[0]) and out[1] == BF16 for out in got)
+
+
+def test_replica_threads_without_a_scope_stay_native(cpu_parallel_apply):
+    torch.manual_seed(0)
+    model = _Recorder()
+    x = torch.randn(3, 8)
+    with amp.autocast(amp.Policy(lower_ops=[torch.tanh]), "cpu"):
+        pass  # kernels and hooks are installed
+    got = cpu_parallel_apply(_replicas(model, 2), [(x,)] * 2)
+    assert all(out[0].dtype == FP32 and out[1] == FP32 for out in got)
+
+
+def test_name_rules_are_written_against_the_model_inside_wrappers(cpu_parallel_apply):
+    """A name-glob rule names modules as the user's model does ("head"), also when
+    the model is called through nn.DataParallel (in the caller's thread or in replica
+    threads) or torch.compile's wrapper, which add "module." / "_orig_mod." to the
+    qualified names."""
+
+    class ThreadedDP(nn.DataParallel):
+        """DataParallel's forward with CPU replicas (torch runs CPU inputs unsplit)."""
+
+        def forward(self, x):
+            outs = cpu_parallel_apply(_replicas(self.module, 2), [(x[:2],), (x[2:],)])
+            return torch.cat([o[0] for o in outs])
+
+    torch.manual_seed(0)
+    inner = _Recorder()
+    x = torch.randn(4, 8)
+    policy = amp.Policy(module_rules={"head": FP32})
+    with amp.autocast(policy, "cpu"):
+        direct = inner(x)[0]
+        threaded = ThreadedDP(inner)(x)
+        caller_side = nn.DataParallel(inner)(x)[0]  # on CPU torch runs it in this thread
+    assert direct.dtype == threaded.dtype == caller_side.dtype == FP32
+    assert torch.equal(threaded, direct) and torch.equal(caller_side, direct)
+    with amp.autocast(amp.Policy(), "cpu"):
+        assert inner(x)[0].dtype == BF16  # without the rule

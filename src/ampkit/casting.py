@@ -19,9 +19,14 @@ How it works:
   ``TorchFunctionMode`` pushed only while a scope needs one.
 - Module rules use global forward pre/post hooks (no forward replacement); in a
   thread with no ampkit scope they return at once.
-- Casts of fp32 leaf tensors that require grad (parameters) are cached for the scope
-  and dropped when the tensor's version counter moves (an in-place update) or an
-  optimizer steps; ``cache_enabled=False`` turns caching off.
+- Casts of fp32 leaf tensors that require grad (parameters) are cached for one
+  outermost module call in a scope (torch's autocast cache and ours: the cache switch
+  is on only inside such a call, which starts and ends with an empty cache), and
+  dropped when an optimizer steps; ours also checks the tensor's version counter.
+  Weights changed through ``.data`` between forwards are therefore never stale.
+  ``cache_enabled=False`` turns caching off.
+- Replica threads of ``torch.nn.parallel.parallel_apply`` (``nn.DataParallel``) enter
+  their caller's scopes when they first run a module or op (:func:`_replica_caller`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import re
+import sys
 import threading
 import warnings
 import weakref
@@ -127,8 +134,10 @@ def _resolve(policy: Policy, device_type: str, intercept_all: bool = False) -> _
 
 
 class _State(threading.local):
-    """Per-thread scope state. A thread that exits takes its state, and any scope it
-    left open (``init`` in a worker thread), with it."""
+    """Per-thread scope state, set up on a thread's first use of the engine. A thread
+    that exits takes its state, and any scope it left open (``init`` in a worker
+    thread), with it. A replica thread of ``torch.nn.parallel.parallel_apply``
+    (``nn.DataParallel``) starts with its caller's scopes (:func:`_inherit_caller`)."""
 
     def __init__(self) -> None:
         self.frames: dict[str, list[_Frame]] = {}
@@ -137,6 +146,63 @@ class _State(threading.local):
         self.module_stack: list[nn.Module] = []
         self.rule_stack: list[tuple[nn.Module, contextlib.ExitStack]] = []
         self.global_scope: autocast | None = None  # ampkit.init's scope: per thread, as torch's autocast state
+        # the outermost module call of the scopes, and the autocast cache switch before it
+        self.epoch: tuple[nn.Module, bool] | None = None
+        self.record = _ThreadRecord(self.scopes, self.module_stack)
+        _THREADS[threading.get_ident()] = self.record
+        self.inherited: _Replay | None = None
+        caller = _replica_caller()
+        if caller is not None:
+            _inherit_caller(self, caller)
+
+
+class _ThreadRecord:
+    """What other threads may read of a thread's state (its own lists, shared)."""
+
+    __slots__ = ("scopes", "module_stack", "__weakref__")
+
+    def __init__(self, scopes: list[_Frame], module_stack: list[nn.Module]) -> None:
+        self.scopes = scopes
+        self.module_stack = module_stack
+
+
+# thread id -> its record; an entry goes with its thread's state (thread exit)
+_THREADS: weakref.WeakValueDictionary[int, _ThreadRecord] = weakref.WeakValueDictionary()
+
+
+def _replica_caller() -> _ThreadRecord | None:
+    """The record of the thread that started this one, if this is a replica thread of
+    ``torch.nn.parallel.parallel_apply`` (``nn.DataParallel``, or any direct use).
+
+    torch re-enters only its own autocast state in those threads. The caller is blocked
+    in ``parallel_apply`` (joining the replicas) until they finish: its frame is found
+    among the running frames by the worker function this thread runs."""
+    apply_module = sys.modules.get("torch.nn.parallel.parallel_apply")
+    target = getattr(threading.current_thread(), "_target", None)
+    worker_code = getattr(target, "__code__", None)
+    apply_code = getattr(getattr(apply_module, "parallel_apply", None), "__code__", None)
+    if worker_code is None or apply_code is None:
+        return None
+    if not any(c is worker_code for c in apply_code.co_consts):
+        return None
+    for ident, frame in sys._current_frames().items():
+        f = frame
+        while f is not None:
+            if f.f_code is apply_code and f.f_locals.get("_worker") is target:
+                return _THREADS.get(ident)
+            f = f.f_back
+    return None
+
+
+def _inherit_caller(state: _State, caller: _ThreadRecord) -> None:
+    """Enter the caller's scopes in this (replica) thread, for the thread's lifetime."""
+    if not caller.scopes:
+        return
+    # names: a replica is a copy of ``dp.module``, which name rules see through ``dp``
+    # to in the caller too (:func:`_unwrap`), so the replica is its own root here
+    replay = _Replay(_snapshot(caller.scopes), [])
+    replay.__enter__()
+    state.inherited = replay
 
 
 _state = _State()
@@ -195,6 +261,7 @@ def _cast_tensor(t: torch.Tensor, dtype: torch.dtype, frame: _Frame | None) -> t
     cacheable = (
         frame is not None
         and frame.cache_enabled
+        and torch.is_autocast_cache_enabled()  # on only inside a module call: see _start_cache_epoch
         and t.requires_grad
         and t.is_leaf
         and not t._is_view()
@@ -425,11 +492,12 @@ class _PythonOpMode(TorchFunctionMode):
 class _ModuleHooks:
     """Global forward pre/post hooks (module rules, the cast cache).
 
-    Installed the first time a scope is entered and kept, like the kernels: torch
-    iterates the global hook dicts in Python on a forward that raises, so adding or
-    removing hooks while another thread runs a module is not safe. A thread with no
-    ampkit scope pays two calls that return at once. Removed by :func:`ampkit.reset`
-    under the same condition as the kernels.
+    Installed when a scope is entered. torch iterates the global hook dicts in Python
+    on a forward that raises, so hooks are not added or removed while another thread
+    could be running a module: they are removed when the last scope of a process with
+    one thread closes (or by :func:`ampkit.reset` under the same condition), and are
+    otherwise kept. While installed they make every module call take torch's slower
+    path with hooks; a thread with no ampkit scope pays two calls that return at once.
     """
 
     def __init__(self) -> None:
@@ -458,10 +526,12 @@ class _ModuleHooks:
         return bool(self._handles)
 
     def _name_of(self, module: nn.Module) -> str | None:
+        """``module``'s qualified name in the outermost module called, as the user's own
+        model names it: wrappers are looked through (:func:`_unwrap`)."""
         root = _state.module_stack[0] if _state.module_stack else module
         names = self._names.get(root)
         if names is None or id(module) not in names:
-            names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            names = {id(m): _model_name(n) for n, m in _unwrap(root).named_modules(remove_duplicate=False)}
             self._names[root] = names
         return names.get(id(module))
 
@@ -469,9 +539,9 @@ class _ModuleHooks:
         if not _state.scopes:
             return None
         frame = _state.scopes[-1]
+        if not _state.module_stack:
+            _start_cache_epoch(module, frame)
         _state.module_stack.append(module)
-        if frame.cache_enabled and frame.enabled:
-            _check_param_versions(module, frame)
         policy = frame.policy
         if policy is None or not policy.module_rules or not frame.rules:
             return None
@@ -496,7 +566,31 @@ class _ModuleHooks:
             _state.rule_stack.pop()[1].close()
         if _state.module_stack and _state.module_stack[-1] is module:
             _state.module_stack.pop()
+            if not _state.module_stack:
+                _end_cache_epoch(module)
         return None
+
+
+# path components that wrappers insert: torch.compile, FSDP1, checkpoint_wrapper
+_WRAPPER_PARTS = re.compile(r"(?:^|\.)(?:_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)(?=\.|$)")
+
+
+def _model_name(name: str) -> str:
+    """A qualified name without wrapper components (``block._orig_mod.norm`` is
+    ``block.norm``; the wrapper and the module it wraps share a name)."""
+    return _WRAPPER_PARTS.sub("", name).lstrip(".") if "_" in name else name
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` /
+    ``torch.compile``'s module, however deep: name rules are written against it."""
+    while True:
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+            module = module._orig_mod
+        else:
+            return module
 
 
 _DERIVED: dict[tuple[int, torch.dtype], tuple[Policy, Policy]] = {}
@@ -520,18 +614,21 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() and t.dtype is not torch.float64 else t
 
 
-def _check_param_versions(module: nn.Module, frame: _Frame) -> None:
-    """Drop cached casts when one of ``module``'s own parameters changed in place."""
-    changed = False
-    for p in module._parameters.values():
-        if p is None:
-            continue
-        version = p._version
-        if getattr(p, "_ampkit_version", version) != version:
-            changed = True
-        p._ampkit_version = version
-    if changed:
+def _start_cache_epoch(module: nn.Module, frame: _Frame) -> None:
+    """The outermost module call of a scope starts: casts cached from here on (torch's
+    autocast cache and ours) are of the weights as they are now, and live until the
+    call returns. Outside module calls nothing is cached (see :func:`_native_enter`)."""
+    _clear_caches()
+    _state.epoch = (module, torch.is_autocast_cache_enabled())
+    torch.set_autocast_cache_enabled(frame.cache_enabled)
+
+
+def _end_cache_epoch(module: nn.Module) -> None:
+    epoch = _state.epoch
+    if epoch is not None and epoch[0] is module:
+        _state.epoch = None
         _clear_caches()
+        torch.set_autocast_cache_enabled(epoch[1])
 
 
 _hooks = _ModuleHooks()
@@ -598,13 +695,15 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             available, else ``"cpu"``.
         enabled: ``False`` turns casting off inside the block (ops run in their
             inputs' dtypes), also inside an outer ampkit scope or ``ampkit.init``.
-        cache_enabled: cache 16-bit casts of fp32 parameters for the scope (default
-            True); entries are dropped when a parameter changes in place or an
-            optimizer steps.
+        cache_enabled: cache 16-bit casts of fp32 parameters for each outermost
+            module call in the scope (default True), as ``torch.autocast`` around that
+            call would; the cache is dropped when the call returns or an optimizer
+            steps, and nothing is cached outside module calls.
         dtype: shorthand for ``policy.override(dtype=...)``.
 
     Scopes nest; the innermost wins. Gradients reach each parameter in its own dtype.
-    Scopes belong to the thread that enters them. As a decorator the scope covers each
+    Scopes belong to the thread that enters them (replica threads of
+    ``nn.DataParallel`` / ``parallel_apply`` start under their caller's scopes). As a decorator the scope covers each
     call; on a generator function that is only the creation of the generator (as with
     ``torch.autocast``): enter the scope inside the generator's body instead.
     """
@@ -662,7 +761,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             _registry.ensure(self.device_type, _resolve(self.policy, self.device_type, self._intercept_all).intercepted)
         _hooks.ensure()
         _install_step_hook()
-        native = _native_enter(self.device_type, self.enabled, self.policy.dtype, self.cache_enabled)
+        # casts are cached only inside module calls (one outermost call at a time): a
+        # scope that starts outside one leaves torch's autocast cache off until it does
+        cache = self.cache_enabled and bool(_state.module_stack)
+        native = _native_enter(self.device_type, self.enabled, self.policy.dtype, cache)
         _state.frames.setdefault(self.device_type, []).append(frame)
         _state.scopes.append(frame)
         mode = None
@@ -700,9 +802,22 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         finally:
             try:
                 self._pop(frame)
+                if not _state.scopes:
+                    _last_scope_closed()
             finally:
                 _native_exit(native)
         return False
+
+
+def _last_scope_closed() -> None:
+    """No ampkit scope is open in this thread: module calls still on the stack (a scope
+    closed inside a forward) are no longer tracked, and with no other thread the global
+    hooks go (every module call is back on torch's fast path)."""
+    if _state.module_stack:
+        _end_cache_epoch(_state.module_stack[0])
+        _state.module_stack.clear()
+    if threading.active_count() == 1:
+        _hooks.remove()
 
 
 def _native_enter(device_type: str, enabled: bool, dtype: torch.dtype, cache_enabled: bool) -> Any:
@@ -762,12 +877,16 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager[Any], contex
 
     Returns ``(forward context, recompute context)``; the forward one does nothing.
     """
-    frames = [(f.policy, f.device_type, f.enabled, f.cache_enabled, f.rules) for f in _state.scopes]
-    return contextlib.nullcontext(), _Replay(frames, list(_state.module_stack))
+    return contextlib.nullcontext(), _Replay(_snapshot(_state.scopes), list(_state.module_stack))
+
+
+def _snapshot(scopes: list[_Frame]) -> list[tuple[Policy | None, str, bool, bool, bool]]:
+    """What :class:`_Replay` needs to enter ``scopes`` again."""
+    return [(f.policy, f.device_type, f.enabled, f.cache_enabled, f.rules) for f in list(scopes)]
 
 
 class _Replay:
-    """Re-enters recorded ampkit scopes (for checkpoint recomputation)."""
+    """Re-enters recorded ampkit scopes (checkpoint recomputation, replica threads)."""
 
     def __init__(
         self, frames: list[tuple[Policy | None, str, bool, bool, bool]], modules: list[nn.Module]
@@ -852,6 +971,8 @@ def _reset_engine() -> None:
     for stack in reversed(_state.rule_stack):
         stack[1].close()
     _state.rule_stack.clear()
+    if _state.module_stack:
+        _end_cache_epoch(_state.module_stack[0])
     _state.module_stack.clear()
     # Kernels and hooks are kept while anything could be running through them: only
     # the process's one thread, with no scope of its own open, may take them down.
