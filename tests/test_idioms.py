@@ -1390,14 +1390,6 @@ _PILE_UP = (
     "issue 9: O2 master grads pile up: MasterWeights.gather_grads adds each step's grads into the "
     "fp32 master .grad, which model.zero_grad() / p.grad = None (on model params) never clear"
 )
-_STALE = (
-    "issue 9: stale cast cache: a p.data update bumps no version counter and no optimizer steps "
-    "before the next forward, so the cached bf16 copy of the old weights is used"
-)
-_REPLICAS = (
-    "issue 9: parallel_apply's replica threads re-enter torch.autocast but not ampkit's thread-local "
-    "scopes: the custom policy (gelu and head in fp32) is replaced by torch's lists in the replicas"
-)
 _PICKLE = (
     "issue 9: torch.save(model) of a cast model fails: its cast hooks are local closures "
     "(Can't pickle local object '_output_caster.<locals>.hook')"
@@ -1454,12 +1446,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("gan", "O2"): _PILE_UP,
     ("models_list_with_loss_module", "O2"): _PILE_UP,
     ("lstm_lm", "O2"): _PILE_UP,
-    ("manual_sgd", "O1"): _STALE,
-    ("manual_sgd", "init"): _STALE,
-    ("early_stopping_restore", "O1"): _STALE,
-    ("early_stopping_restore", "init"): _STALE,
-    ("data_parallel", "O1"): _REPLICAS,
-    ("data_parallel", "init"): _REPLICAS,
     ("save_best_model", "O2"): _PICKLE,
     ("save_best_model", "O3"): _PICKLE,
     ("save_best_model", "O2K"): _PICKLE,
