@@ -233,6 +233,34 @@ def test_bad_master_entries_are_refused_before_any_master_is_copied(mutate):
     assert freeze(list(amp.master_params(opt))) == masters_before
 
 
+def test_extra_state_checks_run_before_any_extra_state_is_set():
+    """register_extra_state(check_fn=...): a check failing on the second optimizer's
+    extra state keeps the first one's set_fn from running; a check that trips over a
+    malformed value with a raw error becomes a StateError."""
+    models, opts = [mlp(0), mlp(1)], []
+    for model in models:
+        opts.append(amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1)))
+    loaded: list[Any] = []
+
+    def check(value: Any) -> None:
+        if value["v"] < 0:
+            raise StateError("negative")
+
+    for i, opt in enumerate(opts):
+        managed_state(opt).register_extra_state(f"box{i}", lambda: {"v": 1}, loaded.append, check)
+    sd = amp.state_dict()
+    broken = copy.deepcopy(sd)
+    broken["trainers"][1]["optimizers"][0]["extra"]["box1"] = {"v": -1}
+    with pytest.raises(StateError, match="negative"):
+        amp.load_state_dict(broken)
+    broken["trainers"][1]["optimizers"][0]["extra"]["box1"] = {}  # check() raises KeyError
+    with pytest.raises(StateError, match="'box1' is malformed"):
+        amp.load_state_dict(broken)
+    assert loaded == []
+    amp.load_state_dict(sd)
+    assert loaded == [{"v": 1}, {"v": 1}]
+
+
 def test_malformed_dicts_raise_amp_errors_not_raw_ones():
     model, opt = o2_setup()
     train_step(model, opt, 0)
@@ -813,9 +841,9 @@ def test_bad_scaler_calls_change_nothing(data):
         st.sampled_from(
             [
                 (scaler.set_scale, [*scales, None]),
-                (lambda v: scaler.with_config(growth_factor=v), _BAD_BY_KEY["growth_factor"]),
-                (lambda v: scaler.with_config(max_scale=v), _BAD_BY_KEY["max_scale"]),
-                (lambda v: scaler.with_config(bogus=v), [1]),
+                (lambda v: scaler.configure(growth_factor=v), _BAD_BY_KEY["growth_factor"]),
+                (lambda v: scaler.configure(max_scale=v), _BAD_BY_KEY["max_scale"]),
+                (lambda v: scaler.configure(bogus=v), [1]),
                 (grad_scaler.update, [*scales, torch.ones(2), torch.tensor(2.0, requires_grad=True)]),
                 (grad_scaler.set_growth_factor, _BAD_BY_KEY["growth_factor"]),
                 (grad_scaler.set_backoff_factor, _BAD_BY_KEY["backoff_factor"]),

@@ -241,19 +241,19 @@ class GradScaler:
         return self._scaler.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._scaler.with_config(growth_factor=new_factor)
+        self._scaler.configure(growth_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._scaler.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._scaler.with_config(backoff_factor=new_factor)
+        self._scaler.configure(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
         return self._scaler.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._scaler.with_config(growth_interval=new_interval)
+        self._scaler.configure(growth_interval=new_interval)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.amp.GradScaler's keys (``scale``, ``growth_factor``, ``backoff_factor``,

@@ -426,11 +426,12 @@ class ManagedOptimizer:
         aborted, self._aborted = self._aborted, False
         if not flagged:
             return
-        grads = self._tracked_grads()
-        if not grads:
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        if all(p.grad is None for p in params):
             self._start_fresh_step()
             return
         if aborted or (self._unscaled and not self.rescale_after_unscale):
+            grads = self._tracked_grads()
             nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
             if not bool(nonzero):
                 self._start_fresh_step()

@@ -363,9 +363,10 @@ class LossScaler:
         """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``)."""
         return {key: getattr(self, key) for key in _CONFIG_KEYS}
 
-    def with_config(self, **changes: Any) -> None:
+    def configure(self, **changes: Any) -> None:
         """Change configuration fields (constructor arguments), validated like the
-        constructor's; a rejected change raises :class:`~ampkit.ScalerError` and
+        constructor's (a dynamic scale must also stay within the new ``min_scale`` and
+        ``max_scale``); a rejected change raises :class:`~ampkit.ScalerError` and
         changes nothing. The state (scale, counters) is kept; a hysteresis budget
         above a lowered ``hysteresis`` is cut to it."""
         unknown = sorted(set(changes) - set(_CONFIG_KEYS))
