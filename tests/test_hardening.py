@@ -483,6 +483,13 @@ def test_o2_dropped_batch_after_unscale():
         (lambda o, m: amp.GradScaler("mps"), ScalerError),
         (lambda o, m: amp.GradScaler("cpu", enabled="yes"), ScalerError),
         (lambda o, m: amp.Policy(conditional_fp32_ops=[(F.normalize, lambda *a, **k: True)]), amp.PolicyError),
+        (lambda o, m: amp.master_params(None), StateError),
+        (lambda o, m: amp.GradScaler("cpu").step("opt"), StateError),
+        (lambda o, m: amp.GradScaler("cpu").scale(3), ScalerError),
+        (lambda o, m: amp.MasterWeights("opt"), AmpError),
+        (lambda o, m: amp.CompensatedUpdates(o, chunk_numel="big"), AmpError),
+        (lambda o, m: amp.CompensatedUpdates("opt"), AmpError),
+        (lambda o, m: amp.cast_model("model", torch.bfloat16), AmpError),
     ],
 )
 def test_nonsense_arguments_raise_amp_errors(call, error):

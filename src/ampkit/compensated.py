@@ -112,6 +112,8 @@ class CompensatedUpdates:
         chunk_numel: int = 1 << 20,
         seed: int = 0,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise AmpError(f"CompensatedUpdates expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if method not in _METHODS:
             raise AmpError(f"compensation method must be one of {_METHODS}, got {method!r}.")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -119,8 +121,10 @@ class CompensatedUpdates:
                 "LBFGS mixes all parameters in one update and calls a closure many "
                 "times per step; compensated updates need a per-parameter optimizer."
             )
-        if chunk_numel < 1:
-            raise AmpError(f"chunk_numel must be positive, got {chunk_numel}.")
+        if not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1:
+            raise AmpError(f"chunk_numel must be a positive int, got {chunk_numel!r}.")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise AmpError(f"seed must be an int, got {seed!r}.")
         self.optimizer = optimizer
         self.method: Method = method
         self.chunk_numel = chunk_numel

@@ -128,6 +128,8 @@ class GradScaler:
         return self._scaler
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptRecord:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StateError(f"GradScaler expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         record = self._records.get(id(optimizer))
         if record is None:
             record = self._records[id(optimizer)] = _OptRecord()
@@ -147,7 +149,7 @@ class GradScaler:
             if isinstance(value, Iterable):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, (list, tuple)) else mapped
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise ScalerError("outputs must be a Tensor or an iterable of Tensors")
 
         return apply(outputs)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import _reset
 from .compensated import CompensatedUpdates
-from .errors import AmpError, PolicyError, ScalerError
+from .errors import AmpError, PolicyError, ScalerError, StateError
 from .master import MasterWeights
 from .model import cast_model, params_to_cast
 from .scaling import LossScaler, check_scale
@@ -538,6 +538,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
     """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
     under O2 (plus fp32 model parameters such as norm layers), the model's own
     parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise StateError(f"master_params expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    return _stepped_params(optimizer)
+
+
+def _stepped_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
     mw = _masters_of(optimizer)
     if mw is not None:
         yield from mw.params()

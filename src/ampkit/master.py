@@ -63,6 +63,8 @@ class MasterWeights:
     def __init__(
         self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter] | None = None
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise AmpError(f"MasterWeights expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.optimizer = optimizer
         self._model_of: dict[int, nn.Parameter] = {}  # id(master) -> model param
         self._masters: dict[int, nn.Parameter] = {}  # id(model param) -> master

@@ -232,6 +232,8 @@ def cast_model(
             fp32); None leaves outputs in ``dtype``.
         extra_fp32_types: further module classes to keep in fp32 like norm layers.
     """
+    if not isinstance(model, nn.Module):
+        raise AmpError(f"cast_model expects an nn.Module, got {type(model).__name__}.")
     if dtype not in _LOW_PRECISION:
         raise AmpError(
             f"cast_model casts to float16 or bfloat16, got {dtype}; "
