@@ -511,7 +511,7 @@ def test_complex_parameters_train_and_overflows_skip():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (self.lin(x) * self.phase).abs().sum()
 
-    for level in ("O0", "O1", "O2"):
+    for level in ("O0", "O1", "O2", "O3", "O2K"):
         amp.reset()
         model = Rotor()
         opt = torch.optim.Adam(model.parameters(), lr=0.1)
