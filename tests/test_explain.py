@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -51,3 +52,17 @@ def test_explain_inside_active_scope_uses_it():
     amp.reset()
     assert rep.ops_in(torch.bfloat16) == []
     assert rep.totals["casts"] == 0
+
+
+@pytest.mark.parametrize("bad", ["x", 3, None])
+def test_explain_refuses_a_non_callable_with_an_amp_error(bad):
+    with pytest.raises(amp.AmpError, match="function or an nn.Module"):
+        amp.explain(bad, torch.randn(2, 2), device_type="cpu")
+    assert not amp.is_active()
+
+
+def test_explain_refuses_a_non_policy_before_running_anything():
+    calls = []
+    with pytest.raises(amp.PolicyError, match="ampkit.Policy"):
+        amp.explain(lambda x: calls.append(x), torch.randn(2), policy="bf16", device_type="cpu")
+    assert calls == []

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import casting
+from .errors import AmpError, PolicyError
 from .policy import Policy
 
 __all__ = ["explain", "ExplainReport", "OpRecord", "CastRecord"]
@@ -205,6 +206,13 @@ def explain(
 
     Returns an :class:`ExplainReport`; ``print(report)`` shows a table.
     """
+    if not callable(fn_or_module):
+        raise AmpError(
+            f"explain expects a function or an nn.Module to run, got {type(fn_or_module).__name__}; "
+            "call it as ampkit.explain(model, *example_inputs)."
+        )
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     recorder = _Recorder()
     use_scope = policy is not None or not casting.is_active()
     scope = casting.autocast(policy, device_type) if use_scope else None
