@@ -546,7 +546,55 @@ def job_fsdp(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+def job_ddp_grads(rank: int, world: int, outdir: Path) -> dict:
+    """DDP wrapped after initialize, each rank on its own data: the grads the optimizer
+    steps (fp32 masters under O2) and the ones user code sees on the model are the
+    average over ranks of the fp32 reference grads, with and without register_ddp,
+    with and without no_sync accumulation."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ampkit
+    from ampkit.distributed import register_ddp
+
+    def reference(micro_batches: int) -> list[torch.Tensor]:
+        ref = make_model(0)
+        for r in range(world):
+            for micro in range(micro_batches):
+                x, y = batch(r, micro)
+                (F.mse_loss(ref(x), y) / world).backward()
+        return [p.grad.detach().clone() for p in ref.parameters()]
+
+    res: dict[str, Any] = {}
+    for level, kw in (("O1", {"loss_scale": "dynamic"}), ("O2", {"loss_scale": "dynamic"}), ("O2", {})):
+        for registered in (False, True):
+            for micro_batches in (1, 3):
+                model = make_model(0)
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                model, opt = ampkit.initialize(model, opt, opt_level=level, **kw)
+                net = DDP(model)
+                if registered:
+                    net = register_ddp(net)
+                opt.zero_grad()
+                for micro in range(micro_batches):
+                    x, y = batch(rank, micro)
+                    ctx = net.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext()
+                    with ctx:
+                        with ampkit.scale_loss(F.mse_loss(net(x).float(), y), opt) as scaled:
+                            scaled.backward()
+                key = f"{level}{'_static' if not kw else ''}_{'reg' if registered else 'plain'}_{micro_batches}"
+                res[key] = {
+                    "stepped": snapshot(p.grad for p in ampkit.master_params(opt)),
+                    "model": snapshot(p.grad.float() for p in model.parameters()),
+                    "expected": reference(micro_batches),
+                }
+                opt.step()
+                assert not ampkit.step_skipped(opt)
+    ampkit.reset()
+    return res
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "ddp_grads": job_ddp_grads,
     "ddp": job_ddp,
     "checkpoint": job_checkpoint,
     "fsdp": job_fsdp,

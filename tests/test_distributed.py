@@ -55,6 +55,38 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return workers.launch("fsdp", tmp_path_factory.mktemp("fsdp"), timeout=150)
 
 
+@pytest.fixture(scope="module")
+def ddp_grads(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return workers.launch("ddp_grads", tmp_path_factory.mktemp("ddp_grads"), timeout=150)
+
+
+def _err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest elementwise error relative to the largest reference grad (a grad that is
+    ~0 in fp32, like a bias in front of BatchNorm, is bf16 noise in relative terms)."""
+    scale = max(w.abs().max().item() for w in want)
+    return max((g - w).abs().max().item() for g, w in zip(got, want)) / scale
+
+
+@spawned
+def test_ddp_after_initialize_averages_the_grads_user_code_and_the_optimizer_see(ddp_grads):
+    """Each rank trains on its own data: the grads the optimizer steps (fp32 masters
+    under O2) and the model's grads that clipping would read are DDP's average of the
+    fp32 grads (to bf16 precision), registered or not, with no_sync accumulation too.
+    Without the average (one rank's grads alone) they would be far off."""
+    for key in ddp_grads[0]:
+        for rank in (0, 1):
+            r = ddp_grads[rank][key]
+            assert _err(r["stepped"], r["expected"]) < 0.02, (key, rank)
+            assert _err(r["model"], r["expected"]) < 0.02, (key, rank)
+        assert equal(ddp_grads[0][key]["stepped"], ddp_grads[1][key]["stepped"]), key
+    # The control: one rank's grads alone are far from the average.
+    r = ddp_grads[0]["O1_plain_1"]
+    local = workers.make_model(0)
+    x, y = workers.batch(0, 0)
+    torch.nn.functional.mse_loss(local(x), y).backward()
+    assert _err([p.grad for p in local.parameters()], r["expected"]) > 0.2
+
+
 # --- DDP -------------------------------------------------------------------------------------
 
 

@@ -1386,39 +1386,14 @@ def loop_clip_fp16(h: Harness) -> Result:
 # ---------------------------------------------------------------------------
 # Known failures on today's library: (idiom, mode) -> "issue N: cause"
 # ---------------------------------------------------------------------------
-_PILE_UP = (
-    "issue 9: O2 master grads pile up: MasterWeights.gather_grads adds each step's grads into the "
-    "fp32 master .grad, which model.zero_grad() / p.grad = None (on model params) never clear"
-)
 _PICKLE = (
     "issue 9: torch.save(model) of a cast model fails: its cast hooks are local closures "
     "(Can't pickle local object '_output_caster.<locals>.hook')"
-)
-_NO_OPTIMIZER = (
-    "issue 16: initialize(model, None, level) with a level that needs an optimizer (O2 masters, "
-    "O2K compensation) is accepted and the hand-written update trains bare bf16 weights silently"
-)
-_SCALED_BF16 = (
-    "issue 16: init_trainer defaults to a dynamic 2**16 scale under bf16, so grads read or clipped "
-    "between backward and step (no amp.unscale in the script) are 65536x too large"
-)
-_SCALED_FP16 = (
-    "issue 16: fp16 dynamic scale: an unchanged clip_grad_norm_(model.parameters()) sees the scaled "
-    "grads (no amp.unscale in the script) and clips them to almost nothing"
 )
 _KEEP_FP32 = "issue 16: initialize has no keep_fp32 option, so a hand-written LayerNorm class is cast to bf16"
 _LOSS_IN_FORWARD = (
     "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
     "in forward runs in bf16 (rel. error ~3e-4 against fp32 CE of the same logits)"
-)
-_CLIP_AFTER_UNSCALE = (
-    "issue 16: O2: after amp.unscale the bf16 model params have no grads (moved to the masters), so "
-    "clip_grad_norm_(model.parameters()) sees a norm of 0 and clips nothing"
-)
-_LEFT_MODEL_GRADS = (
-    "issue 9 (master.py's 'known limit'): opt.zero_grad() clears only the masters' grads; 16-bit "
-    "model grads left by a backward whose step was not taken (a dropped batch, G's backward "
-    "through D) are added into the next step's master grads"
 )
 _MASTERS_UNDO_EDITS = (
     "not filed yet: O2 publishes the fp32 masters over the bf16 model weights after each step, so "
@@ -1440,31 +1415,14 @@ _LSTM_BF16_CPU = (
 )
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("zero_grad_model", "O2"): _PILE_UP,
-    ("grad_none", "O2"): _PILE_UP,
-    ("zero_grad_keep_model", "O2"): _PILE_UP,
-    ("gan", "O2"): _PILE_UP,
-    ("models_list_with_loss_module", "O2"): _PILE_UP,
-    ("lstm_lm", "O2"): _PILE_UP,
     ("save_best_model", "O2"): _PICKLE,
     ("save_best_model", "O3"): _PICKLE,
     ("save_best_model", "O2K"): _PICKLE,
-    ("manual_sgd", "O2"): _NO_OPTIMIZER,
-    ("manual_sgd", "O2K"): _NO_OPTIMIZER,
-    ("clip_unchanged", "init"): _SCALED_BF16,
-    ("clip_value", "init"): _SCALED_BF16,
-    ("grad_norm_logging", "init"): _SCALED_BF16,
-    ("clip_fp16", "O1"): _SCALED_FP16,
-    ("clip_fp16", "O2"): _SCALED_FP16,
-    ("clip_fp16", "init"): _SCALED_FP16,
-    ("clip_after_unscale", "O2"): _CLIP_AFTER_UNSCALE,
     ("custom_layernorm", "O2"): _KEEP_FP32,
     ("custom_layernorm", "O3"): _KEEP_FP32,
     ("custom_layernorm", "O2K"): _KEEP_FP32,
     ("cross_entropy_in_forward", "O2"): _LOSS_IN_FORWARD,
     ("cross_entropy_in_forward", "O2K"): _LOSS_IN_FORWARD,
-    ("gradient_penalty", "O2"): _LEFT_MODEL_GRADS,
-    ("drop_batch_after_backward", "O2"): _LEFT_MODEL_GRADS,
     ("wgan_weight_clipping", "O2"): _MASTERS_UNDO_EDITS,
     ("apex_legacy_script", "init"): _APEX_HANDLE,
     ("apex_legacy_script", "O2"): _APEX_STATE_DICT,

@@ -253,9 +253,32 @@ def test_unscale_before_clipping_is_idempotent_and_exact():
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ref_opt.step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        with pytest.raises(StateError, match="already unscaled"):
-            with amp.scale_loss(loss_of(model, i), opt):
-                pass
+        opt.step()
+    assert params_bits(model) == params_bits(ref)
+
+
+def test_grads_are_real_without_unscale_and_a_backward_after_unscale_accumulates():
+    """The hooks unscale grads as backward produces them: clipping without
+    amp.unscale clips the real grads, and another backward after unscale in the same
+    step simply adds to them (bitwise plain fp32)."""
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.5))
+    for i in range(3):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        loss_of(ref, i).backward()
+        with amp.scale_loss(loss_of(model, i), opt) as s:
+            s.backward()
+        assert [bits(p.grad) for p in model.parameters()] == [bits(p.grad) for p in ref.parameters()]
+        amp.unscale(opt)
+        loss_of(ref, i + 7).backward()
+        with amp.scale_loss(loss_of(model, i + 7), opt) as s:
+            s.backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        assert norm.item() == norm_ref.item()
+        ref_opt.step()
         opt.step()
     assert params_bits(model) == params_bits(ref)
 

@@ -37,6 +37,7 @@ from torch import nn
 from . import _reset
 from .compensated import CompensatedUpdates
 from .errors import AmpError, PolicyError, ScalerError, StateError
+from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
 from .model import cast_model, params_to_cast
 from .scaling import LossScaler, check_scale
@@ -239,6 +240,9 @@ _CAST_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdates] = (
     weakref.WeakKeyDictionary()
 )
+
+
+_reset.on_reset(drop_guards)
 
 
 @_reset.on_reset
@@ -462,7 +466,9 @@ def initialize(
         casting.init(dtype=level.dtype, device_type=device_type, policy=policy)
 
     if opt_list:
-        _attach_trainer(opt_list, masters, level, scaler)
+        _attach_trainer(opt_list, masters, level, scaler, model_list)
+    elif level.master_weights or level.compensation is not None:
+        no_masters_guard([p for m in model_list for p in m.parameters() if p.dtype in _LOW], level.name)
     live_masters = [mw for mw in masters if mw is not None]
     if live_masters:
         for m in model_list:
@@ -479,6 +485,7 @@ def _attach_trainer(
     masters: list[MasterWeights | None],
     level: OptLevel,
     scaler: LossScaler,
+    models: list[nn.Module],
 ) -> None:
     """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
     id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
@@ -489,9 +496,9 @@ def _attach_trainer(
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if mw is not None:
-            managed.pre_unscale_hooks.append(mw.gather_grads)
             managed.post_step_hooks.append(mw.publish)
             managed.backward_params = mw.backward_params()  # type: ignore[assignment]
+            managed.grad_path.set_masters(mw, models)
             managed.register_extra_state(
                 "master_weights", mw.state_dict, mw.load_state_dict, mw.check_state_dict
             )

@@ -1,15 +1,34 @@
 """fp32 master weights for a model stored in 16 bits (opt level O2).
 
 The optimizer never sees the model's fp16/bf16 parameters: each one is replaced,
-at its position in ``optimizer.param_groups``, by an fp32 *master* copy. One step:
+at its position in ``optimizer.param_groups``, by an fp32 *master* copy. One step
+under ampkit's trainer (hooks installed by :mod:`ampkit.grads`):
 
-1. backward fills the model's 16-bit ``.grad`` (scaled by the loss scale);
-2. :meth:`MasterWeights.gather_grads` (run before the grads are unscaled and
-   checked) adds each model grad into its master's fp32 ``.grad`` and releases
-   the 16-bit grad, so unscaling and the overflow check work in fp32;
-3. the optimizer steps the masters (fp32 state, fp32 arithmetic);
-4. after a real (not skipped) step, :meth:`MasterWeights.publish` rounds the
-   masters into the model's 16-bit weights.
+1. backward produces each 16-bit gradient (times the loss scale); as soon as it is
+   accumulated, a hook moves it into the master's fp32 ``.grad`` -- unscaled and
+   checked for inf/NaN in fp32, summed in fp32 over micro-batches -- and frees it
+   (:meth:`MasterWeights.absorb`);
+2. when the backward pass ends, each model parameter gets a 16-bit copy of its
+   master's gradient (:meth:`MasterWeights.show`), so code that reads or edits
+   ``model.parameters()`` grads (``clip_grad_norm_``, logging, hand edits) sees the
+   real gradient;
+3. before the grads are checked and before the step, changes made through either
+   side are merged (:meth:`MasterWeights.reconcile`): clearing grads through the model
+   (``model.zero_grad()``, ``p.grad = None``, ``set_to_none=False``) or through the
+   optimizer (``optimizer.zero_grad()``, the masters' grads) clears the one gradient;
+   a uniform rescale of the copy (``clip_grad_norm_``) rescales the fp32 gradient by
+   the same factor; other edits replace the elements they changed;
+4. at the step, the 16-bit copies give way to placeholders (one element each, NaN) so
+   the optimizer runs with no 16-bit gradient beside the fp32 one
+   (:meth:`MasterWeights.hide`); the optimizer steps the masters (fp32 state, fp32
+   arithmetic); after a real (not skipped) step, :meth:`MasterWeights.publish` rounds
+   the masters into the model's 16-bit weights.
+
+So the model's gradients read as placeholders (NaN) from ``optimizer.step()`` until the
+next backward or ``zero_grad``: the step consumed them; ``ampkit.master_params(opt)``
+holds them in fp32. Edits made through ``.data`` bypass the version counter: on the
+model's copies they are found by comparing values; on the masters' grads use in-place
+tensor ops (as ``torch.nn.utils`` does).
 
 Masters are built from the fp32 weights *before* the model is cast, so no bit of
 the initial weights is lost. Their values are saved by :meth:`state_dict` in
@@ -21,16 +40,14 @@ at each position; as masters are fp32, the fp32 optimizer state survives it.
 Parameters that are fp32 in the model (normalization layers under O2) are stepped
 directly and have no master.
 
-Known limit: the model's 16-bit grads are moved into the masters when the step
-begins, so ``optimizer.zero_grad()`` (which only sees the masters) does not clear
-model grads left by a backward pass whose step was never taken; call
-:meth:`MasterWeights.zero_model_grads` (or ``model.zero_grad()``) when you drop
-a batch between backward and step.
+Without the trainer (a bare :class:`MasterWeights`), :meth:`MasterWeights.gather_grads`
+moves the model's grads into the masters by hand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -69,6 +86,7 @@ class MasterWeights:
         self._model_of: dict[int, nn.Parameter] = {}  # id(master) -> model param
         self._masters: dict[int, nn.Parameter] = {}  # id(model param) -> master
         self._layout: tuple[int, ...] = ()
+        self._links: dict[int, _Link] = {}  # id(model param) -> its two-views bookkeeping
         if params is None:
             wanted = None
         else:
@@ -204,9 +222,160 @@ class MasterWeights:
                     master.copy_(model_p)
 
     def zero_model_grads(self) -> None:
-        """Drop the model's 16-bit grads not yet moved into the masters."""
-        for model_p, _ in self.pairs():
+        """Clear every mastered gradient: the model's 16-bit grads and the masters'."""
+        for model_p, master in self.pairs():
             model_p.grad = None
+            master.grad = None
+
+    # -- one gradient, two views (used by ampkit.grads' hooks) ---------------------------
+
+    def _link(self, model_p: torch.Tensor) -> _Link:
+        link = self._links.get(id(model_p))
+        if link is None:
+            link = self._links[id(model_p)] = _Link()
+        return link
+
+    def absorb(self, model_p: torch.Tensor, unscale: Callable[[list[torch.Tensor]], None] | None) -> None:
+        """Move ``model_p``'s 16-bit grad into its master's fp32 grad and free it.
+        ``unscale`` multiplies (and checks) the fp32 copy in place before it is added;
+        None leaves it as it is."""
+        g = model_p.grad
+        master = self._masters[id(model_p)]
+        model_p.grad = None
+        link = self._link(model_p)
+        link.show(None)
+        if g is None:
+            return
+        with torch.no_grad():
+            g32 = g.detach().to(torch.float32, copy=True)
+            del g
+            if unscale is not None:
+                unscale([g32])
+            if master.grad is None:
+                master.grad = g32
+            else:
+                master.grad.add_(g32)
+        link.keep(master.grad)
+
+    def show(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad
+        when the master has none), to be read and edited as the model's own."""
+        with torch.no_grad():
+            for model_p in model_params:
+                master = self._masters.get(id(model_p))
+                if master is None:
+                    continue
+                link = self._link(model_p)
+                self._reconcile_one(model_p, master, link)
+                g = master.grad
+                model_p.grad = None if g is None else g.detach().to(model_p.dtype)
+                link.show(model_p.grad)
+                link.keep(g)
+
+    def settle(self, model_p: torch.Tensor) -> None:
+        """Before backward adds into ``model_p.grad``: merge what was done to either
+        gradient since it was shown, then free the 16-bit copy."""
+        master = self._masters.get(id(model_p))
+        if master is None:
+            return
+        link = self._link(model_p)
+        self._reconcile_one(model_p, master, link)
+        model_p.grad = None
+        link.show(None)
+
+    def settle_raw(self, model_p: torch.Tensor) -> bool:
+        """Before backward adds into 16-bit grads held for DDP to reduce: if either side
+        was cleared since, clear both. Returns whether grads are still held."""
+        master = self._masters.get(id(model_p))
+        if master is None:
+            return False
+        link = self._link(model_p)
+        if model_p.grad is None or link.master_changed(master.grad):
+            model_p.grad = None
+            master.grad = None
+            link.keep(None)
+            return False
+        return True
+
+    def reconcile(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Merge changes made through the model's 16-bit grads into the masters'."""
+        with torch.no_grad():
+            for model_p in model_params:
+                master = self._masters.get(id(model_p))
+                if master is not None:
+                    self._reconcile_one(model_p, master, self._link(model_p))
+
+    def hide(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Replace the 16-bit copies by one-element placeholders (NaN, expanded to the
+        parameter's shape): the step runs without them, and clearing them afterwards
+        (``model.zero_grad()``, even through ``.data``) still clears the gradient."""
+        for model_p in model_params:
+            master = self._masters.get(id(model_p))
+            if master is None:
+                continue
+            link = self._link(model_p)
+            if master.grad is None:
+                model_p.grad = None
+                link.show(None)
+            else:
+                base = torch.full((), float("nan"), dtype=model_p.dtype, device=model_p.device)
+                model_p.grad = base.expand(model_p.shape)
+                link.show(model_p.grad, placeholder=base)
+            link.keep(master.grad)
+
+    def drop_placeholders(self) -> None:
+        """Remove placeholders left on model parameters (when ampkit lets go)."""
+        for model_p, _ in self.pairs():
+            link = self._links.get(id(model_p))
+            if link is not None and link.placeholder is not None and link.is_shown(model_p.grad):
+                model_p.grad = None
+                link.show(None)
+
+    def _reconcile_one(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
+        cur = model_p.grad
+        g = master.grad
+        model_changed = link.model_changed(cur, g)
+        master_changed = link.master_changed(g)
+        if model_changed and master_changed:
+            if _cleared(cur) and _cleared(g):
+                master.grad = None if cur is None or g is None else g.zero_()
+            else:
+                raise AmpError(
+                    "gradients were changed both through the model's 16-bit parameters and "
+                    "through the optimizer's fp32 master parameters since the last backward, "
+                    "in different ways; ampkit cannot tell which change the step should use. "
+                    "Clip, edit or clear them through one of the two (model.parameters() or "
+                    "ampkit.master_params(optimizer))."
+                )
+        elif model_changed:
+            with torch.no_grad():
+                if cur is None:
+                    master.grad = None
+                elif link.placeholder is not None and link.is_shown(cur):
+                    if bool(link.placeholder == 0):
+                        master.grad = torch.zeros_like(master) if g is None else g.zero_()
+                    else:
+                        master.grad = cur.detach().to(torch.float32, copy=True)
+                elif g is not None and link.is_shown(cur):
+                    _merge(g, cur)
+                    cur.copy_(g)  # the copy now shows exactly what the step will use
+                else:
+                    master.grad = cur.detach().to(torch.float32, copy=True)
+        elif master_changed:
+            # The masters' grads were cleared or edited: the model shows the same.
+            if g is None:
+                model_p.grad = cur = None
+            elif cur is None or (link.placeholder is None and cur.shape == g.shape):
+                with torch.no_grad():
+                    if cur is None:
+                        model_p.grad = cur = g.detach().to(model_p.dtype)
+                    else:
+                        cur.copy_(g)
+        placeholder = link.placeholder if link.is_shown(cur) else None
+        if placeholder is not None and not bool(torch.isnan(placeholder)):
+            placeholder = None  # cleared in place: from now on an ordinary (zero) grad
+        link.show(cur, placeholder=placeholder)
+        link.keep(master.grad)
 
     # -- checkpoints -----------------------------------------------------------------
 
@@ -304,3 +473,81 @@ class _BackwardParams:
         for group in mw.optimizer.param_groups:
             for p in group["params"]:
                 yield mw._model_of.get(id(p), p)
+
+
+def _cleared(t: torch.Tensor | None) -> bool:
+    return t is None or not bool(t.any())
+
+
+def _merge(g: torch.Tensor, edited: torch.Tensor) -> None:
+    """Bring fp32 ``g`` in line with ``edited``, a 16-bit copy of it that user code
+    changed in place. All zeros: zeros. A uniform rescale (what ``clip_grad_norm_``
+    does): ``g`` times the same factor, in fp32. Anything else: the changed elements
+    take the edited values, the others keep their fp32 bits."""
+    if not bool(edited.any()):
+        g.zero_()
+        return
+    old = g.to(edited.dtype)
+    changed = edited != old
+    if not bool(changed.any()):
+        return
+    new32, old32 = edited.float(), old.float()
+    den = (old32 * old32).sum()
+    if bool(den > 0):
+        factor = (new32 * old32).sum() / den
+        info = torch.finfo(edited.dtype)
+        if bool(torch.isfinite(factor)) and torch.allclose(
+            new32, old32 * factor, rtol=info.eps, atol=info.smallest_normal
+        ):
+            g.mul_(factor)
+            return
+    g.copy_(torch.where(changed, new32, g))
+
+
+class _Link:
+    """What ampkit last left on each side of one mastered gradient: the tensor set as
+    the model parameter's ``.grad`` (a 16-bit copy or a placeholder) and the master's
+    ``.grad``, each with its version, held weakly (a cleared grad is freed)."""
+
+    __slots__ = ("_shown", "_shown_version", "placeholder", "_kept", "_kept_version")
+
+    def __init__(self) -> None:
+        self._shown: weakref.ref | None = None
+        self._shown_version = 0
+        self.placeholder: torch.Tensor | None = None
+        self._kept: weakref.ref | None = None
+        self._kept_version = 0
+
+    def show(self, t: torch.Tensor | None, placeholder: torch.Tensor | None = None) -> None:
+        self._shown = None if t is None else weakref.ref(t)
+        self._shown_version = 0 if t is None else t._version
+        self.placeholder = placeholder if t is not None else None
+
+    def keep(self, g: torch.Tensor | None) -> None:
+        self._kept = None if g is None else weakref.ref(g)
+        self._kept_version = 0 if g is None else g._version
+
+    def is_shown(self, t: torch.Tensor | None) -> bool:
+        if self._shown is None:
+            return t is None
+        return t is not None and self._shown() is t
+
+    def model_changed(self, cur: torch.Tensor | None, g: torch.Tensor | None) -> bool:
+        if not self.is_shown(cur):
+            return True
+        if cur is None:
+            return False
+        if cur._version != self._shown_version:
+            return True
+        # Edits through .data leave the version alone: compare values.
+        if self.placeholder is not None:
+            return not bool(torch.isnan(self.placeholder))
+        if g is None or self.master_changed(g):
+            return False
+        with torch.no_grad():
+            return not torch.equal(cur, g.to(cur.dtype))
+
+    def master_changed(self, g: torch.Tensor | None) -> bool:
+        if self._kept is None:
+            return g is not None
+        return g is None or self._kept() is not g or g._version != self._kept_version

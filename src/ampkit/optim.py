@@ -73,6 +73,7 @@ import torch
 
 from . import session as _session
 from .errors import AmpError, DistributedError, NumericsError, StateError
+from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, is_real, to_fp32, unscale_and_check_
 
 __all__ = [
@@ -214,9 +215,10 @@ class ManagedOptimizer:
 
     - ``scalers``: ``list[LossScaler]``, one per ``loss_id`` (shared with the other
       optimizers of the same ``init_trainer`` call).
+    - ``grad_path``: the :class:`ampkit.grads.GradPath` whose hooks keep grads real
+      (unscaled) as backward produces them; fp32 master weights plug in there.
     - ``pre_unscale_hooks``: ``list[Callable[[], None]]``, called once per step before
-      the grads are unscaled and checked (by ``ampkit.unscale`` or by ``step``). Master
-      weights copy the model grads into fp32 master grads here.
+      the grads are checked (by ``ampkit.unscale`` or by ``step``).
     - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
       skipped) step. Master weights copy the masters back into the model here.
     - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
@@ -226,14 +228,11 @@ class ManagedOptimizer:
     - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
       backward accumulates into, when these are not the params in ``param_groups``
       (master weights: the model's params). Iterated afresh each time it is needed, so a
-      live view is fine. Only used when one step mixes loss ids, to rescale the grads
-      accumulated so far to the next loss's scale. ``None``: the params in
-      ``param_groups``.
-    - ``rescale_after_unscale``: ``bool`` (default False). When True, a ``scale_loss``
-      that comes after the grads were unscaled in the same step multiplies the
-      (unscaled) grads of the params in ``param_groups`` by the new loss's scale and
-      the step goes on accumulating, instead of raising :class:`StateError`. Set by
-      ``ampkit.compat.apex``, whose ``scale_loss`` unscales at exit as apex did.
+      live view is fine. The gradient hooks go on these (set it before the first
+      ``scale_loss``); ``None``: the params in ``param_groups``.
+    - ``rescale_after_unscale``: kept for compatibility, no effect: grads are real at
+      all times, so a ``scale_loss`` after ``unscale`` in the same step simply goes on
+      accumulating.
     - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
       ``ampkit.state_dict()``.
 
@@ -273,6 +272,9 @@ class ManagedOptimizer:
         self._held: list[tuple[Any, Any]] = []
         self._previous_step: Any = _MISSING
         self._install_step()
+        # Hooks that make grads real as backward produces them (ampkit.grads).
+        self.grad_path = GradPath(self)
+        self.grad_path.refresh()
 
     # --- extension API ---------------------------------------------------------------
     def register_extra_state(
@@ -319,6 +321,7 @@ class ManagedOptimizer:
         if not self._active:
             return
         self._active = False
+        self.grad_path.remove()
         self._release_held_schedulers()
         opt = self.optimizer
         current = opt.__dict__.get("step")
@@ -343,8 +346,12 @@ class ManagedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        was_unscaled = self._unscaled
         self._unscale()
+        if was_unscaled:
+            self._check_edits()
         events, skip = self._resolve_step()
+        self.grad_path.release_model_grads()
         self.steps += 1
         if skip:
             self.skipped += 1
@@ -413,6 +420,7 @@ class ManagedOptimizer:
         self._pending = None
         self._unscaled = False
         self._aborted = False
+        self.grad_path.forget_flags()
 
     def _drop_abandoned_step(self) -> None:
         """At a ``scale_loss``: if this step's grads were dropped since ampkit last
@@ -422,10 +430,12 @@ class ManagedOptimizer:
         The grads count as dropped when every one is None (``zero_grad()``), or -- only
         after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
         one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
+        self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
         flagged = self._unscaled or any(f is not None for _, f in self._segments)
         aborted, self._aborted = self._aborted, False
         if not flagged:
             return
+        self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
         params = itertools.chain(self._grad_params(), self.backward_params or ())
         if all(p.grad is None for p in params):
             self._start_fresh_step()
@@ -440,55 +450,87 @@ class ManagedOptimizer:
         """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
         cannot start a backward pass now."""
         self._drop_abandoned_step()
-        if self._unscaled and not self.rescale_after_unscale:
+        if self._unscaled and self.grad_path.unhooked(self._grad_params()):
             raise StateError(
-                "this optimizer's grads were already unscaled this step (ampkit.unscale): "
-                "run every scale_loss/backward of the step before unscale, then step(). To "
-                "drop a batch after unscale, call optimizer.zero_grad() first."
+                "this optimizer's grads were already unscaled this step (ampkit.unscale) "
+                "and some of them (FSDP2's sharded parameters) are only unscaled at the "
+                "step: run every scale_loss/backward of the step before unscale, then "
+                "step(). To drop a batch after unscale, call optimizer.zero_grad() first."
             )
 
     def _before_backward(self, loss_id: int) -> None:
         """Called by ``scale_loss`` before the backward of ``loss_id`` (after
         :meth:`_check_before_backward` passed for every optimizer of the call)."""
-        if self._unscaled and self.rescale_after_unscale:
-            # The grads are at scale 1 now: bring them to the new loss's scale (an
-            # overflow here shows up in the check at unscale time).
-            groups = group_grads(self._grad_params())
-            unscale_and_check_(groups, self._slots[loss_id].scaler.scale, check_result=False)
-            self._unscaled = False
+        path = self.grad_path
+        path.refresh()
+        path.finish()
+        # The hooks keep grads real: a backward after ``unscale`` in the same step just
+        # reopens the step.
+        self._unscaled = False
         pending = self._pending
         if pending is not None and pending != loss_id:
-            # Bring the grads accumulated at S_old to S_new and check them on the way.
-            old = self._slots[pending].scaler.scale
-            new = self._slots[loss_id].scaler.scale
-            params = self.backward_params
-            groups = group_grads(params if params is not None else self._grad_params())
-            found = unscale_and_check_(groups, _ratio(new, old), check_result=False)
-            self._segments.append((pending, found))
+            path.reconcile()
+            ratio = _ratio(self._slots[loss_id].scaler.scale, self._slots[pending].scaler.scale)
+            self._segments.append((pending, self._close(pending, ratio)))
         self._pending = loss_id
         self._slots[loss_id].expect(self)
 
+    def _close(self, loss_id: int | None, unhooked_factor: float = 1.0) -> torch.Tensor | None:
+        """The inf/NaN flag of the grads gathered since the last close: the hooks'
+        flags for ``loss_id``, one fused check of grads they did not check (edited,
+        assigned, or produced with a scale of 1), and the fused multiply by
+        ``unhooked_factor`` and check of grads without hooks. No host sync."""
+        path = self.grad_path
+        flags = path.take_found(loss_id) if loss_id is not None else []
+        params = list(self._grad_params())
+        raw = path.unhooked(params)
+        if raw:
+            found = unscale_and_check_(group_grads(raw), unhooked_factor)
+            if found is not None:
+                flags.append(found)
+            path.unchecked(raw)  # checked just now
+        unchecked = path.unchecked(params)
+        if unchecked:
+            found = unscale_and_check_(group_grads(unchecked), 1.0)
+            if found is not None:
+                flags.append(found)
+        if not flags:
+            return None
+        total = flags[0]
+        for other in flags[1:]:
+            total = total + other.to(total.device, non_blocking=True)
+        return total
+
     def _unscale(self) -> None:
-        """Hooks, then the fused unscale + check of this step's pending grads (no sync).
-        Idempotent within a step."""
+        """Hooks, then close this step's pending grads: their inf/NaN flag (no sync).
+        The grads are unscaled already (ampkit.grads). Idempotent within a step."""
         if self._unscaled:
             return
         if _before_check_hook is not None:
             _before_check_hook(self)
         for hook in self.pre_unscale_hooks:
             hook()
-        groups = group_grads(self._grad_params())
+        path = self.grad_path
+        path.finish(absorb_raw=True)
+        path.reconcile()
         if self._pending is not None:
             scaler = self._slots[self._pending].scaler
             if not self._fp16_warned and scaler.scale != 1.0:
-                self._warn_fp16(groups)
-            found = unscale_and_check_(groups, scaler.inv_scale, scaler._inv_tensors_for(groups))
-            self._segments.append((self._pending, found))
+                self._warn_fp16(group_grads(self._grad_params()))
+            self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
             self._pending = None
         elif not self._segments:
             # No scale_loss this step: still refuse to step on inf/NaN grads.
-            self._segments.append((None, unscale_and_check_(groups, 1.0)))
+            self._segments.append((None, self._close(None)))
         self._unscaled = True
+
+    def _check_edits(self) -> None:
+        """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.
+        clipped); an inf/NaN there skips the step without blaming a loss scaler."""
+        self.grad_path.reconcile()
+        found = self._close(None)
+        if found is not None:
+            self._segments.append((None, found))
 
     def _warn_fp16(self, groups: dict) -> None:
         if any(dtype == torch.float16 for _, dtype in groups):

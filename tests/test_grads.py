@@ -1,0 +1,337 @@
+"""The gradient path (ampkit.grads, ampkit.master): grads user code sees are real
+gradients at every level, O2's fp32 master grads follow every way of clearing and
+editing grads, and accumulate in fp32. Each loop runs the same script in fp32 as the
+reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit as amp
+from ampkit.errors import AmpError
+
+BF16 = torch.bfloat16
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _loss(model: nn.Module, i: int) -> torch.Tensor:
+    x, y = _batch(i)
+    return F.mse_loss(model(x).float(), y)
+
+
+def _backward(model: nn.Module, opt: torch.optim.Optimizer, i: int, managed: bool) -> None:
+    if managed:
+        with amp.scale_loss(_loss(model, i), opt) as scaled:
+            scaled.backward()
+    else:
+        _loss(model, i).backward()
+
+
+def _stepped(model: nn.Module, opt: torch.optim.Optimizer, managed: bool) -> list[torch.Tensor]:
+    return [p.detach().float() for p in (amp.master_params(opt) if managed else model.parameters())]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float) -> bool:
+    scale = max(t.abs().max().item() for t in b)
+    return max((x - y).abs().max().item() for x, y in zip(a, b)) <= tol * scale
+
+
+# --- the issue's minimal case ------------------------------------------------------------
+
+
+def test_o2_master_grads_do_not_pile_up_across_steps():
+    m = nn.Linear(4, 1, bias=False)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    m, o = amp.initialize(m, o, opt_level="O2")
+    seen = []
+    for _ in range(3):
+        m.zero_grad()
+        with amp.scale_loss(m(torch.ones(2, 4)).float().sum(), o) as s:
+            s.backward()
+        seen.append(next(amp.master_params(o)).grad.clone())
+        o.step()
+    assert all(torch.equal(g, torch.full((1, 4), 2.0)) for g in seen)
+
+
+# --- every way of clearing grads, O2 against fp32 ------------------------------------------
+
+
+def _clear(idiom: str, model: nn.Module, opt: torch.optim.Optimizer, managed: bool) -> None:
+    params = list(amp.master_params(opt)) if managed and idiom.startswith("master") else list(model.parameters())
+    if idiom == "opt.zero_grad":
+        opt.zero_grad()
+    elif idiom == "opt.zero_grad(set_to_none=False)":
+        opt.zero_grad(set_to_none=False)
+    elif idiom == "model.zero_grad":
+        model.zero_grad()
+    elif idiom == "model.zero_grad(set_to_none=False)":
+        model.zero_grad(set_to_none=False)
+    elif idiom in ("p.grad = None", "master p.grad = None"):
+        for p in params:
+            p.grad = None
+    elif idiom in ("p.grad.data.zero_()", "master p.grad.data.zero_()"):
+        for p in params:
+            if p.grad is not None:
+                p.grad.data.zero_()
+    elif idiom == "never":
+        pass
+    else:  # pragma: no cover
+        raise AssertionError(idiom)
+
+
+CLEARING = [
+    "opt.zero_grad",
+    "opt.zero_grad(set_to_none=False)",
+    "model.zero_grad",
+    "model.zero_grad(set_to_none=False)",
+    "p.grad = None",
+    "p.grad.data.zero_()",
+    "master p.grad = None",
+    "never",
+]
+
+
+def _train_clearing(idiom: str, where: str, level: str | None) -> list[torch.Tensor]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    managed = level is not None
+    if managed:
+        model, opt = amp.initialize(model, opt, opt_level=level)
+    for i in range(5):
+        if where == "before backward":
+            _clear(idiom, model, opt, managed)
+        _backward(model, opt, i, managed)
+        opt.step()
+        if where == "after step":
+            _clear(idiom, model, opt, managed)
+    out = _stepped(model, opt, managed)
+    amp.reset()
+    return out
+
+
+@pytest.mark.parametrize("where", ["before backward", "after step"])
+@pytest.mark.parametrize("idiom", CLEARING)
+def test_o2_trains_as_fp32_whatever_way_grads_are_cleared(idiom, where):
+    if idiom == "never" and where == "after step":
+        pytest.skip("same as before backward")
+    ref = _train_clearing(idiom if not idiom.startswith("master") else idiom[7:], where, None)
+    got = _train_clearing(idiom, where, "O2")
+    assert _close(got, ref, 0.02), idiom
+
+
+def test_classic_data_zero_after_the_step_clears_the_master_grads():
+    """The pre-1.0 idiom `p.grad.data.zero_()` changes no version counter: the
+    placeholder left on the model after the step still shows it."""
+    model = nn.Linear(3, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    for _ in range(2):
+        with amp.scale_loss(model(torch.ones(1, 3)).float().sum(), opt) as s:
+            s.backward()
+        opt.step()
+        model.weight.grad.data.zero_()
+    assert torch.equal(next(amp.master_params(opt)).grad, torch.ones(1, 3))
+
+
+# --- accumulation in fp32 -----------------------------------------------------------------
+
+
+def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    weight = model[0].weight
+    master = amp.levels.master_weights_of(opt).master_of(weight)
+    # Each micro-batch's bf16 grad, computed aside (autograd.grad never accumulates).
+    singles = [torch.autograd.grad(_loss(model, i) / 64, weight)[0] for i in range(64)]
+    assert all(g.dtype == BF16 for g in singles)
+    fp32_sum = singles[0].float()
+    bf16_sum = singles[0].clone()
+    for g in singles[1:]:
+        fp32_sum = fp32_sum + g.float()
+        bf16_sum = bf16_sum + g
+    assert not torch.equal(bf16_sum.float(), fp32_sum)  # bf16 accumulation loses bits
+    freed = []
+    # A hook registered after ampkit's on the same parameter: the 16-bit grad is gone
+    # as soon as it was accumulated (moved into the fp32 master).
+    weight.register_post_accumulate_grad_hook(lambda p: freed.append(p.grad is None))
+    for i in range(64):
+        with amp.scale_loss(_loss(model, i) / 64, opt) as s:
+            s.backward()
+    assert freed == [True] * 64
+    assert torch.equal(master.grad, fp32_sum)
+    # Between backward passes the model shows the sum rounded once to bf16.
+    assert torch.equal(weight.grad, fp32_sum.to(BF16))
+
+
+def test_o2_step_runs_without_a_16_bit_grad_beside_the_fp32_one():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    sizes = []
+
+    def at_step(optimizer, args, kwargs):
+        sizes.extend(
+            p.grad.untyped_storage().nbytes() for p in model.parameters() if p.dtype == BF16
+        )
+
+    opt.register_step_pre_hook(at_step)
+    with amp.scale_loss(_loss(model, 0), opt) as s:
+        s.backward()
+    assert all(p.grad.untyped_storage().nbytes() == p.numel() * 2 for p in model.parameters() if p.dtype == BF16)
+    opt.step()
+    assert sizes and all(n == 2 for n in sizes)  # one-element placeholders
+    assert all(torch.isnan(p.grad).all() for p in model.parameters() if p.dtype == BF16)
+
+
+# --- what user code sees between backward and step ------------------------------------------
+
+
+def _train_clipping(
+    level: str | None, clip: str, dtype: torch.dtype = BF16, steps: int = 6, unscale: bool = False
+):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    managed = level is not None
+    if level == "init":
+        amp.init(dtype=dtype, device_type="cpu")
+        amp.init_trainer(opt)
+    elif managed:
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype)
+    norms = []
+    for i in range(steps):
+        opt.zero_grad()
+        _backward(model, opt, i, managed)
+        if unscale and managed:
+            amp.unscale(opt)  # the README's order: unscale, then clip
+        if clip == "norm":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)))
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+            norms.append(float(torch.stack([p.grad.float().norm() for p in model.parameters()]).norm()))
+        elif clip == "edit":
+            model[0].weight.grad[0].zero_()  # e.g. a masked row
+            model[3].bias.grad.mul_(0.0)
+        opt.step()
+    out = _stepped(model, opt, managed)
+    amp.reset()
+    return out, norms
+
+
+@pytest.mark.parametrize("clip", ["norm", "value", "edit"])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O2K", "init"])
+def test_clipping_and_editing_model_grads_works_as_in_fp32(level, clip):
+    """clip_grad_norm_(model.parameters()) and friends, unchanged from an fp32 script,
+    with no amp.unscale: same norms as fp32 (to bf16 precision), same training."""
+    ref, ref_norms = _train_clipping(None, clip)
+    got, norms = _train_clipping(level, clip)
+    assert norms == pytest.approx(ref_norms, rel=0.03)
+    tol = {"O3": 0.06, "O2K": 0.03}.get(level, 0.02)
+    assert _close(got, ref, tol), level
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_clipping_model_params_after_unscale_clips_what_the_step_uses(level):
+    """After amp.unscale the model's params still show the grads (O2: they used to move
+    into the masters, and clip_grad_norm_(model.parameters()) saw a norm of 0)."""
+    ref, ref_norms = _train_clipping(None, "norm")
+    got, norms = _train_clipping(level, "norm", unscale=True)
+    assert norms == pytest.approx(ref_norms, rel=0.03)
+    assert _close(got, ref, 0.03)
+
+
+def test_quick_start_with_fp16_and_dynamic_scale_clips_real_grads():
+    """The 3-line quick start on fp16 (dynamic scale 2**16): an unchanged
+    clip_grad_norm_ sees the real norm."""
+    ref, ref_norms = _train_clipping(None, "norm", steps=3)
+    got, norms = _train_clipping("init", "norm", dtype=torch.float16, steps=3)
+    assert norms == pytest.approx(ref_norms, rel=0.03)
+    assert _close(got, ref, 0.02)
+
+
+def _o2_after_one_backward() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    with amp.scale_loss(_loss(model, 0), opt) as s:
+        s.backward()
+    return model, opt
+
+
+def test_o2_clip_rescales_the_fp32_master_grads_by_the_same_factor():
+    model, opt = _o2_after_one_backward()
+    masters = [p for p in amp.master_params(opt)]
+    before = [p.grad.clone() for p in masters]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    amp.unscale(opt)  # merges the clip into the masters
+    for b, m in zip(before, masters):
+        # one fp32 factor per tensor (not a bf16 rounding of each element): the clip
+        # coefficient clip_grad_norm_ applied to the bf16 copy
+        ratio = m.grad[b != 0] / b[b != 0]
+        assert (ratio.max() - ratio.min()).item() <= 1e-6 * ratio.abs().max().item()
+        assert ratio.mean().item() == pytest.approx(0.01 / norm.item(), rel=0.01)
+
+
+def test_o2_inf_written_into_a_model_grad_skips_the_step_bitwise():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
+    for i in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(_loss(model, i), opt) as s:
+            s.backward()
+        opt.step()
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    state = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    with amp.scale_loss(_loss(model, 5), opt) as s:
+        s.backward()
+    model[0].weight.grad[1, 2] = float("inf")
+    opt.step()
+    assert amp.step_skipped(opt)
+    assert amp.stats(opt).scales == (2.0**15,)
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+    assert str(opt.state_dict()) == str(state)
+
+
+def test_o2_edits_through_both_sides_that_disagree_raise():
+    model, opt = _o2_after_one_backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+    with pytest.raises(AmpError, match="both through the model"):
+        opt.step()
+
+
+def test_autograd_grad_of_a_scaled_loss_stays_scaled_and_leaves_grads_alone():
+    """As with torch.amp: torch.autograd.grad(scaled_loss, params) returns scaled grads
+    (gradient penalties unscale them by hand) and accumulates nothing."""
+    model = _model()
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=2.0**8)
+    with amp.scale_loss(_loss(model, 0), opt) as s:
+        (g,) = torch.autograd.grad(s, model[0].weight)
+    assert model[0].weight.grad is None
+    ref = torch.autograd.grad(_loss(model, 0), model[0].weight)[0]
+    assert torch.allclose(g, ref * 2.0**8)
+
+
+def test_o2_without_an_optimizer_refuses_to_train_but_runs_inference():
+    model = _model()
+    model = amp.initialize(model, None, opt_level="O2")[0]
+    with torch.no_grad():
+        assert model(torch.randn(2, 6)).dtype == torch.float32
+    with pytest.raises(AmpError, match="without an optimizer"):
+        _loss(model, 0).backward()
