@@ -63,6 +63,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import grads as _grads
 from . import model as _model
 from . import optim as _optim
 from . import session as _session
@@ -193,6 +194,15 @@ class _DDPRecord:
             id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
             for p in self.params
         }
+
+    def resnapshot(self, params: Iterable[torch.Tensor]) -> None:
+        """``params``' grads as ampkit's gradient path left them after this backward
+        (unscaled, or moved into fp32 masters): ampkit's own work is no change."""
+        if self.reduced is None:
+            return
+        for p in params:
+            if id(p) in self.reduced:
+                self.reduced[id(p)] = (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
 
     def changed(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether the grad of any of ``params`` (those of this model) was replaced or
@@ -470,6 +480,7 @@ def _masters_mismatch(state: _optim.ManagedOptimizer) -> str | None:
 
 
 _optim.set_agreement_hook(_agreement_for, _before_check)
+_grads.set_settled_hook(lambda params: [r.resnapshot(params) for r in list(_DDPS.values())])
 
 
 # --- initialize-time checks --------------------------------------------------------------

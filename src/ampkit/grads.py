@@ -80,6 +80,17 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
+# Called with the parameters whose grads a backward pass's end-of-pass processing changed
+# (unscaled in place, moved into masters): ampkit.distributed records them as the grads
+# DDP's reducer left, so ampkit's own work is not taken for a change after the all-reduce.
+_settled_hook: Callable[[list[torch.Tensor]], None] | None = None
+
+
+def set_settled_hook(hook: Callable[[list[torch.Tensor]], None] | None) -> None:
+    global _settled_hook
+    _settled_hook = hook
+
+
 # --- DDP, as seen from the model's forward ------------------------------------------------
 
 # model -> whether DDP will all-reduce the grads of the backward that follows its last
@@ -416,6 +427,8 @@ class GradPath:
         touched = self._open.pop(task, None)
         if touched:
             self._process(touched, absorb_raw=False)
+            if _settled_hook is not None:
+                _settled_hook([r.param for r in touched])
 
     def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
         """Unscale and check the scaled grads of ``touched`` (fused, per loss id, device
