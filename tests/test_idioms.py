@@ -1408,11 +1408,6 @@ _APEX_STATE_DICT = (
     "issue 9: through ampkit.compat.apex a cast model's state_dict() holds bf16 tensors; apex's "
     "O2StateDictHook (registered for any cast_model_type: O2 and O3) returned fp32"
 )
-_LSTM_BF16_CPU = (
-    "not filed yet: torch 2.13 CPU autocast lowers nn.LSTM to bf16 and oneDNN has no bf16 LSTM "
-    "primitive ('could not create a primitive descriptor for the LSTM forward propagation "
-    "primitive'); plain torch.autocast fails the same way, ampkit's cpu list keeps lstm in bf16"
-)
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("save_best_model", "O2"): _PICKLE,
@@ -1427,8 +1422,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("apex_legacy_script", "init"): _APEX_HANDLE,
     ("apex_legacy_script", "O2"): _APEX_STATE_DICT,
     ("apex_legacy_script", "O3"): _APEX_STATE_DICT,
-    ("lstm_lm", "O1"): _LSTM_BF16_CPU,
-    ("lstm_lm", "init"): _LSTM_BF16_CPU,
 }
 
 

@@ -97,6 +97,49 @@ class _Resolved:
 
 _RESOLVED: dict[tuple[int, str, bool], tuple[Policy, _Resolved]] = {}
 
+# (device type, dtype) -> {aten op: category} for ops torch.autocast lowers but whose
+# lowered kernel cannot run on this machine; filled by a probe the first time a scope
+# for that pair resolves. Process-wide and only ever filled (same answer every time).
+_REPAIRS: dict[tuple[str, torch.dtype], dict[str, str]] = {}
+_REPAIRS_LOCK = threading.Lock()
+
+
+def _probe_rnn(dtype: torch.dtype) -> bool:
+    """Whether ``nn.LSTM`` runs under CPU ``torch.autocast(dtype)`` here.
+
+    torch 2.13 lowers ``mkldnn_rnn_layer`` to bf16/fp16 under CPU autocast, but oneDNN
+    refuses that primitive on some CPUs ("could not create a primitive descriptor for the
+    LSTM forward propagation primitive"), so plain ``torch.autocast`` cannot run an LSTM.
+    """
+    lstm = nn.LSTM(2, 2)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            lstm(torch.zeros(1, 1, 2))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _repairs(device_type: str, policy: Policy) -> dict[str, str]:
+    """Ops to keep in fp32 because torch's lowered kernel fails here (unless the policy
+    itself names them): today ``mkldnn_rnn_layer`` (``nn.LSTM``) on CPUs whose oneDNN has
+    no 16-bit LSTM; it then runs in fp32, as ``nn.GRU`` and the RNN cells already do
+    under CPU autocast."""
+    if device_type != "cpu":
+        return {}
+    key = (device_type, policy.dtype)
+    with _REPAIRS_LOCK:
+        found = _REPAIRS.get(key)
+        if found is None:
+            found = {} if _probe_rnn(policy.dtype) else {"mkldnn_rnn_layer": "fp32"}
+            if found:
+                logger.info(
+                    "ampkit: nn.LSTM cannot run in %s on this CPU (oneDNN); it runs in fp32", policy.dtype
+                )
+            _REPAIRS[key] = found
+    named = policy.categories()  # a policy may choose fp32/promote itself; 'lower' cannot run
+    return {op: c for op, c in found.items() if named.get(op, "lower") == "lower"}
+
 
 def _resolve(policy: Policy, device_type: str, intercept_all: bool = False) -> _Resolved:
     key = (id(policy), device_type, intercept_all)
@@ -111,6 +154,8 @@ def _resolve(policy: Policy, device_type: str, intercept_all: bool = False) -> _
             python_ops[python_callable(name)] = category
         else:
             categories[name] = category
+    for name, category in _repairs(device_type, policy).items():
+        categories[name] = category
     conditionals: dict[str, tuple[Callable[..., bool], ...]] = {}
     for name, preds in policy.conditionals().items():
         if is_python_op(name):
