@@ -422,6 +422,47 @@ def loop_clip_value(h: Harness) -> Result:
 
 
 @idiom()
+def loop_grad_edit_weight_decay(h: Harness) -> Result:
+    """L2 regularization added to the grads by hand between backward and step
+    (``p.grad.add_(p.detach(), alpha=wd)``, older scripts' weight decay), with a
+    strong ``wd`` so the edit matters."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for x, y in classification_batches(20):
+        opt.zero_grad()
+        loss = ce(model, x, y)
+        h.backward(loss, opt)
+        for p in model.parameters():
+            p.grad.add_(p.detach(), alpha=0.05)
+        opt.step()
+        losses.append(loss.item())
+    weight_norm = sum(p.detach().float().norm().item() for p in model.parameters())
+    return Result(losses, {"weight_norm": [weight_norm]})
+
+
+@idiom()
+def loop_autograd_grad_assign(h: Harness) -> Result:
+    """Grads computed functionally and assigned: ``grads = torch.autograd.grad(loss,
+    params)``, ``p.grad = g``, then ``opt.step()`` (meta-learning and RL code). No
+    ``scale_loss``: the loss is not scaled, and what is assigned is a real gradient."""
+    model = mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    model, opt = h.setup(model, opt)
+    losses = []
+    for x, y in classification_batches(20):
+        loss = ce(model, x, y)
+        grads = torch.autograd.grad(loss, params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        losses.append(loss.item())
+    return Result(losses)
+
+
+@idiom()
 def loop_grad_norm_logging(h: Harness) -> Result:
     """Logs the global grad norm and each layer's grad norm from ``p.grad`` before
     ``opt.step()`` (what wandb/tensorboard loggers read); the logged values must be
