@@ -19,7 +19,7 @@ from ampkit.bench.recipes import RecipeUnavailable, TorchAutocast, make_recipe
 from ampkit.bench.runner import BenchConfig, BenchError, summarize_precision
 from ampkit.cli.main import main
 
-MIXED = [p for p in PRECISIONS if p != "fp32"]
+MIXED = [p for p in PRECISIONS if p not in ("fp32", "bf16")]  # bf16: the floor, no promise
 # Tiny runs train for 30-40 steps: a mixed run may differ from fp32 by a few
 # borderline test images (CNN: 360 of them) or characters; the full-size bench
 # is where the 1% criterion applies.
@@ -60,7 +60,7 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
     _, out, output = bench_run
     results = json.loads((out / "results.json").read_text())
     assert results["device"] == "cpu" and results["dtype"] == "bf16"
-    assert set(results["workloads"]) == {"cnn", "lm"}
+    assert set(results["workloads"]) == {"cnn", "lm", "wide"}
     for name, wl in results["workloads"].items():
         assert list(wl["precisions"]) == list(PRECISIONS), name
         for p, entry in wl["precisions"].items():
@@ -85,11 +85,14 @@ def test_bench_mixed_accuracy_within_tolerance_of_fp32(bench_run: tuple[int, Pat
     results = json.loads((out / "results.json").read_text())
     cnn = results["workloads"]["cnn"]["precisions"]
     lm = results["workloads"]["lm"]["precisions"]
+    wide = results["workloads"]["wide"]["precisions"]
     assert cnn["fp32"]["accuracy"] > 0.8  # the tiny CNN really learns the digits
+    assert wide["fp32"]["accuracy"] > 0.8  # so does the tiny MLP
     for p in MIXED:
         if cnn[p]["status"] != "ok":
             continue
         assert abs(cnn[p]["accuracy"] - cnn["fp32"]["accuracy"]) <= CNN_ACCURACY_TOLERANCE, p
+        assert abs(wide[p]["accuracy"] - wide["fp32"]["accuracy"]) <= CNN_ACCURACY_TOLERANCE, p
         assert abs(lm[p]["accuracy"] - lm["fp32"]["accuracy"]) <= LM_ACCURACY_TOLERANCE, p
         assert lm[p]["eval_loss"] == pytest.approx(lm["fp32"]["eval_loss"], rel=LM_LOSS_RTOL), p
         assert lm[p]["bits_per_char"] == pytest.approx(lm[p]["eval_loss"] / math.log(2))
@@ -274,6 +277,51 @@ def test_ampkit_recipe_unavailable_for_a_dtype_its_level_refuses() -> None:
     with pytest.raises(RecipeUnavailable, match="ampkit-O2K"):
         recipe.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     recipe.cleanup()
+
+
+def test_pure_bf16_recipe_casts_model_inputs_and_state_in_place() -> None:
+    recipe = make_recipe("bf16", torch.device("cpu"), torch.float16)  # always bf16
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = recipe.prepare(model, opt)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with recipe.scope():
+        out = model(torch.randn(3, 4))  # an fp32 input, cast by the recipe's hook
+    assert out.dtype == torch.bfloat16
+    before = params[0].detach().clone()
+    assert recipe.backward_step(out.float().pow(2).mean(), opt) is False
+    assert not torch.equal(params[0], before)
+    assert opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    recipe.cleanup()
+    assert model(torch.randn(3, 4).bfloat16()).dtype == torch.bfloat16  # hook gone, still runs
+
+
+def test_wide_workload_is_parameter_heavy_and_tiny_trains() -> None:
+    from ampkit.bench.workloads import WIDE_SIZES, WideMLP, make_workload
+
+    full = WIDE_SIZES["full"]
+    with torch.device("meta"):
+        big = WideMLP(full.image_size**2, full.width, full.layers)
+    n = sum(p.numel() for p in big.parameters())
+    assert n >= 20_000_000 and n == 1024 * 4096 + 2 * 4096**2 + 3 * 4096 + 10 * 4096 + 10
+    wl = make_workload("wide", "tiny")
+    assert wl.metric == "accuracy" and wl.steps == WIDE_SIZES["tiny"].steps
+    assert f"{n / 1e6:.1f}M" not in wl.description and "MLP 64 -> 128" in wl.description
+    torch.manual_seed(0)
+    model = wl.build_model()
+    opt = wl.build_optimizer(model)
+    batches = wl.batches(torch.Generator().manual_seed(0))
+    before = wl.evaluate(model)
+    for _ in range(wl.steps):
+        x, y = next(batches)
+        assert x.shape == (64, 1, 8, 8)
+        opt.zero_grad()
+        wl.loss(model(x), y).backward()
+        opt.step()
+    after = wl.evaluate(model)
+    assert after["eval_loss"] < 0.6 * before["eval_loss"] and after["accuracy"] > 0.8
 
 
 def test_unknown_recipe_name() -> None:

@@ -17,6 +17,10 @@ name                    what it runs
 ``ampkit-O2``           ``opt_level="O2"``: 16-bit model (norm layers fp32), fp32 master weights
 ``ampkit-O2K``          ``opt_level="O2K"``: bf16 model and bf16 weight updates with Kahan
                         compensation (no fp32 copy of the weights)
+``bf16``                plain torch, no ampkit: the model (norm layers too), its inputs and
+                        the optimizer's state in bf16, whatever ``--dtype`` says. The speed
+                        limit of a 16-bit step and the accuracy floor (updates smaller than
+                        half a bf16 unit of a weight are lost)
 ======================  ==================================================================
 
 The ampkit recipes use only the public verbs a user would: ``initialize``,
@@ -39,6 +43,7 @@ __all__ = [
     "FP32",
     "TorchAutocast",
     "AmpkitLevel",
+    "PureBF16",
     "make_recipe",
 ]
 
@@ -154,8 +159,40 @@ class AmpkitLevel(Recipe):
         self.amp.reset()
 
 
+class PureBF16(Recipe):
+    """The whole model in bf16 (``model.to(torch.bfloat16)``), floating inputs cast
+    to bf16 by a forward pre-hook, and the optimizer as built (its state follows
+    the bf16 parameters). No loss scaling, no skipping."""
+
+    name = "bf16"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, torch.bfloat16)
+        self._handle: Any = None
+
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if optimizer.state:
+            raise RecipeUnavailable(f"{self.name}: the optimizer must not have state yet.")
+        model.to(torch.bfloat16)  # in place: the optimizer holds the same Parameter objects
+        self._handle = model.register_forward_pre_hook(_inputs_to_bf16)
+        return model, optimizer
+
+    def cleanup(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def _inputs_to_bf16(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(
+        a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    )
+
+
 # Every precision the bench knows, in the order it reports them.
-PRECISIONS: tuple[str, ...] = ("fp32", "torch-autocast", "ampkit-O1", "ampkit-O2", "ampkit-O2K")
+PRECISIONS: tuple[str, ...] = ("fp32", "torch-autocast", "ampkit-O1", "ampkit-O2", "ampkit-O2K", "bf16")
 
 
 def make_recipe(name: str, device: torch.device, dtype: torch.dtype) -> Recipe:
@@ -165,6 +202,8 @@ def make_recipe(name: str, device: torch.device, dtype: torch.dtype) -> Recipe:
         return FP32(device, dtype)
     if name == "torch-autocast":
         return TorchAutocast(device, dtype)
+    if name == "bf16":
+        return PureBF16(device, dtype)
     if name.startswith("ampkit-") and name in PRECISIONS:
         return AmpkitLevel(device, dtype, name.removeprefix("ampkit-"))
     raise ValueError(f"unknown precision {name!r}; choose from {', '.join(PRECISIONS)}")

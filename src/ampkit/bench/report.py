@@ -36,7 +36,7 @@ def _scale(x: float | None) -> str:
 def fmt_precision_row(name: str, entry: dict[str, Any], lm: bool) -> list[str]:
     """Cells of one table row (also used for plain-text output)."""
     if entry.get("status") != "ok":
-        cells = [name] + [DASH] * (12 if lm else 11)
+        cells = [name] + [DASH] * (13 if lm else 12)
         cells[-1] = f"{entry.get('status')}: {entry.get('note', '')}"
         return cells
     acc = entry.get("accuracy")
@@ -45,6 +45,7 @@ def fmt_precision_row(name: str, entry: dict[str, Any], lm: bool) -> list[str]:
         _num(entry.get("step_ms"), ".1f"),
         _num(entry.get("step_ms_min"), ".1f"),
         _num(entry.get("speedup"), ".2f") + ("×" if entry.get("speedup") is not None else ""),
+        _num(entry.get("time_vs_bf16"), ".2f") + ("×" if entry.get("time_vs_bf16") is not None else ""),
         _num(entry.get("peak_mib"), ".1f"),
         _num(entry.get("memory_vs_fp32"), ".2f") + ("×" if entry.get("memory_vs_fp32") is not None else ""),
         _num(entry.get("final_train_loss"), ".4f"),
@@ -88,6 +89,7 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
         table.add_column("ms/step", justify="right")
         table.add_column("min ms", justify="right")
         table.add_column("speedup", justify="right")
+        table.add_column("time vs bf16", justify="right")
         table.add_column("peak MiB", justify="right")
         table.add_column("mem vs fp32", justify="right")
         table.add_column("train loss", justify="right")
@@ -104,7 +106,8 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
     console.print(
         "ms/step: median over interleaved blocks (first block = warm-up, left out); min ms: "
         "fastest block (less sensitive to other load on the machine); speedup (of the median) "
-        "and mem vs fp32: ratios to fp32 in this run; train loss: mean of the last 10% of "
+        "and mem vs fp32: ratios to fp32 in this run; time vs bf16: median step time over "
+        "the pure-bf16 run's (the speed limit of a 16-bit step); train loss: mean of the last 10% of "
         "steps; eval loss/acc: held-out data after training; skipped: steps skipped for "
         f"inf/NaN gradients. {results['memory_method']}.",
         style="dim",

@@ -217,9 +217,15 @@ def summarize_precision(blocks: list[dict[str, Any]], result: dict[str, Any]) ->
 
 def _add_ratios(precisions: dict[str, dict[str, Any]]) -> None:
     base = precisions.get("fp32", {})
+    limit = precisions.get("bf16", {})
     for entry in precisions.values():
         if entry.get("status") != "ok":
             continue
+        entry["time_vs_bf16"] = (
+            entry["step_ms"] / limit["step_ms"]
+            if limit.get("status") == "ok" and limit.get("step_ms") and entry.get("step_ms")
+            else None
+        )
         entry["speedup"] = (
             base["step_ms"] / entry["step_ms"]
             if base.get("status") == "ok" and base.get("step_ms") and entry.get("step_ms")
@@ -295,7 +301,7 @@ def _run_workload(
         "config": info.get("config", {}),
         "steps": steps,
         "block_steps": block,
-        "metric": "accuracy" if name == "cnn" else "bits_per_char",
+        "metric": WORKLOADS[name].metric,
         "precisions": ordered,
     }
 

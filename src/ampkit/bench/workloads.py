@@ -7,6 +7,10 @@
   (oneDNN's bf16 convolutions gain less on wider layers there).
 - ``lm``: a character-level GPT-style transformer on the Python standard library's
   own source; metrics: held-out loss, bits per character and next-character accuracy.
+- ``wide``: a wide MLP (1024 -> 4096 -> 4096 -> 4096 -> 10, 38M parameters) on the
+  digits at 32x32, flattened; batch 64. Parameters, not activations, dominate its
+  step (the shape of large-model training), so the optimizer step and the
+  precision's weight handling are what it measures; metric: test accuracy.
 
 Each comes in sizes: ``full`` (the default run), ``quick`` (``--quick``) and
 ``tiny`` (tests). A workload owns its data, so every precision sees the same
@@ -40,11 +44,14 @@ __all__ = [
     "SIZES",
     "CNNConfig",
     "LMConfig",
+    "WideConfig",
     "DigitsCNN",
+    "WideMLP",
     "CharTransformer",
     "Workload",
     "CNNWorkload",
     "LMWorkload",
+    "WideWorkload",
     "make_workload",
     "default_steps",
 ]
@@ -87,6 +94,23 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+class WideMLP(nn.Module):
+    """Flatten, then ``layers`` x (Linear(width) + ReLU) and a linear classifier.
+    torch's default initialization; no normalization layers."""
+
+    def __init__(self, in_features: int, width: int = 4096, layers: int = 3, num_classes: int = 10) -> None:
+        super().__init__()
+        dims = [in_features] + [width] * layers
+        body: list[nn.Module] = [nn.Flatten()]
+        for i, o in zip(dims[:-1], dims[1:]):
+            body += [nn.Linear(i, o), nn.ReLU()]
+        self.body = nn.Sequential(*body)
+        self.classifier = nn.Linear(dims[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.body(x))
 
 
 class CausalSelfAttention(nn.Module):
@@ -196,10 +220,27 @@ class LMConfig:
     eval_windows: int = 128
 
 
+@dataclasses.dataclass(frozen=True)
+class WideConfig:
+    """Size and training settings of the ``wide`` workload."""
+
+    image_size: int = 32
+    width: int = 4096
+    layers: int = 3
+    batch_size: int = 64
+    lr: float = 1e-4
+    steps: int = 60
+
+
 CNN_SIZES: dict[str, CNNConfig] = {
     "full": CNNConfig(),
     "quick": CNNConfig(steps=60),
     "tiny": CNNConfig(image_size=16, width=8, batch_size=64, lr=3e-3, steps=40),
+}
+WIDE_SIZES: dict[str, WideConfig] = {
+    "full": WideConfig(),
+    "quick": WideConfig(width=2048, steps=30),
+    "tiny": WideConfig(image_size=8, width=128, lr=1e-3, steps=30),
 }
 LM_SIZES: dict[str, LMConfig] = {
     "full": LMConfig(),
@@ -214,13 +255,15 @@ LM_SIZES: dict[str, LMConfig] = {
 class Workload:
     """A model, its optimizer, endless training batches and an evaluation.
 
-    Subclasses set ``name``, ``description`` and ``steps`` (the default number of
-    training steps) and implement the methods below.
+    Subclasses set ``name``, ``description``, ``steps`` (the default number of
+    training steps) and ``metric`` (the key of ``evaluate``'s headline figure) and
+    implement the methods below.
     """
 
     name: str = ""
     description: str = ""
     steps: int = 0
+    metric: str = "accuracy"  # the headline figure of ``evaluate``
 
     def build_model(self) -> nn.Module:
         """A freshly initialized model on the workload's device (seed first)."""
@@ -265,17 +308,24 @@ class CNNWorkload(Workload):
     """``cnn``: :class:`DigitsCNN` on the digits, AdamW, constant learning rate."""
 
     name = "cnn"
+    cfg: Any
 
     def __init__(self, size: str = "full", device: str | torch.device = "cpu", seed: int = 0) -> None:
-        self.cfg = CNN_SIZES[size]
+        self.cfg = self._sizes()[size]
         self.device = torch.device(device)
         self.data: DigitsData = load_digits(self.cfg.image_size, seed=seed, device=self.device)
         self.steps = self.cfg.steps
         self.description = (
-            f"CNN (width {self.cfg.width}) on sklearn digits {self.cfg.image_size}x"
+            f"{self._model_text()} on sklearn digits {self.cfg.image_size}x"
             f"{self.cfg.image_size}, batch {self.cfg.batch_size}; "
             f"{self.data.train_x.shape[0]} train / {self.data.test_x.shape[0]} test images"
         )
+
+    def _sizes(self) -> dict[str, Any]:
+        return CNN_SIZES
+
+    def _model_text(self) -> str:
+        return f"CNN (width {self.cfg.width})"
 
     def build_model(self) -> nn.Module:
         model = DigitsCNN(self.cfg.width, self.data.num_classes).to(self.device)
@@ -310,11 +360,32 @@ class CNNWorkload(Workload):
         return dataclasses.asdict(self.cfg)
 
 
+class WideWorkload(CNNWorkload):
+    """``wide``: :class:`WideMLP` on the flattened digits, AdamW, constant learning
+    rate: a parameter-heavy step (38M parameters at the full size)."""
+
+    name = "wide"
+
+    def _sizes(self) -> dict[str, Any]:
+        return WIDE_SIZES
+
+    def _model_text(self) -> str:
+        c = self.cfg
+        n = c.image_size**2 * c.width + (c.layers - 1) * c.width**2 + c.layers * c.width + 10 * c.width + 10
+        dims = " -> ".join([str(c.image_size**2)] + [str(c.width)] * c.layers + ["10"])
+        return f"MLP {dims} ({n / 1e6:.1f}M params)"
+
+    def build_model(self) -> nn.Module:
+        c = self.cfg
+        return WideMLP(c.image_size**2, c.width, c.layers, self.data.num_classes).to(self.device)
+
+
 class LMWorkload(Workload):
     """``lm``: :class:`CharTransformer` on standard-library source, AdamW with
     linear warmup and cosine decay."""
 
     name = "lm"
+    metric = "bits_per_char"
 
     def __init__(self, size: str = "full", device: str | torch.device = "cpu", seed: int = 0) -> None:
         self.cfg = LM_SIZES[size]
@@ -385,17 +456,17 @@ class LMWorkload(Workload):
         return dataclasses.asdict(self.cfg)
 
 
-WORKLOADS: dict[str, type[Workload]] = {"cnn": CNNWorkload, "lm": LMWorkload}
+WORKLOADS: dict[str, type[Workload]] = {"cnn": CNNWorkload, "lm": LMWorkload, "wide": WideWorkload}
 
 
 def default_steps(name: str, size: str = "full") -> int:
     """Training steps a workload runs at ``size`` unless told otherwise."""
-    sizes: dict[str, Any] = {"cnn": CNN_SIZES, "lm": LM_SIZES}[name]
+    sizes: dict[str, Any] = {"cnn": CNN_SIZES, "lm": LM_SIZES, "wide": WIDE_SIZES}[name]
     return int(sizes[size].steps)
 
 
 def make_workload(name: str, size: str = "full", device: str | torch.device = "cpu", seed: int = 0) -> Workload:
-    """Build the workload ``name`` (``"cnn"`` or ``"lm"``) at ``size``
+    """Build the workload ``name`` (``"cnn"``, ``"lm"`` or ``"wide"``) at ``size``
     (``"full"``, ``"quick"`` or ``"tiny"``) with its data on ``device``."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
