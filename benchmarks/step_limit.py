@@ -1,0 +1,301 @@
+"""Training-step time of each precision against the pure-bf16 speed limit.
+
+One interleaved run over ``ampkit bench``'s workloads (``wide``: the MLP
+1024 -> 4096 -> 4096 -> 4096 -> 10, 38M parameters, batch 64; ``cnn``, ``lm``: the
+small ones), every arm in its own process, the optimizer ``torch.optim.AdamW`` with
+torch's defaults unless an arm says otherwise:
+
+==================  ==================================================================
+arm                 what it runs
+==================  ==================================================================
+``fp32``            fp32 model, AdamW as built
+``torch-autocast``  ``torch.autocast(bf16)`` around the forward, AdamW as built
+``autocast+fused``  the same with ``AdamW(fused=True)``: torch's fastest step for fp32
+                    weights (what ampkit O1 is compared with at equal optimizer settings)
+``ampkit-O1/O2/O2K``  ``ampkit.initialize(opt_level=...)``, AdamW as built (ampkit may
+                    pick a faster kernel for the same optimizer)
+``bf16``            model and AdamW in bf16, AdamW as built: the limit the targets use
+``bf16+fused``      the same with ``AdamW(fused=True)``: the kernel-level limit
+==================  ==================================================================
+
+Two phases:
+
+- ``full``: forward, backward and step on the workload's real batches.
+- ``update``: a synthetic backward gives every parameter a fresh gradient in its
+  own dtype (fixed random values times the loss's output gradient) through
+  autograd, so gradient accumulation and every hook run as in a real backward;
+  then the step. This leaves out the model's forward/backward compute, which is
+  the same for every 16-bit arm, and isolates what the precisions differ in:
+  gradient handling, unscale + overflow check, the optimizer step, the publish of
+  16-bit weights.
+
+``--phase auto`` (the default) runs both where the CPU computes bf16 natively,
+and only ``update`` where a bf16 matmul is more than 1.5x slower than fp32 (no
+avx512_bf16/AMX: bf16 there is emulated, 10-170x slower, and full-step times
+would measure the emulation).
+
+Each round every arm runs ``--steps`` steps in turn (the starting arm rotates);
+reported: the minimum ms/step over all rounds (least disturbed by other load on
+a shared machine) and the median, and the ratios of the minimum to ``bf16`` and
+``bf16+fused``. One torch thread per process. Checks printed at the end (on
+``wide``): O2 <= 1.15x bf16, O2K <= 1.10x bf16, O1 <= torch-autocast.
+
+    python benchmarks/step_limit.py                     # all workloads (~3-6 min)
+    python benchmarks/step_limit.py --workloads wide --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+ARMS = (
+    "fp32",
+    "torch-autocast",
+    "autocast+fused",
+    "ampkit-O1",
+    "ampkit-O2",
+    "ampkit-O2K",
+    "bf16",
+    "bf16+fused",
+)
+WORKLOADS = ("wide", "cnn", "lm")
+WARMUP_STEPS = 2
+# Targets of the wide workload (step time over the bf16 arm's).
+TARGETS = {"ampkit-O2": 1.15, "ampkit-O2K": 1.10}
+
+
+# --- the worker --------------------------------------------------------------------------
+
+
+class _Arm:
+    """One arm on one workload: model, optimizer and a step function."""
+
+    def __init__(self, workload: str, arm: str, phase: str) -> None:
+        from ampkit.bench.recipes import make_recipe
+        from ampkit.bench.workloads import make_workload
+
+        self.workload = make_workload(workload, "full")
+        recipe_name = {"autocast+fused": "torch-autocast", "bf16+fused": "bf16"}.get(arm, arm)
+        self.recipe = make_recipe(recipe_name, torch.device("cpu"), torch.bfloat16)
+        torch.manual_seed(0)
+        model = self.workload.build_model()
+        fused = arm.endswith("+fused")
+        opt = torch.optim.AdamW(model.parameters(), fused=True) if fused else torch.optim.AdamW(model.parameters())
+        self.model, self.optimizer = self.recipe.prepare(model, opt)
+        self.batches = self.workload.batches(torch.Generator().manual_seed(0))
+        self.phase = phase
+        if phase == "update":
+            g = torch.Generator().manual_seed(1)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.params = params
+            self.grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype) for p in params]
+
+    def _loss(self) -> Any:
+        if self.phase == "update":
+            return _GradientsFor.apply(self.grads, *self.params)
+        x, y = next(self.batches)
+        with self.recipe.scope():
+            return self.workload.loss(self.model(x), y)
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.recipe.backward_step(self._loss(), self.optimizer)
+        return 1000.0 * (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.recipe.cleanup()
+
+
+class _GradientsFor(torch.autograd.Function):
+    """A scalar whose backward hands each parameter ``grads[i] * dL`` (a fresh tensor
+    in the parameter's dtype), as a real backward's last op would."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list, *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return params[0].new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, out: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *[g * out.to(g.dtype) for g in ctx.grads])
+
+
+def _worker(conn: Any) -> None:
+    torch.set_num_threads(1)
+    arm: _Arm | None = None
+    while True:
+        msg = conn.recv()
+        try:
+            if msg[0] == "close":
+                return
+            if msg[0] == "setup":
+                if arm is not None:
+                    arm.close()
+                arm = None
+                import ampkit
+
+                ampkit.reset()
+                arm = _Arm(*msg[1:])
+                for _ in range(WARMUP_STEPS):
+                    arm.step()
+                conn.send(("ready",))
+            elif msg[0] == "run":
+                assert arm is not None
+                conn.send(("times", [arm.step() for _ in range(msg[1])]))
+        except Exception as exc:  # reported in the table
+            arm = None
+            conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+# --- the driver --------------------------------------------------------------------------
+
+
+def bf16_is_native(threshold: float = 1.5) -> tuple[bool, float]:
+    """(whether a bf16 matmul runs at most ``threshold`` x an fp32 one, the ratio)."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            x @ y
+            best = min(best, time.perf_counter() - start)
+        times[dtype] = best
+    ratio = times[torch.bfloat16] / times[torch.float32]
+    return ratio <= threshold, ratio
+
+
+def _measure(workload: str, phase: str, arms: list[str], pool: dict[str, Any], rounds: int, steps: int) -> dict:
+    ready: list[str] = []
+    rows: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        pool[arm][0].send(("setup", workload, arm, phase))
+    for arm in arms:
+        reply = pool[arm][0].recv()
+        if reply[0] == "ready":
+            ready.append(arm)
+            rows[arm] = {"times": []}
+        else:
+            rows[arm] = {"error": reply[1]}
+            print(reply[2], file=sys.stderr)
+    for r in range(rounds):
+        order = ready[r % len(ready) :] + ready[: r % len(ready)] if ready else []
+        for arm in order:
+            pool[arm][0].send(("run", steps))
+            reply = pool[arm][0].recv()
+            if reply[0] == "times":
+                rows[arm]["times"] += reply[1]
+            else:
+                rows[arm] = {"error": reply[1]}
+                ready.remove(arm)
+                print(reply[2], file=sys.stderr)
+    for row in rows.values():
+        if "times" in row:
+            row["min"] = min(row["times"])
+            row["median"] = statistics.median(row["times"])
+    return rows
+
+
+def _table(workload: str, phase: str, rows: dict, description: str) -> list[str]:
+    lines = [
+        f"{workload} [{phase}]: {description}",
+        f"  {'arm':<16} {'min ms':>9} {'median ms':>10} {'/ bf16':>8} {'/ bf16+fused':>13}",
+    ]
+    limit = rows.get("bf16", {}).get("min")
+    kernel = rows.get("bf16+fused", {}).get("min")
+    for arm, row in rows.items():
+        if "error" in row:
+            lines.append(f"  {arm:<16} error: {row['error']}")
+            continue
+        r1 = f"{row['min'] / limit:.2f}" if limit else "-"
+        r2 = f"{row['min'] / kernel:.2f}" if kernel else "-"
+        lines.append(f"  {arm:<16} {row['min']:>9.1f} {row['median']:>10.1f} {r1:>8} {r2:>13}")
+    return lines
+
+
+def _checks(workload: str, phase: str, rows: dict) -> list[tuple[str, bool, str]]:
+    out: list[tuple[str, bool, str]] = []
+    limit = rows.get("bf16", {}).get("min")
+    for arm, target in TARGETS.items():
+        if limit and "min" in rows.get(arm, {}):
+            ratio = rows[arm]["min"] / limit
+            out.append((f"{workload} [{phase}]: {arm} <= {target:.2f} x bf16", ratio <= target, f"{ratio:.2f}"))
+    o1 = rows.get("ampkit-O1", {}).get("min")
+    for ref in ("torch-autocast", "autocast+fused"):
+        other = rows.get(ref, {}).get("min")
+        if o1 and other:
+            out.append((f"{workload} [{phase}]: ampkit-O1 <= {ref}", o1 <= other, f"{o1:.1f} vs {other:.1f} ms"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--phase", choices=("auto", "full", "update", "both"), default="auto")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per arm per round (default: 2 wide, 5 others)")
+    args = parser.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    native, ratio = bf16_is_native()
+    if args.phase == "auto":
+        phases = ["full", "update"] if native else ["update"]
+    else:
+        phases = ["full", "update"] if args.phase == "both" else [args.phase]
+    from ampkit.bench.runner import _device_name
+    from ampkit.bench.workloads import make_workload
+
+    print(
+        f"torch {torch.__version__}, {_device_name('cpu')}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, 1 thread per arm; bf16 matmul / fp32 "
+        f"matmul = {ratio:.1f}x" + ("" if native else " (no native bf16: full-step phase skipped unless asked)")
+    )
+    ctx = mp.get_context("spawn")
+    pool: dict[str, Any] = {}
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        for arm in arms:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            pool[arm] = (parent, proc)
+        for workload in args.workloads.split(","):
+            description = make_workload(workload, "full").description
+            steps = args.steps or (2 if workload == "wide" else 5)
+            for phase in phases:
+                rows = _measure(workload, phase, arms, pool, args.rounds, steps)
+                print("\n".join(_table(workload, phase, rows, description)), flush=True)
+                if workload == "wide":
+                    checks += _checks(workload, phase, rows)
+    finally:
+        for conn, proc in pool.values():
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+    for name, ok, detail in checks:
+        print(f"[{'ok' if ok else 'MISS'}] {name}: {detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
