@@ -24,13 +24,29 @@ master copy of the weights:
     Plain round-to-nearest from the fp32 step: the reference the other two are
     measured against.
 
-Works with any ``torch.optim`` optimizer whose update of a parameter depends only
-on that parameter, its grad and its own state (all of them except LBFGS): the
-real optimizer runs, on fp32 copies of a bounded chunk of parameters, grads and
-state at a time, and its result is rounded as above. State is stored back in the
-parameter's dtype (bf16), as torch does for bf16 parameters, so an Adam moment
-costs 2 bytes, not 4. Peak extra memory during the step is about
-``chunk_numel * 20`` bytes (fp32 parameter, grad, Adam's two moments, the sum).
+Two ways to step, chosen per parameter group:
+
+Dedicated updates (Kahan, bf16 parameters of ``torch.optim.Adam``, ``AdamW`` and
+``SGD``, with or without momentum, nesterov, weight decay, maximize; not amsgrad,
+capturable or differentiable): one elementwise kernel per tensor reads the bf16
+weight, compensation, grad and state once, computes the optimizer's update in
+fp32 registers, and writes weight, compensation and state back in place (see
+:mod:`ampkit._kernels`; ``kernel="auto"`` compiles it with ``torch.compile`` where
+a C++ compiler is available, else runs it op by op in bounded chunks). No
+full-size temporary: AdamW costs 10 bytes per parameter in all (bf16 weight,
+compensation, grad and two moments), the step included. The arithmetic is the
+optimizer's (same formulas, fp32), except that the moments are read from and
+rounded back to bf16 each step, as torch's own optimizers do for bf16 parameters;
+the update itself uses the fp32 values before that rounding.
+
+The generic path, for any other ``torch.optim`` optimizer whose update of a
+parameter depends only on that parameter, its grad and its own state (all of them
+except LBFGS), and for ``method="stochastic"``/``"nearest"``: the real optimizer
+runs, on fp32 copies of a bounded chunk of parameters, grads and state at a time,
+and its result is rounded as above. State is stored back in the parameter's dtype
+(bf16), as torch does for bf16 parameters, so an Adam moment costs 2 bytes, not 4.
+Peak extra memory during the step is about ``chunk_numel * 20`` bytes (fp32
+parameter, grad, Adam's two moments, the sum).
 
 How the step is intercepted without replacing ``optimizer.step``: a step
 pre-hook (``Optimizer.register_step_pre_hook``) runs the optimizer's class-level
@@ -48,12 +64,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from . import _kernels
+from ._kernels import Kernel, flat, same_layout
 from .errors import AmpError, StateError
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
 
 Method = Literal["kahan", "stochastic", "nearest"]
 _METHODS = ("kahan", "stochastic", "nearest")
+KernelChoice = Literal["auto", "compiled", "eager", "generic"]
+_KERNELS = ("auto", "compiled", "eager", "generic")
 _LOW = (torch.bfloat16, torch.float16)
 _STATE_FORMAT = 1
 
@@ -89,6 +109,107 @@ def kahan_round(
     return stored
 
 
+# --- dedicated updates: the optimizers' math, fused with the Kahan rounding ------------
+
+
+def _split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to 8 significant bits (a bf16 value, still in fp32), by
+    Veltkamp splitting: ``t = x * (2**16 + 1); x - ... = t - (t - x)``.
+
+    Arithmetic rather than ``x.to(bfloat16).float()``: Inductor folds that round
+    trip away (it keeps intermediates in fp32), its ``emulate_precision_casts`` mode
+    runs the kernel ~1.7x slower, and integer bit tricks cost ~2x (the bit casts go
+    through memory). Exact for |x| < 2**112; the result is round-to-nearest (ties
+    may go either way, unlike the cast's ties-to-even). Needs fp32 arithmetic
+    without contraction into fused multiply-adds, which Inductor's default
+    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit._kernels` checks."""
+    t = x * 65537.0
+    return t - (t - x)
+
+
+def _kahan_store(w: torch.Tensor, c: torch.Tensor, total: torch.Tensor) -> None:
+    """``w = round(total)``, ``c = round(total - w)`` (``total`` fp32, ``w`` and ``c``
+    bf16; ``w``'s rounding is exact: the value is already a bf16 value)."""
+    rounded = _split_bf16(total)
+    c.copy_(total - rounded)
+    w.copy_(rounded)
+
+
+def _adam_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+) -> None:
+    """Adam/AdamW on bf16 ``w`` (+ compensation ``c``) and bf16 moments ``m``, ``v``.
+    ``s``: 1-beta1, beta2, 1-beta2, eps, lr/bias_correction1, sqrt(bias_correction2),
+    1-lr*wd (decoupled decay; else 1), wd (L2 decay; else 0), -1 if maximize else 1."""
+    wf = w.float()
+    gf = g.float() * s[8] + wf * s[7]
+    mf = m.float()
+    mf = mf + (gf - mf) * s[0]
+    vf = v.float() * s[1] + gf * gf * s[2]
+    denom = vf.sqrt() / s[5] + s[3]
+    _kahan_store(w, c, wf * s[6] - (mf / denom) * s[4] + c.float())
+    m.copy_(mf)
+    v.copy_(vf)
+
+
+def _sgd_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool
+) -> None:
+    """SGD with momentum on bf16 ``w`` (+ ``c``) and a bf16 momentum buffer. ``s``: lr,
+    wd, buffer decay (momentum; 0 on the first step), buffer gain (1-dampening; 1 on
+    the first step), -1 if maximize else 1, momentum."""
+    wf = w.float()
+    gf = g.float() * s[4] + wf * s[1]
+    bf = buf.float() * s[2] + gf * s[3]
+    update = gf + bf * s[5] if nesterov else bf
+    _kahan_store(w, c, wf - update * s[0] + c.float())
+    buf.copy_(bf)
+
+
+def _sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+    """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
+    wf = w.float()
+    gf = g.float() * s[2] + wf * s[1]
+    _kahan_store(w, c, wf - gf * s[0] + c.float())
+
+
+_BF = torch.bfloat16
+_ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
+_SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
+_SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
+
+
+def _scalar(x: Any) -> float | None:
+    """A hyperparameter as a float, or None if it is not a plain number."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if torch.is_tensor(x) and x.numel() == 1 and not x.requires_grad and x.device.type == "cpu":
+        return float(x.item())
+    return None
+
+
+def _rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+    """Which dedicated update computes this group's step ("adam", "sgd"), or None."""
+    if group.get("differentiable") or group.get("capturable"):
+        return None
+    cls = type(optimizer)
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        betas = group.get("betas", ())
+        if group.get("amsgrad") or len(betas) != 2:
+            return None
+        values = [group.get("lr"), betas[0], betas[1], group.get("eps"), group.get("weight_decay")]
+        return "adam" if all(_scalar(v) is not None for v in values) else None
+    if cls is torch.optim.SGD:
+        values = [group.get("lr"), group.get("momentum"), group.get("dampening"), group.get("weight_decay")]
+        return "sgd" if all(_scalar(v) is not None for v in values) else None
+    return None
+
+
+_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
 class CompensatedUpdates:
     """Make ``optimizer`` update its bf16 parameters with compensation.
 
@@ -100,6 +221,12 @@ class CompensatedUpdates:
             expanded to fp32 at once (a single larger parameter is stepped alone).
             Default 2**20.
         seed: seed of the generator used by ``"stochastic"``. Default 0.
+        kernel: how the dedicated updates (Kahan; Adam, AdamW, SGD) run: ``"auto"``
+            (default: ``"compiled"`` where a C++ compiler is found, else ``"eager"``),
+            ``"compiled"`` (``torch.compile``; falls back to ``"eager"`` with a warning
+            if compiling fails), ``"eager"`` (op by op, in chunks of ``chunk_numel``),
+            or ``"generic"`` (no dedicated update: every optimizer takes the generic
+            path).
 
     fp32 parameters in the same optimizer (normalization layers) are stepped as
     usual. Call :meth:`remove` to detach.
@@ -111,11 +238,14 @@ class CompensatedUpdates:
         method: Method = "kahan",
         chunk_numel: int = 1 << 20,
         seed: int = 0,
+        kernel: KernelChoice = "auto",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise AmpError(f"CompensatedUpdates expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if method not in _METHODS:
             raise AmpError(f"compensation method must be one of {_METHODS}, got {method!r}.")
+        if kernel not in _KERNELS:
+            raise AmpError(f"kernel must be one of {_KERNELS}, got {kernel!r}.")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise AmpError(
                 "LBFGS mixes all parameters in one update and calls a closure many "
@@ -128,6 +258,7 @@ class CompensatedUpdates:
         self.optimizer = optimizer
         self.method: Method = method
         self.chunk_numel = chunk_numel
+        self.kernel: KernelChoice = kernel
         self._buffers: dict[int, torch.Tensor] = {}  # id(param) -> compensation
         self._params: dict[int, nn.Parameter] = {}  # keeps ids valid
         self._generator = torch.Generator(device="cpu")
@@ -202,6 +333,9 @@ class CompensatedUpdates:
             )
         low = [p for _, _, p in self._low_params() if p.grad is not None]
         low_ids = {id(p) for p in low}
+        dedicated = self._plan(optimizer)
+        done = {id(p) for _, _, params in dedicated for p in params}
+        low = [p for p in low if id(p) not in done]
         every = [p for g in optimizer.param_groups for p in g["params"]]
         # Grads of everything not stepped yet; fp32 parameters go with the first chunk.
         pending = {id(p): p.grad for p in every if p.grad is not None}
@@ -210,8 +344,11 @@ class CompensatedUpdates:
         chunks[0] = fp32_first + chunks[0]
         self._inside = True
         try:
+            for group, rule, params in dedicated:
+                self._step_dedicated(optimizer, group, rule, params)
             for chunk in chunks:
-                self._step_chunk(optimizer, chunk, pending, every)
+                if chunk:
+                    self._step_chunk(optimizer, chunk, pending, every)
         except BaseException:
             for p in every:
                 p.grad = pending.get(id(p))
@@ -223,6 +360,113 @@ class CompensatedUpdates:
         for p in every:
             p.grad = None
         return None
+
+    # -- dedicated updates ----------------------------------------------------------
+
+    def _plan(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str, list[nn.Parameter]]]:
+        """(group, rule, params) for the parameters a dedicated update steps; the rest
+        take the generic path. Reads only: nothing is changed here."""
+        if self.method != "kahan" or self.kernel == "generic":
+            return []
+        plan = []
+        for group in optimizer.param_groups:
+            rule = _rule_for(optimizer, group)
+            if rule is None:
+                continue
+            params = [p for p in group["params"] if self._fits(optimizer, p, rule)]
+            if params:
+                plan.append((group, rule, params))
+        return plan
+
+    def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
+        g = p.grad
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or flat(p) is None:
+            return False
+        state = optimizer.state.get(p)
+        tensors = [p, g]
+        buf = self._buffers.get(id(p))
+        if buf is not None:
+            tensors.append(buf)
+        if state:
+            if rule == "adam" and "step" not in state:
+                return False
+            for key in _STATE_KEYS[rule]:
+                v = state.get(key)
+                if v is None and rule == "sgd":
+                    continue
+                if not torch.is_tensor(v) or v.dtype != _BF:
+                    return False
+                tensors.append(v)
+        return same_layout(tensors)
+
+    def _step_dedicated(
+        self, optimizer: torch.optim.Optimizer, group: dict, rule: str, params: list[nn.Parameter]
+    ) -> None:
+        assert self.kernel != "generic"
+        mode = _kernels.resolve_mode(self.kernel)
+        run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
+        ws = [flat(p.detach()) for p in params]
+        cs = [flat(self._buffer_for(p, p.detach())) for p in params]
+        gs = [flat(p.grad) for p in params]  # type: ignore[arg-type]
+        with torch.no_grad():
+            if rule == "adam":
+                self._adam(optimizer, group, params, ws, cs, gs, run)
+            else:
+                self._sgd(optimizer, group, params, ws, cs, gs, run)
+
+    def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
+              gs: list, run: dict) -> None:
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        lr, eps, wd = _scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"])
+        assert lr is not None and eps is not None and wd is not None and beta1 is not None and beta2 is not None
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
+        by_step: dict[float, list[int]] = {}
+        for i, p in enumerate(params):
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            by_step.setdefault(float(state["step"]), []).append(i)
+        sign = -1.0 if group.get("maximize") else 1.0
+        for step, idx in by_step.items():
+            bc1 = 1 - beta1**step
+            bc2 = 1 - beta2**step
+            scalars = torch.tensor(
+                [1 - beta1, beta2, 1 - beta2, eps, lr / bc1, bc2**0.5,
+                 1 - lr * wd if decoupled else 1.0, 0.0 if decoupled else wd, sign],
+                dtype=torch.float32,
+            )  # fmt: skip
+            ms = [flat(optimizer.state[params[i]]["exp_avg"]) for i in idx]
+            vs = [flat(optimizer.state[params[i]]["exp_avg_sq"]) for i in idx]
+            _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
+
+    def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
+             gs: list, run: dict) -> None:
+        lr, momentum = _scalar(group["lr"]), _scalar(group["momentum"])
+        dampening, wd = _scalar(group["dampening"]), _scalar(group["weight_decay"])
+        assert lr is not None and momentum is not None and dampening is not None and wd is not None
+        sign = -1.0 if group.get("maximize") else 1.0
+        if momentum == 0:
+            _SGD_PLAIN([ws, cs, gs], torch.tensor([lr, wd, sign], dtype=torch.float32), **run)
+            return
+        first: list[int] = []
+        later: list[int] = []
+        for i, p in enumerate(params):
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                first.append(i)
+            else:
+                later.append(i)
+        for idx, decay, gain in ((first, 0.0, 1.0), (later, momentum, 1 - dampening)):
+            if not idx:
+                continue
+            bufs = [flat(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
+            scalars = torch.tensor([lr, wd, decay, gain, sign, momentum], dtype=torch.float32)
+            _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
+                 nesterov=bool(group.get("nesterov")), **run)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._inside or self._set_aside is None:

@@ -1,0 +1,211 @@
+"""Elementwise update kernels: one pass over every tensor an optimizer step touches.
+
+A kernel is a plain function of 1-D tensors and a 1-D fp32 tensor of scalars,
+written with torch ops. It runs in one of two modes:
+
+``"compiled"``
+    ``torch.compile(fn, dynamic=True, fullgraph=True)``: Inductor fuses the whole
+    function into one loop that reads each input once and writes each output in
+    place, with no full-size temporaries. One compilation per kernel and process
+    (a few seconds from Inductor's on-disk cache; ~30 s the very first time on a
+    machine, gcc compiling the C++); every tensor size reuses it.
+``"eager"``
+    The same function run op by op on slices of at most ``chunk_numel`` elements,
+    so its fp32 temporaries stay bounded. The fallback where compiling fails.
+
+Inductor keeps intermediates in fp32: a round trip ``x.to(bfloat16).float()``
+inside a kernel is folded away, so a kernel that needs a rounding error computes
+the rounding explicitly (see ``ampkit.compensated``). Before first use, the
+compiled kernel is run on random data beside the eager function and must match
+it bit for bit; otherwise (and when compiling fails) the eager mode is used, with
+a warning.
+
+Tensors are passed flattened (see :func:`flat`). Each compiled call costs tens of
+microseconds of Python and guard overhead, so tensors below ``DIRECT_NUMEL``
+elements are concatenated into shared flat buffers, run in one call, and copied
+back (bounded by ``batch_numel``). Results are deterministic for a given mode;
+the two modes may differ in the last bit (fused multiply-adds, evaluation order).
+Scalars travel as a tensor so that a changing learning rate recompiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+__all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
+
+_LOG = logging.getLogger("ampkit")
+
+KernelMode = Literal["auto", "compiled", "eager"]
+DIRECT_NUMEL = 1 << 15
+_lock = threading.Lock()
+
+
+def flat(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of every element of ``t`` in memory order, or None when ``t`` is
+    not dense (gaps or overlaps between its elements)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    permuted = t.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def same_layout(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors have one shape, one set of strides and one device, so their
+    flat views (:func:`flat`) correspond element by element."""
+    first = tensors[0]
+    return all(
+        t.shape == first.shape and t.stride() == first.stride() and t.device == first.device
+        for t in tensors[1:]
+    )
+
+
+class Kernel:
+    """An elementwise update ``fn(*tensors, scalars, **static)`` that writes some of its
+    tensor arguments in place.
+
+    Args:
+        name: for messages.
+        fn: the update, on 1-D tensors of equal length.
+        mutated: positions of the tensor arguments ``fn`` writes.
+        example_dtypes: dtypes of the tensor arguments, for the compile probe.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., None],
+        mutated: Sequence[int],
+        example_dtypes: Sequence[torch.dtype],
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.mutated = tuple(mutated)
+        self.example_dtypes = tuple(example_dtypes)
+        self._compiled: dict[tuple, Callable[..., None] | None] = {}
+
+    def _compiled_fn(self, static: dict, num_scalars: int) -> Callable[..., None] | None:
+        key = tuple(sorted(static.items()))
+        if key in self._compiled:
+            return self._compiled[key]
+        with _lock:
+            if key in self._compiled:
+                return self._compiled[key]
+            compiled: Callable[..., None] | None
+            try:
+                compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+                # Probe on scratch tensors: a compiler failure must not surface halfway
+                # through a real step, and the compiled arithmetic must be the eager
+                # one bit for bit (no contraction into fused multiply-adds, which
+                # would break the exact rounding-error computations).
+                g = torch.Generator().manual_seed(0)
+                scalars = torch.rand(num_scalars, generator=g) * 0.5 + 0.25
+                probe = [(torch.randn(1031, generator=g) * 0.1).to(d) for d in self.example_dtypes]
+                expected = [t.clone() for t in probe]
+                compiled(*probe, scalars, **static)
+                self.fn(*expected, scalars, **static)
+                if not all(_same_bits(a, b) for a, b in zip(probe, expected)):
+                    raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+            except Exception as exc:  # no compiler, unsupported platform, ...
+                _LOG.warning(
+                    "ampkit: compiling the %s update kernel failed (%s: %s); using the "
+                    "op-by-op version (same math, slower).", self.name, type(exc).__name__, exc
+                )
+                compiled = None
+            self._compiled[key] = compiled
+            return compiled
+
+    def __call__(
+        self,
+        tensors: Sequence[Sequence[torch.Tensor]],
+        scalars: torch.Tensor,
+        *,
+        mode: Literal["compiled", "eager"],
+        chunk_numel: int,
+        batch_numel: int,
+        **static: object,
+    ) -> None:
+        """Apply the kernel to ``tensors[role][i]`` for every ``i`` (flat, dense views
+        with equal lengths across roles)."""
+        if not tensors or not tensors[0]:
+            return
+        run: Callable[..., None] | None = None
+        if mode == "compiled":
+            run = self._compiled_fn(static, scalars.numel())
+        count = len(tensors[0])
+        small: list[int] = []
+        for i in range(count):
+            n = tensors[0][i].numel()
+            if n == 0:
+                continue
+            if n < DIRECT_NUMEL:
+                small.append(i)
+            elif run is not None:
+                run(*[role[i] for role in tensors], scalars, **static)
+            else:
+                for start in range(0, n, chunk_numel):
+                    self.fn(*[role[i][start : start + chunk_numel] for role in tensors], scalars, **static)
+        batch: list[int] = []
+        size = 0
+        for i in small + [-1]:
+            n = tensors[0][i].numel() if i >= 0 else 0
+            if batch and (i < 0 or size + n > batch_numel):
+                self._run_batch(run, tensors, batch, scalars, static)
+                batch, size = [], 0
+            if i >= 0:
+                batch.append(i)
+                size += n
+
+    def _run_batch(
+        self,
+        run: Callable[..., None] | None,
+        tensors: Sequence[Sequence[torch.Tensor]],
+        batch: list[int],
+        scalars: torch.Tensor,
+        static: dict,
+    ) -> None:
+        if len(batch) == 1:
+            args = [role[batch[0]] for role in tensors]
+            (run or self.fn)(*args, scalars, **static)
+            return
+        joined = [torch.cat([role[i] for i in batch]) for role in tensors]
+        (run or self.fn)(*joined, scalars, **static)
+        sizes = [tensors[0][i].numel() for i in batch]
+        for pos in self.mutated:
+            torch._foreach_copy_([tensors[pos][i] for i in batch], list(joined[pos].split(sizes)))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+_PROCESS_MODE: dict[str, Literal["compiled", "eager"]] = {}
+
+
+def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
+    """``"auto"`` -> ``"compiled"`` where ``torch.compile`` can build CPU/accelerator
+    code here (a C++ compiler is found), else ``"eager"``."""
+    if mode != "auto":
+        return mode
+    cached = _PROCESS_MODE.get("auto")
+    if cached is None:
+        cached = "compiled" if _compiler_available() else "eager"
+        _PROCESS_MODE["auto"] = cached
+    return cached
+
+
+def _compiler_available() -> bool:
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+        return True
+    except Exception:
+        return False
