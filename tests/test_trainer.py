@@ -124,10 +124,15 @@ def test_fp16_underflow_fails_without_scaling_and_matches_fp32_with_scale_loss()
 
 
 # --- exactness and skipping -----------------------------------------------------------
-def test_managed_run_without_overflow_is_bitwise_a_plain_fp32_run():
+@pytest.mark.parametrize("fast_kernels", [True, False])
+def test_managed_run_without_overflow_is_bitwise_a_plain_fp32_run(fast_kernels):
+    """Managed, AdamW built with torch's defaults steps with the fused kernel: bitwise
+    a plain run of AdamW(fused=True); with fast_kernels=False, bitwise the plain
+    per-parameter loop."""
     ref, model = mlp(), mlp()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = amp.init_trainer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fast_kernels or None)
+    opt = amp.init_trainer(torch.optim.AdamW(model.parameters(), lr=1e-2), fast_kernels=fast_kernels)
+    assert managed_state(opt).kernels == (["fused"] if fast_kernels else [])
     for i in range(6):
         ref_opt.zero_grad()
         loss_of(ref, i).backward()
@@ -162,7 +167,7 @@ def test_injected_inf_nan_skips_bitwise_and_scale_follows_rules(k, interval, hys
                consecutive_hysteresis=False, max_consecutive_skips=100)
     ref_scaler = RefScaler(cfg)
     twin, model = mlp(), mlp()
-    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2, weight_decay=0.1, fused=True)  # ampkit's pick
     opt = amp.init_trainer(torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1), LossScaler(**cfg))
     for i, inject in enumerate(plan):
         opt.zero_grad()
@@ -223,7 +228,7 @@ def test_one_host_sync_per_step():
 
 def test_gradient_accumulation_is_bitwise_plain_accumulation():
     ref, model = mlp(), mlp()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)  # ampkit's pick
     opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     for step in range(3):
         ref_opt.zero_grad()

@@ -67,6 +67,8 @@ class OptLevel:
             the :class:`ampkit.LossScaler` defaults, 1 and 2**24).
         cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
             (default fp32; None keeps them 16-bit).
+        fast_kernels: step param groups left at ``foreach=None, fused=None`` with
+            torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`).
     """
 
     name: str
@@ -81,6 +83,7 @@ class OptLevel:
     min_loss_scale: float | None = None
     max_loss_scale: float | None = None
     cast_model_outputs: torch.dtype | None = torch.float32
+    fast_kernels: bool = True
 
 
 #: The base settings of each level; ``dtype`` and the loss scale are filled per device.
@@ -104,6 +107,7 @@ _OVERRIDES = (
     "min_loss_scale",
     "max_loss_scale",
     "cast_model_outputs",
+    "fast_kernels",
     "policy",
 )
 
@@ -147,7 +151,7 @@ def resolve_opt_level(
     if cast is not None:
         cast = _check_dtype(cast, "cast_model_type")
 
-    for flag in ("keep_norm_fp32", "master_weights", "op_casting"):
+    for flag in ("keep_norm_fp32", "master_weights", "op_casting", "fast_kernels"):
         if flag in ov and not isinstance(ov[flag], bool):
             raise AmpError(f"{flag} must be True or False, got {ov[flag]!r}.")
     keep_norm = ov.get("keep_norm_fp32", base["keep_norm_fp32"] if cast is not None else False)
@@ -219,6 +223,7 @@ def resolve_opt_level(
         min_loss_scale=min_s,
         max_loss_scale=max_s,
         cast_model_outputs=outputs,
+        fast_kernels=ov.get("fast_kernels", True),
     )
 
 
@@ -384,6 +389,8 @@ def initialize(
             - ``num_losses``: loss scalers per optimizer, one per ``loss_id``.
             - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
             - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
+            - ``fast_kernels``: step with torch's fused/foreach kernel where the
+              optimizer was built with neither pinned (default True).
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -492,7 +499,9 @@ def _attach_trainer(
     master-weight or compensation hooks of each optimizer."""
     from . import optim
 
-    optim.init_trainer(opt_list, scaler=scaler, num_losses=level.num_losses)
+    optim.init_trainer(
+        opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
+    )
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if mw is not None:

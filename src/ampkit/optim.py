@@ -73,6 +73,7 @@ import torch
 
 from . import session as _session
 from .errors import AmpError, DistributedError, NumericsError, StateError
+from .fast_step import use_fastest_kernel
 from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, is_real, to_fp32, unscale_and_check_
 
@@ -244,6 +245,7 @@ class ManagedOptimizer:
         optimizer: torch.optim.Optimizer,
         slots: list[_LossSlot],
         hold_schedulers_on_skip: bool,
+        fast_kernels: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self._slots = slots
@@ -275,6 +277,13 @@ class ManagedOptimizer:
         # Hooks that make grads real as backward produces them (ampkit.grads).
         self.grad_path = GradPath(self)
         self.grad_path.refresh()
+        # torch's fastest kernel for groups left at foreach=None/fused=None, again after
+        # a load_state_dict brings back groups saved with both unset.
+        self.kernels: list[str] = []
+        self._kernel_hook: Any = None
+        if fast_kernels:
+            self.kernels = use_fastest_kernel(optimizer)
+            self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
 
     # --- extension API ---------------------------------------------------------------
     def register_extra_state(
@@ -323,6 +332,8 @@ class ManagedOptimizer:
         self._active = False
         self.grad_path.remove()
         self._release_held_schedulers()
+        if self._kernel_hook is not None:
+            self._kernel_hook.remove()
         opt = self.optimizer
         current = opt.__dict__.get("step")
         if getattr(current, "__func__", None) is self._step_function:
@@ -877,6 +888,7 @@ def init_trainer(
     num_losses: int = ...,
     *,
     hold_schedulers_on_skip: bool = ...,
+    fast_kernels: bool = ...,
 ) -> _Opt: ...
 
 
@@ -887,6 +899,7 @@ def init_trainer(
     num_losses: int = ...,
     *,
     hold_schedulers_on_skip: bool = ...,
+    fast_kernels: bool = ...,
 ) -> list[_Opt]: ...
 
 
@@ -896,6 +909,7 @@ def init_trainer(
     num_losses: int = 1,
     *,
     hold_schedulers_on_skip: bool = False,
+    fast_kernels: bool = True,
 ) -> Any:
     """Put one or several optimizers under ampkit's loss scaling and step skipping.
 
@@ -915,6 +929,12 @@ def init_trainer(
             (a few ms to tens of ms) on skipped steps only; ReduceLROnPlateau is never held.
             While held, a scheduler's class is a same-named subclass (``type(s)`` differs,
             ``isinstance`` holds); its ``state_dict()`` carries no trace of the hold.
+        fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
+            both unset (torch's defaults) step with torch's fastest kernel for the same
+            optimizer: ``fused=True`` for Adam, AdamW, SGD and Adagrad, else
+            ``foreach=True`` (see :mod:`ampkit.fast_step`); re-applied after
+            ``optimizer.load_state_dict``. Results may differ from the per-parameter
+            loop in the last bits. False leaves the optimizer exactly as built.
 
     Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
     grads. Registers into the current AMP session (``ampkit.state_dict()``).
@@ -924,10 +944,9 @@ def init_trainer(
         raise StateError("init_trainer: got no optimizer.")
     if not is_count(num_losses) or num_losses < 1:
         raise StateError(f"init_trainer: num_losses must be an int >= 1, got {num_losses!r}.")
-    if not isinstance(hold_schedulers_on_skip, bool):
-        raise StateError(
-            f"init_trainer: hold_schedulers_on_skip must be True or False, got {hold_schedulers_on_skip!r}."
-        )
+    for flag, value in (("hold_schedulers_on_skip", hold_schedulers_on_skip), ("fast_kernels", fast_kernels)):
+        if not isinstance(value, bool):
+            raise StateError(f"init_trainer: {flag} must be True or False, got {value!r}.")
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise StateError(
@@ -947,7 +966,7 @@ def init_trainer(
     slots = [_LossSlot(s) for s in scalers]
     states = []
     for opt in optimizers:
-        state = ManagedOptimizer(opt, slots, hold_schedulers_on_skip)
+        state = ManagedOptimizer(opt, slots, hold_schedulers_on_skip, fast_kernels)
         opt.__dict__[_ATTR] = state
         states.append(state)
     for slot in slots:

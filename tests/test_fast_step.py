@@ -1,0 +1,133 @@
+"""torch's fastest kernel for optimizers built with defaults (ampkit.fast_step), and the
+guarantees that must survive it: bitwise skips, bitwise resume, the user's pins."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit as amp
+from ampkit.fast_step import use_fastest_kernel
+from ampkit.optim import managed_state
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _loss(model: nn.Module, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return model(torch.randn(4, 8, generator=g)).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    "cls, kw, expected",
+    [
+        (torch.optim.AdamW, {}, "fused"),
+        (torch.optim.Adam, {"amsgrad": True}, "fused"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "fused"),
+        (torch.optim.Adagrad, {}, "fused"),
+        (torch.optim.RMSprop, {}, "foreach"),
+        (torch.optim.NAdam, {}, "foreach"),
+        (torch.optim.AdamW, {"foreach": False}, "as built"),
+        (torch.optim.AdamW, {"fused": False}, "as built"),
+        (torch.optim.SGD, {"lr": 0.1, "foreach": True}, "as built"),
+        (torch.optim.Adam, {"differentiable": True}, "as built"),
+    ],
+)
+def test_unpinned_groups_get_the_fastest_kernel_pinned_ones_stay(cls, kw, expected):
+    model = _model()
+    opt = cls(model.parameters(), **kw)
+    before = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    assert use_fastest_kernel(opt) == [expected]
+    group = opt.param_groups[0]
+    if expected == "fused":
+        assert group["fused"] is True and group["foreach"] is None
+        assert opt._step_supports_amp_scaling is True
+    elif expected == "foreach":
+        assert group["foreach"] is True
+    else:
+        assert {k: v for k, v in group.items() if k != "params"} == before
+
+
+def test_subclasses_and_mixed_groups():
+    class MyAdam(torch.optim.AdamW):  # may override step: left as built
+        pass
+
+    model = _model()
+    assert use_fastest_kernel(MyAdam(model.parameters())) == ["as built"]
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[3].parameters(), "foreach": False}]
+    )
+    assert use_fastest_kernel(opt) == ["fused", "as built"]
+    # Not every group fused: torch's non-fused groups refuse grad_scale/found_inf.
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
+
+
+def test_init_trainer_and_initialize_choose_and_can_opt_out():
+    opt = amp.init_trainer(torch.optim.AdamW(_model().parameters()))
+    assert managed_state(opt).kernels == ["fused"] and opt.param_groups[0]["fused"] is True
+    amp.reset()
+    model, opt = amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), "O1", fast_kernels=False)
+    assert opt.param_groups[0]["fused"] is None and managed_state(opt).kernels == []
+    amp.reset()
+
+
+def test_load_state_dict_of_a_plain_checkpoint_keeps_the_fast_kernel():
+    plain = torch.optim.AdamW(_model().parameters())
+    saved = plain.state_dict()
+    assert saved["param_groups"][0]["fused"] is None
+    opt = amp.init_trainer(torch.optim.AdamW(_model().parameters()))
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["fused"] is True
+    amp.optim.release(opt)
+    opt.load_state_dict(saved)  # released: the optimizer is the user's again
+    assert opt.param_groups[0]["fused"] is None
+    amp.reset()
+
+
+def _bits(model: nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    out = [p.detach().numpy().tobytes() for p in model.parameters()]
+    for state in opt.state.values():
+        out += [v.numpy().tobytes() for v in state.values() if torch.is_tensor(v)]
+    return out
+
+
+@pytest.mark.parametrize("cls, kw", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_fused_step_skips_bitwise_and_resumes_bitwise(cls, kw):
+    def run(model, opt, steps, start, inf_at=None):
+        for i in range(start, start + steps):
+            opt.zero_grad()
+            with amp.scale_loss(_loss(model, i), opt) as scaled:
+                scaled.backward()
+            if i == inf_at:
+                model[0].weight.grad[0, 0] = float("inf")
+                before = _bits(model, opt)
+            opt.step()
+            if i == inf_at:
+                assert amp.step_skipped(opt) and _bits(model, opt) == before
+
+    model = _model()
+    opt = amp.init_trainer(cls(model.parameters(), **kw))  # dynamic scale 2**16
+    assert managed_state(opt).kernels == ["fused"]
+    run(model, opt, 3, 0, inf_at=1)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()}, buf)
+    run(model, opt, 3, 3)
+    expected = _bits(model, opt)
+    amp.reset()
+
+    buf.seek(0)
+    saved = torch.load(buf)
+    model_b = _model(seed=5)
+    opt_b = amp.init_trainer(cls(model_b.parameters(), **kw))
+    model_b.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    amp.load_state_dict(saved["amp"])
+    run(model_b, opt_b, 3, 3)
+    assert _bits(model_b, opt_b) == expected
+    amp.reset()
