@@ -29,7 +29,7 @@ def _loss(model: nn.Module, i: int) -> torch.Tensor:
     [
         (torch.optim.AdamW, {}, "fused"),
         (torch.optim.Adam, {"amsgrad": True}, "fused"),
-        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "fused"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "foreach"),  # torch's fused SGD: see module doc
         (torch.optim.Adagrad, {}, "fused"),
         (torch.optim.RMSprop, {}, "foreach"),
         (torch.optim.NAdam, {}, "foreach"),
@@ -52,6 +52,19 @@ def test_unpinned_groups_get_the_fastest_kernel_pinned_ones_stay(cls, kw, expect
         assert group["foreach"] is True
     else:
         assert {k: v for k, v in group.items() if k != "params"} == before
+
+
+def test_16_bit_parameters_get_foreach_and_a_disagreeing_fused_kernel_is_not_used(monkeypatch):
+    from ampkit import fast_step
+
+    model = _model().to(torch.bfloat16)
+    assert use_fastest_kernel(torch.optim.AdamW(model.parameters())) == ["foreach"]
+    # A fused kernel that does not compute the loop's result is refused by the probe.
+    monkeypatch.setattr(fast_step, "_PROBED", {})
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *args, **kwargs: None)
+    opt = torch.optim.AdamW(_model().parameters(), lr=1e-2)
+    assert use_fastest_kernel(opt) == ["foreach"]
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
 
 
 def test_subclasses_and_mixed_groups():
@@ -97,7 +110,7 @@ def _bits(model: nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("cls, kw", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+@pytest.mark.parametrize("cls, kw", [(torch.optim.AdamW, {"lr": 1e-2}), (torch.optim.Adagrad, {"lr": 0.1})])
 def test_fused_step_skips_bitwise_and_resumes_bitwise(cls, kw):
     def run(model, opt, steps, start, inf_at=None):
         for i in range(start, start + steps):
@@ -131,3 +144,25 @@ def test_fused_step_skips_bitwise_and_resumes_bitwise(cls, kw):
     run(model_b, opt_b, 3, 3)
     assert _bits(model_b, opt_b) == expected
     amp.reset()
+
+
+# --- the read-only overflow check -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 40_000])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_flag_reads_without_writing(dtype, n, bad):
+    from ampkit.fast_step import nonfinite_flag
+
+    g = torch.Generator().manual_seed(n)
+    tensors = [torch.randn(n, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype)]
+    if bad is not None:
+        tensors[0][n // 2] = bad
+    before = [t.clone() for t in tensors]
+    flag = nonfinite_flag({(torch.device("cpu"), dtype): tensors})
+    assert flag.dtype == torch.float32 and flag.item() == (0.0 if bad is None else 1.0)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert nonfinite_flag({}) is None

@@ -228,7 +228,7 @@ def test_one_host_sync_per_step():
 
 def test_gradient_accumulation_is_bitwise_plain_accumulation():
     ref, model = mlp(), mlp()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, fused=True)  # ampkit's pick
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)  # ampkit's pick
     opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     for step in range(3):
         ref_opt.zero_grad()

@@ -21,9 +21,10 @@ it bit for bit; otherwise (and when compiling fails) the eager mode is used, wit
 a warning.
 
 Tensors are passed flattened (see :func:`flat`). Each compiled call costs tens of
-microseconds of Python and guard overhead, so tensors below ``DIRECT_NUMEL``
-elements are concatenated into shared flat buffers, run in one call, and copied
-back (bounded by ``batch_numel``). Results are deterministic for a given mode;
+microseconds of Python and guard overhead, so when there are more than
+``BATCH_MIN_COUNT`` tensors below ``DIRECT_NUMEL`` elements, those are
+concatenated into shared flat buffers, run in one call, and copied back (at most
+``batch_numel`` elements per call: the only temporary memory a kernel call uses). Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
 """
@@ -43,6 +44,9 @@ _LOG = logging.getLogger("ampkit")
 
 KernelMode = Literal["auto", "compiled", "eager"]
 DIRECT_NUMEL = 1 << 15
+# Small tensors are batched only when there are more than this many: below it the
+# per-call overhead is small and batching's copies would cost memory for nothing.
+BATCH_MIN_COUNT = 8
 _lock = threading.Lock()
 
 
@@ -151,6 +155,10 @@ class Kernel:
             else:
                 for start in range(0, n, chunk_numel):
                     self.fn(*[role[i][start : start + chunk_numel] for role in tensors], scalars, **static)
+        if len(small) <= BATCH_MIN_COUNT:
+            for i in small:
+                (run or self.fn)(*[role[i] for role in tensors], scalars, **static)
+            return
         batch: list[int] = []
         size = 0
         for i in small + [-1]:

@@ -68,7 +68,8 @@ class OptLevel:
         cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
             (default fp32; None keeps them 16-bit).
         fast_kernels: step param groups left at ``foreach=None, fused=None`` with
-            torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`).
+            torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`);
+            default True except at O0, which runs the script's fp32 bit for bit.
     """
 
     name: str
@@ -223,7 +224,8 @@ def resolve_opt_level(
         min_loss_scale=min_s,
         max_loss_scale=max_s,
         cast_model_outputs=outputs,
-        fast_kernels=ov.get("fast_kernels", True),
+        # O0 is fp32 exactly as the script runs it: the optimizer's kernel too.
+        fast_kernels=ov.get("fast_kernels", name != "O0"),
     )
 
 
@@ -390,7 +392,7 @@ def initialize(
             - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
             - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
             - ``fast_kernels``: step with torch's fused/foreach kernel where the
-              optimizer was built with neither pinned (default True).
+              optimizer was built with neither pinned (default True, False at O0).
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;

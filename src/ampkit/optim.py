@@ -73,7 +73,7 @@ import torch
 
 from . import session as _session
 from .errors import AmpError, DistributedError, NumericsError, StateError
-from .fast_step import use_fastest_kernel
+from .fast_step import nonfinite_flag, use_fastest_kernel
 from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, is_real, to_fp32, unscale_and_check_
 
@@ -496,13 +496,16 @@ class ManagedOptimizer:
         params = list(self._grad_params())
         raw = path.unhooked(params)
         if raw:
-            found = unscale_and_check_(group_grads(raw), unhooked_factor)
+            raw_groups = group_grads(raw)
+            found = (
+                nonfinite_flag(raw_groups) if unhooked_factor == 1.0 else unscale_and_check_(raw_groups, unhooked_factor)
+            )
             if found is not None:
                 flags.append(found)
             path.unchecked(raw)  # checked just now
         unchecked = path.unchecked(params)
         if unchecked:
-            found = unscale_and_check_(group_grads(unchecked), 1.0)
+            found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
             if found is not None:
                 flags.append(found)
         if not flags:
