@@ -11,13 +11,24 @@ step. Reported per mode:
   masters, optimizer state, gradients and activations.
 - ``param+opt``: bytes of parameters, fp32 masters, compensation buffers and
   optimizer state tensors, counted exactly (each storage once).
+- ``opt.step B/param``: the exact peak of tensor memory during ``optimizer.step()``
+  of the measured step, per model parameter: every tensor alive when the step
+  begins (parameters, grads, optimizer state, masters, compensation; the batch
+  left out), counted storage by storage, plus the peak of what the step itself
+  allocates on top (every allocation and free of torch's CPU allocator, recorded
+  by ``torch.profiler`` with ``profile_memory``). Unscaling, the overflow check,
+  master-grad gathering and the publish of 16-bit weights run inside ``step()``
+  and count. Targets for AdamW on the parameter-heavy ``mlp`` (no norm layers, so
+  every parameter is cast): O2 <= 18 (fp32 master, fp32 grad, two fp32 moments,
+  the bf16 weight), O2K <= 10 (bf16 weight, compensation, grad, two moments).
 
 glibc is told to serve every allocation above 64 KiB with mmap
 (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the RSS at once and the peak
 reflects what the step holds. Targets checked at the end: O1 <= torch.autocast,
-O2 <= 0.8 x O0 (step peak), O2K param+opt >= 30% below O2's.
+O2 <= 0.8 x O0 (step peak), O2K param+opt >= 30% below O2's, and the bytes per
+parameter above.
 
-    python benchmarks/memory.py            # both workloads, every mode (~1-2 min)
+    python benchmarks/memory.py            # every workload and mode (~2-4 min)
     python benchmarks/memory.py --quick    # smaller workloads, for a smoke run
 """
 
@@ -35,7 +46,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 MODES = ("O0", "autocast", "O1", "O2", "O3", "O2K")
-WORKLOADS = ("cnn", "transformer")
+WORKLOADS = ("cnn", "transformer", "mlp")
+# Exact bytes per parameter at the peak of AdamW's step (mlp workload).
+STEP_TARGETS = {"O2": 18.0, "O2K": 10.0}
 MIB = 2.0**20
 
 
@@ -101,6 +114,24 @@ def _transformer(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Calla
     tokens = torch.randint(0, 1000, (batch, seq), generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     return model, lambda: (tokens, y), lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+def _mlp(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any, Any], Any]]:
+    """``ampkit bench``'s wide MLP (1024 -> 4096 x3 -> 10, 38M parameters; width 1024
+    with --quick), batch 64: parameters dominate its memory."""
+    import torch
+    from torch import nn
+
+    from ampkit.bench.workloads import WideMLP
+
+    model = WideMLP(1024, 1024 if quick else 4096, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1024, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    return model, lambda: (x, y), lambda out, target: nn.functional.cross_entropy(out, target)
+
+
+_BUILDERS = {"cnn": _cnn, "transformer": _transformer, "mlp": _mlp}
 
 
 # --- measuring -------------------------------------------------------------------------
@@ -170,13 +201,31 @@ def _param_and_state_bytes(model: Any, opt: Any) -> int:
     return total
 
 
-def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[[], float]]:
-    """Build the workload in fp32, set ``mode`` up; return (model, optimizer, step)."""
+def _allocation_peak(fn: Callable[[], Any]) -> int:
+    """Run ``fn``; return the peak, over its run, of bytes allocated minus bytes freed
+    by torch's CPU allocator (0 if it only freed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..., float]]:
+    """Build the workload in fp32, set ``mode`` up; return (model, optimizer, step).
+    ``step(measure)`` trains one step; with a dict for ``measure`` it also records the
+    exact tensor bytes of ``optimizer.step()`` in it."""
     import torch
 
     import ampkit
+    from ampkit.bench.memory import live_tensor_bytes, storage_ptrs
 
-    model, batch, loss_fn = (_cnn if workload == "cnn" else _transformer)(quick)
+    model, batch, loss_fn = _BUILDERS[workload](quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     if mode == "autocast":
@@ -184,7 +233,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[[]
     else:
         model, opt = ampkit.initialize(model, opt, opt_level=mode)
 
-    def step() -> float:
+    def step(measure: dict[str, int] | None = None) -> float:
         opt.zero_grad(set_to_none=True)
         x, y = batch()
         with scope():
@@ -192,8 +241,15 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[[]
             loss = loss_fn(out.float(), y)
         with ampkit.scale_loss(loss, opt) if mode != "autocast" else _plain(loss) as scaled:
             scaled.backward()
-        opt.step()
-        return float(loss.detach())
+        value = float(loss.detach())
+        if measure is None:
+            opt.step()
+            return value
+        del out, loss, scaled
+        gc.collect()
+        measure["live"] = live_tensor_bytes(torch.device("cpu"), exclude=storage_ptrs([x, y]))
+        measure["extra"] = _allocation_peak(opt.step)
+        return value
 
     return model, opt, step
 
@@ -221,6 +277,9 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
     exact_peak = _reset_peak()
     loss = step()
     peak = _peak()
+    measure: dict[str, int] = {}
+    step(measure)
+    params = sum(p.numel() for p in model.parameters())
     return {
         "workload": workload,
         "mode": mode,
@@ -228,7 +287,9 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
         "resident_before_step_mib": before - bare,
         "bare_mib": bare,
         "param_opt_mib": _param_and_state_bytes(model, opt) / MIB,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": params,
+        "opt_step_bytes_per_param": (measure["live"] + measure["extra"]) / params,
+        "opt_step_extra_bytes_per_param": measure["extra"] / params,
         "loss": loss,
         "peak_is_per_step": exact_peak,
     }
@@ -254,13 +315,14 @@ def _run(workload: str, mode: str, quick: bool) -> dict[str, Any]:
 def _table(rows: list[dict[str, Any]], markdown: bool = False) -> tuple[str, list[tuple[str, bool, str]]]:
     if markdown:
         lines = [
-            "| workload | mode | step peak MiB | vs O0 | param+opt MiB | vs O2 |",
-            "|---|---|---:|---:|---:|---:|",
+            "| workload | mode | step peak MiB | vs O0 | param+opt MiB | vs O2 | opt.step B/param |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
     else:
         lines = [
-            f"{'workload':<12} {'mode':<9} {'step peak MiB':>14} {'vs O0':>7} {'param+opt MiB':>14} {'vs O2':>7}",
-            "-" * 68,
+            f"{'workload':<12} {'mode':<9} {'step peak MiB':>14} {'vs O0':>7} {'param+opt MiB':>14} {'vs O2':>7}"
+            f" {'opt.step B/param':>17}",
+            "-" * 86,
         ]
     checks: list[tuple[str, bool, str]] = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
@@ -272,12 +334,12 @@ def _table(rows: list[dict[str, Any]], markdown: bool = False) -> tuple[str, lis
             if markdown:
                 lines.append(
                     f"| {workload} | {mode} | {r['step_peak_mib']:.1f} | {vs_o0} | "
-                    f"{r['param_opt_mib']:.2f} | {vs_o2} |"
+                    f"{r['param_opt_mib']:.2f} | {vs_o2} | {r['opt_step_bytes_per_param']:.2f} |"
                 )
             else:
                 lines.append(
                     f"{workload:<12} {mode:<9} {r['step_peak_mib']:>14.1f} {vs_o0:>7} "
-                    f"{r['param_opt_mib']:>14.2f} {vs_o2:>7}"
+                    f"{r['param_opt_mib']:>14.2f} {vs_o2:>7} {r['opt_step_bytes_per_param']:>17.2f}"
                 )
         if "O1" in by_mode and "autocast" in by_mode:
             a, b = by_mode["O1"]["step_peak_mib"], by_mode["autocast"]["step_peak_mib"]
@@ -293,6 +355,11 @@ def _table(rows: list[dict[str, Any]], markdown: bool = False) -> tuple[str, lis
             checks.append(
                 (f"{workload}: O2K param+opt >= 30% below O2", saving >= 0.30, f"{saving:.0%} less")
             )
+        if workload == "mlp":
+            for mode, target in STEP_TARGETS.items():
+                if mode in by_mode:
+                    b = by_mode[mode]["opt_step_bytes_per_param"]
+                    checks.append((f"mlp: {mode} opt.step peak <= {target:g} B/param", b <= target, f"{b:.2f}"))
         if not markdown:
             lines.append("")
     return "\n".join(lines), checks
