@@ -42,6 +42,11 @@ a shared machine) and the median, and the ratios of the minimum to ``bf16`` and
 
     python benchmarks/step_limit.py                     # all workloads (~3-6 min)
     python benchmarks/step_limit.py --workloads wide --rounds 3
+
+``--baseline SRC`` adds arms ``ampkit-O1@base`` ... run with the ``ampkit`` package
+found in ``SRC`` (e.g. an older checkout's ``src``, whose ``ampkit.bench`` must know
+the same workloads and recipes), interleaved with the others: "no slower than
+before" measured side by side.
 """
 
 from __future__ import annotations
@@ -129,7 +134,9 @@ class _GradientsFor(torch.autograd.Function):
         return (None, *[g * out.to(g.dtype) for g in ctx.grads])
 
 
-def _worker(conn: Any) -> None:
+def _worker(conn: Any, src: str | None = None) -> None:
+    if src is not None:
+        sys.path.insert(0, src)
     torch.set_num_threads(1)
     arm: _Arm | None = None
     while True:
@@ -144,7 +151,8 @@ def _worker(conn: Any) -> None:
                 import ampkit
 
                 ampkit.reset()
-                arm = _Arm(*msg[1:])
+                workload, name, phase = msg[1:]
+                arm = _Arm(workload, name.removesuffix("@base"), phase)
                 for _ in range(WARMUP_STEPS):
                     arm.step()
                 conn.send(("ready",))
@@ -247,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", choices=("auto", "full", "update", "both"), default="auto")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=None, help="steps per arm per round (default: 2 wide, 5 others)")
+    parser.add_argument("--baseline", help="an older ampkit source tree: adds its O1/O2/O2K arms")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         parser.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    if args.baseline:
+        arms += [f"{a}@base" for a in arms if a.startswith("ampkit-")]
     native, ratio = bf16_is_native()
     if args.phase == "auto":
         phases = ["full", "update"] if native else ["update"]
@@ -271,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for arm in arms:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+            src = args.baseline if arm.endswith("@base") else None
+            proc = ctx.Process(target=_worker, args=(child, src), daemon=True)
             proc.start()
             child.close()
             pool[arm] = (parent, proc)

@@ -44,11 +44,14 @@ backward fills all their grads with the same scale); the scaler updates once all
 optimizers that received that loss's grads have stepped. Optimizers passed to separate
 ``init_trainer`` calls have separate scalers.
 
-Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW) go through the
-generic path above: ampkit unscales and checks the grads itself and calls ``step()``
-only when they are finite, so the fused kernel never sees ``grad_scale``/``found_inf``.
-The result equals the fused optimizer stepping on unscaled grads; ampkit needs the one
-host sync anyway (hysteresis, NumericsError and schedulers act on the host).
+Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`` and
+``fused`` unset to torch's fastest kernel for the same optimizer (see
+:mod:`ampkit.fast_step`; ``fast_kernels=False`` opts out). Grads the step checks
+without unscaling them (scale 1, bf16's default, or edited since the end-of-backward
+unscale of :mod:`ampkit.grads`) are read once by a min/max reduction
+(:func:`ampkit.fast_step.nonfinite_flag`), not rewritten times 1. The skip decision
+stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
+and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
 
 LR schedulers: the skip wrapper is a bound method whose function LR schedulers can wrap,
 it keeps the ``_wrapped_by_lr_sched`` marker of a scheduler created earlier, and sets
