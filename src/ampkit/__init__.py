@@ -90,6 +90,20 @@ __all__ += [
     "initialize",
     "master_params",
 ]
+# --- inference: convert, export (onnx is imported only when exporting) ---
+from .convert import Budget, ConversionError, ConversionReport, convert, fp32_weights  # noqa: E402
+from .export import OnnxExport, export_onnx, export_program  # noqa: E402
+
+__all__ += [
+    "Budget",
+    "ConversionError",
+    "ConversionReport",
+    "OnnxExport",
+    "convert",
+    "export_onnx",
+    "export_program",
+    "fp32_weights",
+]
 # --- distributed ---
 from . import distributed  # noqa: E402  (installs the cross-rank skip agreement)
 

@@ -1,6 +1,7 @@
 """``ampkit`` command: ``ampkit bench`` trains the built-in workloads under fp32,
 torch.autocast and ampkit's opt levels, interleaved, and reports speed, memory and
-accuracy side by side.
+accuracy side by side; ``ampkit convert`` turns a training checkpoint into a 16-bit
+inference model (and ONNX) and reports size, speed and error against fp32.
 
 Exit codes: 0 success, 1 a precision failed while training, 2 bad input or
 environment (one line on stderr), 130 interrupted.
@@ -16,6 +17,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from .convert import ConvertUsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -45,7 +48,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ampkit`` argument parser (sub-command ``bench``)."""
+    """The ``ampkit`` argument parser (sub-commands ``bench`` and ``convert``)."""
     from ampkit.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=("full", "quick", "tiny"), default=None, help=argparse.SUPPRESS)
     bench.add_argument("--block", type=_positive_int, default=None, help=argparse.SUPPRESS)
     bench.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+    from .convert import add_parser as add_convert_parser
+
+    add_convert_parser(sub)
     return parser
 
 
@@ -194,8 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
+        if args.command == "convert":
+            from .convert import run as run_convert
+
+            return run_convert(args)
         return _bench(args)
     except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    except ConvertUsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
