@@ -145,14 +145,14 @@ class LatencyRow:
 
 def table_rows(rows: Sequence[LatencyRow]) -> tuple[list[str], list[list[str]]]:
     """Column headers and formatted cells; speedups against the fp32 row of the
-    same runtime."""
-    base = {r.runtime: r.ms for r in rows if r.model == "fp32"}
+    same runtime (its first word: "onnxruntime storage" compares with "onnxruntime")."""
+    base = {r.runtime.split()[0]: r.ms for r in rows if r.model == "fp32"}
     headers = ["model", "runtime", "size MiB", "ms/batch", "items/s", "speedup", "rel error", "top-1 agree"]
     if any(r.metric for r in rows):
         headers.append("metric")
     cells = []
     for r in rows:
-        speed = base.get(r.runtime)
+        speed = base.get(r.runtime.split()[0])
         line = [
             r.model,
             r.runtime,
