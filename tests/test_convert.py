@@ -474,6 +474,28 @@ def test_o2k_checkpoint_adds_the_kahan_compensation():
     assert conv.features[0].weight.dtype == BF16
 
 
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda c: c.__setitem__("amp", {"trainers": 3}),
+        lambda c: c["amp"]["trainers"].__setitem__(0, "x"),
+        lambda c: c["amp"]["trainers"][0]["optimizers"][0]["extra"]["master_weights"].__setitem__("masters", [[0, "a", 1]]),
+        lambda c: c["amp"]["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"][0].__setitem__(1, 999),
+        lambda c: c["optimizer"]["param_groups"][0].__setitem__("param_names", []),
+    ],
+)
+def test_malformed_checkpoints_raise_conversion_errors(cnn_runs, mutate):
+    import copy
+
+    _, ckpt, wl = cnn_runs["O2"]
+    bad = copy.deepcopy(ckpt)
+    mutate(bad)
+    with pytest.raises(ConversionError):
+        amp.convert(wl.build_model(), checkpoint=bad)
+    with pytest.raises(ConversionError, match="one list per optimizer"):
+        amp.fp32_weights(wl.build_model(), ckpt, param_names=[])
+
+
 def test_o1_checkpoint_is_the_fp32_weights(cnn_runs):
     _, ckpt, wl = cnn_runs["O1"]
     weights = amp.fp32_weights(wl.build_model(), ckpt)

@@ -411,13 +411,33 @@ def _split_checkpoint(checkpoint: Any) -> tuple[Mapping[str, torch.Tensor], Any,
     return model_sd, amp_sd, opt_list
 
 
-def _optimizer_entries(amp_sd: Any) -> list[dict[str, Any]]:
-    """The per-optimizer entries of an ``ampkit.state_dict()``, in session order."""
-    if not isinstance(amp_sd, Mapping) or "trainers" not in amp_sd:
-        raise ConversionError(
-            "checkpoint['amp'] is not an ampkit.state_dict(); save amp.state_dict() under 'amp'."
-        )
-    return [opt for trainer in amp_sd["trainers"] for opt in trainer.get("optimizers", [])]
+Entry = tuple[int, int, torch.Tensor]
+
+
+def _saved_weights(amp_sd: Any) -> list[tuple[list[Entry], list[Entry]]]:
+    """Per optimizer of an ``ampkit.state_dict()`` (in session order): its master
+    weights and compensation buffers as ``(group, index, tensor)`` entries."""
+    what = "checkpoint['amp'] is not an ampkit.state_dict()"
+    if not isinstance(amp_sd, Mapping) or not isinstance(amp_sd.get("trainers"), (list, tuple)):
+        raise ConversionError(f"{what}; save amp.state_dict() under 'amp'.")
+    out = []
+    try:
+        for trainer in amp_sd["trainers"]:
+            for opt in trainer.get("optimizers", []):
+                extra = opt.get("extra") or {}
+                masters = (extra.get("master_weights") or {}).get("masters", [])
+                comps = (extra.get("compensation") or {}).get("buffers", [])
+                out.append(([_entry(e) for e in masters], [_entry(e) for e in comps]))
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ConversionError(f"{what}: {exc}") from None
+    return out
+
+
+def _entry(e: Any) -> Entry:
+    gi, pi, t = e
+    if not (isinstance(gi, int) and isinstance(pi, int) and isinstance(t, torch.Tensor)):
+        raise ValueError(f"expected [group, index, tensor] entries, got {e!r:.80}")
+    return gi, pi, t
 
 
 def _position_names(
@@ -428,6 +448,8 @@ def _position_names(
         table = [list(g) for g in names]
         return lambda gi, pi: table[gi][pi]
     groups = opt_sd.get("param_groups") if isinstance(opt_sd, Mapping) else None
+    if not (isinstance(groups, (list, tuple)) and all(isinstance(g, Mapping) for g in groups)):
+        groups = None
     if groups and all("param_names" in g for g in groups):
         return lambda gi, pi: groups[gi]["param_names"][pi]
     if groups:
@@ -482,12 +504,14 @@ def fp32_weights(
     if amp_sd is None:
         return out
     params = [n for n, _ in model.named_parameters()]
-    for j, entry in enumerate(_optimizer_entries(amp_sd)):
-        extra = entry.get("extra", {}) or {}
-        masters = (extra.get("master_weights") or {}).get("masters", [])
-        comps = (extra.get("compensation") or {}).get("buffers", [])
+    for j, (masters, comps) in enumerate(_saved_weights(amp_sd)):
         if not masters and not comps:
             continue
+        if param_names is not None and j >= len(param_names):
+            raise ConversionError(
+                f"param_names has {len(param_names)} entries, but the checkpoint has master "
+                f"weights or compensation for optimizer {j}: give one list per optimizer."
+            )
         names = _position_names(
             params,
             opt_sds[j] if j < len(opt_sds) else None,
