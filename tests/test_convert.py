@@ -700,6 +700,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(cli_files, capsys, args, message):
     assert re.search(message, err), err
 
 
+def test_cli_converts_with_a_calibration_tensor_file(cli_files, capsys, tmp_path):
+    d = str(cli_files)
+    from ampkit.bench.inference import digits_calib
+
+    torch.save(torch.cat(digits_calib("tiny", batches=2, batch_size=8)), tmp_path / "calib.pt")
+    code, out, err = _cli(
+        ["convert", f"{d}/ckpt.pt", "--model", f"{d}/factories.py:model", "--calib", str(tmp_path / "calib.pt"),
+         "--batch-size", "8", "--rounds", "1", "--keep-fp32", "classifier"],
+        capsys,
+    )
+    assert code == 0, err
+    assert "classifier (Linear): keep_fp32" in out
+    rows = [line for line in out.splitlines() if "PyTorch" in line]
+    assert len(rows) == 2 and "onnxruntime" not in out
+    assert "(batch 8," in out
+
+
 @pytest.mark.slow
 def test_cli_converts_exports_and_prints_the_table(cli_files, capsys, tmp_path):
     pytest.importorskip("onnxruntime")
