@@ -1540,10 +1540,6 @@ def loop_clip_fp16(h: Harness) -> Result:
 # ---------------------------------------------------------------------------
 # Known failures on today's library: (idiom, mode) -> "issue N: cause"
 # ---------------------------------------------------------------------------
-_PICKLE = (
-    "issue 9: torch.save(model) of a cast model fails: its cast hooks are local closures "
-    "(Can't pickle local object '_output_caster.<locals>.hook')"
-)
 _KEEP_FP32 = "issue 16: initialize has no keep_fp32 option, so a hand-written LayerNorm class is cast to bf16"
 _LOSS_IN_FORWARD = (
     "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
@@ -1578,9 +1574,6 @@ _SPARSE_GRADS = (
 )
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("save_best_model", "O2"): _PICKLE,
-    ("save_best_model", "O3"): _PICKLE,
-    ("save_best_model", "O2K"): _PICKLE,
     ("custom_layernorm", "O2"): _KEEP_FP32,
     ("custom_layernorm", "O3"): _KEEP_FP32,
     ("custom_layernorm", "O2K"): _KEEP_FP32,

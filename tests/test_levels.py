@@ -4,8 +4,13 @@ add_param_group, the cast cache across eval, exact resume)."""
 
 from __future__ import annotations
 
+import copy
 import io
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -589,3 +594,79 @@ def test_model_loaded_after_o2_initialize_is_not_overwritten_by_stale_masters():
     assert hooks == [len(m._load_state_dict_post_hooks) for m in model.modules()]
     ampkit.reset()
     assert all(len(m._load_state_dict_post_hooks) == 0 for m in model.modules())
+
+
+# --- whole-model pickling and copies ------------------------------------------------------
+
+
+def _trained(level: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _all_norms(level)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = ampkit.initialize(model, opt, opt_level=level)
+    for seed in range(2):
+        with ampkit.scale_loss(model(_x(seed)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+_LOAD_AND_RUN = """
+import sys, torch
+model = torch.load(sys.argv[1], weights_only=False)
+model.train()
+x = torch.load(sys.argv[2])
+torch.save([model(x), [p.dtype for p in model.parameters()]], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_torch_save_of_the_whole_model_loads_in_a_new_process(level, tmp_path):
+    """torch.save(model) of the best model and torch.load in another process (with
+    ampkit installed): same dtypes, same outputs (the cast hooks came along)."""
+    model, _ = _trained(level)
+    model_file, x_file, out_file = tmp_path / "model.pt", tmp_path / "x.pt", tmp_path / "out.pt"
+    torch.save(model, model_file)
+    torch.save(_x(7), x_file)
+    ampkit.reset()  # the saving process's casting (O1) must not be what the other one needs
+    expected = model(_x(7))
+    # ampkit and this test module (the model's class) importable, nothing else shared
+    paths = [str(Path(ampkit.__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
+    subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN, str(model_file), str(x_file), str(out_file)],
+        check=True, env=env, timeout=120,
+    )
+    out, dtypes = torch.load(out_file)
+    assert dtypes == [p.dtype for p in model.parameters()]
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_deepcopy_makes_an_independent_ema_model(level):
+    """An EMA copy made with copy.deepcopy and updated by p.data.mul_().add_() shares
+    nothing with the original: the original trains bitwise as it does without a copy,
+    loading weights into the copy resyncs no master of the original, and the copy
+    runs forward with the original's casts."""
+    def run(with_ema: bool) -> list[torch.Tensor]:
+        model, opt = _trained(level)
+        ema = copy.deepcopy(model) if with_ema else None
+        for seed in range(2, 5):
+            with ampkit.scale_loss(model(_x(seed)).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            if ema is not None:
+                with torch.no_grad():
+                    for e, p in zip(ema.parameters(), model.parameters()):
+                        e.data.mul_(0.9).add_(p.data, alpha=0.1)
+                ema.load_state_dict(ema.state_dict())  # would resync the original's masters if shared
+                assert ema(_x(seed)).dtype == (BF16 if level == "O1" else FP32)
+                assert all(e is not p for e, p in zip(ema.parameters(), model.parameters()))
+        out = [p.detach().clone() for p in model.parameters()]
+        out += [p.detach().clone() for p in ampkit.master_params(opt)]
+        ampkit.reset()
+        return out
+
+    plain, with_copy = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_copy))

@@ -554,14 +554,22 @@ def _install_fsdp_guard(model: nn.Module, level_name: str) -> None:
     if old is not None:
         old.remove()
 
-    def guard(module: nn.Module, args: Any) -> None:
+    _GUARDS[model] = model.register_forward_pre_hook(FSDPGuard(level_name))
+
+
+class FSDPGuard:
+    """Forward pre-hook of a model whose weights an opt level cast: refuse to run once
+    ``fully_shard`` replaced its parameters. A plain object (picklable, copyable)."""
+
+    def __init__(self, level_name: str) -> None:
+        self.level_name = level_name
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
         if _is_fsdp2_root(module):
             raise DistributedError(
-                f"this model was set up by ampkit.initialize at {level_name} and then "
-                f"sharded by fully_shard, which replaced its parameters. {_fsdp_recipe(level_name)}"
+                f"this model was set up by ampkit.initialize at {self.level_name} and then "
+                f"sharded by fully_shard, which replaced its parameters. {_fsdp_recipe(self.level_name)}"
             )
-
-    _GUARDS[model] = model.register_forward_pre_hook(guard)
 
 
 def _is_fsdp2_root(module: nn.Module) -> bool:

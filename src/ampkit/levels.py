@@ -260,35 +260,49 @@ def _drop_compensation() -> None:
 
 
 # Load-state-dict hooks that resync masters from a model loaded after initialize (O2).
-_LOAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# module -> (its load-state-dict post-hook handle, the masters to resync, held weakly so
+# the model does not keep optimizers alive).
+_LOAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, list[weakref.ref]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @_reset.on_reset
 def _drop_load_hooks() -> None:
-    for handle in list(_LOAD_HOOKS.values()):
+    for handle, _ in list(_LOAD_HOOKS.values()):
         handle.remove()
     _LOAD_HOOKS.clear()
+
+
+class ResyncMasters:
+    """Load-state-dict post-hook of an O2 model's modules: re-derive the masters of the
+    module's own parameters from the loaded 16-bit weights. Stateless (what to resync
+    is looked up by module), so the model pickles and deep-copies; a copy resyncs
+    nothing."""
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        entry = _LOAD_HOOKS.get(module)
+        if entry is None:
+            return
+        own = list(module.parameters(recurse=False))
+        for ref in entry[1]:
+            mw = ref()
+            if mw is not None:
+                mw.sync_from_model(own)
 
 
 def _watch_model_loads(model: nn.Module, masters: list[MasterWeights]) -> None:
     """After ``module.load_state_dict`` on any module of ``model``, re-derive the masters
     of that module's own parameters from the loaded 16-bit weights; otherwise the next
     step would publish the old masters over the loaded weights."""
-    refs = [weakref.ref(mw) for mw in masters]  # the model must not keep optimizers alive
-
-    def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        own = list(module.parameters(recurse=False))
-        for ref in refs:
-            mw = ref()
-            if mw is not None:
-                mw.sync_from_model(own)
-
+    refs = [weakref.ref(mw) for mw in masters]
     for module in model.modules():
         old = _LOAD_HOOKS.pop(module, None)
         if old is not None:
-            old.remove()
+            old[0].remove()
         if any(p.is_floating_point() for p in module.parameters(recurse=False)):
-            _LOAD_HOOKS[module] = module.register_load_state_dict_post_hook(hook)
+            handle = module.register_load_state_dict_post_hook(ResyncMasters())
+            _LOAD_HOOKS[module] = (handle, refs)
 
 
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:

@@ -26,7 +26,7 @@ the same hooks. Casting a model twice replaces its hooks instead of stacking the
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ from torch import nn
 from .errors import AmpError
 
 __all__ = [
+    "CastInputs",
+    "CastOutputs",
     "NORM_LAYER_TYPES",
     "is_norm_layer",
     "params_to_cast",
@@ -157,25 +159,47 @@ def cast_tensors(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | N
     return obj
 
 
-def _input_caster(dtype: torch.dtype) -> Callable[..., Any]:
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_tensors(args, dtype), cast_tensors(kwargs, dtype)
+class CastInputs:
+    """Forward pre-hook (with kwargs): cast the floating inputs to ``dtype``. A plain
+    module-level object, so a model carrying it pickles (``torch.save(model)``) and
+    deep-copies."""
 
-    return pre_hook
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_tensors(args, self.dtype), cast_tensors(kwargs, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"CastInputs({self.dtype})"
 
 
-def _output_caster(dtype: torch.dtype, only: tuple[torch.dtype, ...] | None) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return cast_tensors(output, dtype, only)
+class CastOutputs:
+    """Forward hook: cast the floating outputs (of the dtypes in ``only``; None: all) to
+    ``dtype``. Picklable, like :class:`CastInputs`."""
 
-    return hook
+    def __init__(self, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None) -> None:
+        self.dtype = dtype
+        self.only = only
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_tensors(output, self.dtype, self.only)
+
+    def __repr__(self) -> str:
+        return f"CastOutputs({self.dtype}, only={self.only})"
 
 
 def remove_io_casts(module: nn.Module) -> None:
     """Remove the cast hooks :func:`add_io_casts` or :func:`cast_model` put on
-    ``module`` itself (not on its children)."""
+    ``module`` itself (not on its children), also on a copy or an unpickled model."""
     for handle in _HANDLES.pop(module, []):
         handle.remove()
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(h, (CastInputs, CastOutputs))]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
 
 
 def add_io_casts(
@@ -192,9 +216,9 @@ def add_io_casts(
     outputs alone. Replaces hooks a previous call installed on ``module``.
     """
     remove_io_casts(module)
-    handles = [module.register_forward_pre_hook(_input_caster(input_dtype), with_kwargs=True)]
+    handles = [module.register_forward_pre_hook(CastInputs(input_dtype), with_kwargs=True)]
     if output_dtype is not None:
-        handles.append(module.register_forward_hook(_output_caster(output_dtype, output_only)))
+        handles.append(module.register_forward_hook(CastOutputs(output_dtype, output_only)))
     _HANDLES[module] = handles
 
 
