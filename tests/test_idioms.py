@@ -1545,11 +1545,6 @@ _LOSS_IN_FORWARD = (
     "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
     "in forward runs in bf16 (rel. error ~3e-4 against fp32 CE of the same logits)"
 )
-_MASTERS_UNDO_EDITS = (
-    "not filed yet: O2 publishes the fp32 masters over the bf16 model weights after each step, so "
-    "in-place edits of model weights (WGAN's p.data.clamp_, manual weight decay, renorm) are "
-    "undone: the critic's weights reach 1.05 with clip 0.1"
-)
 _APEX_HANDLE = (
     "issue 9: ampkit.compat.apex has no amp.init(enabled=True) handle API (handle.scale_loss, "
     "handle._deactivate) of apex's older scripts"
@@ -1557,15 +1552,6 @@ _APEX_HANDLE = (
 _APEX_STATE_DICT = (
     "issue 9: through ampkit.compat.apex a cast model's state_dict() holds bf16 tensors; apex's "
     "O2StateDictHook (registered for any cast_model_type: O2 and O3) returned fp32"
-)
-_NAN_GRADS_AFTER_STEP = (
-    "issue 16 (since the gradient path of 5481a28): after an O2 step the model params' .grad are "
-    "NaN placeholders, so grads read after opt.step() (logging before zero_grad) are NaN"
-)
-_STEP_BYPASSED = (
-    "not filed yet: O2 publishes masters only from the managed step(); an optimizer used through "
-    "other methods (SAM's first_step/second_step, which steps its base optimizer) moves the masters "
-    "but never the bf16 model, which silently stays at its initial weights"
 )
 _SPARSE_GRADS = (
     "not filed yet: O2 with sparse grads (nn.Embedding(sparse=True)) raises NotImplementedError "
@@ -1579,12 +1565,9 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("custom_layernorm", "O2K"): _KEEP_FP32,
     ("cross_entropy_in_forward", "O2"): _LOSS_IN_FORWARD,
     ("cross_entropy_in_forward", "O2K"): _LOSS_IN_FORWARD,
-    ("wgan_weight_clipping", "O2"): _MASTERS_UNDO_EDITS,
     ("apex_legacy_script", "init"): _APEX_HANDLE,
     ("apex_legacy_script", "O2"): _APEX_STATE_DICT,
     ("apex_legacy_script", "O3"): _APEX_STATE_DICT,
-    ("grad_norm_after_step", "O2"): _NAN_GRADS_AFTER_STEP,
-    ("sam_two_steps", "O2"): _STEP_BYPASSED,
     ("sparse_embedding", "O2"): _SPARSE_GRADS,
 }
 

@@ -159,3 +159,53 @@ def test_existing_optimizer_state_moves_to_the_master():
     master = masters.master_of(model[0].weight)
     assert model[0].weight not in opt.state
     assert torch.equal(opt.state[master]["momentum_buffer"], buf)
+
+
+# --- the model's weights and the masters stay one (through ampkit.initialize) -----------
+
+
+def test_o2_model_weight_edits_survive_the_step():
+    """WGAN's weight clipping, manual weight decay: p.data edits of the model's 16-bit
+    weights (no version counter moves) are taken into the masters before the step,
+    instead of being overwritten by the old masters."""
+    import ampkit
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")
+    for p in model.parameters():
+        p.data.clamp_(-0.01, 0.01)
+    clamped = [p.detach().clone() for p in model.parameters()]
+    with ampkit.scale_loss(model(torch.randn(4, 6)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(clamped, model.parameters()))
+    mw = ampkit.levels.master_weights_of(opt)
+    assert all(torch.equal(m.to(p.dtype), p) for p, m in mw.pairs())
+    ampkit.reset()
+
+
+def test_o2_masters_changed_outside_the_managed_step_reach_the_model_at_its_forward():
+    """An optimizer wrapper that steps its base optimizer itself (SAM's first_step and
+    second_step) changes the masters without ampkit's step: the model's next forward
+    computes with them."""
+    import ampkit
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2")
+    x = torch.randn(4, 6)
+    before = model(x)
+    with torch.no_grad():
+        for m in ampkit.master_params(opt):
+            m.add_(0.5)  # e.g. SAM's ascent step e_w
+    after = model(x)
+    ref = _model()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.5)
+    assert not torch.equal(before, after)
+    assert torch.allclose(after, ref(x), atol=0.05)
+    mw = ampkit.levels.master_weights_of(opt)
+    assert all(torch.equal(m.to(p.dtype), p) for p, m in mw.pairs())
+    ampkit.reset()

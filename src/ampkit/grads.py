@@ -96,17 +96,26 @@ def set_settled_hook(hook: Callable[[list[torch.Tensor]], None] | None) -> None:
 # model -> whether DDP will all-reduce the grads of the backward that follows its last
 # forward with grad enabled (True), will not (``no_sync``: False); absent: not under DDP.
 _DDP_SYNC: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# model -> the MasterWeights whose masters it holds (weakly)
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 class WatchDDP:
-    """Forward pre-hook of a model set up with fp32 masters: records whether the call
-    runs inside ``DistributedDataParallel`` and whether DDP will reduce its grads. A
-    plain, stateless object, so the model pickles and deep-copies (a copy is not
-    watched: the registry is keyed by the module)."""
+    """Forward pre-hook of a model set up with fp32 masters: rounds into the model the
+    masters changed since the last step (see ``MasterWeights.publish_changed``) and
+    records whether the call runs inside ``DistributedDataParallel`` and whether DDP
+    will reduce its grads. A plain, stateless object, so the model pickles and
+    deep-copies (a copy is not watched: the registry is keyed by the module)."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if module not in _WATCHED or not torch.is_grad_enabled():
+        masters = _WATCHED.get(module)
+        if masters is None:
+            return
+        for ref in masters:
+            mw = ref()
+            if mw is not None:
+                mw.publish_changed()
+        if not torch.is_grad_enabled():
             return
         ddp_cls = nn.parallel.DistributedDataParallel
         ddp = ddp_cls._get_active_ddp_module()
@@ -116,11 +125,10 @@ class WatchDDP:
             _DDP_SYNC[module] = bool(ddp.require_backward_grad_sync)
 
 
-def watch_ddp(model: nn.Module) -> None:
-    """Install :class:`WatchDDP` on ``model`` (once)."""
-    if model in _WATCHED:
-        return
-    _WATCHED.add(model)
+def watch_ddp(model: nn.Module, masters: MasterWeights) -> None:
+    """Install :class:`WatchDDP` on ``model`` (once) for ``masters``."""
+    refs = _WATCHED.setdefault(model, [])
+    refs[:] = [r for r in refs if r() is not None and r() is not masters] + [weakref.ref(masters)]
     if not any(isinstance(h, WatchDDP) for h in model._forward_pre_hooks.values()):
         model.register_forward_pre_hook(WatchDDP())
 
@@ -214,7 +222,7 @@ class GradPath:
             ref = weakref.ref(model)
             for p in model.parameters():
                 self._model_of[id(p)] = ref
-            watch_ddp(model)
+            watch_ddp(model, masters)
         self._reinstall()
 
     def _reinstall(self) -> None:
@@ -296,8 +304,6 @@ class GradPath:
         self._active = False
         for rec in self._params.values():
             self._unhook(rec)
-        if self.masters is not None:
-            self.masters.drop_placeholders()
         self._params.clear()
         self._open.clear()
         self._found.clear()
@@ -516,14 +522,18 @@ class GradPath:
         if self.masters is not None:
             self.masters.reconcile([r.param for r in self._params.values() if r.master is not None and r.scale is None])
 
-    def release_model_grads(self) -> None:
-        """At the step (taken or skipped): the 16-bit copies on the model give way to
-        placeholders, so the optimizer runs without them (O2)."""
-        if self.masters is not None:
-            self.masters.hide([r.param for r in self._params.values() if r.master is not None and r.scale is None])
+    def before_step(self) -> None:
+        """Right before the optimizer runs (taken or skipped step), O2: masters take in
+        model weights changed outside ampkit, and the 16-bit grad copies are freed so
+        the step runs without them (:meth:`after_step` brings them back)."""
+        mw = self.masters
+        if mw is not None:
+            mw.sync_from_model()
+            mw.hide([r.param for r in self._params.values() if r.master is not None and r.scale is None])
 
-
-def grad_hook_count() -> int:
-    """How many parameters carry ampkit's gradient hooks now (for tests)."""
-    return sum(1 for ref in _OWNER.values() if ref() is not None)
-
+    def after_step(self) -> None:
+        """After the step: the model's params show their (fp32) grads again, as 16-bit
+        copies, for code that reads them after ``step()``."""
+        mw = self.masters
+        if mw is not None:
+            mw.show([r.param for r in self._params.values() if r.master is not None and r.scale is None])

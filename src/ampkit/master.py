@@ -18,17 +18,21 @@ under ampkit's trainer (hooks installed by :mod:`ampkit.grads`):
    optimizer (``optimizer.zero_grad()``, the masters' grads) clears the one gradient;
    a uniform rescale of the copy (``clip_grad_norm_``) rescales the fp32 gradient by
    the same factor; other edits replace the elements they changed;
-4. at the step, the 16-bit copies give way to placeholders (one element each, NaN) so
-   the optimizer runs with no 16-bit gradient beside the fp32 one
-   (:meth:`MasterWeights.hide`); the optimizer steps the masters (fp32 state, fp32
-   arithmetic); after a real (not skipped) step, :meth:`MasterWeights.publish` rounds
-   the masters into the model's 16-bit weights.
+4. while the optimizer steps, the model holds no 16-bit grad (:meth:`MasterWeights.hide`
+   before, :meth:`MasterWeights.show` after: no 16-bit gradient beside the fp32 one at
+   the step's peak); the optimizer steps the masters (fp32 state, fp32 arithmetic);
+   after a real (not skipped) step, :meth:`MasterWeights.publish` rounds the masters
+   into the model's 16-bit weights.
 
-So the model's gradients read as placeholders (NaN) from ``optimizer.step()`` until the
-next backward or ``zero_grad``: the step consumed them; ``ampkit.master_params(opt)``
-holds them in fp32. Edits made through ``.data`` bypass the version counter: on the
-model's copies they are found by comparing values; on the masters' grads use in-place
-tensor ops (as ``torch.nn.utils`` does).
+The two copies of the weights stay one as well: before each step, model weights
+changed outside ampkit (``p.data.clamp_``, manual weight decay, ``copy_``) are taken
+into their masters (:meth:`MasterWeights.sync_from_model`); masters changed outside the
+managed step (an optimizer wrapper stepping its base optimizer, e.g. SAM) are rounded
+into the model at its next forward (:meth:`MasterWeights.publish_changed`).
+
+Edits made through ``.data`` bypass the version counter: on the model's grads they
+are found by comparing values; on the masters' grads use in-place tensor ops (as
+``torch.nn.utils`` does).
 
 Masters are built from the fp32 weights *before* the model is cast, so no bit of
 the initial weights is lost. Their values are saved by :meth:`state_dict` in
@@ -87,6 +91,7 @@ class MasterWeights:
         self._masters: dict[int, nn.Parameter] = {}  # id(model param) -> master
         self._layout: tuple[int, ...] = ()
         self._links: dict[int, _Link] = {}  # id(model param) -> its two-views bookkeeping
+        self._published: dict[int, int] = {}  # id(master) -> its version when last published
         if params is None:
             wanted = None
         else:
@@ -134,6 +139,7 @@ class MasterWeights:
             }
         self._model_of[id(master)] = p
         self._masters[id(p)] = master
+        self._published[id(master)] = master._version
         return master
 
     def _current_layout(self) -> tuple[int, ...]:
@@ -205,6 +211,20 @@ class MasterWeights:
             return
         with torch.no_grad():
             torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+        self._published = {id(p): p._version for _, p in pairs}
+
+    def publish_changed(self) -> None:
+        """Round into the model the masters changed since the last publish (by anything
+        but the managed step: an optimizer wrapper that steps its base optimizer itself,
+        hand edits). Cheap when none changed: version counters only."""
+        changed = [
+            (m, p) for m, p in self.pairs() if self._published.get(id(p)) != p._version
+        ]
+        if changed:
+            with torch.no_grad():
+                torch._foreach_copy_([m for m, _ in changed], [p for _, p in changed])
+            for _, p in changed:
+                self._published[id(p)] = p._version
 
     def sync_from_model(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Re-derive the master of each model parameter (of ``params``; default: all)
@@ -220,6 +240,7 @@ class MasterWeights:
             for model_p, master in pairs:
                 if not torch.equal(master.to(model_p.dtype), model_p):
                     master.copy_(model_p)
+                    self._published[id(master)] = master._version
 
     def zero_model_grads(self) -> None:
         """Clear every mastered gradient: the model's 16-bit grads and the masters'."""
@@ -306,30 +327,12 @@ class MasterWeights:
                     self._reconcile_one(model_p, master, self._link(model_p))
 
     def hide(self, model_params: Iterable[torch.Tensor]) -> None:
-        """Replace the 16-bit copies by one-element placeholders (NaN, expanded to the
-        parameter's shape): the step runs without them, and clearing them afterwards
-        (``model.zero_grad()``, even through ``.data``) still clears the gradient."""
+        """Free the 16-bit copies while the optimizer steps (:meth:`show` brings them
+        back), so no 16-bit gradient sits beside the fp32 one at the step's peak."""
         for model_p in model_params:
-            master = self._masters.get(id(model_p))
-            if master is None:
-                continue
-            link = self._link(model_p)
-            if master.grad is None:
+            if id(model_p) in self._masters:
                 model_p.grad = None
-                link.show(None)
-            else:
-                base = torch.full((), float("nan"), dtype=model_p.dtype, device=model_p.device)
-                model_p.grad = base.expand(model_p.shape)
-                link.show(model_p.grad, placeholder=base)
-            link.keep(master.grad)
-
-    def drop_placeholders(self) -> None:
-        """Remove placeholders left on model parameters (when ampkit lets go)."""
-        for model_p, _ in self.pairs():
-            link = self._links.get(id(model_p))
-            if link is not None and link.placeholder is not None and link.is_shown(model_p.grad):
-                model_p.grad = None
-                link.show(None)
+                self._link(model_p).show(None)
 
     def _reconcile_one(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
         cur = model_p.grad
@@ -351,11 +354,6 @@ class MasterWeights:
             with torch.no_grad():
                 if cur is None:
                     master.grad = None
-                elif link.placeholder is not None and link.is_shown(cur):
-                    if bool(link.placeholder == 0):
-                        master.grad = torch.zeros_like(master) if g is None else g.zero_()
-                    else:
-                        master.grad = cur.detach().to(torch.float32, copy=True)
                 elif g is not None and link.is_shown(cur):
                     _merge(g, cur)
                     cur.copy_(g)  # the copy now shows exactly what the step will use
@@ -365,16 +363,13 @@ class MasterWeights:
             # The masters' grads were cleared or edited: the model shows the same.
             if g is None:
                 model_p.grad = cur = None
-            elif cur is None or (link.placeholder is None and cur.shape == g.shape):
+            else:
                 with torch.no_grad():
                     if cur is None:
                         model_p.grad = cur = g.detach().to(model_p.dtype)
                     else:
                         cur.copy_(g)
-        placeholder = link.placeholder if link.is_shown(cur) else None
-        if placeholder is not None and not bool(torch.isnan(placeholder)):
-            placeholder = None  # cleared in place: from now on an ordinary (zero) grad
-        link.show(cur, placeholder=placeholder)
+        link.show(cur)
         link.keep(master.grad)
 
     # -- checkpoints -----------------------------------------------------------------
@@ -506,22 +501,20 @@ def _merge(g: torch.Tensor, edited: torch.Tensor) -> None:
 
 class _Link:
     """What ampkit last left on each side of one mastered gradient: the tensor set as
-    the model parameter's ``.grad`` (a 16-bit copy or a placeholder) and the master's
-    ``.grad``, each with its version, held weakly (a cleared grad is freed)."""
+    the model parameter's ``.grad`` (a 16-bit copy) and the master's ``.grad``, each
+    with its version, held weakly (a cleared grad is freed)."""
 
-    __slots__ = ("_shown", "_shown_version", "placeholder", "_kept", "_kept_version")
+    __slots__ = ("_shown", "_shown_version", "_kept", "_kept_version")
 
     def __init__(self) -> None:
         self._shown: weakref.ref | None = None
         self._shown_version = 0
-        self.placeholder: torch.Tensor | None = None
         self._kept: weakref.ref | None = None
         self._kept_version = 0
 
-    def show(self, t: torch.Tensor | None, placeholder: torch.Tensor | None = None) -> None:
+    def show(self, t: torch.Tensor | None) -> None:
         self._shown = None if t is None else weakref.ref(t)
         self._shown_version = 0 if t is None else t._version
-        self.placeholder = placeholder if t is not None else None
 
     def keep(self, g: torch.Tensor | None) -> None:
         self._kept = None if g is None else weakref.ref(g)
@@ -540,8 +533,6 @@ class _Link:
         if cur._version != self._shown_version:
             return True
         # Edits through .data leave the version alone: compare values.
-        if self.placeholder is not None:
-            return not bool(torch.isnan(self.placeholder))
         if g is None or self.master_changed(g):
             return False
         with torch.no_grad():

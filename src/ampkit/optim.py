@@ -365,7 +365,22 @@ class ManagedOptimizer:
         if was_unscaled:
             self._check_edits()
         events, skip = self._resolve_step()
-        self.grad_path.release_model_grads()
+        self.grad_path.before_step()
+        try:
+            return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
+        finally:
+            self.grad_path.after_step()
+
+    def _take_or_skip(
+        self,
+        inner: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        closure: Callable[[], Any] | None,
+        loss: Any,
+        events: dict[int, bool | None],
+        skip: bool,
+    ) -> Any:
         self.steps += 1
         if skip:
             self.skipped += 1
