@@ -336,3 +336,24 @@ def test_o2_without_an_optimizer_refuses_to_train_but_runs_inference():
         assert model(torch.randn(2, 6)).dtype == torch.float32
     with pytest.raises(AmpError, match="without an optimizer"):
         _loss(model, 0).backward()
+
+
+def test_o2_sparse_embedding_grads_move_into_fp32_masters():
+    """nn.Embedding(sparse=True) under O2: the sparse bf16 grad moves into the master
+    (coalesced and summed in fp32) and the model shows it as a sparse bf16 copy."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    ref = copy.deepcopy(emb)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    emb, opt = amp.initialize(emb, opt, opt_level="O2", loss_scale="dynamic")
+    idx = torch.tensor([[1, 3, 3, 7]])
+    with amp.scale_loss(emb(idx).float().pow(2).sum(), opt) as s:
+        s.backward()
+    ref(idx).pow(2).sum().backward()
+    master = next(amp.master_params(opt))
+    assert master.grad.is_sparse and master.grad.dtype == torch.float32
+    assert emb.weight.grad.is_sparse and emb.weight.grad.dtype == BF16
+    assert torch.allclose(master.grad.to_dense(), ref.weight.grad.to_dense(), rtol=1e-2, atol=1e-3)
+    opt.step()
+    assert not amp.step_skipped(opt)
+    assert torch.allclose(master, ref.weight - 0.5 * ref.weight.grad.to_dense(), atol=1e-2)

@@ -1553,11 +1553,6 @@ _APEX_STATE_DICT = (
     "issue 9: through ampkit.compat.apex a cast model's state_dict() holds bf16 tensors; apex's "
     "O2StateDictHook (registered for any cast_model_type: O2 and O3) returned fp32"
 )
-_SPARSE_GRADS = (
-    "not filed yet: O2 with sparse grads (nn.Embedding(sparse=True)) raises NotImplementedError "
-    "in backward: the fused unscale ampkit runs on the master grads "
-    "(_amp_foreach_non_finite_check_and_unscale_, from master.absorb) has no SparseCPU kernel"
-)
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("custom_layernorm", "O2"): _KEEP_FP32,
@@ -1568,7 +1563,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("apex_legacy_script", "init"): _APEX_HANDLE,
     ("apex_legacy_script", "O2"): _APEX_STATE_DICT,
     ("apex_legacy_script", "O3"): _APEX_STATE_DICT,
-    ("sparse_embedding", "O2"): _SPARSE_GRADS,
 }
 
 

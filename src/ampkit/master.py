@@ -270,8 +270,10 @@ class MasterWeights:
         with torch.no_grad():
             g32 = g.detach().to(torch.float32, copy=True)
             del g
+            if g32.is_sparse:  # nn.Embedding(sparse=True): duplicates summed in fp32
+                g32 = g32.coalesce()
             if unscale is not None:
-                unscale([g32])
+                unscale([g32._values() if g32.is_sparse else g32])
             if master.grad is None:
                 master.grad = g32
             else:
@@ -354,7 +356,7 @@ class MasterWeights:
             with torch.no_grad():
                 if cur is None:
                     master.grad = None
-                elif g is not None and link.is_shown(cur):
+                elif g is not None and link.is_shown(cur) and not (g.is_sparse or cur.is_sparse):
                     _merge(g, cur)
                     cur.copy_(g)  # the copy now shows exactly what the step will use
                 else:
@@ -365,7 +367,7 @@ class MasterWeights:
                 model_p.grad = cur = None
             else:
                 with torch.no_grad():
-                    if cur is None:
+                    if cur is None or cur.is_sparse or g.is_sparse:
                         model_p.grad = cur = g.detach().to(model_p.dtype)
                     else:
                         cur.copy_(g)
@@ -471,6 +473,8 @@ class _BackwardParams:
 
 
 def _cleared(t: torch.Tensor | None) -> bool:
+    if t is not None and t.is_sparse:
+        t = t.coalesce()._values()
     return t is None or not bool(t.any())
 
 
@@ -532,8 +536,8 @@ class _Link:
             return False
         if cur._version != self._shown_version:
             return True
-        # Edits through .data leave the version alone: compare values.
-        if g is None or self.master_changed(g):
+        # Edits through .data leave the version alone: compare values (dense grads).
+        if g is None or self.master_changed(g) or g.is_sparse or cur.is_sparse:
             return False
         with torch.no_grad():
             return not torch.equal(cur, g.to(cur.dtype))
