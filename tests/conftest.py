@@ -3,6 +3,11 @@ ampkit global state around every test, and the `cuda` marker skipped without a G
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +21,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Tests marked ``fresh_process`` assert process-wide state (the kernels registered on
+    torch's dispatcher, the threads alive): they run alone in a new interpreter, so what
+    other tests left behind (a compile worker thread, kernels kept while a thread lives)
+    cannot decide their outcome."""
+    if pyfuncitem.get_closest_marker("fresh_process") is None:
+        return None
+    if os.environ.get("AMPKIT_FRESH_TEST") == pyfuncitem.nodeid:
+        return None  # this is the new interpreter: run the test here
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "AMPKIT_FRESH_TEST": pyfuncitem.nodeid}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"{pyfuncitem.nodeid} failed in a fresh process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+    return True
 
 
 @pytest.fixture(autouse=True)

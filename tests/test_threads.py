@@ -42,6 +42,7 @@ def _run_in_thread(fn) -> None:
         raise errors[0]
 
 
+@pytest.mark.fresh_process
 def test_kernels_stay_after_the_scope_and_act_as_torch_autocast_outside_it():
     a = torch.randn(8, 8)
     with torch.autocast("cpu", dtype=BF16):
@@ -59,6 +60,7 @@ def test_kernels_stay_after_the_scope_and_act_as_torch_autocast_outside_it():
     assert not casting._registry.registered("cpu") and not casting._hooks.installed()
 
 
+@pytest.mark.fresh_process
 def test_reset_keeps_kernels_and_hooks_while_another_thread_runs():
     started, stop = threading.Event(), threading.Event()
     policy = amp.Policy(fp32_ops=["mm"], module_rules={nn.LayerNorm: FP32})
@@ -85,6 +87,7 @@ def test_reset_keeps_kernels_and_hooks_while_another_thread_runs():
     assert not casting._registry.registered("cpu") and not casting._hooks.installed()
 
 
+@pytest.mark.fresh_process
 def test_init_in_a_thread_that_exits_leaves_nothing_reset_cannot_remove():
     hooks = _global_hooks()
     a = torch.randn(4, 4)
