@@ -10,6 +10,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,3 +211,175 @@ def test_scale_loss_before_initialize_is_refused():
     with pytest.raises(StateError, match="initialize"):
         with amp.scale_loss(torch.tensor(1.0, requires_grad=True), None):
             pass
+
+
+# --- apex semantics the native API does differently (issue 9) -----------------------------
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+
+
+def _mse(model: nn.Module, i: int) -> torch.Tensor:
+    x, y = _data(i)
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def test_overflow_in_one_optimizers_grads_skips_every_optimizer_of_scale_loss():
+    """apex: ``scale_loss(loss, [opt_a, opt_b])`` skips both when either overflowed (the
+    native API skips only the one whose grads overflowed)."""
+    def run(api: Any) -> tuple[bool, bool]:
+        a, b = nn.Linear(4, 3), nn.Linear(3, 2)
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        (a, b), (oa, ob) = amp.initialize([a, b], [oa, ob], opt_level="O1", loss_scale="dynamic")
+        b.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        with api.scale_loss(b(a(torch.randn(5, 4))).float().sum(), [oa, ob]) as scaled:
+            scaled.backward()  # only b's grads overflow
+        before = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+        oa.step()
+        ob.step()
+        after = list(a.parameters()) + list(b.parameters())
+        assert ampkit.stats(oa).scales == (2.0**15,)  # the shared scaler backed off once
+        return ampkit.step_skipped(oa), all(torch.equal(x, y) for x, y in zip(before[:2], after[:2]))
+
+    assert run(amp) == (True, True)
+    assert run(ampkit) == (False, False)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_cast_levels_state_dict_is_fp32_through_compat_and_16_bit_natively(opt_level, tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level)
+    sd = model.state_dict()
+    floats = {k: v.dtype for k, v in sd.items() if v.is_floating_point()}
+    assert set(floats.values()) == {torch.float32}
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(sd["0.weight"], model[0].weight.float())
+    assert model[0].state_dict()["weight"].dtype == torch.float32  # a submodule too
+    # An fp32 checkpoint loads back into a fresh O2 model and resumes the same weights.
+    fresh = _model()
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    fresh, fresh_opt = amp.initialize(fresh, fresh_opt, opt_level=opt_level)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
+    torch.save(model, tmp_path / "m.pt")  # the hook does not stop whole-model pickling
+    native = _model()
+    native, _ = ampkit.initialize(native, torch.optim.SGD(native.parameters(), lr=0.1), opt_level=opt_level)
+    assert native.state_dict()["0.weight"].dtype == torch.bfloat16
+
+
+def test_o2_with_cast_model_type_false_trains_the_fp32_model_as_fp32_does():
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=False, loss_scale="dynamic")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert list(amp.master_params(opt)) == list(model.parameters())  # the params are the masters
+    for i in range(4):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        _mse(ref, i).backward()
+        with amp.scale_loss(_mse(model, i), opt) as scaled:
+            scaled.backward()
+        ref_opt.step()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_allow_incoming_model_not_fp32_builds_masters_from_the_16_bit_weights():
+    from ampkit.compat.apex.amp import _amp_state  # apex: from apex.amp import _amp_state
+
+    model = _mlp().to(torch.bfloat16)
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match="fp32"):
+        amp.initialize(model, opt, opt_level="O2")
+    _amp_state.allow_incoming_model_not_fp32 = True
+    try:
+        model, opt = amp.initialize(model, opt, opt_level="O2")
+    finally:
+        _amp_state.allow_incoming_model_not_fp32 = False
+    masters = list(amp.master_params(opt))
+    assert all(m.dtype == torch.float32 and torch.equal(m, w.float()) for m, w in zip(masters, weights))
+    _amp_state.loss_scalers[0]._loss_scale = 4.0  # as apex's own tests set it
+    assert ampkit.stats(opt).scales == (4.0,) and _amp_state.loss_scalers[0].loss_scale() == 4.0
+
+
+# --- the older handle API ------------------------------------------------------------------
+
+
+def test_handle_api_casts_scales_and_skips_like_apex_did():
+    amp.register_float_function(torch, "sigmoid")  # before init, as apex required
+    handle = amp.init(enabled=True, loss_scale="dynamic")
+    assert handle.is_active()
+    x = torch.randn(3, 4)
+    w = torch.randn(5, 4)
+    assert torch.nn.functional.linear(x, w).dtype == torch.bfloat16  # op-level casting on
+    assert torch.sigmoid(x.to(torch.bfloat16)).dtype == torch.float32  # the registered rule
+    with handle._disable_casts():
+        assert torch.nn.functional.linear(x, w).dtype == torch.float32
+    model, ref = _mlp(), _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(4):
+        opt.zero_grad()
+        with handle.scale_loss(_mse(model, i), opt) as scaled:
+            assert scaled.item() == pytest.approx(_mse(model, i).item() * 2.0**16, rel=1e-2)
+            scaled.backward()
+        if i == 2:
+            model[0].weight.grad[0, 0] = float("nan")
+            before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        if i == 2:
+            assert ampkit.step_skipped(opt) and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            continue
+        ref_opt.zero_grad()
+        _mse(ref, i).backward()
+        ref_opt.step()
+    assert all(torch.allclose(p, q, atol=2e-2) for p, q in zip(model.parameters(), ref.parameters()))
+    handle._deactivate()
+    assert torch.nn.functional.linear(x, w).dtype == torch.float32  # casting off
+
+
+def test_wrap_optimizer_scales_each_loss_and_skips_when_any_overflowed():
+    handle = amp.init(enabled=True)
+    model = _mlp()
+    opt = handle.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), num_loss=2)
+    for i, poison in enumerate([None, 1, None]):
+        opt.zero_grad()
+        for k in range(2):
+            loss = _mse(model, 2 * i + k) * (float("inf") if poison == k else 1.0)
+            with opt.scale_loss(loss) as scaled:
+                scaled.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert skipped == (poison is not None)
+    scales = ampkit.stats(opt._optimizer).scales
+    assert scales == (2.0**16, 2.0**15)  # only loss 1's scaler backed off
+    with pytest.raises(StateError, match="num_loss=2"):
+        for k in range(3):
+            with opt.scale_loss(_mse(model, k)) as scaled:
+                scaled.backward()
+    assert opt.param_groups is opt._optimizer.param_groups  # attributes forwarded
+    handle._deactivate()
+
+
+def test_disabled_handle_does_nothing():
+    handle = amp.init(enabled=False)
+    assert not handle.is_active()
+    loss = torch.ones(())
+    with handle.scale_loss(loss, None) as scaled:
+        assert scaled is loss
+    assert torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float32
+    opt = handle.wrap_optimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1))
+    with opt.scale_loss(loss) as scaled:
+        assert scaled is loss
+    handle._deactivate()

@@ -1545,14 +1545,6 @@ _LOSS_IN_FORWARD = (
     "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
     "in forward runs in bf16 (rel. error ~3e-4 against fp32 CE of the same logits)"
 )
-_APEX_HANDLE = (
-    "issue 9: ampkit.compat.apex has no amp.init(enabled=True) handle API (handle.scale_loss, "
-    "handle._deactivate) of apex's older scripts"
-)
-_APEX_STATE_DICT = (
-    "issue 9: through ampkit.compat.apex a cast model's state_dict() holds bf16 tensors; apex's "
-    "O2StateDictHook (registered for any cast_model_type: O2 and O3) returned fp32"
-)
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("custom_layernorm", "O2"): _KEEP_FP32,
@@ -1560,9 +1552,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("custom_layernorm", "O2K"): _KEEP_FP32,
     ("cross_entropy_in_forward", "O2"): _LOSS_IN_FORWARD,
     ("cross_entropy_in_forward", "O2K"): _LOSS_IN_FORWARD,
-    ("apex_legacy_script", "init"): _APEX_HANDLE,
-    ("apex_legacy_script", "O2"): _APEX_STATE_DICT,
-    ("apex_legacy_script", "O3"): _APEX_STATE_DICT,
 }
 
 

@@ -24,13 +24,33 @@ What maps to what:
   ops cannot be registered (ampkit does not patch modules): decorate them with
   ``amp.half_function``/``float_function``/``promote_function`` instead.
 - ``amp.disable_casts()`` -> ``ampkit.autocast(enabled=False)``.
+- ``scale_loss(loss, [opt_a, opt_b])``: an overflow in the grads of any of them skips
+  the step of every optimizer passed, as apex did (ampkit's own ``scale_loss`` skips only
+  the optimizers whose grads overflowed; the shared loss scaler backs off once either way).
+- Under a cast level (O2, O3) ``model.state_dict()`` holds fp32 tensors, as apex's
+  O2 state-dict hook made it (the native API keeps the model's 16-bit dtypes).
+- ``cast_model_type=False`` at O2 keeps the model fp32: the optimizer steps the fp32
+  weights (apex's masters of fp32 params were the params themselves).
+  ``amp._amp_state.allow_incoming_model_not_fp32 = True`` accepts a 16-bit model at
+  a cast level; its masters start from the 16-bit values, as in apex.
+- apex's older handle API: ``handle = amp.init(enabled=True, loss_scale="dynamic")``
+  turns op-level casting on process-wide (with the functions registered by
+  ``amp.register_*_function`` before it); ``handle.scale_loss(loss, optimizer)``
+  scales, unscales at exit and makes ``optimizer.step()`` skip an overflowed step;
+  ``handle.wrap_optimizer(optimizer, num_loss)`` returns apex's ``OptimWrapper``
+  (``optimizer.scale_loss(loss)`` once per loss, then ``step()``);
+  ``handle._disable_casts()``, ``handle.is_active()``, ``handle._deactivate()``
+  (everything off, like :func:`ampkit.reset`). ``amp.init(enabled=False)`` returns a
+  handle that does nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -39,6 +59,7 @@ import torch
 from .. import _reset
 from ..errors import AmpError, PolicyError, StateError
 from ..model import cast_tensors
+from ..scaling import LossScaler
 
 __all__ = ["amp"]
 
@@ -62,11 +83,79 @@ class _Registry:
 
 _state = _Registry()
 
+# model -> handles of the fp32 state-dict hooks the compat initialize put on its modules
+_STATE_DICT_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
 
 @_reset.on_reset
 def _forget() -> None:
     global _state
     _state = _Registry()
+    for handles in list(_STATE_DICT_HOOKS.values()):
+        for handle in handles:
+            handle.remove()
+    _STATE_DICT_HOOKS.clear()
+    _amp_state.handle = None
+
+
+class Fp32StateDict:
+    """State-dict post-hook (apex's O2StateDictHook): the 16-bit floating tensors of
+    ``state_dict()`` come out as fp32. A plain object, so the model still pickles."""
+
+    def __call__(self, module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+                state_dict[key] = value.to(torch.float32)
+
+
+def _fp32_state_dicts(models: list[torch.nn.Module]) -> None:
+    for model in models:
+        for handle in _STATE_DICT_HOOKS.pop(model, []):
+            handle.remove()
+        _STATE_DICT_HOOKS[model] = [
+            m.register_state_dict_post_hook(Fp32StateDict()) for m in model.modules()
+        ]
+
+
+class _ScalerView:
+    """apex's ``LossScaler`` as its unit tests poke it: ``loss_scale()`` and a settable
+    ``_loss_scale``, on top of the ampkit scaler."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._scaler.set_scale(value)
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+
+class _AmpState:
+    """apex's ``amp._amp_state`` (``from apex.amp import _amp_state``), the switches
+    legacy scripts and apex's own tests set."""
+
+    def __init__(self) -> None:
+        self.allow_incoming_model_not_fp32 = False
+        self.hard_override = False
+        self.verbosity = 1
+        self.handle: Any = None
+
+    @property
+    def loss_scalers(self) -> list[_ScalerView]:
+        return [_ScalerView(s) for s in _scalers()]
+
+
+_amp_state = _AmpState()
 
 
 def _as_bool(value: Any, what: str) -> bool | None:
@@ -114,6 +203,11 @@ def initialize(
         _state.enabled = False
         _state.initialized = True
         return models if optimizers is None else (models, optimizers)
+    if cast_model_type is False or cast_model_type == torch.float32:
+        # apex: nothing cast, so no masters either (the fp32 params are their own
+        # masters) and keep_batchnorm_fp32 means nothing.
+        master_weights = False
+        keep_batchnorm_fp32 = None
     overrides: dict[str, Any] = {
         "cast_model_type": cast_model_type,
         "op_casting": patch_torch_functions,
@@ -133,16 +227,22 @@ def initialize(
     if opt_level.upper() in ("O0", "O1") and cast_model_type is None:
         overrides.pop("keep_norm_fp32")
     lower, fp32, promote = registrations
-    if any(registrations):
-        level = ampkit.levels.resolve_opt_level(
-            opt_level, _device_of(models), **{k: v for k, v in overrides.items() if v is not None}
+    level = ampkit.levels.resolve_opt_level(
+        opt_level, _device_of(models), **{k: v for k, v in overrides.items() if v is not None}
+    )
+    if any(registrations) and level.op_casting:
+        overrides["policy"] = ampkit.Policy(
+            dtype=level.dtype, lower_ops=lower, fp32_ops=fp32, promote_ops=promote
         )
-        if level.op_casting:
-            overrides["policy"] = ampkit.Policy(
-                dtype=level.dtype, lower_ops=lower, fp32_ops=fp32, promote_ops=promote
-            )
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    model_list = list(models) if isinstance(models, (list, tuple)) else [models]
+    if level.cast_model_type is not None and _amp_state.allow_incoming_model_not_fp32:
+        for m in model_list:  # masters from the 16-bit values, as apex built them
+            if any(p.is_floating_point() and p.dtype != torch.float32 for p in m.parameters()):
+                m.float()
     out_models, out_opts = ampkit.initialize(models, optimizers, opt_level, **overrides)
+    if level.cast_model_type is not None and level.name in ("O0", "O1", "O2", "O3"):
+        _fp32_state_dicts(model_list)
     # ampkit.initialize reset the process-wide state; keep what was registered.
     _state.lower, _state.fp32, _state.promote = registrations
     _state.initialized = True
@@ -186,15 +286,30 @@ def scale_loss(
         )
     from .. import optim
 
-    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    for opt in opts:
-        optim.managed_state(opt).rescale_after_unscale = True
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     with ampkit.scale_loss(loss, optimizers, loss_id=loss_id) as scaled:
         yield scaled
     if not delay_unscale:
         # apex unscaled here, so code between this block and step() (clipping
         # amp.master_params or model.parameters()) sees true gradients.
         ampkit.unscale(opts)
+        _skip_together([optim.managed_state(opt) for opt in opts])
+
+
+def _skip_together(states: list[Any]) -> None:
+    """apex: an overflow in any optimizer's grads skips every optimizer of the
+    ``scale_loss`` call. Each gets the others' inf/NaN flags as one more segment of its
+    step (no loss id: no scaler event of its own; no host sync)."""
+    if len(states) < 2:
+        return
+    flags = [f for state in states for _, f in state._segments if f is not None]
+    if not flags:
+        return
+    total = flags[0]
+    for f in flags[1:]:
+        total = total + f.to(total.device, non_blocking=True)
+    for state in states:
+        state._segments.append((None, total))
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
@@ -269,7 +384,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 def _register(bucket: list[Callable[..., Any]], module: Any, name: str, kind: str) -> None:
     from ..policy import canonical_op
 
-    if _state.initialized:
+    if _state.initialized and _amp_state.handle is None:
         raise StateError(
             f"amp.register_{kind}_function must be called before amp.initialize, as with apex."
         )
@@ -379,6 +494,215 @@ def disable_casts() -> contextlib.AbstractContextManager[Any]:
     return ampkit.autocast(device_type=_state.device_type, enabled=False)
 
 
+# --- apex's older handle API ------------------------------------------------------------
+
+
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """apex's ``amp.init``: op-level casting on for the whole process (bf16 on CPU, fp16
+    on CUDA), with the functions registered by ``amp.register_*_function`` since the
+    last ``init``; returns the handle. ``enabled=False``: a handle that does nothing.
+    ``enable_caching``, ``verbose`` and ``allow_banned`` are accepted (ampkit's cast
+    cache is always safe; it bans no function)."""
+    import ampkit
+
+    scale = _as_loss_scale(loss_scale)
+    if not enabled:
+        handle: AmpHandle | NoOpHandle = NoOpHandle()
+    else:
+        lower, fp32, promote = list(_state.lower), list(_state.fp32), list(_state.promote)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        ampkit.init(device_type=device_type, lower_ops=lower, fp32_ops=fp32, promote_ops=promote)
+        _state.lower, _state.fp32, _state.promote = [], [], []  # consumed, as apex did
+        _state.device_type = device_type
+        handle = AmpHandle(scale if scale is not None else "dynamic", enable_caching, verbose)
+    _amp_state.handle = handle
+    return handle
+
+
+def _scaler_for(loss_scale: float | str) -> LossScaler:
+    if loss_scale == "dynamic":
+        return LossScaler()
+    return LossScaler(init_scale=float(loss_scale), dynamic=False)
+
+
+class AmpHandle:
+    """What apex's ``amp.init(enabled=True)`` returned."""
+
+    def __init__(self, loss_scale: float | str, enable_caching: bool, verbose: bool) -> None:
+        self._loss_scale = loss_scale
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self._is_active = True
+        self._cache: dict[Any, Any] = {}
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        import ampkit
+
+        self._is_active = False
+        try:
+            with ampkit.autocast(device_type=_state.device_type, enabled=False):
+                yield
+        finally:
+            self._is_active = True
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        """Yields ``loss`` times the optimizer's loss scale; at exit the grads are
+        unscaled and checked, and ``optimizer.step()`` skips itself on an overflow."""
+        import ampkit
+
+        if not self._is_active:
+            yield loss
+            return
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        from .. import optim
+
+        for opt in opts:
+            if not _managed(opt):
+                ampkit.init_trainer(opt, scaler=_scaler_for(self._loss_scale))
+        with ampkit.scale_loss(loss, opts[0] if len(opts) == 1 else opts) as scaled:
+            yield scaled
+        ampkit.unscale(opts)
+        _skip_together([optim.managed_state(opt) for opt in opts])
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+    def remove_cache(self, param: Any) -> None:
+        self._cache.pop(param, None)
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def cache(self) -> dict[Any, Any]:
+        return self._cache
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+    def _deactivate(self) -> None:
+        """Casting off, optimizers released: :func:`ampkit.reset`."""
+        import ampkit
+
+        ampkit.reset()
+
+
+class NoOpHandle:
+    """What apex's ``amp.init(enabled=False)`` returned: nothing happens."""
+
+    def is_active(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        yield
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        yield loss
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+
+def _managed(opt: torch.optim.Optimizer) -> bool:
+    from .. import optim
+
+    try:
+        optim.managed_state(opt)
+    except StateError:
+        return False
+    return True
+
+
+class OptimWrapper:
+    """apex's ``handle.wrap_optimizer(optimizer, num_loss)``: one loss scaler per loss;
+    ``scale_loss(loss)`` once per loss of the iteration, in order, then ``step()``,
+    skipped when any loss's grads overflowed. Other attributes go to the optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, amp_handle: Any, num_loss: int) -> None:
+        import ampkit
+
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        if amp_handle.is_active() and not _managed(optimizer):
+            scalers = [_scaler_for(amp_handle._loss_scale) for _ in range(num_loss)]
+            ampkit.init_trainer(optimizer, scaler=scalers, num_losses=num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        import ampkit
+
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if not 0 <= self._loss_idx < self._num_loss:
+            raise StateError(
+                f"OptimWrapper.scale_loss called {self._loss_idx + 1} times before step(), but "
+                f"wrap_optimizer was given num_loss={self._num_loss}."
+            )
+        with ampkit.scale_loss(loss, self._optimizer, loss_id=self._loss_idx) as scaled:
+            yield scaled
+        ampkit.unscale(self._optimizer)
+        self._loss_idx += 1
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise NotImplementedError("The `closure` argument is unsupported by the amp optimizer wrapper.")
+        self._loss_idx = 0
+        return self._optimizer.step()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._optimizer, attr)
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+
 #: The drop-in for ``from apex import amp``: a module object, so code that looks
 #: for names in ``amp.__dict__`` (as some training libraries do) finds them.
 amp = types.ModuleType("ampkit.compat.apex.amp", "apex.amp's API on top of ampkit.")
@@ -395,6 +719,13 @@ for _name in (
     "float_function",
     "promote_function",
     "disable_casts",
+    "init",
+    "AmpHandle",
+    "NoOpHandle",
+    "OptimWrapper",
 ):
     setattr(amp, _name, globals()[_name])
 del _name
+amp._amp_state = _amp_state  # type: ignore[attr-defined]
+# `from ampkit.compat.apex.amp import _amp_state` (apex: `from apex.amp import _amp_state`)
+sys.modules.setdefault(amp.__name__, amp)
