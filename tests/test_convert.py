@@ -202,6 +202,15 @@ def test_bad_arguments_raise_conversion_error_and_change_nothing(kwargs, message
         Budget()
 
 
+def test_a_model_that_cannot_be_copied_is_refused():
+    import threading
+
+    model = _cnn()
+    model.lock = threading.Lock()
+    with pytest.raises(ConversionError, match="cannot be copied"):
+        amp.convert(model)
+
+
 def test_slow_cpu_warning_once_per_session(monkeypatch):
     convert_module = sys.modules["ampkit.convert"]  # ampkit.convert is the function
 

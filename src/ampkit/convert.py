@@ -646,7 +646,14 @@ def _drop_hooks(module: nn.Module, predicate: Any) -> None:
 def _fp32_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` in eval mode with every floating parameter and buffer
     in fp32, no grads, and no ampkit cast hooks."""
-    ref = copy.deepcopy(model)
+    try:
+        ref = copy.deepcopy(model)
+    except Exception as exc:
+        raise ConversionError(
+            f"convert works on a copy (copy.deepcopy) and the model cannot be copied: "
+            f"{type(exc).__name__}: {exc}. Move what cannot be copied (locks, open files, "
+            "generators) out of the module."
+        ) from None
     for m in ref.modules():
         _drop_hooks(m, _is_ampkit_cast_hook)
         for p in m.parameters(recurse=False):
