@@ -108,3 +108,7 @@ __all__ += [
 from . import distributed  # noqa: E402  (installs the cross-rank skip agreement)
 
 __all__ += ["distributed"]
+# --- diagnosis ---
+from .doctor import DoctorReport, doctor  # noqa: E402  (ampkit.doctor is the function)
+
+__all__ += ["DoctorReport", "doctor"]

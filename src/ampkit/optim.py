@@ -65,6 +65,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import os
 import types
 import warnings
 import weakref
@@ -93,6 +94,7 @@ __all__ = [
 ]
 
 _ATTR = "_ampkit_managed"
+_ON = ("1", "true", "yes", "on")
 _MISSING = object()
 
 # Last skip decision of optimizers stepped through ampkit.GradScaler (not managed).
@@ -112,6 +114,13 @@ _agreement_hook: Callable[[ManagedOptimizer, list], Any] | None = None
 # Called once per step before the grads are first touched (before the pre-unscale
 # hooks), with the grads as backward left them (installed by ampkit.distributed).
 _before_check_hook: Callable[[ManagedOptimizer], None] | None = None
+
+
+# Observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
+# ``fn(states, losses, loss_id, scaled)`` once the loss is scaled, before the block runs
+# (``states``: the ManagedOptimizers of the call; ``losses``: the unscaled loss tensors;
+# ``scaled``: what the block yields). Empty unless the doctor is on: no cost otherwise.
+scale_loss_observers: list[Callable[[Sequence[ManagedOptimizer], Sequence[torch.Tensor], int, Any], None]] = []
 
 
 def set_agreement_hook(
@@ -226,6 +235,8 @@ class ManagedOptimizer:
     - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
       skipped) step. Master weights copy the masters back into the model here.
     - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
+    - ``scale_loss_observers`` (module level): callables told of every ``scale_loss``
+      (``ampkit.doctor`` counts scaled losses and backward passes there).
     - Unscaling and the check act on the grads of the params *currently* in
       ``optimizer.param_groups``: swap master params in there and their grads are what
       gets checked and stepped.
@@ -910,6 +921,7 @@ def init_trainer(
     *,
     hold_schedulers_on_skip: bool = ...,
     fast_kernels: bool = ...,
+    doctor: bool | None = ...,
 ) -> _Opt: ...
 
 
@@ -921,6 +933,7 @@ def init_trainer(
     *,
     hold_schedulers_on_skip: bool = ...,
     fast_kernels: bool = ...,
+    doctor: bool | None = ...,
 ) -> list[_Opt]: ...
 
 
@@ -931,6 +944,7 @@ def init_trainer(
     *,
     hold_schedulers_on_skip: bool = False,
     fast_kernels: bool = True,
+    doctor: bool | None = None,
 ) -> Any:
     """Put one or several optimizers under ampkit's loss scaling and step skipping.
 
@@ -956,6 +970,9 @@ def init_trainer(
             ``foreach=True`` (see :mod:`ampkit.fast_step`); re-applied after
             ``optimizer.load_state_dict``. Results may differ from the per-parameter
             loop in the last bits. False leaves the optimizer exactly as built.
+        doctor (bool | None) [None]: watch these optimizers with the process-wide
+            :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it); ``None``: on
+            when the environment variable ``AMPKIT_DOCTOR`` is ``1``. Off installs nothing.
 
     Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
     grads. Registers into the current AMP session (``ampkit.state_dict()``).
@@ -968,6 +985,8 @@ def init_trainer(
     for flag, value in (("hold_schedulers_on_skip", hold_schedulers_on_skip), ("fast_kernels", fast_kernels)):
         if not isinstance(value, bool):
             raise StateError(f"init_trainer: {flag} must be True or False, got {value!r}.")
+    if doctor is not None and not isinstance(doctor, bool):
+        raise StateError(f"init_trainer: doctor must be True, False or None, got {doctor!r}.")
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise StateError(
@@ -993,6 +1012,10 @@ def init_trainer(
     for slot in slots:
         slot.scaler._attached = True
     _session.current_session().register(Trainer(states, slots))
+    if doctor or (doctor is None and os.environ.get("AMPKIT_DOCTOR", "").strip().lower() in _ON):
+        from .doctor import attach_global
+
+        attach_global(optimizers)
     return optimizer_or_list
 
 
@@ -1081,6 +1104,8 @@ def scale_loss(
         scaled: Any = scaler.scale_loss(loss_or_losses)
     else:
         scaled = type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
+    for observer in scale_loss_observers:
+        observer(states, losses, loss_id, scaled)
     try:
         yield scaled
     except BaseException:

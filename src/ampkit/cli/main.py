@@ -1,10 +1,13 @@
 """``ampkit`` command: ``ampkit bench`` trains the built-in workloads under fp32,
 torch.autocast and ampkit's opt levels, interleaved, and reports speed, memory and
 accuracy side by side; ``ampkit convert`` turns a training checkpoint into a 16-bit
-inference model (and ONNX) and reports size, speed and error against fp32.
+inference model (and ONNX) and reports size, speed and error against fp32; ``ampkit
+doctor script.py [args]`` runs a training script with :func:`ampkit.doctor` on and
+prints its report.
 
 Exit codes: 0 success, 1 a precision failed while training, 2 bad input or
-environment (one line on stderr), 130 interrupted.
+environment (one line on stderr), 130 interrupted; ``ampkit doctor`` passes the
+script's own exit code through.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .convert import ConvertUsageError
+from .doctor import DoctorUsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -48,7 +52,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ampkit`` argument parser (sub-commands ``bench`` and ``convert``)."""
+    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert`` and ``doctor``)."""
     from ampkit.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
@@ -88,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .convert import add_parser as add_convert_parser
 
     add_convert_parser(sub)
+    from .doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 
@@ -204,11 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .convert import run as run_convert
 
             return run_convert(args)
+        if args.command == "doctor":
+            from .doctor import run as run_doctor
+
+            return run_doctor(args)
         return _bench(args)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    except ConvertUsageError as exc:
+    except (ConvertUsageError, DoctorUsageError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

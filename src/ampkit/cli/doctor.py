@@ -1,0 +1,76 @@
+"""``ampkit doctor SCRIPT [ARGS...]``: run a training script with :func:`ampkit.doctor`
+watching every optimizer it passes to ``init_trainer``/``initialize``, then print the
+report (rich on a terminal, plain text otherwise). The script's exit code is passed
+through; bad input (no such script, an output path that cannot be written, --png
+without matplotlib) prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+class DoctorUsageError(Exception):
+    """Bad input to ``ampkit doctor``: one line, exit code 2."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "doctor",
+        help="run a training script with ampkit.doctor on and print its report",
+        description=(
+            "Run SCRIPT as __main__ with sys.argv = [SCRIPT, *ARGS] and the doctor watching every "
+            "optimizer the script passes to ampkit.init_trainer or ampkit.initialize; then print "
+            "where inf/NaN values came from, each module's margins, misuse warnings and advice. "
+            "The script's exit code is passed through."
+        ),
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="PATH",
+                        help="also write the plot (loss scale, skipped steps, per-module margins); needs matplotlib")
+    parser.add_argument("script", help="the training script (a .py file)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def _check_writable(path: Path | None, what: str) -> None:
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise DoctorUsageError(f"ampkit doctor: cannot write {what} to {str(path)!r} (folder missing or not writable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ampkit doctor``; returns the script's exit code (raises
+    DoctorUsageError for bad input)."""
+    from ampkit.doctor._script import ScriptError, run_script
+
+    _check_writable(args.json, "the JSON report")
+    _check_writable(args.png, "the plot")
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise DoctorUsageError("ampkit doctor: --png needs matplotlib; install the extra: pip install 'ampkit[cli]'")
+    try:
+        code, reports = run_script(args.script, list(args.args))
+    except ScriptError as exc:
+        raise DoctorUsageError(f"ampkit doctor: {exc}") from None
+    sys.stdout.flush()
+    if not reports:
+        print("ampkit doctor: the script never passed an optimizer to ampkit.init_trainer or "
+              "ampkit.initialize; nothing to report", file=sys.stderr)
+        return code
+    for report in reports:
+        report.print()
+    last = reports[-1]
+    if args.json is not None:
+        last.to_json(args.json)
+    if args.png is not None:
+        last.save_png(args.png)
+    return code
