@@ -291,38 +291,19 @@ def unscale_then(fn):
     return step
 
 
-def grads_real_after_backward() -> bool:
-    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
-    amp.init_trainer(opt)
-    real = hasattr(amp.optim.managed_state(opt), "grad_path")
-    amp.reset()
-    return real
-
-
-def test_clip_before_unscale_detected_and_fixed():
+def test_clip_before_unscale_is_right_with_the_gradient_path():
+    """ampkit's gradient path unscales grads when backward ends, so a loop that clips
+    before amp.unscale clips real grads: it trains like fp32 and the doctor stays
+    quiet. (Where grads do stay scaled -- FSDP2's sharded parameters, gradient hooks --
+    the doctor flags it: see the FSDP2 and gradient-hook tests.)"""
     steps = 6
-    scaler = amp.LossScaler(init_scale=2.0**12)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses, _, report, _ = train(Small, FP16, scaler, steps, fixed_batch, lr=0.1, before_step=clip, doctor=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DoctorWarning)
+        losses, _, report, _ = train(Small, FP16, amp.LossScaler(init_scale=2.0**12), steps, fixed_batch,
+                                     lr=0.1, before_step=clip, doctor=True)
     reference, _, _, _ = train(Small, None, 1.0, steps, fixed_batch, lr=0.1, before_step=clip)
-    if grads_real_after_backward():
-        # ampkit's gradient path unscales grads when backward ends: clipping before
-        # amp.unscale is correct there, and the doctor stays quiet.
-        assert not report.misuse
-        assert_trains_like(losses, reference)
-        return
-    assert losses[-1] > 0.99 * losses[0]  # the update is ~1/scale too small: no progress
-    [misuse] = report.misuse
-    assert misuse.kind == "clip_before_unscale" and misuse.details["scale"] == 2.0**12
-    assert misuse.details["norm_after"] == pytest.approx(1.0 / 2.0**12, rel=1e-3)
-    assert any(issubclass(w.category, DoctorWarning) and "ampkit.unscale(optimizer) before clipping" in str(w.message)
-               for w in caught)
-    advice = report.advice_of("unscale_before_clip")[0]
-    assert advice.code.splitlines()[0] == "amp.unscale(optimizer)"
-    fixed, _, _, _ = train(Small, FP16, amp.LossScaler(init_scale=2.0**12), steps, fixed_batch, lr=0.1,
-                           before_step=unscale_then(clip))
-    assert_trains_like(fixed, reference)
+    assert report.misuse == [] and report.advice == []
+    assert_trains_like(losses, reference)
 
 
 def test_clamp_in_gradient_hook_detected_and_fixed():
@@ -335,8 +316,9 @@ def test_clamp_in_gradient_hook_detected_and_fixed():
         return model
 
     steps = 6
-    losses, _, report, _ = train(hooked, FP16, amp.LossScaler(init_scale=2.0**12), steps, fixed_batch,
-                                 lr=0.5, doctor=True)
+    with pytest.warns(DoctorWarning, match="has a gradient hook"):
+        losses, _, report, _ = train(hooked, FP16, amp.LossScaler(init_scale=2.0**12), steps, fixed_batch,
+                                     lr=0.5, doctor=True)
     reference, _, _, _ = train(hooked, None, 1.0, steps, fixed_batch, lr=0.5)
     assert losses[-1] > reference[-1] * 1.05  # the clamp bit 4096x harder than intended
     assert [m.kind for m in report.misuse] == ["grad_hook_sees_scaled_grads"]
@@ -439,17 +421,22 @@ def test_off_installs_nothing_and_stop_removes_everything(monkeypatch):
     amp.init_trainer(opt)
     state = amp.optim.managed_state(opt)
     hooks = (list(state.pre_unscale_hooks), list(state.skip_hooks), list(state.post_step_hooks))
+
+    def param_hooks():
+        return [(len(p._backward_hooks or {}), len(p._post_accumulate_grad_hooks or {})) for p in model.parameters()]
+
+    own = param_hooks()  # ampkit's gradient path may hook parameters itself
     assert current() is None and amp.optim.scale_loss_observers == []
     assert _global_hook_counts() == before
     with amp.doctor(opt):
         assert _global_hook_counts() == (before[0] + 1, before[1] + 1)
         with amp.scale_loss(model(torch.randn(4, 8)).pow(2).mean(), opt) as scaled:
             scaled.backward()
-        assert all(p._backward_hooks for p in model.parameters())
+        assert [h[0] for h in param_hooks()] == [n + 1 for n, _ in own]
         opt.step()
     assert _global_hook_counts() == before
     assert amp.optim.scale_loss_observers == []
-    assert all(not p._backward_hooks and not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert param_hooks() == own
     assert (state.pre_unscale_hooks, state.skip_hooks, state.post_step_hooks) == hooks
 
 
@@ -549,3 +536,36 @@ def test_cli_runs_script_prints_report_and_passes_exit_code(tmp_path, capsys):
     assert len(err) == 1 and "no such file" in err[0]
     assert main(["doctor"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --- multi-process -------------------------------------------------------------------------------
+@pytest.mark.distributed
+def test_ddp_rank0_reports_the_rank_where_the_overflow_appeared(tmp_path):
+    import _doctor_workers as workers
+
+    ranks = workers.launch("ddp", tmp_path, world_size=2)
+    assert ranks[0]["stats"] == ranks[1]["stats"]  # both ranks skipped the same steps
+    report = ranks[0]["report"]
+    assert report["skipped"] == 2
+    first = report["events"][0]
+    assert (first["step"], first["direction"], first["module"], first["ranks"]) == (3, "forward", "0", [1])
+    assert first["recurred"] is True
+    [finding] = report["findings"]  # found by rank 1's op-level check, reported on rank 0
+    assert (finding["level"], finding["direction"], finding["module"], finding["op"]) == ("op", "forward", "0", "addmm")
+    assert finding["ranks"] == [1] and finding["fp32_abs_max"] > 65504
+
+
+@pytest.mark.distributed
+def test_clip_before_unscale_on_fsdp2_detected_and_fixed(tmp_path):
+    """FSDP2's sharded grads stay scaled until the step (ampkit's gradient path does not
+    hook them): clip_grad_norm_ before amp.unscale clips S*g."""
+    import _doctor_workers as workers
+
+    [res] = workers.launch("fsdp_clip", tmp_path, world_size=1)
+    assert res["misused"][-1] > 0.99 * res["misused"][0]  # the update is ~1/scale too small
+    [misuse] = res["misuse"]
+    assert misuse["kind"] == "clip_before_unscale" and misuse["details"]["scale"] == 2.0**12
+    assert misuse["details"]["norm_after"] == pytest.approx(1.0 / 2.0**12, rel=1e-3)
+    [advice] = [a for a in res["advice"] if a["kind"] == "unscale_before_clip"]
+    assert advice["code"].splitlines()[0] == "amp.unscale(optimizer)"
+    assert_trains_like(res["fixed"], res["reference"])  # the advice applied

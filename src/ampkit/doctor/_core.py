@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from .. import optim as _optim
 from ..errors import StateError
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
-from ._record import _LOW, Recorder, ResolvedStep, StepLog, dtype_name
+from ._record import _LOW, Recorder, ResolvedStep, StepLog, dtype_name, local
 
 logger = logging.getLogger("ampkit.doctor")
 
@@ -114,6 +115,7 @@ class Doctor:
         self._check_reason: str | None = None
         self._last_check_step: int | None = None
         self._pending_event: Finding | None = None
+        self._ungathered: list[Finding] = []  # op-level findings not yet sent to the other ranks
         # per-step bookkeeping (misuse)
         self._scaled_nodes: list[Any] = []
         self._user_hooks_checked: set[int] = set()
@@ -271,19 +273,47 @@ class Doctor:
                 )
         scaled_list = [scaled] if isinstance(scaled, torch.Tensor) else list(scaled)
         log.scaled_losses += len(scaled_list)
+        mine = [s for s in states if any(s is t for t in self._states)]
         for t in scaled_list:
             node = t.grad_fn
             if node is not None:
                 self._scaled_nodes.append(node)
-                node.register_prehook(self._scaled_backward_hook(log))
+                node.register_prehook(self._scaled_backward_hook(log, mine))
         del self._scaled_nodes[:-8]
 
-    @staticmethod
-    def _scaled_backward_hook(log: StepLog) -> Callable[[Any], None]:
+    def _scaled_backward_hook(self, log: StepLog, states: list[Any]) -> Callable[[Any], None]:
+        """At the start of a scaled loss's backward: count the pass, and queue the
+        snapshot of the grads that still hold the scale when it ends (queued from a
+        final callback, so it runs after every callback the pass queues: DDP's and
+        FSDP's, which write the grads)."""
+
         def hook(grad_outputs: Any) -> None:
             log.scaled_tasks.append(torch._C._current_graph_task_id())
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self._snapshot_scaled(log, states)))
 
         return hook
+
+    def _snapshot_scaled(self, log: StepLog, states: list[Any]) -> None:
+        """Remember (grad, squared norm) of every grad that holds the loss scale
+        after backward: with ampkit's gradient path, only those it does not hook (FSDP2's
+        sharded parameters); without it, all."""
+        if not self._running:
+            return
+        with torch.no_grad():
+            for state in states:
+                if state.scalers[0].scale == 1.0:
+                    continue
+                params = [p for g in state.optimizer.param_groups for p in g["params"]]
+                path = getattr(state, "grad_path", None)
+                if path is not None:
+                    params = path.unhooked(params)
+                for p in params:
+                    g = p.grad
+                    if g is None or g.is_sparse:
+                        continue
+                    sumsq = local(g).detach().float().pow(2).sum()
+                    log.scaled_grads[id(p)] = (weakref.ref(p), weakref.ref(g), sumsq)
 
     def _pre_unscale(self, state: _optim.ManagedOptimizer) -> None:
         """Before ampkit first touches this step's grads: end an op-level check, and
@@ -337,7 +367,8 @@ class Doctor:
             self.events_total += 1
             if local is None:
                 local = Finding(step, scale, "overflow", "module")
-            local.ranks = self._gather_ranks(local, skipped)
+            if skipped:
+                self._gather(state, local)
             if local.module is not None and local.module in self.margins:
                 self.margins[local.module].overflows += 1
             if len(self.events) < 100:
@@ -391,8 +422,11 @@ class Doctor:
         if pending is not None and reason != "diagnose":
             pending.recurred = finding is not None and finding.kind != "underflow"
         if finding is not None:
-            finding.ranks = self._gather_ranks(finding, reason != "diagnose")
+            rank, world = _rank()
+            finding.ranks = [rank] if world > 1 else []
             self.findings.append(finding)
+            if reason != "diagnose":
+                self._ungathered.append(finding)
             self._log(f"ampkit.doctor: op-level check: {finding.summary()}")
         return finding
 
@@ -466,29 +500,25 @@ class Doctor:
 
     def _check_scaled_edits(self, state: _optim.ManagedOptimizer, log: StepLog) -> None:
         """Grads changed in place between backward and ampkit's unscale while they
-        still held ``S*g`` -- typically ``clip_grad_norm_`` before ``amp.unscale``."""
+        still held ``S*g`` -- typically ``clip_grad_norm_`` before ``amp.unscale``. With
+        ampkit's gradient path grads are real when backward ends, so this concerns the
+        grads it leaves scaled until the step (FSDP2's sharded parameters)."""
         scale = state.scalers[0].scale
-        if scale == 1.0 or not log.accumulated:
+        if scale == 1.0 or not log.scaled_grads:
             return
-        path = getattr(state, "grad_path", None)
-        records = list(log.accumulated.values())
-        if path is not None:
-            # ampkit's gradient path unscales grads when backward ends: they are real from
-            # then on; only grads it does not hook (FSDP2) are still scaled here.
-            try:
-                unhooked = {id(p) for p in path.unhooked([r[0]() for r in records if r[0]() is not None])}
-            except Exception:
-                unhooked = set()
-            records = [r for r in records if r[0]() is not None and id(r[0]()) in unhooked]
-        changed = []
-        for pref, gref, version, sumsq in records:
+        pairs = []
+        for pref, gref, sumsq in log.scaled_grads.values():
             p, g = pref(), gref()
-            if p is None or g is None or p.grad is not g or g._version == version:
+            if p is None or g is None or p.grad is not g:
                 continue
-            changed.append((sumsq, g.detach().float().pow(2).sum()))
+            # squared norms, not version counters: in-place ops on DTensor grads (FSDP2)
+            # leave those unchanged
+            pairs.append(torch.stack([sumsq, local(g).detach().float().pow(2).sum()]))
+        if not pairs:
+            return
+        changed = values = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]
         if not changed:
             return
-        values = torch.stack([torch.stack([a, b]) for a, b in changed]).tolist()
         ratios = [math.sqrt(after / before) for before, after in values if before > 0 and math.isfinite(after)]
         if not ratios:
             return
@@ -594,22 +624,42 @@ class Doctor:
                 return
 
     # --- distributed ---------------------------------------------------------------------
-    def _gather_ranks(self, finding: Finding, collective: bool) -> list[int]:
-        """The ranks where ``finding``'s non-finite value appeared; one
-        ``all_gather_object`` when several processes run and ``collective`` (every
-        rank reaches this point together: a skipped step is skipped on all ranks)."""
+    def _gather(self, state: _optim.ManagedOptimizer, local: Finding) -> None:
+        """Several processes, at a skipped step (every rank skips it together): one
+        ``all_gather_object`` of each rank's module-level finding and of its op-level
+        findings not sent yet. ``local.ranks`` becomes the ranks where the non-finite
+        value appeared; a rank that saw only the aftermath (inf/NaN grads after the
+        all-reduce) takes the origin rank's view; other ranks' op-level findings join
+        this rank's list."""
         rank, world = _rank()
-        if world == 1 or not collective:
-            return [rank] if world > 1 else []
-        local = finding.level if (finding.module is not None or finding.op is not None) else None
+        pending, self._ungathered = self._ungathered, []
+        if world == 1:
+            return
+        if not _skip_agreed(state):  # ranks may skip different steps: no collective
+            local.ranks = [rank] if local.direction is not None else []
+            return
+        mine = local.to_dict() if local.direction is not None else None
         gathered: list[Any] = [None] * world
-        torch.distributed.all_gather_object(gathered, (local, finding.to_dict() if local else None))
-        ranks = [r for r, (lvl, _) in enumerate(gathered) if lvl is not None]
-        if local is None and ranks:  # this rank saw only the aftermath: take the origin's view
-            other = gathered[ranks[0]][1]
-            for key in ("direction", "module", "module_type", "op", "node", "params", "level"):
-                setattr(finding, key, other.get(key))
-        return ranks
+        torch.distributed.all_gather_object(gathered, (mine, [f.to_dict() for f in pending]))
+        local.ranks = [r for r, (event, _) in enumerate(gathered) if event is not None]
+        if mine is None and local.ranks:
+            other = gathered[local.ranks[0]][0]
+            for key in ("direction", "module", "module_type", "params", "dtype"):
+                setattr(local, key, other.get(key))
+        by_step = {(f.step, f.kind): f for f in self.findings}
+        for r, (_, findings) in enumerate(gathered):
+            for d in findings:
+                own = by_step.get((d["step"], d["kind"]))
+                if own is None:
+                    f = Finding.from_dict(d)
+                    f.ranks = [r]
+                    self.findings.append(f)
+                    by_step[(f.step, f.kind)] = f
+                    for event in self.events:  # it did recur, on another rank
+                        if event.recurred is False and event.step < f.step and f.kind != "underflow":
+                            event.recurred = True
+                elif r not in own.ranks and (own.module, own.op) == (d.get("module"), d.get("op")):
+                    own.ranks = sorted({*own.ranks, r})
 
     # --- output --------------------------------------------------------------------------
     def _log(self, message: str) -> None:
@@ -629,6 +679,15 @@ class Doctor:
         from ._report import DoctorReport
 
         return DoctorReport.build(self)
+
+
+def _skip_agreed(state: _optim.ManagedOptimizer) -> bool:
+    """Whether every rank of the world skips the same steps as this one (ampkit's
+    agreement is on: any sync mode but ``"never"``, on the default group)."""
+    from ..distributed import _SETTINGS
+
+    settings = _SETTINGS.get(state)
+    return settings is None or (settings.sync != "never" and settings.group is None)
 
 
 def _user_stacklevel() -> int:

@@ -87,6 +87,8 @@ class Finding:
         parts = []
         if self.module is None and self.op is None and self.direction == "forward":
             parts.append("the loss (computed outside any module)")
+        if self.module is None and self.op is None and self.direction == "backward":
+            parts.append("the gradient of the model's output (the loss's backward, outside any module)")
         if self.module is not None:
             parts.append(f"{self.module or '<root>'}" + (f" ({self.module_type})" if self.module_type else ""))
         if self.op:
@@ -120,6 +122,27 @@ class Finding:
         if self.recurred is False:
             line += " (did not recur in the op-level check of a later step)"
         return line
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Finding:
+        """The inverse of :meth:`to_dict` (another rank's finding)."""
+
+        def num(x: Any) -> float | None:
+            return float(x) if isinstance(x, str) else x
+
+        def stats(items: list[dict[str, Any]]) -> list[TensorStats]:
+            return [
+                TensorStats(s["dtype"], tuple(s["shape"]), num(s["abs_max"]), num(s["abs_min"]), s["nonfinite"])
+                for s in items
+            ]
+
+        fields = {f.name for f in dataclasses.fields(Finding)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["inputs"], kw["outputs"] = stats(d.get("inputs", [])), stats(d.get("outputs", []))
+        kw["fp32_abs_max"] = num(d.get("fp32_abs_max"))
+        kw["flushed"] = {k: tuple(v) for k, v in (d.get("flushed") or {}).items()}
+        kw["magnitude_range"] = tuple(d["magnitude_range"]) if d.get("magnitude_range") else None
+        return Finding(**kw)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -46,6 +46,12 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     )
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def _floats(value: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     out = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
@@ -81,8 +87,9 @@ class StepLog:
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
     scaled_losses: int = 0  # loss tensors scaled by scale_loss this step
     scaled_tasks: list[int] = dataclasses.field(default_factory=list)  # backward passes of scaled losses
-    # id(param) -> (param ref, grad ref, version, sumsq tensor) after its last accumulation
-    accumulated: dict[int, tuple[Any, Any, int, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    # id(param) -> (param ref, grad ref, sumsq tensor) when a scaled backward ended, for
+    # grads that still hold the loss scale then
+    scaled_grads: dict[int, tuple[Any, Any, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -300,12 +307,8 @@ class Recorder:
                 continue
             full = f"{module_name}.{pname}" if module_name else pname
             grad_hook = self._param_grad_hook(full, module_name)
-            acc_hook = self._param_accumulated_hook()
             self._own_hooks.add(id(grad_hook))
-            handles = [p.register_hook(grad_hook)]
-            if p.is_leaf:
-                handles.append(p.register_post_accumulate_grad_hook(acc_hook))
-            self._param_hooks[id(p)] = (weakref.ref(p), handles)
+            self._param_hooks[id(p)] = (weakref.ref(p), [p.register_hook(grad_hook)])
             self._param_names[id(p)] = full
 
     def _param_grad_hook(self, full: str, module_name: str) -> Callable[[torch.Tensor], None]:
@@ -323,17 +326,6 @@ class Recorder:
                 ])
                 task = torch._C._current_graph_task_id()
                 log.params.append((log.next_seq(), full, module_name, grad.dtype, grad.numel(), stats, task))
-
-        return hook
-
-    def _param_accumulated_hook(self) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if not self.on or g is None or g.is_sparse:
-                return
-            with _paused(self.checker):
-                sumsq = g.detach().float().pow(2).sum()
-                self.log.accumulated[id(p)] = (weakref.ref(p), weakref.ref(g), g._version, sumsq)
 
         return hook
 
