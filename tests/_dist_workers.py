@@ -38,10 +38,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(job: str, outdir: Path, world_size: int = 2, timeout: float = 90.0) -> list[dict]:
-    """Run ``job`` on ``world_size`` fresh processes; return each rank's results. Fails
-    (with every rank's output) on a non-zero exit or after ``timeout`` seconds, killing
-    the processes it started."""
+def launch(
+    job: str, outdir: Path, world_size: int = 2, timeout: float = 90.0, script: Path = HERE / "_dist_workers.py"
+) -> list[dict]:
+    """Run ``job`` of ``script`` (this file, or another with the same command line and
+    ``rank{r}.pt`` results) on ``world_size`` fresh processes; return each rank's
+    results. Fails (with every rank's output) on a non-zero exit or after ``timeout``
+    seconds, killing the processes it started."""
     outdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -49,7 +52,7 @@ def launch(job: str, outdir: Path, world_size: int = 2, timeout: float = 90.0) -
     for rank in range(world_size):
         log = open(outdir / f"rank{rank}.log", "w")
         logs.append(log)
-        cmd = [sys.executable, str(HERE / "_dist_workers.py"), job, str(rank), str(world_size), str(port), str(outdir)]
+        cmd = [sys.executable, str(script), job, str(rank), str(world_size), str(port), str(outdir)]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + timeout
     timed_out = False

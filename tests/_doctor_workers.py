@@ -1,68 +1,35 @@
 """Worker processes for tests/test_doctor.py's multi-process cases (gloo on 127.0.0.1):
 ``python tests/_doctor_workers.py JOB RANK WORLD PORT OUTDIR``; each rank saves what it
-saw as JSON for the test to check."""
+saw (``rank{r}.pt``) for the test to check; launched by ``_dist_workers.launch``."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import subprocess
 import sys
-import time
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _dist_workers import free_port  # noqa: E402
+import _dist_workers  # noqa: E402
 
 
 def launch(job: str, outdir: Path, world_size: int, timeout: float = 120.0) -> list[dict]:
-    """Run ``job`` on ``world_size`` fresh processes and return each rank's results;
-    fails with every rank's output on a non-zero exit or a timeout."""
-    outdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("AMPKIT_DOCTOR", None)
-    procs, logs = [], []
-    for rank in range(world_size):
-        log = open(outdir / f"rank{rank}.log", "w")
-        logs.append(log)
-        cmd = [sys.executable, __file__, job, str(rank), str(world_size), str(port), str(outdir)]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    codes = [p.returncode for p in procs]
-    if timed_out or any(codes):
-        outputs = "\n".join(
-            f"--- rank {r} (exit {codes[r]}) ---\n{(outdir / f'rank{r}.log').read_text()[-4000:]}"
-            for r in range(world_size)
-        )
-        raise AssertionError(f"job {job!r} {'timed out' if timed_out else 'failed'}:\n{outputs}")
-    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(world_size)]
-
-
+    """Run ``job`` of this file on ``world_size`` fresh processes (doctor switched off
+    in the environment; the jobs turn it on themselves)."""
+    saved = os.environ.pop("AMPKIT_DOCTOR", None)
+    try:
+        return _dist_workers.launch(job, outdir, world_size, timeout, script=Path(__file__))
+    finally:
+        if saved is not None:
+            os.environ["AMPKIT_DOCTOR"] = saved
 
 
 def _loop(model: nn.Module, opt: torch.optim.Optimizer, batches: Callable[[int], tuple], steps: int,
@@ -164,26 +131,10 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {"fsdp_clip": job_fsdp_clip, "ddp": job_ddp}
 
 
-def main(argv: list[str]) -> int:
-    job, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = JOBS[job](rank, world, outdir)
-        (outdir / f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    warnings.simplefilter("ignore")  # fp16 on CPU warns
+    _dist_workers.JOBS.update(JOBS)
+    code = _dist_workers.main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # gloo's static destructors can abort at exit (see _dist_workers.py)
