@@ -569,3 +569,20 @@ def test_clip_before_unscale_on_fsdp2_detected_and_fixed(tmp_path):
     [advice] = [a for a in res["advice"] if a["kind"] == "unscale_before_clip"]
     assert advice["code"].splitlines()[0] == "amp.unscale(optimizer)"
     assert_trains_like(res["fixed"], res["reference"])  # the advice applied
+
+
+def test_example_demo_report_and_fix(capsys):
+    """examples/doctor_demo.py under `ampkit doctor` names the attention's score matmul;
+    with --fix (the advice) it trains without a skipped step."""
+    from pathlib import Path
+
+    from ampkit.cli.main import main
+
+    demo = Path(__file__).resolve().parent.parent / "examples" / "doctor_demo.py"
+    assert main(["doctor", str(demo), "--steps", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "first non-finite value at blocks.1.attn (Attention), op bmm, forward" in out
+    assert "module_rules={'blocks.1.attn': torch.float32}" in out
+    assert main(["doctor", str(demo), "--steps", "24", "--fix"]) == 0
+    out = capsys.readouterr().out
+    assert "24 steps, 0 skipped" in out and "Advice: none" in out

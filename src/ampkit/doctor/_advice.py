@@ -301,7 +301,7 @@ def _trend_advice(doc: Doctor) -> list[Advice]:
         base = statistics.median(norms[: len(norms) // 2])
         spikes = [(p.step, p.grad_norm) for p in points
                   if p.grad_norm is not None and base > 0 and p.grad_norm > 10 * base]
-        if spikes:
+        if spikes and len(spikes) <= max(1, len(norms) // 10):  # sporadic, not a new level
             max_norm = float(f"{2 * base:.1g}")
             step, value = max(spikes, key=lambda s: s[1])
             out.append(Advice(
@@ -315,14 +315,17 @@ def _trend_advice(doc: Doctor) -> list[Advice]:
     if len(losses) >= 12:
         head = statistics.mean(losses[:4])
         tail = statistics.mean(losses[-4:])
-        if head > 0 and tail > 3 * head:
+        last = losses[-6:]
+        rising = all(b > a for a, b in zip(last, last[1:]))  # diverging, not a jump in the data
+        if head > 0 and tail > 3 * head and rising and last[-1] > 2 * last[0]:
             lr = doc.lrs[0] if doc.lrs else None
             code = "for group in optimizer.param_groups:\n    group['lr'] *= 0.1"
             if lr is not None:
                 code += f"   # lr {lr:g} -> {lr * 0.1:g}"
             out.append(Advice(
                 "learning_rate", "check the learning rate (try 10x lower)",
-                f"the loss rose from {head:.4g} to {tail:.4g} (mean of the first and last 4 steps seen)",
+                f"the loss rose from {head:.4g} to {tail:.4g} (mean of the first and last 4 steps seen), "
+                f"rising at each of the last {len(last)} steps",
                 code, {"lr_factor": 0.1},
             ))
     return out

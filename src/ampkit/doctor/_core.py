@@ -455,7 +455,7 @@ class Doctor:
             margin = self.margins[name]
             margin.act_abs_max = max(margin.act_abs_max, value)
             margin.act_history.append((step, value))
-        for _, tap, dt, _n, amax, _under in res.grads:
+        for _, tap, dt, amax in res.grads:
             for name in tap.producers:
                 margin = self.margins.get(name)
                 if margin is None:
@@ -478,7 +478,7 @@ class Doctor:
                     bad.add(mname)
             acc = under.setdefault(mname, [0.0, 0.0, 0.0])
             acc[0] += zeros
-            acc[1] += sub
+            acc[1] += sub - zeros  # sub: zero or subnormal
             acc[2] += n
         for name, (zeros, sub, n) in under.items():
             compute = res.module_dtype.get(name)
@@ -713,7 +713,11 @@ def localize(res: ResolvedStep, step: int, scale: float) -> Finding | None:
         if not math.isfinite(amax):
             events.append((seq, "act", (name, dt, amax)))
             break
-    for seq, tap, dt, _n, amax, _u in res.grads:
+    for seq, name, parent, dt, amax in res.inputs:
+        if not math.isfinite(amax):
+            events.append((seq, "input", (name, parent, dt)))
+            break
+    for seq, tap, dt, amax in res.grads:
         if not math.isfinite(amax):
             events.append((seq, "grad", (tap, dt, amax)))
             break
@@ -731,6 +735,16 @@ def localize(res: ResolvedStep, step: int, scale: float) -> Finding | None:
         return Finding(
             step, scale, "overflow", "module", direction="forward", module=name,
             module_type=res.module_type.get(name), dtype=dtype_name(dt),
+        )
+    if kind == "input":
+        name, parent, dt = data
+        if parent is None:  # the model's own input
+            return Finding(step, scale, "nonfinite_input", "module", direction="forward", module=name,
+                           module_type=res.module_type.get(name), dtype=dtype_name(dt))
+        # made by the parent's own code (functional ops between its children)
+        return Finding(
+            step, scale, "overflow", "module", direction="forward", module=parent,
+            module_type=res.module_type.get(parent), dtype=dtype_name(dt),
         )
     if kind == "grad":
         tap, dt, amax = data
@@ -759,10 +773,10 @@ def _underflow_fraction(res: ResolvedStep, dtype: torch.dtype) -> float | None:
     non-zero ones below its smallest normal, or the fraction of zeros when that is
     above 90% (grads that vanished altogether). None without such grads."""
     zeros = sub = n = 0.0
-    for _seq, _pn, mname, _dt, numel, _amax, z, s, _sq, _t in res.params:
+    for _seq, _pn, mname, _dt, numel, _amax, z, below, _sq, _t in res.params:
         if res.module_dtype.get(mname) is dtype:
             zeros += z
-            sub += s
+            sub += below - z
             n += numel
     if not n:
         return None

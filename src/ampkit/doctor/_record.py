@@ -52,6 +52,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else t
 
 
+def abs_max(t: torch.Tensor) -> torch.Tensor:
+    """``t.abs().amax()`` as fp32, in one pass without a temporary (inf/NaN propagate)."""
+    lo, hi = torch.aminmax(t.detach())
+    return torch.maximum(hi.float(), lo.float().neg())
+
+
 def _floats(value: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     out = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
@@ -75,9 +81,13 @@ class StepLog:
     seq: int = 0
     # (seq, module, dtype, amax tensor)
     acts: list[tuple[int, str, torch.dtype, torch.Tensor]] = dataclasses.field(default_factory=list)
-    # (seq, tap, dtype, numel, [amax, under] tensor)
-    grads: list[tuple[int, Tap, torch.dtype, int, torch.Tensor]] = dataclasses.field(default_factory=list)
-    # (seq, param name, module, dtype, numel, [amax, zeros, subnormal, sumsq] tensor, graph task)
+    # module inputs no module returned this step: (seq, module, parent module or None, dtype, amax)
+    inputs: list[tuple[int, str, str | None, torch.dtype, torch.Tensor]] = dataclasses.field(
+        default_factory=list
+    )
+    # (seq, tap, dtype, amax tensor)
+    grads: list[tuple[int, Tap, torch.dtype, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # (seq, param name, module, dtype, numel, [amax, zeros, zero-or-subnormal, sumsq] tensor, graph task)
     params: list[tuple[int, str, str, torch.dtype, int, torch.Tensor, int]] = dataclasses.field(
         default_factory=list
     )
@@ -97,15 +107,17 @@ class StepLog:
 
     @property
     def empty(self) -> bool:
-        return not (self.acts or self.grads or self.params or self.losses)
+        return not (self.acts or self.inputs or self.grads or self.params or self.losses)
 
     def resolve(self) -> ResolvedStep:
         """Read every recorded value in one host sync (per device)."""
         tensors: list[torch.Tensor] = []
         for *_, t in self.acts:
             tensors.append(t.reshape(1))
+        for *_, t in self.inputs:
+            tensors.append(t.reshape(1))
         for *_, t in self.grads:
-            tensors.append(t)
+            tensors.append(t.reshape(1))
         for *_, t, _task in self.params:
             tensors.append(t)
         for t in self.losses:
@@ -113,10 +125,11 @@ class StepLog:
         values = _read(tensors)
         it = iter(values)
         acts = [(seq, name, dt, next(it)[0]) for seq, name, dt, _ in self.acts]
-        grads = [(seq, tap, dt, n, *next(it)) for seq, tap, dt, n, _ in self.grads]
+        inputs = [(seq, name, parent, dt, next(it)[0]) for seq, name, parent, dt, _ in self.inputs]
+        grads = [(seq, tap, dt, next(it)[0]) for seq, tap, dt, _ in self.grads]
         params = [(seq, pn, mn, dt, n, *next(it), task) for seq, pn, mn, dt, n, _, task in self.params]
         losses = [next(it)[0] for _ in self.losses]
-        return ResolvedStep(acts, grads, params, losses, dict(self.module_dtype), dict(self.module_type))
+        return ResolvedStep(acts, grads, params, losses, dict(self.module_dtype), dict(self.module_type), inputs)
 
 
 def _read(tensors: list[torch.Tensor]) -> list[list[float]]:
@@ -142,11 +155,12 @@ class ResolvedStep:
     """One step's records as host values (see :class:`StepLog`)."""
 
     acts: list[tuple[int, str, torch.dtype, float]]
-    grads: list[tuple[int, Tap, torch.dtype, int, float, float]]
+    grads: list[tuple[int, Tap, torch.dtype, float]]
     params: list[tuple[int, str, str, torch.dtype, int, float, float, float, float, int]]
     losses: list[float]
     module_dtype: dict[str, torch.dtype]
     module_type: dict[str, str]
+    inputs: list[tuple[int, str, str | None, torch.dtype, float]]
 
 
 class _Local(threading.local):
@@ -172,6 +186,7 @@ class Recorder:
         self._param_hooks: dict[int, tuple[weakref.ref[torch.Tensor], list[Any]]] = {}
         self._param_names: dict[int, str] = {}
         self._taps: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors already recorded this step
         self._own_hooks: set[int] = set()  # ids of hook functions the recorder registered
         self.on = False
         self.scale: Callable[[], float] = lambda: 1.0
@@ -203,6 +218,7 @@ class Recorder:
         """The records since the last call; starts a new step log."""
         log, self.log = self.log, StepLog()
         self._taps = WeakIdKeyDictionary()
+        self._known = WeakIdKeyDictionary()
         return log
 
     # --- names -----------------------------------------------------------------------
@@ -243,11 +259,17 @@ class Recorder:
             self._hook_params(module, name)
             stop: set[int] | None = None
             grad = torch.is_grad_enabled()
-            inputs = _floats(args) if grad else []
+            inputs = _floats(args)
+            log = self.log
+            parent = stack[-1][1] if stack else None
+            for t in inputs:  # tensors no module returned: the batch, or made by a parent's own code
+                if t not in self._known:
+                    self._known[t] = True
+                    log.inputs.append((log.next_seq(), name, parent, t.dtype, abs_max(t)))
             if checker is not None:
                 stop = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}
             for t in inputs:
-                if t.requires_grad:
+                if grad and t.requires_grad:
                     self._tap(t).consumers.append(name)
             stack.append((module, name, stop))
             if checker is not None:
@@ -270,8 +292,8 @@ class Recorder:
                 log.module_dtype.setdefault(name, outputs[0].dtype)
                 log.module_type.setdefault(name, type(module).__name__)
             for t in outputs:
-                amax = t.detach().abs().amax().float()
-                log.acts.append((log.next_seq(), name, t.dtype, amax))
+                self._known[t] = True
+                log.acts.append((log.next_seq(), name, t.dtype, abs_max(t)))
                 if t.requires_grad and torch.is_grad_enabled():
                     self._tap(t).producers.append(name)
             if checker is not None:
@@ -295,9 +317,7 @@ class Recorder:
             if not self.on or log is not self.log or grad is None or not grad.is_floating_point():
                 return
             with _paused(self.checker):
-                a = grad.detach().abs()
-                stats = torch.stack([a.amax().float(), (a < tiny_subnormal(grad.dtype)).sum().float()])
-                log.grads.append((log.next_seq(), tap, grad.dtype, grad.numel(), stats))
+                log.grads.append((log.next_seq(), tap, grad.dtype, abs_max(grad)))
 
         return hook
 
@@ -319,10 +339,11 @@ class Recorder:
             with _paused(self.checker):
                 compute = log.module_dtype.get(module_name, grad.dtype)
                 normal = torch.finfo(compute if compute in _LOW else grad.dtype).smallest_normal
-                a = grad.detach().abs()
+                g = grad.detach()
+                below = (g.abs() < normal).sum()  # zero or subnormal in the compute dtype
                 stats = torch.stack([
-                    a.amax().float(), (a == 0).sum().float(), ((a > 0) & (a < normal)).sum().float(),
-                    a.float().pow(2).sum(),
+                    abs_max(g), g.numel() - torch.count_nonzero(g).float(), below.float(),
+                    torch.linalg.vector_norm(g, dtype=torch.float32).square(),
                 ])
                 task = torch._C._current_graph_task_id()
                 log.params.append((log.next_seq(), full, module_name, grad.dtype, grad.numel(), stats, task))

@@ -264,7 +264,7 @@ class DoctorReport:
         import matplotlib.pyplot as plt
 
         points = [p for p in self.history if p.optimizer == 0]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
         if points:
             steps = [p.step for p in points]
             ax1.step(steps, [p.scale for p in points], where="post", label="loss scale")
@@ -286,10 +286,16 @@ class DoctorReport:
             ax2.barh([i + 0.2 for i in y], act, height=0.4, label="activation abs-max / dtype max")
             ax2.barh([i - 0.2 for i in y], grad, height=0.4, label="grad abs-max / dtype max")
             ax2.axvline(1.0, color="red", linestyle="--", label="dtype max")
+            hit = [i for i, m in enumerate(margins[::-1]) if m.overflows]
+            if hit:
+                ax2.scatter([1.0] * len(hit), hit, color="red", marker="X", s=60, zorder=3,
+                            label="first to produce inf/NaN")
             ax2.set_xscale("log")
             ax2.set_yticks(list(y))
             ax2.set_yticklabels(names, fontsize=8)
-            ax2.legend(loc="lower right", fontsize=8)
+            for i in hit:
+                ax2.get_yticklabels()[i].set_color("red")
+            ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8)
         ax2.set_title("per-module peak vs dtype limit (top by risk)")
         fig.tight_layout()
         path = Path(path)
