@@ -516,17 +516,15 @@ class Doctor:
             pairs.append(torch.stack([sumsq, local(g).detach().float().pow(2).sum()]))
         if not pairs:
             return
-        changed = values = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]
-        if not changed:
-            return
-        ratios = [math.sqrt(after / before) for before, after in values if before > 0 and math.isfinite(after)]
+        changed = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]
+        ratios = [math.sqrt(after / before) for before, after in changed if before > 0 and math.isfinite(after)]
         if not ratios:
             return
         lo, hi = min(ratios), max(ratios)
         uniform = hi <= lo * 1.01 + 1e-12 and hi < 0.999
         if uniform:
-            before = math.sqrt(sum(v[0] for v in values))
-            after = math.sqrt(sum(v[1] for v in values))
+            before = math.sqrt(sum(v[0] for v in changed))
+            after = math.sqrt(sum(v[1] for v in changed))
             self._misuse(
                 "clip_before_unscale", state,
                 f"the grads of {len(changed)} parameter(s) were scaled down by {lo:.3g} between backward "

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _LOW = (torch.float16, torch.bfloat16)
 _MAX_TENSORS = 4  # floating tensors recorded per module input/output structure
+MAX_RECORDS = 200_000  # module records kept between two steps
 
 
 def tiny_subnormal(dtype: torch.dtype) -> float:
@@ -104,6 +105,12 @@ class StepLog:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+    @property
+    def full(self) -> bool:
+        """Enough forward records for one step (a loop that runs many forwards with grad
+        between two steps): stop adding module records until the step."""
+        return len(self.acts) + len(self.inputs) > MAX_RECORDS
 
     @property
     def empty(self) -> bool:
@@ -258,9 +265,10 @@ class Recorder:
             name = self.name_of(module, root)
             self._hook_params(module, name)
             stop: set[int] | None = None
-            grad = torch.is_grad_enabled()
-            inputs = _floats(args)
             log = self.log
+            # forwards without grad (evaluation) are not training steps: not recorded
+            grad = torch.is_grad_enabled() and not log.full
+            inputs = _floats(args) if grad else []
             parent = stack[-1][1] if stack else None
             for t in inputs:  # tensors no module returned: the batch, or made by a parent's own code
                 if t not in self._known:
@@ -286,15 +294,15 @@ class Recorder:
         _, name, stop = stack.pop()
         checker = self.checker
         with _paused(checker):
-            outputs = _floats(output)
             log = self.log
+            outputs = _floats(output) if torch.is_grad_enabled() and not log.full else []
             if outputs:
                 log.module_dtype.setdefault(name, outputs[0].dtype)
                 log.module_type.setdefault(name, type(module).__name__)
             for t in outputs:
                 self._known[t] = True
                 log.acts.append((log.next_seq(), name, t.dtype, abs_max(t)))
-                if t.requires_grad and torch.is_grad_enabled():
+                if t.requires_grad:
                     self._tap(t).producers.append(name)
             if checker is not None:
                 checker.map_nodes([t for t in outputs if t.grad_fn is not None], stop or set(), name)
