@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -210,10 +211,14 @@ def run(args: argparse.Namespace) -> int:
     keep = [k.strip() for k in args.keep_fp32.split(",") if k.strip()]
     try:
         ref = load_fp32_checkpoint(_model(args), checkpoint).eval()
-        converted = amp.convert(
-            model, checkpoint=checkpoint, dtype=dtype, keep_fp32=keep, calib=batches,
-            budget=budget, fold_bn=not args.no_fold_bn,
-        )
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            converted = amp.convert(
+                model, checkpoint=checkpoint, dtype=dtype, keep_fp32=keep, calib=batches,
+                budget=budget, fold_bn=not args.no_fold_bn,
+            )
+        for note in notes:  # one line each, not a warning's source excerpt
+            print(f"note: {str(note.message).removeprefix('ampkit.convert: ')}", file=sys.stderr)
     except (ConversionError, RuntimeError) as exc:
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConvertUsageError(f"ampkit convert: {line}") from None
@@ -231,8 +236,6 @@ def run(args: argparse.Namespace) -> int:
     errors: dict[str, Any] = {"converted/PyTorch": report.error}
     sizes = {"fp32/PyTorch": weight_bytes(ref), "converted/PyTorch": report.weight_bytes}
     if args.program is not None:
-        import warnings
-
         program = amp.export_program(converted, example)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's pt2 writer chatters about weight groups
