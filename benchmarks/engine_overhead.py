@@ -11,6 +11,7 @@ enters its scope once untimed first (re-installing them).
 
     python benchmarks/engine_overhead.py [--workloads cnn,transformer,gpt2] [--rounds 8]
     python benchmarks/engine_overhead.py --micro   # the engine's own costs, in microseconds
+    python benchmarks/engine_overhead.py --clock cpu  # process CPU time: on a shared machine
 
 ``--micro`` times what the engine adds per event, interleaved with the same thing
 under plain torch.autocast: a module call (global hooks), a scope entry and exit, and
@@ -56,6 +57,9 @@ def modes(device: str, dtype: torch.dtype):
     }
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time, blind to other processes' load
+
+
 def bench(name: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -> dict[str, float]:
     wl = WORKLOADS[name]
     torch.manual_seed(0)
@@ -88,12 +92,12 @@ def bench(name: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -
                 amp.reset()  # torch's own kernels and no global hooks
             if device == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             for _ in range(steps):
                 step(model, opt, ctx)
             if device == "cuda":
                 torch.cuda.synchronize()
-            times[mode].append((time.perf_counter() - t0) / steps)
+            times[mode].append((CLOCK() - t0) / steps)
     return {m: statistics.median(v) for m, v in times.items()}
 
 
@@ -106,10 +110,10 @@ def micro(rounds: int, dtype: torch.dtype) -> None:
     over = amp.Policy(dtype=dtype, fp32_ops=["mm"], lower_ops=["softmax"])
 
     def per_call(fn, n):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - t0) / n * 1e6
+        return (CLOCK() - t0) / n * 1e6
 
     def in_scope(ctx, fn):
         def run():
@@ -156,16 +160,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--micro", action="store_true", help="per-event engine costs (CPU) instead of steps")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this process's CPU time (steady when other processes load the machine)")
     args = p.parse_args(argv)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
     dtype = dtype or (torch.float16 if args.device == "cuda" else torch.bfloat16)
     if args.micro:
-        print(f"device=cpu dtype={dtype} torch={torch.__version__} rounds={args.rounds}, median per event")
+        print(f"device=cpu dtype={dtype} torch={torch.__version__} rounds={args.rounds}, median per event "
+              f"({args.clock} clock)")
         micro(args.rounds, dtype)
         return
     print(f"device={args.device} dtype={dtype} threads={args.threads} torch={torch.__version__} "
-          f"rounds={args.rounds}x{args.steps} steps, median step time")
+          f"rounds={args.rounds}x{args.steps} steps, median step time ({args.clock} clock)")
     header = f"{'workload':<12} {'fp32 ms':>9} {'autocast ms':>12} {'default ms':>11} {'custom ms':>10} " \
              f"{'autocast/fp32':>14} {'default/autocast':>17} {'custom/autocast':>16}"
     print(header)

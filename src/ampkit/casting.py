@@ -82,6 +82,7 @@ class _Frame:
     python_ops: dict[Any, str]  # function object -> category
     cache_enabled: bool
     rules: bool = True  # module rules apply (False in a scope the user disabled)
+    key: str = ""  # this scope stack's compile key (see _compile_key_of)
     cache: dict[int, tuple[weakref.ref, int, torch.dtype, torch.Tensor]] = dataclasses.field(
         default_factory=dict
     )
@@ -193,6 +194,10 @@ class _State(threading.local):
         self.global_scope: autocast | None = None  # ampkit.init's scope: per thread, as torch's autocast state
         # the outermost module call of the scopes, and the autocast cache switch before it
         self.epoch: tuple[nn.Module, bool] | None = None
+        # names the open scopes' decisions for torch.compile ("": no scope); compiled
+        # code reads it, so dynamo guards on it and recompiles when it changes (a str:
+        # dynamo would make a changing int dynamic instead of guarding its value)
+        self.compile_key = ""
         self.record = _ThreadRecord(self.scopes, self.module_stack)
         _THREADS[threading.get_ident()] = self.record
         self.inherited: _Replay | None = None
@@ -414,6 +419,37 @@ def _overloads(base: str) -> list[Any]:
     return out
 
 
+def _guard_compiled_code() -> None:
+    """A kernel of ours runs while torch.compile traces (dynamo's fake run of an op, or
+    AOTAutograd's): the graph's dtypes then depend on this thread's scopes, so make
+    dynamo guard the code being compiled on ``_state.compile_key``. Module calls get
+    this guard from the hooks; a compiled function calling no module gets it here.
+    Uses dynamo's guard API (internal; checked by tests/test_compile.py)."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    tx = getattr(getattr(convert, "tls", None), "current_tx", None)
+    if tx is None:
+        return
+    try:
+        from torch._dynamo.guards import GuardBuilder, install_guard
+        from torch._dynamo.source import AttrSource
+
+        source = AttrSource(AttrSource(tx.import_source(__name__), "_state"), "compile_key")
+        install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
+    except Exception:  # noqa: BLE001 - another torch's internals: compile without the guard
+        logger.debug("ampkit: could not add the policy guard to compiled code", exc_info=True)
+
+
+def _drop_compiled_code() -> None:
+    """A policy overrides an op for the first time in this process: code torch.compile
+    built before may hold that op traced by torch's own kernel, with no guard on
+    ampkit's scopes (nothing of ampkit ran while it was traced). Recompile it."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None or not utils.counters["frames"].get("ok") or torch.compiler.is_compiling():
+        return
+    logger.info("ampkit: a policy overrides an op for the first time; compiled code is reset")
+    torch.compiler.reset()
+
+
 class _KernelRegistry:
     """Puts ampkit kernels on ``Autocast<Device>`` for the ops policies need.
 
@@ -443,6 +479,7 @@ class _KernelRegistry:
             for base in names - done:
                 self._libs[(device_type, base)] = _register(device_type, base)
             self._done[device_type] = done | names
+        _drop_compiled_code()
 
     def clear(self) -> None:
         """Remove every kernel (torch's own are back). Only safe when no other thread
@@ -483,6 +520,8 @@ def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., An
     exclude = torch._C._ExcludeDispatchKeyGuard
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            _guard_compiled_code()
         frames = _state.frames.get(device_type)
         frame = frames[-1] if frames else None
         dtype = get_dtype(device_type)
@@ -515,6 +554,8 @@ class _PythonOpMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():
+            return _compiled_python_op(func, args, kwargs)
         frame = _state.scopes[-1] if _state.scopes else None
         if len(_state.frames) > 1:
             # scopes for several device types: the innermost one of the device the call
@@ -529,6 +570,50 @@ class _PythonOpMode(TorchFunctionMode):
             with torch.autocast(frame.device_type, enabled=False):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _compiled_python_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``_PythonOpMode`` while dynamo traces: the same casts, written so dynamo puts
+    them in the graph (the decision is a trace-time constant guarded by the key)."""
+    decision = _trace_python_op(func, _state.compile_key)
+    if decision is None:
+        return func(*args, **kwargs)
+    category, device_type, dtype = decision
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if category == "promote" and any(t.dtype == torch.float32 and t.device.type == device_type for t in tensors):
+        dtype = torch.float32
+    elif category == "fp32":
+        dtype = torch.float32
+
+    def cast(v: Any) -> Any:
+        if (
+            isinstance(v, torch.Tensor)
+            and v.is_floating_point()
+            and v.dtype != torch.float64
+            and v.device.type == device_type
+        ):
+            return v.to(dtype)
+        return v
+
+    args = tuple(cast(a) for a in args)
+    kwargs = {k: cast(v) for k, v in kwargs.items()}
+    if category == "fp32":
+        with torch.autocast(device_type, enabled=False):
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _trace_python_op(func: Any, key: str) -> tuple[str, str, torch.dtype] | None:
+    """At trace time: (category, device type, compute dtype) for a Python-level op
+    under the innermost enabled scope, or None."""
+    frame = _state.scopes[-1] if _state.scopes else None
+    if frame is None or not frame.enabled:
+        return None
+    category = frame.python_ops.get(func)
+    return None if category is None else (category, frame.device_type, frame.dtype)
+
+
+_trace_python_op._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------
@@ -547,54 +632,96 @@ class _ModuleHooks:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._handles: list[Any] = []
+        self._installed = False
+        # torch.compile guards compiled code on the global hook dicts' keys and values:
+        # re-installing puts the same two functions back under the same keys, so code
+        # compiled under a scope is reused under the next one
+        self._fns = (self._pre, self._post)
+        self._ids: tuple[int, int] | None = None
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
     def ensure(self) -> None:
-        if self._handles:
+        if self._installed:
             return
         with self._lock:
-            if not self._handles:
-                reg = nn.modules.module
-                self._handles = [
-                    reg.register_module_forward_pre_hook(self._pre),
-                    reg.register_module_forward_hook(self._post, always_call=True),
-                ]
+            if self._installed:
+                return
+            reg = nn.modules.module
+            pre, post = self._fns
+            if self._ids is None or not hasattr(reg, "_global_forward_hooks_always_called"):
+                self._ids = (
+                    reg.register_module_forward_pre_hook(pre).id,
+                    reg.register_module_forward_hook(post, always_call=True).id,
+                )
+            else:
+                pre_id, post_id = self._ids
+                reg._global_forward_pre_hooks[pre_id] = pre
+                reg._global_forward_hooks[post_id] = post
+                reg._global_forward_hooks_always_called[post_id] = True
+            self._installed = True
 
     def remove(self) -> None:
         with self._lock:
-            handles, self._handles = self._handles, []
-            for h in handles:
-                h.remove()
+            if not self._installed:
+                return
+            reg = nn.modules.module
+            pre_id, post_id = self._ids
+            reg._global_forward_pre_hooks.pop(pre_id, None)
+            reg._global_forward_hooks.pop(post_id, None)
+            getattr(reg, "_global_forward_hooks_always_called", {}).pop(post_id, None)
+            self._installed = False
 
     def installed(self) -> bool:
-        return bool(self._handles)
+        return self._installed
 
-    def _name_of(self, module: nn.Module) -> str | None:
-        """``module``'s qualified name in the outermost module called, as the user's own
-        model names it: wrappers are looked through (:func:`_unwrap`)."""
-        root = _state.module_stack[0] if _state.module_stack else module
+    def _names_in(self, root: nn.Module) -> dict[int, str]:
         names = self._names.get(root)
-        if names is None or id(module) not in names:
+        if names is None:
             names = {id(m): _model_name(n) for n, m in _unwrap(root).named_modules(remove_duplicate=False)}
             self._names[root] = names
-        return names.get(id(module))
+        return names
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if not _state.scopes:
-            return None
-        frame = _state.scopes[-1]
-        if not _state.module_stack:
-            _start_cache_epoch(module, frame)
-        _state.module_stack.append(module)
+    def contains(self, root: nn.Module, module: nn.Module) -> bool:
+        if id(module) in self._names_in(root):
+            return True
+        self._names.pop(root, None)  # modules may have been added since: look again
+        return id(module) in self._names_in(root)
+
+    def _name_of(self, module: nn.Module, root: nn.Module | None = None) -> str | None:
+        """``module``'s qualified name in ``root`` (default: the outermost module
+        called), as the user's own model names it: wrappers are looked through
+        (:func:`_unwrap`)."""
+        if root is None:
+            root = _state.module_stack[0] if _state.module_stack else module
+        return self._names_in(root).get(id(module)) if self.contains(root, module) else None
+
+    def rule_dtype(self, module: nn.Module, frame: _Frame, root: nn.Module | None = None) -> torch.dtype | None:
+        """The dtype ``frame``'s module rules pin ``module`` to, or None. Names are
+        relative to ``root`` (default: the outermost module called in the scopes)."""
         policy = frame.policy
         if policy is None or not policy.module_rules or not frame.rules:
             return None
         # qualified names cost a walk of the module tree: only for name-glob rules
         by_name = any(isinstance(key, str) for key in policy.module_rules)
-        dtype = policy.module_dtype(module, self._name_of(module) if by_name else None)
+        return policy.module_dtype(module, self._name_of(module, root) if by_name else None)
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces
+            return _compiled_pre(module, args)
+        if not _state.scopes:
+            return None
+        frame = _state.scopes[-1]
+        if not _state.module_stack and not _is_compiled_module(module):
+            # (a torch.compile'd module: compiled code keeps no cast cache, and with the
+            # cache switch left off dynamo tells this scope from plain torch.autocast)
+            _start_cache_epoch(module, frame)
+        _state.module_stack.append(module)
+        # a torch.compile'd module's own rule is the model's inside it, applied here,
+        # eagerly, around the compiled call (compiled code then skips it)
+        dtype = self.rule_dtype(module._orig_mod if _is_compiled_module(module) else module, frame)
         if dtype is None:
             return None
+        policy = frame.policy
         stack = contextlib.ExitStack()
         if dtype is torch.float32:
             stack.enter_context(autocast(policy, frame.device_type, enabled=False, _from_rule=True))
@@ -607,6 +734,8 @@ class _ModuleHooks:
         return args
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return _compiled_post(module)
         if _state.rule_stack and _state.rule_stack[-1][0] is module:
             _state.rule_stack.pop()[1].close()
         if _state.module_stack and _state.module_stack[-1] is module:
@@ -614,6 +743,98 @@ class _ModuleHooks:
             if not _state.module_stack:
                 _end_cache_epoch(module)
         return None
+
+
+# ---------------------------------------------------------------------------
+# Module hooks inside torch.compile
+# ---------------------------------------------------------------------------
+# When dynamo traces a module call it inlines the global hooks. There they must not
+# touch the thread's stacks (dynamo would record list mutations holding modules) and
+# must not graph-break: they read ``_state.compile_key`` (dynamo guards the compiled
+# code on it, per thread, so another policy or no scope compiles anew), ask a function
+# dynamo runs at trace time for the module's rule, and change the autocast state with
+# the calls dynamo records in the graph.
+def _compiled_pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    rule = _trace_rule_enter(module, _state.compile_key)  # the key's value becomes a guard
+    if rule is None:
+        return None
+    device_type, dtype = rule
+    if dtype is torch.float32:
+        torch.set_autocast_enabled(device_type, False)
+        return tuple(_map_tensors(a, _to_fp32) for a in args)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    return None
+
+
+def _compiled_post(module: nn.Module) -> None:
+    restore = _trace_rule_exit(module, _state.compile_key)
+    if restore is not None:
+        device_type, enabled, dtype = restore
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+
+
+# Trace-time bookkeeping (these run for real while dynamo traces; their results are
+# constants in the graph). A module's pre and post hooks may be traced in different
+# compiled frames (dynamo compiles a top module's forward apart from its hooks), so the
+# state to restore after a module is kept per module, and the root that name rules are
+# relative to is found among the modules traced first (not from a per-trace stack).
+_trace = threading.local()
+_COMPILED_ROOTS: list[weakref.ref] = []
+
+
+def _compiled_root(module: nn.Module) -> nn.Module:
+    """The outermost module ``module`` belongs to, for name rules inside compiled code:
+    the outermost module called eagerly (``torch.compile(model)``'s wrapper), else the
+    first module traced in a compiled frame that contains it (``model.compile()``)."""
+    if _state.module_stack:
+        return _state.module_stack[0]
+    for ref in list(_COMPILED_ROOTS):
+        root = ref()
+        if root is None:
+            _COMPILED_ROOTS.remove(ref)
+        elif root is module or _hooks.contains(root, module):
+            return root
+    if len(_COMPILED_ROOTS) > 64:
+        del _COMPILED_ROOTS[0]
+    _COMPILED_ROOTS.append(weakref.ref(module))
+    return module
+
+
+def _trace_rule_enter(module: nn.Module, key: str) -> tuple[str, torch.dtype] | None:
+    frame = _state.scopes[-1] if _state.scopes else None
+    if frame is None or frame.policy is None or not frame.policy.module_rules or not frame.rules:
+        return None
+    stack = _state.module_stack
+    if stack and _is_compiled_module(stack[-1]) and stack[-1]._orig_mod is module:
+        return None  # the compiled wrapper's hook applied this module's rule eagerly
+    root = _compiled_root(module)
+    dtype = _hooks.rule_dtype(module, frame, root)
+    if dtype is None:
+        return None
+    device_type = frame.device_type
+    if dtype is not torch.float32 and dtype is not torch.get_autocast_dtype(device_type) and root is module:
+        # the top module of model.compile(): its hooks are compiled apart from its
+        # forward, and dynamo refuses a dtype switch left across compiled frames
+        logger.warning(
+            "ampkit: the rule pinning %s to %s is not applied under model.compile(); "
+            "use torch.compile(model), whose wrapper applies it", type(module).__name__, dtype
+        )
+        return None
+    restore = _trace.__dict__.setdefault("restore", {})
+    restore[id(module)] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    return device_type, dtype
+
+
+def _trace_rule_exit(module: nn.Module, key: str) -> tuple[str, bool, torch.dtype] | None:
+    return _trace.__dict__.setdefault("restore", {}).pop(id(module), None)
+
+
+# dynamo runs these at trace time and puts their results in the graph as constants
+# (what ``torch._dynamo.assume_constant_result`` marks; set here without importing dynamo)
+_trace_rule_enter._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_trace_rule_exit._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # path components that wrappers insert: torch.compile, FSDP1, checkpoint_wrapper
@@ -626,13 +847,17 @@ def _model_name(name: str) -> str:
     return _WRAPPER_PARTS.sub("", name).lstrip(".") if "_" in name else name
 
 
+def _is_compiled_module(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     """The model inside ``nn.DataParallel`` / ``DistributedDataParallel`` /
     ``torch.compile``'s module, however deep: name rules are written against it."""
     while True:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
-        elif hasattr(module, "_orig_mod") and type(module).__name__ == "OptimizedModule":
+        elif _is_compiled_module(module):
             module = module._orig_mod
         else:
             return module
@@ -810,8 +1035,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         # scope that starts outside one leaves torch's autocast cache off until it does
         cache = self.cache_enabled and bool(_state.module_stack)
         native = _native_enter(self.device_type, self.enabled, self.policy.dtype, cache)
+        frame.key = _compile_key_of(_state.compile_key, frame)
         _state.frames.setdefault(self.device_type, []).append(frame)
         _state.scopes.append(frame)
+        _state.compile_key = frame.key
         mode = None
         if frame.python_ops and _state.py_mode_depth == 0:
             mode = _PythonOpMode()
@@ -836,6 +1063,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             _state.scopes.pop()
         else:
             _state.scopes.remove(frame)
+        _state.compile_key = _state.scopes[-1].key if _state.scopes else ""
         frame.cache.clear()
 
     def __exit__(self, *exc: Any) -> bool:
@@ -863,6 +1091,39 @@ def _last_scope_closed() -> None:
         _state.module_stack.clear()
     if threading.active_count() == 1:
         _hooks.remove()
+
+
+_COMPILE_KEYS: dict[tuple[Any, ...], str] = {}
+_POLICY_KEYS: dict[int, tuple[weakref.ref, tuple[Any, ...]]] = {}
+
+
+def _policy_key(policy: Policy) -> tuple[Any, ...]:
+    """What of ``policy`` decides dtypes, as a hashable value: equal policies built
+    anew (``autocast()`` builds one per entry) share it, so they share compiled code."""
+    hit = _POLICY_KEYS.get(id(policy))
+    if hit is not None and hit[0]() is policy:
+        return hit[1]
+    key = (
+        policy.dtype,
+        frozenset(policy.categories().items()),
+        tuple(sorted(policy.conditionals().items(), key=lambda kv: kv[0])),
+        frozenset(policy.module_rules.items()),
+    )
+    if len(_POLICY_KEYS) > 1024:
+        _POLICY_KEYS.clear()
+    _POLICY_KEYS[id(policy)] = (weakref.ref(policy), key)
+    return key
+
+
+def _compile_key_of(parent: str, frame: _Frame) -> str:
+    """A short name for (the scopes below, this scope's policy, device, switches)."""
+    value = (parent, _policy_key(frame.policy) if frame.policy is not None else None,
+             frame.device_type, frame.enabled, frame.rules)
+    key = _COMPILE_KEYS.get(value)
+    if key is None:
+        with _step_hook_lock:
+            key = _COMPILE_KEYS.setdefault(value, f"ampkit-{len(_COMPILE_KEYS) + 1}")
+    return key
 
 
 def _native_enter(device_type: str, enabled: bool, dtype: torch.dtype, cache_enabled: bool) -> Any:

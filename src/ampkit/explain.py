@@ -61,6 +61,8 @@ class ExplainReport:
 
     records: list[OpRecord]
     trailing_casts: list[CastRecord]
+    #: set when the call given was torch.compile'd: what was run instead, and why
+    note: str | None = None
 
     @property
     def casts(self) -> list[CastRecord]:
@@ -140,7 +142,7 @@ class ExplainReport:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.table()
+        return self.table() if self.note is None else f"{self.note}\n{self.table()}"
 
     def __rich__(self) -> Any:  # pragma: no cover - rendering only
         from rich.table import Table
@@ -204,6 +206,10 @@ def explain(
     None); otherwise under the scope already active (e.g. ``ampkit.init``). Runs under
     ``torch.no_grad`` only if the caller did; nothing is kept beyond the report.
 
+    A ``torch.compile``'d module or function is explained through the eager code it
+    wraps (``report.note`` says so): compiled code runs fused kernels that no dispatch
+    mode sees, and its ops run in the same dtypes as the eager ones.
+
     Returns an :class:`ExplainReport`; ``print(report)`` shows a table.
     """
     if not callable(fn_or_module):
@@ -213,6 +219,7 @@ def explain(
         )
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
+    fn_or_module, note = _eager(fn_or_module)
     recorder = _Recorder()
     use_scope = policy is not None or not casting.is_active()
     scope = casting.autocast(policy, device_type) if use_scope else None
@@ -224,4 +231,16 @@ def explain(
     finally:
         if scope is not None:
             scope.__exit__(None, None, None)
-    return ExplainReport(recorder.records, recorder.pending)
+    return ExplainReport(recorder.records, recorder.pending, note)
+
+
+def _eager(fn: Any) -> tuple[Any, str | None]:
+    """The eager module or function under ``torch.compile``'s wrapper, if any."""
+    if isinstance(fn, nn.Module) and type(fn).__name__ == "OptimizedModule" and hasattr(fn, "_orig_mod"):
+        inner = fn._orig_mod
+        return inner, f"(explained the eager {type(inner).__name__} that torch.compile wraps; compiled code uses the same dtypes)"
+    inner = getattr(fn, "_torchdynamo_orig_callable", None)
+    if inner is not None:
+        name = getattr(inner, "__name__", type(inner).__name__)
+        return inner, f"(explained the eager {name} that torch.compile wraps; compiled code uses the same dtypes)"
+    return fn, None

@@ -258,7 +258,9 @@ class Policy:
         module_rules: ``{nn.Module subclass or qualified-name glob: dtype}``. A matching
             module's forward runs with casting in that dtype (``torch.float32``: casting
             off, floating positional inputs cast to fp32). Names are relative to the
-            outermost module called (``"head"``, ``"encoder.layers.*.norm1"``).
+            outermost module called (``"head"``, ``"encoder.layers.*.norm1"``), seen
+            through ``nn.DataParallel``/``DistributedDataParallel``/``torch.compile``
+            wrappers.
 
     Each list overrides the device's default lists op by op; an op may appear in one
     of ``lower_ops``/``fp32_ops``/``promote_ops`` only.

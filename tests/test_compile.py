@@ -1,0 +1,320 @@
+"""ampkit under torch.compile: every policy kind, every level, the loss scaler and
+explain on compiled models; dtypes inside compiled code equal eager's op for op; no
+graph break of ampkit's making; another policy or no scope never reuses a graph.
+
+Compiling is slow on 2 cores, so models are tiny and most tests compile with the
+``aot_eager`` backend: dynamo and AOTAutograd trace exactly as with the default
+backend (that is where ampkit's hooks, kernels and guards act), only the final
+codegen differs. Two tests use inductor itself, the default backend.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit as amp
+from ampkit.bench.workloads import CharTransformer, DigitsCNN
+
+pytestmark = pytest.mark.slow
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+FAST = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _counters():
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def _graphs() -> int:
+    return _counters()["stats"]["unique_graphs"]
+
+
+def _breaks() -> dict:
+    return dict(_counters()["graph_break"])
+
+
+class Probe(nn.Module):
+    """Records the dtype of every intermediate it computes (a side effect dynamo
+    replays after compiled code, so compiled and eager runs can be compared)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        self.seen: list[tuple[str, torch.dtype]] = []
+
+    def forward(self, x):
+        def rec(name, t):
+            self.seen.append((name, t.dtype))
+            return t
+
+        h = rec("fc", self.fc(x))
+        h = rec("gelu", F.gelu(h))
+        h = rec("norm", self.norm(h))
+        p = rec("pow3", torch.pow(h.float().abs() + 1, 3)) + rec("pow2", torch.pow(h.float(), 2))
+        s = rec("softmax", torch.softmax(h, -1))
+        n = rec("normalize", F.normalize(x))
+        return rec("head", self.head(s)) + p.sum() + n.sum()
+
+
+def _cube(x, e, **kw):
+    return isinstance(e, (int, float)) and e > 2
+
+
+POLICIES = {
+    "default": amp.default_policy("cpu"),
+    "ops": amp.Policy(fp32_ops=[F.linear], lower_ops=["softmax"]),
+    "conditional": amp.Policy(lower_ops=[torch.pow], conditional_fp32_ops=[(torch.pow, _cube)]),
+    "python_op": amp.Policy(lower_ops=[F.normalize]),
+    "rules": amp.Policy(module_rules={nn.LayerNorm: FP32, "head": FP32}),
+}
+
+
+def _run(fn, model, policy, x):
+    model.seen.clear()
+    if policy is None:
+        out = fn(x)
+    else:
+        with amp.autocast(policy, "cpu"):
+            out = fn(x)
+    return out, list(model.seen)
+
+
+def test_every_policy_kind_compiles_to_the_eager_dtypes_and_switching_recompiles():
+    torch.manual_seed(0)
+    model, x = Probe(), torch.randn(4, 8)
+    for policy in POLICIES.values():
+        with amp.autocast(policy, "cpu"):  # register the kernels first: a policy that first
+            pass  # overrides an op after compiling resets compiled code (a recompile)
+    compiled = torch.compile(model, backend=FAST)
+    for name, policy in [*POLICIES.items(), ("no scope", None)]:
+        before = _graphs()
+        out, seen = _run(compiled, model, policy, x)
+        ref, want = _run(model, model, policy, x)
+        assert seen == want, name
+        assert torch.equal(out, ref), name
+        assert _graphs() > before, name  # each policy compiles its own code ...
+    for name in ("ops", "rules", "default"):  # ... reused when it comes back
+        before = _graphs()
+        out, seen = _run(compiled, model, POLICIES[name], x)
+        assert seen == _run(model, model, POLICIES[name], x)[1] and _graphs() == before, name
+    # with the python-level rule a TorchFunctionMode is traced: still no graph break
+    assert _breaks() == {}
+    # the differences the probe sees are real: each policy changed some dtype
+    dtypes = {name: _run(model, model, p, x)[1] for name, p in POLICIES.items()}
+    for name in ("ops", "conditional", "python_op", "rules"):
+        assert dtypes[name] != dtypes["default"], name
+
+
+def test_module_compile_in_place_applies_name_rules_like_eager():
+    """``model.compile()`` compiles the top module's call itself (no wrapper called
+    eagerly): name rules still resolve against the model."""
+    torch.manual_seed(0)
+    model, x = Probe(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    model.compile(backend=FAST)
+    policy = amp.Policy(module_rules={"head": FP32, "norm": BF16}, fp32_ops=[F.gelu])
+    out, seen = _run(model, model, policy, x)
+    want_out, want = _run(ref, ref, policy, x)
+    assert seen == want and ("head", FP32) in seen and torch.equal(out, want_out)
+
+
+def test_policies_built_anew_share_compiled_code():
+    """``amp.autocast()`` builds its Policy on each entry; equal policies must not
+    recompile (the guard is on the policy's value, not its identity)."""
+    torch.manual_seed(0)
+    model, x = Probe(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend=FAST)
+    with amp.autocast(amp.Policy(fp32_ops=[F.linear]), "cpu"):
+        pass  # kernels registered before compiling
+    counts = []
+    for _ in range(3):
+        model.seen.clear()
+        with amp.autocast(device_type="cpu"):
+            compiled(x)
+        model.seen.clear()
+        with amp.autocast(amp.Policy(fp32_ops=[F.linear]), "cpu"):
+            compiled(x)
+        counts.append(_graphs())
+    assert counts[0] > 0 and counts[0] == counts[1] == counts[2]
+
+
+def test_threads_with_different_policies_get_their_own_compiled_code():
+    import threading
+
+    torch.manual_seed(0)
+    model, x = Probe(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend=FAST)
+    _run(compiled, model, POLICIES["ops"], x)  # compiled in this thread
+    got = {}
+
+    def other():
+        with amp.autocast(POLICIES["default"], "cpu"):
+            got["out"] = compiled(x)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    with torch.autocast("cpu", dtype=BF16):
+        want = model(x)
+    assert torch.equal(got["out"], want)  # the default policy's graph, not this thread's
+
+
+def test_compiled_function_without_modules_follows_the_policy():
+    """No module call: the guard comes from ampkit's kernel while the function is
+    traced, and a policy that first overrides an op resets older compiled code."""
+    w = torch.randn(8, 8)
+
+    def fn(x):
+        return torch.mm(x, w), F.normalize(x)
+
+    compiled = torch.compile(fn, backend=FAST)
+    x = torch.randn(4, 8)
+    for policy in (POLICIES["default"], amp.Policy(fp32_ops=["mm"]), POLICIES["python_op"],
+                   POLICIES["default"], amp.Policy(fp32_ops=["mm"])):
+        with amp.autocast(policy, "cpu"):
+            got, want = compiled(x), fn(x)
+        assert [t.dtype for t in got] == [t.dtype for t in want]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _breaks() == {}
+    got = compiled(x)  # no scope
+    assert got[0].dtype == FP32 and torch.equal(got[0], fn(x)[0])
+
+
+def test_explain_on_a_compiled_model_explains_the_eager_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    x = torch.randn(3, 8)
+    policy = amp.Policy(fp32_ops=[F.gelu])
+    rep = amp.explain(torch.compile(model, backend=FAST), x, policy=policy, device_type="cpu")
+    ref = amp.explain(model, x, policy=policy, device_type="cpu")
+    assert rep.records == ref.records and rep.note is not None and "eager Sequential" in str(rep)
+    fn_rep = amp.explain(torch.compile(lambda t: model(t), backend=FAST), x, policy=policy, device_type="cpu")
+    assert fn_rep.records == ref.records and fn_rep.note is not None
+
+
+# --- training: every level, the bench CNN and a small transformer ---------------------
+def _cnn():
+    return DigitsCNN(width=4), lambda g: (torch.randn(8, 1, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+
+
+def _transformer():
+    model = CharTransformer(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=8)
+
+    def batch(g):
+        ids = torch.randint(0, 16, (4, 9), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    return model, batch
+
+
+def _train(make, level, compiled, steps=2, policy=None, backend=FAST):
+    amp.reset()
+    torch.manual_seed(0)
+    model, batch = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    overrides = {"policy": policy} if policy is not None else {}
+    if level == "init":
+        amp.init(device_type="cpu", policy=policy)
+        amp.init_trainer(opt)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=level, **overrides)
+    seen: list[tuple[str, torch.dtype]] = []
+    for name, m in model.named_modules():
+        if not list(m.children()):
+            m.register_forward_hook(lambda mod, i, o, n=name: seen.append((n, o.dtype)))
+    run = torch.compile(model, backend=backend) if compiled else model
+    g = torch.Generator().manual_seed(1)
+    losses, dtypes = [], None
+    for step in range(steps):
+        x, y = batch(g)
+        out = run(x)
+        loss = F.cross_entropy(out.float().flatten(0, -2) if out.dim() > 2 else out.float(), y.flatten())
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step == 0:
+            dtypes = list(seen)
+    amp.reset()
+    return losses, dtypes
+
+
+LEVELS = ["O0", "O1", "O2", "O3", "O2K", "init"]
+
+
+@pytest.mark.parametrize("make", [_cnn, _transformer], ids=["cnn", "transformer"])
+def test_compiled_models_train_as_eager_at_every_level(make):
+    custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32})
+    for level, policy in [*((lv, None) for lv in LEVELS), ("O1", custom)]:
+        eager, want = _train(make, level, compiled=False, policy=policy)
+        comp, got = _train(make, level, compiled=True, policy=policy)
+        assert got == want, (level, policy)  # each layer's output dtype, op for op
+        assert eager == comp, (level, policy)  # aot_eager computes what eager does
+    assert _breaks() == {}
+
+
+def test_fp16_scaler_skips_an_overflowing_step_of_a_compiled_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=FP16, loss_scale=128.0)
+    run = torch.compile(model, backend=FAST)
+    x = torch.randn(4, 4)
+    with amp.scale_loss(run(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_skipped(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(run(x * 1e30).float().sum(), opt) as scaled:  # inf in fp16
+        scaled.backward()
+    opt.step()
+    assert amp.step_skipped(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# --- the default backend ---------------------------------------------------------
+def test_inductor_default_policy_equals_compiled_torch_autocast_without_graph_breaks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    ref_model = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    compiled, ref_compiled = torch.compile(model), torch.compile(ref_model)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref_compiled(x)
+    with amp.autocast(device_type="cpu"):
+        got = compiled(x)
+    assert got.dtype == BF16 and torch.equal(got, want)
+    assert _breaks() == {}
+    with amp.autocast(device_type="cpu"):
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_inductor_custom_policy_trains_the_transformer_like_eager():
+    custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32, "head": FP32})
+    eager, want = _train(_transformer, "O1", compiled=False, policy=custom, steps=3)
+    comp, got = _train(_transformer, "O1", compiled=True, policy=custom, steps=3, backend="inductor")
+    assert got == want
+    assert ("head", FP32) in got and ("ln", FP32) in got and ("blocks.0.fc1", BF16) in got
+    for a, b in zip(eager, comp):  # fused kernels round differently: within bf16 noise
+        assert abs(a - b) <= 0.02 * abs(a)
+    assert _breaks() == {}
