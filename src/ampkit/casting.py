@@ -13,8 +13,10 @@ How it works:
   torch's own kernel (same category, so the same dtypes and values).
 - Thread safety: a kernel is registered the first time a policy needs its op and
   kept, so the dispatcher's tables never change under threads dispatching through
-  them; the global module hooks below are installed once, likewise. Both go only on
-  ``ampkit.reset()`` in a process with one thread and no scope open.
+  them; kernels go only on ``ampkit.reset()`` in a process with one thread and no
+  scope open. The global module hooks below are installed while a scope is open and
+  removed only when no other thread could be running a module (the last scope of a
+  one-thread process closes, or that reset).
 - Python-level torch functions without an aten op are intercepted by a
   ``TorchFunctionMode`` pushed only while a scope needs one.
 - Module rules use global forward pre/post hooks (no forward replacement); in a
@@ -27,6 +29,12 @@ How it works:
   ``cache_enabled=False`` turns caching off.
 - Replica threads of ``torch.nn.parallel.parallel_apply`` (``nn.DataParallel``) enter
   their caller's scopes when they first run a module or op (:func:`_replica_caller`).
+- torch.compile: the hooks and the function mode have a branch for code dynamo traces
+  (``torch.compiler.is_dynamo_compiling()``): no stack mutation, decisions taken at
+  trace time (constants in the graph), module rules as autocast switches dynamo
+  records; compiled code is guarded on ``_state.compile_key``, which names the
+  thread's scopes by value. Kernels run while graphs are traced, so their casts are
+  in the graph (see "Module hooks inside torch.compile" below).
 """
 
 from __future__ import annotations
