@@ -198,6 +198,28 @@ def test_compiled_function_without_modules_follows_the_policy():
     assert got[0].dtype == FP32 and torch.equal(got[0], fn(x)[0])
 
 
+def test_scope_entered_inside_compiled_code():
+    """``with amp.autocast(...)`` inside the compiled function: the scope is entered and
+    left eagerly at a graph break (the only ones), and the code in it is compiled
+    under it: the eager dtypes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    policy = amp.Policy(fp32_ops=[F.gelu], module_rules={nn.Sequential: FP32, nn.Linear: BF16})
+
+    def fn(x):
+        with amp.autocast(policy, "cpu"):
+            h = model[0](x)
+            g = F.gelu(h)
+            return model(x), h.dtype, g.dtype
+
+    x = torch.randn(2, 8)
+    got, want = torch.compile(fn, backend=FAST)(x), fn(x)
+    assert got[1:] == want[1:] == (BF16, FP32)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    assert sum(_breaks().values()) <= 2 and amp.casting.active_scopes() == 0
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_explain_on_a_compiled_model_explains_the_eager_one():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))

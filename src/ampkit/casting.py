@@ -433,6 +433,7 @@ def _guard_compiled_code() -> None:
     dynamo guard the code being compiled on ``_state.compile_key``. Module calls get
     this guard from the hooks; a compiled function calling no module gets it here.
     Uses dynamo's guard API (internal; checked by tests/test_compile.py)."""
+    _skip_kernel_frames()
     convert = sys.modules.get("torch._dynamo.symbolic_convert")
     tx = getattr(getattr(convert, "tls", None), "current_tx", None)
     if tx is None:
@@ -445,6 +446,29 @@ def _guard_compiled_code() -> None:
         install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
     except Exception:  # noqa: BLE001 - another torch's internals: compile without the guard
         logger.debug("ampkit: could not add the policy guard to compiled code", exc_info=True)
+
+
+_kernel_frames_skipped = False
+
+
+def _skip_kernel_frames() -> None:
+    """Tell dynamo never to compile a kernel's frame (nor what it calls): run eagerly
+    inside compiled code (after a graph break), the dispatcher calls our kernels, and
+    dynamo would try to compile them like any Python frame it meets."""
+    global _kernel_frames_skipped
+    if _kernel_frames_skipped or "torch._dynamo.eval_frame" not in sys.modules:
+        return
+    _kernel_frames_skipped = True
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        code = _make_kernel.__code__.co_consts
+        for c in code:
+            if getattr(c, "co_name", None) == "kernel":
+                set_code_exec_strategy(c, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception:  # noqa: BLE001 - another torch's internals: dynamo may compile them
+        logger.debug("ampkit: could not mark kernel frames as skipped for dynamo", exc_info=True)
 
 
 def _drop_compiled_code() -> None:
@@ -1034,6 +1058,20 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         )
 
     def __enter__(self) -> autocast:
+        if torch.compiler.is_dynamo_compiling():  # a scope entered inside compiled code
+            _enter_outside_dynamo(self)
+            return self
+        return self._enter()
+
+    def __exit__(self, *exc: Any) -> bool:
+        if torch.compiler.is_dynamo_compiling():
+            _exit_outside_dynamo(self)
+            return False
+        return self._exit()
+
+    def _enter(self) -> autocast:
+        if not _kernel_frames_skipped:
+            _skip_kernel_frames()
         frame = self._make_frame()
         if frame.enabled:
             _registry.ensure(self.device_type, _resolve(self.policy, self.device_type, self._intercept_all).intercepted)
@@ -1074,7 +1112,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         _state.compile_key = _state.scopes[-1].key if _state.scopes else ""
         frame.cache.clear()
 
-    def __exit__(self, *exc: Any) -> bool:
+    def _exit(self) -> bool:
         native, frame, mode = self._stacks.pop()
         try:
             if mode is not None:
@@ -1088,6 +1126,13 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             finally:
                 _native_exit(native)
         return False
+
+
+# A scope entered or left inside a function torch.compile traces runs eagerly, at a
+# graph break (dynamo resumes tracing under the new state; its guards see it): the
+# engine's bookkeeping is no graph material. ``_disable_dynamo`` imports dynamo lazily.
+_enter_outside_dynamo = torch._compile._disable_dynamo(autocast._enter)
+_exit_outside_dynamo = torch._compile._disable_dynamo(autocast._exit)
 
 
 def _last_scope_closed() -> None:
