@@ -31,6 +31,7 @@ def _fresh_dynamo():
     import torch._dynamo
 
     torch._dynamo.reset()
+    _counters().clear()  # graph breaks and graph counts of this test only
     yield
     torch._dynamo.reset()
 
