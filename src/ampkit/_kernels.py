@@ -43,7 +43,7 @@ __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 _LOG = logging.getLogger("ampkit")
 
 KernelMode = Literal["auto", "compiled", "eager"]
-DIRECT_NUMEL = 1 << 15
+DIRECT_NUMEL = 1 << 17
 # Small tensors are batched only when there are more than this many: below it the
 # per-call overhead is small and batching's copies would cost memory for nothing.
 BATCH_MIN_COUNT = 8

@@ -472,6 +472,24 @@ class _BackwardParams:
                 yield mw._model_of.get(id(p), p)
 
 
+_COMPARE_CHUNK = 1 << 16
+
+
+def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype, compared a
+    chunk of ``_COMPARE_CHUNK`` elements at a time (no full-size temporary)."""
+    if low.shape != g.shape:
+        return False
+    with torch.no_grad():
+        if not (low.is_contiguous() and g.is_contiguous()):
+            return torch.equal(low, g.to(low.dtype))
+        a, b = low.view(-1), g.view(-1)
+        return all(
+            torch.equal(a[i : i + _COMPARE_CHUNK], b[i : i + _COMPARE_CHUNK].to(low.dtype))
+            for i in range(0, a.numel(), _COMPARE_CHUNK)
+        )
+
+
 def _cleared(t: torch.Tensor | None) -> bool:
     if t is not None and t.is_sparse:
         t = t.coalesce()._values()
@@ -539,8 +557,7 @@ class _Link:
         # Edits through .data leave the version alone: compare values (dense grads).
         if g is None or self.master_changed(g) or g.is_sparse or cur.is_sparse:
             return False
-        with torch.no_grad():
-            return not torch.equal(cur, g.to(cur.dtype))
+        return not _rounds_to(cur, g)
 
     def master_changed(self, g: torch.Tensor | None) -> bool:
         if self._kept is None:
