@@ -238,7 +238,7 @@ class MasterWeights:
             pairs = [(p, m) for p in params if (m := self.master_of(p)) is not None]
         with torch.no_grad():
             for model_p, master in pairs:
-                if not torch.equal(master.to(model_p.dtype), model_p):
+                if not _rounds_to(model_p, master):
                     master.copy_(model_p)
                     self._published[id(master)] = master._version
 
@@ -476,8 +476,9 @@ _COMPARE_CHUNK = 1 << 16
 
 
 def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype, compared a
-    chunk of ``_COMPARE_CHUNK`` elements at a time (no full-size temporary)."""
+    """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype (a gradient
+    copy and its master's gradient, a model weight and its master), compared a chunk
+    of ``_COMPARE_CHUNK`` elements at a time: no full-size temporary at the step."""
     if low.shape != g.shape:
         return False
     with torch.no_grad():
