@@ -1540,18 +1540,8 @@ def loop_clip_fp16(h: Harness) -> Result:
 # ---------------------------------------------------------------------------
 # Known failures on today's library: (idiom, mode) -> "issue N: cause"
 # ---------------------------------------------------------------------------
-_KEEP_FP32 = "issue 16: initialize has no keep_fp32 option, so a hand-written LayerNorm class is cast to bf16"
-_LOSS_IN_FORWARD = (
-    "issue 16: O2/O2K run no op-level fp32 list inside the cast model, so the cross-entropy computed "
-    "in forward runs in bf16 (rel. error ~3e-4 against fp32 CE of the same logits)"
-)
 
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("custom_layernorm", "O2"): _KEEP_FP32,
-    ("custom_layernorm", "O3"): _KEEP_FP32,
-    ("custom_layernorm", "O2K"): _KEEP_FP32,
-    ("cross_entropy_in_forward", "O2"): _LOSS_IN_FORWARD,
-    ("cross_entropy_in_forward", "O2K"): _LOSS_IN_FORWARD,
 }
 
 

@@ -239,7 +239,9 @@ def test_initialize_checks_its_arguments():
     with pytest.raises(AmpError, match="expects fp32 models"):
         ampkit.initialize(half, torch.optim.SGD(half.parameters(), lr=0.1), opt_level="O2")
     with pytest.raises(AmpError, match="policy only applies"):
-        ampkit.initialize(model, opt, opt_level="O2", policy=ampkit.Policy())
+        ampkit.initialize(model, opt, opt_level="O3", policy=ampkit.Policy())
+    with pytest.raises(AmpError, match="policy only applies"):
+        ampkit.initialize(model, opt, opt_level="O2", policy=ampkit.Policy(), model_op_casting=False)
 
 
 def test_bf16_defaults_to_static_scale_one_and_still_skips_inf():
@@ -670,3 +672,156 @@ def test_deepcopy_makes_an_independent_ema_model(level):
 
     plain, with_copy = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, with_copy))
+
+
+# --- modules kept in fp32 ------------------------------------------------------------------
+
+
+class HandLayerNorm(nn.Module):
+    """A hand-written LayerNorm (many GPT codebases define their own)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+class NormalizedLinear(nn.Module):
+    """'Norm' in the name but a matrix weight: not a norm layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, F.normalize(self.weight, dim=1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.ln = HandLayerNorm(8)
+        self.mix = NormalizedLinear()
+        self.gate = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.ln(self.fc(x) + 3.0))
+        return self.head(h * torch.sigmoid(self.gate(h)))
+
+
+def _dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    return {name.split(".")[0]: p.dtype for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_hand_written_norm_layers_are_found_and_kept_fp32(level):
+    torch.manual_seed(0)
+    model = Block()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = ampkit.initialize(model, opt, opt_level=level)
+    assert _dtypes(model) == {"fc": BF16, "ln": FP32, "mix": BF16, "gate": BF16, "head": BF16}
+    seen = []
+    model.ln.register_forward_hook(lambda m, a, out: seen.append(out.dtype), prepend=True)
+    assert model(torch.randn(4, 8)).dtype == FP32
+    assert seen == [FP32]  # its statistics in fp32; the next layer gets bf16 again
+
+
+@pytest.mark.parametrize("level", ["O2", "O3", "O2K"])
+def test_keep_fp32_takes_classes_and_name_globs(level):
+    torch.manual_seed(0)
+    model = Block()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, keep_fp32=[HandLayerNorm, "gat*"])
+    dtypes = _dtypes(model)
+    assert dtypes["ln"] == dtypes["gate"] == FP32 and dtypes["fc"] == dtypes["head"] == BF16
+    inputs = []
+    model.gate.register_forward_pre_hook(lambda m, args: inputs.append(args[0].dtype))
+    with ampkit.scale_loss(model(torch.randn(4, 8)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert inputs == [FP32] and not ampkit.step_skipped(opt)
+    if level == "O2":  # fp32 modules have no masters: the optimizer steps them directly
+        mw = ampkit.levels.master_weights_of(opt)
+        assert mw.master_of(model.gate.weight) is None and mw.master_of(model.fc.weight) is not None
+
+
+def test_keep_fp32_is_refused_where_nothing_is_cast_or_for_non_modules():
+    for level in ("O0", "O1"):
+        with pytest.raises(AmpError, match="keep_fp32"):
+            ampkit.initialize(Block(), None, opt_level=level, keep_fp32=[HandLayerNorm])
+    with pytest.raises(AmpError, match="keep_fp32"):
+        ampkit.initialize(Block(), None, opt_level="O2", keep_fp32=[torch.float32])
+
+
+# --- op-level casting inside the cast model ---------------------------------------------------
+
+
+class LossInForward(nn.Module):
+    """nanoGPT's contract: forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.emb(idx))
+        self.seen = (logits.dtype, F.softmax(logits, -1).dtype)
+        return logits, F.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    ("level", "kw", "fp32_inside"),
+    [
+        ("O2", {}, True),
+        ("O2K", {}, True),
+        ("O2", {"policy": ampkit.Policy(fp32_ops=["softmax"])}, True),
+        ("O2", {"model_op_casting": False}, False),
+        ("O3", {}, False),
+    ],
+)
+def test_cast_models_run_the_policy_fp32_ops_in_fp32_inside_forward(level, kw, fp32_inside):
+    """O2/O2K run the model's forward under op-level casting: the policy's fp32 ops (the
+    CPU lists: cross-entropy; a custom policy: softmax too) computed inside forward run
+    in fp32, the matmuls stay bf16; O3 is pure bf16."""
+    torch.manual_seed(0)
+    model = LossInForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, **kw)
+    idx = torch.randint(16, (4, 5), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(16, (4, 5), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(idx, targets)
+    assert model.seen[0] == BF16  # the head ran in bf16 either way
+    assert model.seen[1] == (FP32 if "policy" in kw else BF16)  # softmax: bf16 in torch's CPU list
+    if fp32_inside:
+        assert loss.dtype == FP32
+        ref = F.cross_entropy(logits.float().reshape(-1, 16), targets.reshape(-1))
+        assert torch.equal(loss, ref)  # the same bf16 logits, the loss in fp32
+    else:
+        assert loss.dtype == FP32 and not torch.equal(
+            loss, F.cross_entropy(logits.float().reshape(-1, 16), targets.reshape(-1))
+        )  # computed in bf16, handed out as fp32 by the output cast
+    assert not ampkit.is_active("cpu")  # the scope is the forward's only
+
+
+def test_the_forward_scope_closes_when_forward_raises():
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert ampkit.is_active("cpu")
+            raise RuntimeError("boom")
+
+    model, _ = ampkit.initialize(Boom(), torch.optim.SGD(Boom().parameters(), lr=0.1), opt_level="O2")
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(2, 4))
+    assert not ampkit.is_active("cpu")

@@ -820,7 +820,7 @@ def test_overflow_logged_once_per_event_not_per_optimizer(caplog):
             s.backward()
         oa.step()
         ob.step()
-    records = [r for r in caplog.records if r.name == "ampkit"]
+    records = [r for r in caplog.records if r.name == "ampkit" and r.levelno == logging.INFO]
     assert len(records) == 1 and "loss scaler 0" in records[0].getMessage()
 
 
@@ -864,3 +864,59 @@ def test_rescale_after_unscale_accumulates_exactly():
         opt.step()
     assert params_bits(model) == params_bits(ref)
     assert amp.stats(opt).skipped == 0
+
+
+def test_init_trainer_default_scale_follows_the_compute_dtype():
+    """bf16 (amp.init's CPU default, or bf16 params): a static 1, still skipping
+    inf/NaN steps; fp16, or nothing known (fp32 params, no amp.init): dynamic 2**16."""
+    def default_scale(setup) -> tuple[tuple[float, ...], bool]:
+        model = mlp()
+        setup(model)
+        opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = managed_state(opt).scalers[0]
+        out = (amp.stats(opt).scales, scaler.dynamic)
+        amp.reset()
+        return out
+
+    assert default_scale(lambda m: amp.init(device_type="cpu")) == ((1.0,), False)
+    assert default_scale(lambda m: m.to(torch.bfloat16)) == ((1.0,), False)
+    assert default_scale(lambda m: None) == ((2.0**16,), True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU warns, deliberately
+        assert default_scale(lambda m: amp.init(device_type="cpu", dtype=torch.float16)) == ((2.0**16,), True)
+    # static 1 still refuses to step on a non-finite grad
+    model = mlp()
+    amp.init(device_type="cpu")
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
+        s.backward()
+    before = params_bits(model)
+    opt.step()
+    assert amp.step_skipped(opt) and params_bits(model) == before
+
+
+def test_skipped_steps_warn_once_then_in_rate_limited_summaries(caplog, monkeypatch):
+    """The first skip at WARNING, pointing at the user's line; then at most one summary
+    per SKIP_SUMMARY_SECONDS, never one line per step."""
+    model = mlp()
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=1.0)
+
+    def skipped_step() -> None:
+        with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
+            s.backward()
+        opt.step()  # the line the warning points at
+        opt.zero_grad()
+
+    with caplog.at_level(logging.WARNING, logger="ampkit"):
+        for _ in range(20):
+            skipped_step()
+    warned = [r for r in caplog.records if r.name == "ampkit" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "step 1 skipped" in warned[0].getMessage()
+    assert warned[0].pathname == __file__
+    caplog.clear()
+    monkeypatch.setattr(amp.optim, "SKIP_SUMMARY_SECONDS", 0.0)
+    with caplog.at_level(logging.WARNING, logger="ampkit"):
+        skipped_step()
+    warned = [r for r in caplog.records if r.name == "ampkit" and r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "20 more optimizer step(s) skipped" in warned[0].getMessage()
+    assert "(21 of 21 steps so far)" in warned[0].getMessage()

@@ -56,6 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import _reset
+from ._where import user_stacklevel
 from .errors import PolicyError
 from .lists import AUTOCAST_KEYS, native_categories
 from .policy import (
@@ -978,7 +979,7 @@ def _warn_fp16_cpu() -> None:
             "ampkit: float16 on CPU computes far slower than float32 on most CPUs (no fp16 "
             "kernels); prefer dtype=torch.bfloat16 on CPU.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -67,6 +67,7 @@ from . import grads as _grads
 from . import model as _model
 from . import optim as _optim
 from . import session as _session
+from ._where import user_stacklevel
 from .errors import DistributedError
 
 __all__ = [
@@ -427,7 +428,9 @@ def _agreement_for(
     if not _plan(state, len(segments)).agree:
         if changed and not s.warned_changed:
             s.warned_changed = True
-            warnings.warn(_CHANGED_AFTER_REDUCE.format(rank=dist.get_rank()), UserWarning, stacklevel=4)
+            warnings.warn(
+                _CHANGED_AFTER_REDUCE.format(rank=dist.get_rank()), UserWarning, stacklevel=user_stacklevel()
+            )
         return None
     # The masters check rides on the collective, so that a mismatch on one rank raises
     # on every rank. Without one (registered DDP), register_ddp broadcast the masters.

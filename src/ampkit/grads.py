@@ -528,8 +528,8 @@ class GradPath:
         the step runs without them (:meth:`after_step` brings them back)."""
         mw = self.masters
         if mw is not None:
-            mw.sync_from_model()
             mw.hide([r.param for r in self._params.values() if r.master is not None and r.scale is None])
+            mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
 
     def after_step(self) -> None:
         """After the step: the model's params show their (fp32) grads again, as 16-bit

@@ -39,7 +39,7 @@ from .compensated import CompensatedUpdates
 from .errors import AmpError, PolicyError, ScalerError, StateError
 from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
-from .model import cast_model, params_to_cast
+from .model import add_op_casting, cast_model, params_to_cast, remove_op_casting
 from .scaling import LossScaler, check_scale
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
@@ -57,6 +57,8 @@ class OptLevel:
         name: ``"O0"`` ... ``"O3"``, ``"O2K"``.
         dtype: compute dtype of casting and of the 16-bit weights.
         op_casting: turn on op-level casting (``ampkit.init``) in ``dtype``.
+        model_op_casting: run the cast model's forward under op-level casting in
+            ``dtype`` (the policy's fp32 ops in fp32 inside the model; O2, O2K).
         cast_model_type: dtype the model's weights are stored in (None: left fp32).
         keep_norm_fp32: keep normalization layers in fp32 when casting the model.
         master_weights: step fp32 master copies of the 16-bit weights.
@@ -85,6 +87,8 @@ class OptLevel:
     max_loss_scale: float | None = None
     cast_model_outputs: torch.dtype | None = torch.float32
     fast_kernels: bool = True
+    keep_fp32: tuple[type[nn.Module] | str, ...] = ()
+    model_op_casting: bool = False
 
 
 #: The base settings of each level; ``dtype`` and the loss scale are filled per device.
@@ -109,6 +113,8 @@ _OVERRIDES = (
     "max_loss_scale",
     "cast_model_outputs",
     "fast_kernels",
+    "keep_fp32",
+    "model_op_casting",
     "policy",
 )
 
@@ -152,7 +158,7 @@ def resolve_opt_level(
     if cast is not None:
         cast = _check_dtype(cast, "cast_model_type")
 
-    for flag in ("keep_norm_fp32", "master_weights", "op_casting", "fast_kernels"):
+    for flag in ("keep_norm_fp32", "master_weights", "op_casting", "fast_kernels", "model_op_casting"):
         if flag in ov and not isinstance(ov[flag], bool):
             raise AmpError(f"{flag} must be True or False, got {ov[flag]!r}.")
     keep_norm = ov.get("keep_norm_fp32", base["keep_norm_fp32"] if cast is not None else False)
@@ -211,6 +217,14 @@ def resolve_opt_level(
     outputs = overrides.get("cast_model_outputs", torch.float32)
     if outputs is not None and outputs not in (torch.float32, *_LOW):
         raise AmpError(f"cast_model_outputs must be a float dtype or None, got {outputs!r}.")
+    keep_fp32 = _check_keep_fp32(ov.get("keep_fp32", ()), name, cast)
+    # O2/O2K: the policy's fp32 ops run in fp32 inside the cast model; O3 is pure 16-bit.
+    model_op_casting = ov.get("model_op_casting", cast is not None and name in ("O2", "O2K"))
+    if model_op_casting and cast is None:
+        raise AmpError(
+            f"model_op_casting runs a cast model's forward under op-level casting; {name} "
+            "keeps the model in fp32 (use op_casting=True, or O1)."
+        )
     return OptLevel(
         name=name,
         dtype=dtype,
@@ -226,7 +240,26 @@ def resolve_opt_level(
         cast_model_outputs=outputs,
         # O0 is fp32 exactly as the script runs it: the optimizer's kernel too.
         fast_kernels=ov.get("fast_kernels", name != "O0"),
+        keep_fp32=keep_fp32,
+        model_op_casting=bool(model_op_casting),
     )
+
+
+def _check_keep_fp32(value: Any, name: str, cast: torch.dtype | None) -> tuple[type[nn.Module] | str, ...]:
+    """``keep_fp32``: a module class, a qualified-name glob, or a list/tuple of them."""
+    rules = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    for rule in rules:
+        if not (isinstance(rule, str) or (isinstance(rule, type) and issubclass(rule, nn.Module))):
+            raise AmpError(
+                f"keep_fp32 takes nn.Module subclasses and module-name globs (e.g. "
+                f"[MyLayerNorm, 'blocks.*.ln_1']), got {rule!r}."
+            )
+    if rules and cast is None:
+        raise AmpError(
+            f"keep_fp32 keeps modules fp32 in a model cast to 16 bits; {name} keeps the "
+            "whole model in fp32. Drop the option or use O2/O3/O2K."
+        )
+    return rules
 
 
 # --- objects that outlive a session: they describe how an optimizer was rebuilt -------
@@ -405,6 +438,14 @@ def initialize(
             - ``num_losses``: loss scalers per optimizer, one per ``loss_id``.
             - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
             - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
+            - ``model_op_casting``: run the cast model's forward under op-level
+              casting in ``dtype`` (default True for O2/O2K, False for O3): the
+              policy's fp32 ops (softmax, norms, a loss computed in ``forward``) run in
+              fp32 inside the model. ``policy`` applies here too.
+            - ``keep_fp32``: module classes or qualified-name globs kept in fp32 like
+              norm layers (O2/O3/O2K), e.g. ``[MyLayerNorm, "blocks.*.attn"]``. With
+              ``keep_norm_fp32`` (O2/O2K) hand-written norm layers are found without it:
+              a class named ``*Norm*`` holding only vector parameters.
             - ``fast_kernels``: step with torch's fused/foreach kernel where the
               optimizer was built with neither pinned (default True, False at O0).
 
@@ -438,12 +479,12 @@ def initialize(
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     device_type = _device_type(model_list)
     level = resolve_opt_level(opt_level, device_type, **overrides)
-    if policy is not None and not level.op_casting:
+    if policy is not None and not (level.op_casting or level.model_op_casting):
         raise AmpError(
             f"a policy only applies with op-level casting, which {level.name} leaves off; "
-            "use O1 or op_casting=True."
+            "use O1, O2, O2K or op_casting=True."
         )
-    if level.op_casting:
+    if level.op_casting or level.model_op_casting:
         check_device_type(device_type)
     _check_fp32(model_list, opt_list, level)
     for opt in opt_list:
@@ -467,7 +508,9 @@ def initialize(
     if level.cast_model_type is not None:
         # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
         if level.master_weights:
-            to_cast = [p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32)]
+            to_cast = [
+                p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32, keep_fp32=level.keep_fp32)
+            ]
             for i, opt in enumerate(opt_list):
                 if masters[i] is None:
                     mw = MasterWeights(opt, [p for p in to_cast if p.dtype == torch.float32])
@@ -479,7 +522,12 @@ def initialize(
                 level.cast_model_type,
                 keep_norm_fp32=level.keep_norm_fp32,
                 cast_outputs=level.cast_model_outputs,
+                keep_fp32=level.keep_fp32,
             )
+            if level.model_op_casting:
+                add_op_casting(m, level.cast_model_type, device_type, policy)
+            else:
+                remove_op_casting(m)
             _CAST_MODELS.add(m)
         if not level.master_weights:
             for opt in opt_list:

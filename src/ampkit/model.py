@@ -25,8 +25,10 @@ the same hooks. Casting a model twice replaces its hooks instead of stacking the
 
 from __future__ import annotations
 
+import fnmatch
+import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,10 +41,14 @@ __all__ = [
     "CastOutputs",
     "NORM_LAYER_TYPES",
     "is_norm_layer",
+    "looks_like_norm",
+    "kept_fp32_modules",
     "params_to_cast",
     "cast_model",
     "add_io_casts",
     "remove_io_casts",
+    "add_op_casting",
+    "remove_op_casting",
     "cast_tensors",
 ]
 
@@ -70,54 +76,78 @@ _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDicti
 
 
 def is_norm_layer(module: nn.Module, extra_types: tuple[type[nn.Module], ...] = ()) -> bool:
-    """True if ``module`` is a normalization layer (:data:`NORM_LAYER_TYPES` or
-    one of ``extra_types``)."""
-    return isinstance(module, NORM_LAYER_TYPES + tuple(extra_types))
+    """True if ``module`` is a normalization layer: :data:`NORM_LAYER_TYPES`, one of
+    ``extra_types``, or a hand-written one (see :func:`looks_like_norm`)."""
+    return isinstance(module, NORM_LAYER_TYPES + tuple(extra_types)) or looks_like_norm(module)
 
 
-def _modules_to_cast(
-    model: nn.Module, keep_norm_fp32: bool, extra_fp32_types: tuple[type[nn.Module], ...]
-) -> Iterator[nn.Module]:
-    """Modules whose *own* parameters and buffers are cast (children are visited
-    separately, so a norm layer inside a cast block keeps its fp32 weights)."""
-    for module in model.modules():
-        if keep_norm_fp32 and is_norm_layer(module, extra_fp32_types):
-            continue
-        yield module
+def looks_like_norm(module: nn.Module) -> bool:
+    """A hand-written normalization layer, as many codebases define their own
+    (nanoGPT's ``LayerNorm``, LLaMA's ``RMSNorm``, T5's ``LayerNorm``): a module whose
+    class name contains "norm" (any case), that holds parameters, all of them vectors
+    (at most 1-D: scale, shift), and no submodule with parameters of its own."""
+    if "norm" not in type(module).__name__.lower():
+        return False
+    own = list(module.parameters(recurse=False))
+    if not own or any(p.dim() > 1 for p in own):
+        return False
+    return not any(any(True for _ in child.parameters()) for child in module.children())
+
+
+KeepRule = type[nn.Module] | str
+
+
+def _matches(module: nn.Module, name: str, rules: tuple[KeepRule, ...]) -> bool:
+    for rule in rules:
+        if isinstance(rule, str):
+            if fnmatch.fnmatchcase(name, rule):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
+
+
+def kept_fp32_modules(
+    model: nn.Module,
+    keep_norm_fp32: bool = True,
+    extra_fp32_types: Iterable[type[nn.Module]] = (),
+    keep_fp32: Iterable[KeepRule] = (),
+) -> list[nn.Module]:
+    """The modules :func:`cast_model` keeps in fp32, in ``model.modules()`` order:
+    normalization layers (with ``keep_norm_fp32``; :func:`is_norm_layer` with
+    ``extra_fp32_types``) and the modules matching ``keep_fp32`` (classes, or globs of
+    qualified names such as ``"encoder.*.norm"``; kept whatever ``keep_norm_fp32``)."""
+    extra = tuple(extra_fp32_types)
+    rules = tuple(keep_fp32)
+    return [
+        m
+        for name, m in model.named_modules()
+        if (keep_norm_fp32 and is_norm_layer(m, extra)) or _matches(m, name, rules)
+    ]
 
 
 def params_to_cast(
     model: nn.Module,
     keep_norm_fp32: bool = True,
     extra_fp32_types: tuple[type[nn.Module], ...] = (),
+    keep_fp32: Iterable[KeepRule] = (),
 ) -> list[nn.Parameter]:
     """The floating parameters :func:`cast_model` would convert, in
-    ``model.modules()`` order, each once (shared parameters are listed once)."""
-    extra = tuple(extra_fp32_types)
-    kept = _kept_param_ids(model, keep_norm_fp32, extra)
+    ``model.modules()`` order, each once (shared parameters are listed once; one
+    shared with a module kept fp32 stays fp32)."""
+    kept = kept_fp32_modules(model, keep_norm_fp32, extra_fp32_types, keep_fp32)
+    kept_ids = {id(m) for m in kept}
+    kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
     seen: set[int] = set()
     out: list[nn.Parameter] = []
-    for module in _modules_to_cast(model, keep_norm_fp32, extra):
+    for module in model.modules():
+        if id(module) in kept_ids:
+            continue
         for p in module.parameters(recurse=False):
-            if p.is_floating_point() and id(p) not in kept and id(p) not in seen:
+            if p.is_floating_point() and id(p) not in kept_params and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def _kept_param_ids(
-    model: nn.Module, keep_norm_fp32: bool, extra: tuple[type[nn.Module], ...]
-) -> set[int]:
-    """ids of parameters owned by a norm layer kept in fp32 (a parameter shared
-    between such a layer and a cast module stays fp32)."""
-    if not keep_norm_fp32:
-        return set()
-    return {
-        id(p)
-        for m in model.modules()
-        if is_norm_layer(m, extra)
-        for p in m.parameters(recurse=False)
-    }
 
 
 def _takes_low_precision_input(module: nn.Module) -> bool:
@@ -189,6 +219,78 @@ class CastOutputs:
         return f"CastOutputs({self.dtype}, only={self.only})"
 
 
+# Per thread: the ampkit.autocast objects of model forwards in flight (entered by
+# OpCastingEnter, left by OpCastingExit), and one reusable scope per (device, dtype,
+# policy) -- autocast objects keep a stack, so a thread reuses its own.
+_SCOPES = threading.local()
+# model -> the policy its forward runs under (None: the default lists of its dtype).
+_MODEL_POLICY: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _scope_for(device_type: str, dtype: torch.dtype, policy: Any) -> Any:
+    from .casting import autocast
+
+    cache = getattr(_SCOPES, "cache", None)
+    if cache is None:
+        cache = _SCOPES.cache = {}
+    key = (device_type, dtype, id(policy))
+    entry = cache.get(key)
+    if entry is None or entry[0] is not policy:
+        entry = cache[key] = (policy, autocast(policy, device_type=device_type, dtype=dtype))
+    return entry[1]
+
+
+class OpCastingEnter:
+    """Forward pre-hook of a cast model (O2, O2K): its forward runs inside
+    ``ampkit.autocast`` with the policy of its compute dtype, so the policy's fp32 ops
+    (softmax, norms, losses computed inside ``forward``) run in fp32, as O1 runs them
+    for an fp32 model; matmuls and convs see 16-bit weights and run in 16 bits. Left
+    by :class:`OpCastingExit`. Picklable (stateless but for the dtype and device)."""
+
+    def __init__(self, dtype: torch.dtype, device_type: str) -> None:
+        self.dtype = dtype
+        self.device_type = device_type
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))
+        stack = getattr(_SCOPES, "stack", None)
+        if stack is None:
+            stack = _SCOPES.stack = []
+        scope.__enter__()
+        stack.append((module, scope))
+
+
+class OpCastingExit:
+    """Forward hook (always called, also when forward raises) closing the scope
+    :class:`OpCastingEnter` opened for this call."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        stack = getattr(_SCOPES, "stack", None)
+        if stack and stack[-1][0] is module:
+            _, scope = stack.pop()
+            scope.__exit__(None, None, None)
+
+
+def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, policy: Any = None) -> None:
+    """Run ``model``'s forward under op-level casting in ``dtype`` (see
+    :class:`OpCastingEnter`); ``policy``: an :class:`ampkit.Policy` (default: the
+    device's lists). Replaces what an earlier call installed."""
+    remove_op_casting(model)
+    if policy is not None:
+        _MODEL_POLICY[model] = policy
+    # Outermost: the scope opens before the input casts and closes after the output casts.
+    model.register_forward_pre_hook(OpCastingEnter(dtype, device_type), prepend=True)
+    model.register_forward_hook(OpCastingExit(), always_call=True)
+
+
+def remove_op_casting(model: nn.Module) -> None:
+    _MODEL_POLICY.pop(model, None)
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(h, (OpCastingEnter, OpCastingExit))]:
+            del hooks[key]
+            model._forward_hooks_always_called.pop(key, None)
+
+
 def remove_io_casts(module: nn.Module) -> None:
     """Remove the cast hooks :func:`add_io_casts` or :func:`cast_model` put on
     ``module`` itself (not on its children), also on a copy or an unpickled model."""
@@ -242,6 +344,7 @@ def cast_model(
     keep_norm_fp32: bool = True,
     cast_outputs: torch.dtype | None = torch.float32,
     extra_fp32_types: Iterable[type[nn.Module]] = (),
+    keep_fp32: Iterable[KeepRule] = (),
 ) -> nn.Module:
     """Convert ``model`` in place to ``dtype`` (fp16 or bf16) and install the
     input/output cast hooks; return it.
@@ -249,12 +352,15 @@ def cast_model(
     Args:
         model: an fp32 (or already cast) module.
         dtype: the storage and compute dtype of every cast parameter.
-        keep_norm_fp32: keep every normalization layer (:data:`NORM_LAYER_TYPES`
-            plus ``extra_fp32_types``) in fp32, with hooks that run it on fp32
-            inputs and hand its output back in ``dtype``. Default True.
+        keep_norm_fp32: keep every normalization layer (:data:`NORM_LAYER_TYPES`,
+            ``extra_fp32_types`` and hand-written ones, see :func:`looks_like_norm`) in
+            fp32, with hooks that run it on fp32 inputs and hand its output back in
+            ``dtype``. Default True.
         cast_outputs: dtype the model's fp16/bf16 outputs are cast to (default
             fp32); None leaves outputs in ``dtype``.
         extra_fp32_types: further module classes to keep in fp32 like norm layers.
+        keep_fp32: module classes or qualified-name globs (``"blocks.*.ln_1"``) kept
+            in fp32 like norm layers, also with ``keep_norm_fp32=False``.
     """
     if not isinstance(model, nn.Module):
         raise AmpError(f"cast_model expects an nn.Module, got {type(model).__name__}.")
@@ -263,14 +369,15 @@ def cast_model(
             f"cast_model casts to float16 or bfloat16, got {dtype}; "
             "for fp32 training leave the model as it is (opt level O0 or O1)."
         )
-    extra = tuple(extra_fp32_types)
     for module in model.modules():  # a re-cast replaces the hooks of the previous one
         remove_io_casts(module)
-    kept = [m for m in model.modules() if keep_norm_fp32 and is_norm_layer(m, extra)]
-    kept_params = _kept_param_ids(model, keep_norm_fp32, extra)
-    for module in _modules_to_cast(model, keep_norm_fp32, extra):
-        # A parameter shared with a kept norm layer stays fp32.
-        _cast_own_tensors(module, dtype, keep=kept_params)
+    kept = kept_fp32_modules(model, keep_norm_fp32, extra_fp32_types, keep_fp32)
+    kept_ids = {id(m) for m in kept}
+    kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
+    for module in model.modules():
+        if id(module) not in kept_ids:
+            # A parameter shared with a kept module stays fp32.
+            _cast_own_tensors(module, dtype, keep=kept_params)
     for m in kept:
         _cast_own_tensors(m, torch.float32, keep=set())
         if _takes_low_precision_input(m):
@@ -279,6 +386,6 @@ def cast_model(
             add_io_casts(m, dtype, output_dtype=None)
         else:
             add_io_casts(m, torch.float32, output_dtype=dtype, output_only=(torch.float32,))
-    if not (keep_norm_fp32 and is_norm_layer(model, extra)):
+    if id(model) not in kept_ids:
         add_io_casts(model, dtype, output_dtype=cast_outputs)
     return model

@@ -65,7 +65,9 @@ import contextlib
 import functools
 import gc
 import itertools
+import logging
 import os
+import time
 import types
 import warnings
 import weakref
@@ -76,10 +78,12 @@ from typing import Any, TypeVar, overload
 import torch
 
 from . import session as _session
+from ._where import user_stacklevel
 from .errors import AmpError, DistributedError, NumericsError, StateError
 from .fast_step import nonfinite_flag, use_fastest_kernel
 from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, is_real, to_fp32, unscale_and_check_
+from .scaling import _is_rank_zero as is_rank_zero
 
 __all__ = [
     "ManagedOptimizer",
@@ -188,6 +192,53 @@ class StepStats:
         return self.steps - self.skipped
 
 
+#: Skipped steps after the first are reported at most this often (seconds).
+SKIP_SUMMARY_SECONDS = 60.0
+
+_LOG = logging.getLogger("ampkit")
+
+
+class SkipReport:
+    """Skipped steps on the ``ampkit`` logger at WARNING, rank 0 only (one report per
+    ``init_trainer`` call): the first skip at once, later ones as a count at most every
+    :data:`SKIP_SUMMARY_SECONDS`, never one line per step. Points at the user's line."""
+
+    def __init__(self) -> None:
+        self.first_done = False
+        self.pending = 0
+        self.last = 0.0
+
+    def note(self, state: ManagedOptimizer, skipped: bool) -> None:
+        if skipped and not self.first_done:
+            self.first_done = True
+            self.last = time.monotonic()
+            self._emit(
+                "ampkit: optimizer step %d skipped: inf/NaN gradients; loss scale now %s. "
+                "Later skips are summarized at most every %g s.",
+                state.steps, _scales(state), SKIP_SUMMARY_SECONDS,
+            )
+            return
+        if skipped:
+            self.pending += 1
+        if self.pending and time.monotonic() - self.last >= SKIP_SUMMARY_SECONDS:
+            elapsed = time.monotonic() - self.last
+            count, self.pending, self.last = self.pending, 0, time.monotonic()
+            self._emit(
+                "ampkit: %d more optimizer step(s) skipped in the last %.0f s (%d of %d "
+                "steps so far); loss scale now %s.",
+                count, elapsed, state.skipped, state.steps, _scales(state),
+            )
+
+    @staticmethod
+    def _emit(msg: str, *args: Any) -> None:
+        if _LOG.isEnabledFor(logging.WARNING) and is_rank_zero():
+            _LOG.warning(msg, *args, stacklevel=user_stacklevel())
+
+
+def _scales(state: ManagedOptimizer) -> str:
+    return ", ".join(f"{s.scale:g}" for s in state.scalers)
+
+
 class _LossSlot:
     """One loss id of a trainer: its scaler and the optimizers that owe it an event
     for the current iteration (those that received this loss's grads and have not
@@ -197,6 +248,7 @@ class _LossSlot:
         self.scaler = scaler
         self.owed: list[ManagedOptimizer] = []
         self.reports: list[bool | None] = []
+        self.skips = SkipReport()
 
     def expect(self, state: ManagedOptimizer) -> None:
         if not any(s is state for s in self.owed):
@@ -393,6 +445,7 @@ class ManagedOptimizer:
         skip: bool,
     ) -> Any:
         self.steps += 1
+        report = self._slots[0].skips
         if skip:
             self.skipped += 1
             self.last_skipped = True
@@ -400,10 +453,14 @@ class ManagedOptimizer:
                 hook()
             if self.hold_schedulers_on_skip:
                 self._hold_schedulers()
-            self._report(events)  # may raise NumericsError; the step stays skipped
+            try:
+                self._report(events)  # may raise NumericsError; the step stays skipped
+            finally:
+                report.note(self, skipped=True)
             return loss
         self.last_skipped = False
         self._report(events)  # clean events never raise
+        report.note(self, skipped=False)
         if closure is None:
             result = inner(*args, **kwargs)
         else:
@@ -583,7 +640,7 @@ class ManagedOptimizer:
                 "float16 loses the small values loss scaling preserved. Keep the parameters "
                 "in float32 (casting in the forward pass) or use fp32 master weights.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
@@ -883,6 +940,25 @@ def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
+def _default_scale(optimizers: list[torch.optim.Optimizer]) -> float | None:
+    """``init_trainer``'s default: 1.0 (static) when the compute dtype is bf16, None
+    (dynamic) for fp16 or when it cannot be told (fp32 parameters, no ``amp.init``)."""
+    from .casting import current_policy
+
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    for device_type in {p.device.type for p in params}:
+        try:
+            policy = current_policy(device_type)
+        except Exception:  # a device type ampkit's casting does not know
+            policy = None
+        if policy is not None:
+            dtypes.add(policy.dtype)
+    if torch.float16 in dtypes or torch.bfloat16 not in dtypes:
+        return None
+    return 1.0
+
+
 def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
     if scaler is None:
         scalers = [LossScaler() for _ in range(num_losses)]
@@ -951,8 +1027,11 @@ def init_trainer(
     Args:
         optimizer_or_list: a ``torch.optim.Optimizer`` or a list/tuple of them. Optimizers
             passed together share one scaler per loss id.
-        scaler: ``None`` (a default dynamic :class:`LossScaler` per loss: init 2**16,
-            growth 2 every 2000 clean steps, backoff 0.5, floor 1, cap 2**24), a
+        scaler: ``None`` (the default, following the compute dtype: a static scale of
+            1 when it is bf16 -- bf16 parameters in the optimizer, or ``amp.init``
+            casting in bf16 -- since bf16 has fp32's range; otherwise a dynamic
+            :class:`LossScaler` per loss: init 2**16, growth 2 every 2000 clean steps,
+            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way), a
             :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
             its configuration), a list of ``num_losses`` LossScalers, or a number (a
             static scale for every loss).
@@ -999,7 +1078,7 @@ def init_trainer(
             )
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise StateError("init_trainer: the same optimizer appears twice in the list.")
-    scalers = _build_scalers(scaler, int(num_losses))
+    scalers = _build_scalers(_default_scale(optimizers) if scaler is None else scaler, int(num_losses))
     for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
         if s.name == "loss scaler":
             s.name = f"loss scaler {i}"

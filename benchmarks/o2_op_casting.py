@@ -1,0 +1,145 @@
+"""O2's op-level casting inside the cast model (``model_op_casting``): what it costs and
+what it buys, on a GPT (benchmarks/models.py's, small by default: d=64, 2 layers, ctx 32,
+so that CPUs without native bf16 finish; ``--full`` for the gpt2 workload's size; bf16).
+
+Speed: forward + backward of the same bf16 model with and without the scope, and O3
+(pure bf16) for reference, interleaved in one process (round-robin blocks) so machine
+noise hits them alike; medians and ratios. The optimizer step is left out: the scope
+does not touch it.
+
+Accuracy: each of fp32, O2 (scope on), O2 (scope off) and O3 trains the same model on
+the same batches for ``--steps`` steps with AdamW; the table gives the mean training
+loss of the last 20 steps and the fp32-computed loss on held-out batches, and both
+relative to fp32.
+
+    python benchmarks/o2_op_casting.py [--steps 150] [--rounds 6] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import GPT, WORKLOADS  # noqa: E402
+
+import ampkit as amp  # noqa: E402
+from ampkit.model import add_op_casting, cast_model  # noqa: E402
+
+WL = WORKLOADS["gpt2"]
+BF16 = torch.bfloat16
+SIZE = {"vocab": 128, "d": 64, "heads": 4, "layers": 2, "ctx": 32}
+
+
+class WithLoss(torch.nn.Module):
+    """nanoGPT's contract: the cross-entropy is computed inside ``forward``, so it runs
+    in fp32 under O2 only with the scope (it is on the CPU and CUDA fp32 lists)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _make_model() -> torch.nn.Module:
+    return WithLoss(GPT(**SIZE) if SIZE else WL.make_model())
+
+
+def _batches(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    if not SIZE:
+        return [WL.make_batch(g) for _ in range(n)]
+    # a learnable sequence task: each token is the previous one plus one (mod vocab)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, SIZE["vocab"], (16, 1), generator=g)
+        seq = (start + torch.arange(SIZE["ctx"] + 1)) % SIZE["vocab"]
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def speed(rounds: int, per_block: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = _make_model()
+    models = {
+        "O2 (fp32 ops in fp32)": cast_model(copy.deepcopy(base), BF16),
+        "O2 without the scope": cast_model(copy.deepcopy(base), BF16),
+        "O3 (pure bf16)": cast_model(copy.deepcopy(base), BF16, keep_norm_fp32=False),
+    }
+    add_op_casting(models["O2 (fp32 ops in fp32)"], BF16, "cpu")
+    x, y = _batches(1, 1)[0]
+    samples: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            for i in range(per_block + 1):
+                t0 = time.perf_counter()
+                model(x, y).float().backward()
+                model.zero_grad()
+                if i:  # the first of a block warms up
+                    samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+
+
+def train(mode: str, steps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = _make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode != "fp32":
+        level, kw = {"O2": ("O2", {}), "O2-noscope": ("O2", {"model_op_casting": False}), "O3": ("O3", {})}[mode]
+        model, opt = amp.initialize(model, opt, opt_level=level, **kw)
+    losses = []
+    for x, y in _batches(2, steps):
+        opt.zero_grad()
+        loss = model(x, y).float()
+        if mode == "fp32":
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    amp.reset()
+    with torch.no_grad():
+        fp32_model = _make_model()
+        fp32_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        held_out = statistics.mean(fp32_model(x, y).item() for x, y in _batches(3, 8))
+    return statistics.mean(losses[-20:]), held_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--per-block", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--full", action="store_true", help="the gpt2 workload's size")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.full:
+        SIZE.clear()
+
+    times = speed(args.rounds, args.per_block)
+    ref = times["O2 without the scope"]
+    print("forward+backward, GPT, bf16 (median ms, ratio to O2 without the scope)")
+    for name, ms in times.items():
+        print(f"  {name:24s} {ms:8.2f} ms  {ms / ref:5.3f}x")
+
+    results = {mode: train(mode, args.steps) for mode in ("fp32", "O2", "O2-noscope", "O3")}
+    f_train, f_eval = results["fp32"]
+    print(f"\naccuracy after {args.steps} AdamW steps (train: mean of the last 20; eval: held-out, fp32)")
+    for mode, (tr, ev) in results.items():
+        print(f"  {mode:12s} train {tr:.4f} ({tr / f_train - 1:+.2%})   eval {ev:.4f} ({ev / f_eval - 1:+.2%})")
+
+
+if __name__ == "__main__":
+    main()
