@@ -245,13 +245,19 @@ class OpCastingEnter:
     ``ampkit.autocast`` with the policy of its compute dtype, so the policy's fp32 ops
     (softmax, norms, losses computed inside ``forward``) run in fp32, as O1 runs them
     for an fp32 model; matmuls and convs see 16-bit weights and run in 16 bits. Left
-    by :class:`OpCastingExit`. Picklable (stateless but for the dtype and device)."""
+    by :class:`OpCastingExit`. Picklable (stateless but for the dtype and device).
+    Inside ``torch.compile``d code the scope is torch's autocast state, switched in the
+    graph (no graph break): the device's default lists; a custom ``policy`` applies to
+    eager calls."""
 
     def __init__(self, dtype: torch.dtype, device_type: str) -> None:
         self.dtype = dtype
         self.device_type = device_type
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            _compiled_enter(module, self.dtype, self.device_type)
+            return
         scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))
         stack = getattr(_SCOPES, "stack", None)
         if stack is None:
@@ -265,10 +271,44 @@ class OpCastingExit:
     :class:`OpCastingEnter` opened for this call."""
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            _compiled_exit(module)
+            return
         stack = getattr(_SCOPES, "stack", None)
         if stack and stack[-1][0] is module:
             _, scope = stack.pop()
             scope.__exit__(None, None, None)
+
+
+# Inside code torch.compile traces, the scope is torch's own autocast state, switched
+# with calls dynamo records in the graph (the default lists: a custom policy's changes
+# apply to eager calls only); what to restore is taken at trace time, per module.
+def _compiled_enter(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+    _trace_save(module, device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+
+
+def _compiled_exit(module: nn.Module) -> None:
+    restore = _trace_restore(module)
+    if restore is not None:
+        device_type, enabled, dtype = restore
+        torch.set_autocast_enabled(device_type, enabled)
+        torch.set_autocast_dtype(device_type, dtype)
+
+
+def _trace_save(module: nn.Module, device_type: str) -> None:
+    saved = _SCOPES.__dict__.setdefault("traced", {})
+    saved[id(module)] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+def _trace_restore(module: nn.Module) -> tuple[str, bool, torch.dtype] | None:
+    return _SCOPES.__dict__.setdefault("traced", {}).pop(id(module), None)
+
+
+# run by dynamo at trace time, their results constants in the graph
+_trace_save._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_trace_restore._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, policy: Any = None) -> None:
