@@ -56,6 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import _reset
+from ._dtypes import default_device_type, default_dtype
 from ._where import user_stacklevel
 from .errors import PolicyError
 from .lists import AUTOCAST_KEYS, native_categories
@@ -63,7 +64,6 @@ from .policy import (
     Policy,
     check_compute_dtype,
     check_device_type,
-    default_dtype,
     is_python_op,
     python_callable,
 )
@@ -983,10 +983,6 @@ def _warn_fp16_cpu() -> None:
         )
 
 
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autocast
     """Run ops in the dtypes ``policy`` says, inside a ``with`` block or a decorated function.
 
@@ -1021,7 +1017,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         _intercept_all: bool = False,
         _from_rule: bool = False,
     ) -> None:
-        self.device_type = check_device_type(device_type or _default_device_type())
+        self.device_type = check_device_type(device_type or default_device_type())
         if policy is not None and not isinstance(policy, Policy):
             raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
         if policy is None:
@@ -1300,7 +1296,7 @@ def init(
     Returns the policy in force. Calling ``init`` again in the thread replaces the
     previous one; :func:`ampkit.reset` turns casting off in the thread that calls it.
     """
-    device = check_device_type(device_type or _default_device_type())
+    device = check_device_type(device_type or default_device_type())
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     base = policy if policy is not None else Policy(dtype=dtype or default_dtype(device))

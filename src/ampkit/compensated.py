@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from . import _kernels
+from ._dtypes import LOW_PRECISION, cast_optimizer_state
 from ._kernels import Kernel, flat, same_layout
 from .errors import AmpError, StateError
 
@@ -74,7 +75,6 @@ Method = Literal["kahan", "stochastic", "nearest"]
 _METHODS = ("kahan", "stochastic", "nearest")
 KernelChoice = Literal["auto", "compiled", "eager", "generic"]
 _KERNELS = ("auto", "compiled", "eager", "generic")
-_LOW = (torch.bfloat16, torch.float16)
 _STATE_FORMAT = 1
 
 
@@ -282,7 +282,7 @@ class CompensatedUpdates:
     def _low_params(self) -> Iterator[tuple[int, int, nn.Parameter]]:
         for gi, group in enumerate(self.optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
-                if p.dtype in _LOW:
+                if p.dtype in LOW_PRECISION:
                     yield gi, pi, p
 
     def buffer(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -492,7 +492,7 @@ class CompensatedUpdates:
             if id(p) in in_chunk
         }
         widened = [
-            self._widen(optimizer, p, grads[id(p)], positions[id(p)]) for p in chunk if p.dtype in _LOW
+            self._widen(optimizer, p, grads[id(p)], positions[id(p)]) for p in chunk if p.dtype in LOW_PRECISION
         ]
         try:
             type(optimizer).step(optimizer)
@@ -518,10 +518,7 @@ class CompensatedUpdates:
         p.grad = None
         state = optimizer.state.pop(p, None)
         if state:
-            optimizer.state[wide] = {
-                k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
-                for k, v in state.items()
-            }
+            optimizer.state[wide] = cast_optimizer_state(state, torch.float32)
         optimizer.param_groups[where[0]]["params"][where[1]] = wide
         return p, wide
 
@@ -548,11 +545,7 @@ class CompensatedUpdates:
             p.copy_(new)
         state = optimizer.state.pop(wide, None)
         if state:
-            # "step" counters stay as the optimizer keeps them (fp32 scalars).
-            optimizer.state[p] = {
-                k: v.to(low) if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0 else v
-                for k, v in state.items()
-            }
+            optimizer.state[p] = cast_optimizer_state(state, low)
         p.grad = grad
 
     # -- checkpoints --------------------------------------------------------------
@@ -634,7 +627,7 @@ class CompensatedUpdates:
                     f"{pi}, which this optimizer lacks: build the same param groups "
                     "before loading."
                 ) from None
-            if (gi, pi) in seen or p.shape != t.shape or p.dtype not in _LOW or t.dtype != p.dtype:
+            if (gi, pi) in seen or p.shape != t.shape or p.dtype not in LOW_PRECISION or t.dtype != p.dtype:
                 raise StateError(
                     f"compensation buffer at group {gi}, index {pi} is a {t.dtype} tensor of "
                     f"shape {tuple(t.shape)}; the parameter there is {p.dtype} "

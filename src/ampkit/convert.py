@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from . import _reset
+from ._dtypes import LOW_PRECISION
 from .errors import AmpError
 from .model import cast_tensors, is_norm_layer
 from .policy import Policy
@@ -82,7 +83,6 @@ __all__ = [
     "weight_bytes",
 ]
 
-_LOW = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
@@ -566,7 +566,7 @@ def _checked_name(
             f"but it lines up with parameter {name!r} of shape "
             f"{None if weight is None else tuple(weight.shape)}; {advice}"
         )
-    if what == "master weight" and weight.dtype in _LOW and not torch.equal(value.to(weight.dtype), weight):
+    if what == "master weight" and weight.dtype in LOW_PRECISION and not torch.equal(value.to(weight.dtype), weight):
         raise ConversionError(
             f"the master weight at optimizer {j}, group {gi}, index {pi} does not round to the "
             f"saved 16-bit weight {name!r}: the optimizer's order is not the model's; {advice}"
@@ -1008,7 +1008,7 @@ def _build(ref: nn.Module, plan: _Plan, output_dtype: torch.dtype | None) -> nn.
             # a 16-bit module inside an fp32 (or other 16-bit) region: widen back
             m.register_forward_hook(functools.partial(_cast_outputs, parent_d, (d,)))
     if output_dtype is not None:
-        only = tuple(t for t in _LOW if t != output_dtype)
+        only = tuple(t for t in LOW_PRECISION if t != output_dtype)
         model.register_forward_hook(functools.partial(_cast_outputs, output_dtype, only))
     model.eval()
     return model
@@ -1173,7 +1173,8 @@ def convert(
         ConversionError: bad arguments (checked before anything is built), a
             checkpoint that does not fit, or a budget that cannot be met.
     """
-    from .policy import check_compute_dtype, default_dtype
+    from ._dtypes import default_dtype
+    from .policy import check_compute_dtype
 
     if not isinstance(model, nn.Module):
         raise ConversionError(f"convert takes an nn.Module, got {type(model).__name__}.")
@@ -1226,9 +1227,9 @@ def convert(
         base_plan = make_plan(folded)
         modules = dict(folded.named_modules())
         if cand_keys is None:
-            cands = [n for n, m in modules.items() if base_plan.dtype[n] in _LOW and _owns_weights(m)]
+            cands = [n for n, m in modules.items() if base_plan.dtype[n] in LOW_PRECISION and _owns_weights(m)]
         else:
-            cands = [n for n, m in modules.items() if _matches(cand_keys, n, m) and base_plan.dtype[n] in _LOW]
+            cands = [n for n, m in modules.items() if _matches(cand_keys, n, m) and base_plan.dtype[n] in LOW_PRECISION]
         search = _Search(folded, lambda f: make_plan(folded, f), calib_list, reference, output_dtype, device_type)
         kept, isolated, details, base_error = _search_budget(search, cands, budget)
         evaluations = search.evaluations

@@ -67,6 +67,7 @@ from . import grads as _grads
 from . import model as _model
 from . import optim as _optim
 from . import session as _session
+from ._dtypes import torch_class
 from ._where import user_stacklevel
 from .errors import DistributedError
 
@@ -335,7 +336,7 @@ def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
         for p in itertools.chain(state._grad_params(), backward if backward is not None else ())
         if p.grad is not None
     ]
-    dtensor = _dtensor_type()
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
     if grads and dtensor is not None and all(isinstance(g, dtensor) for g in grads):
         return SyncPlan(
             False, "the grads are DTensors: torch's unscale kernel already all-reduces the flag"
@@ -361,14 +362,6 @@ def _ddp_plan(state: _optim.ManagedOptimizer, group_size: int) -> SyncPlan:
             why = "ran under no_sync" if owner.synced is False else "is unknown (no forward seen)"
             return SyncPlan(True, f"the last forward of a registered DDP model {why}")
     return SyncPlan(False, "the grads come from a synchronized backward of registered DDP models")
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # older torch
-        return None
-    return DTensor
 
 
 class _Agreement:
@@ -489,20 +482,16 @@ _grads.set_settled_hook(lambda params: [r.resnapshot(params) for r in list(_DDPS
 # --- initialize-time checks --------------------------------------------------------------
 
 
+def _contains(model: nn.Module, cls: type | None) -> bool:
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
 def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return _contains(model, torch_class("torch.distributed.fsdp", "FSDPModule"))
 
 
 def _is_fsdp1(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    return _contains(model, torch_class("torch.distributed.fsdp", "FullyShardedDataParallel"))
 
 
 def _fsdp_recipe(level_name: str) -> str:
@@ -576,11 +565,8 @@ class FSDPGuard:
 
 
 def _is_fsdp2_root(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(module, FSDPModule)
+    fsdp2 = torch_class("torch.distributed.fsdp", "FSDPModule")
+    return fsdp2 is not None and isinstance(module, fsdp2)
 
 
 # --- SyncBatchNorm -----------------------------------------------------------------------

@@ -22,7 +22,6 @@ from .policy import Policy
 
 __all__ = ["explain", "ExplainReport", "OpRecord", "CastRecord"]
 
-_LOW = (torch.bfloat16, torch.float16)
 _CAST_OPS = {"_to_copy"}  # what .to(dtype) and autocast's casts reach the dispatcher as
 
 

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._dtypes import LOW_PRECISION
 from .convert import ConversionError, OutputError, dequantized, output_error, run_batch
 from .errors import AmpError
 
@@ -64,7 +65,6 @@ __all__ = [
 Precision = Literal["auto", "compute", "storage"]
 Exporter = Literal["auto", "dynamo", "torchscript"]
 
-_LOW = (torch.float16, torch.bfloat16)
 # Opset of the TorchScript fallback (the dynamo exporter picks its own, currently 18+).
 _TORCHSCRIPT_OPSET = 17
 # Initializers smaller than this stay fp32 in "storage" mode (the exporter's scalar constants).
@@ -180,7 +180,7 @@ def export_program(
 
 
 def _low_dtypes(model: nn.Module) -> set[torch.dtype]:
-    return {t.dtype for t in list(model.parameters()) + list(model.buffers()) if t.dtype in _LOW}
+    return {t.dtype for t in list(model.parameters()) + list(model.buffers()) if t.dtype in LOW_PRECISION}
 
 
 def _resolve_precision(model: nn.Module, precision: str) -> tuple[str, torch.dtype | None]:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ._dtypes import torch_class
 from .errors import AmpError, StateError
 from .scaling import group_grads
 
@@ -73,11 +74,8 @@ def _accumulator(p: torch.Tensor) -> Any:
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(p, DTensor)
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(p, dtensor)
 
 
 # Called with the parameters whose grads a backward pass's end-of-pass processing changed

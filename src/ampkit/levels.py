@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import _reset
+from ._dtypes import LOW_PRECISION, cast_optimizer_state, default_device_type, default_dtype
 from .compensated import CompensatedUpdates
 from .errors import AmpError, PolicyError, ScalerError, StateError
 from .grads import drop_guards, no_masters_guard
@@ -43,8 +44,6 @@ from .model import add_op_casting, cast_model, params_to_cast, remove_op_casting
 from .scaling import LossScaler, check_scale
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
-
-_LOW = (torch.float16, torch.bfloat16)
 
 LossScale = float | Literal["dynamic"]
 
@@ -121,12 +120,8 @@ _OVERRIDES = (
 _COMPENSATIONS = ("kahan", "stochastic")
 
 
-def _default_dtype(device_type: str) -> torch.dtype:
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
-
-
 def _check_dtype(value: Any, what: str) -> torch.dtype:
-    if value not in _LOW:
+    if value not in LOW_PRECISION:
         raise AmpError(f"{what} must be torch.float16 or torch.bfloat16, got {value!r}.")
     return value
 
@@ -150,7 +145,7 @@ def resolve_opt_level(
     ov = {k: v for k, v in overrides.items() if v is not None}
 
     # O2K is bf16 by definition (compensation needs bf16's range), on any device.
-    default = torch.bfloat16 if base["compensation"] else _default_dtype(device_type)
+    default = torch.bfloat16 if base["compensation"] else default_dtype(device_type)
     dtype = _check_dtype(ov.get("dtype", default), "dtype")
     cast = ov.get("cast_model_type", dtype if base["cast"] else None)
     if cast is False or cast == torch.float32:
@@ -215,7 +210,7 @@ def resolve_opt_level(
         raise AmpError(f"num_losses must be an int >= 1, got {num_losses!r}.")
     # None is meaningful here: keep a cast model's outputs 16-bit.
     outputs = overrides.get("cast_model_outputs", torch.float32)
-    if outputs is not None and outputs not in (torch.float32, *_LOW):
+    if outputs is not None and outputs not in (torch.float32, *LOW_PRECISION):
         raise AmpError(f"cast_model_outputs must be a float dtype or None, got {outputs!r}.")
     keep_fp32 = _check_keep_fp32(ov.get("keep_fp32", ()), name, cast)
     # O2/O2K: the policy's fp32 ops run in fp32 inside the cast model; O3 is pure 16-bit.
@@ -359,7 +354,7 @@ def _device_type(models: Sequence[nn.Module]) -> str:
         )
     if types:
         return types.pop()
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device_type()
 
 
 def _make_scaler(level: OptLevel) -> LossScaler:
@@ -539,7 +534,7 @@ def initialize(
     if opt_list:
         _attach_trainer(opt_list, masters, level, scaler, model_list)
     elif level.master_weights or level.compensation is not None:
-        no_masters_guard([p for m in model_list for p in m.parameters() if p.dtype in _LOW], level.name)
+        no_masters_guard([p for m in model_list for p in m.parameters() if p.dtype in LOW_PRECISION], level.name)
     live_masters = [mw for mw in masters if mw is not None]
     if live_masters:
         for m in model_list:
@@ -591,9 +586,7 @@ def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
             state = opt.state.get(p)
             if not state:
                 continue
-            for k, v in state.items():
-                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dtype != p.dtype:
-                    state[k] = v.to(p.dtype)
+            state.update(cast_optimizer_state(state, p.dtype))
 
 
 class _LevelState:

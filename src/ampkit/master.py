@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._dtypes import cast_optimizer_state
 from .errors import AmpError, StateError
 
 __all__ = ["MasterWeights"]
@@ -133,10 +134,7 @@ class MasterWeights:
             p.grad = None
         state = self.optimizer.state.pop(p, None)
         if state:
-            self.optimizer.state[master] = {
-                k: v.to(torch.float32) if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                for k, v in state.items()
-            }
+            self.optimizer.state[master] = cast_optimizer_state(state, torch.float32)
         self._model_of[id(master)] = p
         self._masters[id(p)] = master
         self._published[id(master)] = master._version

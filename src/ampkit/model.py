@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._dtypes import LOW_PRECISION
 from .errors import AmpError
 
 __all__ = [
@@ -69,7 +70,6 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
     if t is not None
 )
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # module -> hook handles installed by this file, so a second cast replaces them.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
@@ -348,7 +348,7 @@ def add_io_casts(
     module: nn.Module,
     input_dtype: torch.dtype,
     output_dtype: torch.dtype | None = torch.float32,
-    output_only: tuple[torch.dtype, ...] | None = _LOW_PRECISION,
+    output_only: tuple[torch.dtype, ...] | None = LOW_PRECISION,
 ) -> None:
     """Cast ``module``'s floating inputs to ``input_dtype`` with a forward
     pre-hook and its outputs to ``output_dtype`` with a forward hook.
@@ -404,7 +404,7 @@ def cast_model(
     """
     if not isinstance(model, nn.Module):
         raise AmpError(f"cast_model expects an nn.Module, got {type(model).__name__}.")
-    if dtype not in _LOW_PRECISION:
+    if dtype not in LOW_PRECISION:
         raise AmpError(
             f"cast_model casts to float16 or bfloat16, got {dtype}; "
             "for fp32 training leave the model as it is (opt level O0 or O1)."

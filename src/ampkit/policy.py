@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._dtypes import LOW_PRECISION, default_dtype
 from .errors import PolicyError
 from .lists import DEFAULT_LISTS
 
-__all__ = ["Policy", "default_policy", "canonical_op", "COMPUTE_DTYPES"]
+__all__ = ["Policy", "default_policy", "canonical_op"]
 
 #: dtypes a policy can compute in
-COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 #: dtypes a module rule may pin a module to
 MODULE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -195,7 +195,7 @@ def check_compute_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
     """Validate a compute dtype (bf16/fp16) and return it."""
     if not isinstance(dtype, torch.dtype):
         raise PolicyError(f"{what} must be a torch.dtype such as torch.bfloat16, got {dtype!r}.")
-    if dtype in COMPUTE_DTYPES:
+    if dtype in LOW_PRECISION:
         return dtype
     if "float8" in str(dtype):
         raise PolicyError(
@@ -418,7 +418,7 @@ def default_policy(device_type: str = "cpu", dtype: torch.dtype | None = None) -
     """
     check_device_type(device_type)
     if dtype is None:
-        dtype = torch.float16 if device_type == "cuda" else torch.bfloat16
+        dtype = default_dtype(device_type)
     lists = DEFAULT_LISTS[device_type]
     return Policy(
         dtype=check_compute_dtype(dtype),
@@ -428,7 +428,4 @@ def default_policy(device_type: str = "cpu", dtype: torch.dtype | None = None) -
     )
 
 
-def default_dtype(device_type: str) -> torch.dtype:
-    """bf16 on CPU, fp16 on CUDA (torch.autocast's defaults)."""
-    return torch.float16 if device_type == "cuda" else torch.bfloat16
 

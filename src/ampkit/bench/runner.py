@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._dtypes import default_device_type
 from .recipes import PRECISIONS
 from .worker import RunSpec, worker_main
 from .workloads import SIZES, WORKLOADS, default_steps
@@ -94,7 +95,7 @@ class BenchConfig:
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; check an explicit choice."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return default_device_type()
     if device == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
         raise BenchError(

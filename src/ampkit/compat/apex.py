@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _reset
+from .._dtypes import default_device_type
 from ..errors import AmpError, PolicyError, StateError
 from ..model import cast_tensors
 from ..scaling import LossScaler
@@ -256,7 +257,7 @@ def _device_of(models: Any) -> str:
     for m in model_list:
         for p in m.parameters():
             return p.device.type
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device_type()
 
 
 @contextlib.contextmanager
@@ -516,7 +517,7 @@ def init(
         handle: AmpHandle | NoOpHandle = NoOpHandle()
     else:
         lower, fp32, promote = list(_state.lower), list(_state.fp32), list(_state.promote)
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = default_device_type()
         ampkit.init(device_type=device_type, lower_ops=lower, fp32_ops=fp32, promote_ops=promote)
         _state.lower, _state.fp32, _state.promote = [], [], []  # consumed, as apex did
         _state.device_type = device_type

@@ -28,7 +28,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._record import _LOW, dtype_name
+from .._dtypes import LOW_PRECISION
+from ._record import dtype_name
 
 # ops that create or copy values without computing them: never an origin
 _SKIP = {
@@ -159,7 +160,7 @@ def _all_finite(ts: list[torch.Tensor]) -> bool:
 
 
 def _upcast(value: Any) -> Any:
-    return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in _LOW else x, value)
+    return tree_map(lambda x: x.float() if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION else x, value)
 
 
 class OpChecker:
@@ -281,7 +282,7 @@ class OpChecker:
         fp32_max = None
         if name == "_to_copy":  # a cast: the value it could not hold is its input's
             fp32_max = max((s.abs_max for s in in_stats), default=None)
-        elif any(t.dtype in _LOW for t in inputs):
+        elif any(t.dtype in LOW_PRECISION for t in inputs):
             try:
                 ref = _float_tensors(func(*_upcast(args), **_upcast(kwargs)))
                 fp32_max = max(float(r.detach().abs().float().max()) for r in ref) if ref else None
@@ -309,10 +310,10 @@ class OpChecker:
     def cast_underflow(self, args: tuple, out: Any) -> None:
         """A backward cast down to 16 bits (autocast's cast of an fp32 grad): the
         values it flushes, against its fp32 input."""
-        if self.paused or not isinstance(out, torch.Tensor) or out.dtype not in _LOW:
+        if self.paused or not isinstance(out, torch.Tensor) or out.dtype not in LOW_PRECISION:
             return
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if src is None or src.dtype in _LOW or not src.is_floating_point():
+        if src is None or src.dtype in LOW_PRECISION or not src.is_floating_point():
             return
         if torch._C._current_autograd_node() is None:
             return
@@ -323,7 +324,7 @@ class OpChecker:
             self.paused = False
 
     def _underflow(self, func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> None:
-        low = [t for t in outputs if t.dtype in _LOW]
+        low = [t for t in outputs if t.dtype in LOW_PRECISION]
         if not low:
             return
         try:
@@ -338,7 +339,7 @@ class OpChecker:
         _, module, _ = self._where()
         key = module or "(outside modules: the loss)"
         for out, ref in zip(outputs, refs):
-            if out.dtype not in _LOW or ref.shape != out.shape:
+            if out.dtype not in LOW_PRECISION or ref.shape != out.shape:
                 continue
             r = ref.detach().float().abs()
             nz = (r > 0) & torch.isfinite(r)

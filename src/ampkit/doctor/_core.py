@@ -18,10 +18,11 @@ import torch
 
 from .. import _reset
 from .. import optim as _optim
+from .._dtypes import LOW_PRECISION
 from ..errors import StateError
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
-from ._record import _LOW, Recorder, ResolvedStep, StepLog, dtype_name, local
+from ._record import Recorder, ResolvedStep, StepLog, dtype_name, local
 
 logger = logging.getLogger("ampkit.doctor")
 
@@ -436,7 +437,7 @@ class Doctor:
 
     def _update_margins(self, res: ResolvedStep, step: int) -> None:
         for name, dt in res.module_dtype.items():
-            if dt in _LOW and self.compute_dtype is None:
+            if dt in LOW_PRECISION and self.compute_dtype is None:
                 self.compute_dtype = dt
             margin = self.margins.get(name)
             if margin is None:
@@ -470,7 +471,7 @@ class Doctor:
             margin = self.margins.get(mname)
             if margin is None:
                 continue
-            if dt in _LOW:
+            if dt in LOW_PRECISION:
                 if math.isfinite(amax):
                     if amax / limit_of(dt) > margin.grad_abs_max / margin.grad_limit:
                         margin.grad_abs_max, margin.grad_limit = amax, limit_of(dt)
@@ -482,7 +483,7 @@ class Doctor:
             acc[2] += n
         for name, (zeros, sub, n) in under.items():
             compute = res.module_dtype.get(name)
-            if n and compute in _LOW:
+            if n and compute in LOW_PRECISION:
                 margin = self.margins[name]
                 margin.zeros = zeros / n
                 margin.underflow = sub / (n - zeros) if n > zeros else 0.0

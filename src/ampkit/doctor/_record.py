@@ -25,12 +25,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._dtypes import LOW_PRECISION
 from ..casting import _model_name, _unwrap
 
 if TYPE_CHECKING:
     from ._checker import OpChecker
 
-_LOW = (torch.float16, torch.bfloat16)
 _MAX_TENSORS = 4  # floating tensors recorded per module input/output structure
 MAX_RECORDS = 200_000  # module records kept between two steps
 
@@ -346,7 +346,7 @@ class Recorder:
                 return
             with _paused(self.checker):
                 compute = log.module_dtype.get(module_name, grad.dtype)
-                normal = torch.finfo(compute if compute in _LOW else grad.dtype).smallest_normal
+                normal = torch.finfo(compute if compute in LOW_PRECISION else grad.dtype).smallest_normal
                 g = grad.detach()
                 below = (g.abs() < normal).sum()  # zero or subnormal in the compute dtype
                 stats = torch.stack([
