@@ -752,6 +752,57 @@ def test_keep_fp32_takes_classes_and_name_globs(level):
         assert mw.master_of(model.gate.weight) is None and mw.master_of(model.fc.weight) is not None
 
 
+class Outer(nn.Module):
+    """A kept block with no parameters of its own: its layers are what keeping it means."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.inp(x)))
+
+
+@pytest.mark.parametrize("rule", [nn.Sequential, "block"], ids=["class", "glob"])
+@pytest.mark.parametrize("level", ["O2", "O3", "O2K"])
+def test_keep_fp32_keeps_a_whole_block_and_its_matmuls_fp32(level, rule):
+    """Keeping a module keeps everything inside it: its layers' weights stay fp32 and
+    their matmuls run in fp32 also inside O2's op-level casting; the rest is 16-bit."""
+    torch.manual_seed(0)
+    model = Outer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, keep_fp32=[rule])
+    assert {p.dtype for p in model.block.parameters()} == {FP32}
+    assert model.inp.weight.dtype == model.out.weight.dtype == BF16
+    seen = []
+    for layer in (model.inp, model.block[0], model.block[2], model.out):
+        layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype), prepend=True)
+    with ampkit.scale_loss(model(torch.randn(4, 8)).float().sum(), opt) as scaled:
+        scaled.backward()
+    assert seen == [BF16, FP32, FP32, BF16]
+    before = model.block[0].weight.detach().clone()
+    opt.step()
+    assert not ampkit.step_skipped(opt) and not torch.equal(before, model.block[0].weight)
+
+
+@pytest.mark.parametrize("bad", ["blocks.*", ["nope"], ("inp", "Block")])
+def test_keep_fp32_glob_matching_no_module_is_refused_before_anything_changes(bad):
+    model = Outer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(AmpError, match="matches no module name"):
+        ampkit.initialize(model, opt, opt_level="O2", keep_fp32=bad)
+    assert {p.dtype for p in model.parameters()} == {FP32}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert ampkit.levels.master_weights_of(opt) is None
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with pytest.raises(AmpError, match="matches no module name"):
+        ampkit.cast_model(model, BF16, keep_fp32=bad)
+    assert {p.dtype for p in model.parameters()} == {FP32}
+
+
 def test_keep_fp32_is_refused_where_nothing_is_cast_or_for_non_modules():
     for level in ("O0", "O1"):
         with pytest.raises(AmpError, match="keep_fp32"):

@@ -40,7 +40,7 @@ from .compensated import CompensatedUpdates
 from .errors import AmpError, PolicyError, ScalerError, StateError
 from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
-from .model import add_op_casting, cast_model, params_to_cast, remove_op_casting
+from .model import add_op_casting, cast_model, check_keep_fp32, params_to_cast, remove_op_casting
 from .scaling import LossScaler, check_scale
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
@@ -438,7 +438,9 @@ def initialize(
               policy's fp32 ops (softmax, norms, a loss computed in ``forward``) run in
               fp32 inside the model. ``policy`` applies here too.
             - ``keep_fp32``: module classes or qualified-name globs kept in fp32 like
-              norm layers (O2/O3/O2K), e.g. ``[MyLayerNorm, "blocks.*.attn"]``. With
+              norm layers (O2/O3/O2K), e.g. ``[MyLayerNorm, "blocks.*.attn"]``, each
+              with its whole subtree (weights fp32, matmuls in fp32); a glob matching
+              no module name raises :class:`AmpError`. With
               ``keep_norm_fp32`` (O2/O2K) hand-written norm layers are found without it:
               a class named ``*Norm*`` holding only vector parameters.
             - ``fast_kernels``: step with torch's fused/foreach kernel where the
@@ -495,6 +497,8 @@ def initialize(
                 f"per step; {level.name}'s compensated updates need a per-parameter optimizer."
             )
     scaler = _make_scaler(level)
+    if level.cast_model_type is not None:
+        check_keep_fp32(model_list, level.keep_fp32)
     check_models(model_list, level.name, level.cast_model_type is not None)
 
     _reset.reset()  # a new session: no leftovers of a previous initialize or init

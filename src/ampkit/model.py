@@ -116,14 +116,50 @@ def kept_fp32_modules(
     """The modules :func:`cast_model` keeps in fp32, in ``model.modules()`` order:
     normalization layers (with ``keep_norm_fp32``; :func:`is_norm_layer` with
     ``extra_fp32_types``) and the modules matching ``keep_fp32`` (classes, or globs of
-    qualified names such as ``"encoder.*.norm"``; kept whatever ``keep_norm_fp32``)."""
-    extra = tuple(extra_fp32_types)
-    rules = tuple(keep_fp32)
-    return [
-        m
-        for name, m in model.named_modules()
-        if (keep_norm_fp32 and is_norm_layer(m, extra)) or _matches(m, name, rules)
-    ]
+    qualified names such as ``"encoder.*.norm"``; kept whatever ``keep_norm_fp32``),
+    each with its whole subtree: a kept block keeps every layer inside it fp32."""
+    return [m for m, _ in _kept_with_roots(model, keep_norm_fp32, tuple(extra_fp32_types), tuple(keep_fp32))]
+
+
+def _kept_with_roots(
+    model: nn.Module,
+    keep_norm_fp32: bool,
+    extra: tuple[type[nn.Module], ...],
+    rules: tuple[KeepRule, ...],
+) -> list[tuple[nn.Module, bool]]:
+    """(module, is_root) for every kept module; a root is a kept module with no kept
+    ancestor (it gets the cast hooks; the modules under it run inside it in fp32)."""
+    out: list[tuple[nn.Module, bool]] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, name: str, under_kept: bool) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        kept = under_kept or (keep_norm_fp32 and is_norm_layer(module, extra)) or _matches(module, name, rules)
+        if kept:
+            out.append((module, not under_kept))
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, kept)
+
+    visit(model, "", False)
+    return out
+
+
+def check_keep_fp32(models: Iterable[nn.Module], keep_fp32: Iterable[KeepRule]) -> None:
+    """Raise :class:`AmpError` if a qualified-name glob of ``keep_fp32`` matches no
+    module of ``models`` (a typo would otherwise keep nothing fp32, silently). Classes
+    need not occur: a list like ``[MyLayerNorm]`` may serve several models."""
+    model_list = list(models)
+    names = [name for m in model_list for name, _ in m.named_modules() if name]
+    for rule in keep_fp32:
+        if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names):
+            sample = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            raise AmpError(
+                f"keep_fp32 glob {rule!r} matches no module name of the model (its names "
+                f"are qualified like {sample or 'none: the model has no submodules'}); fix the "
+                "pattern, or pass the module class instead."
+            )
 
 
 def params_to_cast(
@@ -227,16 +263,17 @@ _SCOPES = threading.local()
 _MODEL_POLICY: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-def _scope_for(device_type: str, dtype: torch.dtype, policy: Any) -> Any:
+def _scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool = True) -> Any:
     from .casting import autocast
 
     cache = getattr(_SCOPES, "cache", None)
     if cache is None:
         cache = _SCOPES.cache = {}
-    key = (device_type, dtype, id(policy))
+    key = (device_type, dtype, id(policy), enabled)
     entry = cache.get(key)
     if entry is None or entry[0] is not policy:
-        entry = cache[key] = (policy, autocast(policy, device_type=device_type, dtype=dtype))
+        scope = autocast(policy, device_type=device_type, dtype=dtype if enabled else None, enabled=enabled)
+        entry = cache[key] = (policy, scope)
     return entry[1]
 
 
@@ -250,15 +287,19 @@ class OpCastingEnter:
     graph (no graph break): the device's default lists; a custom ``policy`` applies to
     eager calls."""
 
-    def __init__(self, dtype: torch.dtype, device_type: str) -> None:
+    def __init__(self, dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
         self.dtype = dtype
         self.device_type = device_type
+        self.enabled = enabled
+
+    def __setstate__(self, state: dict) -> None:  # models pickled before ``enabled`` existed
+        self.__dict__.update({"enabled": True, **state})
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_dynamo_compiling():
-            _compiled_enter(module, self.dtype, self.device_type)
+            _compiled_enter(module, self.dtype, self.device_type, self.enabled)
             return
-        scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))
+        scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module), self.enabled)
         stack = getattr(_SCOPES, "stack", None)
         if stack is None:
             stack = _SCOPES.stack = []
@@ -269,6 +310,12 @@ class OpCastingEnter:
 class OpCastingExit:
     """Forward hook (always called, also when forward raises) closing the scope
     :class:`OpCastingEnter` opened for this call."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # which kind of OpCastingEnter this closes
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"enabled": True, **state})
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
@@ -283,10 +330,11 @@ class OpCastingExit:
 # Inside code torch.compile traces, the scope is torch's own autocast state, switched
 # with calls dynamo records in the graph (the default lists: a custom policy's changes
 # apply to eager calls only); what to restore is taken at trace time, per module.
-def _compiled_enter(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
+def _compiled_enter(module: nn.Module, dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
     _trace_save(module, device_type)
-    torch.set_autocast_enabled(device_type, True)
-    torch.set_autocast_dtype(device_type, dtype)
+    torch.set_autocast_enabled(device_type, enabled)
+    if enabled:
+        torch.set_autocast_dtype(device_type, dtype)
 
 
 def _compiled_exit(module: nn.Module) -> None:
@@ -299,11 +347,18 @@ def _compiled_exit(module: nn.Module) -> None:
 
 def _trace_save(module: nn.Module, device_type: str) -> None:
     saved = _SCOPES.__dict__.setdefault("traced", {})
-    saved[id(module)] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    state = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    saved.setdefault(id(module), []).append(state)  # a stack: a module may open two scopes
 
 
 def _trace_restore(module: nn.Module) -> tuple[str, bool, torch.dtype] | None:
-    return _SCOPES.__dict__.setdefault("traced", {}).pop(id(module), None)
+    stack = _SCOPES.__dict__.setdefault("traced", {}).get(id(module))
+    if not stack:
+        return None
+    state = stack.pop()
+    if not stack:
+        del _SCOPES.__dict__["traced"][id(module)]
+    return state
 
 
 # run by dynamo at trace time, their results constants in the graph
@@ -325,10 +380,33 @@ def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, polic
 
 def remove_op_casting(model: nn.Module) -> None:
     _MODEL_POLICY.pop(model, None)
-    for hooks in (model._forward_pre_hooks, model._forward_hooks):
-        for key in [k for k, h in hooks.items() if isinstance(h, (OpCastingEnter, OpCastingExit))]:
+    _remove_scope_hooks(model, enabled=True)
+
+
+def add_fp32_scope(module: nn.Module, device_type: str) -> None:
+    """Run ``module``'s forward with casting off (a kept-fp32 block inside a model whose
+    forward runs under op-level casting: its matmuls stay fp32). Replaces an earlier one."""
+    remove_fp32_scope(module)
+    module.register_forward_pre_hook(OpCastingEnter(torch.float32, device_type, enabled=False), prepend=True)
+    module.register_forward_hook(OpCastingExit(enabled=False), always_call=True)
+
+
+def remove_fp32_scope(module: nn.Module) -> None:
+    _remove_scope_hooks(module, enabled=False)
+
+
+def _remove_scope_hooks(module: nn.Module, enabled: bool) -> None:
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        kinds = (OpCastingEnter, OpCastingExit)
+        for key in [k for k, h in hooks.items() if isinstance(h, kinds) and h.enabled == enabled]:
             del hooks[key]
-            model._forward_hooks_always_called.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+
+
+def _device_type_of(module: nn.Module) -> str:
+    for t in module.parameters():
+        return t.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def remove_io_casts(module: nn.Module) -> None:
@@ -409,23 +487,33 @@ def cast_model(
             f"cast_model casts to float16 or bfloat16, got {dtype}; "
             "for fp32 training leave the model as it is (opt level O0 or O1)."
         )
+    rules = tuple(keep_fp32)
+    check_keep_fp32([model], rules)
+    extra = tuple(extra_fp32_types)
     for module in model.modules():  # a re-cast replaces the hooks of the previous one
         remove_io_casts(module)
-    kept = kept_fp32_modules(model, keep_norm_fp32, extra_fp32_types, keep_fp32)
-    kept_ids = {id(m) for m in kept}
-    kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
+        remove_fp32_scope(module)
+    kept = _kept_with_roots(model, keep_norm_fp32, extra, rules)
+    kept_ids = {id(m) for m, _ in kept}
+    kept_params = {id(p) for m, _ in kept for p in m.parameters(recurse=False)}
     for module in model.modules():
         if id(module) not in kept_ids:
             # A parameter shared with a kept module stays fp32.
             _cast_own_tensors(module, dtype, keep=kept_params)
-    for m in kept:
+    for m, root in kept:
         _cast_own_tensors(m, torch.float32, keep=set())
+        if not root:
+            continue  # runs inside its kept ancestor, on its fp32 inputs
         if _takes_low_precision_input(m):
             # The kernel accumulates in fp32 itself: feed it the 16-bit activation, so
             # the tensor it saves for backward is 16-bit too.
             add_io_casts(m, dtype, output_dtype=None)
         else:
             add_io_casts(m, torch.float32, output_dtype=dtype, output_only=(torch.float32,))
+            if not is_norm_layer(m, extra) or any(True for _ in m.children()):
+                # A kept block (linears inside): op-level casting of the model's forward
+                # must not run its matmuls in 16 bits.
+                add_fp32_scope(m, _device_type_of(m))
     if id(model) not in kept_ids:
         add_io_casts(model, dtype, output_dtype=cast_outputs)
     return model
