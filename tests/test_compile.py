@@ -341,3 +341,51 @@ def test_inductor_custom_policy_trains_the_transformer_like_eager():
     for a, b in zip(eager, comp):  # fused kernels round differently: within bf16 noise
         assert abs(a - b) <= 0.02 * abs(a)
     assert _breaks() == {}
+
+
+class Record(nn.Module):
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, h):
+        self.seen.append(h.dtype)
+        return h
+
+
+class KeptBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), Record(self.seen))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        self.seen.append(h.dtype)
+        return self.out(self.block(h))
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_a_kept_fp32_block_computes_fp32_in_compiled_code_without_graph_breaks(level):
+    """initialize(keep_fp32=["block"]): the block's matmuls run fp32 inside the O2
+    model's op-level casting, compiled as eager, with no graph break (the FSDP guard
+    and the gradient path's class lookups are constants of the graph)."""
+    torch.manual_seed(0)
+    model = KeptBlock()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, keep_fp32=["block"])
+    x = torch.randn(4, 8)
+    eager = model(x)
+    want = list(model.seen)
+    assert want == [BF16, FP32]
+    model.seen.clear()
+    compiled = torch.compile(model, backend=FAST)
+    out = compiled(x)
+    assert model.seen == want and torch.equal(out, eager)
+    with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_skipped(opt)
+    assert _breaks() == {}

@@ -63,3 +63,9 @@ def torch_class(module: str, name: str) -> type | None:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+
+
+# Called inside module hooks that torch.compile traces (the FSDP guard, the gradient
+# path): dynamo runs it at trace time and keeps the class as a constant of the graph,
+# rather than breaking the graph at importlib.
+torch_class._dynamo_marked_constant = True  # type: ignore[attr-defined]
