@@ -21,6 +21,7 @@ from torch import nn
 
 import ampkit
 from ampkit import optim as amp_optim
+from ampkit._decision import decide, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist_workers as workers  # noqa: E402
@@ -363,7 +364,7 @@ def test_agreed_events_mean_what_the_local_path_means(segments):
     segs = [(loss_id, None if f is None else torch.tensor(f)) for loss_id, f in segments]
     state._segments = list(segs)
     local = state._resolve_step()  # torch.distributed is not initialized: decides alone
-    agreed = amp_optim._resolve_agreed(list(segs), 3, _Alone())
+    agreed = decide(list(segs), 3, _Alone())
     assert agreed == local
     ampkit.reset()
 
@@ -371,8 +372,8 @@ def test_agreed_events_mean_what_the_local_path_means(segments):
 def test_agreed_events_combine_by_max():
     """Two ranks' encodings combined by MAX: loss 1 overflowed on one rank -> overflow;
     loss 0 clean everywhere -> clean; skip on both."""
-    a = amp_optim._encode_events([(0, torch.tensor(0.0)), (1, torch.tensor(1.0))], 2, torch.device("cpu"))
-    b = amp_optim._encode_events([(0, torch.tensor(0.0)), (1, torch.tensor(0.0))], 2, torch.device("cpu"))
+    a = encode([(0, torch.tensor(0.0)), (1, torch.tensor(1.0))], 2, torch.device("cpu"))
+    b = encode([(0, torch.tensor(0.0)), (1, torch.tensor(0.0))], 2, torch.device("cpu"))
 
     class Max:
         device = torch.device("cpu")
@@ -380,7 +381,7 @@ def test_agreed_events_combine_by_max():
         def reduce(self, tensor: torch.Tensor) -> None:
             tensor.copy_(torch.maximum(a, b))
 
-    events, skip = amp_optim._resolve_agreed([(0, torch.tensor(0.0)), (1, torch.tensor(0.0))], 2, Max())
+    events, skip = decide([(0, torch.tensor(0.0)), (1, torch.tensor(0.0))], 2, Max())
     assert events == {0: False, 1: True} and skip
 
 

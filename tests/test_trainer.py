@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 import ampkit as amp
 from _scaler_reference import RefScaler
 from ampkit import LossScaler, NumericsError, StateError
+from ampkit import _stats as amp_stats
 from ampkit import session as amp_session
 from ampkit.optim import managed_state
 
@@ -409,12 +410,19 @@ def test_numerics_error_after_too_many_skips_in_a_row():
 
 
 # --- schedulers ------------------------------------------------------------------------
-def _run_with_schedulers(make_before: bool, hold: bool, skip_at=(0, 3, 4), steps=8):
+def _run_with_schedulers(make_before: bool, mode: str, skip_at=(0, 3, 4), steps=8):
+    """``mode``: "plain" (sched.step() every iteration), "passed" (init_trainer steps
+    it: schedulers=[sched]) or "guarded" (if not amp.step_skipped(opt): sched.step())."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     lam = lambda epoch: 1.0 / (epoch + 1)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam) if make_before else None
-    amp.init_trainer(opt, hold_schedulers_on_skip=hold)
+    if mode == "passed":
+        if sched is None:
+            pytest.skip("schedulers= takes schedulers made before init_trainer")
+        amp.init_trainer(opt, schedulers=[sched])
+    else:
+        amp.init_trainer(opt)
     if sched is None:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     used_lrs = []
@@ -427,15 +435,16 @@ def _run_with_schedulers(make_before: bool, hold: bool, skip_at=(0, 3, 4), steps
                 s.backward()
             opt.step()
             assert amp.step_skipped(opt) is (i in skip_at)
-            sched.step()
+            if mode == "plain" or (mode == "guarded" and not amp.step_skipped(opt)):
+                sched.step()
     return sched, used_lrs, records
 
 
 @pytest.mark.parametrize("make_before", [True, False], ids=["sched-before", "sched-after"])
 def test_skipped_first_step_gives_no_scheduler_warning(make_before):
-    sched, used, records = _run_with_schedulers(make_before, hold=False)
+    sched, used, records = _run_with_schedulers(make_before, mode="plain")
     assert no_sched_warnings(records) == []
-    assert sched.last_epoch == 8  # without hold: advances on every step
+    assert sched.last_epoch == 8  # stepped by the loop on every step, skipped or not
     assert used == [1.0 / (e + 1) for e in (1, 2, 5, 6, 7)]
 
 
@@ -465,78 +474,94 @@ def test_wrapper_keeps_scheduler_marker_and_stays_wrappable():
     assert hasattr(opt2.step, "_wrapped_by_lr_sched")
 
 
-@pytest.mark.parametrize("make_before", [True, False], ids=["sched-before", "sched-after"])
-def test_hold_schedulers_advances_lr_only_on_real_steps(make_before):
-    sched, used, records = _run_with_schedulers(make_before, hold=True)
+@pytest.mark.parametrize(
+    "make_before, mode",
+    [(True, "passed"), (True, "guarded"), (False, "guarded")],
+    ids=["passed", "guarded-sched-before", "guarded-sched-after"],
+)
+def test_schedules_advance_lr_only_on_real_steps(make_before, mode):
+    sched, used, records = _run_with_schedulers(make_before, mode=mode)
     assert no_sched_warnings(records) == []
+    assert [r for r in records if "ampkit" in str(r.message)] == []
     assert sched.last_epoch == 5  # 8 steps, 3 skipped
     assert used == [1.0 / (e + 1) for e in range(5)]  # no value of the schedule lost
-    assert "step" not in sched.__dict__  # the hold is gone once consumed
+    assert type(sched) is torch.optim.lr_scheduler.LambdaLR
 
 
-def test_hold_is_dropped_if_the_scheduler_does_not_step_before_the_next_step():
+def test_passed_scheduler_state_dict_pickles_and_resumes():
+    """A checkpoint taken right after a skipped step: the scheduler's state_dict
+    pickles, loads into a fresh scheduler, and the resumed one advances on real steps."""
     model = mlp()
-    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=1.0), hold_schedulers_on_skip=True)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # an epoch-level schedule
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
-    with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
-        s.backward()
-    opt.step()
-    assert type(sched) is not torch.optim.lr_scheduler.StepLR  # held
-    assert type(plateau) is torch.optim.lr_scheduler.ReduceLROnPlateau  # never held
-    assert "step" not in sched.__dict__ and "step" not in plateau.__dict__
-    opt.zero_grad()
-    with amp.scale_loss(loss_of(model, 1), opt) as s:
-        s.backward()
-    opt.step()
-    assert type(sched) is torch.optim.lr_scheduler.StepLR
-    assert "step" not in sched.__dict__
-    sched.step()
-    assert sched.last_epoch == 1
-
-
-def _held_scheduler():
-    model = mlp()
-    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=1.0), hold_schedulers_on_skip=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    amp.init_trainer(opt, schedulers=[sched])
     with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
         s.backward()
     opt.step()
-    assert amp.step_skipped(opt)
-    return model, opt, sched
-
-
-def test_held_scheduler_state_dict_pickles_and_carries_no_hold():
-    """A checkpoint taken right after a skipped step: the scheduler's state_dict (its
-    __dict__) must pickle, and loading it must not freeze the loading scheduler."""
-    _, _, sched = _held_scheduler()
-    sd = sched.state_dict()
+    assert amp.step_skipped(opt) and sched.last_epoch == 0
     buf = io.BytesIO()
-    torch.save(sd, buf)
+    torch.save(sched.state_dict(), buf)
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    for source in (sd, loaded):  # in memory and from disk
-        opt2 = torch.optim.SGD(mlp().parameters(), lr=1.0)
-        fresh = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
-        fresh.load_state_dict(source)
-        for _ in range(3):
+    model2 = mlp()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1.0)
+    fresh = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    fresh.load_state_dict(torch.load(buf, weights_only=False))
+    amp.init_trainer(opt2, schedulers=[fresh])
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for i in range(3):
+            opt2.zero_grad()
+            with amp.scale_loss(loss_of(model2, i) * (INF if i == 1 else 1.0), opt2) as s:
+                s.backward()
             opt2.step()
-            fresh.step()
-        assert fresh.last_epoch == 3
-        assert opt2.param_groups[0]["lr"] == 0.5**3
-    sched.step()  # the held scheduler itself still swallows its one step
-    assert sched.last_epoch == 0 and type(sched) is torch.optim.lr_scheduler.StepLR
+    assert [r for r in records if "ampkit" in str(r.message)] == []
+    assert fresh.last_epoch == 2 and opt2.param_groups[0]["lr"] == 0.5**2
 
 
-def test_copy_of_a_held_scheduler_is_not_held():
-    _, opt, sched = _held_scheduler()
-    twin = copy.deepcopy(sched)
-    with warnings.catch_warnings():  # the copied optimizer lost torch's step marker
-        warnings.simplefilter("ignore")
-        twin.step()
-    assert twin.last_epoch == 1 and type(twin) is torch.optim.lr_scheduler.StepLR
-    sched.step()
-    assert sched.last_epoch == 0
+def test_a_passed_scheduler_stepped_by_the_loop_too_is_warned_about_once():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    amp.init_trainer(opt, schedulers=[sched])
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for i in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(loss_of(model, i), opt) as s:
+                s.backward()
+            opt.step()
+            sched.step()  # the mistake: ampkit steps it already
+    mine = [r for r in records if "init_trainer(schedulers=" in str(r.message)]
+    assert len(mine) == 1 and "Remove your sched.step()" in str(mine[0].message)
+    assert mine[0].filename == __file__
+    assert sched.last_epoch == 6
+
+
+def test_schedulers_argument_is_checked_before_anything_changes():
+    opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
+    other = torch.optim.SGD(mlp().parameters(), lr=1.0)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, 1)
+    cases = [
+        ([torch.optim.lr_scheduler.ReduceLROnPlateau(opt)], "ReduceLROnPlateau steps on a metric"),
+        ([torch.optim.lr_scheduler.StepLR(other, 1)], "not in this init_trainer call"),
+        (["StepLR"], "must be torch.optim.lr_scheduler.LRScheduler"),
+        ([step_lr, step_lr], "appears twice"),
+    ]
+    for schedulers, message in cases:
+        with pytest.raises(StateError, match=message):
+            amp.init_trainer(opt, schedulers=schedulers)
+        with pytest.raises(StateError, match="not managed by ampkit"):
+            amp.stats(opt)  # nothing done
+
+
+def test_hold_schedulers_on_skip_says_what_to_write_instead():
+    opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
+    with pytest.raises(StateError, match=r"schedulers=\[sched\].*amp.step_skipped\(opt\)"):
+        amp.init_trainer(opt, hold_schedulers_on_skip=True)
+    with pytest.raises(StateError, match="not managed by ampkit"):
+        amp.stats(opt)  # nothing done
+    amp.init_trainer(opt, hold_schedulers_on_skip=False)  # the old default still works
+    assert not amp.stats(opt).steps
 
 
 # --- several losses, several optimizers ------------------------------------------------
@@ -914,7 +939,7 @@ def test_skipped_steps_warn_once_then_in_rate_limited_summaries(caplog, monkeypa
     assert len(warned) == 1 and "step 1 skipped" in warned[0].getMessage()
     assert warned[0].pathname == __file__
     caplog.clear()
-    monkeypatch.setattr(amp.optim, "SKIP_SUMMARY_SECONDS", 0.0)
+    monkeypatch.setattr(amp_stats, "SKIP_SUMMARY_SECONDS", 0.0)
     with caplog.at_level(logging.WARNING, logger="ampkit"):
         skipped_step()
     warned = [r for r in caplog.records if r.name == "ampkit" and r.levelno == logging.WARNING]

@@ -105,7 +105,7 @@ __all__ += [
     "fp32_weights",
 ]
 # --- distributed ---
-from . import distributed  # noqa: E402  (installs the cross-rank skip agreement)
+from . import distributed  # noqa: E402
 
 __all__ += ["distributed"]
 # --- diagnosis ---

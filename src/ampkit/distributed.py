@@ -37,6 +37,11 @@ When ampkit agrees (:func:`set_sync`, per optimizer):
 - ``"always"``: agree on every step (world size > 1).
 - ``"never"``: each rank decides alone. Only for setups where you know better.
 
+How it plugs in. :data:`AGREEMENT` implements :class:`ampkit._decision.StepAgreement`;
+``ampkit.init_trainer`` hands it to every managed optimizer (``ManagedOptimizer.agreement``),
+whose step calls it before checking the grads and before reading the flags; the skip
+rule itself is :func:`ampkit._decision.decide`, the same for one process and many.
+
 Nothing happens in a single process, or before ``torch.distributed`` is initialized.
 :func:`sync_plan` says what the next step will do and why.
 
@@ -63,9 +68,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import grads as _grads
+from . import _step
 from . import model as _model
-from . import optim as _optim
 from . import session as _session
 from ._dtypes import torch_class
 from ._where import user_stacklevel
@@ -102,12 +106,12 @@ class _Settings:
     warned_changed: bool = False
 
 
-_SETTINGS: weakref.WeakKeyDictionary[_optim.ManagedOptimizer, _Settings] = (
+_SETTINGS: weakref.WeakKeyDictionary[_step.ManagedOptimizer, _Settings] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _settings(state: _optim.ManagedOptimizer) -> _Settings:
+def _settings(state: _step.ManagedOptimizer) -> _Settings:
     s = _SETTINGS.get(state)
     if s is None:
         s = _SETTINGS[state] = _Settings()
@@ -134,7 +138,7 @@ def set_sync(
         raise DistributedError(f"set_sync: sync must be one of {_MODES}, got {sync!r}.")
     opts = list(optimizer_or_list) if isinstance(optimizer_or_list, (list, tuple)) else [optimizer_or_list]
     for opt in opts:
-        s = _settings(_optim.managed_state(opt))
+        s = _settings(_step.managed_state(opt))
         s.sync = sync
         s.group = group
 
@@ -265,16 +269,16 @@ def register_ddp(ddp_model: nn.Module) -> nn.Module:
     return ddp_model
 
 
-def _managed_states() -> list[_optim.ManagedOptimizer]:
+def _managed_states() -> list[_step.ManagedOptimizer]:
     return [
         state
         for member in _session.current_session().members
-        if isinstance(member, _optim.Trainer)
+        if isinstance(member, _step.Trainer)
         for state in member.optimizers
     ]
 
 
-def _master_pairs(state: _optim.ManagedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _master_pairs(state: _step.ManagedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(fp32 master, 16-bit model parameter) for each mastered parameter (O2)."""
     backward = state.backward_params
     if backward is None:
@@ -311,11 +315,11 @@ def sync_plan(optimizer: torch.optim.Optimizer) -> SyncPlan:
     """Whether the next ``step()`` of ``optimizer`` would all-reduce its found-inf flag,
     judged from its gradients and the registered DDP models now (as for a step that
     checks its grads once, i.e. one loss id)."""
-    state = _optim.managed_state(optimizer)
+    state = _step.managed_state(optimizer)
     return _plan(state, num_segments=1)
 
 
-def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
+def _plan(state: _step.ManagedOptimizer, num_segments: int) -> SyncPlan:
     if not (dist.is_available() and dist.is_initialized()):
         return SyncPlan(False, "torch.distributed is not initialized")
     s = _SETTINGS.get(state) or _Settings()
@@ -346,7 +350,7 @@ def _plan(state: _optim.ManagedOptimizer, num_segments: int) -> SyncPlan:
     return _ddp_plan(state, dist.get_world_size(s.group))
 
 
-def _ddp_plan(state: _optim.ManagedOptimizer, group_size: int) -> SyncPlan:
+def _ddp_plan(state: _step.ManagedOptimizer, group_size: int) -> SyncPlan:
     if not _DDPS:
         return SyncPlan(True, "no DDP model registered (ampkit.distributed.register_ddp)")
     backward = state.backward_params
@@ -398,7 +402,7 @@ def _comm_device(group: Any, like: torch.device) -> torch.device:
     return like  # e.g. "cpu:gloo,cuda:nccl": the flags' own device is supported
 
 
-def _before_check(state: _optim.ManagedOptimizer) -> None:
+def _before_check(state: _step.ManagedOptimizer) -> None:
     """The trainer's hook, called once per step with the grads as backward left them:
     note whether they changed since a registered DDP model's reducer wrote them."""
     if not _DDPS or not (dist.is_available() and dist.is_initialized()):
@@ -409,7 +413,7 @@ def _before_check(state: _optim.ManagedOptimizer) -> None:
 
 
 def _agreement_for(
-    state: _optim.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
+    state: _step.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
 ) -> _Agreement | None:
     """The trainer's hook, called once per step before the found-inf flags are read."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -458,7 +462,7 @@ _MASTERS_ELSEWHERE = (
 )
 
 
-def _masters_mismatch(state: _optim.ManagedOptimizer) -> str | None:
+def _masters_mismatch(state: _step.ManagedOptimizer) -> str | None:
     """Checked once per optimizer, at its first distributed step: every fp32 master must
     round to its model weight. DDP overwrites the model's weights with rank 0's at
     construction; masters built before from this rank's own weights would then train a
@@ -475,8 +479,26 @@ def _masters_mismatch(state: _optim.ManagedOptimizer) -> str | None:
     return None
 
 
-_optim.set_agreement_hook(_agreement_for, _before_check)
-_grads.set_settled_hook(lambda params: [r.resnapshot(params) for r in list(_DDPS.values())])
+class _DistributedAgreement:
+    """ampkit's :class:`~ampkit._decision.StepAgreement`: how a managed step joins
+    the other ranks (given to every managed optimizer by ``init_trainer``). Stateless:
+    what it needs lives in the DDP records and the per-optimizer settings above."""
+
+    def before_check(self, state: _step.ManagedOptimizer) -> None:
+        _before_check(state)
+
+    def agreement(
+        self, state: _step.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
+    ) -> _Agreement | None:
+        return _agreement_for(state, segments)
+
+    def grads_settled(self, params: list[torch.Tensor]) -> None:
+        for record in list(_DDPS.values()):
+            record.resnapshot(params)
+
+
+#: The agreement every managed optimizer uses (see :class:`_DistributedAgreement`).
+AGREEMENT = _DistributedAgreement()
 
 
 # --- initialize-time checks --------------------------------------------------------------

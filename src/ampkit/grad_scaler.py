@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from ._schedulers import mark_step_called
+from ._step import record_unmanaged_step
 from .errors import ScalerError, StateError
-from .optim import _record_gradscaler_step
 from .scaling import LossScaler, group_grads, unscale_and_check_
 
 __all__ = ["GradScaler"]
@@ -197,10 +198,10 @@ class GradScaler:
         record.found_host = skipped
         record.stage = _STEPPED
         if skipped:
-            optimizer._opt_called = True  # type: ignore[attr-defined]
+            mark_step_called(optimizer)
         else:
             optimizer.step(*args, **kwargs)
-        _record_gradscaler_step(optimizer, skipped)
+        record_unmanaged_step(optimizer, skipped)
         return not skipped
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:

@@ -52,8 +52,8 @@ from .errors import AmpError, StateError
 from .scaling import group_grads
 
 if TYPE_CHECKING:
+    from ._step import ManagedOptimizer
     from .master import MasterWeights
-    from .optim import ManagedOptimizer
 
 __all__ = ["GradPath", "WatchDDP", "watch_ddp", "no_masters_guard"]
 
@@ -76,17 +76,6 @@ def _accumulator(p: torch.Tensor) -> Any:
 def _is_dtensor(p: torch.Tensor) -> bool:
     dtensor = torch_class("torch.distributed.tensor", "DTensor")
     return dtensor is not None and isinstance(p, dtensor)
-
-
-# Called with the parameters whose grads a backward pass's end-of-pass processing changed
-# (unscaled in place, moved into masters): ampkit.distributed records them as the grads
-# DDP's reducer left, so ampkit's own work is not taken for a change after the all-reduce.
-_settled_hook: Callable[[list[torch.Tensor]], None] | None = None
-
-
-def set_settled_hook(hook: Callable[[list[torch.Tensor]], None] | None) -> None:
-    global _settled_hook
-    _settled_hook = hook
 
 
 # --- DDP, as seen from the model's forward ------------------------------------------------
@@ -431,8 +420,13 @@ class GradPath:
         touched = self._open.pop(task, None)
         if touched:
             self._process(touched, absorb_raw=False)
-            if _settled_hook is not None:
-                _settled_hook([r.param for r in touched])
+            # The grads this pass's end-of-pass processing changed (unscaled in place,
+            # moved into masters): a multi-process layer records them as the grads DDP's
+            # reducer left, so ampkit's own work is not taken for a change after it.
+            state = self._state()
+            agreement = state.agreement if state is not None else None
+            if agreement is not None:
+                agreement.grads_settled([r.param for r in touched])
 
     def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
         """Unscale and check the scaled grads of ``touched`` (fused, per loss id, device

@@ -34,13 +34,15 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _reset
+from . import _reset, casting, optim
 from ._dtypes import LOW_PRECISION, cast_optimizer_state, default_device_type, default_dtype
 from .compensated import CompensatedUpdates
+from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
 from .errors import AmpError, PolicyError, ScalerError, StateError
 from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
 from .model import add_op_casting, cast_model, check_keep_fp32, params_to_cast, remove_op_casting
+from .policy import Policy, check_device_type
 from .scaling import LossScaler, check_scale
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
@@ -459,10 +461,6 @@ def initialize(
             not in fp32. Every argument is checked before anything changes: a refused
             call leaves the models, the optimizers and the previous session as they were.
     """
-    from . import casting
-    from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
-    from .policy import Policy, check_device_type
-
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
     model_list, one_model = _as_list(models, nn.Module, "models")
@@ -560,8 +558,6 @@ def _attach_trainer(
     """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
     id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
     master-weight or compensation hooks of each optimizer."""
-    from . import optim
-
     optim.init_trainer(
         opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
     )

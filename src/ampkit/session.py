@@ -12,11 +12,11 @@ does not hold the optimizer's own ``state_dict()`` or the model's: save those as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from . import _reset
-from .errors import StateError
+from .errors import AmpError, StateError
 
 __all__ = [
     "Session",
@@ -28,6 +28,35 @@ __all__ = [
 ]
 
 _FORMAT = "ampkit.session/1"
+
+# Extra state of an optimizer or a session: (get_fn, set_fn, check_fn or None).
+Extra = tuple[Callable[[], Any], Callable[[Any], None], "Callable[[Any], None] | None"]
+
+
+def require_keys(state_dict: Any, keys: Sequence[str], where: str) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise StateError(
+            f"{where}: expected a dict (from ampkit.state_dict()), got {type(state_dict).__name__}."
+        )
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise StateError(
+            f"{where}: the state dict lacks {missing}; pass the dict returned by ampkit.state_dict()."
+        )
+
+
+def check_extra(registered: Mapping[str, Extra], saved: Mapping[str, Any], where: str) -> None:
+    """Run the ``check_fn`` of each registered extra state on its saved value. Errors
+    other than AmpError (a check tripping over a malformed value) become StateError."""
+    for name, (_, _, check_fn) in registered.items():
+        if check_fn is None:
+            continue
+        try:
+            check_fn(saved[name])
+        except AmpError:
+            raise
+        except Exception as err:
+            raise StateError(f"{where}: extra state {name!r} is malformed ({type(err).__name__}: {err}).") from err
 
 
 class SessionMember(Protocol):
@@ -97,8 +126,6 @@ class Session:
         extra state (fp32 masters, compensation buffers) -- is validated before anything
         is loaded; a rejected one raises an :class:`~ampkit.AmpError` (``StateError`` or
         ``ScalerError``) and leaves every trainer as it was."""
-        from .optim import _check_extra
-
         if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
             raise StateError(
                 "not an ampkit session state dict (expected the dict returned by "
@@ -123,7 +150,7 @@ class Session:
             member.prepare_load(sd, where=f"trainer {i}")
             for i, (member, sd) in enumerate(zip(self._members, trainers))
         ]
-        _check_extra(self._extra, extra, "session")
+        check_extra(self._extra, extra, "session")
         for load in loads:
             load()
         for name, (_, set_fn, _) in self._extra.items():

@@ -1,0 +1,610 @@
+"""The step wrapper of one managed optimizer (:class:`ManagedOptimizer`), the loss ids
+its scalers serve (:class:`_LossSlot`) and what one ``init_trainer`` call registers in
+the session (:class:`Trainer`). The public functions are in :mod:`ampkit.optim`; how a
+step runs is told there."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ._decision import StepAgreement, decide
+from ._schedulers import mark_step_called
+from ._stats import SkipReport, StepStats
+from ._where import user_stacklevel
+from .errors import NumericsError, StateError
+from .fast_step import nonfinite_flag, use_fastest_kernel
+from .grads import GradPath
+from .scaling import LossScaler, group_grads, is_count, to_fp32, unscale_and_check_
+from .session import Extra, check_extra, require_keys
+
+__all__ = ["ManagedOptimizer", "Trainer", "managed_state", "record_unmanaged_step", "last_skipped"]
+
+_ATTR = "_ampkit_managed"
+_MISSING = object()
+
+
+class _LossSlot:
+    """One loss id of a trainer: its scaler and the optimizers that owe it an event
+    for the current iteration (those that received this loss's grads and have not
+    stepped yet). The scaler updates when the last of them steps."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.scaler = scaler
+        self.owed: list[ManagedOptimizer] = []
+        self.reports: list[bool | None] = []
+        self.skips = SkipReport()
+
+    def expect(self, state: ManagedOptimizer) -> None:
+        if not any(s is state for s in self.owed):
+            self.owed.append(state)
+
+    def report(self, state: ManagedOptimizer, event: bool | None) -> None:
+        """``event``: True overflow, False clean, None unknown (masked by another loss)."""
+        if not any(s is state for s in self.owed):
+            return
+        self.owed = [s for s in self.owed if s is not state]
+        self.reports.append(event)
+        if self.owed:
+            return
+        reports, self.reports = self.reports, []
+        if any(r is True for r in reports):
+            self.scaler.update(True)
+        elif all(r is False for r in reports):
+            self.scaler.update(False)
+
+    def clear(self) -> None:
+        self.owed = []
+        self.reports = []
+
+
+class ManagedOptimizer:
+    """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
+
+    Extension points (used by fp32 master weights):
+
+    - ``scalers``: ``list[LossScaler]``, one per ``loss_id`` (shared with the other
+      optimizers of the same ``init_trainer`` call).
+    - ``grad_path``: the :class:`ampkit.grads.GradPath` whose hooks keep grads real
+      (unscaled) as backward produces them; fp32 master weights plug in there.
+    - ``pre_unscale_hooks``: ``list[Callable[[], None]]``, called once per step before
+      the grads are checked (by ``ampkit.unscale`` or by ``step``).
+    - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
+      skipped) step. Master weights copy the masters back into the model here.
+    - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
+    - ``scale_loss_observers`` (module level in :mod:`ampkit.optim`): callables told of
+      every ``scale_loss`` (``ampkit.doctor`` counts scaled losses and backward passes there).
+    - ``agreement``: the :class:`ampkit._decision.StepAgreement` that makes the ranks of
+      a multi-process run decide alike (``ampkit.distributed``'s, set by ``init_trainer``);
+      ``None``: this process decides alone.
+    - Unscaling and the check act on the grads of the params *currently* in
+      ``optimizer.param_groups``: swap master params in there and their grads are what
+      gets checked and stepped.
+    - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
+      backward accumulates into, when these are not the params in ``param_groups``
+      (master weights: the model's params). Iterated afresh each time it is needed, so a
+      live view is fine. The gradient hooks go on these (set it before the first
+      ``scale_loss``); ``None``: the params in ``param_groups``.
+    - ``rescale_after_unscale``: kept for compatibility, no effect: grads are real at
+      all times, so a ``scale_loss`` after ``unscale`` in the same step simply goes on
+      accumulating.
+    - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
+      ``ampkit.state_dict()``.
+
+    Counters: ``steps``, ``skipped``, ``last_skipped`` (see :class:`StepStats`).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        slots: list[_LossSlot],
+        agreement: StepAgreement | None = None,
+        fast_kernels: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self._slots = slots
+        self.scalers: list[LossScaler] = [slot.scaler for slot in slots]
+        self.pre_unscale_hooks: list[Callable[[], None]] = []
+        self.post_step_hooks: list[Callable[[], None]] = []
+        self.skip_hooks: list[Callable[[], None]] = []
+        self.backward_params: Iterable[torch.Tensor] | None = None
+        self.rescale_after_unscale = False
+        self.agreement = agreement
+        self.steps = 0
+        self.skipped = 0
+        self.last_skipped = False
+        self._extra: dict[str, Extra] = {}
+        self._active = True
+        self._fp16_warned = False
+        # Per-step state: the loss id whose scale the grads carry (not yet unscaled),
+        # the found-inf flags of this step's segments in order, whether the grads
+        # were already unscaled this step, and whether a scale_loss block of this
+        # step was left by an exception (the step may have been abandoned).
+        self._pending: int | None = None
+        self._segments: list[tuple[int | None, torch.Tensor | None]] = []
+        self._unscaled = False
+        self._aborted = False
+        self._previous_step: Any = _MISSING
+        self._install_step()
+        # Hooks that make grads real as backward produces them (ampkit.grads).
+        self.grad_path = GradPath(self)
+        self.grad_path.refresh()
+        # torch's fastest kernel for groups left at foreach=None/fused=None, again after
+        # a load_state_dict brings back groups saved with both unset.
+        self.kernels: list[str] = []
+        self._kernel_hook: Any = None
+        if fast_kernels:
+            self.kernels = use_fastest_kernel(optimizer)
+            self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+
+    # --- extension API ---------------------------------------------------------------
+    def register_extra_state(
+        self,
+        name: str,
+        get_fn: Callable[[], Any],
+        set_fn: Callable[[Any], None],
+        check_fn: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Save ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``;
+        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``.
+
+        ``check_fn(value)``, if given, validates a saved value without changing anything
+        (raising an :class:`~ampkit.AmpError`); ``ampkit.load_state_dict`` runs every
+        check of the checkpoint before any ``set_fn``, so a rejected checkpoint leaves
+        everything as it was. ``set_fn`` must then not fail."""
+        if name in self._extra:
+            raise StateError(f"extra state {name!r} is already registered for this optimizer.")
+        self._extra[name] = (get_fn, set_fn, check_fn)
+
+    # --- the step wrapper ------------------------------------------------------------
+    def _install_step(self) -> None:
+        opt = self.optimizer
+        self._previous_step = opt.__dict__.get("step", _MISSING)
+        inner = opt.step  # the class's step (bound) or a wrapper set on the instance
+        state = self
+
+        def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return state._step(inner, args, kwargs)
+
+        functools.update_wrapper(
+            step, type(opt).step, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            # A scheduler created before us wrapped `step`; keep its marker. We set
+            # `_opt_called` ourselves on every call, so the marker stays truthful.
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._step_function = step
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        """Stop managing the optimizer: its previous ``step`` comes back (if something
+        wrapped ours since, ours stays but only forwards)."""
+        if not self._active:
+            return
+        self._active = False
+        self.grad_path.remove()
+        if self._kernel_hook is not None:
+            self._kernel_hook.remove()
+        opt = self.optimizer
+        current = opt.__dict__.get("step")
+        if getattr(current, "__func__", None) is self._step_function:
+            if self._previous_step is _MISSING:
+                del opt.__dict__["step"]
+            else:
+                opt.step = self._previous_step  # type: ignore[method-assign]
+        if opt.__dict__.get(_ATTR) is self:
+            del opt.__dict__[_ATTR]
+        for slot in self._slots:
+            slot.owed = [s for s in slot.owed if s is not self]
+
+    def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        opt = self.optimizer
+        mark_step_called(opt)
+        if not self._active:
+            return inner(*args, **kwargs)
+        closure, args, kwargs = _pop_closure(args, kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        was_unscaled = self._unscaled
+        self._unscale()
+        if was_unscaled:
+            self._check_edits()
+        events, skip = self._resolve_step()
+        self.grad_path.before_step()
+        try:
+            return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
+        finally:
+            self.grad_path.after_step()
+
+    def _take_or_skip(
+        self,
+        inner: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        closure: Callable[[], Any] | None,
+        loss: Any,
+        events: dict[int, bool | None],
+        skip: bool,
+    ) -> Any:
+        self.steps += 1
+        report = self._slots[0].skips
+        if skip:
+            self.skipped += 1
+            self.last_skipped = True
+            for hook in self.skip_hooks:
+                hook()
+            try:
+                self._report(events)  # may raise NumericsError; the step stays skipped
+            finally:
+                report.note(self, skipped=True)
+            return loss
+        self.last_skipped = False
+        self._report(events)  # clean events never raise
+        report.note(self, skipped=False)
+        if closure is None:
+            result = inner(*args, **kwargs)
+        else:
+            result = inner(*args, closure=self._replay_closure(closure, loss), **kwargs)
+        for hook in self.post_step_hooks:
+            hook()
+        return result
+
+    def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
+        """The closure handed to the optimizer: its first call returns the loss ampkit
+        already computed (grads in place, unscaled); later calls (LBFGS) evaluate the
+        closure again and unscale its grads. Such a re-evaluation cannot be skipped, so
+        inf/NaN grads there raise NumericsError."""
+        calls = 0
+
+        def replay() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return first_loss
+            with torch.enable_grad():
+                loss = closure()
+            self._unscale()
+            events, overflow = self._resolve_step()
+            self._report(events)
+            if overflow:
+                raise NumericsError(
+                    "inf/NaN gradients in a re-evaluation of the step closure: the optimizer "
+                    "is mid-step and cannot skip it. Use a lower or static loss scale with "
+                    "optimizers that evaluate the closure several times (LBFGS)."
+                )
+            return loss
+
+        return replay
+
+    # --- per-step gradient bookkeeping -----------------------------------------------
+    def _grad_params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def _tracked_grads(self) -> list[torch.Tensor]:
+        """The grads this step holds: of the params in ``param_groups`` and of the
+        ``backward_params`` (each tensor once; sparse grads by their values)."""
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        grads: dict[int, torch.Tensor] = {}
+        for p in params:
+            g = p.grad
+            if g is not None:
+                grads[id(g)] = g._values() if g.is_sparse else g
+        return list(grads.values())
+
+    def _start_fresh_step(self) -> None:
+        self._segments = []
+        self._pending = None
+        self._unscaled = False
+        self._aborted = False
+        self.grad_path.forget_flags()
+
+    def _drop_abandoned_step(self) -> None:
+        """At a ``scale_loss``: if this step's grads were dropped since ampkit last
+        looked at them (``zero_grad()`` after an exception in backward, in a clip, or
+        any abandoned batch), forget the old step's flags and start a fresh one.
+
+        The grads count as dropped when every one is None (``zero_grad()``), or -- only
+        after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
+        one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
+        self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
+        flagged = self._unscaled or any(f is not None for _, f in self._segments)
+        aborted, self._aborted = self._aborted, False
+        if not flagged:
+            return
+        self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        if all(p.grad is None for p in params):
+            self._start_fresh_step()
+            return
+        if aborted or (self._unscaled and not self.rescale_after_unscale):
+            grads = self._tracked_grads()
+            nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
+            if not bool(nonzero):
+                self._start_fresh_step()
+
+    def _check_before_backward(self) -> None:
+        """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
+        cannot start a backward pass now."""
+        self._drop_abandoned_step()
+        if self._unscaled and self.grad_path.unhooked(self._grad_params()):
+            raise StateError(
+                "this optimizer's grads were already unscaled this step (ampkit.unscale) "
+                "and some of them (FSDP2's sharded parameters) are only unscaled at the "
+                "step: run every scale_loss/backward of the step before unscale, then "
+                "step(). To drop a batch after unscale, call optimizer.zero_grad() first."
+            )
+
+    def _before_backward(self, loss_id: int) -> None:
+        """Called by ``scale_loss`` before the backward of ``loss_id`` (after
+        :meth:`_check_before_backward` passed for every optimizer of the call)."""
+        path = self.grad_path
+        path.refresh()
+        path.finish()
+        # The hooks keep grads real: a backward after ``unscale`` in the same step just
+        # reopens the step.
+        self._unscaled = False
+        pending = self._pending
+        if pending is not None and pending != loss_id:
+            path.reconcile()
+            ratio = _ratio(self._slots[loss_id].scaler.scale, self._slots[pending].scaler.scale)
+            self._segments.append((pending, self._close(pending, ratio)))
+        self._pending = loss_id
+        self._slots[loss_id].expect(self)
+
+    def _close(self, loss_id: int | None, unhooked_factor: float = 1.0) -> torch.Tensor | None:
+        """The inf/NaN flag of the grads gathered since the last close: the hooks'
+        flags for ``loss_id``, one fused check of grads they did not check (edited,
+        assigned, or produced with a scale of 1), and the fused multiply by
+        ``unhooked_factor`` and check of grads without hooks. No host sync."""
+        path = self.grad_path
+        flags = path.take_found(loss_id) if loss_id is not None else []
+        params = list(self._grad_params())
+        raw = path.unhooked(params)
+        if raw:
+            raw_groups = group_grads(raw)
+            found = (
+                nonfinite_flag(raw_groups) if unhooked_factor == 1.0 else unscale_and_check_(raw_groups, unhooked_factor)
+            )
+            if found is not None:
+                flags.append(found)
+            path.unchecked(raw)  # checked just now
+        unchecked = path.unchecked(params)
+        if unchecked:
+            found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
+            if found is not None:
+                flags.append(found)
+        if not flags:
+            return None
+        total = flags[0]
+        for other in flags[1:]:
+            total = total + other.to(total.device, non_blocking=True)
+        return total
+
+    def _unscale(self) -> None:
+        """Hooks, then close this step's pending grads: their inf/NaN flag (no sync).
+        The grads are unscaled already (ampkit.grads). Idempotent within a step."""
+        if self._unscaled:
+            return
+        if self.agreement is not None:
+            self.agreement.before_check(self)
+        for hook in self.pre_unscale_hooks:
+            hook()
+        path = self.grad_path
+        path.finish(absorb_raw=True)
+        path.reconcile()
+        if self._pending is not None:
+            scaler = self._slots[self._pending].scaler
+            if not self._fp16_warned and scaler.scale != 1.0:
+                self._warn_fp16(group_grads(self._grad_params()))
+            self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
+            self._pending = None
+        elif not self._segments:
+            # No scale_loss this step: still refuse to step on inf/NaN grads.
+            self._segments.append((None, self._close(None)))
+        self._unscaled = True
+
+    def _check_edits(self) -> None:
+        """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.
+        clipped); an inf/NaN there skips the step without blaming a loss scaler."""
+        self.grad_path.reconcile()
+        found = self._close(None)
+        if found is not None:
+            self._segments.append((None, found))
+
+    def _warn_fp16(self, groups: dict) -> None:
+        if any(dtype == torch.float16 for _, dtype in groups):
+            self._fp16_warned = True
+            warnings.warn(
+                "ampkit: this optimizer holds float16 parameters; unscaling their grads in "
+                "float16 loses the small values loss scaling preserved. Keep the parameters "
+                "in float32 (casting in the forward pass) or use fp32 master weights.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
+        """Read this step's found-inf flags (the step's one host sync) and attribute them
+        to loss ids (:func:`ampkit._decision.decide`, agreed across ranks when the
+        ``agreement`` asks). Returns ({loss_id: True/False/None(unknown)}, skip)."""
+        segments, self._segments = self._segments, []
+        self._pending = None
+        self._unscaled = False
+        plugin = self.agreement
+        agreement = plugin.agreement(self, segments) if plugin is not None else None
+        return decide(segments, len(self._slots), agreement)
+
+    def _report(self, events: dict[int, bool | None]) -> None:
+        errors: list[NumericsError] = []
+        for loss_id, slot in enumerate(self._slots):
+            if loss_id in events or any(s is self for s in slot.owed):
+                try:
+                    slot.report(self, events.get(loss_id))
+                except NumericsError as err:  # let every scaler see its event first
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+    # --- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "last_skipped": self.last_skipped,
+            "extra": {name: get() for name, (get, _, _) in self._extra.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
+        self.prepare_load(state_dict, where)()
+
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` (counters, extra state via the ``check_fn`` of
+        each :meth:`register_extra_state`); return the function that loads it."""
+        require_keys(state_dict, ("steps", "skipped", "last_skipped"), where)
+        steps, skipped, last = state_dict["steps"], state_dict["skipped"], state_dict["last_skipped"]
+        if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps):
+            raise StateError(
+                f"{where}: steps={steps!r}, skipped={skipped!r} are not step counters (ints, "
+                "0 <= skipped <= steps); pass the dict returned by ampkit.state_dict()."
+            )
+        if not isinstance(last, bool):
+            raise StateError(f"{where}: last_skipped must be True or False, got {last!r}.")
+        extra = state_dict.get("extra", {})
+        if not isinstance(extra, Mapping) or set(extra) != set(self._extra):
+            shown = sorted(extra) if isinstance(extra, Mapping) else repr(extra)
+            raise StateError(
+                f"{where}: extra optimizer state differs: checkpoint has {shown}, "
+                f"this run registers {sorted(self._extra)}; set the run up the same way "
+                "(e.g. master weights on or off) before loading."
+            )
+        check_extra(self._extra, extra, where)
+
+        def apply() -> None:
+            self.steps = int(steps)
+            self.skipped = int(skipped)
+            self.last_skipped = last
+            self._start_fresh_step()
+            for name, (_, set_fn, _) in self._extra.items():
+                set_fn(extra[name])
+
+        return apply
+
+    def stats(self) -> StepStats:
+        return StepStats(
+            steps=self.steps,
+            skipped=self.skipped,
+            last_skipped=self.last_skipped,
+            scales=tuple(s.scale for s in self.scalers),
+            overflows=tuple(s.num_overflows for s in self.scalers),
+        )
+
+
+class Trainer:
+    """What one ``init_trainer`` call registers in the session: its optimizers and
+    their shared scalers (one per loss id)."""
+
+    def __init__(self, optimizers: list[ManagedOptimizer], slots: list[_LossSlot]) -> None:
+        self.optimizers = optimizers
+        self.slots = slots
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_losses": len(self.slots),
+            "scalers": [slot.scaler.state_dict() for slot in self.slots],
+            "optimizers": [state.state_dict() for state in self.optimizers],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
+        self.prepare_load(state_dict, where)()
+
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` completely (every scaler and optimizer entry);
+        return the function that loads it."""
+        require_keys(state_dict, ("num_losses", "scalers", "optimizers"), where)
+        num_losses, scalers, opts = (
+            state_dict["num_losses"], state_dict["scalers"], state_dict["optimizers"]
+        )
+        if not is_count(num_losses) or num_losses != len(self.slots):
+            raise StateError(
+                f"{where}: the checkpoint has num_losses={num_losses!r}, this run "
+                f"{len(self.slots)}; pass the same num_losses to init_trainer."
+            )
+        if not isinstance(scalers, (list, tuple)) or len(scalers) != len(self.slots):
+            raise StateError(
+                f"{where}: expected a list of {len(self.slots)} scaler state(s), got {scalers!r:.80}."
+            )
+        if not isinstance(opts, (list, tuple)) or len(opts) != len(self.optimizers):
+            count = len(opts) if isinstance(opts, (list, tuple)) else repr(opts)
+            raise StateError(
+                f"{where}: the checkpoint has {count} optimizer(s), "
+                f"this run {len(self.optimizers)}; pass the same optimizers to init_trainer."
+            )
+        steps = [slot.scaler._prepare_load(sd) for slot, sd in zip(self.slots, scalers)]
+        steps += [state.prepare_load(sd, where) for state, sd in zip(self.optimizers, opts)]
+
+        def apply() -> None:
+            for slot in self.slots:
+                slot.clear()
+            for step in steps:
+                step()
+
+        return apply
+
+    def release(self) -> None:
+        for state in self.optimizers:
+            state.release()
+        for slot in self.slots:
+            slot.clear()
+            slot.scaler._attached = False
+
+
+def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
+    """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`;
+    raises :class:`~ampkit.StateError` if ampkit does not manage it."""
+    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    if state is None or not state._active:
+        raise StateError(
+            f"this {type(optimizer).__name__} is not managed by ampkit: pass it to "
+            "ampkit.init_trainer (or ampkit.initialize) first."
+        )
+    return state
+
+
+_GRADSCALER_ATTR = "_ampkit_gradscaler_skipped"
+
+
+def record_unmanaged_step(optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+    """Note the skip decision of an optimizer ampkit does not manage but stepped
+    (:class:`ampkit.GradScaler`), for :func:`last_skipped`. Kept on the optimizer."""
+    optimizer.__dict__[_GRADSCALER_ATTR] = skipped
+
+
+def last_skipped(optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether the last step of ``optimizer`` was skipped: from its managed state, or
+    from :func:`record_unmanaged_step`; None when ampkit has no record of it."""
+    found = getattr(optimizer, "__dict__", {})
+    state = found.get(_ATTR)
+    if state is not None and state._active:
+        return state.last_skipped
+    return found.get(_GRADSCALER_ATTR)
+
+
+def _ratio(new: float, old: float) -> float:
+    return to_fp32(new / old)
+
+
+def _pop_closure(args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, tuple, dict]:
+    if "closure" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if args:
+        return args[0], args[1:], kwargs
+    return None, args, kwargs
