@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,3 +213,28 @@ def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
 def test_default_cuda_policy_matches_torch_autocast(intercept_all):
     inputs = {k: v.cuda() for k, v in _inputs(torch.float32, torch.float16).items()}
     assert not _mismatches("cuda", torch.float16, inputs, intercept_all)
+
+
+# --- tables keyed by torch release --------------------------------------------------------
+
+
+def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
+    from ampkit import lists
+
+    assert lists.torch_release("2.13.0+cpu") == (2, 13) and lists.torch_release("2.13.1") == (2, 13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a release with a table: no warning
+        assert lists.table_release("2.13.0+cu128") == (2, 13)
+    assert lists.RELEASE == lists.torch_release(torch.__version__)  # the suite runs a torch with a table
+    assert lists.DEFAULT_LISTS is lists.TABLES[lists.RELEASE]
+    assert lists.BANNED_OPS is lists.BANNED_TABLES[lists.RELEASE]
+
+
+def test_an_unknown_torch_release_uses_the_newest_table_and_says_so():
+    from ampkit import lists
+
+    newest = max(lists.TABLES)
+    with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.13 tables are used.*tests/test_lists\.py"):
+        assert lists.table_release("2.99.0") == newest
+    with pytest.raises(amp.PolicyError, match="cannot read a torch release"):
+        lists.torch_release("nightly")
