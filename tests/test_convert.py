@@ -564,6 +564,7 @@ def test_export_program_runs_the_converted_graph():
         assert program.module()(x[:3]).shape == (3, 10)  # dynamic batch
 
 
+@pytest.mark.slow  # a new interpreter
 def test_core_import_does_not_import_the_deploy_extra():
     code = (
         "import sys, ampkit\n"

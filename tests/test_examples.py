@@ -57,6 +57,7 @@ def test_train_classifier_fp16_dynamic_scaling_on_cpu(capsys: pytest.CaptureFixt
     assert math.isfinite(metrics["test_loss"])
 
 
+@pytest.mark.slow  # a new interpreter
 def test_examples_run_as_scripts() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_classifier.py"), "--amp", "off", *TINY_CLASSIFIER],

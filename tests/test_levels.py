@@ -622,6 +622,7 @@ torch.save([model(x), [p.dtype for p in model.parameters()]], sys.argv[3])
 """
 
 
+@pytest.mark.slow  # a new interpreter per level
 @pytest.mark.parametrize("level", LEVELS)
 def test_torch_save_of_the_whole_model_loads_in_a_new_process(level, tmp_path):
     """torch.save(model) of the best model and torch.load in another process (with

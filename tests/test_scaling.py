@@ -43,50 +43,29 @@ def check_against_reference(cfg: dict, events: list[bool]) -> None:
 
 @st.composite
 def configs(draw):
-    init = draw(st.sampled_from([1.0, 2.0, 3.0, 2.0**8, 2.0**16, 1000.0, 12345.678]))
+    init = draw(st.sampled_from([1.0, 2.0, 3.0, 4.0, 2.0**8, 2.0**10, 2.0**16, 777.0, 1000.0, 12345.678]))
     min_scale = draw(st.sampled_from([1.0, 0.5, init / 4, init]))
     min_scale = min(min_scale, init)
-    max_scale = draw(st.sampled_from([init, init * 8, 2.0**24, math.inf]))
+    max_scale = draw(st.sampled_from([init, init * 8, 2.0**20, 2.0**24, math.inf]))
     max_scale = max(max_scale, init)
     return dict(
         init_scale=init,
-        growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 1.0001])),
-        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.9, 0.1234567])),
-        growth_interval=draw(st.integers(1, 6)),
-        hysteresis=draw(st.integers(1, 4)),
+        growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 4.0, 1.0001])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.3, 0.75, 0.9, 0.1234567])),
+        growth_interval=draw(st.integers(1, 8)),
+        hysteresis=draw(st.integers(1, 5)),
         min_scale=min_scale,
         max_scale=max_scale,
         dynamic=draw(st.booleans() | st.just(True)),
         consecutive_hysteresis=draw(st.booleans()),
-        max_consecutive_skips=draw(st.none() | st.integers(0, 12)),
+        max_consecutive_skips=draw(st.none() | st.integers(0, 30)),
     )
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), events=st.lists(st.booleans(), max_size=120))
+@given(cfg=configs(), events=st.lists(st.booleans(), max_size=150))
 def test_state_machine_matches_reference_hypothesis(cfg, events):
     check_against_reference(cfg, events)
-
-
-def test_state_machine_matches_reference_thousands_of_random_sequences():
-    rng = random.Random(1234)
-    for _ in range(3000):
-        init = rng.choice([1.0, 4.0, 2.0**10, 2.0**16, 777.0])
-        cfg = dict(
-            init_scale=init,
-            growth_factor=rng.choice([2.0, 1.5, 4.0]),
-            backoff_factor=rng.choice([0.5, 0.3, 0.75]),
-            growth_interval=rng.randint(1, 8),
-            hysteresis=rng.randint(1, 5),
-            min_scale=rng.choice([1.0, init]) if init >= 1 else init,
-            max_scale=rng.choice([init, 2.0**20, math.inf]) if init <= 2.0**20 else math.inf,
-            dynamic=rng.random() < 0.9,
-            consecutive_hysteresis=rng.random() < 0.5,
-            max_consecutive_skips=rng.choice([None, 5, 30]),
-        )
-        p = rng.choice([0.05, 0.3, 0.7])
-        events = [rng.random() < p for _ in range(rng.randint(0, 150))]
-        check_against_reference(cfg, events)
 
 
 @settings(max_examples=300, deadline=None)
