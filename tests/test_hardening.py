@@ -68,7 +68,6 @@ def snapshot(models: list[nn.Module], opts: list[torch.optim.Optimizer]) -> Any:
             "managed": [o.__dict__.get("_ampkit_managed") is not None for o in opts],
             "step": [o.__dict__.get("step") is not None for o in opts],
             "amp": amp.state_dict(),
-            "level": repr(amp.levels.current_opt_level()),
             "casting": amp.is_active(),
         }
     )

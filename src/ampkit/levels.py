@@ -542,7 +542,6 @@ def initialize(
         for m in model_list:
             _watch_model_loads(m, live_masters)
 
-    _STATE.level = level
     out_models: Any = model_list[0] if one_model else model_list
     out_opts: Any = None if optimizers is None else (opt_list[0] if one_opt else opt_list)
     return out_models, out_opts
@@ -587,24 +586,6 @@ def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
             if not state:
                 continue
             state.update(cast_optimizer_state(state, p.dtype))
-
-
-class _LevelState:
-    level: OptLevel | None = None
-
-
-_STATE = _LevelState()
-
-
-@_reset.on_reset
-def _forget_level() -> None:
-    _STATE.level = None
-
-
-def current_opt_level() -> OptLevel | None:
-    """The :class:`OptLevel` set up by the last :func:`initialize` (None after
-    :func:`ampkit.reset`)."""
-    return _STATE.level
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:

@@ -240,12 +240,6 @@ class MasterWeights:
                     master.copy_(model_p)
                     self._published[id(master)] = master._version
 
-    def zero_model_grads(self) -> None:
-        """Clear every mastered gradient: the model's 16-bit grads and the masters'."""
-        for model_p, master in self.pairs():
-            model_p.grad = None
-            master.grad = None
-
     # -- one gradient, two views (used by ampkit.grads' hooks) ---------------------------
 
     def _link(self, model_p: torch.Tensor) -> _Link:
