@@ -9,7 +9,7 @@ import functools
 import itertools
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from .errors import NumericsError, StateError
 from .fast_step import nonfinite_flag, use_fastest_kernel
 from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, to_fp32, unscale_and_check_
-from .session import Extra, check_extra, require_keys
+from .session import ExtraState, require_keys
 
 __all__ = ["ManagedOptimizer", "Trainer", "managed_state", "record_unmanaged_step", "last_skipped"]
 
@@ -119,7 +119,7 @@ class ManagedOptimizer:
         self.steps = 0
         self.skipped = 0
         self.last_skipped = False
-        self._extra: dict[str, Extra] = {}
+        self._extra = ExtraState("extra optimizer state", "this run")
         self._active = True
         self._fp16_warned = False
         # Per-step state: the loss id whose scale the grads carry (not yet unscaled),
@@ -158,9 +158,7 @@ class ManagedOptimizer:
         (raising an :class:`~ampkit.AmpError`); ``ampkit.load_state_dict`` runs every
         check of the checkpoint before any ``set_fn``, so a rejected checkpoint leaves
         everything as it was. ``set_fn`` must then not fail."""
-        if name in self._extra:
-            raise StateError(f"extra state {name!r} is already registered for this optimizer.")
-        self._extra[name] = (get_fn, set_fn, check_fn)
+        self._extra.register(name, get_fn, set_fn, check_fn)
 
     # --- the step wrapper ------------------------------------------------------------
     def _install_step(self) -> None:
@@ -459,7 +457,7 @@ class ManagedOptimizer:
             "steps": self.steps,
             "skipped": self.skipped,
             "last_skipped": self.last_skipped,
-            "extra": {name: get() for name, (get, _, _) in self._extra.items()},
+            "extra": self._extra.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
@@ -478,22 +476,15 @@ class ManagedOptimizer:
         if not isinstance(last, bool):
             raise StateError(f"{where}: last_skipped must be True or False, got {last!r}.")
         extra = state_dict.get("extra", {})
-        if not isinstance(extra, Mapping) or set(extra) != set(self._extra):
-            shown = sorted(extra) if isinstance(extra, Mapping) else repr(extra)
-            raise StateError(
-                f"{where}: extra optimizer state differs: checkpoint has {shown}, "
-                f"this run registers {sorted(self._extra)}; set the run up the same way "
-                "(e.g. master weights on or off) before loading."
-            )
-        check_extra(self._extra, extra, where)
+        self._extra.check_names(extra, f"{where}: ", " (e.g. master weights on or off)")
+        self._extra.check_values(extra, where)
 
         def apply() -> None:
             self.steps = int(steps)
             self.skipped = int(skipped)
             self.last_skipped = last
             self._start_fresh_step()
-            for name, (_, set_fn, _) in self._extra.items():
-                set_fn(extra[name])
+            self._extra.load(extra)
 
         return apply
 

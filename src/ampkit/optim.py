@@ -71,7 +71,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import torch
 
@@ -98,7 +98,8 @@ __all__ = [
 
 _ON = ("1", "true", "yes", "on")
 
-_Opt = TypeVar("_Opt", bound=torch.optim.Optimizer)
+# An optimizer or a list/tuple of them: init_trainer returns what it was given.
+_Opts = TypeVar("_Opts", bound="torch.optim.Optimizer | list[Any] | tuple[Any, ...]")
 
 
 # Observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
@@ -159,34 +160,8 @@ def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
     return scalers
 
 
-@overload
 def init_trainer(
-    optimizer_or_list: _Opt,
-    scaler: LossScaler | Sequence[LossScaler] | float | None = ...,
-    num_losses: int = ...,
-    *,
-    schedulers: Sequence[Any] | None = ...,
-    fast_kernels: bool = ...,
-    hold_schedulers_on_skip: bool | None = ...,
-    doctor: bool | None = ...,
-) -> _Opt: ...
-
-
-@overload
-def init_trainer(
-    optimizer_or_list: list[_Opt],
-    scaler: LossScaler | Sequence[LossScaler] | float | None = ...,
-    num_losses: int = ...,
-    *,
-    schedulers: Sequence[Any] | None = ...,
-    fast_kernels: bool = ...,
-    hold_schedulers_on_skip: bool | None = ...,
-    doctor: bool | None = ...,
-) -> list[_Opt]: ...
-
-
-def init_trainer(
-    optimizer_or_list: Any,
+    optimizer_or_list: _Opts,
     scaler: LossScaler | Sequence[LossScaler] | float | None = None,
     num_losses: int = 1,
     *,
@@ -194,7 +169,7 @@ def init_trainer(
     fast_kernels: bool = True,
     doctor: bool | None = None,
     hold_schedulers_on_skip: bool | None = None,
-) -> Any:
+) -> _Opts:
     """Put one or several optimizers under ampkit's loss scaling and step skipping.
 
     Args:

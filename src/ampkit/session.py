@@ -45,18 +45,56 @@ def require_keys(state_dict: Any, keys: Sequence[str], where: str) -> None:
         )
 
 
-def check_extra(registered: Mapping[str, Extra], saved: Mapping[str, Any], where: str) -> None:
-    """Run the ``check_fn`` of each registered extra state on its saved value. Errors
-    other than AmpError (a check tripping over a malformed value) become StateError."""
-    for name, (_, _, check_fn) in registered.items():
-        if check_fn is None:
-            continue
-        try:
-            check_fn(saved[name])
-        except AmpError:
-            raise
-        except Exception as err:
-            raise StateError(f"{where}: extra state {name!r} is malformed ({type(err).__name__}: {err}).") from err
+class ExtraState:
+    """Named extra state saved in ``ampkit.state_dict()`` (per optimizer, or for the
+    session): per name a ``get_fn``, a ``set_fn`` and an optional ``check_fn`` that
+    validates a saved value without changing anything. Loading checks every name and
+    value (:meth:`check_names`, :meth:`check_values`) before :meth:`load` sets any."""
+
+    def __init__(self, what: str, registrant: str) -> None:
+        self.what = what  # "extra optimizer state", "extra session state"
+        self.registrant = registrant  # "this run", "this session": who registers the names
+        self.items: dict[str, Extra] = {}
+
+    def register(
+        self,
+        name: str,
+        get_fn: Callable[[], Any],
+        set_fn: Callable[[Any], None],
+        check_fn: Callable[[Any], None] | None = None,
+    ) -> None:
+        if name in self.items:
+            raise StateError(f"{self.what} {name!r} is already registered.")
+        self.items[name] = (get_fn, set_fn, check_fn)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: get() for name, (get, _, _) in self.items.items()}
+
+    def check_names(self, saved: Any, where: str, hint: str = "") -> None:
+        """Raise StateError unless ``saved`` holds exactly the registered names."""
+        if not isinstance(saved, Mapping) or set(saved) != set(self.items):
+            shown = sorted(saved) if isinstance(saved, Mapping) else repr(saved)
+            raise StateError(
+                f"{where}{self.what} differs: checkpoint has {shown}, {self.registrant} "
+                f"registers {sorted(self.items)}; set the run up the same way{hint} before loading."
+            )
+
+    def check_values(self, saved: Mapping[str, Any], where: str) -> None:
+        """Run each ``check_fn`` on its saved value. Errors other than AmpError (a check
+        tripping over a malformed value) become StateError."""
+        for name, (_, _, check_fn) in self.items.items():
+            if check_fn is None:
+                continue
+            try:
+                check_fn(saved[name])
+            except AmpError:
+                raise
+            except Exception as err:
+                raise StateError(f"{where}: extra state {name!r} is malformed ({type(err).__name__}: {err}).") from err
+
+    def load(self, saved: Mapping[str, Any]) -> None:
+        for name, (_, set_fn, _) in self.items.items():
+            set_fn(saved[name])
 
 
 class SessionMember(Protocol):
@@ -79,7 +117,7 @@ class Session:
 
     def __init__(self) -> None:
         self._members: list[SessionMember] = []
-        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None], Any]] = {}
+        self._extra = ExtraState("extra session state", "this session")
         self._closed = False
 
     @property
@@ -106,16 +144,14 @@ class Session:
         passes the saved value to ``set_fn``. Names are unique per session.
         ``check_fn(value)``, if given, validates a saved value without changing anything;
         every check runs before any state is loaded."""
-        if name in self._extra:
-            raise StateError(f"extra session state {name!r} is already registered.")
-        self._extra[name] = (get_fn, set_fn, check_fn)
+        self._extra.register(name, get_fn, set_fn, check_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"format", "trainers": [per init_trainer call], "extra": {name: value}}``."""
         return {
             "format": _FORMAT,
             "trainers": [m.state_dict() for m in self._members],
-            "extra": {name: get() for name, (get, _, _) in self._extra.items()},
+            "extra": self._extra.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -140,28 +176,22 @@ class Session:
                 "number of calls) before loading."
             )
         extra = state_dict.get("extra", {})
-        if not isinstance(extra, Mapping) or set(extra) != set(self._extra):
-            shown = sorted(extra) if isinstance(extra, Mapping) else repr(extra)
-            raise StateError(
-                f"extra session state differs: checkpoint has {shown}, this session "
-                f"registers {sorted(self._extra)}; set the run up the same way before loading."
-            )
+        self._extra.check_names(extra, where="")
         loads = [
             member.prepare_load(sd, where=f"trainer {i}")
             for i, (member, sd) in enumerate(zip(self._members, trainers))
         ]
-        check_extra(self._extra, extra, "session")
+        self._extra.check_values(extra, "session")
         for load in loads:
             load()
-        for name, (_, set_fn, _) in self._extra.items():
-            set_fn(extra[name])
+        self._extra.load(extra)
 
     def close(self) -> None:
         """Release every trainer (optimizers get their own ``step`` back)."""
         for member in reversed(self._members):
             member.release()
         self._members = []
-        self._extra = {}
+        self._extra = ExtraState("extra session state", "this session")
         self._closed = True
 
 
