@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from ._common import unwritable
 
 __all__ = ["add_parser", "run"]
 
@@ -41,11 +42,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _check_writable(path: Path | None, what: str) -> None:
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise DoctorUsageError(f"ampkit doctor: cannot write {what} to {str(path)!r} (folder missing or not writable)")
+    error = unwritable(path, what, "ampkit doctor")
+    if error is not None:
+        raise DoctorUsageError(error)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,10 +3,11 @@ torch.autocast and ampkit's opt levels, interleaved, and reports speed, memory a
 accuracy side by side; ``ampkit convert`` turns a training checkpoint into a 16-bit
 inference model (and ONNX) and reports size, speed and error against fp32; ``ampkit
 doctor script.py [args]`` runs a training script with :func:`ampkit.doctor` on and
-prints its report.
+prints its report; ``ampkit run script.py [args]`` trains an unmodified script in mixed
+precision (``--compare``: side by side with fp32).
 
 Exit codes: 0 success, 1 a precision failed while training, 2 bad input or
-environment (one line on stderr), 130 interrupted; ``ampkit doctor`` passes the
+environment (one line on stderr), 130 interrupted; ``ampkit doctor`` and ``ampkit run`` pass the
 script's own exit code through.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, NoReturn
 
 from .convert import ConvertUsageError
 from .doctor import DoctorUsageError
+from .run import RunUsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -52,7 +54,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert`` and ``doctor``)."""
+    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor`` and ``run``)."""
     from ampkit.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .doctor import add_parser as add_doctor_parser
 
     add_doctor_parser(sub)
+    from .run import add_parser as add_run_parser
+
+    add_run_parser(sub)
     return parser
 
 
@@ -215,11 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .doctor import run as run_doctor
 
             return run_doctor(args)
+        if args.command == "run":
+            from .run import run as run_script
+
+            return run_script(args)
         return _bench(args)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    except (ConvertUsageError, DoctorUsageError) as exc:
+    except (ConvertUsageError, DoctorUsageError, RunUsageError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,326 @@
+"""``ampkit run``: unmodified training scripts (tests/scripts/, which know nothing of
+ampkit) trained in mixed precision, checked against their plain fp32 runs; where casting
+happens and where it does not; fp16 scaling or a clear refusal; the undo at exit; bad
+input. Runs go through ``ampkit.cli.main.main(["run", ...])`` in this process (the same
+code as the command, without a new interpreter's start-up), a few through a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.cli.main import main
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plain(script: str, args: list[str], capsys) -> str:
+    """The script as plain Python runs it (fp32): its stdout."""
+    saved = sys.argv[:]
+    sys.argv = [str(SCRIPTS / script), *args]
+    try:
+        runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return capsys.readouterr().out
+
+
+def _run(options: list[str], script: str, args: list[str], capsys, tmp_path: Path):
+    """``ampkit run [options] --report R script args``: (exit code, stdout, stderr, report)."""
+    report = tmp_path / "report.json"
+    code = main(["run", *options, "--report", str(report), str(SCRIPTS / script), *args])
+    out, err = capsys.readouterr()
+    return code, out, err, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def _metric(out: str) -> float:
+    lines = [line for line in out.splitlines() if line.startswith("METRIC ")]
+    assert lines, f"no METRIC line in:\n{out[-2000:]}"
+    return float(lines[-1].split()[2])
+
+
+def _site(script: str, text: str) -> str:
+    """``script:line`` of the first line of ``script`` containing ``text``."""
+    for number, line in enumerate((SCRIPTS / script).read_text().splitlines(), 1):
+        if text in line:
+            return f"{script}:{number}"
+    raise AssertionError(f"{text!r} not in {script}")
+
+
+def _close(value: float, reference: float, rel: float) -> bool:
+    return abs(value - reference) <= rel * abs(reference)
+
+
+def _against_fp32(options, script, args, capsys, tmp_path, rel=0.01, ref_args=None):
+    """Run ``script`` plainly (fp32) and under ``ampkit run options``; assert a clean
+    exit and the metric within ``rel`` of fp32's. Returns (stdout, stderr, report)."""
+    reference = _metric(_plain(script, ref_args or args, capsys))
+    code, out, err, report = _run(options, script, args, capsys, tmp_path)
+    assert code == 0, err
+    value = _metric(out)
+    assert _close(value, reference, rel), f"{script} {options}: {value} vs fp32 {reference}"
+    return out, err, report
+
+
+# script, its arguments (kept small: bf16 is emulated on CPUs without avx512_bf16),
+# and the arguments of its fp32 reference run
+CASES = {
+    "classifier": ("classifier.py", ["--steps", "150"], None),
+    "rnn_lm_manual_sgd": ("rnn_lm.py", ["--steps", "60"], None),
+    "autocast_gradscaler": ("autocast_scaler.py", ["--steps", "150", "--amp"], ["--steps", "150"]),
+    "gan_two_optimizers": ("gan.py", ["--steps", "300"], None),
+    "accumulation_scheduler": ("accum_sched.py", ["--steps", "40"], None),
+}
+SLOW = {"rnn_lm_manual_sgd", "gan_two_optimizers"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES]
+)
+def test_script_reaches_its_fp32_metric_at_o1_bf16(case, capsys, tmp_path):
+    script, args, ref_args = CASES[case]
+    out, err, report = _against_fp32([], script, args, capsys, tmp_path, ref_args=ref_args)
+    assert report["level_applied"] == "O1" and report["dtype"] == "bf16"
+    assert report["forward_scopes"] > 0
+    assert "ampkit run: O1 bf16, exit code 0" in err  # the summary on stderr
+    opts = report["optimizers"]
+    if script == "rnn_lm.py":  # manual SGD through p.data: casting only
+        assert opts == [] and report["iterations"] == 60
+        assert "no torch.optim optimizer" in err
+    else:
+        assert opts and all(o["managed"] == "O1" and o["skipped"] == 0 for o in opts)
+        steps = int(args[args.index("--steps") + 1])
+        assert all(o["steps"] == steps for o in opts)
+    if case == "autocast_gradscaler":  # the script's autocast + GradScaler: no double scaling
+        assert report["script_grad_scaler"] and report["scaled_backward_calls"] == 0
+        # the recorded loss is the script's, unscaled: near the fp32 run's first loss
+        assert report["losses"][_site("autocast_scaler.py", ".backward()")][0] < 1.0
+    if case == "gan_two_optimizers":  # one series per backward() line
+        assert set(report["losses"]) == {_site("gan.py", "errD.backward()"), _site("gan.py", "errG.backward()")}
+
+
+def test_fp32_level_changes_nothing(capsys, tmp_path):
+    """`--level fp32` observes only: the script's numbers bit for bit."""
+    args = ["--steps", "40"]
+    reference = _plain("classifier.py", args, capsys)
+    code, out, err, report = _run(["--level", "fp32"], "classifier.py", args, capsys, tmp_path)
+    assert code == 0
+    assert out == reference
+    assert report["forward_scopes"] == 0 and report["optimizers"][0]["managed"] == "fp32"
+    assert report["optimizers"][0]["steps"] == 40 and len(report["losses"][_site("classifier.py", "loss.backward()")]) == 40
+
+
+def test_casting_only_inside_forward_passes(capsys, tmp_path):
+    code, out, err, report = _run([], "placement.py", [], capsys, tmp_path)
+    assert code == 0, err
+    seen: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        seen.setdefault(key, []).append(value)
+    assert seen["forward_linear"] == ["torch.bfloat16", "torch.float16"]  # 2nd: the script's autocast
+    assert seen["forward_autocast"] == ["True", "True"]
+    assert seen["output"] == ["torch.float32"]  # outputs leave the forward in fp32
+    assert seen["outside_matmul"] == ["torch.float32"]
+    assert seen["outside_autocast"] == ["False"]
+    assert seen["backward_autocast"] == ["False"]
+    assert seen["step_autocast"] == ["False"]
+    assert seen["grad"] == ["torch.float32"]
+    assert seen["manual_update"] == ["torch.float32"]
+    assert seen["script_autocast_output"] == ["torch.float16"]  # the script's own region stands
+    assert seen["weight"] == ["torch.float32"]
+
+
+def _global_hooks() -> tuple[int, int]:
+    reg = nn.modules.module
+    return len(reg._global_forward_pre_hooks), len(reg._global_forward_hooks)
+
+
+def _optimizers_left_managed() -> list[torch.optim.Optimizer]:
+    """Optimizers still marked as managed, or fails.py's AdamW with a step of ampkit's
+    on the instance (a scheduler's own wrapper, which torch puts there, may stay)."""
+    import gc
+
+    return [
+        o for o in gc.get_objects()
+        if issubclass(type(o), torch.optim.Optimizer)
+        and ("_ampkit_managed" in o.__dict__ or (type(o) is torch.optim.AdamW and "step" in o.__dict__))
+    ]
+
+
+@pytest.mark.parametrize("options,args,expected", [
+    ([], [], 0),
+    (["--level", "O2"], [], 0),
+    ([], ["--exit", "3"], 3),
+    ([], ["--raise-in-forward"], 1),
+])
+def test_everything_is_undone_at_exit(options, args, expected, capsys, tmp_path):
+    init, backward = torch.optim.Optimizer.__init__, torch.autograd.backward
+    hooks = _global_hooks()
+    argv, path0 = sys.argv[:], sys.path[0]
+    code, out, err, report = _run(options, "fails.py", args, capsys, tmp_path)
+    assert code == expected
+    if expected == 1:
+        assert "ValueError: bad batch" in err  # the script's traceback, as Python shows it
+    assert torch.optim.Optimizer.__init__ is init
+    assert torch.autograd.backward is backward
+    assert _global_hooks() == hooks
+    assert not torch.is_autocast_enabled("cpu") and not ampkit.is_active()
+    assert sys.argv == argv and sys.path[0] == path0
+    assert _optimizers_left_managed() == []
+    assert report["exit_code"] == expected
+    # a model built afterwards trains in plain fp32 again
+    model = nn.Linear(4, 4)
+    assert model(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_objects_the_script_keeps_are_released(capsys, tmp_path):
+    """An optimizer and model that outlive the script: their own step() is back, no
+    gradient hook of ampkit's is left, and they train as plain torch objects."""
+    import builtins
+
+    script = tmp_path / "keeps.py"
+    script.write_text(
+        "import builtins, torch\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "sched = torch.optim.lr_scheduler.StepLR(opt, 1)\n"
+        "model(torch.randn(3, 4)).sum().backward()\n"
+        "opt.step(); sched.step()\n"
+        "builtins._ampkit_test_kept = (model, opt)\n"
+    )
+    try:
+        assert main(["run", "--dtype", "fp16", str(script)]) == 0
+        model, opt = builtins._ampkit_test_kept
+    finally:
+        builtins.__dict__.pop("_ampkit_test_kept", None)
+    capsys.readouterr()
+    assert "_ampkit_managed" not in opt.__dict__
+    from ampkit.grads import _OWNER
+
+    assert not any(id(p) in _OWNER for p in model.parameters())
+    out = model(torch.randn(3, 4))
+    assert out.dtype == torch.float32
+    before = model.weight.detach().clone()
+    opt.zero_grad()
+    out.sum().backward()
+    grad = model.weight.grad.clone()
+    opt.step()  # the scheduler's wrapper of the optimizer's own step: a plain SGD step
+    torch.testing.assert_close(model.weight.detach(), before - opt.param_groups[0]["lr"] * grad)
+
+
+def test_skipped_step_holds_the_scheduler(capsys, tmp_path, monkeypatch):
+    """An inf loss in one micro-batch: that optimizer step is skipped and the LR schedule
+    advances only on real steps (StepLR halves every 20: 39 real steps of 40 leave it at
+    0.1, not 0.05)."""
+    args = ["--steps", "40"]
+    reference = _metric(_plain("accum_sched.py", args, capsys))
+    monkeypatch.setenv("INJECT_INF_AT", "5")
+    code, out, err, report = _run([], "accum_sched.py", args, capsys, tmp_path)
+    assert code == 0, err
+    assert report["optimizers"][0]["steps"] == 40 and report["optimizers"][0]["skipped"] == 1
+    assert "final_lr 0.1\n" in out
+    assert _close(_metric(out), reference, 0.01)
+
+
+def test_fp16_loss_scaling_matches_fp32(capsys, tmp_path):
+    args = ["--steps", "60"]
+    out, err, report = _against_fp32(["--dtype", "fp16"], "classifier.py", args, capsys, tmp_path)
+    assert report["scaled_backward_calls"] == 60
+    assert report["optimizers"][0]["loss_scale"] == 2.0**16
+    # the recorded losses are the script's (unscaled) ones
+    assert abs(report["losses"][_site("classifier.py", "loss.backward()")][0] - 2.075) < 0.01
+
+
+@pytest.mark.slow
+def test_fp16_gan_scales_once_for_both_optimizers(capsys, tmp_path):
+    """The generator's loss reaches both models: one scale, shared by the two optimizers."""
+    args = ["--steps", "300"]
+    out, err, report = _against_fp32(["--dtype", "fp16"], "gan.py", args, capsys, tmp_path, rel=0.02)
+    assert report["scaled_backward_calls"] == 600
+    scales = {o["loss_scale"] for o in report["optimizers"]}
+    assert len(scales) == 1
+
+
+def test_fp16_refused_for_manual_updates(capsys, tmp_path):
+    code, out, err, report = _run(["--dtype", "fp16"], "rnn_lm.py", ["--steps", "3"], capsys, tmp_path)
+    assert code == 2 and report is None
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert _site("rnn_lm.py", "loss.backward()") in lines[0] and "--dtype bf16" in lines[0]
+    assert torch.autograd.backward.__module__ == "torch.autograd"  # undone before the refusal
+
+
+def test_fp16_with_the_scripts_gradscaler_does_not_scale_twice(capsys, tmp_path):
+    args = ["--steps", "60"]
+    out, err, report = _against_fp32(
+        ["--dtype", "fp16"], "autocast_scaler.py", [*args, "--amp"], capsys, tmp_path, ref_args=args
+    )
+    assert report["script_grad_scaler"] and report["scaled_backward_calls"] == 0
+
+
+@pytest.mark.parametrize("level", ["O2", pytest.param("O2K", marks=pytest.mark.slow)])
+def test_o2_levels_cast_the_model_when_the_optimizer_is_built(level, capsys, tmp_path):
+    args = ["--steps", "100"]
+    out, err, report = _against_fp32(["--level", level], "classifier.py", args, capsys, tmp_path)
+    assert report["level_applied"] == level and report["optimizers"][0]["managed"] == level
+
+
+def test_o2_falls_back_to_o1_naming_the_line(capsys, tmp_path):
+    """The optimizer leaves a trainable layer out: O2 would cast it without a master."""
+    args = ["--steps", "60", "--freeze-first"]
+    out, err, report = _against_fp32(["--level", "O2"], "classifier.py", args, capsys, tmp_path)
+    assert report["level_applied"] == "O1"
+    assert f"O2 not applied: the optimizer built at {_site('classifier.py', 'optimizer = ')}" in err
+    assert "falling back to O1" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "no_such_script.py"], "no such file"),
+    (["run", "--level", "O4", str(SCRIPTS / "fails.py")], "invalid choice: 'O4'"),
+    (["run", "--level", "O2K", "--dtype", "fp16", str(SCRIPTS / "fails.py")], "bf16 only"),
+    (["run", "--png", "x.png", str(SCRIPTS / "fails.py")], "--png goes with --compare"),
+    (["run", "--report", "/no/such/dir/r.json", str(SCRIPTS / "fails.py")], "cannot write"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and needle in err and out == ""
+
+
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "ampkit", "run", *args], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_command_line_passes_exit_codes_through():
+    proc = _cli(str(SCRIPTS / "fails.py"), "--exit", "7")
+    assert proc.returncode == 7
+    assert "ampkit run: O1 bf16, exit code 7" in proc.stderr
+    proc = _cli("missing.py")
+    assert proc.returncode == 2 and proc.stderr.strip() == "ampkit run: no such file: 'missing.py'"
+
+
+@pytest.mark.slow
+def test_compare_prints_curves_side_by_side_and_writes_png(tmp_path):
+    png = tmp_path / "cmp.png"
+    proc = _cli("--compare", "--steps", "40", "--png", str(png), str(SCRIPTS / "classifier.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"loss at {_site('classifier.py', 'loss.backward()')}" in proc.stdout
+    assert "fp32 vs O1 bf16" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("│ 40 ")]
+    assert rows, proc.stdout  # the 40th loss of both runs
+    assert png.stat().st_size > 10_000
