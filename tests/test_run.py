@@ -233,6 +233,9 @@ def test_skipped_step_holds_the_scheduler(capsys, tmp_path, monkeypatch):
 
 
 def test_fp16_loss_scaling_matches_fp32(capsys, tmp_path):
+    # a GradScaler alive before the run is not the script's: ampkit still scales
+    earlier = torch.amp.GradScaler("cpu")
+    assert earlier.is_enabled()
     args = ["--steps", "60"]
     out, err, report = _against_fp32(["--dtype", "fp16"], "classifier.py", args, capsys, tmp_path)
     assert report["scaled_backward_calls"] == 60

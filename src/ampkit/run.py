@@ -319,12 +319,14 @@ class _Runner:
         self.stopped_early: str | None = None
         self._managing = False
         self._scalers: list[weakref.ref] = []
+        self._before: list[weakref.ref] = []  # GradScalers alive before the script ran
 
     # --- install / remove ------------------------------------------------------------
     def install(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         runner = self
+        self._before = [weakref.ref(s) for s in _grad_scalers()]
         orig_init = torch.optim.Optimizer.__init__
         self._orig_opt_init = orig_init
 
@@ -595,8 +597,10 @@ class _Runner:
     def _backward(self, orig: Callable[..., Any], tensors: Any, args: tuple, kwargs: dict) -> Any:
         self.backwards += 1
         site = _user_site()
-        if self.script_scales is None:
-            self._scalers = _script_grad_scalers()
+        if self.script_scales is None:  # an enabled GradScaler the script built: it scales itself
+            self._scalers = [
+                weakref.ref(s) for s in _grad_scalers() if s.is_enabled() and not any(r() is s for r in self._before)
+            ]
             self.script_scales = bool(self._scalers)
             if self.script_scales and self.apply and self.dtype == torch.float16:
                 self._note("the script scales its loss itself (an enabled GradScaler): ampkit does not scale it again")
@@ -748,18 +752,13 @@ def _reached(
     return list(found.values()), foreign
 
 
-def _script_grad_scalers() -> list[weakref.ref]:
-    """Weak references to the enabled ``torch.amp.GradScaler`` and ``ampkit.GradScaler``
-    objects alive: a script that scales its own loss."""
+def _grad_scalers() -> list[Any]:
+    """The ``torch.amp.GradScaler`` and ``ampkit.GradScaler`` objects alive."""
     from torch.amp import GradScaler as TorchGradScaler
 
     from .grad_scaler import GradScaler
 
-    return [
-        weakref.ref(obj)
-        for obj in gc.get_objects()
-        if issubclass(type(obj), (TorchGradScaler, GradScaler)) and obj.is_enabled()
-    ]
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), (TorchGradScaler, GradScaler))]
 
 
 # ---------------------------------------------------------------------------------
