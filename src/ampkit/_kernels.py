@@ -217,3 +217,102 @@ def _compiler_available() -> bool:
         return True
     except Exception:
         return False
+
+
+# --- is a 16-bit tensor its fp32 source rounded? (bf16, one read pass) -------------------
+
+#: Tensors from this size on are compared by the compiled kernel (below it the exact
+#: eager comparison is cheap and compiling would cost more than it saves).
+ROUND_CHECK_NUMEL = DIRECT_NUMEL
+
+
+def _split(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` rounded to nearest with ``24 - log2(factor - 1)`` significant bits (Veltkamp
+    splitting; see ``ampkit.compensated._split_bf16``; ties may go either way)."""
+    t = x * factor
+    return t - (t - x)
+
+
+def _bf16_mismatch(low: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Whether some element of bf16 ``low`` is not fp32 ``g`` cast to bf16
+    (round-to-nearest-even), as a 0-dim bool tensor; elements it cannot decide by
+    arithmetic (|g| >= 2**112, inf/NaN, fp32 subnormals) count as mismatches, so a
+    False is exact and a True is confirmed by the caller.
+
+    ``r8`` is ``g`` rounded to bf16's 8 significant bits; where ``g`` is halfway
+    between two bf16 values (it has 9 significant bits, the 9th set) the cast picks
+    the even one (7 significant bits), which ``r8`` may not, so there ``low`` must be
+    one of the two neighbours (as far from ``g`` as ``r8``) and even."""
+    lowf = low.float()
+    r8 = _split(g, 65537.0)
+    tie = (_split(g, 32769.0) == g) & (r8 != g)
+    even = _split(lowf, 131073.0) == lowf
+    tie_ok = ((g - lowf).abs() == (g - r8).abs()) & even
+    return (~torch.where(tie, tie_ok, r8 == lowf)).any()
+
+
+_round_check: list[Callable[..., torch.Tensor] | None] = []
+
+
+def _compiled_round_check() -> Callable[..., torch.Tensor] | None:
+    """The compiled :func:`_bf16_mismatch`, probed once per process against the cast
+    (random values, halfway cases, edited elements); None where compiling fails or
+    the probe disagrees (a warning says so)."""
+    if _round_check:
+        return _round_check[0]
+    with _lock:
+        if _round_check:
+            return _round_check[0]
+        fn: Callable[..., torch.Tensor] | None = None
+        if resolve_mode("auto") == "compiled":
+            try:
+                fn = torch.compile(_bf16_mismatch, dynamic=True, fullgraph=True)
+                for low, g in _round_probes():
+                    expected = not torch.equal(low, g.to(torch.bfloat16))
+                    if bool(fn(low, g)) != expected:
+                        raise RuntimeError("the compiled comparison disagrees with the cast")
+            except Exception as exc:  # no compiler, unsupported platform, ...
+                _LOG.warning(
+                    "ampkit: compiling the bf16 rounding check failed (%s: %s); comparing "
+                    "op by op (same result, slower).", type(exc).__name__, exc
+                )
+                fn = None
+        _round_check.append(fn)
+        return fn
+
+
+def _round_probes() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(4099, generator=gen) * 1e-3
+    halfway = (g.to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)
+    probes = []
+    for src in (g, halfway):
+        low = src.to(torch.bfloat16)
+        probes.append((low, src))
+        for i in (0, 2048, 4098):  # one element one bf16 step off
+            bits = low.view(torch.int16).clone()
+            bits[i] += 1
+            probes.append((bits.view(torch.bfloat16), src))
+    return probes
+
+
+def rounds_to_bf16(low: torch.Tensor, g: torch.Tensor) -> bool | None:
+    """Whether contiguous bf16 ``low`` equals contiguous fp32 ``g`` cast to bf16, read
+    in one compiled pass without temporaries; None when the kernel does not apply
+    (small, other dtypes or devices, no compiler): compare some other way."""
+    if (
+        low.dtype != torch.bfloat16
+        or g.dtype != torch.float32
+        or low.device.type != "cpu"
+        or g.device != low.device
+        or low.numel() < ROUND_CHECK_NUMEL
+        or low.shape != g.shape
+        or not (low.is_contiguous() and g.is_contiguous())
+    ):
+        return None
+    fn = _compiled_round_check()
+    if fn is None:
+        return None
+    if not bool(fn(low.view(-1), g.view(-1))):
+        return True
+    return None  # a mismatch, or an element arithmetic cannot decide: the exact path decides

@@ -49,6 +49,7 @@ from torch import nn
 
 from ._dtypes import torch_class
 from .errors import AmpError, StateError
+from .fast_step import nonfinite_flag
 from .scaling import group_grads
 
 if TYPE_CHECKING:
@@ -317,6 +318,11 @@ class GradPath:
             found = flags.get(device)
             if found is None:
                 found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+            if inv == 1.0:  # nothing to multiply: check only, reading each element once
+                flag = nonfinite_flag({(device, tensors[0].dtype): tensors})
+                if flag is not None:
+                    torch.maximum(found, flag, out=found)
+                return
             inv_t = self._inv.get((device, inv))
             if inv_t is None:
                 if len(self._inv) > 16:
@@ -371,7 +377,7 @@ class GradPath:
                 rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
                 return
             assert self.masters is not None
-            self.masters.absorb(rec.param, self._unscaler(loss_id, scale))
+            self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0)
             self._mark_checked(rec.stepped, loss_id)
             return
         if scale != 1.0:
