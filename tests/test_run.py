@@ -165,6 +165,8 @@ def _optimizers_left_managed() -> list[torch.optim.Optimizer]:
 ])
 def test_everything_is_undone_at_exit(options, args, expected, capsys, tmp_path):
     init, backward = torch.optim.Optimizer.__init__, torch.autograd.backward
+    lr = torch.optim.lr_scheduler
+    sched_steps = [c.__dict__.get("step") for c in (lr.LRScheduler, lr.SequentialLR, lr.CosineAnnealingWarmRestarts)]
     hooks = _global_hooks()
     argv, path0 = sys.argv[:], sys.path[0]
     code, out, err, report = _run(options, "fails.py", args, capsys, tmp_path)
@@ -173,6 +175,7 @@ def test_everything_is_undone_at_exit(options, args, expected, capsys, tmp_path)
         assert "ValueError: bad batch" in err  # the script's traceback, as Python shows it
     assert torch.optim.Optimizer.__init__ is init
     assert torch.autograd.backward is backward
+    assert [c.__dict__.get("step") for c in (lr.LRScheduler, lr.SequentialLR, lr.CosineAnnealingWarmRestarts)] == sched_steps
     assert _global_hooks() == hooks
     assert not torch.is_autocast_enabled("cpu") and not ampkit.is_active()
     assert sys.argv == argv and sys.path[0] == path0
@@ -228,7 +231,7 @@ def test_skipped_step_holds_the_scheduler(capsys, tmp_path, monkeypatch):
     code, out, err, report = _run([], "accum_sched.py", args, capsys, tmp_path)
     assert code == 0, err
     assert report["optimizers"][0]["steps"] == 40 and report["optimizers"][0]["skipped"] == 1
-    assert "final_lr 0.1\n" in out
+    assert "final_lr 0.1\n" in out and report["scheduler_steps_held"] == 1
     assert _close(_metric(out), reference, 0.01)
 
 

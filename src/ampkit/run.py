@@ -234,6 +234,54 @@ def _has_own_scope(module: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------
+# LR schedulers held on skipped steps
+# ---------------------------------------------------------------------------------
+class _SchedulerHold:
+    """For the run, ``step()`` of torch's LR schedulers (the base class and the
+    subclasses with a ``step`` of their own; not ReduceLROnPlateau, which follows a
+    metric) does nothing while the scheduler's optimizer is managed and its last step
+    was skipped: the script's ``sched.step()`` after a skipped step leaves the schedule
+    where the parameters are. Class attributes, restored at exit (nothing is stored on
+    the schedulers: their ``state_dict()`` is their ``__dict__``)."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[type, Any]] = []
+        self.held = 0
+
+    def install(self) -> None:
+        lr = torch.optim.lr_scheduler
+        classes = [lr.LRScheduler] + [
+            c for c in vars(lr).values()
+            if isinstance(c, type) and issubclass(c, lr.LRScheduler) and c is not lr.LRScheduler
+            and not issubclass(c, lr.ReduceLROnPlateau) and "step" in c.__dict__
+        ]
+        for cls in classes:
+            orig = cls.__dict__["step"]
+            self._saved.append((cls, orig))
+            cls.step = self._held(orig)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        while self._saved:
+            cls, orig = self._saved.pop()
+            cls.step = orig  # type: ignore[method-assign]
+
+    def _held(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        from ._step import last_skipped
+
+        hold = self
+
+        @functools.wraps(orig)
+        def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            opt = getattr(sched, "optimizer", None)
+            if opt is not None and last_skipped(opt) and "_ampkit_managed" in opt.__dict__:
+                hold.held += 1
+                return None
+            return orig(sched, *args, **kwargs)
+
+        return step
+
+
+# ---------------------------------------------------------------------------------
 # Finding the models an optimizer trains (O2/O2K)
 # ---------------------------------------------------------------------------------
 def _live_modules() -> list[nn.Module]:
@@ -313,6 +361,7 @@ class _Runner:
         self._o2_models: list[nn.Module] = []
         self._in_backward = threading.local()
         self._forward = _ForwardScope(self.dtype) if self.apply else None
+        self._schedulers = _SchedulerHold() if self.apply else None
         self._orig_opt_init: Callable[..., None] | None = None
         self._orig_backward: Callable[..., Any] | None = None
         self._step_handle: Any = None
@@ -347,6 +396,8 @@ class _Runner:
         self._step_handle = register_optimizer_step_post_hook(self._on_unmanaged_step)
         if self._forward is not None:
             self._forward.install()
+        if self._schedulers is not None:
+            self._schedulers.install()
 
     def remove(self) -> None:
         """Undo everything :meth:`install` and the management did (ampkit.reset)."""
@@ -361,6 +412,8 @@ class _Runner:
             self._step_handle = None
         if self._forward is not None:
             self._forward.remove()
+        if self._schedulers is not None:
+            self._schedulers.remove()
         self._collect_stats()
         _reset.reset()  # releases every managed optimizer (their own step() back), casting off
 
@@ -479,7 +532,6 @@ class _Runner:
 
         for opt in opts:
             st = managed_state(opt)
-            st.hold_schedulers_on_skip = True
             if id(opt) in carried:
                 st.steps, st.skipped, st.last_skipped = carried[id(opt)]
             st.post_step_hooks.append(functools.partial(self._on_step, weakref.ref(opt), False))
@@ -705,6 +757,7 @@ class _Runner:
             "scaled_backward_calls": self.scaled_backwards,
             "forward_scopes": self._forward.scopes_opened if self._forward is not None else 0,
             "script_grad_scaler": bool(self.script_scales),
+            "scheduler_steps_held": self._schedulers.held if self._schedulers is not None else 0,
             "optimizers": [
                 {
                     "index": r.index, "type": r.kind, "created_at": r.site, "managed": r.level,
@@ -837,6 +890,8 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     for site, values in report["losses"].items():
         lines.append(f"  loss at {site}: {len(values)} values, first {_fmt(values[0])}, last {_fmt(values[-1])}")
+    if report["scheduler_steps_held"]:
+        lines.append(f"  {report['scheduler_steps_held']} LR scheduler step(s) held after skipped steps")
     if report["script_grad_scaler"]:
         lines.append("  the script's GradScaler scales the loss (ampkit does not)")
     for note in report["notes"]:
