@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[test,cli]" "$(TORCH)"  # torch pinned: no extra may move it
+	$(PY) -m pip install -q -e ".[test,cli,fp8]" "$(TORCH)"  # torch pinned: no extra may move it
 	touch $@
 
 test: $(VENV)/.installed

@@ -78,12 +78,14 @@ __all__ += [
 ]
 # --- opt levels, master weights, compensated updates ---
 from .compensated import CompensatedUpdates  # noqa: E402
+from .fp8 import Fp8Recipe  # noqa: E402
 from .levels import OptLevel, initialize, master_params  # noqa: E402
 from .master import MasterWeights  # noqa: E402
 from .model import cast_model  # noqa: E402
 
 __all__ += [
     "CompensatedUpdates",
+    "Fp8Recipe",
     "MasterWeights",
     "OptLevel",
     "cast_model",

@@ -62,6 +62,8 @@ class ExplainReport:
     trailing_casts: list[CastRecord]
     #: set when the call given was torch.compile'd: what was run instead, and why
     note: str | None = None
+    #: each fp8 matmul (``amp.initialize(..., fp8=...)``): layer, operand dtypes, scales
+    fp8: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def casts(self) -> list[CastRecord]:
@@ -72,6 +74,7 @@ class ExplainReport:
     @property
     def totals(self) -> dict[str, int]:
         counts = {"ops_bf16": 0, "ops_fp16": 0, "ops_fp32": 0, "ops_other": 0, "casts": len(self.casts)}
+        counts["matmuls_fp8"] = sum(r.op == "_scaled_mm" for r in self.records)
         for r in self.records:
             dt = r.compute_dtype
             if dt is torch.bfloat16:
@@ -108,6 +111,11 @@ class ExplainReport:
                 for r in self.records
             ],
             "totals": self.totals,
+            "fp8": [
+                {"module": m.module, "matmul": m.matmul, "a": names((m.a_dtype,))[0], "b": names((m.b_dtype,))[0],
+                 "a_scale": list(m.a_scale), "b_scale": list(m.b_scale), "out": names((m.out_dtype,))[0]}
+                for m in self.fp8
+            ],
         }
 
     _COLUMNS = ("#", "op", "inputs", "outputs", "casts inserted")
@@ -126,9 +134,10 @@ class ExplainReport:
 
     def _totals_line(self) -> str:
         t = self.totals
+        fp8 = f", {t['matmuls_fp8']} fp8 matmuls" if t["matmuls_fp8"] else ""
         return (
             f"totals: {t['ops_bf16']} ops in bf16, {t['ops_fp16']} in fp16, {t['ops_fp32']} in fp32, "
-            f"{t['ops_other']} other, {t['casts']} casts"
+            f"{t['ops_other']} other, {t['casts']} casts{fp8}"
         )
 
     def table(self) -> str:
@@ -138,6 +147,9 @@ class ExplainReport:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(self._totals_line())
+        if self.fp8:
+            lines.append("fp8 matmuls (dequant scales = 1/scale of each operand):")
+            lines.extend("  " + m.describe() for m in self.fp8)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -209,6 +221,10 @@ def explain(
     wraps (``report.note`` says so): compiled code runs fused kernels that no dispatch
     mode sees, and its ops run in the same dtypes as the eager ones.
 
+    fp8 linears (``amp.initialize(..., fp8=...)``) show as ``_scaled_mm`` records and,
+    in ``report.fp8``, one :class:`ampkit.fp8.Fp8MatmulRecord` per matmul with its
+    scales; their scale state is not advanced by the explained call.
+
     Returns an :class:`ExplainReport`; ``print(report)`` shows a table.
     """
     if not callable(fn_or_module):
@@ -224,13 +240,15 @@ def explain(
     scope = casting.autocast(policy, device_type) if use_scope else None
     if scope is not None:
         scope.__enter__()
+    from . import fp8
+
     try:
-        with recorder:
+        with recorder, fp8.observe() as fp8_records:
             fn_or_module(*inputs, **kwargs)
     finally:
         if scope is not None:
             scope.__exit__(None, None, None)
-    return ExplainReport(recorder.records, recorder.pending, note)
+    return ExplainReport(recorder.records, recorder.pending, note, fp8_records)
 
 
 def _eager(fn: Any) -> tuple[Any, str | None]:

@@ -35,10 +35,12 @@ import torch
 from torch import nn
 
 from . import _reset, casting, optim
+from . import fp8 as _fp8
 from ._dtypes import LOW_PRECISION, cast_optimizer_state, default_device_type, default_dtype
 from .compensated import CompensatedUpdates
 from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
 from .errors import AmpError, PolicyError, ScalerError, StateError
+from .fp8 import Fp8Recipe
 from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
 from .model import add_op_casting, cast_model, check_keep_fp32, params_to_cast, remove_op_casting
@@ -413,6 +415,8 @@ def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     opt_level: str = "O1",
+    *,
+    fp8: Fp8Recipe | bool | None = None,
     **overrides: Any,
 ) -> tuple[Any, Any]:
     """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
@@ -422,6 +426,12 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference).
         opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
             the table in :mod:`ampkit.levels`.
+        fp8: an :class:`ampkit.Fp8Recipe` (or True for the default one): the linears
+            it chooses compute their matmuls in fp8 (e4m3 forward, e5m2 or e4m3
+            gradients, through ``torch._scaled_mm``); everything else, weights and
+            optimizer included, runs as ``opt_level`` says (any level but O0). Scales
+            and abs-max histories are saved by :func:`ampkit.state_dict`. See
+            :mod:`ampkit.fp8`. Default None: no fp8.
         **overrides: change one setting of the level:
 
             - ``dtype``: compute dtype; default bf16 on CPU, fp16 on CUDA.
@@ -498,6 +508,8 @@ def initialize(
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
     check_models(model_list, level.name, level.cast_model_type is not None)
+    recipe = _fp8.check_level(level.name, fp8)
+    fp8_plan = _fp8.plan(recipe, model_list) if recipe is not None else None
 
     _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
@@ -532,6 +544,8 @@ def initialize(
 
     if level.op_casting:
         casting.init(dtype=level.dtype, device_type=device_type, policy=policy)
+    if fp8_plan is not None:
+        _fp8.activate(fp8_plan)
 
     if opt_list:
         _attach_trainer(opt_list, masters, level, scaler, model_list)
@@ -542,6 +556,10 @@ def initialize(
         for m in model_list:
             _watch_model_loads(m, live_masters)
 
+    if fp8_plan is not None:
+        from .session import register_extra_state
+
+        register_extra_state("fp8", fp8_plan.state_dict, fp8_plan.load_state_dict, fp8_plan.check_state_dict)
     out_models: Any = model_list[0] if one_model else model_list
     out_opts: Any = None if optimizers is None else (opt_list[0] if one_opt else opt_list)
     return out_models, out_opts

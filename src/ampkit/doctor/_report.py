@@ -46,6 +46,9 @@ class DoctorReport:
         misuse: training-loop mistakes seen (:class:`Misuse`).
         history: one :class:`StepPoint` per optimizer step.
         checks_run: op-level checks run.
+        fp8: the fp8 linears of the session (``amp.initialize(..., fp8=...)``) with
+            their last scales, abs-maxes and saturated casts
+            (:class:`ampkit.fp8.Fp8LayerInfo`); empty without fp8.
     """
 
     steps: int
@@ -60,6 +63,7 @@ class DoctorReport:
     misuse: list[Misuse]
     history: list[StepPoint]
     checks_run: int
+    fp8: list[Any] = dataclasses.field(default_factory=list)
 
     @staticmethod
     def build(doc: Doctor) -> DoctorReport:
@@ -68,6 +72,7 @@ class DoctorReport:
         margins = sorted(
             (m for m in doc.margins.values() if m.module_type not in containers), key=lambda m: (-m.risk, m.module)
         )
+        from ..fp8 import layers as fp8_layers
         from ._record import dtype_name
 
         return DoctorReport(
@@ -83,6 +88,7 @@ class DoctorReport:
             misuse=list(doc.misuse),
             history=list(doc.history),
             checks_run=doc.checks_run,
+            fp8=fp8_layers(),
         )
 
     @property
@@ -109,6 +115,7 @@ class DoctorReport:
             "dtype": self.dtype,
             "scale": self.scale,
             "checks_run": self.checks_run,
+            "fp8": [layer.to_dict() for layer in self.fp8],
             "findings": [f.to_dict() for f in self.findings],
             "events": [f.to_dict() for f in self.events],
             "events_total": self.events_total,
@@ -191,6 +198,15 @@ class DoctorReport:
                 out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
                 if i == 0:
                     out.append("  " + "  ".join("-" * w for w in widths))
+            out.append("")
+        if self.fp8:
+            out.append("fp8 matmuls (last scale per operand; saturated = casts clamped to fp8's range):")
+            for layer in self.fp8:
+                sc, am = layer.scales, layer.amax
+                out.append(
+                    f"  {layer.name} {layer.shape[0]}x{layer.shape[1]} [{layer.recipe}], {layer.calls} calls: "
+                    + ", ".join(f"{r} scale {_fmt(sc[r])} (amax {_fmt(am[r])}, {layer.saturated[r]} saturated)" for r in sc)
+                )
             out.append("")
         if self.misuse:
             out.append("Training-loop problems:")

@@ -1,0 +1,696 @@
+"""fp8 training: chosen ``nn.Linear`` layers compute their matmuls in 8-bit floats.
+
+``amp.initialize(model, opt, opt_level="O2", fp8=amp.Fp8Recipe(...))`` keeps the level
+as it is (weights, masters, casting of every other op) and switches the linears the
+recipe chooses to :class:`Float8Linear`, whose three matmuls run through
+``torch._scaled_mm``:
+
+- forward ``y = x @ w.T``: ``x`` and ``w`` in e4m3;
+- backward ``grad_x = grad_y @ w`` and ``grad_w = grad_y.T @ x``: ``grad_y`` in e5m2
+  (``format="hybrid"``, the default: e5m2's range suits gradients) or e4m3
+  (``format="e4m3"``), against the e4m3 ``w`` and ``x`` saved by the forward.
+
+Each 8-bit tensor carries a scale: ``q = saturate(t * scale)`` in fp8, and the matmul
+multiplies by ``1/scale`` again (``_scaled_mm``'s ``scale_a``/``scale_b``). Scales:
+
+- ``scaling="current"`` (torchao's default): from this tensor's own abs-max,
+  ``scale = fp8_max / amax / 2**margin``, per tensor (``granularity="tensorwise"``) or
+  per row of each matmul operand (``"rowwise"``).
+- ``scaling="delayed"`` (TransformerEngine's ``DelayedScaling``): each tensor role
+  (input, weight, grad_output) of each layer keeps a history of its last
+  ``amax_history_len`` abs-maxes; the scale used now was computed from the history
+  after the previous call (its max, or its most recent entry). A tensor that grows
+  between two calls saturates once (values clamp to +-fp8_max, counted in
+  ``saturated``), then the scale follows.
+
+No fp8 cast turns a finite value into inf or NaN: values clamp to the largest finite
+fp8 value. A non-finite tensor (a real overflow upstream) makes its matmul non-finite,
+so the loss scaler sees it and skips the step; its abs-max never enters a history.
+
+Under ``torch.distributed`` with more than one rank, the abs-max of each tensorwise
+input and grad_output is all-reduced (MAX) before its scale is derived, so every rank
+quantizes with the same scale; weights are the same on every rank under DDP and are
+not reduced. Scales and histories are saved by ``amp.state_dict()`` (bitwise resume).
+
+Implemented directly on ``torch._scaled_mm`` rather than on ``torchao.float8``:
+torchao 0.15 runs on CPU but has no delayed scaling any more (only dynamic scaling),
+keeps no scale state to checkpoint, and exposes no per-matmul scales to report; its
+tensorwise numerics are the reference our tests compare against when it is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import _reset
+from ._where import user_stacklevel
+from .errors import AmpError, PolicyError, StateError
+
+__all__ = [
+    "Fp8Recipe",
+    "Float8Linear",
+    "Fp8LayerInfo",
+    "Fp8MatmulRecord",
+    "layers",
+    "observe",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+_EPS = 1e-12  # abs-max floor: an all-zero tensor gets a large finite scale
+_ROLES = ("input", "weight", "grad_output")
+
+Fp8Format = Literal["hybrid", "e4m3"]
+Fp8Scaling = Literal["current", "delayed"]
+Fp8Granularity = Literal["tensorwise", "rowwise"]
+AmaxAlgo = Literal["max", "most_recent"]
+ModuleFilter = Callable[[str, nn.Linear], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How fp8 training runs; pass it as ``amp.initialize(..., fp8=recipe)``.
+
+    Attributes:
+        format: ``"hybrid"`` (default; e4m3 forward, e5m2 gradients, TransformerEngine's
+            HYBRID) or ``"e4m3"`` (e4m3 everywhere; required by ``"rowwise"``).
+        scaling: ``"current"`` (default; scale from the tensor being cast) or
+            ``"delayed"`` (scale from an abs-max history, updated after each call).
+        granularity: ``"tensorwise"`` (default; one fp32 scale per tensor) or
+            ``"rowwise"`` (one per row of each matmul operand; current scaling only).
+        amax_history_len: abs-max entries kept per tensor role (delayed; default 16).
+        amax_compute_algo: ``"max"`` (default; max of the history) or
+            ``"most_recent"`` (the latest entry) (delayed).
+        margin: scale down by ``2**margin`` for headroom (default 0).
+        power_of_2_scales: round each scale down to a power of two (default False), so
+            scaling itself adds no rounding error.
+        skip_first_last: leave the model's first and last ``nn.Linear`` (in module
+            order) in the level's 16-bit dtype (default True): an LM's head and the
+            input projection are the most sensitive layers.
+        min_features: leave linears with ``in_features`` or ``out_features`` below this
+            in 16 bits (default 1024): below it an fp8 matmul's casts cost more than
+            its faster multiply saves. Tiny test models pass e.g. 16.
+        module_filter: ``fn(qualified_name, linear) -> bool``; when given it alone
+            decides (``skip_first_last``/``min_features`` are not applied).
+        exclude: qualified-name globs never converted (e.g. ``("*.attn.qkv",)``).
+        reduce_amax: all-reduce (MAX) the tensorwise abs-max of inputs and
+            grad_outputs across ranks when ``torch.distributed`` runs more than one
+            (default True).
+
+    Only exact ``nn.Linear`` instances (not subclasses) whose ``in_features`` and
+    ``out_features`` are multiples of 16 (what fp8 GEMM kernels require) are chosen.
+    """
+
+    format: Fp8Format = "hybrid"
+    scaling: Fp8Scaling = "current"
+    granularity: Fp8Granularity = "tensorwise"
+    amax_history_len: int = 16
+    amax_compute_algo: AmaxAlgo = "max"
+    margin: int = 0
+    power_of_2_scales: bool = False
+    skip_first_last: bool = True
+    min_features: int = 1024
+    module_filter: ModuleFilter | None = None
+    exclude: tuple[str, ...] = ()
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        def one_of(name: str, options: tuple[str, ...]) -> None:
+            if getattr(self, name) not in options:
+                raise PolicyError(f"Fp8Recipe.{name} must be one of {options}, got {getattr(self, name)!r}.")
+
+        one_of("format", ("hybrid", "e4m3"))
+        one_of("scaling", ("current", "delayed"))
+        one_of("granularity", ("tensorwise", "rowwise"))
+        one_of("amax_compute_algo", ("max", "most_recent"))
+        for name in ("amax_history_len", "min_features", "margin"):
+            value = getattr(self, name)
+            low = 1 if name == "amax_history_len" else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise PolicyError(f"Fp8Recipe.{name} must be an int >= {low}, got {value!r}.")
+        for name in ("power_of_2_scales", "skip_first_last", "reduce_amax"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"Fp8Recipe.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.module_filter is not None and not callable(self.module_filter):
+            raise PolicyError("Fp8Recipe.module_filter must be a callable (name, linear) -> bool.")
+        if isinstance(self.exclude, str) or not all(isinstance(g, str) for g in self.exclude):
+            raise PolicyError(f"Fp8Recipe.exclude must be a tuple of name globs, got {self.exclude!r}.")
+        if self.granularity == "rowwise":
+            if self.scaling != "current":
+                raise PolicyError(
+                    "rowwise scales are derived from each call's own rows; delayed scaling keeps "
+                    "one history per tensor. Use scaling='current' with rowwise, or tensorwise."
+                )
+            if self.format != "e4m3":
+                raise PolicyError(
+                    "row-wise scaled fp8 GEMMs take e4m3 operands only (as torchao's rowwise "
+                    "recipe); use Fp8Recipe(format='e4m3', granularity='rowwise')."
+                )
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The fp8 dtype of ``grad_output``: e5m2 (hybrid) or e4m3."""
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    def describe(self) -> str:
+        """One line, e.g. ``"hybrid current tensorwise"``."""
+        extra = ""
+        if self.scaling == "delayed":
+            extra = f" (history {self.amax_history_len}, {self.amax_compute_algo})"
+        return f"{self.format} {self.scaling}{extra} {self.granularity}"
+
+    def choose(self, model: nn.Module) -> list[tuple[str, nn.Linear]]:
+        """The ``(qualified name, linear)`` pairs of ``model`` this recipe converts."""
+        linears = [(n, m) for n, m in model.named_modules() if type(m) in (nn.Linear, Float8Linear)]
+        chosen = []
+        for i, (name, m) in enumerate(linears):
+            if any(fnmatch.fnmatchcase(name, g) for g in self.exclude):
+                continue
+            if m.in_features % 16 or m.out_features % 16:
+                continue
+            if self.module_filter is not None:
+                if not self.module_filter(name, m):
+                    continue
+            else:
+                if self.skip_first_last and i in (0, len(linears) - 1):
+                    continue
+                if min(m.in_features, m.out_features) < self.min_features:
+                    continue
+            chosen.append((name, m))
+        return chosen
+
+
+# --- scales -----------------------------------------------------------------------------------
+
+
+class TensorScale:
+    """The scale state of one tensor role (input, weight or grad_output) of one layer.
+
+    ``scale`` (fp32, 0-d) is what the last cast used, or under delayed scaling what the
+    next one will use; ``amax`` the last abs-max seen (after the cross-rank reduction);
+    ``amax_history`` (delayed only) the last ``amax_history_len`` abs-maxes, newest
+    first; ``saturated`` counts casts whose values exceeded fp8's range and were
+    clamped (only delayed scaling can do that)."""
+
+    def __init__(self, history_len: int) -> None:
+        self.scale = torch.ones(())
+        self.amax = torch.zeros(())
+        self.amax_history = torch.zeros(history_len)
+        self.saturated = torch.zeros((), dtype=torch.int64)
+        self.initialized = False
+        self.calls = 0
+
+    def to(self, device: torch.device) -> None:
+        for name in ("scale", "amax", "amax_history", "saturated"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale.clone(),
+            "amax": self.amax.clone(),
+            "amax_history": self.amax_history.clone(),
+            "saturated": self.saturated.clone(),
+            "initialized": self.initialized,
+            "calls": self.calls,
+        }
+
+    def check_state_dict(self, sd: Any, where: str) -> None:
+        if not isinstance(sd, dict) or set(sd) != {"scale", "amax", "amax_history", "saturated", "initialized", "calls"}:
+            raise StateError(f"{where}: not an fp8 scale state; save it with amp.state_dict().")
+        if not (torch.is_tensor(sd["amax_history"]) and sd["amax_history"].shape == self.amax_history.shape):
+            got = tuple(sd["amax_history"].shape) if torch.is_tensor(sd["amax_history"]) else sd["amax_history"]
+            raise StateError(
+                f"{where}: the checkpoint's amax history has shape {got}, this recipe keeps "
+                f"{tuple(self.amax_history.shape)}; use the same Fp8Recipe.amax_history_len."
+            )
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        dev = self.scale.device
+        self.scale = sd["scale"].to(dev, torch.float32).clone()
+        self.amax = sd["amax"].to(dev, torch.float32).clone()
+        self.amax_history = sd["amax_history"].to(dev, torch.float32).clone()
+        self.saturated = sd["saturated"].to(dev, torch.int64).clone()
+        self.initialized = bool(sd["initialized"])
+        self.calls = int(sd["calls"])
+
+
+def _scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
+    """``fp8_max / max(amax, eps) / 2**margin`` in fp32, optionally rounded down to a power of 2."""
+    amax = amax.float().clamp(min=_EPS)
+    scale = torch.full_like(amax, _MAX[fp8]) / amax  # a true division (float / tensor is reciprocal * float)
+    if recipe.margin:
+        scale = scale / 2.0**recipe.margin
+    if recipe.power_of_2_scales:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return amax
+
+
+def _saturate(t: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    limit = _MAX[fp8]
+    return (t.float() * scale).clamp(-limit, limit).to(fp8)
+
+
+def _dequant(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``1/scale`` for ``_scaled_mm``; NaN when the tensor held inf/NaN, so the matmul's
+    result is non-finite (and the loss scaler skips the step) rather than clamped."""
+    inv = scale.reciprocal()
+    return torch.where(torch.isfinite(amax), inv, torch.full_like(inv, float("nan")))
+
+
+def quantize_tensorwise(
+    t: torch.Tensor, fp8: torch.dtype, state: TensorScale, recipe: Fp8Recipe, reduce: bool, update: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in ``fp8`` with one scale; returns ``(q, 1/scale)``. Updates ``state``
+    (scale, abs-max, history, saturation count) unless ``update`` is False."""
+    amax = t.detach().abs().amax().float()
+    if reduce and recipe.reduce_amax:
+        amax = _all_reduce_max(amax)
+    if recipe.scaling == "current" or not state.initialized:
+        scale = _scale_from_amax(amax, fp8, recipe)
+    else:
+        scale = state.scale
+    q = _saturate(t, scale, fp8)
+    inv = _dequant(scale, amax)
+    if update:
+        _record(state, amax, scale, fp8, recipe)
+    return q, inv
+
+
+def _record(state: TensorScale, amax: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) -> None:
+    finite = torch.isfinite(amax)
+    state.calls += 1
+    state.amax = amax.detach().clone()
+    if recipe.scaling == "current":
+        state.scale = scale.detach().clone()
+        return
+    state.saturated = state.saturated + (finite & (amax * scale > _MAX[fp8])).to(torch.int64)
+    if state.initialized:
+        rolled = torch.roll(state.amax_history, 1)
+    else:
+        rolled = torch.zeros_like(state.amax_history)
+    rolled[0] = amax
+    # a non-finite abs-max (an overflow upstream, skipped by the loss scaler) never
+    # enters the history: it would pin the scale at 0 for amax_history_len calls
+    history = torch.where(finite, rolled, state.amax_history if state.initialized else torch.zeros_like(rolled))
+    state.amax_history = history
+    ref = history.amax() if recipe.amax_compute_algo == "max" else history[0]
+    # nothing finite and non-zero seen yet: keep the scale just used (1 if it was not finite)
+    kept = scale if state.initialized else torch.where(finite, scale, torch.ones_like(scale))
+    state.scale = torch.where(ref > 0, _scale_from_amax(ref, fp8, recipe), kept).detach()
+    state.initialized = True
+
+
+def quantize_rowwise(t: torch.Tensor, fp8: torch.dtype, dim: int, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` in ``fp8`` with one scale per slice along ``dim`` (the abs-max over ``dim``);
+    returns ``(q, 1/scale, amax)`` with the scale shapes ``keepdim`` gives."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
+    scale = _scale_from_amax(amax, fp8, recipe)
+    return _saturate(t, scale, fp8), _dequant(scale, amax), amax
+
+
+# --- the layer --------------------------------------------------------------------------------
+
+
+class LayerState:
+    """What one fp8 linear keeps: its recipe, name, and a :class:`TensorScale` per role."""
+
+    def __init__(self, name: str, recipe: Fp8Recipe) -> None:
+        self.name = name
+        self.recipe = recipe
+        self.roles = {r: TensorScale(recipe.amax_history_len) for r in _ROLES}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {r: s.state_dict() for r, s in self.roles.items()}
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (what ``_scaled_mm`` wants for its second operand)."""
+    return t.t().contiguous().t()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=out_dtype)
+
+
+def _dense(scale: torch.Tensor) -> torch.Tensor:
+    """A row-wise scale (``(M, 1)`` or ``(1, N)``) with unit strides, as ``_scaled_mm`` checks."""
+    return scale.flatten().view(scale.shape) if scale.dim() == 2 else scale
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``x2d @ w.T`` with fp8 operands; backward's two matmuls in fp8 too."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, state: LayerState, out_dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        recipe = state.recipe
+        update = _updates_state()
+        ctx.state, ctx.update = state, update
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        if recipe.granularity == "rowwise":
+            xq, xs, _ = quantize_rowwise(x, E4M3, -1, recipe)
+            wq, ws, _ = quantize_rowwise(w, E4M3, -1, recipe)
+            ws = ws.t()
+            ctx.save_for_backward(x, w)
+            if update:
+                state.roles["input"].calls += 1
+        else:
+            xq, xs = quantize_tensorwise(x, E4M3, state.roles["input"], recipe, reduce=True, update=update)
+            wq, ws = quantize_tensorwise(w, E4M3, state.roles["weight"], recipe, reduce=False, update=update)
+            ctx.save_for_backward(xq, wq, xs, ws)
+        y = _mm(xq, wq.t(), xs, ws, out_dtype)
+        _observe(state, "forward", xq, wq, xs, ws, out_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        state: LayerState = ctx.state
+        recipe = state.recipe
+        gdt = recipe.grad_dtype
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = gw = None
+        if recipe.granularity == "rowwise":
+            x, w = ctx.saved_tensors
+            if need_x:
+                gq, gs, _ = quantize_rowwise(gy, gdt, -1, recipe)
+                wq, ws, _ = quantize_rowwise(w, E4M3, 0, recipe)
+                gx = _mm(gq, wq, gs, ws, ctx.x_dtype)
+                _observe(state, "grad_input", gq, wq, gs, ws, ctx.x_dtype)
+            if need_w:
+                gq, gs, _ = quantize_rowwise(gy, gdt, 0, recipe)
+                xq, xs, _ = quantize_rowwise(x, E4M3, 0, recipe)
+                gw = _mm(gq.t(), xq, gs.t(), xs, ctx.w_dtype)
+                _observe(state, "grad_weight", gq.t(), xq, gs.t(), xs, ctx.w_dtype)
+            return gx, gw, None, None
+        xq, wq, xs, ws = ctx.saved_tensors
+        gq, gs = quantize_tensorwise(gy, gdt, state.roles["grad_output"], recipe, reduce=True, update=ctx.update)
+        if need_x:
+            gx = _mm(gq, wq, gs, ws, ctx.x_dtype)
+            _observe(state, "grad_input", gq, wq, gs, ws, ctx.x_dtype)
+        if need_w:
+            gw = _mm(gq.t(), xq, gs, xs, ctx.w_dtype)
+            _observe(state, "grad_weight", gq.t(), xq, gs, xs, ctx.w_dtype)
+        return gx, gw, None, None
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype an ``nn.Linear`` would produce here: autocast's when it is on, else the
+    input's (the weight's for a 16-bit weight and fp32 input, as O2's cast model)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(x.dtype, w.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: LayerState) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the matmuls in fp8 per ``state.recipe``;
+    the result (and ``bias``'s addition) in the compute dtype (autocast's, else the
+    inputs'); gradients in ``x``'s and ``weight``'s dtypes."""
+    out_dtype = _compute_dtype(x, weight)
+    lead = x.shape[:-1]
+    with torch.autocast(x.device.type, enabled=False):
+        y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, state, out_dtype)
+        y = y.reshape(*lead, weight.shape[0])
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+    return y
+
+
+_STATE_ATTR = "_ampkit_fp8"
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` converted by :func:`convert`: same parameters, same
+    ``state_dict``, its matmuls in fp8 (see the module docstring). The class of an
+    existing ``nn.Linear`` is switched in place (identity, hooks, optimizer references and
+    DDP wrapping are kept); :func:`ampkit.reset` switches it back."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        state: LayerState | None = self.__dict__.get(_STATE_ATTR)
+        if state is None:
+            return super().forward(input)
+        return fp8_linear(input, self.weight, self.bias, state)
+
+    def extra_repr(self) -> str:
+        state: LayerState | None = self.__dict__.get(_STATE_ATTR)
+        tail = f", fp8={state.recipe.describe()}" if state is not None else ""
+        return super().extra_repr() + tail
+
+
+# --- conversion, state, reporting -----------------------------------------------------------
+
+
+class Fp8Training:
+    """The fp8 layers of one ``initialize``: converts them, saves and loads their scales
+    (``amp.state_dict()["extra"]["fp8"]``), lists them for reports."""
+
+    def __init__(self, recipe: Fp8Recipe, chosen: Sequence[tuple[str, nn.Linear]]) -> None:
+        self.recipe = recipe
+        self.layers: dict[str, tuple[weakref.ref[nn.Linear], LayerState]] = {}
+        for name, module in chosen:
+            state = LayerState(name, recipe)
+            dev = module.weight.device
+            for s in state.roles.values():
+                s.to(dev)
+            self.layers[name] = (weakref.ref(module), state)
+
+    def apply(self) -> None:
+        for ref, state in self.layers.values():
+            module = ref()
+            if module is not None:
+                module.__dict__[_STATE_ATTR] = state
+                module.__class__ = Float8Linear
+                _CONVERTED.add(module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe.describe(), "layers": {n: st.state_dict() for n, (_, st) in self.layers.items()}}
+
+    def check_state_dict(self, sd: Any) -> None:
+        if not isinstance(sd, dict) or not isinstance(sd.get("layers"), dict):
+            raise StateError("the checkpoint's fp8 state is not a dict from amp.state_dict().")
+        if sd.get("recipe") != self.recipe.describe():
+            raise StateError(
+                f"the checkpoint was saved with the fp8 recipe {sd.get('recipe')!r}, this run uses "
+                f"{self.recipe.describe()!r}; initialize with the same Fp8Recipe."
+            )
+        if set(sd["layers"]) != set(self.layers):
+            raise StateError(
+                f"the checkpoint's fp8 layers {sorted(sd['layers'])} differ from this run's "
+                f"{sorted(self.layers)}; initialize the same model with the same Fp8Recipe."
+            )
+        for name, (_, st) in self.layers.items():
+            roles = sd["layers"][name]
+            if not isinstance(roles, dict) or set(roles) != set(_ROLES):
+                raise StateError(f"fp8 layer {name!r}: the checkpoint lacks roles {list(_ROLES)}.")
+            for role, scale in st.roles.items():
+                scale.check_state_dict(roles[role], f"fp8 layer {name!r} {role}")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for name, (_, st) in self.layers.items():
+            for role, scale in st.roles.items():
+                scale.load_state_dict(sd["layers"][name][role])
+
+    def info(self) -> list[Fp8LayerInfo]:
+        out = []
+        for name, (ref, st) in self.layers.items():
+            module = ref()
+            shape = (module.out_features, module.in_features) if module is not None else (0, 0)
+            r = st.roles
+            out.append(
+                Fp8LayerInfo(
+                    name=name,
+                    shape=shape,
+                    recipe=st.recipe.describe(),
+                    calls=r["input"].calls,
+                    scales={k: float(v.scale) for k, v in r.items()},
+                    amax={k: float(v.amax) for k, v in r.items()},
+                    saturated={k: int(v.saturated) for k, v in r.items()},
+                )
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LayerInfo:
+    """One fp8 linear as reports show it: its qualified name, ``(out, in)`` shape,
+    recipe, forward calls seen, and per role (input, weight, grad_output) the last
+    scale, the last abs-max and the casts that saturated. Rowwise recipes keep no
+    per-tensor scale (their entries stay 1.0 / 0.0; ``explain`` shows their ranges)."""
+
+    name: str
+    shape: tuple[int, int]
+    recipe: str
+    calls: int
+    scales: dict[str, float]
+    amax: dict[str, float]
+    saturated: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_CONVERTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class _Current:
+    training: Fp8Training | None = None
+
+
+_CURRENT = _Current()
+
+
+@_reset.on_reset
+def _unconvert() -> None:
+    """Back to plain ``nn.Linear`` on reset / the next ``initialize``."""
+    for module in list(_CONVERTED):
+        if type(module) is Float8Linear:
+            module.__class__ = nn.Linear
+        module.__dict__.pop(_STATE_ATTR, None)
+    _CONVERTED.clear()
+    _CURRENT.training = None
+
+
+def plan(recipe: Fp8Recipe, models: Sequence[nn.Module]) -> Fp8Training:
+    """Choose the layers of ``models`` (validated, nothing changed yet); names are
+    prefixed ``"{i}."`` when there are several models."""
+    chosen: list[tuple[str, nn.Linear]] = []
+    for i, model in enumerate(models):
+        for name, m in recipe.choose(model):
+            chosen.append((f"{i}.{name}" if len(models) > 1 else name, m))
+    if not chosen:
+        warnings.warn(
+            "ampkit fp8: the recipe chose no nn.Linear (it skips the first and last linear, "
+            f"linears narrower than min_features={recipe.min_features} and sizes not divisible by "
+            "16); lower Fp8Recipe.min_features or pass module_filter.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return Fp8Training(recipe, chosen)
+
+
+def activate(training: Fp8Training) -> None:
+    """Convert the planned layers and make ``training`` the current one (after reset)."""
+    training.apply()
+    _CURRENT.training = training
+
+
+def current() -> Fp8Training | None:
+    """The fp8 setup of the current ``initialize`` (None without ``fp8=``)."""
+    return _CURRENT.training
+
+
+def layers() -> list[Fp8LayerInfo]:
+    """The current session's fp8 linears, with their last scales and abs-maxes."""
+    t = _CURRENT.training
+    return t.info() if t is not None else []
+
+
+# --- observing (explain) ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulRecord:
+    """One fp8 matmul: the layer, which of its matmuls (``"forward"``, ``"grad_input"``,
+    ``"grad_weight"``), the operands' fp8 dtypes, their scales' range (``1/scale``,
+    what dequantizes; one value for tensorwise) and the output dtype."""
+
+    module: str
+    matmul: str
+    a_dtype: torch.dtype
+    b_dtype: torch.dtype
+    a_scale: tuple[float, float]
+    b_scale: tuple[float, float]
+    out_dtype: torch.dtype
+
+    def describe(self) -> str:
+        def rng(s: tuple[float, float]) -> str:
+            return f"{s[0]:.3g}" if s[0] == s[1] else f"{s[0]:.3g}..{s[1]:.3g}"
+
+        short = {E4M3: "e4m3", E5M2: "e5m2", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        return (
+            f"{self.module} {self.matmul}: {short.get(self.a_dtype)} x {short.get(self.b_dtype)} -> "
+            f"{short.get(self.out_dtype)}, dequant scales {rng(self.a_scale)} / {rng(self.b_scale)}"
+        )
+
+
+_LOCAL = threading.local()
+
+
+def _observers() -> list[list[Fp8MatmulRecord]]:
+    obs = getattr(_LOCAL, "observers", None)
+    if obs is None:
+        obs = _LOCAL.observers = []
+    return obs
+
+
+def _updates_state() -> bool:
+    """Scales and histories advance on every call, except while observed by ``explain``."""
+    return not _observers()
+
+
+class observe:
+    """``with observe() as records:`` collects an :class:`Fp8MatmulRecord` per fp8 matmul
+    run in this thread; scale state is left unchanged meanwhile (a diagnostic run does
+    not advance delayed-scaling histories)."""
+
+    def __enter__(self) -> list[Fp8MatmulRecord]:
+        self.records: list[Fp8MatmulRecord] = []
+        _observers().append(self.records)
+        return self.records
+
+    def __exit__(self, *exc: Any) -> None:
+        _observers().remove(self.records)
+
+
+def _observe(state: LayerState, matmul: str, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out: torch.dtype) -> None:
+    obs = _observers()
+    if not obs:
+        return
+
+    def rng(s: torch.Tensor) -> tuple[float, float]:
+        return float(s.min()), float(s.max())
+
+    rec = Fp8MatmulRecord(state.name, matmul, a.dtype, b.dtype, rng(sa), rng(sb), out)
+    for records in obs:
+        records.append(rec)
+
+
+def iter_converted(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
+    """The ``(name, layer)`` pairs of ``model`` currently computing in fp8."""
+    for name, m in model.named_modules():
+        if type(m) is Float8Linear and _STATE_ATTR in m.__dict__:
+            yield name, m
+
+
+def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:
+    """``initialize``'s ``fp8=`` argument: a recipe, True (the default recipe), or None/False."""
+    if recipe is None or recipe is False:
+        return None
+    if recipe is True:
+        recipe = Fp8Recipe()
+    if not isinstance(recipe, Fp8Recipe):
+        raise AmpError(f"fp8 must be an ampkit.Fp8Recipe, True or None, got {type(recipe).__name__}.")
+    if level_name == "O0":
+        raise AmpError(
+            "fp8 runs its chosen linears in 8 bits and every other op as the level says; O0 is "
+            "fp32 exactly as written. Use O1 (fp32 weights) or O2 (16-bit model, fp32 masters)."
+        )
+    return recipe
