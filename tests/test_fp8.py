@@ -350,6 +350,22 @@ def test_explain_and_doctor_show_fp8_matmuls_and_scales():
     assert report.to_dict()["fp8"][0]["name"] == "2"
 
 
+@pytest.mark.slow  # a fresh interpreter: a few seconds
+def test_fp8_training_needs_torch_alone():
+    """Neither ``import ampkit`` nor an fp8 training step imports torchao (the extra)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, ampkit as amp\n"
+        "m = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])\n"
+        "m, o = amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), fp8=amp.Fp8Recipe(min_features=16))\n"
+        "m(torch.randn(4, 16)).float().sum().backward()\n"
+        "assert len(amp.fp8.layers()) == 1 and 'torchao' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_matches_torchao_float8_tensorwise():
     """torchao's Float8Linear (dynamic tensorwise, e4m3 forward, e5m2 grads) computes the
     same recipe: outputs and gradients agree to fp32 rounding of the scale."""
@@ -371,6 +387,30 @@ def test_matches_torchao_float8_tensorwise():
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_cuda_fp8_linear_matches_dequantized_reference(granularity):
+    """On a GPU the kernels are cuBLAS/CUTLASS: same scales, same fp8 operands; results
+    agree with the dequantized fp32 reference to accumulation order. 24 tokens: the
+    grad-weight GEMM's inner size is padded to 16s."""
+    fmt = "e4m3" if granularity == "rowwise" else "hybrid"
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).cuda()
+    lin, _ = amp.initialize(lin, None, opt_level="O1", op_casting=False,
+                            fp8=amp.Fp8Recipe(format=fmt, granularity=granularity, module_filter=lambda n, m: True))
+    x = torch.randn(24, 64, device="cuda", requires_grad=True)
+    y = lin(x)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    cpu = copy.deepcopy(lin).cpu()  # current scaling: the same call on CPU is the reference
+    xc = x.detach().cpu().requires_grad_()
+    yc = cpu(xc)
+    yc.backward(gy.cpu())
+    torch.testing.assert_close(y.detach().cpu(), yc.detach(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(x.grad.cpu(), xc.grad, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lin.weight.grad.cpu(), cpu.weight.grad, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow
@@ -406,3 +446,35 @@ def test_char_lm_trains_under_fp8_within_2_percent_of_bf16():
     assert none == 0 and n == 8  # qkv, proj, fc1, fc2 of both blocks
     assert bf16 < 0.8 * 4.0  # it learned (uniform over the vocabulary is ~4.4 nats)
     assert abs(f8 - bf16) <= 0.02 * bf16, (f8, bf16)
+
+
+@pytest.mark.distributed
+def test_two_ranks_agree_on_the_amax_of_inputs_and_grads(tmp_path):
+    """gloo, 2 processes, DDP + O1 + fp8; rank 1's data is 10x rank 0's. Every step both
+    ranks quantize with the same scales, derived from the larger abs-max (MAX all-reduce),
+    for current and delayed scaling; training stays in lockstep."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _fp8_workers
+
+    r0, r1 = _fp8_workers.launch("amax", tmp_path, world_size=2)
+    for scaling in ("current", "delayed"):
+        a, b = r0[scaling], r1[scaling]
+        assert a["layers"] == ["1", "3"]
+        # 3 steps x 2 layers x (input, grad_output), plus the step's found-inf agreement
+        assert a["all_reduces"] == b["all_reduces"] == 3 * 2 * 2 + 3
+        for step, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
+            for role in ("input", "grad_output", "weight"):
+                for x, y in zip(sa[role], sb[role]):
+                    assert torch.equal(x, y), (scaling, step, role)
+            expect_in = torch.maximum(a["local_in"][step], b["local_in"][step])
+            expect_go = torch.maximum(a["local_go"][step], b["local_go"][step])
+            assert torch.equal(sa["input"][0], expect_in) and torch.equal(sa["grad_output"][0], expect_go)
+            assert b["local_in"][step] > a["local_in"][step]  # the ranks' own abs-maxes did differ
+            if scaling == "current":
+                assert torch.equal(sa["input"][1], torch.tensor(448.0) / expect_in)
+            else:
+                assert torch.equal(sa["input"][2][0], expect_in)  # the agreed value entered the history
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))

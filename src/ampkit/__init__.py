@@ -77,6 +77,7 @@ __all__ += [
     "unscale",
 ]
 # --- opt levels, master weights, compensated updates ---
+from . import fp8  # noqa: E402  (fp8 training: Fp8Recipe, layers(), observe())
 from .compensated import CompensatedUpdates  # noqa: E402
 from .fp8 import Fp8Recipe  # noqa: E402
 from .levels import OptLevel, initialize, master_params  # noqa: E402
@@ -87,6 +88,7 @@ __all__ += [
     "CompensatedUpdates",
     "Fp8Recipe",
     "MasterWeights",
+    "fp8",
     "OptLevel",
     "cast_model",
     "initialize",

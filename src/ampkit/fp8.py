@@ -45,10 +45,11 @@ import fnmatch
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _reset
@@ -348,6 +349,16 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * 1/sa) @ (b * 1/sb)`` by ``torch._scaled_mm``, in the layouts CUDA's kernels
+    want: ``a`` row-major, ``b`` column-major, the inner size a multiple of 16 (zero
+    padding, exact), and a row-wise GEMM's output in bf16 (cast to ``out_dtype`` after)."""
+    if a.is_cuda:
+        pad = -a.shape[1] % 16
+        if pad:
+            a = F.pad(a.float(), (0, pad)).to(a.dtype)  # fp8 has no pad kernel
+            b = F.pad(b.float(), (0, 0, 0, pad)).to(b.dtype)
+        if sa.dim() == 2 and out_dtype != torch.bfloat16:
+            return _mm(a, b, sa, sb, torch.bfloat16).to(out_dtype)
     return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=out_dtype)
 
 
@@ -577,7 +588,7 @@ def plan(recipe: Fp8Recipe, models: Sequence[nn.Module]) -> Fp8Training:
             chosen.append((f"{i}.{name}" if len(models) > 1 else name, m))
     if not chosen:
         warnings.warn(
-            "ampkit fp8: the recipe chose no nn.Linear (it skips the first and last linear, "
+            "ampkit fp8: the recipe chose no nn.Linear (by default it skips the first and last linear, "
             f"linears narrower than min_features={recipe.min_features} and sizes not divisible by "
             "16); lower Fp8Recipe.min_features or pass module_filter.",
             UserWarning,
@@ -671,13 +682,6 @@ def _observe(state: LayerState, matmul: str, a: torch.Tensor, b: torch.Tensor, s
     rec = Fp8MatmulRecord(state.name, matmul, a.dtype, b.dtype, rng(sa), rng(sb), out)
     for records in obs:
         records.append(rec)
-
-
-def iter_converted(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
-    """The ``(name, layer)`` pairs of ``model`` currently computing in fp8."""
-    for name, m in model.named_modules():
-        if type(m) is Float8Linear and _STATE_ATTR in m.__dict__:
-            yield name, m
 
 
 def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:

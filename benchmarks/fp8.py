@@ -1,0 +1,164 @@
+"""Step time and memory of bf16 against fp8 training on a transformer whose matmuls are
+at least 4096 wide (``d_model`` 4096: qkv 4096x12288, proj 4096x4096, MLP 4096x16384).
+
+Modes, each on a fresh copy of the same model and data, one after another in this
+process:
+
+- ``bf16``: ``amp.initialize(model, opt, opt_level=LEVEL)``;
+- ``fp8-current``: the same plus ``fp8=Fp8Recipe()`` (e4m3/e5m2, current tensorwise scales);
+- ``fp8-delayed``: ``fp8=Fp8Recipe(scaling="delayed")`` (amax history of 16).
+
+The blocks' linears are converted (``skip_first_last=False``; the vocabulary head is
+below ``min_features``); embeddings, attention's two batched matmuls, norms and the head
+run as the level says (bf16). Reported per mode: the median step time, tokens/s, the
+ratio to bf16; memory: on CUDA the allocator's peak during a step over what was
+allocated before it; on CPU (no allocator statistics) the exact bytes autograd saves
+for backward in one step (``saved``; fp8 layers save 1-byte operands) and the tensors
+alive at the step (parameters, grads, optimizer state, masters; ``state``). The last
+loss is printed as a sanity check (same data in every mode).
+
+    python benchmarks/fp8.py                  # CUDA if present, else a short CPU run
+    python benchmarks/fp8.py --device cuda --layers 4 --batch 8 --seq 1024 --steps 20
+
+The default CPU run is short (1 block, 16 tokens, 2 timed steps): a CPU without native
+bf16 computes the bf16 baseline's matmuls in emulation, so the CPU ratio says nothing
+about a GPU; torch._scaled_mm on CPU dequantizes to fp32 and multiplies in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit as amp
+from ampkit.bench.memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
+from ampkit.bench.workloads import Block
+
+VOCAB = 256
+
+
+class WideLM(nn.Module):
+    """Token embedding, ``layers`` pre-norm transformer blocks of width ``d_model``, head."""
+
+    def __init__(self, d_model: int, layers: int, heads: int, max_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d_model)
+        self.blocks = nn.Sequential(*[Block(d_model, heads, max_len) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.blocks(self.tok(ids))))
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_mode(mode: str, base: nn.Module, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    model = copy.deepcopy(base).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    recipe = None
+    if mode != "bf16":
+        recipe = amp.Fp8Recipe(scaling=mode.split("-")[1], skip_first_last=False)
+    model, opt = amp.initialize(model, opt, opt_level=args.level, dtype=torch.bfloat16, fp8=recipe)
+    converted = len(amp.fp8.layers())
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=g).to(device) for _ in range(4)]
+    cuda = device.type == "cuda"
+
+    def step(i: int) -> float:
+        ids = batches[i % len(batches)]
+        loss = F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for i in range(args.warmup):
+        step(i)
+    times, loss = [], float("nan")
+    peak = saved = state = 0.0
+    for i in range(args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        if not cuda and i == 0:
+            exclude = storage_ptrs(batches)
+            state = live_tensor_bytes(device, exclude) / MIB
+            with SavedActivations(exclude | storage_ptrs(model.parameters())) as sv:
+                loss = step(args.warmup + i)
+            saved = sv.nbytes / MIB
+        else:
+            loss = step(args.warmup + i)
+        if cuda:
+            torch.cuda.synchronize()
+            peak = max(peak, (torch.cuda.max_memory_allocated() - before) / MIB)
+        times.append(time.perf_counter() - t0)
+    amp.reset()
+    gc.collect()
+    return {"mode": mode, "layers": converted, "step_s": statistics.median(times), "loss": loss,
+            "peak_mib": peak, "saved_mib": saved, "state_mib": state}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--d-model", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: 4 on CUDA, 1 on CPU)")
+    parser.add_argument("--batch", type=int, default=None, help="default: 8 on CUDA, 1 on CPU")
+    parser.add_argument("--seq", type=int, default=None, help="default: 1024 on CUDA, 16 on CPU")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 on CUDA, 2 on CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="default: 5 on CUDA, 1 on CPU")
+    parser.add_argument("--level", default="O1", choices=["O1", "O2"])
+    parser.add_argument("--modes", default="bf16,fp8-current,fp8-delayed")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: shared machines)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    for name, gpu, cpu in (("layers", 4, 1), ("batch", 8, 1), ("seq", 1024, 16), ("steps", 20, 2), ("warmup", 5, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if cuda else cpu)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    heads = max(1, args.d_model // 128)
+    base = WideLM(args.d_model, args.layers, heads, args.seq)
+    where = torch.cuda.get_device_name(device) if cuda else f"{cpu_name()}, {args.threads} thread(s)"
+    params = sum(p.numel() for p in base.parameters())
+    print(f"fp8 benchmark on {where}; torch {torch.__version__}")
+    print(f"model: d_model {args.d_model}, {args.layers} block(s), {params / 1e6:.0f}M params; batch {args.batch} x "
+          f"seq {args.seq}; level {args.level}; {args.warmup} warm-up + {args.steps} timed steps per mode")
+    rows = [run_mode(mode, base, args, device) for mode in args.modes.split(",")]
+    ref = rows[0]["step_s"]
+    tokens = args.batch * args.seq
+    mem = "peak MiB" if cuda else "saved MiB  state MiB"
+    print(f"{'mode':<12} {'fp8 layers':>10} {'step s':>9} {'tokens/s':>10} {'vs ' + rows[0]['mode']:>8}  {mem}  last loss")
+    for r in rows:
+        m = f"{r['peak_mib']:8.0f}" if cuda else f"{r['saved_mib']:9.1f}  {r['state_mib']:9.0f}"
+        print(f"{r['mode']:<12} {r['layers']:>10} {r['step_s']:>9.3f} {tokens / r['step_s']:>10.0f} "
+              f"{ref / r['step_s']:>7.2f}x  {m}  {r['loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
