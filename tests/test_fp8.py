@@ -261,6 +261,13 @@ def test_conversion_keeps_identity_and_state_dict_and_reset_reverts():
     amp.reset()
     assert type(layer) is nn.Linear and "_ampkit_fp8" not in layer.__dict__ and fp8.layers() == []
 
+    # a linear the level keeps fp32 (keep_fp32) stays out of fp8
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                                keep_fp32=["2"], fp8=amp.Fp8Recipe(min_features=16))
+    assert [i.name for i in fp8.layers()] == ["1"] and model[2].weight.dtype == torch.float32
+
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> list[float]:
     g = torch.Generator().manual_seed(seed)

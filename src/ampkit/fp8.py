@@ -579,13 +579,16 @@ def _unconvert() -> None:
     _CURRENT.training = None
 
 
-def plan(recipe: Fp8Recipe, models: Sequence[nn.Module]) -> Fp8Training:
-    """Choose the layers of ``models`` (validated, nothing changed yet); names are
-    prefixed ``"{i}."`` when there are several models."""
+def plan(recipe: Fp8Recipe, models: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -> Fp8Training:
+    """Choose the layers of ``models`` (validated, nothing changed yet), leaving out the
+    modules in ``skip`` (those the level keeps fp32); names are prefixed ``"{i}."`` when
+    there are several models."""
     chosen: list[tuple[str, nn.Linear]] = []
+    skipped = {id(m) for m in skip}
     for i, model in enumerate(models):
         for name, m in recipe.choose(model):
-            chosen.append((f"{i}.{name}" if len(models) > 1 else name, m))
+            if id(m) not in skipped:
+                chosen.append((f"{i}.{name}" if len(models) > 1 else name, m))
     if not chosen:
         warnings.warn(
             "ampkit fp8: the recipe chose no nn.Linear (by default it skips the first and last linear, "

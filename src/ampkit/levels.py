@@ -43,7 +43,14 @@ from .errors import AmpError, PolicyError, ScalerError, StateError
 from .fp8 import Fp8Recipe
 from .grads import drop_guards, no_masters_guard
 from .master import MasterWeights
-from .model import add_op_casting, cast_model, check_keep_fp32, params_to_cast, remove_op_casting
+from .model import (
+    add_op_casting,
+    cast_model,
+    check_keep_fp32,
+    kept_fp32_modules,
+    params_to_cast,
+    remove_op_casting,
+)
 from .policy import Policy, check_device_type
 from .scaling import LossScaler, check_scale
 
@@ -509,7 +516,13 @@ def initialize(
         check_keep_fp32(model_list, level.keep_fp32)
     check_models(model_list, level.name, level.cast_model_type is not None)
     recipe = _fp8.check_level(level.name, fp8)
-    fp8_plan = _fp8.plan(recipe, model_list) if recipe is not None else None
+    fp8_plan = None
+    if recipe is not None:
+        # a module the level keeps fp32 (keep_fp32, norm layers) stays out of fp8 too
+        kept = [
+            k for m in model_list for k in kept_fp32_modules(m, level.keep_norm_fp32, keep_fp32=level.keep_fp32)
+        ] if level.cast_model_type is not None else []
+        fp8_plan = _fp8.plan(recipe, model_list, skip=kept)
 
     _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
