@@ -322,6 +322,10 @@ def test_resume_is_bitwise(level, tmp_path):
     before = amp.state_dict()
     with pytest.raises(StateError, match="recipe"):
         amp.load_state_dict(ck["amp"])
+    broken = copy.deepcopy(before)
+    broken["extra"]["fp8"]["layers"]["4"]["weight"]["scale"] = 1.0
+    with pytest.raises(StateError, match="0-d tensor"):
+        amp.load_state_dict(broken)
     assert torch.equal(amp.state_dict()["extra"]["fp8"]["layers"]["2"]["input"]["amax_history"],
                        before["extra"]["fp8"]["layers"]["2"]["input"]["amax_history"])
 

@@ -228,6 +228,9 @@ class TensorScale:
     def check_state_dict(self, sd: Any, where: str) -> None:
         if not isinstance(sd, dict) or set(sd) != {"scale", "amax", "amax_history", "saturated", "initialized", "calls"}:
             raise StateError(f"{where}: not an fp8 scale state; save it with amp.state_dict().")
+        for key in ("scale", "amax", "saturated"):
+            if not (torch.is_tensor(sd[key]) and sd[key].dim() == 0):
+                raise StateError(f"{where}: {key} must be a 0-d tensor, got {sd[key]!r}.")
         if not (torch.is_tensor(sd["amax_history"]) and sd["amax_history"].shape == self.amax_history.shape):
             got = tuple(sd["amax_history"].shape) if torch.is_tensor(sd["amax_history"]) else sd["amax_history"]
             raise StateError(
