@@ -289,6 +289,13 @@ def _live_modules() -> list[nn.Module]:
     return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
 
 
+def _is_wrapper(module: nn.Module) -> bool:
+    """DDP / DataParallel / FSDP1: their buckets and flat parameters are built for the
+    dtypes the model had when it was wrapped."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return bool(names & {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+
+
 def _models_of(params: list[torch.Tensor]) -> tuple[list[nn.Module], str | None]:
     """The smallest modules that together own ``params``: for each root module (no
     other module's child) owning some of them, its smallest descendant that owns all
@@ -304,6 +311,11 @@ def _models_of(params: list[torch.Tensor]) -> tuple[list[nn.Module], str | None]
         own = {id(p) for p in root.parameters()} & wanted
         if not own:
             continue
+        if _is_wrapper(root):
+            return [], (
+                f"trains a model already wrapped in {type(root).__name__}: {{level}} casts the model "
+                "before it is wrapped (build the optimizer before the wrapper to use it)"
+            )
         model = root
         descended = True
         while descended:
@@ -563,7 +575,7 @@ class _Runner:
         models, why = _models_of(params)
         if why is not None:
             record.level = "fp32"
-            return why
+            return why.format(level=self.config.level)
         stepped = {id(p) for p in params}
         for model in models:
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -736,7 +748,8 @@ class _Runner:
     # --- notes and the report ------------------------------------------------------------
     def _note(self, message: str) -> None:
         self.notes.append(message)
-        _LOG.warning("ampkit run: %s", message)
+        if is_rank_zero():
+            _LOG.warning("ampkit run: %s", message)
 
     def report(self, code: int, script: str, args: list[str], wall: float) -> dict[str, Any]:
         self._flush_losses()

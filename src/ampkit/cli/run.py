@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------
 # --compare
 # ---------------------------------------------------------------------------------
-def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tuple[int, str]:
+def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tuple[int, str, str]:
     cmd = [sys.executable, "-m", "ampkit", "run", "--level", level, "--dtype", dtype, "--report", str(report)]
     if args.steps is not None:
         cmd += ["--steps", str(args.steps)]
@@ -129,7 +129,7 @@ def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tu
         cmd += ["--time", repr(args.time)]
     cmd += [args.script, *args.args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    return proc.returncode, proc.stdout + proc.stderr
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def _compare(args: argparse.Namespace, config: Any) -> int:
@@ -150,12 +150,14 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
         for level, name in (("fp32", "fp32"), (config.level, label)):
             err.print(f"[bold]ampkit run --compare[/]: running {args.script} under {name} ...")
             path = Path(tmp) / f"{level}.json"
-            code, output = _child(args, level, config.dtype, path)
+            code, stdout, stderr = _child(args, level, config.dtype, path)
             if code != 0 or not path.exists():
-                tail = "\n".join(output.strip().splitlines()[-15:])
+                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
                 print(f"{tail}\nampkit run --compare: the {name} run exited with code {code}", file=sys.stderr)
                 return code if code != 0 else 1
-            reports.append(json.loads(path.read_text()))
+            report = json.loads(path.read_text())
+            report["last_line"] = _last_line(stdout)
+            reports.append(report)
     render_compare(reports[0], reports[1], label)
     write_compare_png(reports[0], reports[1], label, png)
     print(f"wrote {png}")
@@ -173,13 +175,24 @@ def _tail_mean(values: list[float]) -> float | None:
     return sum(finite[-n:]) / n
 
 
-def compare_rows(ref: list[float], amp: list[float], rows: int = 10) -> list[tuple[int, float, float]]:
-    """(index, fp32 value, level value) at ``rows`` evenly spaced points, last included."""
+def compare_rows(ref: list[float], amp: list[float], rows: int = 10) -> list[tuple[int, int, float, float]]:
+    """The two series cut into ``rows`` consecutive windows of backward() calls: (first
+    call, last call, fp32 mean, level mean) per window (one mini-batch's loss is noisy;
+    a window's mean is what training moved)."""
     n = min(len(ref), len(amp))
     if n == 0:
         return []
-    picks = sorted({round(i * (n - 1) / max(rows - 1, 1)) for i in range(rows)})
-    return [(i + 1, ref[i], amp[i]) for i in picks]
+    rows = min(rows, n)
+    bounds = [round(i * n / rows) for i in range(rows + 1)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        out.append((lo + 1, hi, sum(ref[lo:hi]) / (hi - lo), sum(amp[lo:hi]) / (hi - lo)))
+    return out
+
+
+def _last_line(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1][:60] if lines else ""
 
 
 def render_compare(ref: dict[str, Any], amp: dict[str, Any], label: str) -> None:
@@ -189,18 +202,18 @@ def render_compare(ref: dict[str, Any], amp: dict[str, Any], label: str) -> None
     console = Console()
     for site, ref_values in ref["losses"].items():
         amp_values = amp["losses"].get(site, [])
-        table = Table(title=f"loss at {site} (the value backward() was called on)")
-        table.add_column("#", justify="right")
+        table = Table(title=f"loss at {site}", caption="window means of backward()'s loss")
+        table.add_column("calls", justify="right")
         table.add_column("fp32", justify="right")
         table.add_column(label, justify="right")
         table.add_column("diff", justify="right")
-        for i, a, b in compare_rows(ref_values, amp_values):
-            diff = f"{(b - a) / abs(a) * 100:+.2f}%" if a not in (0.0,) and a == a and b == b else "-"
-            table.add_row(str(i), f"{a:.4f}", f"{b:.4f}", diff)
+        for lo, hi, a, b in compare_rows(ref_values, amp_values):
+            diff = f"{(b - a) / abs(a) * 100:+.1f}%" if a != 0.0 and a == a and b == b else "-"
+            table.add_row(f"{lo}-{hi}", f"{a:.4f}", f"{b:.4f}", diff)
         console.print(table)
     summary = Table(title="fp32 vs " + label)
-    for col in ("run", "iterations", "ms/iter (median)", "vs fp32", "final loss*", "skipped steps", "notes"):
-        summary.add_column(col, justify="left" if col in ("run", "notes") else "right")
+    for col in ("run", "iterations", "ms/iter", "vs fp32", "final loss*", "skipped", "script's last line"):
+        summary.add_column(col, justify="left" if col in ("run", "script's last line") else "right")
     base = ref["iteration_ms_median"]
     for name, rep in (("fp32", ref), (label, amp)):
         ms = rep["iteration_ms_median"]
@@ -208,13 +221,27 @@ def render_compare(ref: dict[str, Any], amp: dict[str, Any], label: str) -> None
         first_site = next(iter(rep["losses"]), None)
         final = _tail_mean(rep["losses"][first_site]) if first_site else None
         skipped = sum(o["skipped"] for o in rep["optimizers"])
-        notes = "; ".join(rep["notes"])[:120]
         summary.add_row(
             name, str(rep["iterations"]), "-" if ms is None else f"{ms:.2f}", speed,
-            "-" if final is None else f"{final:.4f}", str(skipped), notes,
+            "-" if final is None else f"{final:.4f}", str(skipped), rep.get("last_line", ""),
         )
     console.print(summary)
-    console.print("* mean of the last tenth of the first loss series; vs fp32 = fp32 ms/iter over this run's")
+    console.print(
+        "ms/iter: median time between steps of the first optimizer; vs fp32: fp32's ms/iter over "
+        "the run's; * mean of the last tenth of the first loss series"
+    )
+    for note in amp["notes"]:
+        console.print(f"note: {note}")
+
+
+def _running_mean(values: list[float], window: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def write_compare_png(ref: dict[str, Any], amp: dict[str, Any], label: str, path: Path) -> None:
@@ -226,9 +253,11 @@ def write_compare_png(ref: dict[str, Any], amp: dict[str, Any], label: str, path
     sites = list(ref["losses"])
     fig, axes = plt.subplots(1, max(1, len(sites)), figsize=(5.5 * max(1, len(sites)), 3.6), squeeze=False)
     for ax, site in zip(axes[0], sites):
-        ax.plot(range(1, len(ref["losses"][site]) + 1), ref["losses"][site], label="fp32", lw=1.2)
-        values = amp["losses"].get(site, [])
-        ax.plot(range(1, len(values) + 1), values, label=label, lw=1.2, alpha=0.8)
+        for name, values, color in (("fp32", ref["losses"][site], "C0"), (label, amp["losses"].get(site, []), "C1")):
+            xs = range(1, len(values) + 1)
+            ax.plot(xs, values, color=color, lw=0.6, alpha=0.3)
+            ax.plot(xs, _running_mean(values), color=color, lw=1.5, label=f"{name} (running mean)")
+        ax.set_yscale("log" if all(v > 0 for v in ref["losses"][site]) else "linear")
         ax.set_title(f"loss at {site}", fontsize=9)
         ax.set_xlabel("backward() call")
         ax.legend(fontsize=8)
