@@ -247,6 +247,19 @@ def test_fp16_loss_scaling_matches_fp32(capsys, tmp_path):
     assert abs(report["losses"][_site("classifier.py", "loss.backward()")][0] - 2.075) < 0.01
 
 
+def test_fp16_grads_are_real_when_the_script_clips(capsys, tmp_path):
+    """clip_grad_norm_ right after backward sees unscaled gradients (not 65536x)."""
+    args = ["--steps", "20", "--clip", "0.5"]
+    out, err, report = _against_fp32(["--dtype", "fp16"], "classifier.py", args, capsys, tmp_path)
+    reference = _plain("classifier.py", args, capsys)
+
+    def norm(text: str) -> float:
+        return float(next(line for line in text.splitlines() if line.startswith("grad_norm")).split()[1])
+
+    assert report["scaled_backward_calls"] == 20
+    assert abs(norm(out) - norm(reference)) <= 0.01 * norm(reference)
+
+
 @pytest.mark.slow
 def test_fp16_gan_scales_once_for_both_optimizers(capsys, tmp_path):
     """The generator's loss reaches both models: one scale, shared by the two optimizers."""
@@ -255,6 +268,12 @@ def test_fp16_gan_scales_once_for_both_optimizers(capsys, tmp_path):
     assert report["scaled_backward_calls"] == 600
     scales = {o["loss_scale"] for o in report["optimizers"]}
     assert len(scales) == 1
+
+
+def test_o2_without_optimizer_is_o1_casting(capsys, tmp_path):
+    code, out, err, report = _run(["--level", "O2"], "rnn_lm.py", ["--steps", "2"], capsys, tmp_path)
+    assert code == 0 and report["level_applied"] == "O1" and report["forward_scopes"] > 0
+    assert "ampkit run: O1 (asked O2) bf16" in err
 
 
 def test_fp16_refused_for_manual_updates(capsys, tmp_path):

@@ -377,6 +377,9 @@ class _Runner:
         self._orig_opt_init: Callable[..., None] | None = None
         self._orig_backward: Callable[..., Any] | None = None
         self._step_handle: Any = None
+        self._pre_handle: Any = None
+        self._step_started: float | None = None
+        self.step_seconds = 0.0
         self.stopped_early: str | None = None
         self._managing = False
         self._scalers: list[weakref.ref] = []
@@ -384,7 +387,10 @@ class _Runner:
 
     # --- install / remove ------------------------------------------------------------
     def install(self) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         runner = self
         self._before = [weakref.ref(s) for s in _grad_scalers()]
@@ -406,6 +412,7 @@ class _Runner:
         torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
         torch.autograd.backward = backward
         self._step_handle = register_optimizer_step_post_hook(self._on_unmanaged_step)
+        self._pre_handle = register_optimizer_step_pre_hook(self._before_step)
         if self._forward is not None:
             self._forward.install()
         if self._schedulers is not None:
@@ -419,9 +426,10 @@ class _Runner:
         if self._orig_backward is not None:
             torch.autograd.backward = self._orig_backward
             self._orig_backward = None
-        if self._step_handle is not None:
-            self._step_handle.remove()
-            self._step_handle = None
+        for handle in (self._step_handle, self._pre_handle):
+            if handle is not None:
+                handle.remove()
+        self._step_handle = self._pre_handle = None
         if self._forward is not None:
             self._forward.remove()
         if self._schedulers is not None:
@@ -617,9 +625,17 @@ class _Runner:
                 self._fold_stats(rec)
 
     # --- steps and iterations ----------------------------------------------------------
+    def _before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook (the optimizer's own update, taken steps only)."""
+        self._step_started = time.perf_counter()
+
     def _on_unmanaged_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step post-hook: steps of optimizers ampkit does not manage
-        (the fp32 run; managed ones report through their own hooks)."""
+        """Global optimizer step post-hook: the time of the update; and the steps of
+        optimizers ampkit does not manage (the fp32 run; managed ones report through
+        their own hooks)."""
+        if self._step_started is not None:
+            self.step_seconds += time.perf_counter() - self._step_started
+            self._step_started = None
         for rec in self.optimizers:
             if rec.ref() is opt:
                 if rec.level in ("O1", "O2", "O2K"):
@@ -754,6 +770,8 @@ class _Runner:
     def report(self, code: int, script: str, args: list[str], wall: float) -> dict[str, Any]:
         self._flush_losses()
         times = self.iter_times
+        if self.level_applied in ("O2", "O2K") and not any(r.level == self.level_applied for r in self.optimizers):
+            self.level_applied = "O1"  # no optimizer: casting in forward passes only
         return {
             "script": script,
             "args": args,
@@ -766,6 +784,7 @@ class _Runner:
             "iterations": self.iterations,
             "iteration_ms_median": statistics.median(times) * 1e3 if times else None,
             "iteration_seconds_total": sum(times),
+            "optimizer_step_seconds": self.step_seconds,
             "backward_calls": self.backwards,
             "scaled_backward_calls": self.scaled_backwards,
             "forward_scopes": self._forward.scopes_opened if self._forward is not None else 0,
@@ -899,7 +918,8 @@ def format_summary(report: dict[str, Any]) -> str:
     if report["iteration_ms_median"] is not None:
         lines.append(
             f"  {report['iterations']} iterations, median {report['iteration_ms_median']:.2f} ms, "
-            f"{report['iteration_seconds_total']:.2f} s in iterations"
+            f"{report['iteration_seconds_total']:.2f} s in iterations, "
+            f"{report['optimizer_step_seconds']:.2f} s in optimizer updates"
         )
     for site, values in report["losses"].items():
         lines.append(f"  loss at {site}: {len(values)} values, first {_fmt(values[0])}, last {_fmt(values[-1])}")

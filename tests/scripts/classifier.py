@@ -12,6 +12,7 @@ parser.add_argument("--steps", type=int, default=300)
 parser.add_argument("--batch", type=int, default=64)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
 parser.add_argument("--freeze-first", action="store_true", help="leave the first layer out of the optimizer")
 args = parser.parse_args()
 
@@ -45,6 +46,10 @@ for step in range(args.steps):
     optimizer.zero_grad()
     loss = F.cross_entropy(model(x), y)
     loss.backward()
+    if args.clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if step == 0:
+            print(f"grad_norm {norm.item():.6f}")
     optimizer.step()
     if step % 100 == 0:
         print(f"step {step} loss {loss.item():.4f}")
