@@ -57,7 +57,15 @@ def job_amax(rank: int, world: int, outdir: Path) -> dict:
                 opt.step()
                 opt.zero_grad()
                 steps.append({r: (s.amax.clone(), s.scale.clone(), s.amax_history.clone()) for r, s in st.items()})
+        solo = None
+        if rank == 0:  # one rank evaluates alone: no collective may be called (it would hang)
+            with _dist_workers.CountAllReduce() as alone:
+                with torch.no_grad():
+                    model(torch.randn(4, 32))
+                amp.explain(model, torch.randn(4, 32))
+            solo = alone.calls
         out[scaling] = {
+            "solo_all_reduces": solo,
             "steps": steps,
             "local_in": torch.stack(local_in),
             "local_go": torch.stack(local_go),

@@ -211,6 +211,49 @@ def test_nonfinite_input_is_detected_not_clamped_and_stays_out_of_the_history():
     assert q.float().tolist() == [57344.0, -57344.0, 1.0]
 
 
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_activation_checkpointing_and_no_grad_evaluation(scaling):
+    """A checkpointed block recomputes its forward inside backward with the scales the
+    first pass used (gradients and scale state bitwise equal to the run without
+    checkpointing); evaluation under no_grad leaves the scale state alone."""
+    from torch.utils.checkpoint import checkpoint
+
+    rec = amp.Fp8Recipe(scaling=scaling, amax_history_len=4, min_features=16)
+
+    def run(ckpt: bool) -> tuple[list[torch.Tensor], dict]:
+        model = _lm_like()
+        model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                                    op_casting=False, fp8=rec)
+        g = torch.Generator().manual_seed(0)
+        grads = []
+        for _ in range(3):
+            x = torch.randn(8, 32, generator=g)
+            h = model[0](x)
+            mid = checkpoint(model[1:5], h, use_reentrant=False) if ckpt else model[1:5](h)
+            loss = model[5:](mid).pow(2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            grads += [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # an evaluation between steps
+                before = amp.state_dict()["extra"]["fp8"]
+                model(torch.randn(8, 32, generator=g) * 50)
+                after = amp.state_dict()["extra"]["fp8"]
+            assert all(torch.equal(before["layers"][n][r][k], after["layers"][n][r][k])
+                       for n in before["layers"] for r in before["layers"][n] for k in ("scale", "amax_history", "amax"))
+        return grads, amp.state_dict()["extra"]["fp8"]
+
+    plain, plain_state = run(False)
+    ckpt, ckpt_state = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+    for name, roles in plain_state["layers"].items():
+        for role, st in roles.items():
+            assert st["calls"] == ckpt_state["layers"][name][role]["calls"] == 3
+            assert torch.equal(st["amax_history"], ckpt_state["layers"][name][role]["amax_history"])
+            assert torch.equal(st["scale"], ckpt_state["layers"][name][role]["scale"])
+
+
 def test_layer_choice_default_filter_exclude_and_refusals():
     class Sub(nn.Linear):
         pass
@@ -489,3 +532,4 @@ def test_two_ranks_agree_on_the_amax_of_inputs_and_grads(tmp_path):
             else:
                 assert torch.equal(sa["input"][2][0], expect_in)  # the agreed value entered the history
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+        assert a["solo_all_reduces"] == 0  # rank 0 evaluated and explained alone, no collective

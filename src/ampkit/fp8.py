@@ -210,6 +210,8 @@ class TensorScale:
         self.saturated = torch.zeros((), dtype=torch.int64)
         self.initialized = False
         self.calls = 0
+        #: the scale of the last forward cast, for a checkpointed forward's recomputation
+        self.used: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> None:
         for name in ("scale", "amax", "amax_history", "saturated"):
@@ -280,21 +282,33 @@ def _dequant(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), inv, torch.full_like(inv, float("nan")))
 
 
+#: How a forward call treats the scale state: ``"train"`` uses it and advances it (the
+#: abs-max agreed across ranks); ``"frozen"`` (no_grad evaluation, ``explain``) uses it and
+#: leaves it alone, and never calls a collective (one rank may evaluate alone);
+#: ``"replay"`` (activation checkpointing recomputing a forward inside backward) reuses the
+#: scale the recomputed call used, so the recomputed operands equal the originals.
+Mode = Literal["train", "frozen", "replay"]
+
+
 def quantize_tensorwise(
-    t: torch.Tensor, fp8: torch.dtype, state: TensorScale, recipe: Fp8Recipe, reduce: bool, update: bool
+    t: torch.Tensor, fp8: torch.dtype, state: TensorScale, recipe: Fp8Recipe, reduce: bool, mode: Mode
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` in ``fp8`` with one scale; returns ``(q, 1/scale)``. Updates ``state``
-    (scale, abs-max, history, saturation count) unless ``update`` is False."""
+    """``t`` in ``fp8`` with one scale; returns ``(q, 1/scale)``. In ``"train"`` mode
+    ``state`` (scale, abs-max, history, saturation count) advances; see :data:`Mode`."""
     amax = t.detach().abs().amax().float()
-    if reduce and recipe.reduce_amax:
+    if reduce and recipe.reduce_amax and mode == "train":
         amax = _all_reduce_max(amax)
-    if recipe.scaling == "current" or not state.initialized:
+    if mode == "replay" and state.used is not None:
+        scale = state.used
+    elif recipe.scaling == "current" or not state.initialized:
         scale = _scale_from_amax(amax, fp8, recipe)
     else:
         scale = state.scale
     q = _saturate(t, scale, fp8)
     inv = _dequant(scale, amax)
-    if update:
+    if mode != "replay":
+        state.used = scale.detach()
+    if mode == "train":
         _record(state, amax, scale, fp8, recipe)
     return q, inv
 
@@ -374,21 +388,20 @@ class _Fp8Matmul(torch.autograd.Function):
     """``x2d @ w.T`` with fp8 operands; backward's two matmuls in fp8 too."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, state: LayerState, out_dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, state: LayerState, out_dtype: torch.dtype, mode: Mode) -> torch.Tensor:  # type: ignore[override]
         recipe = state.recipe
-        update = _updates_state()
-        ctx.state, ctx.update = state, update
+        ctx.state, ctx.mode = state, mode
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         if recipe.granularity == "rowwise":
             xq, xs, _ = quantize_rowwise(x, E4M3, -1, recipe)
             wq, ws, _ = quantize_rowwise(w, E4M3, -1, recipe)
             ws = ws.t()
             ctx.save_for_backward(x, w)
-            if update:
+            if mode == "train":
                 state.roles["input"].calls += 1
         else:
-            xq, xs = quantize_tensorwise(x, E4M3, state.roles["input"], recipe, reduce=True, update=update)
-            wq, ws = quantize_tensorwise(w, E4M3, state.roles["weight"], recipe, reduce=False, update=update)
+            xq, xs = quantize_tensorwise(x, E4M3, state.roles["input"], recipe, reduce=True, mode=mode)
+            wq, ws = quantize_tensorwise(w, E4M3, state.roles["weight"], recipe, reduce=False, mode=mode)
             ctx.save_for_backward(xq, wq, xs, ws)
         y = _mm(xq, wq.t(), xs, ws, out_dtype)
         _observe(state, "forward", xq, wq, xs, ws, out_dtype)
@@ -413,16 +426,18 @@ class _Fp8Matmul(torch.autograd.Function):
                 xq, xs, _ = quantize_rowwise(x, E4M3, 0, recipe)
                 gw = _mm(gq.t(), xq, gs.t(), xs, ctx.w_dtype)
                 _observe(state, "grad_weight", gq.t(), xq, gs.t(), xs, ctx.w_dtype)
-            return gx, gw, None, None
+            return gx, gw, None, None, None
         xq, wq, xs, ws = ctx.saved_tensors
-        gq, gs = quantize_tensorwise(gy, gdt, state.roles["grad_output"], recipe, reduce=True, update=ctx.update)
+        # the gradient is never recomputed: it advances the state when its forward did
+        mode = "train" if ctx.mode == "train" else "frozen"
+        gq, gs = quantize_tensorwise(gy, gdt, state.roles["grad_output"], recipe, reduce=True, mode=mode)
         if need_x:
             gx = _mm(gq, wq, gs, ws, ctx.x_dtype)
             _observe(state, "grad_input", gq, wq, gs, ws, ctx.x_dtype)
         if need_w:
             gw = _mm(gq.t(), xq, gs, xs, ctx.w_dtype)
             _observe(state, "grad_weight", gq.t(), xq, gs, xs, ctx.w_dtype)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -441,7 +456,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out_dtype = _compute_dtype(x, weight)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
-        y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, state, out_dtype)
+        y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, state, out_dtype, _forward_mode())
         y = y.reshape(*lead, weight.shape[0])
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -658,9 +673,14 @@ def _observers() -> list[list[Fp8MatmulRecord]]:
     return obs
 
 
-def _updates_state() -> bool:
-    """Scales and histories advance on every call, except while observed by ``explain``."""
-    return not _observers()
+def _forward_mode() -> Mode:
+    """The :data:`Mode` of a forward call made now (read outside the autograd Function,
+    where grad mode is still the caller's)."""
+    if _observers() or not torch.is_grad_enabled():
+        return "frozen"
+    if torch._C._current_graph_task_id() != -1:  # a forward run inside backward: recomputation
+        return "replay"
+    return "train"
 
 
 class observe:
