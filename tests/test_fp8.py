@@ -6,6 +6,7 @@ and an LM that trains as well as bf16."""
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -292,12 +293,13 @@ def test_conversion_keeps_identity_and_state_dict_and_reset_reverts():
     keys = list(model.state_dict())
     layer, weight = model[2], model[2].weight
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
-                                fp8=amp.Fp8Recipe(min_features=16))
+                                fp8=amp.Fp8Recipe(module_filter=lambda name, m: name == "2"))
     assert model[2] is layer and type(layer) is fp8.Float8Linear and layer.weight is weight
     assert layer.weight.dtype == torch.bfloat16  # O2 cast the model; masters stay fp32
     assert all(p.dtype == torch.float32 for p in amp.master_params(opt))
     assert list(model.state_dict()) == keys
     assert "fp8=hybrid current" in repr(model)
+    pickle.loads(pickle.dumps(model))  # whole-model torch.save works
     out = model(torch.randn(4, 32))
     assert out.dtype == torch.float32  # O2's output cast
     assert [i.name for i in fp8.layers()] == ["2"]

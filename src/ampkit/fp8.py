@@ -353,7 +353,8 @@ class LayerState:
 
     def __init__(self, name: str, recipe: Fp8Recipe) -> None:
         self.name = name
-        self.recipe = recipe
+        # the filter only chose the layers; without it the model pickles (a lambda would not)
+        self.recipe = dataclasses.replace(recipe, module_filter=None) if recipe.module_filter else recipe
         self.roles = {r: TensorScale(recipe.amax_history_len) for r in _ROLES}
 
     def state_dict(self) -> dict[str, Any]:
