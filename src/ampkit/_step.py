@@ -22,7 +22,7 @@ from .errors import NumericsError, StateError
 from .fast_step import nonfinite_flag, use_fastest_kernel
 from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, to_fp32, unscale_and_check_
-from .session import ExtraState, require_keys
+from .session import ExtraRegister, ExtraState, require_keys
 
 __all__ = ["ManagedOptimizer", "Trainer", "managed_state", "record_unmanaged_step", "last_skipped"]
 
@@ -144,21 +144,12 @@ class ManagedOptimizer:
             self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
 
     # --- extension API ---------------------------------------------------------------
-    def register_extra_state(
-        self,
-        name: str,
-        get_fn: Callable[[], Any],
-        set_fn: Callable[[Any], None],
-        check_fn: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Save ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``;
-        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``.
-
-        ``check_fn(value)``, if given, validates a saved value without changing anything
-        (raising an :class:`~ampkit.AmpError`); ``ampkit.load_state_dict`` runs every
-        check of the checkpoint before any ``set_fn``, so a rejected checkpoint leaves
-        everything as it was. ``set_fn`` must then not fail."""
-        self._extra.register(name, get_fn, set_fn, check_fn)
+    @property
+    def register_extra_state(self) -> ExtraRegister:
+        """``register_extra_state(name, get_fn, set_fn, check_fn=None)``: save
+        ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``
+        (:meth:`ampkit.session.ExtraState.register`)."""
+        return self._extra.register
 
     # --- the step wrapper ------------------------------------------------------------
     def _install_step(self) -> None:

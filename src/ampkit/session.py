@@ -30,7 +30,12 @@ __all__ = [
 _FORMAT = "ampkit.session/1"
 
 # Extra state of an optimizer or a session: (get_fn, set_fn, check_fn or None).
-Extra = tuple[Callable[[], Any], Callable[[Any], None], "Callable[[Any], None] | None"]
+_Get = Callable[[], Any]
+_Set = Callable[[Any], None]
+_Check = Callable[[Any], None]
+Extra = tuple[_Get, _Set, "_Check | None"]
+#: ``register_extra_state(name, get_fn, set_fn, check_fn=None)``
+ExtraRegister = Callable[..., None]
 
 
 def require_keys(state_dict: Any, keys: Sequence[str], where: str) -> None:
@@ -56,13 +61,14 @@ class ExtraState:
         self.registrant = registrant  # "this run", "this session": who registers the names
         self.items: dict[str, Extra] = {}
 
-    def register(
-        self,
-        name: str,
-        get_fn: Callable[[], Any],
-        set_fn: Callable[[Any], None],
-        check_fn: Callable[[Any], None] | None = None,
-    ) -> None:
+    def register(self, name: str, get_fn: _Get, set_fn: _Set, check_fn: _Check | None = None) -> None:
+        """Save ``get_fn()`` under ``name`` in ``ampkit.state_dict()``;
+        ``ampkit.load_state_dict`` passes the saved value to ``set_fn``.
+
+        ``check_fn(value)``, if given, validates a saved value without changing anything
+        (raising an :class:`~ampkit.AmpError`); ``ampkit.load_state_dict`` runs every
+        check of the checkpoint before any ``set_fn``, so a rejected checkpoint leaves
+        everything as it was. ``set_fn`` must then not fail."""
         if name in self.items:
             raise StateError(f"{self.what} {name!r} is already registered.")
         self.items[name] = (get_fn, set_fn, check_fn)
@@ -133,18 +139,12 @@ class Session:
     def unregister(self, member: SessionMember) -> None:
         self._members = [m for m in self._members if m is not member]
 
-    def register_extra_state(
-        self,
-        name: str,
-        get_fn: Callable[[], Any],
-        set_fn: Callable[[Any], None],
-        check_fn: Callable[[Any], None] | None = None,
-    ) -> None:
-        """Save ``get_fn()`` under ``name`` in :meth:`state_dict`; :meth:`load_state_dict`
-        passes the saved value to ``set_fn``. Names are unique per session.
-        ``check_fn(value)``, if given, validates a saved value without changing anything;
-        every check runs before any state is loaded."""
-        self._extra.register(name, get_fn, set_fn, check_fn)
+    @property
+    def register_extra_state(self) -> ExtraRegister:
+        """``register_extra_state(name, get_fn, set_fn, check_fn=None)``: save
+        ``get_fn()`` under ``name`` in :meth:`state_dict` (:meth:`ExtraState.register`;
+        names are unique per session)."""
+        return self._extra.register
 
     def state_dict(self) -> dict[str, Any]:
         """``{"format", "trainers": [per init_trainer call], "extra": {name: value}}``."""
@@ -191,10 +191,11 @@ class Session:
         for member in reversed(self._members):
             member.release()
         self._members = []
-        self._extra = ExtraState("extra session state", "this session")
+        self._extra.items.clear()
         self._closed = True
 
 
+# Module state: the current AMP session is process-wide by design (see ampkit.reset).
 _current = Session()
 
 
@@ -212,14 +213,9 @@ def new_session() -> Session:
     return _current
 
 
-def register_extra_state(
-    name: str,
-    get_fn: Callable[[], Any],
-    set_fn: Callable[[Any], None],
-    check_fn: Callable[[Any], None] | None = None,
-) -> None:
+def register_extra_state(name: str, get_fn: _Get, set_fn: _Set, check_fn: _Check | None = None) -> None:
     """Register session-wide extra state in the current session (see
-    :meth:`Session.register_extra_state`). Per-optimizer extra state goes through
+    :meth:`ExtraState.register`). Per-optimizer extra state goes through
     ``ampkit.optim.managed_state(opt).register_extra_state``."""
     _current.register_extra_state(name, get_fn, set_fn, check_fn)
 
