@@ -246,3 +246,44 @@ def test_name_rules_are_written_against_the_model_inside_wrappers(cpu_parallel_a
     assert torch.equal(threaded, direct) and torch.equal(caller_side, direct)
     with amp.autocast(amp.Policy(), "cpu"):
         assert inner(x)[0].dtype == BF16  # without the rule
+
+
+def test_casting_is_per_thread_and_the_session_per_process():
+    """The one rule of init/reset (ampkit.reset's docstring, README "Threads and
+    processes"): init and reset act on the calling thread's casting only; reset drops
+    the process's session and managed optimizers from any thread."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    seen = {}
+    amp.init(device_type="cpu")
+    try:
+        assert (a @ b).dtype == torch.bfloat16
+
+        def other_thread():
+            seen["before"] = ((a @ b).dtype, amp.is_active())
+            amp.init(device_type="cpu")
+            seen["own init"] = (a @ b).dtype
+
+        _run_in_thread(other_thread)
+        assert seen["before"] == (torch.float32, False)  # main's init does not reach it
+        assert seen["own init"] == torch.bfloat16
+        assert (a @ b).dtype == torch.bfloat16  # its init (and exit) leave main's alone
+
+        model = nn.Linear(4, 4)
+        opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1))
+        assert len(amp.state_dict()["trainers"]) == 1
+
+        def reset_elsewhere():
+            amp.reset()
+            seen["after reset"] = (a @ b).dtype
+
+        _run_in_thread(reset_elsewhere)
+        assert seen["after reset"] == torch.float32
+        assert amp.state_dict()["trainers"] == []  # the session: process-wide
+        with pytest.raises(amp.StateError, match="not managed by ampkit"):
+            amp.stats(opt)  # the optimizer was released
+        assert "step" not in opt.__dict__
+        assert (a @ b).dtype == torch.bfloat16  # main's casting: its own thread's
+        assert amp.is_active()
+    finally:
+        amp.reset()
+    assert (a @ b).dtype == torch.float32 and not amp.is_active()

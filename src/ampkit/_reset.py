@@ -19,7 +19,18 @@ def on_reset(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def reset() -> None:
-    """Turn ampkit's process-wide state off: global casting, the current session
-    and every optimizer integration. Objects you hold (policies, scalers) stay usable."""
+    """Undo ``ampkit.init``, ``init_trainer`` and ``initialize``. Objects you hold
+    (policies, scalers, models) stay usable.
+
+    Threads and processes, the one rule: *casting* is per thread, like
+    ``torch.autocast``'s own state -- :func:`ampkit.init` turns it on for the calling
+    thread only (other threads, running or started later, are not affected; replica
+    threads of ``nn.DataParallel`` run under their caller's scopes), and ``reset``
+    turns it off for the calling thread only. Everything else is per *process*: the
+    AMP session (:func:`ampkit.state_dict`), every optimizer set up by
+    ``init_trainer``/``initialize`` (released: their own ``step`` comes back) and the
+    state of the opt levels; ``reset`` from any thread drops them all. ampkit's
+    registered kernels and global module hooks are removed by a ``reset`` only in a
+    process's one thread with no scope open (they are inert outside ampkit scopes)."""
     for fn in reversed(_RESETTERS):
         fn()

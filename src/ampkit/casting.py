@@ -105,6 +105,7 @@ class _Resolved:
     intercepted: frozenset[str]  # aten base names that need our kernel
 
 
+# Engine state: policy -> resolved categories, a cache (a policy is an immutable value).
 _RESOLVED: dict[tuple[int, str, bool], tuple[Policy, _Resolved]] = {}
 
 # (device type, dtype) -> {aten op: category} for ops torch.autocast lowers but whose
@@ -226,6 +227,7 @@ class _ThreadRecord:
 
 
 # thread id -> its record; an entry goes with its thread's state (thread exit)
+# Engine state: the threads with engine state (DataParallel replicas inherit from them).
 _THREADS: weakref.WeakValueDictionary[int, _ThreadRecord] = weakref.WeakValueDictionary()
 
 
@@ -449,6 +451,7 @@ def _guard_compiled_code() -> None:
         logger.debug("ampkit: could not add the policy guard to compiled code", exc_info=True)
 
 
+# Engine state: set once, when dynamo is told to skip the kernel frames.
 _kernel_frames_skipped = False
 
 
@@ -814,6 +817,7 @@ def _compiled_post(module: nn.Module) -> None:
 # state to restore after a module is kept per module, and the root that name rules are
 # relative to is found among the modules traced first (not from a per-trace stack).
 _trace = threading.local()
+# Engine state: compiled modules traced under ampkit scopes (weak references).
 _COMPILED_ROOTS: list[weakref.ref] = []
 
 
@@ -896,6 +900,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
             return module
 
 
+# Engine state: a cache of policies derived from immutable policies.
 _DERIVED: dict[tuple[int, torch.dtype], tuple[Policy, Policy]] = {}
 
 
@@ -943,6 +948,7 @@ def _clear_caches() -> None:
         frame.cache.clear()
 
 
+# Engine state: the one global optimizer step hook that drops the cast cache.
 _step_hook_installed = False
 _step_hook_lock = threading.Lock()
 
@@ -1143,6 +1149,7 @@ def _last_scope_closed() -> None:
         _hooks.remove()
 
 
+# Engine state: guard keys of torch.compile, the same for equal policies (a cache).
 _COMPILE_KEYS: dict[tuple[Any, ...], str] = {}
 _POLICY_KEYS: dict[int, tuple[weakref.ref, tuple[Any, ...]]] = {}
 
@@ -1294,7 +1301,8 @@ def init(
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 
     Returns the policy in force. Calling ``init`` again in the thread replaces the
-    previous one; :func:`ampkit.reset` turns casting off in the thread that calls it.
+    previous one. Per thread, like ``torch.autocast``: see :func:`ampkit.reset` for
+    what is per thread and what per process.
     """
     device = check_device_type(device_type or default_device_type())
     if policy is not None and not isinstance(policy, Policy):
