@@ -56,10 +56,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _reset
+import ampkit
+
+from .. import _reset, optim
 from .._dtypes import default_device_type
 from ..errors import AmpError, PolicyError, StateError
 from ..model import cast_tensors
+from ..policy import canonical_op
 from ..scaling import LossScaler
 
 __all__ = ["amp"]
@@ -82,6 +85,7 @@ class _Registry:
         self.optimizers: list[torch.optim.Optimizer] = []
 
 
+# Module state: apex.amp's API is process-global by design (registrations before init).
 _state = _Registry()
 
 # model -> handles of the fp32 state-dict hooks the compat initialize put on its modules
@@ -156,6 +160,7 @@ class _AmpState:
         return [_ScalerView(s) for s in _scalers()]
 
 
+# Module state: apex.amp._amp_state, which legacy scripts read and set.
 _amp_state = _AmpState()
 
 
@@ -196,8 +201,6 @@ def initialize(
     else ``(models, optimizers)``, in the shapes given. ``verbosity`` is accepted and
     ignored (ampkit reports through the ``ampkit`` logger). ``enabled=False`` returns
     the arguments untouched and makes ``scale_loss`` a pass-through."""
-    import ampkit
-
     registrations = (list(_state.lower), list(_state.fp32), list(_state.promote))
     if not enabled:
         _reset.reset()
@@ -275,8 +278,6 @@ def scale_loss(
     ``scale_loss`` before ``step()`` brings the grads back to its own scale, so
     several losses and accumulation work either way. ``model`` and
     ``delay_overflow_check`` are accepted and unused, as in apex."""
-    import ampkit
-
     if not _state.enabled:
         yield loss
         return
@@ -285,8 +286,6 @@ def scale_loss(
             "amp.scale_loss called before amp.initialize: call "
             "amp.initialize(model, optimizer, opt_level=...) first."
         )
-    from .. import optim
-
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     with ampkit.scale_loss(loss, optimizers, loss_id=loss_id) as scaled:
         yield scaled
@@ -316,14 +315,10 @@ def _skip_together(states: list[Any]) -> None:
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
     """apex's ``amp.master_params``: the parameters the optimizer steps (fp32
     masters under O2)."""
-    import ampkit
-
     return ampkit.master_params(optimizer)
 
 
 def _scalers() -> list[Any]:
-    from .. import optim
-
     if not _state.optimizers:
         return []
     return list(optim.managed_state(_state.optimizers[0]).scalers)
@@ -333,8 +328,6 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """apex's ``amp.state_dict``: ``{"loss_scaler<i>": {"loss_scale": float,
     "unskipped": int}}`` per loss id, plus ``"ampkit"``: the complete
     :func:`ampkit.state_dict` (what exact resumption needs, master weights included)."""
-    import ampkit
-
     out: dict[str, Any] = {} if destination is None else destination
     if not _state.enabled or not _state.initialized:
         return out
@@ -348,8 +341,6 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     """apex's ``amp.load_state_dict``: restores a dict from :func:`state_dict`
     exactly; from an apex checkpoint (no ``"ampkit"`` key) it restores each loss
     scale and growth counter."""
-    import ampkit
-
     if not _state.enabled:
         return
     if not _state.initialized:
@@ -383,8 +374,6 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
 
 def _register(bucket: list[Callable[..., Any]], module: Any, name: str, kind: str) -> None:
-    from ..policy import canonical_op
-
     if _state.initialized and _amp_state.handle is None:
         raise StateError(
             f"amp.register_{kind}_function must be called before amp.initialize, as with apex."
@@ -447,8 +436,6 @@ def _widest(args: Any) -> torch.dtype | None:
 
 
 def _casting_decorator(fn: F, target: Callable[[Any, str], torch.dtype | None]) -> F:
-    import ampkit
-
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         device_type = _first_device_type(list(args) + list(kwargs.values()))
@@ -465,8 +452,6 @@ def _casting_decorator(fn: F, target: Callable[[Any, str], torch.dtype | None]) 
 
 
 def _compute_dtype(_: Any, device_type: str) -> torch.dtype | None:
-    import ampkit
-
     policy = ampkit.current_policy(device_type)
     return None if policy is None else policy.dtype
 
@@ -490,8 +475,6 @@ def promote_function(fn: F) -> F:
 
 def disable_casts() -> contextlib.AbstractContextManager[Any]:
     """Context manager: no op-level casting inside (apex's ``amp.disable_casts``)."""
-    import ampkit
-
     return ampkit.autocast(device_type=_state.device_type, enabled=False)
 
 
@@ -510,8 +493,6 @@ def init(
     last ``init``; returns the handle. ``enabled=False``: a handle that does nothing.
     ``enable_caching``, ``verbose`` and ``allow_banned`` are accepted (ampkit's cast
     cache is always safe; it bans no function)."""
-    import ampkit
-
     scale = _as_loss_scale(loss_scale)
     if not enabled:
         handle: AmpHandle | NoOpHandle = NoOpHandle()
@@ -547,8 +528,6 @@ class AmpHandle:
 
     @contextlib.contextmanager
     def _disable_casts(self) -> Iterator[None]:
-        import ampkit
-
         self._is_active = False
         try:
             with ampkit.autocast(device_type=_state.device_type, enabled=False):
@@ -563,14 +542,10 @@ class AmpHandle:
     def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
         """Yields ``loss`` times the optimizer's loss scale; at exit the grads are
         unscaled and checked, and ``optimizer.step()`` skips itself on an overflow."""
-        import ampkit
-
         if not self._is_active:
             yield loss
             return
         opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        from .. import optim
-
         for opt in opts:
             if not _managed(opt):
                 ampkit.init_trainer(opt, scaler=_scaler_for(self._loss_scale))
@@ -599,8 +574,6 @@ class AmpHandle:
 
     def _deactivate(self) -> None:
         """Casting off, optimizers released: :func:`ampkit.reset`."""
-        import ampkit
-
         ampkit.reset()
 
 
@@ -637,8 +610,6 @@ class NoOpHandle:
 
 
 def _managed(opt: torch.optim.Optimizer) -> bool:
-    from .. import optim
-
     try:
         optim.managed_state(opt)
     except StateError:
@@ -652,8 +623,6 @@ class OptimWrapper:
     skipped when any loss's grads overflowed. Other attributes go to the optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, amp_handle: Any, num_loss: int) -> None:
-        import ampkit
-
         self._optimizer = optimizer
         self._amp_handle = amp_handle
         self._num_loss = num_loss
@@ -664,8 +633,6 @@ class OptimWrapper:
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
-        import ampkit
-
         if not self._amp_handle.is_active():
             yield loss
             return
