@@ -194,6 +194,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(ints), b.view(ints))
 
 
+# Kernel registry: which kernel flavour works in this process, per kernel (probed once).
 _PROCESS_MODE: dict[str, Literal["compiled", "eager"]] = {}
 
 

@@ -709,6 +709,7 @@ def run_batch(model: nn.Module, batch: Any) -> Any:
     )
 
 
+# Module state: warnings given once per process.
 _WARNED: set[str] = set()
 _reset.on_reset(_WARNED.clear)  # like the engine's fp16-on-CPU warning: once per session
 

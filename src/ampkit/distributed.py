@@ -106,6 +106,7 @@ class _Settings:
     warned_changed: bool = False
 
 
+# Module state: per-optimizer sync settings (weak keys), set by set_sync.
 _SETTINGS: weakref.WeakKeyDictionary[_step.ManagedOptimizer, _Settings] = (
     weakref.WeakKeyDictionary()
 )
@@ -237,6 +238,8 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(item)
 
 
+# Module state: DDP models registered by the user, process-wide like the process group
+# (weak keys: no model kept alive).
 _DDPS: weakref.WeakKeyDictionary[nn.Module, _DDPRecord] = weakref.WeakKeyDictionary()
 
 
@@ -560,6 +563,7 @@ def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool
         _install_fsdp_guard(model, level_name)
 
 
+# Module state: the FSDP guard hook of each model a cast level prepared (weak keys).
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 

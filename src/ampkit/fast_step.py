@@ -45,6 +45,7 @@ FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # (class, dtype, device type, hyperparameters) -> whether fused matches the loop.
+# Module state: a memo of probe results, the same answer every time in a process.
 _PROBED: dict[tuple, bool] = {}
 _PROBE_SKIP = ("params", "fused", "foreach", "differentiable", "capturable")
 

@@ -61,6 +61,7 @@ __all__ = ["GradPath", "WatchDDP", "watch_ddp", "no_masters_guard"]
 _ENGINE = torch.autograd.Variable._execution_engine
 
 # id(param) -> the GradPath whose hooks are on it (one managed optimizer per parameter).
+# Module state: a parameter is hooked by at most one managed optimizer in the process.
 _OWNER: dict[int, weakref.ref[GradPath]] = {}
 
 
@@ -83,6 +84,7 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 
 # model -> whether DDP will all-reduce the grads of the backward that follows its last
 # forward with grad enabled (True), will not (``no_sync``: False); absent: not under DDP.
+# Module state: DDP models are process-wide objects (weak keys: no model kept alive).
 _DDP_SYNC: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 # model -> the MasterWeights whose masters it holds (weakly)
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
@@ -128,6 +130,7 @@ def _ddp_sync_of(model_ref: weakref.ref[nn.Module] | None) -> bool | None:
 
 # --- levels that need an optimizer ----------------------------------------------------------
 
+# Module state: the guards of models prepared by initialize; dropped by ampkit.reset.
 _GUARDS: list[Any] = []
 
 

@@ -71,7 +71,7 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
 )
 
 
-# module -> hook handles installed by this file, so a second cast replaces them.
+# Module state (weak keys): # module -> hook handles installed by this file, so a second cast replaces them.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
@@ -259,7 +259,7 @@ class CastOutputs:
 # OpCastingEnter, left by OpCastingExit), and one reusable scope per (device, dtype,
 # policy) -- autocast objects keep a stack, so a thread reuses its own.
 _SCOPES = threading.local()
-# model -> the policy its forward runs under (None: the default lists of its dtype).
+# Module state (weak keys): # model -> the policy its forward runs under (None: the default lists of its dtype).
 _MODEL_POLICY: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 

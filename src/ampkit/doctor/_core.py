@@ -812,6 +812,7 @@ def _graph_contains(roots: list[Any], targets: list[Any], limit: int = 256) -> b
 
 
 # --- the process-wide doctor (init_trainer(..., doctor=True), AMPKIT_DOCTOR=1) ----------
+# Module state: the process-wide doctor is one per process by design.
 _GLOBAL: Doctor | None = None
 _FINISHED: list[Doctor] = []  # global doctors stopped by ampkit.reset(), for `ampkit doctor`
 _KEEP_FINISHED = False
