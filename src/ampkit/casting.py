@@ -760,7 +760,7 @@ class _ModuleHooks:
         policy = frame.policy
         stack = contextlib.ExitStack()
         if dtype is torch.float32:
-            stack.enter_context(autocast(policy, frame.device_type, enabled=False, _from_rule=True))
+            stack.enter_context(_scope(policy, frame.device_type, enabled=False, from_rule=True))
             args = tuple(_map_tensors(a, _to_fp32) for a in args)
         else:
             stack.enter_context(
@@ -1020,8 +1020,6 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         enabled: bool = True,
         cache_enabled: bool = True,
         dtype: torch.dtype | None = None,
-        _intercept_all: bool = False,
-        _from_rule: bool = False,
     ) -> None:
         self.device_type = check_device_type(device_type or default_device_type())
         if policy is not None and not isinstance(policy, Policy):
@@ -1033,8 +1031,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         self.policy = policy
         self.enabled = bool(enabled)
         self.cache_enabled = bool(cache_enabled)
-        self._intercept_all = _intercept_all
-        self._from_rule = _from_rule  # an fp32 module rule: casting off, the policy's rules still on
+        # The engine's own switches (see _scope): every op through ampkit's kernels; an
+        # fp32 module rule (casting off, the policy's module rules still on).
+        self._intercept_all = False
+        self._from_rule = False
         self._stacks: list[contextlib.ExitStack] = []
         if self.enabled and self.device_type == "cpu" and policy.dtype is torch.float16:
             _warn_fp16_cpu()
@@ -1042,13 +1042,13 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def _recreate_cm(self) -> autocast:
         return self  # __enter__/__exit__ keep a stack, so reuse and nesting are safe
 
-    def _make_frame(self) -> _Frame:
-        if not self.enabled:
+    def _make_frame(self, resolved: _Resolved | None) -> _Frame:
+        """This scope's frame: ``resolved`` is its policy's resolution (None: disabled)."""
+        if resolved is None:
             return _Frame(
                 self.device_type, False, self.policy.dtype, self.policy, {}, {}, {}, self.cache_enabled,
                 rules=self._from_rule,
             )
-        resolved = _resolve(self.policy, self.device_type, self._intercept_all)
         return _Frame(
             self.device_type,
             True,
@@ -1075,9 +1075,10 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def _enter(self) -> autocast:
         if not _kernel_frames_skipped:
             _skip_kernel_frames()
-        frame = self._make_frame()
-        if frame.enabled:
-            _registry.ensure(self.device_type, _resolve(self.policy, self.device_type, self._intercept_all).intercepted)
+        resolved = _resolve(self.policy, self.device_type, self._intercept_all) if self.enabled else None
+        frame = self._make_frame(resolved)
+        if resolved is not None:
+            _registry.ensure(self.device_type, resolved.intercepted)
         _hooks.ensure()
         _install_step_hook()
         # casts are cached only inside module calls (one outermost call at a time): a
@@ -1129,6 +1130,25 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
             finally:
                 _native_exit(native)
         return False
+
+
+def _scope(
+    policy: Policy | None,
+    device_type: str,
+    *,
+    enabled: bool = True,
+    cache_enabled: bool = True,
+    from_rule: bool = False,
+    intercept_all: bool = False,
+) -> autocast:
+    """An :class:`autocast` with the engine's own switches, which are no part of the
+    public signature: ``from_rule`` (the disabled scope of an fp32 module rule: module
+    rules stay on inside it) and ``intercept_all`` (every op of the policy's lists runs
+    through ampkit's kernels, even where torch's own would do: for tests of the kernels)."""
+    scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled)
+    scope._from_rule = from_rule
+    scope._intercept_all = intercept_all
+    return scope
 
 
 # A scope entered or left inside a function torch.compile traces runs eagerly, at a
@@ -1264,9 +1284,9 @@ class _Replay:
         _state.module_stack[:] = self._modules
         stack.callback(_state.module_stack.__setitem__, slice(None), saved)
         for policy, device_type, enabled, cache_enabled, rules in self._frames:
-            scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled)
-            scope._from_rule = not enabled and rules
-            stack.enter_context(scope)
+            stack.enter_context(
+                _scope(policy, device_type, enabled=enabled, cache_enabled=cache_enabled, from_rule=not enabled and rules)
+            )
         self._stack = stack
         return self
 
