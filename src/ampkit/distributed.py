@@ -112,6 +112,13 @@ _SETTINGS: weakref.WeakKeyDictionary[_step.ManagedOptimizer, _Settings] = (
 )
 
 
+def agrees_over_world(state: _step.ManagedOptimizer) -> bool:
+    """Whether this optimizer's skip decisions are agreed over the whole world (any
+    sync mode but ``"never"``, on the default group): every rank skips the same steps."""
+    settings = _SETTINGS.get(state)
+    return settings is None or (settings.sync != "never" and settings.group is None)
+
+
 def _settings(state: _step.ManagedOptimizer) -> _Settings:
     s = _SETTINGS.get(state)
     if s is None:

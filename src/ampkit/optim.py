@@ -258,7 +258,7 @@ def init_trainer(
         slot.scaler._attached = True
     _session.current_session().register(Trainer(states, slots))
     if doctor or (doctor is None and os.environ.get("AMPKIT_DOCTOR", "").strip().lower() in _ON):
-        from .doctor import attach_global
+        from .doctor import attach_global  # the doctor sits above optim (it imports optim)
 
         attach_global(optimizers)
     return optimizer_or_list

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import _reset
+from .. import distributed as _distributed
 from .. import optim as _optim
 from .._dtypes import LOW_PRECISION
 from ..errors import StateError
@@ -683,10 +684,7 @@ class Doctor:
 def _skip_agreed(state: _optim.ManagedOptimizer) -> bool:
     """Whether every rank of the world skips the same steps as this one (ampkit's
     agreement is on: any sync mode but ``"never"``, on the default group)."""
-    from ..distributed import _SETTINGS
-
-    settings = _SETTINGS.get(state)
-    return settings is None or (settings.sync != "never" and settings.group is None)
+    return _distributed.agrees_over_world(state)
 
 
 def _user_stacklevel() -> int:
