@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ampkit
-from ampkit import optim as amp_optim
 from ampkit._decision import decide, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -332,13 +331,6 @@ def test_train_ddp_example_under_torchrun(tmp_path):
 # --- single process ------------------------------------------------------------------------------
 
 
-def _managed(num_losses: int) -> amp_optim.ManagedOptimizer:
-    model = nn.Linear(2, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ampkit.init_trainer(opt, num_losses=num_losses)
-    return amp_optim.managed_state(opt)
-
-
 class _Alone:
     """An agreement over one rank: MAX over a single value changes nothing."""
 
@@ -358,15 +350,24 @@ segments_strategy = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(segments_strategy)
 def test_agreed_events_mean_what_the_local_path_means(segments):
-    """The encoded events decode, over one rank, to exactly what the local path of the
-    trainer computes (overflow, masked, clean per loss id; skip)."""
-    state = _managed(num_losses=3)
+    """The one rule run on the device and all-reduced over one rank decides exactly
+    what it decides on the host for a process alone (overflow, masked, clean per loss
+    id; skip), and both match the rule spelled out here."""
     segs = [(loss_id, None if f is None else torch.tensor(f)) for loss_id, f in segments]
-    state._segments = list(segs)
-    local = state._resolve_step()  # torch.distributed is not initialized: decides alone
-    agreed = decide(list(segs), 3, _Alone())
+    local = decide(list(segs), 3)  # a process alone: the host path
+    agreed = decide(list(segs), 3, _Alone())  # ranks that agree: the device path
     assert agreed == local
-    ampkit.reset()
+    events: dict[int, bool | None] = {}
+    overflowed = False  # an earlier segment of the step overflowed
+    for loss_id, f in segments:
+        flag = bool(f)
+        if loss_id is not None:
+            if overflowed:
+                events[loss_id] = True if events.get(loss_id) is True else None
+            else:
+                events[loss_id] = events.get(loss_id) is True or flag
+        overflowed = overflowed or flag
+    assert local == (events, overflowed)
 
 
 def test_agreed_events_combine_by_max():
