@@ -1,5 +1,5 @@
 """The step wrapper of one managed optimizer (:class:`ManagedOptimizer`), the loss ids
-its scalers serve (:class:`_LossSlot`) and what one ``init_trainer`` call registers in
+its scalers serve (:class:`LossSlot`) and what one ``init_trainer`` call registers in
 the session (:class:`Trainer`). The public functions are in :mod:`ampkit.optim`; how a
 step runs is told there."""
 
@@ -10,13 +10,13 @@ import itertools
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._decision import StepAgreement, decide
 from ._schedulers import mark_step_called
-from ._stats import SkipReport, StepStats
+from ._stats import StepStats
 from ._where import user_stacklevel
 from .errors import NumericsError, StateError
 from .fast_step import nonfinite_flag, use_fastest_kernel
@@ -24,44 +24,13 @@ from .grads import GradPath
 from .scaling import LossScaler, group_grads, is_count, to_fp32, unscale_and_check_
 from .session import ExtraRegister, ExtraState, require_keys
 
-__all__ = ["ManagedOptimizer", "Trainer", "managed_state", "record_unmanaged_step", "last_skipped"]
+__all__ = ["ManagedOptimizer", "managed_state", "record_unmanaged_step", "last_skipped"]
+
+if TYPE_CHECKING:
+    from ._trainer import LossSlot
 
 _ATTR = "_ampkit_managed"
 _MISSING = object()
-
-
-class _LossSlot:
-    """One loss id of a trainer: its scaler and the optimizers that owe it an event
-    for the current iteration (those that received this loss's grads and have not
-    stepped yet). The scaler updates when the last of them steps."""
-
-    def __init__(self, scaler: LossScaler) -> None:
-        self.scaler = scaler
-        self.owed: list[ManagedOptimizer] = []
-        self.reports: list[bool | None] = []
-        self.skips = SkipReport()
-
-    def expect(self, state: ManagedOptimizer) -> None:
-        if not any(s is state for s in self.owed):
-            self.owed.append(state)
-
-    def report(self, state: ManagedOptimizer, event: bool | None) -> None:
-        """``event``: True overflow, False clean, None unknown (masked by another loss)."""
-        if not any(s is state for s in self.owed):
-            return
-        self.owed = [s for s in self.owed if s is not state]
-        self.reports.append(event)
-        if self.owed:
-            return
-        reports, self.reports = self.reports, []
-        if any(r is True for r in reports):
-            self.scaler.update(True)
-        elif all(r is False for r in reports):
-            self.scaler.update(False)
-
-    def clear(self) -> None:
-        self.owed = []
-        self.reports = []
 
 
 class ManagedOptimizer:
@@ -103,7 +72,7 @@ class ManagedOptimizer:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        slots: list[_LossSlot],
+        slots: list[LossSlot],
         agreement: StepAgreement | None = None,
         fast_kernels: bool = False,
     ) -> None:
@@ -487,65 +456,6 @@ class ManagedOptimizer:
             scales=tuple(s.scale for s in self.scalers),
             overflows=tuple(s.num_overflows for s in self.scalers),
         )
-
-
-class Trainer:
-    """What one ``init_trainer`` call registers in the session: its optimizers and
-    their shared scalers (one per loss id)."""
-
-    def __init__(self, optimizers: list[ManagedOptimizer], slots: list[_LossSlot]) -> None:
-        self.optimizers = optimizers
-        self.slots = slots
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "num_losses": len(self.slots),
-            "scalers": [slot.scaler.state_dict() for slot in self.slots],
-            "optimizers": [state.state_dict() for state in self.optimizers],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
-        self.prepare_load(state_dict, where)()
-
-    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
-        """Validate a :meth:`state_dict` completely (every scaler and optimizer entry);
-        return the function that loads it."""
-        require_keys(state_dict, ("num_losses", "scalers", "optimizers"), where)
-        num_losses, scalers, opts = (
-            state_dict["num_losses"], state_dict["scalers"], state_dict["optimizers"]
-        )
-        if not is_count(num_losses) or num_losses != len(self.slots):
-            raise StateError(
-                f"{where}: the checkpoint has num_losses={num_losses!r}, this run "
-                f"{len(self.slots)}; pass the same num_losses to init_trainer."
-            )
-        if not isinstance(scalers, (list, tuple)) or len(scalers) != len(self.slots):
-            raise StateError(
-                f"{where}: expected a list of {len(self.slots)} scaler state(s), got {scalers!r:.80}."
-            )
-        if not isinstance(opts, (list, tuple)) or len(opts) != len(self.optimizers):
-            count = len(opts) if isinstance(opts, (list, tuple)) else repr(opts)
-            raise StateError(
-                f"{where}: the checkpoint has {count} optimizer(s), "
-                f"this run {len(self.optimizers)}; pass the same optimizers to init_trainer."
-            )
-        steps = [slot.scaler._prepare_load(sd) for slot, sd in zip(self.slots, scalers)]
-        steps += [state.prepare_load(sd, where) for state, sd in zip(self.optimizers, opts)]
-
-        def apply() -> None:
-            for slot in self.slots:
-                slot.clear()
-            for step in steps:
-                step()
-
-        return apply
-
-    def release(self) -> None:
-        for state in self.optimizers:
-            state.release()
-        for slot in self.slots:
-            slot.clear()
-            slot.scaler._attached = False
 
 
 def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:

@@ -68,7 +68,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _step
+from . import _step, _trainer
 from . import model as _model
 from . import session as _session
 from ._dtypes import torch_class
@@ -283,7 +283,7 @@ def _managed_states() -> list[_step.ManagedOptimizer]:
     return [
         state
         for member in _session.current_session().members
-        if isinstance(member, _step.Trainer)
+        if isinstance(member, _trainer.Trainer)
         for state in member.optimizers
     ]
 

@@ -79,7 +79,8 @@ from . import distributed as _distributed
 from . import session as _session
 from ._schedulers import SchedulerStepper, check_schedulers
 from ._stats import StepStats
-from ._step import _ATTR, ManagedOptimizer, Trainer, _LossSlot, last_skipped, managed_state
+from ._step import _ATTR, ManagedOptimizer, last_skipped, managed_state
+from ._trainer import LossSlot, Trainer
 from .casting import current_policy
 from .errors import StateError
 from .scaling import LossScaler, is_count, is_real
@@ -245,7 +246,7 @@ def init_trainer(
     for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
         if s.name == "loss scaler":
             s.name = f"loss scaler {i}"
-    slots = [_LossSlot(s) for s in scalers]
+    slots = [LossSlot(s) for s in scalers]
     states = []
     for opt in optimizers:
         state = ManagedOptimizer(opt, slots, _distributed.AGREEMENT, fast_kernels)

@@ -104,7 +104,7 @@ class ExtraState:
 
 
 class SessionMember(Protocol):
-    """What a session holds per ``init_trainer`` call (see ``ampkit.optim.Trainer``)."""
+    """What a session holds per ``init_trainer`` call (see ``ampkit._trainer.Trainer``)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
