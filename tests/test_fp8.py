@@ -300,6 +300,9 @@ def test_conversion_keeps_identity_and_state_dict_and_reset_reverts():
     assert list(model.state_dict()) == keys
     assert "fp8=hybrid current" in repr(model)
     pickle.loads(pickle.dumps(model))  # whole-model torch.save works
+    moved = copy.deepcopy(model).to("meta")  # a layer away from its scale state says so
+    with pytest.raises(AmpError, match="DataParallel"):
+        moved[2](torch.randn(4, 32, device="meta", dtype=torch.bfloat16))
     out = model(torch.randn(4, 32))
     assert out.dtype == torch.float32  # O2's output cast
     assert [i.name for i in fp8.layers()] == ["2"]
@@ -439,6 +442,11 @@ def test_matches_torchao_float8_tensorwise():
     gy = torch.randn_like(y1)
     y1.backward(gy)
     y2.backward(gy)
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    ours = model[0].__dict__["_ampkit_fp8"].roles
+    assert torch.equal(ours["input"].scale, tensor_to_scale(x, E4M3).float())  # bitwise the same scales
+    assert torch.equal(ours["weight"].scale, tensor_to_scale(model[0].weight.detach(), E4M3).float())
     torch.testing.assert_close(y2, y1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):

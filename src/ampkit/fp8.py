@@ -454,6 +454,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``F.linear(x, weight, bias)`` with the matmuls in fp8 per ``state.recipe``;
     the result (and ``bias``'s addition) in the compute dtype (autocast's, else the
     inputs'); gradients in ``x``'s and ``weight``'s dtypes."""
+    home = state.roles["weight"].scale.device
+    if weight.device != home:
+        raise AmpError(
+            f"fp8 layer {state.name!r} runs on {weight.device} but its scale state lives on {home}: "
+            "a model moved after amp.initialize, or a DataParallel replica (whose copies share one "
+            "scale state). Move the model before initialize; use DistributedDataParallel."
+        )
     out_dtype = _compute_dtype(x, weight)
     lead = x.shape[:-1]
     with torch.autocast(x.device.type, enabled=False):
