@@ -129,12 +129,26 @@ IDIOMS = [
     "model.zero_grad(set_to_none=False)",
     "p.grad = None",
     "read grads after step",
+    "optimizer edits grads in place",
 ]
+
+
+class _HalvingAdamW(torch.optim.AdamW):
+    """Changes the grads it steps in place (as some third-party optimizers do)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
 
 
 def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    cls = _HalvingAdamW if idiom == "optimizer edits grads in place" else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2")
     big = model[0].weight
     seen: list[torch.Tensor] = []
@@ -159,7 +173,7 @@ def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
         elif idiom == "weight.data.clamp_":
             big.data.clamp_(-0.03, 0.03)
         opt.step()
-        if idiom == "read grads after step":
+        if idiom in ("read grads after step", "optimizer edits grads in place"):
             seen.append(big.grad.detach().clone())
     masters = [p.detach().clone() for p in amp.master_params(opt)]
     out = masters + [p.detach().clone() for p in model.parameters()]
@@ -171,6 +185,7 @@ def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
 
 def _old_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_kernels, "ROUND_CHECK_NUMEL", 1 << 62)
+    monkeypatch.setattr("ampkit.master.KEEP_ASIDE_DEVICES", ())
     absorb = MasterWeights.absorb
     monkeypatch.setattr(MasterWeights, "absorb", lambda self, p, unscale, keep=False: absorb(self, p, unscale))
 
@@ -239,3 +254,33 @@ def test_o2_model_grad_after_backward_is_the_produced_grad_unrounded():
         assert p.grad.dtype == BF16
         assert torch.equal(p.grad, q.grad)
         assert torch.equal(mw.master_of(p).grad, p.grad.float())
+
+
+def test_o2_on_cpu_the_grad_copies_come_back_after_the_step_as_they_were():
+    """Taken off the model while the optimizer steps (a step pre-hook sees none), the
+    same 16-bit tensors come back after it (no new allocation on CPU) and still show
+    the master grads; where the step changed a master grad, a fresh copy shows it."""
+    model = _model()
+    opt = _HalvingAdamW(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    at_step = []
+    opt.register_step_pre_hook(lambda o, a, k: at_step.extend(p.grad for p in model.parameters()))
+    _backward(model, opt, 0)
+    before = [p.grad for p in model.parameters()]
+    opt.step()
+    assert at_step and all(g is None for g in at_step)
+    mw = amp.levels.master_weights_of(opt)
+    for p, g in zip(model.parameters(), before):
+        assert p.grad is not g  # halved by the step: shown anew
+        assert torch.equal(p.grad, mw.master_of(p).grad.to(BF16))
+    model2 = _model()
+    opt = torch.optim.AdamW(model2.parameters())
+    model2, opt = amp.initialize(model2, opt, opt_level="O2")
+    _backward(model2, opt, 0)
+    before = [p.grad for p in model2.parameters()]
+    values = [g.clone() for g in before]
+    opt.step()
+    mw = amp.levels.master_weights_of(opt)
+    for p, g, v in zip(model2.parameters(), before, values):
+        assert p.grad is g and torch.equal(g, v)
+        assert torch.equal(p.grad, mw.master_of(p).grad.to(BF16))
