@@ -127,6 +127,8 @@ IDIOMS = [
     "weight.data.clamp_",
     "two micro-batches",
     "model.zero_grad(set_to_none=False)",
+    "opt.zero_grad(set_to_none=False)",
+    "model.zero_grad()",
     "p.grad = None",
     "read grads after step",
     "optimizer edits grads in place",
@@ -155,6 +157,10 @@ def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
     for i in range(steps):
         if idiom == "model.zero_grad(set_to_none=False)":
             model.zero_grad(set_to_none=False)
+        elif idiom == "opt.zero_grad(set_to_none=False)":
+            opt.zero_grad(set_to_none=False)
+        elif idiom == "model.zero_grad()":
+            model.zero_grad()
         elif idiom == "p.grad = None":
             for p in model.parameters():
                 p.grad = None

@@ -49,7 +49,7 @@ from torch import nn
 
 from ._dtypes import torch_class
 from .errors import AmpError, StateError
-from .fast_step import nonfinite_flag
+from .fast_step import MINMAX_NUMEL, nonfinite_flag
 from .scaling import group_grads
 
 if TYPE_CHECKING:
@@ -321,11 +321,15 @@ class GradPath:
             found = flags.get(device)
             if found is None:
                 found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            if inv == 1.0:  # nothing to multiply: check only, reading each element once
-                flag = nonfinite_flag({(device, tensors[0].dtype): tensors})
-                if flag is not None:
-                    torch.maximum(found, flag, out=found)
-                return
+            if inv == 1.0:  # nothing to multiply: large tensors are only read (min/max)
+                large = [t for t in tensors if t.numel() >= MINMAX_NUMEL]
+                if large:
+                    flag = nonfinite_flag({(device, tensors[0].dtype): large})
+                    if flag is not None:
+                        torch.maximum(found, flag, out=found)
+                    tensors = [t for t in tensors if t.numel() < MINMAX_NUMEL]
+                    if not tensors:
+                        return
             inv_t = self._inv.get((device, inv))
             if inv_t is None:
                 if len(self._inv) > 16:
