@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -933,12 +933,10 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:
+    """Write a :class:`RunResult` report as JSON."""
     Path(path).write_text(json.dumps(report, indent=1) + "\n")
 
 
-def iter_sites(report: dict[str, Any]) -> Iterator[tuple[str, list[float]]]:
-    yield from report["losses"].items()
-
-
 def is_rank_zero() -> bool:
+    """Rank 0 of a torchrun launch, or no launch at all (the summary is printed once)."""
     return os.environ.get("RANK", "0") == "0"
