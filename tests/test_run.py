@@ -300,6 +300,22 @@ def test_o2_levels_cast_the_model_when_the_optimizer_is_built(level, capsys, tmp
     assert report["level_applied"] == level and report["optimizers"][0]["managed"] == level
 
 
+def test_o2_with_two_optimizers_built_one_after_the_other(capsys, tmp_path):
+    """The GAN's second optimizer re-initializes the session with both models."""
+    code, out, err, report = _run(["--level", "O2"], "gan.py", ["--steps", "5"], capsys, tmp_path)
+    assert code == 0, err
+    assert [o["managed"] for o in report["optimizers"]] == ["O2", "O2"]
+    assert [o["steps"] for o in report["optimizers"]] == [5, 5]
+    assert report["notes"] == []
+
+
+def test_time_budget_ends_the_script_cleanly(capsys, tmp_path):
+    code, out, err, report = _run(["--time", "0.001"], "classifier.py", ["--steps", "50"], capsys, tmp_path)
+    assert code == 0 and report["iterations"] == 1
+    assert report["stopped_early"] == "time budget of 0.001 s reached"
+    assert "METRIC" not in out  # stopped after the first step, before the evaluation
+
+
 def test_o2_falls_back_to_o1_naming_the_line(capsys, tmp_path):
     """The optimizer leaves a trainable layer out: O2 would cast it without a master."""
     args = ["--steps", "60", "--freeze-first"]
