@@ -280,7 +280,7 @@ _MASTERS_ATTR = "_ampkit_master_weights"
 def _masters_of(optimizer: Any) -> MasterWeights | None:
     return getattr(optimizer, "__dict__", {}).get(_MASTERS_ATTR)
 
-# Module state (weak): # Models cast by initialize (a later initialize may cast them again).
+# Module state (weak): models cast by initialize (a later initialize may cast them again).
 _CAST_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Compensation hooks belong to a session: removed on reset / re-initialize.
 _COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdates] = (

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ._dtypes import LOW_PRECISION
+from .casting import autocast
 from .errors import AmpError
 
 __all__ = [
@@ -71,7 +72,7 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
 )
 
 
-# Module state (weak keys): # module -> hook handles installed by this file, so a second cast replaces them.
+# Module state (weak keys): module -> hook handles installed by this file, so a second cast replaces them.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
@@ -259,13 +260,11 @@ class CastOutputs:
 # OpCastingEnter, left by OpCastingExit), and one reusable scope per (device, dtype,
 # policy) -- autocast objects keep a stack, so a thread reuses its own.
 _SCOPES = threading.local()
-# Module state (weak keys): # model -> the policy its forward runs under (None: the default lists of its dtype).
+# Module state (weak keys): model -> the policy its forward runs under (None: the default lists of its dtype).
 _MODEL_POLICY: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def _scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool = True) -> Any:
-    from .casting import autocast
-
     cache = getattr(_SCOPES, "cache", None)
     if cache is None:
         cache = _SCOPES.cache = {}

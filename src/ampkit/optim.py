@@ -103,7 +103,7 @@ _ON = ("1", "true", "yes", "on")
 _Opts = TypeVar("_Opts", bound="torch.optim.Optimizer | list[Any] | tuple[Any, ...]")
 
 
-# Module state: # Observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
+# Module state: observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
 # ``fn(states, losses, loss_id, scaled)`` once the loss is scaled, before the block runs
 # (``states``: the ManagedOptimizers of the call; ``losses``: the unscaled loss tensors;
 # ``scaled``: what the block yields). Empty unless the doctor is on: no cost otherwise.

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import PolicyError, ScalerError
+from ..scaling import LossScaler
 from ._findings import Finding
 
 if TYPE_CHECKING:
     from ..policy import Policy
-    from ..scaling import LossScaler
     from ._core import Doctor
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -56,8 +57,6 @@ class Advice:
     def apply_to(self, policy: Policy) -> Policy:
         """``policy`` with this advice applied (policy kinds only): module rules and op
         lists merge, ``use_bf16`` switches the compute dtype."""
-        from ..errors import PolicyError
-
         if self.kind not in self._POLICY_KINDS:
             raise PolicyError(f"advice {self.kind!r} is not a policy change; read advice.change instead.")
         return policy.override(**dict(self.change))
@@ -65,9 +64,6 @@ class Advice:
     def scaler(self, **config: Any) -> LossScaler:
         """A :class:`~ampkit.LossScaler` with this advice's ``init_scale`` (``init_scale``
         kind only); ``config`` adds other LossScaler arguments."""
-        from ..errors import ScalerError
-        from ..scaling import LossScaler
-
         if self.kind != "init_scale":
             raise ScalerError(f"advice {self.kind!r} does not set a loss scale.")
         args = {"init_scale": self.change["init_scale"], "dynamic": self.change.get("dynamic", True)}

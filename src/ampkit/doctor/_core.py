@@ -21,9 +21,12 @@ from .. import distributed as _distributed
 from .. import optim as _optim
 from .._dtypes import LOW_PRECISION
 from ..errors import StateError
+from ..levels import master_weights_of
+from ..policy import canonical_op
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
 from ._record import Recorder, ResolvedStep, StepLog, dtype_name, local
+from ._report import DoctorReport
 
 logger = logging.getLogger("ampkit.doctor")
 
@@ -583,8 +586,6 @@ class Doctor:
             )
 
     def _check_masters(self, state: _optim.ManagedOptimizer) -> None:
-        from ..levels import master_weights_of
-
         mw = master_weights_of(state.optimizer)
         if mw is None:
             return
@@ -676,8 +677,6 @@ class Doctor:
     def report(self) -> Any:
         """The :class:`~ampkit.doctor.DoctorReport` of everything seen so far (also
         while running)."""
-        from ._report import DoctorReport
-
         return DoctorReport.build(self)
 
 
@@ -785,8 +784,6 @@ def _underflow_fraction(res: ResolvedStep, dtype: torch.dtype) -> float | None:
 def _policy_op(function: Any) -> str | None:
     if function is None:
         return None
-    from ..policy import canonical_op
-
     try:
         name = canonical_op(function)
     except Exception:
