@@ -316,6 +316,26 @@ def test_time_budget_ends_the_script_cleanly(capsys, tmp_path):
     assert "METRIC" not in out  # stopped after the first step, before the evaluation
 
 
+def test_second_optimizer_over_an_o2_model_is_refused(capsys, tmp_path):
+    """Its parameters are the model's 16-bit weights: no fp32 masters can be rebuilt.
+    The refusal passes through the script's own ``except Exception``."""
+    script = tmp_path / "phases.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "first = torch.optim.Adam(model.parameters())\n"
+        "try:\n"
+        "    second = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "except Exception:\n"
+        "    print('swallowed')\n"
+    )
+    assert main(["run", "--level", "O2", str(script)]) == 2
+    out, err = capsys.readouterr()
+    assert "swallowed" not in out
+    assert err.count("\n") == 1 and "phases.py:5" in err and "--level O1" in err
+    assert torch.optim.Optimizer.__init__.__module__ == "torch.optim.optimizer"
+
+
 def test_o2_falls_back_to_o1_naming_the_line(capsys, tmp_path):
     """The optimizer leaves a trainable layer out: O2 would cast it without a master."""
     args = ["--steps", "60", "--freeze-first"]

@@ -84,6 +84,15 @@ class ScriptError(AmpError):
     """The script cannot be run (no such file, not a file): one line, exit 2."""
 
 
+class _Refusal(BaseException):
+    """Carries a :class:`RunRefused` out of the script (a BaseException, so a script's
+    ``except Exception`` around its loop cannot swallow it)."""
+
+    def __init__(self, error: RunRefused) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _StopScript(BaseException):
     """Raised after the step that reaches ``max_steps`` or the time budget: ends the
     script cleanly (a BaseException, so the script's ``except Exception`` lets it pass)."""
@@ -451,8 +460,8 @@ class _Runner:
         self._managing = True
         try:
             self._manage(record)
-        except RunRefused:
-            raise
+        except RunRefused as err:
+            raise _Refusal(err) from None
         except AmpError as err:
             record.level = "fp32"
             self._note(f"optimizer {record.index} ({record.kind}, {record.site}) is not managed: {err}")
@@ -718,26 +727,26 @@ class _Runner:
         owners = self._param_owners()
         reached, foreign = _reached(roots, owners)
         if foreign:
-            raise RunRefused(
+            raise _Refusal(RunRefused(
                 f"fp16 needs loss scaling, but the backward() at {site} reaches {foreign} tensor(s) that "
                 "no torch.optim optimizer steps (a manual p.data update, or an input's .grad): their "
                 "gradients could not be unscaled before the script reads them. Run with --dtype bf16 "
                 "(fp32's exponent range: no loss scaling needed)."
-            )
+            ))
         if not reached:
             return self._plain(orig, tensors, args, kwargs)
         create_graph = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
         if create_graph:
-            raise RunRefused(
+            raise _Refusal(RunRefused(
                 f"fp16 needs loss scaling, but the backward() at {site} builds a graph of its gradients "
                 "(create_graph=True): scaled gradients would enter it. Run with --dtype bf16."
-            )
+            ))
         opts = [o for o in reached if o is not None]
         try:
             for opt in opts:
                 managed_state(opt)
         except AmpError as err:  # pragma: no cover - owners are managed ones
-            raise RunRefused(f"fp16 loss scaling at {site}: {err}") from None
+            raise _Refusal(RunRefused(f"fp16 loss scaling at {site}: {err}")) from None
         self.scaled_backwards += 1
         with scale_loss(roots if len(roots) > 1 else roots[0], opts) as scaled:
             result = orig(scaled, *args, **kwargs)
@@ -873,6 +882,8 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
             runpy.run_path(str(script), run_name="__main__")
     except _StopScript:
         code = 0
+    except _Refusal as stop:
+        refused = stop.error
     except RunRefused as err:
         refused = err
     except SystemExit as exc:
