@@ -32,6 +32,21 @@ def _deq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.reciprocal()
 
 
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gy: torch.Tensor, rowwise: bool,
+               gdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, grad_x, grad_w)`` of a linear in fp32 from dequantized fp8 operands, each
+    scaled by ``fp8_max / abs-max`` derived here: per tensor, or (rowwise) per row of
+    each matmul operand (``dim`` is the axis the abs-max runs over)."""
+
+    def dq(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        amax = t.abs().amax(dim=dim, keepdim=True) if rowwise else t.abs().max()
+        s = torch.tensor(torch.finfo(dtype).max) / amax
+        return _deq(_q(t, s, dtype), s)
+
+    y = dq(x, 1, E4M3) @ dq(w, 1, E4M3).t() + b
+    return y, dq(gy, 1, gdt) @ dq(w, 0, E4M3), dq(gy, 0, gdt).t() @ dq(x, 0, E4M3)
+
+
 def _one_linear(recipe: amp.Fp8Recipe, in_f: int = 32, out_f: int = 48, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     lin = nn.Linear(in_f, out_f)
@@ -59,11 +74,11 @@ def test_tensorwise_forward_backward_equal_dequantized_fp32_reference(fmt):
     assert torch.equal(st["input"].scale, sx) and torch.equal(st["weight"].scale, sw)
     assert torch.equal(st["grad_output"].scale, sg)
 
-    x2, g2 = x.detach().reshape(-1, 32), gy.reshape(-1, 48)
-    xd, wd, gd = _deq(_q(x2, sx, E4M3), sx), _deq(_q(lin.weight.detach(), sw, E4M3), sw), _deq(_q(g2, sg, gdt), sg)
-    assert torch.equal(y, ((xd @ wd.t()) + lin.bias.detach()).reshape(2, 8, 48))
-    assert torch.equal(x.grad, (gd @ wd).reshape(2, 8, 32))
-    assert torch.equal(lin.weight.grad, gd.t() @ xd)
+    ry, rgx, rgw = _reference(x.detach().reshape(-1, 32), lin.weight.detach(), lin.bias.detach(),
+                              gy.reshape(-1, 48), rowwise=False, gdt=gdt)
+    assert torch.equal(y, ry.reshape(2, 8, 48))
+    assert torch.equal(x.grad, rgx.reshape(2, 8, 32))
+    assert torch.equal(lin.weight.grad, rgw)
     assert torch.equal(lin.bias.grad, gy.sum((0, 1)))
     # and the fp8 result is an approximation of fp32, not something else
     ref = F.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
@@ -78,17 +93,8 @@ def test_rowwise_forward_backward_equal_dequantized_fp32_reference():
     y = lin(x)
     y.backward(gy)
     w = lin.weight.detach()
-
-    def rows(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.tensor(448.0) / t.abs().amax(dim=dim, keepdim=True)
-        return _q(t, s, E4M3), s
-
-    (xq, sx), (wq, sw) = rows(x.detach(), 1), rows(w, 1)
-    assert torch.equal(y, _deq(xq, sx) @ _deq(wq, sw).t() + lin.bias.detach())
-    (gq, sg), (wq0, sw0) = rows(gy, 1), rows(w, 0)
-    assert torch.equal(x.grad, _deq(gq, sg) @ _deq(wq0, sw0))
-    (gq0, sg0), (xq0, sx0) = rows(gy, 0), rows(x.detach(), 0)
-    assert torch.equal(lin.weight.grad, _deq(gq0, sg0).t() @ _deq(xq0, sx0))
+    ry, rgx, rgw = _reference(x.detach(), w, lin.bias.detach(), gy, rowwise=True, gdt=E4M3)
+    assert torch.equal(y, ry) and torch.equal(x.grad, rgx) and torch.equal(lin.weight.grad, rgw)
     # per-row scales keep the small rows accurate, unlike one scale for all
     ref = x.detach() @ w.t()
     assert ((y - lin.bias.detach() - ref)[0].abs().max() / ref[0].abs().max()) < 0.1
@@ -457,8 +463,8 @@ def test_matches_torchao_float8_tensorwise():
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_cuda_fp8_linear_matches_dequantized_reference(granularity):
     """On a GPU the kernels are cuBLAS/CUTLASS: same scales, same fp8 operands; results
-    agree with the dequantized fp32 reference to accumulation order. 24 tokens: the
-    grad-weight GEMM's inner size is padded to 16s."""
+    agree with the dequantized fp32 reference to accumulation order (and bf16 rounding of
+    row-wise outputs). 24 tokens: the grad-weight GEMM's inner size is padded to 16s."""
     fmt = "e4m3" if granularity == "rowwise" else "hybrid"
     torch.manual_seed(0)
     lin = nn.Linear(64, 48).cuda()
@@ -468,13 +474,11 @@ def test_cuda_fp8_linear_matches_dequantized_reference(granularity):
     y = lin(x)
     gy = torch.randn_like(y)
     y.backward(gy)
-    cpu = copy.deepcopy(lin).cpu()  # current scaling: the same call on CPU is the reference
-    xc = x.detach().cpu().requires_grad_()
-    yc = cpu(xc)
-    yc.backward(gy.cpu())
-    torch.testing.assert_close(y.detach().cpu(), yc.detach(), rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(x.grad.cpu(), xc.grad, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(lin.weight.grad.cpu(), cpu.weight.grad, rtol=1e-3, atol=1e-3)
+    ry, rgx, rgw = _reference(x.detach().cpu(), lin.weight.detach().cpu(), lin.bias.detach().cpu(), gy.cpu(),
+                              rowwise=granularity == "rowwise", gdt=E4M3 if fmt == "e4m3" else E5M2)
+    torch.testing.assert_close(y.detach().cpu(), ry, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(x.grad.cpu(), rgx, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lin.weight.grad.cpu(), rgw, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow
