@@ -28,9 +28,13 @@ fp8 value. A non-finite tensor (a real overflow upstream) makes its matmul non-f
 so the loss scaler sees it and skips the step; its abs-max never enters a history.
 
 Under ``torch.distributed`` with more than one rank, the abs-max of each tensorwise
-input and grad_output is all-reduced (MAX) before its scale is derived, so every rank
-quantizes with the same scale; weights are the same on every rank under DDP and are
-not reduced. Scales and histories are saved by ``amp.state_dict()`` (bitwise resume).
+input and grad_output of a training step is all-reduced (MAX) before its scale is
+derived, so every rank quantizes with the same scale; weights are the same on every rank
+under DDP and are not reduced. Scales and histories are saved by ``amp.state_dict()``
+(bitwise resume). Only training forwards (grad enabled) and their backward advance the
+state: evaluation under ``no_grad`` and ``ampkit.explain`` use it as it is (and call no
+collective), and a forward recomputed by activation checkpointing reuses the scales of
+its first pass (see :data:`Mode`).
 
 Implemented directly on ``torch._scaled_mm`` rather than on ``torchao.float8``:
 torchao 0.15 runs on CPU but has no delayed scaling any more (only dynamic scaling),
@@ -475,7 +479,7 @@ _STATE_ATTR = "_ampkit_fp8"
 
 
 class Float8Linear(nn.Linear):
-    """An ``nn.Linear`` converted by :func:`convert`: same parameters, same
+    """An ``nn.Linear`` converted by ``amp.initialize(..., fp8=...)``: same parameters, same
     ``state_dict``, its matmuls in fp8 (see the module docstring). The class of an
     existing ``nn.Linear`` is switched in place (identity, hooks, optimizer references and
     DDP wrapping are kept); :func:`ampkit.reset` switches it back."""
