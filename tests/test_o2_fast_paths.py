@@ -290,3 +290,35 @@ def test_o2_on_cpu_the_grad_copies_come_back_after_the_step_as_they_were():
     for p, g, v in zip(model2.parameters(), before, values):
         assert p.grad is g and torch.equal(g, v)
         assert torch.equal(p.grad, mw.master_of(p).grad.to(BF16))
+
+
+@pytest.mark.parametrize("rule", ["cpu", "off"])
+def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monkeypatch):
+    """On CPU the produced grad is kept aside (it becomes the model's copy); where
+    16-bit grads are not kept (devices with a caching allocator; here CPU with the rule
+    switched off) it is freed as soon as it moved into the fp32 master. Either way the
+    model shows the master grad rounded after backward."""
+    if rule == "off":
+        monkeypatch.setattr("ampkit.master.KEEP_ASIDE_DEVICES", ())
+    import weakref
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    weight = model[0].weight
+    refs = []
+    alive = []
+    absorb = MasterWeights.absorb
+
+    def spy(self, p, unscale, keep=False):  # the grad AccumulateGrad stored, as ampkit gets it
+        if p is weight:
+            refs.append(weakref.ref(p.grad))
+        absorb(self, p, unscale, keep)
+
+    monkeypatch.setattr(MasterWeights, "absorb", spy)
+    weight.register_post_accumulate_grad_hook(lambda p: alive.append(refs[-1]() is not None))
+    _backward(model, opt, 0)
+    assert alive == [rule == "cpu"]  # kept aside, or nothing holds it once ampkit's hook ran
+    assert (weight.grad is refs[-1]()) is (rule == "cpu")
+    mw = amp.levels.master_weights_of(opt)
+    assert torch.equal(weight.grad, mw.master_of(weight).grad.to(BF16))

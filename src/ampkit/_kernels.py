@@ -302,11 +302,11 @@ def rounds_to_bf16(low: torch.Tensor, g: torch.Tensor) -> bool | None:
     in one compiled pass without temporaries; None when the kernel does not apply
     (small, other dtypes or devices, no compiler): compare some other way."""
     if (
-        low.dtype != torch.bfloat16
+        low.numel() < ROUND_CHECK_NUMEL  # first: the cheapest test, and most tensors fail it
+        or low.dtype != torch.bfloat16
         or g.dtype != torch.float32
         or low.device.type != "cpu"
         or g.device != low.device
-        or low.numel() < ROUND_CHECK_NUMEL
         or low.shape != g.shape
         or not (low.is_contiguous() and g.is_contiguous())
     ):

@@ -11,10 +11,10 @@ under ampkit's trainer (hooks installed by :mod:`ampkit.grads`):
 2. when the backward pass ends, each model parameter gets a 16-bit copy of its
    master's gradient (:meth:`MasterWeights.show`), so code that reads or edits
    ``model.parameters()`` grads (``clip_grad_norm_``, logging, hand edits) sees the
-   real gradient. With a scale of 1 (bf16's default) and no earlier grad in the
-   master, that copy is the 16-bit grad backward produced (the fp32 one is its exact
-   widening), kept aside by :meth:`MasterWeights.absorb` until then: no copy is
-   rounded, no second 16-bit buffer allocated;
+   real gradient. On CPU, with a scale of 1 (bf16's default) and no earlier grad in
+   the master, that copy is the 16-bit grad backward produced (the fp32 one is its
+   exact widening), kept aside by :meth:`MasterWeights.absorb` until then: no copy is
+   rounded, no second 16-bit buffer allocated (see ``KEEP_ASIDE_DEVICES``);
 3. before the grads are checked and before the step, changes made through either
    side are merged (:meth:`MasterWeights.reconcile`): clearing grads through the model
    (``model.zero_grad()``, ``p.grad = None``, ``set_to_none=False``) or through the
@@ -74,8 +74,10 @@ __all__ = ["MasterWeights"]
 
 _STATE_FORMAT = 1
 
-#: Device types where :meth:`MasterWeights.hide` keeps the model's 16-bit grad copies
-#: (not on the model) through the step instead of freeing them (see there).
+#: Device types where ampkit keeps 16-bit grads it would otherwise free and allocate
+#: again (:meth:`MasterWeights.absorb`, :meth:`MasterWeights.hide`): CPU, where every
+#: fresh large tensor is page-faulted in (no caching allocator). Costs up to 2 bytes
+#: per parameter during backward and the step; elsewhere they are freed at once.
 KEEP_ASIDE_DEVICES: tuple[str, ...] = ("cpu",)
 
 
@@ -272,9 +274,10 @@ class MasterWeights:
         ``keep`` (the caller's promise that ``unscale`` multiplies by 1, i.e. only
         checks): where the master has no grad yet, the fp32 grad is the 16-bit one
         widened, exactly, so the 16-bit grad already is the copy :meth:`show` would
-        make when the backward pass ends. It is checked in 16 bits, taken off
-        ``model_p`` and kept aside until then (:meth:`show` puts it back instead of
-        allocating and rounding a copy)."""
+        make when the backward pass ends. On ``KEEP_ASIDE_DEVICES`` (CPU) it is checked
+        in 16 bits, taken off ``model_p`` and kept aside until then (:meth:`show` puts it
+        back instead of allocating and rounding a copy: one pass and one page-faulted
+        allocation less, for up to 2 bytes per parameter more during backward)."""
         g = model_p.grad
         master = self._masters[id(model_p)]
         model_p.grad = None
@@ -285,6 +288,7 @@ class MasterWeights:
         if (
             keep
             and master.grad is None
+            and g.device.type in KEEP_ASIDE_DEVICES
             and g.layout == torch.strided
             and g.grad_fn is None
             and g.dtype != torch.float32
