@@ -244,6 +244,61 @@ def test_initialize_checks_its_arguments():
         ampkit.initialize(model, opt, opt_level="O2", policy=ampkit.Policy(), model_op_casting=False)
 
 
+def _o1_run(**kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O1", **kw)
+    out = model(torch.ones(3, 8))
+    out.float().sum().backward()
+    opt.step()
+    dtype = out.dtype
+    ampkit.reset()
+    return dtype, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_initialize_takes_the_models_device_type(level):
+    """device_type naming the models' device type works like leaving it out (it used to
+    collide with an internal argument and raise a raw TypeError)."""
+    if level == "O1":
+        given, default = _o1_run(device_type="cpu"), _o1_run()
+        assert given[0] == default[0] == BF16
+        assert all(torch.equal(a, b) for a, b in zip(given[1], default[1]))
+    else:
+        model = _all_norms()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ampkit.initialize(model, opt, opt_level="O2", device_type="cpu")
+        assert model.head.weight.dtype == BF16 and model.bn2.weight.dtype == FP32
+
+
+@pytest.mark.parametrize(
+    "device_type, match",
+    [
+        ("cuda", "tensors are on 'cpu'.*model.to"),
+        ("cpu:0", "not a device"),
+        (5, "must be a string"),
+        (torch.device("cpu"), "must be a string"),
+    ],
+)
+def test_initialize_refuses_a_device_type_not_the_models_before_changing_anything(device_type, match):
+    ampkit.init()  # a previous session: must survive the refused call
+    model = _all_norms()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match=match):
+        ampkit.initialize(model, opt, opt_level="O2", device_type=device_type)
+    assert ampkit.is_active("cpu")
+    assert all(p.dtype == FP32 for p in model.parameters())
+    assert all(a is b for a, b in zip(ampkit.master_params(opt), model.parameters()))
+    ampkit.init_trainer(opt)  # not managed yet: accepted
+
+
+def test_initialize_device_type_chooses_for_a_model_without_tensors():
+    model, _ = ampkit.initialize(nn.ReLU(), None, opt_level="O1", device_type="cpu")
+    assert ampkit.is_active("cpu") and ampkit.current_policy("cpu").dtype == BF16
+    assert model(torch.ones(2)).dtype == FP32  # relu keeps its input's dtype
+
+
 def test_bf16_defaults_to_static_scale_one_and_still_skips_inf():
     level = resolve_opt_level("O2", "cpu")
     assert level.dtype == BF16 and level.loss_scale == 1.0 and level.master_weights

@@ -356,16 +356,34 @@ def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
     )
 
 
-def _device_type(models: Sequence[nn.Module]) -> str:
+def _device_type(models: Sequence[nn.Module], requested: Any = None) -> str:
+    """The device type the models' tensors are on. ``requested`` (initialize's
+    ``device_type``) must name that same type; for models without tensors it chooses
+    (None: the default device type)."""
+    if requested is not None:
+        if not isinstance(requested, str):
+            raise AmpError(f"device_type must be a string such as 'cpu' or 'cuda', got {requested!r}.")
+        if ":" in requested:
+            raise AmpError(
+                f"device_type takes a device type such as {requested.split(':')[0]!r}, not a "
+                f"device ({requested!r}); initialize sets the models up on the device they are on."
+            )
     types = {t.device.type for m in models for t in list(m.parameters()) + list(m.buffers())}
     if len(types) > 1:
         raise AmpError(
             f"the models' tensors are on several device types {sorted(types)}; move each "
             "model to one device before initialize."
         )
-    if types:
-        return types.pop()
-    return default_device_type()
+    if not types:
+        return requested if requested is not None else default_device_type()
+    found = types.pop()
+    if requested is not None and requested != found:
+        raise AmpError(
+            f"device_type={requested!r}, but the models' tensors are on {found!r}; initialize "
+            f"sets the models up where they are: move them first (model.to({requested!r})) "
+            "or drop device_type."
+        )
+    return found
 
 
 def _make_scaler(level: OptLevel) -> LossScaler:
@@ -423,6 +441,7 @@ def initialize(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     opt_level: str = "O1",
     *,
+    device_type: str | None = None,
     fp8: Fp8Recipe | bool | None = None,
     **overrides: Any,
 ) -> tuple[Any, Any]:
@@ -433,6 +452,12 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference).
         opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
             the table in :mod:`ampkit.levels`.
+        device_type: ``"cpu"``, ``"cuda"``, ...: the device type the models are on,
+            which sets the default ``dtype`` and where op-level casting applies.
+            Default None: taken from the models' tensors (models without any: the
+            default device type, ``"cuda"`` if available else ``"cpu"``). Given for
+            models with tensors, it must name the type they are on (initialize does
+            not move models).
         fp8: an :class:`ampkit.Fp8Recipe` (or True for the default one): the linears
             it chooses compute their matmuls in fp8 (e4m3 forward, e5m2 or e4m3
             gradients, through ``torch._scaled_mm``); everything else, weights and
@@ -475,7 +500,7 @@ def initialize(
         AmpError: unknown level or option, a combination that makes no sense
             (e.g. ``master_weights=True`` with O1), a value of the wrong type or out of
             range (``loss_scale=True``, a scale whose reciprocal overflows fp32), models
-            not in fp32. Every argument is checked before anything changes: a refused
+            not in fp32, a ``device_type`` other than the models'. Every argument is checked before anything changes: a refused
             call leaves the models, the optimizers and the previous session as they were.
     """
     # Everything is validated before anything changes: a refused initialize leaves the
@@ -489,7 +514,7 @@ def initialize(
     policy = overrides.pop("policy", None)
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
-    device_type = _device_type(model_list)
+    device_type = _device_type(model_list, device_type)
     level = resolve_opt_level(opt_level, device_type, **overrides)
     if policy is not None and not (level.op_casting or level.model_op_casting):
         raise AmpError(
