@@ -1,5 +1,10 @@
 """Peak memory of one training step per opt level, against torch.autocast.
 
+A developer script of the repository's ``benchmarks/`` tree (users run ``ampkit
+bench``); it counts tensor bytes with the same code as ``ampkit bench``
+(:mod:`ampkit.bench.memory`: exact storages plus ``torch.profiler``'s record of
+every allocation and free) and adds the process's RSS.
+
 Each (workload, mode) runs in its own process, so one measurement cannot inherit
 another's allocations. In the worker: build the fp32 model and AdamW, set the mode
 up, train two warm-up steps (optimizer state exists, caches are warm), then reset
@@ -171,59 +176,6 @@ def _peak() -> float:
     return kib / 1024.0
 
 
-def _param_and_state_bytes(model: Any, opt: Any) -> int:
-    import torch
-
-    import ampkit
-
-    seen: set[int] = set()
-    total = 0
-
-    def add(t: torch.Tensor) -> None:
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-
-    for p in model.parameters():
-        add(p)
-    comp = ampkit.levels.compensation_of(opt)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            add(p)
-            if comp is not None and comp.buffer(p) is not None:
-                add(comp.buffer(p))
-    for state in opt.state.values():
-        for v in state.values():
-            if torch.is_tensor(v):
-                add(v)
-    return total
-
-
-def _window_peak(prof: Any, window: str) -> int:
-    """From a ``torch.profiler`` run with ``profile_memory``: the peak, inside the
-    ``record_function(window)`` range, of bytes allocated minus bytes freed since the
-    range began. Every block freed there must have been allocated while profiling
-    (the profiler knows the size of those only), so profiling starts before the
-    training step's first allocation."""
-    events = prof.profiler.kineto_results.events()
-    marks = [e for e in events if e.name() == window]
-    if len(marks) != 1:
-        raise RuntimeError(f"expected one {window!r} range in the profile, found {len(marks)}")
-    start, end = marks[0].start_ns(), marks[0].end_ns()
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    current = peak = 0
-    for e in memory:
-        if e.start_ns() < start:
-            continue
-        if e.start_ns() > end:
-            break
-        current += e.nbytes()
-        peak = max(peak, current)
-    return peak
-
-
 def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..., float]]:
     """Build the workload in fp32, set ``mode`` up; return (model, optimizer, step).
     ``step(measure)`` trains one step; with a dict for ``measure`` it also records the
@@ -231,7 +183,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
     import torch
 
     import ampkit
-    from ampkit.bench.memory import live_tensor_bytes, storage_ptrs
+    from ampkit.bench.memory import PeakMeter, storage_ptrs
 
     model, batch, loss_fn = _BUILDERS[workload](quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -241,7 +193,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
     else:
         model, opt = ampkit.initialize(model, opt, opt_level=mode)
 
-    def train(measure: dict[str, int] | None) -> float:
+    def train(meter: PeakMeter | None) -> float:
         opt.zero_grad(set_to_none=True)
         x, y = batch()
         with scope():
@@ -250,26 +202,25 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
         with ampkit.scale_loss(loss, opt) if mode != "autocast" else _plain(loss) as scaled:
             scaled.backward()
         value = float(loss.detach())
-        if measure is None:
+        if meter is None:
             opt.step()
             return value
         del out, loss, scaled
         gc.collect()
-        measure["live"] = live_tensor_bytes(torch.device("cpu"), exclude=storage_ptrs([x, y]))
-        with torch.profiler.record_function("opt.step"):
+        meter.exclude = storage_ptrs([x, y])
+        with meter.window():
             opt.step()
         return value
 
     def step(measure: dict[str, int] | None = None) -> float:
         if measure is None:
             return train(None)
-        from torch.profiler import ProfilerActivity, profile
-
         # Profiling covers the whole training step, so every block freed inside
         # optimizer.step() (16-bit grad copies, ...) was allocated under the profiler.
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            value = train(measure)
-        measure["extra"] = _window_peak(prof, "opt.step")
+        meter = PeakMeter(torch.device("cpu"))
+        with meter.profiling():
+            value = train(meter)
+        measure["live"], measure["extra"] = meter.live, meter.extra
         return value
 
     return model, opt, step
@@ -280,6 +231,7 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     import ampkit
+    from ampkit.bench.memory import param_and_state_bytes
 
     # A throwaway pass first: it loads every kernel the step uses (code pages and
     # one-time buffers count as RSS), then its tensors are freed. What is resident
@@ -307,7 +259,7 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
         "step_peak_mib": peak - bare,
         "resident_before_step_mib": before - bare,
         "bare_mib": bare,
-        "param_opt_mib": _param_and_state_bytes(model, opt) / MIB,
+        "param_opt_mib": param_and_state_bytes(model, opt) / MIB,
         "params": params,
         "opt_step_bytes_per_param": (measure["live"] + measure["extra"]) / params,
         "opt_step_extra_bytes_per_param": measure["extra"] / params,

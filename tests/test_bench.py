@@ -14,7 +14,13 @@ import torch
 
 from ampkit.bench import PRECISIONS
 from ampkit.bench.data import image_batches, load_digits, load_stdlib_text, text_batches
-from ampkit.bench.memory import SavedActivations, live_tensor_bytes, storage_ptrs
+from ampkit.bench.memory import (
+    PeakMeter,
+    SavedActivations,
+    live_tensor_bytes,
+    param_and_state_bytes,
+    storage_ptrs,
+)
 from ampkit.bench.recipes import RecipeUnavailable, TorchAutocast, make_recipe
 from ampkit.bench.runner import BenchConfig, BenchError, summarize_precision
 from ampkit.cli.main import main
@@ -258,6 +264,34 @@ def test_live_tensor_bytes_sees_new_tensors() -> None:
     keep = torch.empty(1 << 20, dtype=torch.uint8)
     assert live_tensor_bytes(torch.device("cpu")) - before >= keep.numel()
     assert live_tensor_bytes(torch.device("cpu"), exclude=storage_ptrs([keep])) < before + keep.numel()
+
+
+def test_peak_meter_counts_what_is_alive_and_the_peak_allocated_on_top_exactly() -> None:
+    cpu = torch.device("cpu")
+    outside = torch.empty(1 << 16, dtype=torch.uint8)  # alive, but excluded
+    meter = PeakMeter(cpu, exclude=storage_ptrs([outside]))
+    with meter.profiling():
+        scratch = torch.empty(1 << 18, dtype=torch.uint8)  # allocated before the window
+        with meter.window():
+            a = torch.empty(1 << 20, dtype=torch.uint8)
+            del a, scratch  # 1 MiB on top so far; then 256 KiB below the start
+            b = torch.empty(3 << 19, dtype=torch.uint8)
+            c = torch.empty(1 << 18, dtype=torch.uint8)  # -256 KiB + 1.5 MiB + 256 KiB
+            del b, c
+    assert meter.extra == 3 << 19  # 1.5 MiB: the later peak, scratch's free counted
+    # what was alive as the window opened: scratch and every other reachable tensor, not `outside`
+    alive = live_tensor_bytes(cpu, exclude=storage_ptrs([outside]))
+    assert meter.live == alive + (1 << 18)
+    assert meter.peak == meter.live + meter.extra
+
+
+def test_param_and_state_bytes_counts_each_storage_once() -> None:
+    lin = torch.nn.Linear(8, 4)  # 36 parameters
+    opt = torch.optim.AdamW(lin.parameters())
+    assert param_and_state_bytes(lin, opt) == 36 * 4
+    lin(torch.ones(2, 8)).sum().backward()
+    opt.step()  # two fp32 moments per parameter, plus a 4-byte step counter per tensor
+    assert param_and_state_bytes(lin, opt) == 36 * 4 * 3 + 2 * 4
 
 
 def test_torch_autocast_recipe_reports_a_skipped_fp16_step() -> None:

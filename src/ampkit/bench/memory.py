@@ -1,33 +1,44 @@
-"""Tensor memory figures for ``ampkit bench``.
+"""Tensor memory counts, one method for both benchmark trees.
 
-CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) during
-training, minus what was allocated before the model was built (the dataset).
+Two trees measure ampkit: ``ampkit bench`` (:mod:`ampkit.bench`, installed, what
+users run: speed, memory and accuracy of built-in workloads) and the repository's
+``benchmarks/`` scripts (what developers run: one figure each, e.g.
+``benchmarks/memory.py``). Both count tensor memory with this module.
 
-CPU has no allocator statistics, so the bench reports an estimate built from two
-exact counts, both in distinct storages (views and shared tensors count once):
+The method is exact and holds on CPU, where torch keeps no allocator statistics:
 
-- *state*: every tensor alive in the worker process after training, found through
-  Python's garbage collector (parameters, their gradients, optimizer state, fp32
-  master copies, compensation buffers, loss-scaler state, cached casts), less the
-  dataset's tensors;
-- *activations*: the tensors autograd saved for backward during one training step
-  (``torch.autograd.graph.saved_tensors_hooks``), less those already counted as
-  state (parameters saved as they are).
+- what is alive: the distinct storages (views and shared tensors count once) of
+  every tensor Python can reach, and of their ``.grad`` (:func:`live_tensor_bytes`),
+  or of a model's parameters and its optimizer's state (:func:`param_and_state_bytes`);
+- what a block of code allocates on top: every allocation and free of torch's CPU
+  allocator, recorded by ``torch.profiler`` with ``profile_memory``, summed in order
+  (:func:`allocation_peak`).
 
-Their sum bounds the peak tensor memory of a step from above (gradients and saved
-activations are not all alive at once); allocator overhead and workspace buffers
-are not included.
+The peak of a step is the first plus the peak of the second over the step
+(:class:`PeakMeter`). On CUDA ``ampkit bench`` reads the caching allocator's
+``torch.cuda.max_memory_allocated`` instead. :class:`SavedActivations` counts what
+autograd saves for backward (a breakdown the bench reports beside the peak).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["storage_ptrs", "live_tensor_bytes", "SavedActivations", "MIB"]
+__all__ = [
+    "MIB",
+    "SavedActivations",
+    "allocation_peak",
+    "live_tensor_bytes",
+    "PeakMeter",
+    "param_and_state_bytes",
+    "storage_ptrs",
+]
 
 MIB = float(2**20)
 
@@ -77,6 +88,99 @@ def live_tensor_bytes(device: torch.device, exclude: set[int] = frozenset()) -> 
             if obj.is_leaf and obj.requires_grad:
                 add(obj.grad)
     return sum(seen.values())
+
+
+def param_and_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of ``model``'s parameters and of what
+    ``optimizer`` holds: the parameters it steps (fp32 masters under O2), their
+    compensation buffers (O2K) and every tensor of its state."""
+    from ampkit.levels import compensation_of  # the bench sits above the library
+
+    sizes: dict[int, int] = {}
+
+    def add(t: torch.Tensor | None) -> None:
+        key = None if t is None else _storage(t)
+        if key is not None:
+            sizes[key[0]] = max(sizes.get(key[0], 0), key[1])
+
+    for p in model.parameters():
+        add(p)
+    comp = compensation_of(optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p)
+            if comp is not None:
+                add(comp.buffer(p))
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                add(v)
+    return sum(sizes.values())
+
+
+def allocation_peak(prof: Any, window: str | None = None) -> int:
+    """From a ``torch.profiler`` run with ``profile_memory``: the peak of bytes
+    allocated minus bytes freed since the start, over the whole run or inside its one
+    ``record_function(window)`` range. Every block freed there must have been
+    allocated while profiling (the profiler knows the size of those only), so
+    profiling starts before the first allocation of what is measured."""
+    events = prof.profiler.kineto_results.events()
+    start, end = -1, float("inf")
+    if window is not None:
+        marks = [e for e in events if e.name() == window]
+        if len(marks) != 1:
+            raise RuntimeError(f"expected one {window!r} range in the profile, found {len(marks)}")
+        start, end = marks[0].start_ns(), marks[0].end_ns()
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in memory:
+        if e.start_ns() < start:
+            continue
+        if e.start_ns() > end:
+            break
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+class PeakMeter:
+    """Exact peak tensor bytes of a stretch of code on ``device`` (CPU)::
+
+        meter = PeakMeter(torch.device("cpu"), exclude=storage_ptrs([x, y]))
+        with meter.profiling():       # from before the first allocation measured
+            ...
+            with meter.window():      # the stretch whose peak is wanted
+                optimizer.step()
+        meter.live, meter.extra, meter.peak
+
+    ``live``: bytes alive as the window opens (:func:`live_tensor_bytes`, less the
+    storages in ``exclude``); ``extra``: the peak of what the window allocates on top
+    (:func:`allocation_peak`); ``peak``: their sum.
+    """
+
+    WINDOW = "ampkit.bench.memory.window"
+
+    def __init__(self, device: torch.device, exclude: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.device = device
+        self.exclude = exclude
+        self.live = 0
+        self.extra = 0
+
+    @property
+    def peak(self) -> int:
+        return self.live + self.extra
+
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[PeakMeter]:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield self
+        self.extra = allocation_peak(prof, self.WINDOW)
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        self.live = live_tensor_bytes(self.device, exclude=self.exclude)
+        with record_function(self.WINDOW):
+            yield
 
 
 class SavedActivations:

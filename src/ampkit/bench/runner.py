@@ -6,7 +6,8 @@ starting worker rotates each round) while the others wait idle on their pipe, so
 only one precision computes at any time and slow spells of a shared machine fall
 on all precisions alike. Step time is the median over blocks of (block wall time /
 steps), leaving out each precision's first block (warm-up: kernel selection,
-allocator growth, the memory probe).
+allocator growth). The CPU memory figure comes from one more step after the
+last block, out of the timing (:mod:`ampkit.bench.memory`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import datetime
 import math
 import multiprocessing as mp
+import os
 import platform
 import statistics
 from collections.abc import Callable, Iterator
@@ -33,10 +35,11 @@ __all__ = ["BenchConfig", "BenchError", "run_bench", "resolve_device", "MEMORY_N
 
 MEMORY_NOTES = {
     "cpu": (
-        "peak MiB (CPU estimate) = state + activations: every tensor alive after training "
-        "(weights, grads, optimizer state, master/compensation copies, scaler; dataset "
-        "excluded) plus the tensors autograd saved for backward in one step, in distinct "
-        "storages"
+        "peak MiB (CPU, exact) = the peak of tensor bytes during one training step run "
+        "after the others: every tensor alive as it starts (weights, optimizer state, "
+        "master/compensation copies, scaler; dataset excluded), in distinct storages, "
+        "plus the peak of what the step allocates on top (torch.profiler's record of "
+        "every allocation and free)"
     ),
     "cuda": "peak MiB = torch.cuda.max_memory_allocated during training, minus the dataset",
 }
@@ -119,7 +122,16 @@ class _Worker:
         self.proc = ctx.Process(
             target=worker_main, args=(child, threads), name=f"ampkit-bench-{precision}", daemon=True
         )
-        self.proc.start()
+        # The worker's memory step runs torch.profiler, whose kineto logs each start
+        # and stop on stderr: quiet in the child (a spawned child takes the parent's
+        # environment as it starts; the parent's own is put back).
+        old = os.environ.get("KINETO_LOG_LEVEL")
+        os.environ["KINETO_LOG_LEVEL"] = old if old is not None else "5"
+        try:
+            self.proc.start()
+        finally:
+            if old is None:
+                del os.environ["KINETO_LOG_LEVEL"]
         child.close()
         self.alive = True
 

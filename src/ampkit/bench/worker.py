@@ -19,12 +19,13 @@ import math
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from .memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
+from .memory import MIB, PeakMeter, SavedActivations, live_tensor_bytes, storage_ptrs
 from .recipes import Recipe, RecipeUnavailable, make_recipe
 from .workloads import make_workload
 
@@ -68,7 +69,6 @@ class TrainingRun:
         self.scheduler = self.workload.build_scheduler(self.optimizer, spec.steps)
         self.batches = self.workload.batches(torch.Generator().manual_seed(spec.seed))
         self.step_count = 0
-        self.activation_bytes: int | None = None
 
     def info(self) -> dict[str, Any]:
         """What the parent shows before training starts."""
@@ -78,37 +78,26 @@ class TrainingRun:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _step(self, probe: SavedActivations | None) -> tuple[torch.Tensor, bool]:
+    def _step(self, measure: contextlib.AbstractContextManager[Any] | None = None) -> tuple[torch.Tensor, bool]:
         x, y = next(self.batches)
         self.optimizer.zero_grad(set_to_none=True)
-        with probe if probe is not None else contextlib.nullcontext(), self.recipe.scope():
-            loss = self.workload.loss(self.model(x), y)
-        skipped = self.recipe.backward_step(loss, self.optimizer)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        with measure if measure is not None else contextlib.nullcontext():
+            with self.recipe.scope():
+                loss = self.workload.loss(self.model(x), y)
+            skipped = self.recipe.backward_step(loss, self.optimizer)
+            if self.scheduler is not None:
+                self.scheduler.step()
         return loss.detach(), skipped
 
     def train(self, n: int) -> dict[str, Any]:
-        """Run ``n`` steps; return their losses, skips, loss scales and wall time.
-
-        The very first step also counts the activations saved for backward (CPU
-        memory figure); the parent leaves that block out of the timing.
-        """
+        """Run ``n`` steps; return their losses, skips, loss scales and wall time."""
         losses: list[torch.Tensor] = []
         skipped: list[bool] = []
         scales: list[float | None] = []
         self._sync()
         start = time.perf_counter()
         for _ in range(n):
-            probe = None
-            if self.step_count == 0:
-                exclude = self.data_ptrs | storage_ptrs(self.model.parameters()) | storage_ptrs(
-                    self.model.buffers()
-                )
-                probe = SavedActivations(exclude)
-            loss, was_skipped = self._step(probe)
-            if probe is not None:
-                self.activation_bytes = probe.nbytes
+            loss, was_skipped = self._step()
             losses.append(loss)
             skipped.append(was_skipped)
             scales.append(self.recipe.loss_scale())
@@ -126,15 +115,32 @@ class TrainingRun:
             peak = torch.cuda.max_memory_allocated(self.device) - self.cuda_base
             memory = {"peak_mib": peak / MIB, "memory_method": "cuda_max_memory_allocated"}
         else:
-            state = live_tensor_bytes(self.device, exclude=self.data_ptrs)
-            act = self.activation_bytes or 0
-            memory = {
-                "peak_mib": (state + act) / MIB,
-                "state_mib": state / MIB,
-                "activation_mib": act / MIB,
-                "memory_method": "state+saved_activations",
-            }
+            memory = self._measure_cpu_step()
         return {**{k: _finite(v) for k, v in metrics.items()}, **memory}
+
+    def _measure_cpu_step(self) -> dict[str, Any]:
+        """CPU: one more training step, after the metrics and out of the timing, under
+        :class:`~ampkit.bench.memory.PeakMeter` (the method ``benchmarks/memory.py``
+        uses too): its exact peak of tensor bytes, the dataset left out. Beside it
+        what was alive before it (``state_mib``) and what autograd saved for backward
+        in it (``activation_mib``)."""
+        state = live_tensor_bytes(self.device, exclude=self.data_ptrs)
+        meter = PeakMeter(self.device, exclude=self.data_ptrs)
+        params = storage_ptrs(self.model.parameters()) | storage_ptrs(self.model.buffers())
+        saved = SavedActivations(self.data_ptrs | params)
+
+        @contextlib.contextmanager
+        def measured() -> Iterator[None]:  # entered by _step after zero_grad
+            with meter.profiling(), meter.window(), saved:
+                yield
+
+        self._step(measured())
+        return {
+            "peak_mib": meter.peak / MIB,
+            "state_mib": state / MIB,
+            "activation_mib": saved.nbytes / MIB,
+            "memory_method": "exact_step_peak",
+        }
 
     def close(self) -> None:
         """Drop the run and any process-wide state its recipe set up."""
