@@ -674,6 +674,7 @@ class _ModuleHooks:
         # compiled under a scope is reused under the next one
         self._fns = (self._pre, self._post)
         self._ids: tuple[int, int] | None = None
+        self._held = 0
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
     def ensure(self) -> None:
@@ -696,9 +697,21 @@ class _ModuleHooks:
                 reg._global_forward_hooks_always_called[post_id] = True
             self._installed = True
 
+    def hold(self) -> None:
+        """Install the hooks and keep them until :meth:`release` (``ampkit run``: its
+        scopes open and close inside module calls, where torch may be iterating the
+        global hook dict -- a forward that raised unwinds through it)."""
+        self.ensure()
+        with self._lock:
+            self._held += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = max(0, self._held - 1)
+
     def remove(self) -> None:
         with self._lock:
-            if not self._installed:
+            if not self._installed or self._held:
                 return
             reg = nn.modules.module
             pre_id, post_id = self._ids

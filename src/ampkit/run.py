@@ -62,6 +62,7 @@ from torch import nn
 from . import _reset
 from ._script import check_script, exit_code, script_argv
 from ._where import _SKIPPED
+from .casting import _hooks
 from .errors import AmpError
 from .model import OpCastingEnter, cast_tensors
 
@@ -174,7 +175,13 @@ class _ForwardScope:
         self._default_policy = default_policy
         self._local = threading.local()
         self._handles: list[Any] = []
+        self._autocast_methods: tuple[Any, Any] | None = None
         self.scopes_opened = 0
+        self.kept_fp32 = 0
+        self.kept_fp32_site: str | None = None
+        # modules called (outermost, grad enabled) since the last backward: their graph
+        # may still be waiting for it
+        self.pending: dict[int, weakref.ref] = {}
 
     def install(self) -> None:
         reg = nn.modules.module
@@ -182,11 +189,20 @@ class _ForwardScope:
             reg.register_module_forward_pre_hook(self._pre),
             reg.register_module_forward_hook(self._post, always_call=True),
         ]
+        _hooks.hold()
+        cls = torch.amp.autocast_mode.autocast
+        self._autocast_methods = (cls.__enter__, cls.__exit__)
+        cls.__enter__, cls.__exit__ = self._counting(*self._autocast_methods)  # type: ignore[method-assign]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._autocast_methods is not None:
+            cls = torch.amp.autocast_mode.autocast
+            cls.__enter__, cls.__exit__ = self._autocast_methods  # type: ignore[method-assign]
+            self._autocast_methods = None
+            _hooks.release()
         stack = getattr(self._local, "stack", None)
         while stack:  # a forward interrupted without its hook (never expected)
             _, scope = stack.pop()
@@ -207,7 +223,42 @@ class _ForwardScope:
             scope = self._policies[device_type] = autocast(policy, device_type=device_type)
         if torch.is_autocast_enabled(device_type):
             return None  # the script's own torch.autocast region: its choice stands
+        if self._script_disabled(device_type):  # torch.autocast(enabled=False): it stands too
+            self.kept_fp32 += 1
+            if self.kept_fp32_site is None:
+                self.kept_fp32_site = _user_site()
+            return None
         return scope
+
+    def _script_disabled(self, device_type: str) -> bool:
+        """Whether the script itself entered ``torch.autocast(device_type, enabled=False)``
+        and is still inside it on this thread."""
+        return getattr(self._local, "disabled", {}).get(device_type, 0) > 0
+
+    def _counting(self, enter: Callable[..., Any], exit_: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+        """``torch.autocast`` enter/exit that count the disabled regions the script
+        enters itself (not torch's own, such as a checkpoint's recomputation, nor
+        ampkit's): per thread and device type."""
+        local = self._local
+
+        @functools.wraps(enter)
+        def counted_enter(region: Any) -> Any:
+            result = enter(region)
+            if not region._enabled and not torch.compiler.is_dynamo_compiling() and _entered_by_script():
+                counts = local.__dict__.setdefault("disabled", {})
+                counts[region.device] = counts.get(region.device, 0) + 1
+                region.__dict__["_ampkit_counted"] = region.__dict__.get("_ampkit_counted", 0) + 1
+            return result
+
+        @functools.wraps(exit_)
+        def counted_exit(region: Any, *exc: Any) -> Any:
+            if region.__dict__.get("_ampkit_counted"):
+                region.__dict__["_ampkit_counted"] -= 1
+                counts = local.__dict__.get("disabled", {})
+                counts[region.device] = max(0, counts.get(region.device, 0) - 1)
+            return exit_(region, *exc)
+
+        return counted_enter, counted_exit
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
@@ -216,6 +267,8 @@ class _ForwardScope:
         if stack is None:
             stack = self._local.stack = []
         scope = None
+        if not stack and torch.is_grad_enabled():
+            self.pending[id(module)] = weakref.ref(module)
         if not stack and not _has_own_scope(module):
             scope = self._scope(module)
             if scope is not None:
@@ -235,6 +288,20 @@ class _ForwardScope:
                 # outside the forward pass: in fp32, as it was written
                 return cast_tensors(output, torch.float32, only=(self._dtype,))
         return None
+
+
+_AUTOCAST_FILES = tuple(
+    str(Path(torch.__file__).resolve().parent / sub / "autocast_mode.py") for sub in ("amp", "cpu/amp", "cuda/amp")
+)
+
+
+def _entered_by_script() -> bool:
+    """Whether the ``torch.autocast`` being entered was entered by the script's own
+    code (its ``with``, or a decorator on its function), not by torch or ampkit."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _AUTOCAST_FILES:
+        frame = frame.f_back  # torch.cpu.amp.autocast / the decorator form
+    return frame is not None and not frame.f_code.co_filename.startswith(_SKIPPED)
 
 
 def _has_own_scope(module: nn.Module) -> bool:
@@ -357,6 +424,8 @@ class _OptRecord:
     steps: int = 0
     skipped: int = 0
     scale: float | None = None
+    born: int = 0  # the run's event count (builds and steps) when it was built
+    last_step: int = -1  # ... at its last step
 
 
 class _Runner:
@@ -390,6 +459,7 @@ class _Runner:
         self._step_started: float | None = None
         self.step_seconds = 0.0
         self.stopped_early: str | None = None
+        self._events = 0
         self._managing = False
         self._scalers: list[weakref.ref] = []
         self._before: list[weakref.ref] = []  # GradScalers alive before the script ran
@@ -452,9 +522,11 @@ class _Runner:
             return
         record = _OptRecord(
             ref=weakref.ref(opt), index=len(self.optimizers) + 1, kind=type(opt).__name__,
-            site=_user_site(), level="fp32",
+            site=_user_site(), level="fp32", born=self._events,
         )
+        self._events += 1
         self.optimizers.append(record)
+        self._supersede(record)
         if not self.apply:
             return
         self._managing = True
@@ -475,13 +547,14 @@ class _Runner:
         return [r for r in self.optimizers if r.ref() is not None and r.level in ("O1", "O2", "O2K")]
 
     def _supersede(self, new: _OptRecord) -> None:
-        """Earlier managed optimizers over the new one's parameters are dropped (the
-        script built a new optimizer for the same model: a new phase, or per epoch)."""
+        """Earlier optimizers over the new one's parameters are dropped, managed ones
+        released from the trainer (the script built a new optimizer for the same model:
+        a new phase, or per epoch); the new one marks the iterations in their place."""
         new_ids = {id(p) for p in self._params(new.ref())}
-        for rec in self._live():
-            if rec is new:
-                continue
+        for rec in self.optimizers:
             opt = rec.ref()
+            if rec is new or opt is None or rec.level == "superseded":
+                continue
             if any(id(p) in new_ids for p in self._model_params(opt)):
                 self._fold_stats(rec)
                 rec.level = "superseded"
@@ -503,7 +576,6 @@ class _Runner:
                 f"of a model {self.config.level} cast for an earlier optimizer, whose fp32 masters it "
                 "cannot rebuild from them. Run with --level O1."
             )
-        self._supersede(record)
         if self.level_applied in ("O2", "O2K"):
             why = self._setup_cast(record)
             if why is None:
@@ -594,6 +666,14 @@ class _Runner:
             record.level = "fp32"
             return why.format(level=self.config.level)
         stepped = {id(p) for p in params}
+        if self._forward is not None and any(
+            id(p) in stepped for ref in self._forward.pending.values() if ref() is not None for p in ref().parameters()
+        ):
+            record.level = "fp32"
+            return (
+                "comes after a forward pass of its model whose backward() has not run yet: that graph "
+                f"holds the fp32 weights {self.config.level} would cast to 16 bits"
+            )
         for model in models:
             trainable = [p for p in model.parameters() if p.requires_grad]
             extra = [p for p in trainable if id(p) not in stepped]
@@ -650,13 +730,26 @@ class _Runner:
                 if rec.level in ("O1", "O2", "O2K"):
                     return
                 rec.steps += 1
-                if rec.index == 1:
-                    self._iteration()
+                self._stepped(rec)
                 return
 
     def _on_step(self, ref: weakref.ref, skipped: bool) -> None:
-        opt = ref()
-        if self.optimizers and self.optimizers[0].ref() is opt:
+        rec = next((r for r in self.optimizers if r.ref() is ref()), None)
+        if rec is not None:
+            self._stepped(rec)
+
+    def _stepped(self, rec: _OptRecord) -> None:
+        """A step (taken or skipped) of ``rec``'s optimizer. The iterations are the
+        steps of the first-built optimizer still in use: not superseded by a later one
+        over its parameters, not gone, and not left behind: an optimizer built after
+        its last step now steps (a model and optimizer rebuilt from a checkpoint). One
+        that has not stepped yet keeps its place (a GAN's generator, stepped after
+        several critic steps)."""
+        in_use = [r for r in self.optimizers if r.level != "superseded" and r.ref() is not None]
+        marker = next((r for r in in_use if r is rec or r.last_step < 0 or rec.born <= r.last_step), None)
+        rec.last_step = self._events
+        self._events += 1
+        if marker is rec:
             self._iteration()
 
     def _iteration(self) -> None:
@@ -685,6 +778,8 @@ class _Runner:
 
     def _backward(self, orig: Callable[..., Any], tensors: Any, args: tuple, kwargs: dict) -> Any:
         self.backwards += 1
+        if self._forward is not None:
+            self._forward.pending.clear()
         site = _user_site()
         if self.script_scales is None:  # an enabled GradScaler the script built: it scales itself
             self._scalers = [
@@ -778,6 +873,12 @@ class _Runner:
 
     def report(self, code: int, script: str, args: list[str], wall: float) -> dict[str, Any]:
         self._flush_losses()
+        if self._forward is not None and self._forward.kept_fp32:
+            self.notes.append(
+                f"{self._forward.kept_fp32} module call(s) ran inside the script's own "
+                f"torch.autocast(enabled=False) (the first at {self._forward.kept_fp32_site}): kept in "
+                "fp32 as written (if that is the script's own AMP switch, switch it on instead)"
+            )
         times = self.iter_times
         if self.level_applied in ("O2", "O2K") and not any(r.level == self.level_applied for r in self.optimizers):
             self.level_applied = "O1"  # no optimizer: casting in forward passes only
@@ -797,6 +898,7 @@ class _Runner:
             "backward_calls": self.backwards,
             "scaled_backward_calls": self.scaled_backwards,
             "forward_scopes": self._forward.scopes_opened if self._forward is not None else 0,
+            "forward_calls_kept_fp32": self._forward.kept_fp32 if self._forward is not None else 0,
             "script_grad_scaler": bool(self.script_scales),
             "scheduler_steps_held": self._schedulers.held if self._schedulers is not None else 0,
             "optimizers": [

@@ -1,0 +1,119 @@
+"""``ampkit run`` against more loops as real scripts write them (tests/scripts/, which
+know nothing of ampkit): a nanoGPT-style model with the loss inside forward, REINFORCE
+with the optimizer built after the first rollout, a script's own fp32 island
+(``torch.autocast(enabled=False)``), torch.utils.checkpoint around the model, and the
+loop variations of loops.py -- each against its plain fp32 run."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_run import _against_fp32, _run, _site
+
+
+@pytest.mark.slow
+def test_nanogpt_style_loss_inside_forward(capsys, tmp_path):
+    """(logits, loss) from forward, tied weights, two AdamW groups, a disabled GradScaler,
+    clipping after unscale_, set_to_none, an @torch.no_grad() estimate_loss."""
+    out, err, report = _against_fp32([], "nanogpt.py", [], capsys, tmp_path)
+    assert report["optimizers"][0]["managed"] == "O1" and report["optimizers"][0]["steps"] == 60
+    assert not report["script_grad_scaler"] and report["notes"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [["--level", "O2"], ["--dtype", "fp16"]])
+def test_nanogpt_style_o2_and_fp16(options, capsys, tmp_path):
+    out, err, report = _against_fp32(options, "nanogpt.py", [], capsys, tmp_path)
+    assert report["level_applied"] == ("O2" if "O2" in options else "O1") and report["notes"] == []
+
+
+def test_reinforce_with_the_optimizer_built_after_the_first_rollout(capsys, tmp_path):
+    out, err, report = _against_fp32([], "reinforce.py", [], capsys, tmp_path)
+    assert report["optimizers"][0]["steps"] == 150
+
+
+@pytest.mark.slow
+def test_o2_optimizer_built_between_forward_and_backward_falls_back(capsys, tmp_path):
+    """The first rollout's graph holds the fp32 weights: O2 casting them under it would
+    break that backward; the optimizer gets O1, with a note naming its line."""
+    out, err, report = _against_fp32(["--level", "O2"], "reinforce.py", [], capsys, tmp_path)
+    assert report["level_applied"] == "O1" and report["optimizers"][0]["managed"] == "O1"
+    assert f"the optimizer built at {_site('reinforce.py', 'torch.optim.Adam')}" in report["notes"][0]
+    assert "whose backward() has not run yet" in report["notes"][0]
+
+
+@pytest.mark.parametrize("args", [[], ["--island-inside"]])
+def test_the_scripts_own_fp32_region_stands(args, capsys, tmp_path):
+    """A head the script runs under torch.autocast(enabled=False), from the loop or
+    inside forward, stays fp32 (cast to bf16 it trains ~9% worse)."""
+    out, err, report = _against_fp32([], "fp32_island.py", args, capsys, tmp_path)
+    if not args:
+        assert report["forward_calls_kept_fp32"] == 121  # 120 steps and the evaluation
+        assert _site("fp32_island.py", "return model.head(h.float())") in report["notes"][0]
+    else:
+        assert report["forward_calls_kept_fp32"] == 0 and report["notes"] == []
+    assert report["forward_scopes"] > 0
+
+
+def test_the_scripts_amp_switch_off_keeps_fp32_and_says_so(capsys, tmp_path):
+    """`torch.autocast(..., enabled=args.amp)` with the switch off is a disabled region
+    the script entered: it stands, and the note says how to switch it on."""
+    out, err, report = _against_fp32([], "autocast_scaler.py", ["--steps", "30"], capsys, tmp_path)
+    # the 30 training calls stay fp32; the evaluation outside the region is cast
+    assert report["forward_scopes"] == 1 and report["forward_calls_kept_fp32"] == 30
+    assert "the script's own AMP switch" in report["notes"][0]
+
+
+def test_checkpointed_model_calls(capsys, tmp_path):
+    """torch.utils.checkpoint around a model call: recomputed in backward, where the
+    non-reentrant kind stops early by raising through the module hooks (with ampkit's
+    hooks removed from torch's hook dict there, torch failed iterating it)."""
+    code, out, err, report = _run([], "checkpointed.py", [], capsys, tmp_path)
+    assert code == 0, err
+    assert out.splitlines() == ["out torch.float32"] * 3
+    assert report["optimizers"][0]["steps"] == 3 and report["forward_scopes"] >= 3
+
+
+LOOPS = {
+    "opt_first": ["--opt-first"],
+    "param_groups": ["--groups"],
+    "checkpoint_reload": ["--checkpoint", "{tmp}/ck.pt"],
+    "dataloader": ["--loader"],
+    "forward_direct": ["--forward-direct"],
+    "opt_per_epoch": ["--opt-per-epoch"],
+}
+
+
+@pytest.mark.parametrize("case", list(LOOPS))
+def test_loop_variations_at_o1(case, capsys, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in LOOPS[case]]
+    out, err, report = _against_fp32([], "loops.py", args, capsys, tmp_path)
+    assert report["iterations"] == 144
+
+
+def test_checkpoint_reload_at_o2(capsys, tmp_path):
+    out, err, report = _against_fp32(
+        ["--level", "O2"], "loops.py", ["--checkpoint", str(tmp_path / "ck.pt")], capsys, tmp_path
+    )
+    assert [o["managed"] for o in report["optimizers"]] == ["O2", "O2"]
+
+
+@pytest.mark.parametrize("level", ["fp32", "O1"])
+def test_steps_limit_follows_a_new_optimizer_per_epoch(level, capsys, tmp_path):
+    """A new optimizer over the same model supersedes the old one and its steps are the
+    iterations from then on: --steps 30 stops 6 steps into the second epoch."""
+    code, out, err, report = _run(["--level", level, "--steps", "30"], "loops.py", ["--opt-per-epoch"], capsys, tmp_path)
+    assert code == 0 and report["iterations"] == 30
+    assert [(o["managed"], o["steps"]) for o in report["optimizers"]] == [("superseded", 24), (level, 6)]
+
+
+def test_o2_optimizer_per_epoch_is_refused(capsys, tmp_path):
+    code, out, err, report = _run(["--level", "O2"], "loops.py", ["--opt-per-epoch"], capsys, tmp_path)
+    assert code == 2 and report is None
+    assert err.count("\n") == 1 and _site("loops.py", "return torch.optim.SGD(model") in err and "--level O1" in err
+
+
+def test_exception_in_the_loop_passes_exit_code_1(capsys, tmp_path):
+    code, out, err, report = _run(["--dtype", "fp16"], "loops.py", ["--raise-at", "5"], capsys, tmp_path)
+    assert code == 1 and "RuntimeError: loader broke at step 5" in err
+    assert report["optimizers"][0]["steps"] == 5
