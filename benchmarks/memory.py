@@ -57,7 +57,7 @@ STEP_TARGETS = {"O2": 18.0, "O2K": 10.0}
 MIB = 2.0**20
 
 
-# --- workloads (defined here, so the script stands alone) ------------------------------
+# --- workloads (the encoder is benchmarks/models.py's, the MLP ampkit bench's) ---------------
 
 
 def _cnn(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any, Any], Any]]:
@@ -82,39 +82,13 @@ def _cnn(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any
     return model, lambda: (x, y), lambda out, target: nn.functional.cross_entropy(out, target)
 
 
-class _Encoder:
-    """A pre-norm transformer encoder classifier over token ids."""
-
-    @staticmethod
-    def build(quick: bool) -> Any:
-        import torch
-        from torch import nn
-
-        vocab, d, heads, layers = 1000, (128 if quick else 256), 4, (2 if quick else 4)
-
-        class Encoder(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.embed = nn.Embedding(vocab, d)
-                layer = nn.TransformerEncoderLayer(
-                    d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-                )
-                self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-                self.norm = nn.LayerNorm(d)
-                self.head = nn.Linear(d, 10)
-
-            def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-                return self.head(self.norm(self.encoder(self.embed(tokens))).mean(1))
-
-        return Encoder()
-
-
 def _transformer(quick: bool) -> tuple[Any, Callable[[], tuple[Any, Any]], Callable[[Any, Any], Any]]:
     import torch
+    from models import EncoderClassifier  # benchmarks/models.py, beside this script
     from torch import nn
 
     batch, seq = (4, 64) if quick else (16, 128)
-    model = _Encoder.build(quick)
+    model = EncoderClassifier(vocab=1000, d=128 if quick else 256, heads=4, layers=2 if quick else 4, classes=10)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (batch, seq), generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
