@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_run import _against_fp32, _run, _site
+from test_run import SCRIPTS, _against_fp32, _run, _site
 
 
 @pytest.mark.slow
@@ -116,4 +116,7 @@ def test_o2_optimizer_per_epoch_is_refused(capsys, tmp_path):
 def test_exception_in_the_loop_passes_exit_code_1(capsys, tmp_path):
     code, out, err, report = _run(["--dtype", "fp16"], "loops.py", ["--raise-at", "5"], capsys, tmp_path)
     assert code == 1 and "RuntimeError: loader broke at step 5" in err
+    # the traceback as Python shows it for the script: from the script's frame on
+    trace = err[err.index("Traceback (most recent call last):"):].splitlines()
+    assert trace[1].startswith(f'  File "{SCRIPTS / "loops.py"}", line ') and "runpy" not in err
     assert report["optimizers"][0]["steps"] == 5

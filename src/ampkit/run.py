@@ -992,8 +992,8 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
         code = exit_code(exc.code)
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # the script failed: show it as Python would
-        traceback.print_exc()
+    except BaseException as exc:  # the script failed: show it as Python would
+        _print_script_traceback(exc, str(script))
         code = 1
     finally:
         runner.remove()
@@ -1001,6 +1001,15 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
         raise refused
     wall = time.perf_counter() - start
     return RunResult(code, runner.report(code, str(script), args, wall))
+
+
+def _print_script_traceback(exc: BaseException, script: str) -> None:
+    """The traceback from the script's own frame on (not ampkit's and runpy's frames
+    that ran it), as ``python script.py`` prints it."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
 
 
 # ---------------------------------------------------------------------------------
