@@ -81,6 +81,7 @@ LOOPS = {
     "dataloader": ["--loader"],
     "forward_direct": ["--forward-direct"],
     "opt_per_epoch": ["--opt-per-epoch"],
+    "opt_after_backward": ["--opt-after-backward"],
 }
 
 
@@ -88,7 +89,8 @@ LOOPS = {
 def test_loop_variations_at_o1(case, capsys, tmp_path):
     args = [a.format(tmp=tmp_path) for a in LOOPS[case]]
     out, err, report = _against_fp32([], "loops.py", args, capsys, tmp_path)
-    assert report["iterations"] == 144
+    # the first backward, before any optimizer exists, counts as an iteration of its own
+    assert report["iterations"] == 144 + (case == "opt_after_backward")
 
 
 def test_checkpoint_reload_at_o2(capsys, tmp_path):
@@ -111,6 +113,12 @@ def test_o2_optimizer_per_epoch_is_refused(capsys, tmp_path):
     code, out, err, report = _run(["--level", "O2"], "loops.py", ["--opt-per-epoch"], capsys, tmp_path)
     assert code == 2 and report is None
     assert err.count("\n") == 1 and _site("loops.py", "return torch.optim.SGD(model") in err and "--level O1" in err
+
+
+def test_fp16_backward_before_any_optimizer_is_refused_saying_so(capsys, tmp_path):
+    code, out, err, report = _run(["--dtype", "fp16"], "loops.py", ["--opt-after-backward"], capsys, tmp_path)
+    assert code == 2 and err.count("\n") == 1
+    assert _site("loops.py", "loss.backward()") in err and "an optimizer built after this backward" in err
 
 
 def test_exception_in_the_loop_passes_exit_code_1(capsys, tmp_path):

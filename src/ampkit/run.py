@@ -824,7 +824,8 @@ class _Runner:
         if foreign:
             raise _Refusal(RunRefused(
                 f"fp16 needs loss scaling, but the backward() at {site} reaches {foreign} tensor(s) that "
-                "no torch.optim optimizer steps (a manual p.data update, or an input's .grad): their "
+                "no torch.optim optimizer steps (a manual p.data update, an input's .grad, or parameters "
+                "of an optimizer built after this backward): their "
                 "gradients could not be unscaled before the script reads them. Run with --dtype bf16 "
                 "(fp32's exponent range: no loss scaling needed)."
             ))

@@ -1,6 +1,7 @@
 """One small classifier loop with the variations real scripts write, each behind a flag:
 the optimizer built before the model is moved (--opt-first), a new optimizer every epoch
-(--opt-per-epoch), two param groups with different learning rates (--groups), a
+(--opt-per-epoch), the optimizer built lazily after the first backward
+(--opt-after-backward), two param groups with different learning rates (--groups), a
 checkpoint of model and optimizer saved, reloaded and continued mid-run (--checkpoint
 PATH), batches from a torch.utils.data.DataLoader (--loader), model.forward(x) called
 directly (--forward-direct), an exception raised in the loop (--raise-at STEP). Knows
@@ -17,6 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--opt-first", action="store_true")
 parser.add_argument("--opt-per-epoch", action="store_true")
+parser.add_argument("--opt-after-backward", action="store_true")
 parser.add_argument("--groups", action="store_true")
 parser.add_argument("--checkpoint", default=None)
 parser.add_argument("--loader", action="store_true")
@@ -53,7 +55,10 @@ def make_optimizer(model):
 
 
 model = Net()
-if args.opt_first:
+if args.opt_after_backward:
+    optimizer = None
+    model.to(device)
+elif args.opt_first:
     optimizer = make_optimizer(model)
     model.to(device)
 else:
@@ -76,8 +81,11 @@ for epoch in range(args.epochs):
         x, y = x.to(device), y.to(device)
         logits = model.forward(x) if args.forward_direct else model(x)
         loss = F.cross_entropy(logits, y)
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.zero_grad()
         loss.backward()
+        if optimizer is None:
+            optimizer = make_optimizer(model)
         optimizer.step()
         step += 1
         if args.raise_at is not None and step == args.raise_at:
