@@ -323,6 +323,37 @@ def test_conversion_keeps_identity_and_state_dict_and_reset_reverts():
     assert [i.name for i in fp8.layers()] == ["1"] and model[2].weight.dtype == torch.float32
 
 
+
+def test_copies_of_a_converted_model_have_their_own_scale_state_and_reset_reverts_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 8))
+    model, _ = amp.initialize(model, None, opt_level="O1", op_casting=False,
+                              fp8=amp.Fp8Recipe(scaling="delayed", module_filter=lambda name, m: name == "2"))
+    copied = copy.deepcopy(model)
+    unpickled = pickle.loads(pickle.dumps(model))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        ref = model(x)
+    for other in (copied, unpickled):
+        assert type(other[2]) is fp8.Float8Linear
+        mine, theirs = model[2].__dict__["_ampkit_fp8"], other[2].__dict__["_ampkit_fp8"]
+        assert theirs is not mine and theirs.handle != mine.handle
+        assert fp8._HANDLES[theirs.handle] is theirs
+        with torch.no_grad():
+            assert torch.equal(other(x), ref)  # same weights, same (copied) scales
+    copied(x).sum().backward()  # a training step of the copy advances the copy's state only
+    assert copied[2].__dict__["_ampkit_fp8"].roles["input"].calls == 1
+    assert model[2].__dict__["_ampkit_fp8"].roles["input"].calls == 0
+    assert [i.calls for i in fp8.layers()] == [0]  # reports list the session's layers
+    amp.reset()
+    for m in (model, copied, unpickled):
+        assert type(m[2]) is nn.Linear and "_ampkit_fp8" not in m[2].__dict__
+        with torch.no_grad():
+            h = F.relu(F.linear(x, m[0].weight, m[0].bias))
+            plain = F.linear(F.linear(h, m[2].weight, m[2].bias), m[3].weight, m[3].bias)
+            assert torch.equal(m(x), plain) and not torch.equal(m(x), ref)  # fp32 again, not fp8
+
+
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> list[float]:
     g = torch.Generator().manual_seed(seed)
     losses = []

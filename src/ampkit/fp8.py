@@ -36,6 +36,11 @@ state: evaluation under ``no_grad`` and ``ampkit.explain`` use it as it is (and 
 collective), and a forward recomputed by activation checkpointing reuses the scales of
 its first pass (see :data:`Mode`).
 
+Under ``torch.compile`` each converted linear is one custom op (``ampkit::fp8_linear``
+and its backward) that runs this module's eager code at run time: compiled fp8 computes
+bitwise what eager fp8 computes, scale state included, with no graph break (see the
+comment above :func:`_fp8_linear_op` for why).
+
 Implemented directly on ``torch._scaled_mm`` rather than on ``torchao.float8``:
 torchao 0.15 runs on CPU but has no delayed scaling any more (only dynamic scaling),
 keeps no scale state to checkpoint, and exposes no per-matmul scales to report; its
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 import threading
 import warnings
 import weakref
@@ -360,9 +366,27 @@ class LayerState:
         # the filter only chose the layers; without it the model pickles (a lambda would not)
         self.recipe = dataclasses.replace(recipe, module_filter=None) if recipe.module_filter else recipe
         self.roles = {r: TensorScale(recipe.amax_history_len) for r in _ROLES}
+        self.handle = _register(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a deep copy or an unpickled layer keeps its own scale state: a handle of its own
+        self.__dict__.update(state)
+        self.handle = _register(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {r: s.state_dict() for r, s in self.roles.items()}
+
+
+#: LayerStates by handle, for the compiled op (which takes no Python objects); weak, so
+#: a dropped model's state goes with it. Process-wide like the models themselves.
+_HANDLES: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count()
+
+
+def _register(state: LayerState) -> int:
+    handle = next(_NEXT_HANDLE)
+    _HANDLES[handle] = state
+    return handle
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -389,60 +413,169 @@ def _dense(scale: torch.Tensor) -> torch.Tensor:
     return scale.flatten().view(scale.shape) if scale.dim() == 2 else scale
 
 
+def _mm_bias(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_mm`, plus ``bias`` (cast to ``out_dtype``) added in ``out_dtype``."""
+    y = _mm(a, b, sa, sb, out_dtype)
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, state: LayerState, out_dtype: torch.dtype, mode: Mode) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``x2d @ w.T + bias`` with fp8 operands; returns ``y`` and what backward needs:
+    ``(xq, wq, xs, ws)`` (tensorwise) or ``()`` (rowwise: it re-quantizes ``x`` and ``w``)."""
+    recipe = state.recipe
+    if recipe.granularity == "rowwise":
+        xq, xs, _ = quantize_rowwise(x, E4M3, -1, recipe)
+        wq, ws, _ = quantize_rowwise(w, E4M3, -1, recipe)
+        ws = ws.t()
+        saved: tuple[torch.Tensor, ...] = ()
+        if mode == "train":
+            state.roles["input"].calls += 1
+    else:
+        xq, xs = quantize_tensorwise(x, E4M3, state.roles["input"], recipe, reduce=True, mode=mode)
+        wq, ws = quantize_tensorwise(w, E4M3, state.roles["weight"], recipe, reduce=False, mode=mode)
+        saved = (xq, wq, xs, ws)
+    y = _mm_bias(xq, wq.t(), xs, ws, out_dtype, bias)
+    _observe(state, "forward", xq, wq, xs, ws, out_dtype)
+    return y, saved
+
+
+def _backward(
+    gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None, saved: Sequence[torch.Tensor], state: LayerState,
+    mode: Mode, dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None], needs: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_w, grad_bias)`` of :func:`_forward` (None where not needed)."""
+    recipe = state.recipe
+    gdt = recipe.grad_dtype
+    x_dtype, w_dtype, b_dtype = dtypes
+    need_x, need_w, need_b = needs
+    gx = gw = None
+    gb = gy.sum(0).to(b_dtype) if need_b and b_dtype is not None else None
+    if recipe.granularity == "rowwise":
+        assert x is not None and w is not None
+        if need_x:
+            gq, gs, _ = quantize_rowwise(gy, gdt, -1, recipe)
+            wq, ws, _ = quantize_rowwise(w, E4M3, 0, recipe)
+            gx = _mm(gq, wq, gs, ws, x_dtype)
+            _observe(state, "grad_input", gq, wq, gs, ws, x_dtype)
+        if need_w:
+            gq, gs, _ = quantize_rowwise(gy, gdt, 0, recipe)
+            xq, xs, _ = quantize_rowwise(x, E4M3, 0, recipe)
+            gw = _mm(gq.t(), xq, gs.t(), xs, w_dtype)
+            _observe(state, "grad_weight", gq.t(), xq, gs.t(), xs, w_dtype)
+        return gx, gw, gb
+    xq, wq, xs, ws = saved
+    # the gradient is never recomputed: it advances the state when its forward did
+    mode = "train" if mode == "train" else "frozen"
+    gq, gs = quantize_tensorwise(gy, gdt, state.roles["grad_output"], recipe, reduce=True, mode=mode)
+    if need_x:
+        gx = _mm(gq, wq, gs, ws, x_dtype)
+        _observe(state, "grad_input", gq, wq, gs, ws, x_dtype)
+    if need_w:
+        gw = _mm(gq.t(), xq, gs, xs, w_dtype)
+        _observe(state, "grad_weight", gq.t(), xq, gs, xs, w_dtype)
+    return gx, gw, gb
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """``x2d @ w.T`` with fp8 operands; backward's two matmuls in fp8 too."""
+    """The eager fp8 linear: :func:`_forward` and :func:`_backward` under autograd."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, state: LayerState, out_dtype: torch.dtype, mode: Mode) -> torch.Tensor:  # type: ignore[override]
-        recipe = state.recipe
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, state: LayerState, out_dtype: torch.dtype, mode: Mode) -> torch.Tensor:  # type: ignore[override]
         ctx.state, ctx.mode = state, mode
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        if recipe.granularity == "rowwise":
-            xq, xs, _ = quantize_rowwise(x, E4M3, -1, recipe)
-            wq, ws, _ = quantize_rowwise(w, E4M3, -1, recipe)
-            ws = ws.t()
-            ctx.save_for_backward(x, w)
-            if mode == "train":
-                state.roles["input"].calls += 1
-        else:
-            xq, xs = quantize_tensorwise(x, E4M3, state.roles["input"], recipe, reduce=True, mode=mode)
-            wq, ws = quantize_tensorwise(w, E4M3, state.roles["weight"], recipe, reduce=False, mode=mode)
-            ctx.save_for_backward(xq, wq, xs, ws)
-        y = _mm(xq, wq.t(), xs, ws, out_dtype)
-        _observe(state, "forward", xq, wq, xs, ws, out_dtype)
+        ctx.dtypes = (x.dtype, w.dtype, bias.dtype if bias is not None else None)
+        y, saved = _forward(x, w, bias, state, out_dtype, mode)
+        ctx.save_for_backward(*(saved or (x, w)))
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        state: LayerState = ctx.state
-        recipe = state.recipe
-        gdt = recipe.grad_dtype
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gx = gw = None
-        if recipe.granularity == "rowwise":
-            x, w = ctx.saved_tensors
-            if need_x:
-                gq, gs, _ = quantize_rowwise(gy, gdt, -1, recipe)
-                wq, ws, _ = quantize_rowwise(w, E4M3, 0, recipe)
-                gx = _mm(gq, wq, gs, ws, ctx.x_dtype)
-                _observe(state, "grad_input", gq, wq, gs, ws, ctx.x_dtype)
-            if need_w:
-                gq, gs, _ = quantize_rowwise(gy, gdt, 0, recipe)
-                xq, xs, _ = quantize_rowwise(x, E4M3, 0, recipe)
-                gw = _mm(gq.t(), xq, gs.t(), xs, ctx.w_dtype)
-                _observe(state, "grad_weight", gq.t(), xq, gs.t(), xs, ctx.w_dtype)
-            return gx, gw, None, None, None
-        xq, wq, xs, ws = ctx.saved_tensors
-        # the gradient is never recomputed: it advances the state when its forward did
-        mode = "train" if ctx.mode == "train" else "frozen"
-        gq, gs = quantize_tensorwise(gy, gdt, state.roles["grad_output"], recipe, reduce=True, mode=mode)
-        if need_x:
-            gx = _mm(gq, wq, gs, ws, ctx.x_dtype)
-            _observe(state, "grad_input", gq, wq, gs, ws, ctx.x_dtype)
-        if need_w:
-            gw = _mm(gq.t(), xq, gs, xs, ctx.w_dtype)
-            _observe(state, "grad_weight", gq.t(), xq, gs, xs, ctx.w_dtype)
-        return gx, gw, None, None, None
+        saved = ctx.saved_tensors
+        x, w = saved if ctx.state.recipe.granularity == "rowwise" else (None, None)
+        # autocast off as in forward: the backward runs under the caller's autocast state
+        # (on under O1's autocast), which would change _scaled_mm's result here
+        with torch.autocast(gy.device.type, enabled=False):
+            grads = _backward(gy, x, w, saved, ctx.state, ctx.mode, ctx.dtypes, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None)
+
+
+# --- one opaque op under torch.compile --------------------------------------------------------
+#
+# Traced by dynamo, the autograd Function above would break the graph (it mutates the scale
+# state, which a traced autograd.Function may not) and, where inductor fused its pieces,
+# compute other values: inductor keeps a fused bf16/fp16 intermediate in fp32 without
+# rounding it (``emulate_precision_casts=False``, its default), so an fp8 cast read an
+# unrounded GELU output and ``y + bias.to(bf16)`` skipped two roundings. While compiling,
+# the layer is therefore one custom op (and one for its backward): inductor calls it as an
+# extern kernel on materialized inputs, and it runs the eager code above at run time,
+# scale state included -- compiled fp8 computes bitwise what eager computes, with no graph
+# break. The op finds its :class:`LayerState` by an int handle (ops take no Python objects).
+
+_MODES: tuple[Mode, ...] = ("train", "frozen", "replay")
+
+
+@torch.library.custom_op("ampkit::fp8_linear", mutates_args=())
+def _fp8_linear_op(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, handle: int, out_dtype: torch.dtype, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    state = _HANDLES[handle]
+    mode = _forward_mode(grad)
+    with torch.autocast(x.device.type, enabled=False):
+        y, saved = _forward(x, w, bias, state, out_dtype, mode)
+    if not saved:
+        saved = tuple(x.new_empty(0) for _ in range(4))
+    mode_t = torch.tensor(_MODES.index(mode), dtype=torch.int64)
+    return (y.contiguous(), *(t.contiguous() for t in saved), mode_t)
+
+
+@_fp8_linear_op.register_fake
+def _(x, w, bias, handle, out_dtype, grad):  # type: ignore[no-untyped-def]
+    y = x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
+    if _HANDLES[handle].recipe.granularity == "rowwise":
+        saved = tuple(x.new_empty(0) for _ in range(4))
+    else:
+        scalar = x.new_empty((), dtype=torch.float32)
+        saved = (x.new_empty(x.shape, dtype=E4M3), w.new_empty(w.shape, dtype=E4M3), scalar, scalar.clone())
+    return (y, *saved, torch.empty((), dtype=torch.int64))
+
+
+@torch.library.custom_op("ampkit::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward_op(
+    gy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None, xq: torch.Tensor, wq: torch.Tensor,
+    xs: torch.Tensor, ws: torch.Tensor, mode: torch.Tensor, handle: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+    b_dtype: torch.dtype | None, need_x: bool, need_w: bool, need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(gy.device.type, enabled=False):
+        grads = _backward(gy, x, w, (xq, wq, xs, ws), _HANDLES[handle], _MODES[int(mode)],
+                          (x_dtype, w_dtype, b_dtype), (need_x, need_w, need_b))
+    gx, gw, gb = (g.contiguous() if g is not None else gy.new_empty(0) for g in grads)
+    return gx, gw, gb
+
+
+@_fp8_linear_backward_op.register_fake
+def _(gy, x, w, xq, wq, xs, ws, mode, handle, x_dtype, w_dtype, b_dtype, need_x, need_w, need_b):  # type: ignore[no-untyped-def]
+    n, k = wq.shape if x is None else w.shape
+    gx = gy.new_empty((gy.shape[0], k), dtype=x_dtype) if need_x else gy.new_empty(0)
+    gw = gy.new_empty((n, k), dtype=w_dtype) if need_w else gy.new_empty(0)
+    gb = gy.new_empty((n,), dtype=b_dtype) if need_b and b_dtype is not None else gy.new_empty(0)
+    return gx, gw, gb
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    x, w, bias, handle, _, _ = inputs
+    rowwise = _HANDLES[handle].recipe.granularity == "rowwise"
+    ctx.handle = handle
+    ctx.dtypes = (x.dtype, w.dtype, bias.dtype if bias is not None else None)
+    ctx.save_for_backward(*((x, w) if rowwise else (None, None)), *output[1:])
+
+
+def _backward_formula(ctx: Any, gy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    x, w, xq, wq, xs, ws, mode = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    gx, gw, gb = torch.ops.ampkit.fp8_linear_backward(gy, x, w, xq, wq, xs, ws, mode, ctx.handle, *ctx.dtypes, *need)
+    return (gx if need[0] else None, gw if need[1] else None, gb if need[2] else None, None, None, None)
+
+
+_fp8_linear_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -467,12 +600,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         )
     out_dtype = _compute_dtype(x, weight)
     lead = x.shape[:-1]
-    with torch.autocast(x.device.type, enabled=False):
-        y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, state, out_dtype, _forward_mode())
-        y = y.reshape(*lead, weight.shape[0])
-        if bias is not None:
-            y = y + bias.to(out_dtype)
-    return y
+    x2d = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        y = torch.ops.ampkit.fp8_linear(x2d, weight, bias, state.handle, out_dtype, torch.is_grad_enabled())[0]
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            y = _Fp8Matmul.apply(x2d, weight, bias, state, out_dtype, _forward_mode(torch.is_grad_enabled()))
+    return y.reshape(*lead, weight.shape[0])
 
 
 _STATE_ATTR = "_ampkit_fp8"
@@ -482,7 +616,16 @@ class Float8Linear(nn.Linear):
     """An ``nn.Linear`` converted by ``amp.initialize(..., fp8=...)``: same parameters, same
     ``state_dict``, its matmuls in fp8 (see the module docstring). The class of an
     existing ``nn.Linear`` is switched in place (identity, hooks, optimizer references and
-    DDP wrapping are kept); :func:`ampkit.reset` switches it back."""
+    DDP wrapping are kept); :func:`ampkit.reset` switches it back.
+
+    A deep copy (or an unpickled copy) of a converted layer is a ``Float8Linear`` with its
+    own copy of the scale state, which ``amp.state_dict()`` does not save and
+    ``amp.fp8.layers()`` does not list; :func:`ampkit.reset` switches copies back too."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if _STATE_ATTR in self.__dict__:
+            _CONVERTED.add(self)  # reset switches a copy back as it does its original
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         state: LayerState | None = self.__dict__.get(_STATE_ATTR)
@@ -588,9 +731,15 @@ class Fp8LayerInfo:
         return dataclasses.asdict(self)
 
 
+#: Every converted layer (originals and their copies), so that reset can switch them back
+#: to ``nn.Linear``. Process-wide (a model is shared by the process's threads) and weak (a
+#: dropped model is not kept alive); cleared by the ``_unconvert`` reset hook below.
 _CONVERTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+#: The fp8 setup of the current ``initialize`` (read by ``amp.state_dict``, ``layers``,
+#: ``explain`` and the doctor). Process-wide like the AMP session it belongs to
+#: (``session.py``); ``_unconvert`` drops it on reset and the next ``initialize``.
 class _Current:
     training: Fp8Training | None = None
 
@@ -675,6 +824,9 @@ class Fp8MatmulRecord:
         )
 
 
+#: Per-thread stack of open :class:`observe` collectors: a diagnostic run in one thread
+#: (``explain``) must neither collect another thread's matmuls nor freeze its scale state.
+#: Each ``observe`` removes its own entry on exit, so reset has nothing to drop.
 _LOCAL = threading.local()
 
 
@@ -685,10 +837,10 @@ def _observers() -> list[list[Fp8MatmulRecord]]:
     return obs
 
 
-def _forward_mode() -> Mode:
-    """The :data:`Mode` of a forward call made now (read outside the autograd Function,
-    where grad mode is still the caller's)."""
-    if _observers() or not torch.is_grad_enabled():
+def _forward_mode(grad: bool) -> Mode:
+    """The :data:`Mode` of a forward call made now with the caller's grad mode ``grad``
+    (read outside the autograd Function or op, where grad mode is still the caller's)."""
+    if _observers() or not grad:
         return "frozen"
     if torch._C._current_graph_task_id() != -1:  # a forward run inside backward: recomputation
         return "replay"
