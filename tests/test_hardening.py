@@ -897,6 +897,16 @@ def test_bad_initialize_arguments_change_nothing(data, level):
     assert snapshot([*old_models, model], [*old_opts, opt]) == before
 
 
+def _is_managed(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is under a trainer, asked publicly: ``amp.stats`` answers for
+    managed optimizers only."""
+    try:
+        amp.stats(opt)
+    except amp.StateError:
+        return False
+    return True
+
+
 @_EXAMPLES
 @given(data=st.data())
 def test_bad_trainer_calls_change_nothing(data):
@@ -936,8 +946,9 @@ def test_bad_trainer_calls_change_nothing(data):
             freeze([p.grad for m in models for p in m.parameters()]),
             state._pending,
             freeze([f for _, f in state._segments]),
-            state._unscaled,
-            "_ampkit_managed" in fresh.__dict__,
+            state._unscaled,  # per-step state with no public reader (what step() will do)
+            amp.stats(opt),
+            _is_managed(fresh),
         )
 
     before = everything()
