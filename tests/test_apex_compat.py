@@ -383,3 +383,13 @@ def test_disabled_handle_does_nothing():
     with opt.scale_loss(loss) as scaled:
         assert scaled is loss
     handle._deactivate()
+
+
+@pytest.mark.parametrize("bad", [5, None, "O7"])
+def test_apex_initialize_refuses_a_bad_opt_level_with_an_amp_error(bad):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match="unknown opt_level"):
+        amp.initialize(model, opt, opt_level=bad)
+    assert model.weight.dtype == torch.float32 and ampkit.levels.master_weights_of(opt) is None
+    ampkit.reset()

@@ -228,7 +228,7 @@ def initialize(
     if cast_model_type in (torch.float16, torch.bfloat16):
         overrides["dtype"] = cast_model_type
     # apex ignored keep_batchnorm_fp32 when nothing is cast (O0/O1 defaults).
-    if opt_level.upper() in ("O0", "O1") and cast_model_type is None:
+    if isinstance(opt_level, str) and opt_level.upper() in ("O0", "O1") and cast_model_type is None:
         overrides.pop("keep_norm_fp32")
     lower, fp32, promote = registrations
     level = ampkit.levels.resolve_opt_level(
