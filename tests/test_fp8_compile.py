@@ -121,3 +121,40 @@ def test_a_compiled_deep_copy_advances_its_own_scale_state():
     torch.compile(copied, backend="aot_eager")(torch.randn(16, 16)).float().sum().backward()
     assert [copied[i].__dict__["_ampkit_fp8"].roles[r].calls for i in (1, 3) for r in fp8._ROLES] == [1] * 6
     assert [model[i].__dict__["_ampkit_fp8"].roles[r].calls for i in (1, 3) for r in fp8._ROLES] == [0] * 6
+
+
+def test_inductor_fp8_under_activation_checkpointing_equals_eager():
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = _model()
+
+        def forward(self, x):
+            s = self.seq
+            h = checkpoint(lambda t: s[3](s[2](s[1](t))), s[0](x), use_reentrant=False)
+            return s[4](h)
+
+    def run(compiled):
+        amp.reset()
+        net, _ = amp.initialize(Net(), None, opt_level="O1", fp8=DELAYED)
+        f = torch.compile(net) if compiled else net
+        g = torch.Generator().manual_seed(1)
+        for i in range(2):
+            f(torch.randn(16, 16, generator=g) * (1 + i)).float().pow(2).mean().backward()
+        return [p.grad for p in net.parameters()], amp.state_dict()["extra"]["fp8"]
+
+    eager = run(False)
+    counters.clear()
+    comp = run(True)
+    assert dict(counters["graph_break"]) == {}
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], comp[0]))
+    for roles in (eager[1]["layers"]["seq.1"], comp[1]["layers"]["seq.1"]):
+        assert [roles[r]["calls"] for r in fp8._ROLES] == [2, 2, 2]  # recomputation advanced nothing
+    assert eager[1]["layers"].keys() == comp[1]["layers"].keys()
+    for name, roles in eager[1]["layers"].items():
+        for role, st in roles.items():
+            assert all(torch.equal(v, comp[1]["layers"][name][role][k]) if torch.is_tensor(v)
+                       else v == comp[1]["layers"][name][role][k] for k, v in st.items()), (name, role)

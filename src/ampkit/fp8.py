@@ -523,7 +523,10 @@ def _fp8_linear_op(
         y, saved = _forward(x, w, bias, state, out_dtype, mode)
     if not saved:
         saved = tuple(x.new_empty(0) for _ in range(4))
-    mode_t = torch.tensor(_MODES.index(mode), dtype=torch.int64)
+    # the backward's mode: a replay (the compiled graph recomputing a checkpointed region
+    # inside backward) stands for the training forward it repeats, as in eager, where the
+    # backward keeps the first pass's context
+    mode_t = torch.tensor(_MODES.index("train" if mode == "replay" else mode), dtype=torch.int64)
     return (y.contiguous(), *(t.contiguous() for t in saved), mode_t)
 
 
