@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._common import float_between, positive_int
+
 __all__ = ["add_parser", "run"]
 
 
@@ -27,24 +29,8 @@ class ConvertUsageError(Exception):
     """Bad input to ``ampkit convert``: one line, exit code 2."""
 
 
-def _float_between(low: float, high: float) -> Callable[[str], float]:
-    """An argparse type: a number in [low, high]."""
-
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low <= v <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {v}")
-        return v
-
-    return parse
-
-
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``convert`` sub-command to ``sub`` (an argparse sub-parsers object)."""
-    from .main import _positive_int
 
     p = sub.add_parser(
         "convert",
@@ -64,14 +50,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--calib", required=True, metavar="MODULE:FUNCTION|FILE.pt",
                    help="calibration batches: a function returning a list of batches, or a "
                         "torch.save'd tensor (split by --batch-size) or list of batches")
-    p.add_argument("--batch-size", type=_positive_int, default=64,
+    p.add_argument("--batch-size", type=positive_int, default=64,
                    help="batch size when --calib is one tensor (default: 64)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                    help="16-bit dtype of the weights (default: bf16 on CPU)")
-    p.add_argument("--budget", type=_float_between(0.0, float("inf")), default=None, metavar="REL_ERROR",
+    p.add_argument("--budget", type=float_between(0.0, float("inf")), default=None, metavar="REL_ERROR",
                    help="largest relative error of the outputs vs fp32 on the calib batches; "
                         "modules are kept in fp32 until it holds")
-    p.add_argument("--min-agreement", type=_float_between(0.0, 1.0), default=None, metavar="FRACTION",
+    p.add_argument("--min-agreement", type=float_between(0.0, 1.0), default=None, metavar="FRACTION",
                    help="smallest top-1 agreement with fp32 (e.g. 0.99); a budget like --budget")
     p.add_argument("--keep-fp32", default="", metavar="NAMES",
                    help="comma-separated module names/globs to keep in fp32")
@@ -83,9 +69,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "auto: compute for fp16, storage for bf16 (default)")
     p.add_argument("--program", type=Path, default=None, metavar="OUT.pt2",
                    help="also save a torch.export program of the converted model")
-    p.add_argument("--rounds", type=_positive_int, default=15,
+    p.add_argument("--rounds", type=positive_int, default=15,
                    help="timing rounds, interleaved across the models (default: 15)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="CPU threads (default: 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default: 1)")
     return p
 
 

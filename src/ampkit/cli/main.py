@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ._common import positive_int
 from .convert import ConvertUsageError
 from .doctor import DoctorUsageError
 from .run import RunUsageError
@@ -41,16 +42,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto = cuda when a GPU is available, else cpu (default: auto)")
     bench.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                        help="16-bit compute dtype (default: bf16 on cpu, fp16 on cuda)")
-    bench.add_argument("--steps", type=_positive_int, default=None,
+    bench.add_argument("--steps", type=positive_int, default=None,
                        help="training steps per workload and precision (default: per workload)")
     bench.add_argument("--quick", action="store_true",
                        help="smaller models and fewer steps: a look in under 2 minutes on 2 cores")
@@ -85,11 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for results.json and bench.png (default: bench-out)")
     bench.add_argument("--seed", type=int, default=0, help="seed of weights and batch order (default: 0)")
-    bench.add_argument("--threads", type=_positive_int, default=1,
+    bench.add_argument("--threads", type=positive_int, default=1,
                        help="torch CPU threads per training process (default: 1)")
     # Internal knobs (tests, experiments): model size preset and interleaving block.
     bench.add_argument("--size", choices=("full", "quick", "tiny"), default=None, help=argparse.SUPPRESS)
-    bench.add_argument("--block", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    bench.add_argument("--block", type=positive_int, default=None, help=argparse.SUPPRESS)
     bench.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     from .convert import add_parser as add_convert_parser
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import unwritable
+from ._common import float_between, positive_int, unwritable
 
 __all__ = ["add_parser", "run", "RunUsageError"]
 
@@ -32,9 +32,6 @@ class RunUsageError(Exception):
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from .convert import _float_between
-    from .main import _positive_int
-
     parser = sub.add_parser(
         "run",
         help="train an unmodified script in mixed precision (and --compare it with fp32)",
@@ -54,9 +51,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="16-bit compute dtype (default: bf16; fp16 on a GPU without bf16)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="also write the summary as JSON (with the loss values)")
-    parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="end the script after N iterations (steps of the first optimizer it builds)")
-    parser.add_argument("--time", type=_float_between(1e-3, 1e9), default=None, metavar="SECONDS",
+    parser.add_argument("--time", type=float_between(1e-3, 1e9), default=None, metavar="SECONDS",
                         help="end the script at the first iteration after SECONDS")
     parser.add_argument("--compare", action="store_true",
                         help="run the script twice, fp32 then --level, and show the loss curves and "
