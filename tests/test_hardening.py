@@ -907,17 +907,50 @@ def _is_managed(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
+_FINISHES = ("step", "another loss", "unscale, clip", "zeroed, another loss")
+
+
+def _begin_step(model: nn.Module, opt: torch.optim.Optimizer, overflow: bool) -> None:
+    """A step in progress: loss 0's backward, with inf/NaN grads when ``overflow``."""
+    opt.zero_grad()
+    loss = loss_of(model, 5) * (INF if overflow else 1.0)
+    with amp.scale_loss(loss, opt, loss_id=0) as scaled:
+        scaled.backward()
+
+
+def _finish_step(model: nn.Module, opt: torch.optim.Optimizer, how: str) -> Any:
+    """Finish the step in progress the way ``how`` says (each idiom reads a different part
+    of the step's bookkeeping: which loss the grads belong to, the inf/NaN flags so far,
+    whether they were unscaled) and return what the user sees of it: params, grads,
+    whether the step was skipped, the stats and the session's state."""
+    if how == "zeroed, another loss":
+        opt.zero_grad(set_to_none=False)
+    if how in ("another loss", "zeroed, another loss"):
+        with amp.scale_loss(loss_of(model, 6), opt, loss_id=1) as scaled:
+            scaled.backward()
+    if how == "unscale, clip":
+        amp.unscale(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    params = list(model.parameters())
+    return freeze((params, [p.grad for p in params], amp.step_skipped(opt), amp.stats(opt), amp.state_dict()))
+
+
 @_EXAMPLES
 @given(data=st.data())
 def test_bad_trainer_calls_change_nothing(data):
     """init_trainer, scale_loss, unscale, set_sync, register_ddp, step_skipped and stats
-    with nonsense: an AmpError, and the session, params, grads and per-step state as
-    they were."""
+    with nonsense: an AmpError, the session, params and grads as they were, and the step
+    in progress finishes as it would have without the call."""
     models, opts, _ = _session_setup()
     model, opt = models[1], opts[1]
-    opt.zero_grad()
-    with amp.scale_loss(loss_of(model, 5), opt, loss_id=0) as scaled:
-        scaled.backward()  # a step in progress: its grads and flags must survive
+    start = (amp.state_dict(), copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+    def restart() -> None:
+        amp.load_state_dict(start[0])
+        model.load_state_dict(start[1])
+        opt.load_state_dict(start[2])
+
     fresh = torch.optim.SGD(mlp(3).parameters(), lr=0.1)
     attached = managed_state(opt).scalers[0]
     calls: list[Callable[[], Any]] = [
@@ -938,23 +971,27 @@ def test_bad_trainer_calls_change_nothing(data):
         lambda: amp.stats(fresh),
     ]
     call = data.draw(st.sampled_from(calls))
-    state = managed_state(opt)
 
     def everything() -> Any:
         return (
             snapshot(models, opts),
             freeze([p.grad for m in models for p in m.parameters()]),
-            state._pending,
-            freeze([f for _, f in state._segments]),
-            state._unscaled,  # per-step state with no public reader (what step() will do)
             amp.stats(opt),
             _is_managed(fresh),
         )
 
-    before = everything()
-    with pytest.raises(AmpError):
-        call()
-    assert everything() == before
+    for overflow in (False, True):
+        for finish in _FINISHES:
+            _begin_step(model, opt, overflow)  # its grads and flags must survive the call
+            before = everything()
+            with pytest.raises(AmpError):
+                call()
+            assert everything() == before
+            finished = _finish_step(model, opt, finish)
+            restart()  # the same step again, without the bad call
+            _begin_step(model, opt, overflow)
+            assert _finish_step(model, opt, finish) == finished, (overflow, finish)
+            restart()  # the next one starts from the same state
 
 
 @_EXAMPLES
