@@ -70,10 +70,11 @@ class StepAgreement(Protocol):
 
 
 def _codes(segments: Sequence[tuple[int | None, Any]], num_losses: int, maximum: Callable[[Any, Any], Any], absent: Any) -> list[Any]:
-    """The rule, once: ``[code per loss id] + [skip] + [absent per loss id]`` from the
-    per-segment found flags (1.0 overflow, 0.0 clean). Written in ``*``, ``-`` and
-    ``maximum`` only, so it runs on host floats (a process alone, after its one host
-    read) and on 0-dim device tensors (ranks that agree, before their all-reduce)."""
+    """The rule, once: ``[code per loss id] + [skip]`` from the per-segment found flags
+    (1.0 overflow, 0.0 clean); a loss id the step did not scale keeps ``absent``.
+    Written in ``*``, ``-`` and ``maximum`` only, so it runs on host floats (a process
+    alone, after its one host read) and on 0-dim device tensors (ranks that agree,
+    before their all-reduce)."""
     codes = [absent] * num_losses
     masked = absent * 0.0  # 1.0 once a segment of this step has overflowed
     for loss_id, found in segments:
@@ -81,8 +82,8 @@ def _codes(segments: Sequence[tuple[int | None, Any]], num_losses: int, maximum:
             status = maximum(masked * _MASKED, found * (1.0 - masked) * _OVERFLOW)
             codes[loss_id] = maximum(codes[loss_id], status)
         masked = maximum(masked, found)
-    # masked is the skip flag now; a loss id is absent where its code is still _ABSENT.
-    return codes + [masked] + [maximum(c * 0.0, -c) for c in codes]
+    codes.append(masked)  # the skip flag
+    return codes
 
 
 def encode(segments: Sequence[Segment], num_losses: int, device: torch.device) -> torch.Tensor:
@@ -92,7 +93,10 @@ def encode(segments: Sequence[Segment], num_losses: int, device: torch.device) -
     absent = torch.full((), _ABSENT, dtype=torch.float32, device=device)
     zero = torch.zeros((), dtype=torch.float32, device=device)
     found = [(i, zero if f is None else (f.to(device, non_blocking=True) > 0).to(torch.float32)) for i, f in segments]
-    return torch.stack(_codes(found, num_losses, torch.maximum, absent))
+    values = _codes(found, num_losses, torch.maximum, absent)
+    # 1.0 where a loss id's code is still _ABSENT: the MAX over ranks then tells a loss
+    # id scaled on some ranks but not on others.
+    return torch.stack(values + [torch.maximum(c * 0.0, -c) for c in values[:num_losses]])
 
 
 def decide(
@@ -104,19 +108,24 @@ def decide(
     the rule runs on the device (:func:`encode`), the vector is all-reduced and read
     (the step's one host sync), and loss ids scaled on some ranks but not on others
     raise :class:`~ampkit.DistributedError` on every rank."""
+    absent: list[float] = []  # alone, every loss id with a code is present
     if agreement is None:
-        values = _codes(list(zip((i for i, _ in segments), _read(segments))), num_losses, max, _ABSENT)
+        flags = _read(segments)
+        if not any(flags):  # nothing overflowed: the rule finds every scaled loss id clean
+            return {loss_id: False for loss_id, _ in segments if loss_id is not None}, False
+        values = _codes([(i, f) for (i, _), f in zip(segments, flags)], num_losses, max, _ABSENT)
     else:
         vector = encode(segments, num_losses, agreement.device)
         agreement.reduce(vector)
         values = vector.tolist()
-    codes, skip, absent = values[:num_losses], values[num_losses] > 0, values[num_losses + 1 :]
+        absent = values[num_losses + 1 :]
     events: dict[int, bool | None] = {}
     mismatched = []
-    for loss_id, code in enumerate(codes):
+    for loss_id in range(num_losses):
+        code = values[loss_id]
         if code == _ABSENT:
             continue
-        if absent[loss_id] > 0:  # absent here, scaled on another rank
+        if absent and absent[loss_id] > 0:  # absent here, scaled on another rank
             mismatched.append(loss_id)
         events[loss_id] = None if code == _MASKED else code == _OVERFLOW
     if mismatched:
@@ -125,18 +134,17 @@ def decide(
             "so their loss scalers would drift apart. Run the same scale_loss calls (same "
             "loss ids) on every rank each step; scale a zero loss where a rank has none."
         )
-    return events, skip
+    return events, values[num_losses] > 0
 
 
 def _read(segments: Sequence[Segment]) -> list[float]:
     """The segments' flags as 1.0/0.0 on the host: one host sync for all of them."""
     tensors = [f for _, f in segments if f is not None]
-    if not tensors:
-        read: list[float] = []
-    elif len(tensors) == 1:
-        read = [float(tensors[0].item())]
-    else:
+    if len(tensors) == 1:
+        read = iter((tensors[0].item(),))
+    elif tensors:
         device = tensors[0].device
-        read = torch.stack([t.to(device, non_blocking=True) for t in tensors]).tolist()
-    values = iter(read)
-    return [0.0 if f is None else float(next(values) > 0) for _, f in segments]
+        read = iter(torch.stack([t.to(device, non_blocking=True) for t in tensors]).tolist())
+    else:
+        read = iter(())
+    return [0.0 if f is None else float(next(read) > 0) for _, f in segments]

@@ -494,13 +494,9 @@ class _DistributedAgreement:
     the other ranks (given to every managed optimizer by ``init_trainer``). Stateless:
     what it needs lives in the DDP records and the per-optimizer settings above."""
 
-    def before_check(self, state: _step.ManagedOptimizer) -> None:
-        _before_check(state)
-
-    def agreement(
-        self, state: _step.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
-    ) -> _Agreement | None:
-        return _agreement_for(state, segments)
+    # The module functions themselves (no forwarding frame: these run on every step).
+    before_check = staticmethod(_before_check)
+    agreement = staticmethod(_agreement_for)
 
     def grads_settled(self, params: list[torch.Tensor]) -> None:
         for record in list(_DDPS.values()):
