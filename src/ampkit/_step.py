@@ -1,15 +1,14 @@
-"""The step wrapper of one managed optimizer (:class:`ManagedOptimizer`), the loss ids
-its scalers serve (:class:`LossSlot`) and what one ``init_trainer`` call registers in
-the session (:class:`Trainer`). The public functions are in :mod:`ampkit.optim`; how a
-step runs is told there."""
+"""The step wrapper of one managed optimizer (:class:`ManagedOptimizer`): it takes or
+skips each step on the skip decision (:mod:`ampkit._decision`), feeds the loss scalers,
+runs the hooks, and keeps the counters and checkpoints. The per-step gradient
+bookkeeping it decides on is in :mod:`ampkit._step_grads`; the public functions are in
+:mod:`ampkit.optim`, where how a step runs is told."""
 
 from __future__ import annotations
 
 import functools
-import itertools
 import types
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,11 +16,11 @@ import torch
 from ._decision import StepAgreement, decide
 from ._schedulers import mark_step_called
 from ._stats import StepStats
-from ._where import user_stacklevel
+from ._step_grads import StepGrads
 from .errors import NumericsError, StateError
-from .fast_step import nonfinite_flag, use_fastest_kernel
+from .fast_step import use_fastest_kernel
 from .grads import GradPath
-from .scaling import LossScaler, group_grads, is_count, to_fp32, unscale_and_check_
+from .scaling import LossScaler, is_count
 from .session import ExtraRegister, ExtraState, require_keys
 
 __all__ = ["ManagedOptimizer", "managed_state", "record_unmanaged_step", "last_skipped"]
@@ -33,7 +32,7 @@ _ATTR = "_ampkit_managed"
 _MISSING = object()
 
 
-class ManagedOptimizer:
+class ManagedOptimizer(StepGrads):
     """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
 
     Extension points (used by fp32 master weights):
@@ -90,15 +89,7 @@ class ManagedOptimizer:
         self.last_skipped = False
         self._extra = ExtraState("extra optimizer state", "this run")
         self._active = True
-        self._fp16_warned = False
-        # Per-step state: the loss id whose scale the grads carry (not yet unscaled),
-        # the found-inf flags of this step's segments in order, whether the grads
-        # were already unscaled this step, and whether a scale_loss block of this
-        # step was left by an exception (the step may have been abandoned).
-        self._pending: int | None = None
-        self._segments: list[tuple[int | None, torch.Tensor | None]] = []
-        self._unscaled = False
-        self._aborted = False
+        StepGrads.__init__(self)
         self._previous_step: Any = _MISSING
         self._install_step()
         # Hooks that make grads real as backward produces them (ampkit.grads).
@@ -242,153 +233,6 @@ class ManagedOptimizer:
 
         return replay
 
-    # --- per-step gradient bookkeeping -----------------------------------------------
-    def _grad_params(self) -> Iterator[torch.Tensor]:
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
-    def _tracked_grads(self) -> list[torch.Tensor]:
-        """The grads this step holds: of the params in ``param_groups`` and of the
-        ``backward_params`` (each tensor once; sparse grads by their values)."""
-        params = itertools.chain(self._grad_params(), self.backward_params or ())
-        grads: dict[int, torch.Tensor] = {}
-        for p in params:
-            g = p.grad
-            if g is not None:
-                grads[id(g)] = g._values() if g.is_sparse else g
-        return list(grads.values())
-
-    def _start_fresh_step(self) -> None:
-        self._segments = []
-        self._pending = None
-        self._unscaled = False
-        self._aborted = False
-        self.grad_path.forget_flags()
-
-    def _drop_abandoned_step(self) -> None:
-        """At a ``scale_loss``: if this step's grads were dropped since ampkit last
-        looked at them (``zero_grad()`` after an exception in backward, in a clip, or
-        any abandoned batch), forget the old step's flags and start a fresh one.
-
-        The grads count as dropped when every one is None (``zero_grad()``), or -- only
-        after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
-        one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
-        self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
-        flagged = self._unscaled or any(f is not None for _, f in self._segments)
-        aborted, self._aborted = self._aborted, False
-        if not flagged:
-            return
-        self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
-        params = itertools.chain(self._grad_params(), self.backward_params or ())
-        if all(p.grad is None for p in params):
-            self._start_fresh_step()
-            return
-        if aborted or (self._unscaled and not self.rescale_after_unscale):
-            grads = self._tracked_grads()
-            nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
-            if not bool(nonzero):
-                self._start_fresh_step()
-
-    def _check_before_backward(self) -> None:
-        """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
-        cannot start a backward pass now."""
-        self._drop_abandoned_step()
-        if self._unscaled and self.grad_path.unhooked(self._grad_params()):
-            raise StateError(
-                "this optimizer's grads were already unscaled this step (ampkit.unscale) "
-                "and some of them (FSDP2's sharded parameters) are only unscaled at the "
-                "step: run every scale_loss/backward of the step before unscale, then "
-                "step(). To drop a batch after unscale, call optimizer.zero_grad() first."
-            )
-
-    def _before_backward(self, loss_id: int) -> None:
-        """Called by ``scale_loss`` before the backward of ``loss_id`` (after
-        :meth:`_check_before_backward` passed for every optimizer of the call)."""
-        path = self.grad_path
-        path.refresh()
-        path.finish()
-        # The hooks keep grads real: a backward after ``unscale`` in the same step just
-        # reopens the step.
-        self._unscaled = False
-        pending = self._pending
-        if pending is not None and pending != loss_id:
-            path.reconcile()
-            ratio = _ratio(self._slots[loss_id].scaler.scale, self._slots[pending].scaler.scale)
-            self._segments.append((pending, self._close(pending, ratio)))
-        self._pending = loss_id
-        self._slots[loss_id].expect(self)
-
-    def _close(self, loss_id: int | None, unhooked_factor: float = 1.0) -> torch.Tensor | None:
-        """The inf/NaN flag of the grads gathered since the last close: the hooks'
-        flags for ``loss_id``, one fused check of grads they did not check (edited,
-        assigned, or produced with a scale of 1), and the fused multiply by
-        ``unhooked_factor`` and check of grads without hooks. No host sync."""
-        path = self.grad_path
-        flags = path.take_found(loss_id) if loss_id is not None else []
-        params = list(self._grad_params())
-        raw = path.unhooked(params)
-        if raw:
-            raw_groups = group_grads(raw)
-            found = (
-                nonfinite_flag(raw_groups) if unhooked_factor == 1.0 else unscale_and_check_(raw_groups, unhooked_factor)
-            )
-            if found is not None:
-                flags.append(found)
-            path.unchecked(raw)  # checked just now
-        unchecked = path.unchecked(params)
-        if unchecked:
-            found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
-            if found is not None:
-                flags.append(found)
-        if not flags:
-            return None
-        total = flags[0]
-        for other in flags[1:]:
-            total = total + other.to(total.device, non_blocking=True)
-        return total
-
-    def _unscale(self) -> None:
-        """Hooks, then close this step's pending grads: their inf/NaN flag (no sync).
-        The grads are unscaled already (ampkit.grads). Idempotent within a step."""
-        if self._unscaled:
-            return
-        if self.agreement is not None:
-            self.agreement.before_check(self)
-        for hook in self.pre_unscale_hooks:
-            hook()
-        path = self.grad_path
-        path.finish(absorb_raw=True)
-        path.reconcile()
-        if self._pending is not None:
-            scaler = self._slots[self._pending].scaler
-            if not self._fp16_warned and scaler.scale != 1.0:
-                self._warn_fp16(group_grads(self._grad_params()))
-            self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
-            self._pending = None
-        elif not self._segments:
-            # No scale_loss this step: still refuse to step on inf/NaN grads.
-            self._segments.append((None, self._close(None)))
-        self._unscaled = True
-
-    def _check_edits(self) -> None:
-        """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.
-        clipped); an inf/NaN there skips the step without blaming a loss scaler."""
-        self.grad_path.reconcile()
-        found = self._close(None)
-        if found is not None:
-            self._segments.append((None, found))
-
-    def _warn_fp16(self, groups: dict) -> None:
-        if any(dtype == torch.float16 for _, dtype in groups):
-            self._fp16_warned = True
-            warnings.warn(
-                "ampkit: this optimizer holds float16 parameters; unscaling their grads in "
-                "float16 loses the small values loss scaling preserved. Keep the parameters "
-                "in float32 (casting in the forward pass) or use fp32 master weights.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-
     def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
         """Read this step's found-inf flags (the step's one host sync) and attribute them
         to loss ids (:func:`ampkit._decision.decide`, agreed across ranks when the
@@ -487,10 +331,6 @@ def last_skipped(optimizer: torch.optim.Optimizer) -> bool | None:
     if state is not None and state._active:
         return state.last_skipped
     return found.get(_GRADSCALER_ATTR)
-
-
-def _ratio(new: float, old: float) -> float:
-    return to_fp32(new / old)
 
 
 def _pop_closure(args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, tuple, dict]:
