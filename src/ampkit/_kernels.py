@@ -252,6 +252,7 @@ def _bf16_mismatch(low: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (~torch.where(tie, tie_ok, r8 == lowf)).any()
 
 
+# Kernel registry: the compiled rounding check, probed once per process (empty until then).
 _round_check: list[Callable[..., torch.Tensor] | None] = []
 
 

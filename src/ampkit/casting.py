@@ -299,6 +299,7 @@ def active_scopes() -> int:
 # Casting helpers (used by the kernels, the function mode and module rules)
 # ---------------------------------------------------------------------------
 _F32, _F64 = torch.float32, torch.float64
+# Engine state: a memo of device tests, filled once per device type (the same test every time).
 _ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {
     "cpu": operator.attrgetter("is_cpu"),
     "cuda": operator.attrgetter("is_cuda"),
@@ -987,6 +988,7 @@ def _install_step_hook() -> None:
 # ---------------------------------------------------------------------------
 # The scope
 # ---------------------------------------------------------------------------
+# Engine state: the fp16-on-CPU warning is given once per process.
 _warned_fp16_cpu = False
 
 

@@ -380,6 +380,7 @@ class LayerState:
 #: LayerStates by handle, for the compiled op (which takes no Python objects); weak, so
 #: a dropped model's state goes with it. Process-wide like the models themselves.
 _HANDLES: weakref.WeakValueDictionary[int, LayerState] = weakref.WeakValueDictionary()
+#: The next handle: module state so that handles are unique in the process.
 _NEXT_HANDLE = itertools.count()
 
 

@@ -86,7 +86,8 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 # forward with grad enabled (True), will not (``no_sync``: False); absent: not under DDP.
 # Module state: DDP models are process-wide objects (weak keys: no model kept alive).
 _DDP_SYNC: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-# model -> the MasterWeights whose masters it holds (weakly)
+# model -> the MasterWeights whose masters it holds (weakly). Module state, like
+# _DDP_SYNC: the model's forward hook finds its masters here (weak keys).
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
 

@@ -88,7 +88,8 @@ class _Registry:
 # Module state: apex.amp's API is process-global by design (registrations before init).
 _state = _Registry()
 
-# model -> handles of the fp32 state-dict hooks the compat initialize put on its modules
+# model -> handles of the fp32 state-dict hooks the compat initialize put on its modules.
+# Module state, like _state (weak keys: no model kept alive); dropped by reset.
 _STATE_DICT_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
