@@ -236,14 +236,12 @@ class Budget:
         return True
 
     def __str__(self) -> str:
-        parts = []
-        if self.max_rel_error is not None:
-            parts.append(f"rel error <= {self.max_rel_error:g}")
-        if self.min_top1_agreement is not None:
-            parts.append(f"top-1 agreement >= {self.min_top1_agreement:.2%}")
-        if self.max_abs_error is not None:
-            parts.append(f"max abs error <= {self.max_abs_error:g}")
-        return ", ".join(parts)
+        bounds = (
+            ("rel error <= {:g}", self.max_rel_error),
+            ("top-1 agreement >= {:.2%}", self.min_top1_agreement),
+            ("max abs error <= {:g}", self.max_abs_error),
+        )
+        return ", ".join(text.format(value) for text, value in bounds if value is not None)
 
 
 def _as_budget(budget: float | Budget | None) -> Budget | None:

@@ -33,7 +33,7 @@ import torch
 from ._schedulers import mark_step_called
 from ._step import record_unmanaged_step
 from .errors import ScalerError, StateError
-from .scaling import LossScaler, group_grads, unscale_and_check_
+from .scaling import CONFIG_KEYS, LossScaler, group_grads, unscale_and_check_
 
 __all__ = ["GradScaler"]
 
@@ -99,18 +99,9 @@ class GradScaler:
         device = _check_device(device)
         if not isinstance(enabled, bool):
             raise ScalerError(f"GradScaler: enabled must be True or False, got {enabled!r}.")
-        self._scaler = LossScaler(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
-            max_consecutive_skips=max_consecutive_skips,
-            name="GradScaler",
-        )
+        arguments = locals()  # the LossScaler settings among them go to it by name
+        settings = {key: arguments[key] for key in CONFIG_KEYS if key in arguments}
+        self._scaler = LossScaler(**settings, name="GradScaler")
         self._device = device
         self._enabled = enabled
         if self._enabled and device == "cuda" and not torch.cuda.is_available():

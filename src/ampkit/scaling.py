@@ -62,7 +62,8 @@ _STATE_KEYS = (
     "num_events",
     "num_overflows",
 )
-_CONFIG_KEYS = (
+#: LossScaler's configuration: its constructor arguments, the keys of ``config()``.
+CONFIG_KEYS = (
     "init_scale",
     "growth_factor",
     "backoff_factor",
@@ -120,7 +121,7 @@ def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, all
 
 
 def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
-    """The scaler configuration in ``cfg`` (keys: ``_CONFIG_KEYS``) validated and
+    """The scaler configuration in ``cfg`` (keys: ``CONFIG_KEYS``) validated and
     normalized (fp32 scales, Python ints and bools), or :class:`ScalerError`."""
 
     def bad(msg: str) -> ScalerError:
@@ -333,7 +334,7 @@ class LossScaler:
             raise ScalerError(f"LossScaler: name must be a str, got {name!r}.")
         self.name = name
         arguments = locals()  # the constructor arguments are the configuration
-        self._apply_config(_check_config({k: arguments[k] for k in _CONFIG_KEYS}, "LossScaler"))
+        self._apply_config(_check_config({k: arguments[k] for k in CONFIG_KEYS}, "LossScaler"))
         self._scale = self.init_scale
         self._growth_tracker = 0
         self._hysteresis_left = self.hysteresis
@@ -361,7 +362,7 @@ class LossScaler:
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``)."""
-        return {key: getattr(self, key) for key in _CONFIG_KEYS}
+        return {key: getattr(self, key) for key in CONFIG_KEYS}
 
     def configure(self, **changes: Any) -> None:
         """Change configuration fields (constructor arguments), validated like the
@@ -369,9 +370,9 @@ class LossScaler:
         ``max_scale``); a rejected change raises :class:`~ampkit.ScalerError` and
         changes nothing. The state (scale, counters) is kept; a hysteresis budget
         above a lowered ``hysteresis`` is cut to it."""
-        unknown = sorted(set(changes) - set(_CONFIG_KEYS))
+        unknown = sorted(set(changes) - set(CONFIG_KEYS))
         if unknown:
-            raise ScalerError(f"{self.name}: unknown setting(s) {unknown}; valid: {list(_CONFIG_KEYS)}.")
+            raise ScalerError(f"{self.name}: unknown setting(s) {unknown}; valid: {list(CONFIG_KEYS)}.")
         cfg = _check_config({**self.config(), **changes}, self.name)
         if cfg["dynamic"] and not cfg["min_scale"] <= self._scale <= cfg["max_scale"]:
             raise ScalerError(
@@ -554,7 +555,7 @@ class LossScaler:
             "num_events": self._num_events,
             "num_overflows": self._num_overflows,
         }
-        for key in _CONFIG_KEYS:
+        for key in CONFIG_KEYS:
             sd[key] = getattr(self, key)
         return sd
 
@@ -574,13 +575,13 @@ class LossScaler:
                 f"{self.name}: expected a state dict (a dict returned by LossScaler.state_dict()), "
                 f"got {type(state_dict).__name__}."
             )
-        missing = [k for k in (*_STATE_KEYS, *_CONFIG_KEYS) if k not in state_dict]
+        missing = [k for k in (*_STATE_KEYS, *CONFIG_KEYS) if k not in state_dict]
         if missing:
             raise ScalerError(
                 f"{self.name}: state dict lacks {missing}; pass a dict returned by "
                 "LossScaler.state_dict()."
             )
-        cfg = _check_config({k: state_dict[k] for k in _CONFIG_KEYS}, self.name)
+        cfg = _check_config({k: state_dict[k] for k in CONFIG_KEYS}, self.name)
         state = _check_state(state_dict, cfg, self.name)
 
         def apply() -> None:

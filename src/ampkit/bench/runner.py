@@ -231,31 +231,23 @@ def summarize_precision(blocks: list[dict[str, Any]], result: dict[str, Any]) ->
 def _add_ratios(precisions: dict[str, dict[str, Any]]) -> None:
     base = precisions.get("fp32", {})
     limit = precisions.get("bf16", {})
+    base_ok, limit_ok = base.get("status") == "ok", limit.get("status") == "ok"
     for entry in precisions.values():
         if entry.get("status") != "ok":
             continue
-        entry["time_vs_bf16"] = (
-            entry["step_ms"] / limit["step_ms"]
-            if limit.get("status") == "ok" and limit.get("step_ms") and entry.get("step_ms")
-            else None
-        )
-        entry["speedup"] = (
-            base["step_ms"] / entry["step_ms"]
-            if base.get("status") == "ok" and base.get("step_ms") and entry.get("step_ms")
-            else None
-        )
-        entry["speedup_min"] = (
-            base["step_ms_min"] / entry["step_ms_min"]
-            if base.get("status") == "ok" and base.get("step_ms_min") and entry.get("step_ms_min")
-            else None
-        )
-        entry["memory_vs_fp32"] = (
-            entry["peak_mib"] / base["peak_mib"]
-            if base.get("status") == "ok" and base.get("peak_mib") and entry.get("peak_mib") is not None
-            else None
-        )
-        if base.get("status") == "ok" and base.get("accuracy") is not None and entry.get("accuracy") is not None:
+        entry["time_vs_bf16"] = _time_ratio(entry, limit, "step_ms") if limit_ok else None
+        entry["speedup"] = _time_ratio(base, entry, "step_ms") if base_ok else None
+        entry["speedup_min"] = _time_ratio(base, entry, "step_ms_min") if base_ok else None
+        peak, base_peak = entry.get("peak_mib"), base.get("peak_mib")
+        entry["memory_vs_fp32"] = peak / base_peak if base_ok and base_peak and peak is not None else None
+        if base_ok and base.get("accuracy") is not None and entry.get("accuracy") is not None:
             entry["accuracy_delta_vs_fp32"] = entry["accuracy"] - base["accuracy"]
+
+
+def _time_ratio(top: dict[str, Any], bottom: dict[str, Any], key: str) -> float | None:
+    """``top[key] / bottom[key]`` where both times were measured (non-zero), else None."""
+    a, b = top.get(key), bottom.get(key)
+    return a / b if a and b else None
 
 
 def _run_workload(

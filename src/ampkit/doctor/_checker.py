@@ -103,13 +103,17 @@ class Entered:
     params: list[str]
 
 
-class _FunctionTracker(TorchFunctionMode):
-    """Remembers the outermost torch function running (only outermost calls reach a
-    torch-function mode: it is disabled while it handles one)."""
+class _OfChecker:
+    """Base of the two modes below: each serves one :class:`OpChecker`."""
 
     def __init__(self, checker: OpChecker) -> None:
         super().__init__()
         self.checker = checker
+
+
+class _FunctionTracker(_OfChecker, TorchFunctionMode):
+    """Remembers the outermost torch function running (only outermost calls reach a
+    torch-function mode: it is disabled while it handles one)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -123,10 +127,8 @@ class _FunctionTracker(TorchFunctionMode):
             checker.function = previous
 
 
-class _CheckMode(TorchDispatchMode):
-    def __init__(self, checker: OpChecker) -> None:
-        super().__init__()
-        self.checker = checker
+class _CheckMode(_OfChecker, TorchDispatchMode):
+    """Runs the aten ops through the checker (a cast also through its underflow check)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -157,6 +159,17 @@ def _all_finite(ts: list[torch.Tensor]) -> bool:
         if not bool(torch.isfinite(d).all()):
             return False
     return True
+
+
+def _function_name(function: Any) -> str | None:
+    """The public torch name of ``function`` (``torch.nn.functional.linear``), else its
+    ``__name__``; None for None."""
+    if function is None:
+        return None
+    try:
+        return resolve_name(function) or getattr(function, "__name__", None)
+    except Exception:
+        return getattr(function, "__name__", None)
 
 
 def _upcast(value: Any) -> Any:
@@ -289,18 +302,12 @@ class OpChecker:
             except Exception:  # an op that cannot run on fp32 copies: no reference value
                 fp32_max = None
         function = self.function if direction == "forward" else None
-        fname = None
-        if function is not None:
-            try:
-                fname = resolve_name(function) or getattr(function, "__name__", None)
-            except Exception:
-                fname = getattr(function, "__name__", None)
         self.origin = OpOrigin(
             op=name,
             direction=direction,
             module=module,
             node=node,
-            torch_function=fname,
+            torch_function=_function_name(function),
             function=function,
             inputs=in_stats,
             outputs=[TensorStats.of(t) for t in outputs],
