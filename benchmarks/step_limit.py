@@ -14,6 +14,8 @@ arm                 what it runs
                     weights (what ampkit O1 is compared with at equal optimizer settings)
 ``ampkit-O1/O2/O2K``  ``ampkit.initialize(opt_level=...)``, AdamW as built (ampkit may
                     pick a faster kernel for the same optimizer)
+``ampkit-O2-view``  O2 with ``model_grads="view"`` (the model's bf16 grads are views of
+                    the fp32 ones: 18 bytes per parameter at the step)
 ``bf16``            model and AdamW in bf16, AdamW as built: the limit the targets use
 ``bf16+fused``      the same with ``AdamW(fused=True)``: the kernel-level limit
 ==================  ==================================================================
@@ -67,6 +69,7 @@ ARMS = (
     "autocast+fused",
     "ampkit-O1",
     "ampkit-O2",
+    "ampkit-O2-view",
     "ampkit-O2K",
     "bf16",
     "bf16+fused",
@@ -74,7 +77,7 @@ ARMS = (
 WORKLOADS = ("wide", "cnn", "lm")
 WARMUP_STEPS = 2
 # Targets of the wide workload (step time over the bf16 arm's).
-TARGETS = {"ampkit-O2": 1.15, "ampkit-O2K": 1.10}
+TARGETS = {"ampkit-O2": 1.15, "ampkit-O2-view": 1.15, "ampkit-O2K": 1.10}
 
 
 # --- the worker --------------------------------------------------------------------------
@@ -84,12 +87,15 @@ class _Arm:
     """One arm on one workload: model, optimizer and a step function."""
 
     def __init__(self, workload: str, arm: str, phase: str) -> None:
-        from ampkit.bench.recipes import make_recipe
+        from ampkit.bench.recipes import AmpkitLevel, make_recipe
         from ampkit.bench.workloads import make_workload
 
         self.workload = make_workload(workload, "full")
         recipe_name = {"autocast+fused": "torch-autocast", "bf16+fused": "bf16"}.get(arm, arm)
-        self.recipe = make_recipe(recipe_name, torch.device("cpu"), torch.bfloat16)
+        if recipe_name == "ampkit-O2-view":
+            self.recipe = AmpkitLevel(torch.device("cpu"), torch.bfloat16, "O2", model_grads="view")
+        else:
+            self.recipe = make_recipe(recipe_name, torch.device("cpu"), torch.bfloat16)
         torch.manual_seed(0)
         model = self.workload.build_model()
         fused = arm.endswith("+fused")

@@ -568,7 +568,13 @@ def job_ddp_grads(rank: int, world: int, outdir: Path) -> dict:
         return [p.grad.detach().clone() for p in ref.parameters()]
 
     res: dict[str, Any] = {}
-    for level, kw in (("O1", {"loss_scale": "dynamic"}), ("O2", {"loss_scale": "dynamic"}), ("O2", {})):
+    variants = (
+        ("O1", {"loss_scale": "dynamic"}),
+        ("O2", {"loss_scale": "dynamic"}),
+        ("O2", {}),
+        ("O2", {"model_grads": "view"}),
+    )
+    for level, kw in variants:
         for registered in (False, True):
             for micro_batches in (1, 3):
                 model = make_model(0)
@@ -584,7 +590,8 @@ def job_ddp_grads(rank: int, world: int, outdir: Path) -> dict:
                     with ctx:
                         with ampkit.scale_loss(F.mse_loss(net(x).float(), y), opt) as scaled:
                             scaled.backward()
-                key = f"{level}{'_static' if not kw else ''}_{'reg' if registered else 'plain'}_{micro_batches}"
+                variant = "_static" if not kw else "_view" if "model_grads" in kw else ""
+                key = f"{level}{variant}_{'reg' if registered else 'plain'}_{micro_batches}"
                 res[key] = {
                     "stepped": snapshot(p.grad for p in ampkit.master_params(opt)),
                     "model": snapshot(p.grad.float() for p in model.parameters()),

@@ -11,7 +11,8 @@ zeroes grads, clips, updates weights through ``.data``, saves and reloads, ...
 With ``Harness("fp32")`` those calls do nothing, so the fp32 reference is the
 same function run without ampkit.
 
-Modes: ``O0``..``O3`` and ``O2K`` through ``amp.initialize``; ``init`` is the
+Modes: ``O0``..``O3`` and ``O2K`` through ``amp.initialize`` (``O2v``: O2 with
+``model_grads="view"``); ``init`` is the
 README's quick start, ``amp.init(); amp.init_trainer(opt)`` (``amp.init()``
 alone for a loop without an optimizer).
 
@@ -73,11 +74,14 @@ EPS = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 #: Each idiom's fp32 run must lower its loss by more than twice the largest
 #: tolerance (checked in ``fp32_reference``), so a loop that stops training, or
 #: trains on stale weights or piled-up grads, cannot pass.
-TOLERANCE_EPS = {"O0": 0.0, "O1": 8.0, "init": 8.0, "O2": 8.0, "O2K": 8.0, "O3": 12.0}
+TOLERANCE_EPS = {"O0": 0.0, "O1": 8.0, "init": 8.0, "O2": 8.0, "O2v": 8.0, "O2K": 8.0, "O3": 12.0}
 TAIL = 5
 
-MODES = ["O0", "O1", "O2", "O3", "O2K", "init"]
-CAST_LEVELS = ("O2", "O3", "O2K")  # levels that store the model in 16 bits
+MODES = ["O0", "O1", "O2", "O2v", "O3", "O2K", "init"]
+CAST_LEVELS = ("O2", "O2v", "O3", "O2K")  # levels that store the model in 16 bits
+#: ``O2v``: O2 with ``model_grads="view"`` (the model's bf16 grads are views of the fp32
+#: grads); bf16 only, so an fp16 idiom must be refused with an AmpError naming bf16.
+VIEW_MODE = "O2v"
 
 
 def tolerance(mode: str, dtype: torch.dtype) -> float:
@@ -107,6 +111,11 @@ class Harness:
         return self.mode != "fp32"
 
     @property
+    def level(self) -> str:
+        """The opt level the mode initializes."""
+        return "O2" if self.mode == VIEW_MODE else self.mode
+
+    @property
     def casts_model(self) -> bool:
         return self.mode in CAST_LEVELS
 
@@ -125,7 +134,9 @@ class Harness:
             kw["policy"] = self.policy
         if self.keep_fp32 is not None and self.casts_model:
             kw["keep_fp32"] = self.keep_fp32
-        return amp.initialize(models, optimizers, opt_level=self.mode, **kw)
+        if self.mode == VIEW_MODE:
+            kw["model_grads"] = "view"
+        return amp.initialize(models, optimizers, opt_level=self.level, **kw)
 
     def backward(self, loss: torch.Tensor, optimizers: Any = None, loss_id: int = 0, **kw: Any) -> None:
         if self.mode == "fp32" or optimizers is None:
@@ -777,7 +788,7 @@ class ApexScript:
         if self.h.mode == "init":
             self.handle = self.amp.init(enabled=True)
             return model, opt
-        return self.amp.initialize(model, opt, opt_level=self.h.mode)
+        return self.amp.initialize(model, opt, opt_level=self.h.level)
 
     def scale_loss(self, loss: torch.Tensor, opt: torch.optim.Optimizer) -> Any:
         if not self.h.active:
@@ -1604,6 +1615,8 @@ def test_fp32_reference_trains(name: str) -> None:
 def test_idiom(name: str, mode: str) -> None:
     spec = IDIOMS[name]
     expected_error = dict(spec.raises).get(mode)
+    if mode == VIEW_MODE:
+        expected_error = "bf16" if spec.dtype != torch.bfloat16 else dict(spec.raises).get("O2")
     if expected_error is not None:
         with pytest.raises(amp.AmpError, match=expected_error):
             spec.fn(spec.harness(mode))

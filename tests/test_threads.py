@@ -287,3 +287,56 @@ def test_casting_is_per_thread_and_the_session_per_process():
     finally:
         amp.reset()
     assert (a @ b).dtype == torch.float32 and not amp.is_active()
+
+
+def _fake_parallel_apply(inside: threading.Barrier, release: threading.Event):
+    """Stands in for torch's parallel_apply: blocks like a caller joining its replicas."""
+
+    def _worker(found: list) -> None:
+        from ampkit import casting
+
+        found.append(casting._replica_caller())
+
+    inside.wait()
+    release.wait(10)
+    return _worker
+
+
+@pytest.mark.parametrize("callers", [1, 2])
+def test_a_replica_finds_its_caller_without_reading_other_threads_locals(monkeypatch, callers):
+    """One thread in parallel_apply: the replica takes its record. Several at once: the
+    replica cannot tell them apart without reading another thread's frame locals (which
+    races with that thread and crashed the interpreter): it inherits nothing and says so."""
+    import types
+    import warnings
+
+    import torch.nn.parallel  # noqa: F401 - loads the parallel_apply module
+
+    pa = sys.modules["torch.nn.parallel.parallel_apply"]
+    monkeypatch.setattr(pa, "parallel_apply", _fake_parallel_apply)
+    worker_code = next(c for c in _fake_parallel_apply.__code__.co_consts if isinstance(c, types.CodeType))
+    inside, release = threading.Barrier(callers + 1), threading.Event()
+
+    def caller() -> None:
+        with amp.autocast():  # gives this thread an engine record
+            pa.parallel_apply(inside, release)
+
+    threads = [threading.Thread(target=caller) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    found: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replica = threading.Thread(target=types.FunctionType(worker_code, globals()), args=(found,))
+        replica.start()
+        replica.join()
+    release.set()
+    for t in threads:
+        t.join()
+    if callers == 1:
+        assert found[0] is not None
+        assert not [w for w in caught if "parallel_apply" in str(w.message)]
+    else:
+        assert found == [None]
+        assert any("several threads run torch.nn.parallel.parallel_apply" in str(w.message) for w in caught)

@@ -246,12 +246,29 @@ def _replica_caller() -> _ThreadRecord | None:
         return None
     if not any(c is worker_code for c in apply_code.co_consts):
         return None
+    # Only code objects and f_back are read from other threads' frames (as sampling
+    # profilers do): reading another thread's f_locals races with that thread and
+    # can crash the interpreter.
+    me = threading.get_ident()
+    callers = []
     for ident, frame in sys._current_frames().items():
         f = frame
-        while f is not None:
-            if f.f_code is apply_code and f.f_locals.get("_worker") is target:
-                return _THREADS.get(ident)
+        while f is not None and ident != me:
+            if f.f_code is apply_code:
+                callers.append(ident)
+                break
             f = f.f_back
+    if len(callers) == 1:
+        return _THREADS.get(callers[0])
+    if callers:
+        warnings.warn(
+            "ampkit: several threads run torch.nn.parallel.parallel_apply (nn.DataParallel) at "
+            "once, so a replica thread cannot tell which caller's casting scopes to enter; "
+            "replicas run under the process-wide setting (ampkit.init) only. Run one "
+            "DataParallel forward at a time, or use DistributedDataParallel.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return None
 
 

@@ -106,6 +106,7 @@ class WatchDDP:
             mw = ref()
             if mw is not None:
                 mw.publish_changed()
+                mw.drop_stale_views()
         if not torch.is_grad_enabled():
             return
         ddp_cls = nn.parallel.DistributedDataParallel

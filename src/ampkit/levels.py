@@ -42,7 +42,7 @@ from .distributed import check_models  # refuses DDP/FSDP wrappers a level canno
 from .errors import AmpError, PolicyError, ScalerError, StateError
 from .fp8 import Fp8Recipe
 from .grads import drop_guards, no_masters_guard
-from .master import MasterWeights
+from .master import MODEL_GRADS, MasterWeights
 from .model import (
     add_op_casting,
     cast_model,
@@ -82,6 +82,8 @@ class OptLevel:
         fast_kernels: step param groups left at ``foreach=None, fused=None`` with
             torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`);
             default True except at O0, which runs the script's fp32 bit for bit.
+        model_grads: ``"copy"`` or ``"view"``: how a model with fp32 masters shows
+            its grads (see :class:`ampkit.master.MasterWeights`).
     """
 
     name: str
@@ -99,6 +101,7 @@ class OptLevel:
     fast_kernels: bool = True
     keep_fp32: tuple[type[nn.Module] | str, ...] = ()
     model_op_casting: bool = False
+    model_grads: str = "copy"
 
 
 #: The base settings of each level; ``dtype`` and the loss scale are filled per device.
@@ -125,6 +128,7 @@ _OVERRIDES = (
     "fast_kernels",
     "keep_fp32",
     "model_op_casting",
+    "model_grads",
     "policy",
 )
 
@@ -231,6 +235,20 @@ def resolve_opt_level(
             f"model_op_casting runs a cast model's forward under op-level casting; {name} "
             "keeps the model in fp32 (use op_casting=True, or O1)."
         )
+    model_grads = ov.get("model_grads", "copy")
+    if model_grads not in MODEL_GRADS:
+        raise AmpError(f"model_grads must be one of {MODEL_GRADS}, got {model_grads!r}.")
+    if model_grads != "copy" and not master:
+        raise AmpError(
+            f"model_grads={model_grads!r} sets how a 16-bit model shows the grads of its fp32 "
+            f"master weights; {name} has no master weights (use O2)."
+        )
+    if model_grads == "view" and cast is not torch.bfloat16:
+        raise AmpError(
+            f"model_grads='view' shows each grad as the high half of its fp32 grad, which "
+            f"is a bf16 number; the model is stored in {cast}. Use dtype=torch.bfloat16, "
+            "or model_grads='copy'."
+        )
     return OptLevel(
         name=name,
         dtype=dtype,
@@ -248,6 +266,7 @@ def resolve_opt_level(
         fast_kernels=ov.get("fast_kernels", name != "O0"),
         keep_fp32=keep_fp32,
         model_op_casting=bool(model_op_casting),
+        model_grads=model_grads,
     )
 
 
@@ -489,6 +508,13 @@ def initialize(
               a class named ``*Norm*`` holding only vector parameters.
             - ``fast_kernels``: step with torch's fused/foreach kernel where the
               optimizer was built with neither pinned (default True, False at O0).
+            - ``model_grads``: how the 16-bit model shows its grads under fp32 masters
+              (O2): ``"copy"`` (default), a rounded 16-bit copy of each fp32 grad; or
+              ``"view"`` (bf16 only), a bf16 view of each fp32 grad's high halves where
+              it holds bf16 values exactly (loss scale 1, one backward per step): no
+              memory for the model's grads (AdamW: 18 bytes per parameter at the step
+              instead of 20), edits through them made in bf16 precision, grads strided
+              (``reshape`` rather than ``view``). See :class:`ampkit.master.MasterWeights`.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -560,7 +586,9 @@ def initialize(
             ]
             for i, opt in enumerate(opt_list):
                 if masters[i] is None:
-                    mw = MasterWeights(opt, [p for p in to_cast if p.dtype == torch.float32])
+                    mw = MasterWeights(
+                        opt, [p for p in to_cast if p.dtype == torch.float32], model_grads=level.model_grads
+                    )
                     opt.__dict__[_MASTERS_ATTR] = mw
                     masters[i] = mw
         for m in model_list:

@@ -121,12 +121,13 @@ class TorchAutocast(Recipe):
 
 
 class AmpkitLevel(Recipe):
-    """``ampkit.initialize(model, optimizer, opt_level=level, dtype=dtype)`` and the
-    scale-loss training step."""
+    """``ampkit.initialize(model, optimizer, opt_level=level, dtype=dtype, **overrides)``
+    and the scale-loss training step."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, level: str) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, level: str, **overrides: Any) -> None:
         super().__init__(device, dtype)
         self.level = level
+        self.overrides = overrides
         self.name = f"ampkit-{level}"
         self.optimizer: torch.optim.Optimizer | None = None
         import ampkit
@@ -137,7 +138,7 @@ class AmpkitLevel(Recipe):
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         try:
-            model, optimizer = self.amp.initialize(model, optimizer, opt_level=self.level, dtype=self.dtype)
+            model, optimizer = self.amp.initialize(model, optimizer, opt_level=self.level, dtype=self.dtype, **self.overrides)
         except self.amp.AmpError as exc:
             raise RecipeUnavailable(f"{self.name}: {exc}") from exc
         self.optimizer = optimizer
