@@ -246,3 +246,15 @@ def test_bad_settings_are_refused_before_anything_changes(level, kw, match):
         amp.initialize(model, opt, opt_level=level, **kw)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert opt.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_flattening_and_concatenating_the_strided_grads_works():
+    """Gradient-vector idioms (PCGrad, GEM, grad-similarity logging) on the views."""
+    model, opt = _setup("view")
+    _loss(model, 0).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert not grads[0].is_contiguous()
+    flat = torch.cat([g.view(-1) for g in grads])
+    masters = torch.cat([m.grad.view(-1) for m in amp.master_params(opt)])
+    assert flat.dtype == torch.bfloat16 and torch.equal(flat.float(), masters)
+    assert torch.equal(torch.cat([g.flatten() for g in grads]), flat)

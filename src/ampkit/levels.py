@@ -514,7 +514,7 @@ def initialize(
               it holds bf16 values exactly (loss scale 1, one backward per step): no
               memory for the model's grads (AdamW: 18 bytes per parameter at the step
               instead of 20), edits through them made in bf16 precision, grads strided
-              (``reshape`` rather than ``view``). See :class:`ampkit.master.MasterWeights`.
+              (not ``is_contiguous()``). See :class:`ampkit.master.MasterWeights`.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;

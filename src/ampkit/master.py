@@ -110,7 +110,7 @@ class MasterWeights:
             grads cost nothing (AdamW under O2: 18 bytes per parameter at the step
             instead of 20) and edits made through them land in the fp32 grad directly,
             rounded to bf16 (a clipped grad is bf16(c * g) rather than c * g in fp32);
-            the view is strided (``.reshape``/``.flatten`` work, ``.view(-1)`` raises),
+            the view is strided (stride 2 in its last dim: not ``is_contiguous()``),
             and after fp32-side edits it shows the fp32 grad truncated to bf16. Any
             other grad is shown as a copy.
 
