@@ -8,15 +8,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+class UsageError(Exception):
+    """Bad command-line input to ``ampkit`` or a sub-command: printed as one line, exit
+    code 2."""
+
+
+def writable(path: Path) -> bool:
+    """Whether a file can be written at ``path``: its folder exists and is writable."""
+    parent = path.parent if str(path.parent) else Path(".")
+    return parent.is_dir() and os.access(parent, os.W_OK)
+
+
 def unwritable(path: Path | None, what: str, prog: str) -> str | None:
     """The one-line error for an output file ``path`` whose folder is missing or not
     writable (None when it can be written, or no path was given)."""
-    if path is None:
+    if path is None or writable(path):
         return None
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        return f"{prog}: cannot write {what} to {str(path)!r} (folder missing or not writable)"
-    return None
+    return f"{prog}: cannot write {what} to {str(path)!r} (folder missing or not writable)"
+
+
+def check_writable(path: Path | None, what: str, prog: str) -> None:
+    """Raise :class:`UsageError` with :func:`unwritable`'s line if ``path`` cannot be written."""
+    error = unwritable(path, what, prog)
+    if error is not None:
+        raise UsageError(error)
 
 
 def positive_int(text: str) -> int:

@@ -20,13 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._common import float_between, positive_int
+from ._common import UsageError, float_between, positive_int, writable
 
 __all__ = ["add_parser", "run"]
-
-
-class ConvertUsageError(Exception):
-    """Bad input to ``ampkit convert``: one line, exit code 2."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -78,29 +74,29 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 # --- loading ---------------------------------------------------------------------------
 def _load_callable(spec: str, what: str) -> Callable[..., Any]:
     if ":" not in spec:
-        raise ConvertUsageError(f"{what} must look like module:function or file.py:function, got {spec!r}")
+        raise UsageError(f"{what} must look like module:function or file.py:function, got {spec!r}")
     target, _, attr = spec.rpartition(":")
     try:
         if target.endswith(".py") or os.sep in target:
             path = Path(target)
             if not path.is_file():
-                raise ConvertUsageError(f"{what}: no such file {target!r}")
+                raise UsageError(f"{what}: no such file {target!r}")
             spec_obj = importlib.util.spec_from_file_location(path.stem, path)
             if spec_obj is None or spec_obj.loader is None:
-                raise ConvertUsageError(f"{what}: cannot import {target!r}")
+                raise UsageError(f"{what}: cannot import {target!r}")
             module = importlib.util.module_from_spec(spec_obj)
             spec_obj.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
-    except ConvertUsageError:
+    except UsageError:
         raise
     except Exception as exc:
-        raise ConvertUsageError(f"{what}: cannot import {target!r} ({type(exc).__name__}: {exc})") from None
+        raise UsageError(f"{what}: cannot import {target!r} ({type(exc).__name__}: {exc})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConvertUsageError(f"{what}: {target!r} has no function {attr!r}")
+        raise UsageError(f"{what}: {target!r} has no function {attr!r}")
     return fn
 
 
@@ -108,12 +104,12 @@ def _load_file(path: Path, what: str) -> Any:
     import torch
 
     if not path.is_file():
-        raise ConvertUsageError(f"{what}: no such file {str(path)!r}")
+        raise UsageError(f"{what}: no such file {str(path)!r}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConvertUsageError(f"{what}: cannot load {str(path)!r} with torch.load(weights_only=True): {first}") from None
+        raise UsageError(f"{what}: cannot load {str(path)!r} with torch.load(weights_only=True): {first}") from None
 
 
 def _calib(args: argparse.Namespace) -> list[Any]:
@@ -123,10 +119,10 @@ def _calib(args: argparse.Namespace) -> list[Any]:
     if ":" in spec and not Path(spec).is_file():
         try:
             batches = _load_callable(spec, "--calib")()
-        except ConvertUsageError:
+        except UsageError:
             raise
         except Exception as exc:
-            raise ConvertUsageError(f"--calib: {spec} raised {type(exc).__name__}: {exc}") from None
+            raise UsageError(f"--calib: {spec} raised {type(exc).__name__}: {exc}") from None
     else:
         batches = _load_file(Path(spec), "--calib")
     if isinstance(batches, torch.Tensor):
@@ -134,9 +130,9 @@ def _calib(args: argparse.Namespace) -> list[Any]:
     try:
         batches = list(batches)
     except TypeError:
-        raise ConvertUsageError(f"--calib: expected a tensor or a list of batches, got {type(batches).__name__}") from None
+        raise UsageError(f"--calib: expected a tensor or a list of batches, got {type(batches).__name__}") from None
     if not batches:
-        raise ConvertUsageError("--calib: no batches")
+        raise UsageError("--calib: no batches")
     return batches
 
 
@@ -147,23 +143,20 @@ def _model(args: argparse.Namespace) -> Any:
     try:
         model = factory()
     except Exception as exc:
-        raise ConvertUsageError(f"--model: {args.model} raised {type(exc).__name__}: {exc}") from None
+        raise UsageError(f"--model: {args.model} raised {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
-        raise ConvertUsageError(f"--model: {args.model} returned {type(model).__name__}, not an nn.Module")
+        raise UsageError(f"--model: {args.model} returned {type(model).__name__}, not an nn.Module")
     return model
 
 
 def _check_out(path: Path | None, flag: str) -> None:
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConvertUsageError(f"{flag}: cannot write {str(path)!r} (folder missing or not writable)")
+    if path is not None and not writable(path):
+        raise UsageError(f"{flag}: cannot write {str(path)!r} (folder missing or not writable)")
 
 
 # --- the command -----------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    """Run ``ampkit convert``; returns the exit code (raises ConvertUsageError for bad input)."""
+    """Run ``ampkit convert``; returns the exit code (raises UsageError for bad input)."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -172,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.onnx is not None:
         missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if importlib.util.find_spec(m) is None]
         if missing:
-            raise ConvertUsageError(
+            raise UsageError(
                 f"--onnx needs {', '.join(missing)}: pip install 'ampkit[deploy]'"
             )
     checkpoint = _load_file(args.checkpoint, "checkpoint")
@@ -207,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {str(note.message).removeprefix('ampkit.convert: ')}", file=sys.stderr)
     except (ConversionError, RuntimeError) as exc:
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConvertUsageError(f"ampkit convert: {line}") from None
+        raise UsageError(f"ampkit convert: {line}") from None
     report = converted.ampkit_report
     print(report)
 

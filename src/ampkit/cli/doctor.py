@@ -13,13 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import unwritable
+from ._common import UsageError, check_writable
 
 __all__ = ["add_parser", "run"]
-
-
-class DoctorUsageError(Exception):
-    """Bad input to ``ampkit doctor``: one line, exit code 2."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -41,25 +37,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _check_writable(path: Path | None, what: str) -> None:
-    error = unwritable(path, what, "ampkit doctor")
-    if error is not None:
-        raise DoctorUsageError(error)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``ampkit doctor``; returns the script's exit code (raises
-    DoctorUsageError for bad input)."""
+    UsageError for bad input)."""
     from ampkit.doctor._script import ScriptError, run_script
 
-    _check_writable(args.json, "the JSON report")
-    _check_writable(args.png, "the plot")
+    check_writable(args.json, "the JSON report", "ampkit doctor")
+    check_writable(args.png, "the plot", "ampkit doctor")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        raise DoctorUsageError("ampkit doctor: --png needs matplotlib; install the extra: pip install 'ampkit[cli]'")
+        raise UsageError("ampkit doctor: --png needs matplotlib; install the extra: pip install 'ampkit[cli]'")
     try:
         code, reports = run_script(args.script, list(args.args))
     except ScriptError as exc:
-        raise DoctorUsageError(f"ampkit doctor: {exc}") from None
+        raise UsageError(f"ampkit doctor: {exc}") from None
     sys.stdout.flush()
     if not reports:
         print("ampkit doctor: the script never passed an optimizer to ampkit.init_trainer or "

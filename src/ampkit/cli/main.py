@@ -22,19 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._common import positive_int
-from .convert import ConvertUsageError
-from .doctor import DoctorUsageError
-from .run import RunUsageError
+from ._common import UsageError, positive_int
 
 __all__ = ["main", "build_parser"]
 
 PROG = "ampkit"
 CLI_EXTRA = ("rich", "matplotlib", "sklearn")
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -217,9 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_script(args)
         return _bench(args)
     except UsageError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    except (ConvertUsageError, DoctorUsageError, RunUsageError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -20,15 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import float_between, positive_int, unwritable
+from ._common import UsageError, check_writable, float_between, positive_int
 
-__all__ = ["add_parser", "run", "RunUsageError"]
+__all__ = ["add_parser", "run"]
 
 PNG_DEFAULT = Path("ampkit-compare.png")
-
-
-class RunUsageError(Exception):
-    """Bad input to ``ampkit run``: one line, exit code 2."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -73,12 +69,6 @@ def _default_dtype() -> str:
     return "bf16"
 
 
-def _check_writable(path: Path | None, what: str) -> None:
-    error = unwritable(path, what, "ampkit run")
-    if error is not None:
-        raise RunUsageError(error)
-
-
 def _config(args: argparse.Namespace) -> Any:
     from ampkit.errors import AmpError
     from ampkit.run import RunConfig
@@ -87,26 +77,26 @@ def _config(args: argparse.Namespace) -> Any:
     try:
         return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time)
     except AmpError as err:
-        raise RunUsageError(f"ampkit run: {err}") from None
+        raise UsageError(f"ampkit run: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``ampkit run``; returns the exit code (raises RunUsageError for bad input)."""
+    """Run ``ampkit run``; returns the exit code (raises UsageError for bad input)."""
     config = _config(args)
-    _check_writable(args.report, "the JSON report")
+    check_writable(args.report, "the JSON report", "ampkit run")
     if not Path(args.script).is_file():
         what = "no such file" if not Path(args.script).exists() else "not a file"
-        raise RunUsageError(f"ampkit run: {what}: {args.script!r}")
+        raise UsageError(f"ampkit run: {what}: {args.script!r}")
     if args.compare:
         return _compare(args, config)
     if args.png is not None:
-        raise RunUsageError("ampkit run: --png goes with --compare")
+        raise UsageError("ampkit run: --png goes with --compare")
     from ampkit.run import RunRefused, ScriptError, is_rank_zero, run_script, write_report
 
     try:
         result = run_script(args.script, list(args.args), config)
     except (ScriptError, RunRefused) as err:
-        raise RunUsageError(f"ampkit run: {err}") from None
+        raise UsageError(f"ampkit run: {err}") from None
     sys.stdout.flush()
     if is_rank_zero():
         print(result.summary(), file=sys.stderr)
@@ -132,12 +122,12 @@ def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tu
 def _compare(args: argparse.Namespace, config: Any) -> int:
     missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
-        raise RunUsageError(
+        raise UsageError(
             f"ampkit run --compare: missing {', '.join(missing)}; install the command-line extra: "
             "pip install 'ampkit[cli]'"
         )
     png = args.png or PNG_DEFAULT
-    _check_writable(png, "the plot")
+    check_writable(png, "the plot", "ampkit run")
     from rich.console import Console
 
     err = Console(stderr=True)
