@@ -24,7 +24,7 @@ the all-reduced one. A multi-process layer supplies the all-reduce through the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -111,7 +111,7 @@ def decide(
     absent: list[float] = []  # alone, every loss id with a code is present
     if agreement is None:
         flags = _read(segments)
-        if not any(flags):  # nothing overflowed: the rule finds every scaled loss id clean
+        if 1.0 not in flags:  # nothing overflowed: the rule finds every scaled loss id clean
             return {loss_id: False for loss_id, _ in segments if loss_id is not None}, False
         values = _codes([(i, f) for (i, _), f in zip(segments, flags)], num_losses, max, _ABSENT)
     else:
@@ -139,12 +139,12 @@ def decide(
 
 def _read(segments: Sequence[Segment]) -> list[float]:
     """The segments' flags as 1.0/0.0 on the host: one host sync for all of them."""
+    if len(segments) == 1:  # the usual step: one segment, read on its own
+        found = segments[0][1]
+        return [0.0 if found is None else float(found.item() > 0)]
     tensors = [f for _, f in segments if f is not None]
-    if len(tensors) == 1:
-        read = iter((tensors[0].item(),))
-    elif tensors:
+    read: Iterator[float] = iter(())
+    if tensors:
         device = tensors[0].device
         read = iter(torch.stack([t.to(device, non_blocking=True) for t in tensors]).tolist())
-    else:
-        read = iter(())
     return [0.0 if f is None else float(next(read) > 0) for _, f in segments]
