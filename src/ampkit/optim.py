@@ -60,10 +60,13 @@ scheduler created earlier, and sets ``optimizer._opt_called`` on every call, ski
 not, so schedulers never warn that ``lr_scheduler.step()`` came before ``optimizer.step()``.
 
 Where the parts live: this module holds the public functions; the step wrapper is
-:class:`ampkit._step.ManagedOptimizer`; the skip decision, one rule for a process alone
-and for ranks that agree, is :func:`ampkit._decision.decide`; multi-process runs plug in
-through :class:`ampkit._decision.StepAgreement` (``ampkit.distributed``'s is given to
-every managed optimizer here); counters and skip logs are in :mod:`ampkit._stats`.
+:class:`ampkit._step.ManagedOptimizer`, and the per-step gradient bookkeeping it decides
+on (found-inf segments, abandoned steps) its base :class:`ampkit._step_grads.StepGrads`;
+the loss scalers' slots and the session's trainer are in :mod:`ampkit._trainer`; the
+skip decision, one rule for a process alone and for ranks that agree, is
+:func:`ampkit._decision.decide`; multi-process runs plug in through
+:class:`ampkit._decision.StepAgreement` (``ampkit.distributed``'s is given to every
+managed optimizer here); counters and skip logs are in :mod:`ampkit._stats`.
 """
 
 from __future__ import annotations
