@@ -67,6 +67,7 @@ from torch import nn
 from . import _kernels
 from ._dtypes import LOW_PRECISION, cast_optimizer_state
 from ._kernels import Kernel, flat, same_layout
+from ._validate import require_choice, require_optimizer
 from .errors import AmpError, StateError
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
@@ -240,12 +241,9 @@ class CompensatedUpdates:
         seed: int = 0,
         kernel: KernelChoice = "auto",
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise AmpError(f"CompensatedUpdates expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if method not in _METHODS:
-            raise AmpError(f"compensation method must be one of {_METHODS}, got {method!r}.")
-        if kernel not in _KERNELS:
-            raise AmpError(f"kernel must be one of {_KERNELS}, got {kernel!r}.")
+        require_optimizer(optimizer, "CompensatedUpdates")
+        require_choice(method, _METHODS, "compensation method")
+        require_choice(kernel, _KERNELS, "kernel")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise AmpError(
                 "LBFGS mixes all parameters in one update and calls a closure many "

@@ -57,6 +57,7 @@ FSDP2 casts sharded weights itself through ``MixedPrecisionPolicy``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -72,6 +73,7 @@ from . import _step, _trainer
 from . import model as _model
 from . import session as _session
 from ._dtypes import torch_class
+from ._validate import require_choice
 from ._where import user_stacklevel
 from .errors import DistributedError
 
@@ -142,8 +144,7 @@ def set_sync(
             every rank), ``"always"`` or ``"never"``; see the module docs.
         group: the process group to agree over (default: the world).
     """
-    if sync not in _MODES:
-        raise DistributedError(f"set_sync: sync must be one of {_MODES}, got {sync!r}.")
+    require_choice(sync, _MODES, "set_sync: sync", DistributedError)
     opts = list(optimizer_or_list) if isinstance(optimizer_or_list, (list, tuple)) else [optimizer_or_list]
     for opt in opts:
         s = _settings(_step.managed_state(opt))
@@ -175,14 +176,12 @@ class _DDPRecord:
         # id(param) -> (its grad, weakly; the grad's version) after the last backward.
         self.reduced: dict[int, tuple[Any, int]] | None = None
         self._armed = False
-        self.handles = [
-            ddp.register_forward_pre_hook(self._on_forward),
-            ddp.register_forward_hook(self._after_forward),
-        ]
+        self._hooks = contextlib.ExitStack()  # closing it removes the hooks
+        self._hooks.callback(ddp.register_forward_pre_hook(self._on_forward).remove)
+        self._hooks.callback(ddp.register_forward_hook(self._after_forward).remove)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self._hooks.close()
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():

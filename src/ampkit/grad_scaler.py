@@ -32,6 +32,7 @@ import torch
 
 from ._schedulers import mark_step_called
 from ._step import record_unmanaged_step
+from ._validate import require_optimizer
 from .errors import ScalerError, StateError
 from .scaling import CONFIG_KEYS, LossScaler, group_grads, unscale_and_check_
 
@@ -120,8 +121,7 @@ class GradScaler:
         return self._scaler
 
     def _record(self, optimizer: torch.optim.Optimizer) -> _OptRecord:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise StateError(f"GradScaler expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        require_optimizer(optimizer, "GradScaler", StateError)
         record = self._records.get(id(optimizer))
         if record is None:
             record = self._records[id(optimizer)] = _OptRecord()

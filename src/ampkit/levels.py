@@ -37,6 +37,7 @@ from torch import nn
 from . import _reset, casting, optim
 from . import fp8 as _fp8
 from ._dtypes import LOW_PRECISION, cast_optimizer_state, default_device_type, default_dtype
+from ._validate import require_choice, require_optimizer
 from .compensated import CompensatedUpdates
 from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
 from .errors import AmpError, PolicyError, ScalerError, StateError
@@ -236,8 +237,7 @@ def resolve_opt_level(
             "keeps the model in fp32 (use op_casting=True, or O1)."
         )
     model_grads = ov.get("model_grads", "copy")
-    if model_grads not in MODEL_GRADS:
-        raise AmpError(f"model_grads must be one of {MODEL_GRADS}, got {model_grads!r}.")
+    require_choice(model_grads, MODEL_GRADS, "model_grads")
     if model_grads != "copy" and not master:
         raise AmpError(
             f"model_grads={model_grads!r} sets how a 16-bit model shows the grads of its fp32 "
@@ -676,8 +676,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
     """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
     under O2 (plus fp32 model parameters such as norm layers), the model's own
     parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise StateError(f"master_params expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    require_optimizer(optimizer, "master_params", StateError)
     return _stepped_params(optimizer)
 
 

@@ -71,6 +71,7 @@ from torch import nn
 
 from ._dtypes import cast_optimizer_state
 from ._kernels import rounds_to_bf16
+from ._validate import require_choice, require_optimizer
 from .errors import AmpError, StateError
 
 __all__ = ["MasterWeights"]
@@ -126,10 +127,8 @@ class MasterWeights:
         *,
         model_grads: str = "copy",
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise AmpError(f"MasterWeights expects a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if model_grads not in MODEL_GRADS:
-            raise AmpError(f"model_grads must be one of {MODEL_GRADS}, got {model_grads!r}.")
+        require_optimizer(optimizer, "MasterWeights")
+        require_choice(model_grads, MODEL_GRADS, "model_grads")
         self.optimizer = optimizer
         self.model_grads = model_grads
         self._model_of: dict[int, nn.Parameter] = {}  # id(master) -> model param

@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
+    """Add sub-command ``name`` to ``sub`` (an argparse sub-parsers object): ``summary``
+    for ``ampkit --help``; ``ampkit NAME --help`` describes it with ``doc`` (the
+    command module's docstring), its reST markup taken off."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc or "").replace("``", "")
+    return sub.add_parser(name, help=summary, description=" ".join(text.split()))
+
+
+def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trailing ``SCRIPT [ARGS...]`` of the commands that run a training script."""
+    parser.add_argument("script", help="the training script (a .py file)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
 class UsageError(Exception):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, float_between, positive_int, writable
+from ._common import UsageError, add_command, float_between, positive_int, writable
 
 __all__ = ["add_parser", "run"]
 
@@ -28,17 +28,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``convert`` sub-command to ``sub`` (an argparse sub-parsers object)."""
 
-    p = sub.add_parser(
-        "convert",
-        help="convert a training checkpoint into a 16-bit inference model (and ONNX)",
-        description=(
-            "Load CHECKPOINT (a model state_dict, or {'model', 'optimizer', 'amp'} saved by a "
-            "training script at any opt level) into the model built by --model, convert it "
-            "with ampkit.convert (16-bit weights, fp32 where needed, BatchNorm folded), "
-            "optionally export ONNX, and print weight size, latency and error against fp32 "
-            "measured on the --calib batches."
-        ),
-    )
+    p = add_command(sub, "convert", "convert a training checkpoint into a 16-bit inference model (and ONNX)", __doc__)
     p.add_argument("checkpoint", type=Path, help="checkpoint file (torch.save)")
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                    help="function returning the (untrained) nn.Module, e.g. mypkg.models:build "

@@ -13,27 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, check_writable
+from ._common import UsageError, add_command, add_script_arguments, check_writable
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    parser = sub.add_parser(
-        "doctor",
-        help="run a training script with ampkit.doctor on and print its report",
-        description=(
-            "Run SCRIPT as __main__ with sys.argv = [SCRIPT, *ARGS] and the doctor watching every "
-            "optimizer the script passes to ampkit.init_trainer or ampkit.initialize; then print "
-            "where inf/NaN values came from, each module's margins, misuse warnings and advice. "
-            "The script's exit code is passed through."
-        ),
-    )
+    parser = add_command(sub, "doctor", "run a training script with ampkit.doctor on and print its report", __doc__)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--png", type=Path, default=None, metavar="PATH",
                         help="also write the plot (loss scale, skipped steps, per-module margins); needs matplotlib")
-    parser.add_argument("script", help="the training script (a .py file)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    add_script_arguments(parser)
     return parser
 
 

@@ -20,7 +20,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, check_writable, float_between, positive_int
+from ._common import (
+    UsageError,
+    add_command,
+    add_script_arguments,
+    check_writable,
+    float_between,
+    positive_int,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -28,17 +35,7 @@ PNG_DEFAULT = Path("ampkit-compare.png")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    parser = sub.add_parser(
-        "run",
-        help="train an unmodified script in mixed precision (and --compare it with fp32)",
-        description=(
-            "Run SCRIPT as __main__ with sys.argv = [SCRIPT, *ARGS] in mixed precision, without "
-            "touching its source: casting inside nn.Module forward passes only, every torch.optim "
-            "optimizer managed (steps skipped on inf/NaN gradients, LR schedulers held then), fp16 "
-            "loss scaling where backward() is called. Prints a summary on stderr at exit. The "
-            "script's exit code is passed through."
-        ),
-    )
+    parser = add_command(sub, "run", "train an unmodified script in mixed precision (and --compare it with fp32)", __doc__)
     parser.add_argument("--level", choices=("O1", "O2", "O2K", "fp32"), default="O1",
                         help="O1: casting in forward passes, fp32 weights (default); O2: 16-bit models "
                              "with fp32 master weights; O2K: bf16 models with compensated updates; "
@@ -56,8 +53,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                              "iteration times side by side (needs the cli extra)")
     parser.add_argument("--png", type=Path, default=None, metavar="PATH",
                         help=f"with --compare: where to write the plot (default: {PNG_DEFAULT})")
-    parser.add_argument("script", help="the training script (a .py file)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    add_script_arguments(parser)
     return parser
 
 
