@@ -6,7 +6,7 @@ the same model and the same batches. Each mode compiles its own model first
 (untimed warm-up: compilation takes minutes on a small CPU). Prints median step
 times and ratios to compiled torch.autocast. Target: ampkit default <= 1.02x.
 
-    python benchmarks/compile.py [--workloads cnn,transformer] [--rounds 6] [--clock cpu]
+    python benchmarks/compile.py [--workloads cnn,lm] [--size full] [--rounds 6] [--clock cpu]
     python benchmarks/compile.py --micro   # what ampkit adds per compiled call, in microseconds
 
 ``--micro`` times one call of a compiled 4-layer MLP (tiny, so the call's fixed costs
@@ -21,19 +21,14 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import WORKLOADS  # noqa: E402
-
-import ampkit as amp  # noqa: E402
+import ampkit as amp
+from ampkit.bench.workloads import SIZES, make_workload
 
 CUSTOM = amp.Policy(
     fp32_ops=[F.softmax, F.log_softmax],
@@ -42,12 +37,12 @@ CUSTOM = amp.Policy(
 )
 
 
-def bench(name: str, rounds: int, steps: int, dtype: torch.dtype, clock, control: bool = False) -> dict[str, float]:
-    wl = WORKLOADS[name]
+def bench(name: str, size: str, rounds: int, steps: int, dtype: torch.dtype, clock,
+          control: bool = False) -> dict[str, float]:
+    wl = make_workload(name, size)
     torch.manual_seed(0)
-    base = wl.make_model()
-    g = torch.Generator().manual_seed(0)
-    x, y = wl.make_batch(g)
+    base = wl.build_model()
+    x, y = wl.example_batch()
     default, custom = amp.default_policy("cpu", dtype), CUSTOM.override(dtype=dtype)
     for policy in (default, custom):  # register ampkit's kernels before compiling anything
         with amp.autocast(policy, "cpu"):
@@ -139,7 +134,8 @@ def micro(rounds: int, dtype: torch.dtype, clock) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="cnn,transformer")
+    p.add_argument("--workloads", default="cnn,lm", help="ampkit bench workloads: cnn, lm, wide")
+    p.add_argument("--size", default="full", choices=SIZES, help="the workloads' size (tiny: a smoke run)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3, help="steps per round per mode")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
@@ -163,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{'default/autocast':>17} {'custom/autocast':>16} {'O2/autocast':>12}")
     rows = []
     for name in args.workloads.split(","):
-        r = bench(name, args.rounds, args.steps, dtype, clock, args.control)
+        r = bench(name, args.size, args.rounds, args.steps, dtype, clock, args.control)
         ac = r["torch.autocast"]
         if args.control:
             print(f"  {name}: A/A control, 2nd torch.autocast copy / 1st = "

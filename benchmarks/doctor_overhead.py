@@ -1,14 +1,15 @@
 """What ``ampkit.doctor`` costs per training step: off, on (module hooks, the default
 between checks), and a step under the op-level check.
 
-Each workload (benchmarks/models.py) trains with ``init_trainer`` (under ``amp.autocast``
+Each workload (``ampkit bench``'s, from :func:`ampkit.bench.make_workload`, on its
+example batch) trains with ``init_trainer`` (under ``amp.autocast``
 in ``--dtype`` bf16/fp16, or plain fp32 -- the default, as this CPU has no native bf16); the three modes run interleaved in one process (round-robin blocks,
 medians), each on its own copy of the model. "off" runs with no doctor in the process
 (the doctor of the "on" block is stopped before it: nothing is installed); "on" is a
 running doctor whose op-level check never fires (``max_checks=0``); "check" is a step
 whose forward and backward run under the op-level checker (``doctor.diagnose``).
 
-    python benchmarks/doctor_overhead.py [--workloads cnn,transformer] [--dtype fp32] [--rounds 4] [--steps 3]
+    python benchmarks/doctor_overhead.py [--workloads cnn,lm] [--size full] [--dtype fp32] [--rounds 4] [--steps 3]
 """
 
 from __future__ import annotations
@@ -16,29 +17,24 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import WORKLOADS  # noqa: E402
-
-import ampkit as amp  # noqa: E402
-from ampkit.doctor import Doctor  # noqa: E402
+import ampkit as amp
+from ampkit.bench.workloads import SIZES, make_workload
+from ampkit.doctor import Doctor
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def measure(name: str, rounds: int, steps: int, dtype: torch.dtype | None) -> dict[str, float]:
-    wl = WORKLOADS[name]
+def measure(name: str, size: str, rounds: int, steps: int, dtype: torch.dtype | None) -> dict[str, float]:
+    wl = make_workload(name, size)
     torch.manual_seed(0)
-    base = wl.make_model()
-    inputs, target = wl.make_batch(torch.Generator().manual_seed(0))
+    base = wl.build_model()
+    inputs, target = wl.example_batch()
     policy = amp.default_policy("cpu", dtype) if dtype is not None else None
 
     def setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -103,7 +99,8 @@ def measure(name: str, rounds: int, steps: int, dtype: torch.dtype | None) -> di
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="cnn,transformer", help="comma-separated: cnn, transformer, gpt")
+    parser.add_argument("--workloads", default="cnn,lm", help="comma-separated ampkit bench workloads: cnn, lm, wide")
+    parser.add_argument("--size", default="full", choices=SIZES, help="the workloads' size (tiny: a smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="compute dtype (fp32: no autocast)")
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds")
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
@@ -117,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     print(head)
     print("-" * len(head))
     for name in args.workloads.split(","):
-        res = measure(name.strip(), args.rounds, args.steps, DTYPES[args.dtype])
+        res = measure(name.strip(), args.size, args.rounds, args.steps, DTYPES[args.dtype])
         off, on, chk = res["off"], res["on"], res["check"]
         print(f"{name:12s} {off * 1e3:9.1f} {on * 1e3:9.1f} {on / off:9.2f} {chk * 1e3:9.1f} {chk / off:12.2f}")
 

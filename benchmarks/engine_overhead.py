@@ -9,7 +9,7 @@ inert outside its scopes, but not free); before each fp32 / torch.autocast block
 ``amp.reset()`` takes them down, so those columns time torch alone. Each ampkit block
 enters its scope once untimed first (re-installing them).
 
-    python benchmarks/engine_overhead.py [--workloads cnn,transformer,gpt2] [--rounds 8]
+    python benchmarks/engine_overhead.py [--workloads cnn,lm] [--size full] [--rounds 8]
     python benchmarks/engine_overhead.py --micro   # the engine's own costs, in microseconds
     python benchmarks/engine_overhead.py --clock cpu  # process CPU time: on a shared machine
 
@@ -27,19 +27,14 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import WORKLOADS  # noqa: E402
-
-import ampkit as amp  # noqa: E402
+import ampkit as amp
+from ampkit.bench.workloads import SIZES, make_workload
 
 CUSTOM = amp.Policy(
     fp32_ops=[F.softmax, F.log_softmax],
@@ -60,12 +55,11 @@ def modes(device: str, dtype: torch.dtype):
 CLOCK = time.perf_counter  # --clock cpu: time.process_time, blind to other processes' load
 
 
-def bench(name: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -> dict[str, float]:
-    wl = WORKLOADS[name]
+def bench(name: str, size: str, rounds: int, steps: int, device: str, dtype: torch.dtype) -> dict[str, float]:
+    wl = make_workload(name, size, device=device)
     torch.manual_seed(0)
-    base = wl.make_model().to(device)
-    g = torch.Generator().manual_seed(0)
-    batch = [t.to(device) for t in wl.make_batch(g)]
+    base = wl.build_model()
+    batch = wl.example_batch()
     runs = {}
     for mode, ctx in modes(device, dtype).items():
         model = copy.deepcopy(base)
@@ -153,7 +147,8 @@ def micro(rounds: int, dtype: torch.dtype) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workloads", default="cnn,transformer,gpt2")
+    p.add_argument("--workloads", default="cnn,lm", help="ampkit bench workloads: cnn, lm, wide")
+    p.add_argument("--size", default="full", choices=SIZES, help="the workloads' size (tiny: a smoke run)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=3, help="steps per round per mode")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -180,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("-" * len(header))
     for name in args.workloads.split(","):
-        r = bench(name, args.rounds, args.steps, args.device, dtype)
+        r = bench(name, args.size, args.rounds, args.steps, args.device, dtype)
         ac = r["torch.autocast"]
         print(f"{name:<12} {r['fp32'] * 1e3:>9.1f} {ac * 1e3:>12.1f} {r['ampkit default'] * 1e3:>11.1f} "
               f"{r['ampkit custom'] * 1e3:>10.1f} {ac / r['fp32']:>14.2f} "

@@ -1,6 +1,7 @@
-"""Step time and memory of bf16 against fp8 training on a transformer whose matmuls are
-at least 4096 wide: on CUDA ``d_model`` 4096 (qkv 4096x12288, proj 4096x4096, MLP
-4096x16384); on CPU ``d_model`` 1024, whose MLP matmuls are 1024x4096 and 4096x1024.
+"""Step time and memory of bf16 against fp8 training on ``ampkit bench``'s char
+transformer (the ``lm`` workload's model) made wide enough for fp8, on random tokens:
+on CUDA ``d_model`` 4096 (qkv 4096x12288, proj 4096x4096, MLP 4096x16384); on CPU
+``d_model`` 1024, whose MLP matmuls are 1024x4096 and 4096x1024.
 
 Modes, each on a fresh copy of the same model and data, one after another in this
 process:
@@ -43,26 +44,9 @@ from torch import nn
 
 import ampkit as amp
 from ampkit.bench.memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
-from ampkit.bench.workloads import Block
+from ampkit.bench.workloads import CharTransformer
 
 VOCAB = 256
-
-
-class WideLM(nn.Module):
-    """Token embedding, ``layers`` pre-norm transformer blocks of width ``d_model``, head."""
-
-    def __init__(self, d_model: int, layers: int, heads: int, max_len: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, d_model)
-        self.blocks = nn.Sequential(*[Block(d_model, heads, max_len) for _ in range(layers)])
-        self.ln = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, VOCAB)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(self.blocks(self.tok(ids))))
 
 
 def cpu_name() -> str:
@@ -145,7 +129,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     heads = max(1, args.d_model // 128)
-    base = WideLM(args.d_model, args.layers, heads, args.seq)
+    base = CharTransformer(VOCAB, args.d_model, args.layers, heads, args.seq)  # the lm workload's model, wider
     where = torch.cuda.get_device_name(device) if cuda else f"{cpu_name()}, {args.threads} thread(s)"
     params = sum(p.numel() for p in base.parameters())
     print(f"fp8 benchmark on {where}; torch {torch.__version__}")

@@ -1,6 +1,7 @@
 """O2's op-level casting inside the cast model (``model_op_casting``): what it costs and
-what it buys, on a GPT (benchmarks/models.py's, small by default: d=64, 2 layers, ctx 32,
-so that CPUs without native bf16 finish; ``--full`` for the gpt2 workload's size; bf16).
+what it buys, on ``ampkit bench``'s ``lm`` workload (a GPT-style char transformer on
+standard-library source; ``--size tiny`` by default: d=32, 1 layer, context 32, so that
+CPUs without native bf16 finish; bf16), with its cross-entropy moved inside ``forward``.
 
 Speed: forward + backward of the same bf16 model with and without the scope, and O3
 (pure bf16) for reference, interleaved in one process (round-robin blocks) so machine
@@ -12,7 +13,7 @@ the same batches for ``--steps`` steps with AdamW; the table gives the mean trai
 loss of the last 20 steps and the fp32-computed loss on held-out batches, and both
 relative to fp32.
 
-    python benchmarks/o2_op_casting.py [--steps 150] [--rounds 6] [--threads 1]
+    python benchmarks/o2_op_casting.py [--size tiny] [--steps 120] [--rounds 6] [--threads 1]
 """
 
 from __future__ import annotations
@@ -20,22 +21,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ampkit as amp
+from ampkit.bench.workloads import SIZES, Workload, make_workload
+from ampkit.model import add_op_casting, cast_model
 
-from models import GPT, WORKLOADS  # noqa: E402
-
-import ampkit as amp  # noqa: E402
-from ampkit.model import add_op_casting, cast_model  # noqa: E402
-
-WL = WORKLOADS["gpt2"]
 BF16 = torch.bfloat16
-SIZE = {"vocab": 128, "d": 64, "heads": 4, "layers": 2, "ctx": 32}
 
 
 class WithLoss(torch.nn.Module):
@@ -51,33 +45,27 @@ class WithLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _make_model() -> torch.nn.Module:
-    return WithLoss(GPT(**SIZE) if SIZE else WL.make_model())
+def _batches(wl: Workload, seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = wl.batches(torch.Generator().manual_seed(seed))
+    return [next(batches) for _ in range(n)]
 
 
-def _batches(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    if not SIZE:
-        return [WL.make_batch(g) for _ in range(n)]
-    # a learnable sequence task: each token is the previous one plus one (mod vocab)
-    out = []
-    for _ in range(n):
-        start = torch.randint(0, SIZE["vocab"], (16, 1), generator=g)
-        seq = (start + torch.arange(SIZE["ctx"] + 1)) % SIZE["vocab"]
-        out.append((seq[:, :-1], seq[:, 1:]))
-    return out
+def _held_out(wl: Workload) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The workload's held-out text, as (input, next-character) batches."""
+    windows = wl.eval_windows().split(wl.config()["batch_size"])
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
 
 
-def speed(rounds: int, per_block: int) -> dict[str, float]:
+def speed(wl: Workload, rounds: int, per_block: int) -> dict[str, float]:
     torch.manual_seed(0)
-    base = _make_model()
+    base = WithLoss(wl.build_model())
     models = {
         "O2 (fp32 ops in fp32)": cast_model(copy.deepcopy(base), BF16),
         "O2 without the scope": cast_model(copy.deepcopy(base), BF16),
         "O3 (pure bf16)": cast_model(copy.deepcopy(base), BF16, keep_norm_fp32=False),
     }
     add_op_casting(models["O2 (fp32 ops in fp32)"], BF16, "cpu")
-    x, y = _batches(1, 1)[0]
+    x, y = wl.example_batch(1)
     samples: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
@@ -90,15 +78,15 @@ def speed(rounds: int, per_block: int) -> dict[str, float]:
     return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
-def train(mode: str, steps: int) -> tuple[float, float]:
+def train(wl: Workload, mode: str, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
-    model = _make_model()
+    model = WithLoss(wl.build_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if mode != "fp32":
         level, kw = {"O2": ("O2", {}), "O2-noscope": ("O2", {"model_op_casting": False}), "O3": ("O3", {})}[mode]
         model, opt = amp.initialize(model, opt, opt_level=level, **kw)
     losses = []
-    for x, y in _batches(2, steps):
+    for x, y in _batches(wl, 2, steps):
         opt.zero_grad()
         loss = model(x, y).float()
         if mode == "fp32":
@@ -110,9 +98,9 @@ def train(mode: str, steps: int) -> tuple[float, float]:
         losses.append(loss.item())
     amp.reset()
     with torch.no_grad():
-        fp32_model = _make_model()
+        fp32_model = WithLoss(wl.build_model())
         fp32_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        held_out = statistics.mean(fp32_model(x, y).item() for x, y in _batches(3, 8))
+        held_out = statistics.mean(fp32_model(x, y).item() for x, y in _held_out(wl))
     return statistics.mean(losses[-20:]), held_out
 
 
@@ -122,19 +110,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--per-block", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--full", action="store_true", help="the gpt2 workload's size")
+    parser.add_argument("--size", default="tiny", choices=SIZES, help="the lm workload's size")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.full:
-        SIZE.clear()
+    wl = make_workload("lm", args.size)
+    print(f"lm {args.size}: {wl.description}")
 
-    times = speed(args.rounds, args.per_block)
+    times = speed(wl, args.rounds, args.per_block)
     ref = times["O2 without the scope"]
-    print("forward+backward, GPT, bf16 (median ms, ratio to O2 without the scope)")
+    print("forward+backward, lm, bf16 (median ms, ratio to O2 without the scope)")
     for name, ms in times.items():
         print(f"  {name:24s} {ms:8.2f} ms  {ms / ref:5.3f}x")
 
-    results = {mode: train(mode, args.steps) for mode in ("fp32", "O2", "O2-noscope", "O3")}
+    results = {mode: train(wl, mode, args.steps) for mode in ("fp32", "O2", "O2-noscope", "O3")}
     f_train, f_eval = results["fp32"]
     print(f"\naccuracy after {args.steps} AdamW steps (train: mean of the last 20; eval: held-out, fp32)")
     for mode, (tr, ev) in results.items():

@@ -1,7 +1,7 @@
 """Per-step cost of loss scaling: ampkit vs no scaler vs torch.amp.GradScaler.
 
-Two measurements on the shared transformer workload (benchmarks/models.py, an
-nn.TransformerEncoder classifier), fp32 compute on the CPU (the scaler's work does not
+Two measurements on one of ``ampkit bench``'s workloads (``lm`` by default, the char
+transformer, on its example batch), fp32 compute on the CPU (the scaler's work does not
 depend on the compute dtype: it touches the fp32 grads):
 
 1. scaler only: the unscale + inf/NaN check + skip decision + scale update on fixed
@@ -12,7 +12,7 @@ Implementations run interleaved (round-robin blocks) in one process so machine n
 hits them alike; the table gives medians and ratios. Target: ampkit no slower than
 torch.amp.GradScaler.
 
-    python benchmarks/scaler_overhead.py [--steps 24] [--rounds 4] [--threads 1]
+    python benchmarks/scaler_overhead.py [--workload lm] [--size full] [--steps 24] [--rounds 4] [--threads 1]
 """
 
 from __future__ import annotations
@@ -20,18 +20,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import WORKLOADS  # noqa: E402
-
-import ampkit as amp  # noqa: E402
+import ampkit as amp
+from ampkit.bench.workloads import SIZES, WORKLOADS, make_workload
 
 
 class NoStep(torch.optim.SGD):
@@ -177,25 +172,27 @@ def print_table(title: str, medians: dict[str, float], unit: float, unit_name: s
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="lm", choices=sorted(WORKLOADS), help="the ampkit bench workload")
+    parser.add_argument("--size", default="full", choices=SIZES, help="its size (tiny: a smoke run)")
     parser.add_argument("--steps", type=int, default=24, help="timed full training steps per implementation")
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    wl = WORKLOADS["transformer"]
+    wl = make_workload(args.workload, args.size)
     torch.manual_seed(0)
-    model = wl.make_model()
-    batch = wl.make_batch(torch.Generator().manual_seed(0))
+    model = wl.build_model()
+    batch = wl.example_batch()
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = sum(1 for _ in model.parameters())
-    print(f"workload: transformer ({n_tensors} param tensors, {n_params / 1e6:.2f}M params), "
+    print(f"workload: {wl.name} {args.size} ({n_tensors} param tensors, {n_params / 1e6:.2f}M params), "
           f"fp32, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
 
     only = scaler_only(model, batch, wl.loss, args.rounds, args.steps)
     print_table("scaler only (unscale + check + skip decision + update), per step;"
                 " 'vs torch' compares the scaler cost", only, 1e-6, "us", subtract_plain=False)
-    full = full_step(wl.make_model, batch, wl.loss, args.rounds, args.steps)
+    full = full_step(wl.build_model, batch, wl.loss, args.rounds, args.steps)
     print_table("full training step (forward + backward + scaler + AdamW); ratios of step"
                 " times (the scaler's ~0.2 ms is within this machine's noise)", full, 1e-3, "ms",
                 subtract_plain=False)

@@ -364,6 +364,23 @@ def test_wide_workload_is_parameter_heavy_and_tiny_trains() -> None:
     assert after["eval_loss"] < 0.6 * before["eval_loss"] and after["accuracy"] > 0.8
 
 
+@pytest.mark.parametrize("name", ["cnn", "lm", "wide"])
+def test_example_batch_is_the_first_batch_of_its_seed(name: str) -> None:
+    """What the benchmarks/ scripts time their steps on: the first training batch for the
+    seed, the same on every call, and another batch for another seed."""
+    from ampkit.bench.workloads import make_workload
+
+    wl = make_workload(name, "tiny")
+    x, y = wl.example_batch()
+    first = next(wl.batches(torch.Generator().manual_seed(0)))
+    assert torch.equal(x, first[0]) and torch.equal(y, first[1])
+    assert all(torch.equal(a, b) for a, b in zip(wl.example_batch(0), (x, y)))
+    assert not torch.equal(wl.example_batch(1)[0], x)
+    assert x.dtype == (torch.int64 if name == "lm" else torch.float32) and y.dtype == torch.int64
+    assert x.shape[0] == y.shape[0] == wl.config()["batch_size"]
+    assert wl.loss(wl.build_model()(x), y).dim() == 0
+
+
 def test_unknown_recipe_name() -> None:
     with pytest.raises(ValueError, match="unknown precision"):
         make_recipe("fp8", torch.device("cpu"), torch.bfloat16)

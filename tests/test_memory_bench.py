@@ -36,13 +36,13 @@ def test_memory_benchmark_quick_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_exact_step_bytes_per_parameter_on_the_wide_mlp(tmp_path):
+def test_exact_step_bytes_per_parameter_on_the_wide_workload(tmp_path):
     """AdamW at the peak of optimizer.step(), every tensor counted: O1 (fp32 weight,
     grad and two moments, fused kernel: no temporaries) 16 bytes per parameter; O2K
     (bf16 weight, compensation, grad and two moments, one in-place pass) 10."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workloads", "mlp", "--modes", "O1,O2K", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--workloads", "wide", "--modes", "O1,O2K", "--json", str(out)],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -50,4 +50,4 @@ def test_exact_step_bytes_per_parameter_on_the_wide_mlp(tmp_path):
     assert rows["O1"]["opt_step_bytes_per_param"] == pytest.approx(16.0, abs=0.005)
     assert rows["O2K"]["opt_step_bytes_per_param"] == pytest.approx(10.0, abs=0.005)
     assert rows["O2K"]["opt_step_extra_bytes_per_param"] < 0.005  # nothing full-size allocated
-    assert "[ok] mlp: O2K opt.step peak <= 10 B/param" in proc.stdout
+    assert "[ok] wide: O2K opt.step peak <= 10 B/param" in proc.stdout

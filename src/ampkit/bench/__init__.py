@@ -1,9 +1,16 @@
 """``ampkit bench``: built-in workloads and the interleaved benchmark runner.
 
-This is the benchmark tree users run (installed with ampkit, ``ampkit bench``). The
-repository's ``benchmarks/`` scripts are the developers' tree: each prints one
-measurement side by side and takes its tensor-memory counts from :mod:`.memory`
-here, so both trees count memory the same way.
+Two benchmark trees share what is defined here:
+
+- users run ``ampkit bench`` (this package, installed with ampkit, data included):
+  fp32 vs torch.autocast vs ampkit's levels trained side by side on the workloads;
+- developers run the repository's ``benchmarks/*.py`` scripts, each printing one
+  measurement side by side (engine or scaler overhead, compiled steps, memory, ...).
+
+Both build their models and batches with :func:`make_workload` (``"cnn"``, ``"lm"``,
+``"wide"``; sizes ``full``, ``quick``, ``tiny``; a script times its steps on
+:meth:`Workload.example_batch <.workloads.Workload.example_batch>`) and count tensor
+memory with :mod:`.memory`, so no model and no memory method is defined twice.
 
 Modules: :mod:`.data` (digits, standard-library text), :mod:`.workloads` (models
 and training settings), :mod:`.recipes` (one object per precision),

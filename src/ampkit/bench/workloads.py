@@ -283,6 +283,13 @@ class Workload:
         """Endless ``(inputs, targets)`` training batches, ordered by ``generator``."""
         raise NotImplementedError
 
+    def example_batch(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first batch :meth:`batches` yields for a generator seeded with ``seed``
+        (default 0): fp32 images ``(B, 1, H, W)`` or int64 ids ``(B, T)``, and int64
+        targets, on the workload's device. The ``benchmarks/`` scripts time their steps
+        on it."""
+        return next(iter(self.batches(torch.Generator().manual_seed(seed))))
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy, computed in fp32 whatever the logits' dtype."""
         return F.cross_entropy(output.float().flatten(0, -2), target.flatten())
