@@ -116,11 +116,30 @@ def test_inductor_fp8_forward_of_the_reported_model_equals_eager():
 
 
 def test_a_compiled_deep_copy_advances_its_own_scale_state():
+    """A compiled training call of a deep copy moves the copy's scales (input, weight and
+    grad_output: its next forward and backward use them) and none of the session's
+    layers' (``amp.state_dict()`` counts no call; they compute as before)."""
     model, _ = amp.initialize(_model(), None, opt_level="O1", fp8=DELAYED)
     copied = copy.deepcopy(model)
-    torch.compile(copied, backend="aot_eager")(torch.randn(16, 16)).float().sum().backward()
-    assert [copied[i].__dict__["_ampkit_fp8"].roles[r].calls for i in (1, 3) for r in fp8._ROLES] == [1] * 6
-    assert [model[i].__dict__["_ampkit_fp8"].roles[r].calls for i in (1, 3) for r in fp8._ROLES] == [0] * 6
+    x = torch.randn(16, 16)
+
+    def run(m: nn.Module) -> tuple[torch.Tensor, list]:
+        """Output and the dequant scales of every fp8 matmul of a forward and backward
+        with the scale state frozen (observe), as explain shows them."""
+        with fp8.observe() as records:
+            y = m(x)
+            y.float().sum().backward()
+        return y.detach(), sorted((r.module, r.matmul, r.a_scale, r.b_scale) for r in records)
+
+    before = run(model)
+    torch.compile(copied, backend="aot_eager")(x * 4).float().sum().backward()
+    layers = amp.state_dict()["extra"]["fp8"]["layers"]
+    assert [layers[n][r]["calls"] for n in ("1", "3") for r in ("input", "weight", "grad_output")] == [0] * 6
+    after, theirs = run(model), run(copied)
+    assert torch.equal(after[0], before[0]) and after[1] == before[1]
+    assert {m for m, *_ in theirs[1]} == {"1", "3"}
+    moved = {(m, mm) for (m, mm, a, b), (_, _, a0, b0) in zip(theirs[1], before[1]) if (a, b) != (a0, b0)}
+    assert {mm for _, mm in moved} == {"forward", "grad_input", "grad_weight"}  # input, weight, grad_output scales
 
 
 def test_inductor_fp8_under_activation_checkpointing_equals_eager():
