@@ -303,10 +303,11 @@ def _fake_parallel_apply(inside: threading.Barrier, release: threading.Event):
 
 
 @pytest.mark.parametrize("callers", [1, 2])
-def test_a_replica_finds_its_caller_without_reading_other_threads_locals(monkeypatch, callers):
-    """One thread in parallel_apply: the replica takes its record. Several at once: the
-    replica cannot tell them apart without reading another thread's frame locals (which
-    races with that thread and crashed the interpreter): it inherits nothing and says so."""
+def test_a_replica_finds_its_caller_without_reading_other_threads_frames(monkeypatch, callers):
+    """parallel_apply called outside any module call: one thread with scopes is the
+    caller. Two: the replica cannot tell them apart (other threads' frames are not read:
+    that races with the threads and crashed the interpreter); it inherits nothing and
+    says so."""
     import types
     import warnings
 
@@ -339,4 +340,46 @@ def test_a_replica_finds_its_caller_without_reading_other_threads_locals(monkeyp
         assert not [w for w in caught if "parallel_apply" in str(w.message)]
     else:
         assert found == [None]
-        assert any("several threads run torch.nn.parallel.parallel_apply" in str(w.message) for w in caught)
+        assert any("several threads could have started" in str(w.message) for w in caught)
+
+
+def test_the_thread_running_the_wrapper_is_the_caller_while_another_thread_has_scopes(cpu_parallel_apply):
+    """Two threads with open scopes: a DataParallel-style replica (made by torch's
+    ``_replicate_for_data_parallel``) takes the scopes of the thread whose module call
+    holds it, not the other thread's."""
+    import warnings
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+        def forward(self, x):
+            replicas = [self.module._replicate_for_data_parallel() for _ in range(2)]
+            outs = cpu_parallel_apply(replicas, [(x[:2],), (x[2:],)])
+            return torch.cat([o[0] for o in outs]), outs[0][1]
+
+    torch.manual_seed(0)
+    inner = _Recorder()
+    x = torch.randn(4, 8)
+    entered, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with amp.autocast(amp.Policy(fp32_ops=[torch.tanh]), "cpu"):
+            entered.set()
+            done.wait(30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(30)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "cannot tell which caller" warning
+            with amp.autocast(amp.Policy(lower_ops=[torch.tanh], module_rules={"head": FP32}), "cpu"):
+                out, tanh_dtype = Wrapper(inner)(x)
+                want = inner(x)[0]
+    finally:
+        done.set()
+        t.join()
+    assert tanh_dtype == BF16  # this thread's lower_ops, not the other thread's fp32_ops
+    assert out.dtype == FP32 and torch.equal(out, want)

@@ -208,10 +208,11 @@ class _State(threading.local):
         # code reads it, so dynamo guards on it and recompiles when it changes (a str:
         # dynamo would make a changing int dynamic instead of guarding its value)
         self.compile_key = ""
-        self.record = _ThreadRecord(self.scopes, self.module_stack)
+        replica = _is_replica_thread()
+        self.record = _ThreadRecord(self.scopes, self.module_stack, replica)
         _THREADS[threading.get_ident()] = self.record
         self.inherited: _Replay | None = None
-        caller = _replica_caller()
+        caller = _replica_caller() if replica else None
         if caller is not None:
             _inherit_caller(self, caller)
 
@@ -219,11 +220,12 @@ class _State(threading.local):
 class _ThreadRecord:
     """What other threads may read of a thread's state (its own lists, shared)."""
 
-    __slots__ = ("scopes", "module_stack", "__weakref__")
+    __slots__ = ("scopes", "module_stack", "replica", "__weakref__")
 
-    def __init__(self, scopes: list[_Frame], module_stack: list[nn.Module]) -> None:
+    def __init__(self, scopes: list[_Frame], module_stack: list[nn.Module], replica: bool = False) -> None:
         self.scopes = scopes
         self.module_stack = module_stack
+        self.replica = replica  # a parallel_apply worker: never another replica's caller
 
 
 # thread id -> its record; an entry goes with its thread's state (thread exit)
@@ -236,40 +238,57 @@ def _replica_caller() -> _ThreadRecord | None:
     ``torch.nn.parallel.parallel_apply`` (``nn.DataParallel``, or any direct use).
 
     torch re-enters only its own autocast state in those threads. The caller is blocked
-    in ``parallel_apply`` (joining the replicas) until they finish: its frame is found
-    among the running frames by the worker function this thread runs."""
-    apply_module = sys.modules.get("torch.nn.parallel.parallel_apply")
-    target = getattr(threading.current_thread(), "_target", None)
-    worker_code = getattr(target, "__code__", None)
-    apply_code = getattr(getattr(apply_module, "parallel_apply", None), "__code__", None)
-    if worker_code is None or apply_code is None:
-        return None
-    if not any(c is worker_code for c in apply_code.co_consts):
-        return None
-    # Only code objects and f_back are read from other threads' frames (as sampling
-    # profilers do): reading another thread's f_locals races with that thread and
-    # can crash the interpreter.
+    in ``parallel_apply`` (joining the replicas) until they finish. It is found through
+    ampkit's own records, never through other threads' frames (reading those races with
+    the threads that own them and can crash the interpreter): the thread whose current
+    module call holds the replica (``nn.DataParallel``: a replica of its ``module``;
+    ``parallel_apply`` in a module's ``forward``: a child), else, for a call outside any
+    module, the one thread with open scopes. When that leaves several candidates, the
+    replica inherits nothing and a warning says so."""
+    args = getattr(threading.current_thread(), "_args", ())  # _worker(i, module, input, ...)
+    replica = args[1] if len(args) > 1 and isinstance(args[1], nn.Module) else None
     me = threading.get_ident()
-    callers = []
-    for ident, frame in sys._current_frames().items():
-        f = frame
-        while f is not None and ident != me:
-            if f.f_code is apply_code:
-                callers.append(ident)
-                break
-            f = f.f_back
-    if len(callers) == 1:
-        return _THREADS.get(callers[0])
-    if callers:
-        warnings.warn(
-            "ampkit: several threads run torch.nn.parallel.parallel_apply (nn.DataParallel) at "
-            "once, so a replica thread cannot tell which caller's casting scopes to enter; "
-            "replicas run under the process-wide setting (ampkit.init) only. Run one "
-            "DataParallel forward at a time, or use DistributedDataParallel.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    others = [
+        rec for ident, ref in list(_THREADS.data.items()) if ident != me and (rec := ref()) is not None and not rec.replica
+    ]
+    holders = [rec for rec in others if replica is not None and _holds(rec.module_stack[-1:], replica)]
+    if len(holders) == 1:
+        return holders[0]
+    scoped = [rec for rec in others if rec.scopes]
+    if not holders and len(scoped) <= 1:
+        return scoped[0] if scoped else None
+    warnings.warn(
+        "ampkit: several threads could have started this torch.nn.parallel.parallel_apply "
+        "(nn.DataParallel) replica, so it cannot tell which caller's casting scopes to "
+        "enter; it runs under the process-wide setting (ampkit.init) only. Run one "
+        "DataParallel forward at a time, or use DistributedDataParallel.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return None
+
+
+def _is_replica_thread() -> bool:
+    """Whether this thread runs ``torch.nn.parallel.parallel_apply``'s worker."""
+    apply_module = sys.modules.get("torch.nn.parallel.parallel_apply")
+    worker_code = getattr(getattr(threading.current_thread(), "_target", None), "__code__", None)
+    apply_code = getattr(getattr(apply_module, "parallel_apply", None), "__code__", None)
+    return worker_code is not None and apply_code is not None and any(c is worker_code for c in apply_code.co_consts)
+
+
+def _holds(top: list[nn.Module], replica: nn.Module) -> bool:
+    """Whether the module call ``top`` (another thread's innermost, or none) runs
+    ``replica``: it is that module or a child of it, or a ``DataParallel`` replica of a
+    child (``replicate`` copies a module's ``__dict__``, hook dicts included)."""
+    if not top:
+        return False
+    hooks = replica.__dict__.get("_forward_pre_hooks")
+    for module in [top[0], *list(top[0]._modules.values())]:
+        if module is replica or (
+            getattr(replica, "_is_replica", False) and module is not None and module.__dict__.get("_forward_pre_hooks") is hooks
+        ):
+            return True
+    return False
 
 
 def _inherit_caller(state: _State, caller: _ThreadRecord) -> None:
