@@ -172,7 +172,7 @@ class StepGrads:
         if self._pending is not None:
             scaler = self._slots[self._pending].scaler
             if not self._fp16_warned and scaler.scale != 1.0:
-                self._warn_fp16(group_grads(self._grad_params()))
+                self._warn_fp16(self._grad_params())
             self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
             self._pending = None
         elif not self._segments:
@@ -188,8 +188,8 @@ class StepGrads:
         if found is not None:
             self._segments.append((None, found))
 
-    def _warn_fp16(self, groups: dict) -> None:
-        if any(dtype == torch.float16 for _, dtype in groups):
+    def _warn_fp16(self, params: Iterable[torch.Tensor]) -> None:
+        if any(g is not None and g.dtype == torch.float16 for g in (p.grad for p in params)):
             self._fp16_warned = True
             warnings.warn(
                 "ampkit: this optimizer holds float16 parameters; unscaling their grads in "
