@@ -1,8 +1,9 @@
 """DDP step time with 1 vs N processes per opt level, and the collectives ampkit adds.
 
-Each opt level trains the same MLP (Linear-BatchNorm-ReLU blocks) under
-DistributedDataParallel with a fixed per-process batch (weak scaling: N processes see
-N times the samples per step). Per level and process count the table gives the median
+Each opt level trains one of ``ampkit bench``'s workloads (``wide`` at size ``tiny`` by
+default: the parameter-heavy MLP, small enough for emulated bf16) under
+DistributedDataParallel with the workload's per-process batch (each rank its own: weak
+scaling, N processes see N times the samples per step). Per level and process count the table gives the median
 step time and samples/s; for N processes also the step time when the skip decision is
 all-reduced on every step (``set_sync(opt, "always")``), and how many all-reduces
 ampkit itself added per step:
@@ -14,7 +15,7 @@ Configurations run interleaved in blocks inside the same processes, so machine n
 hits them alike. On a machine with GPUs each process takes one GPU and NCCL; on CPU,
 gloo with one thread per process (two processes need two free cores).
 
-    python benchmarks/ddp.py [--nproc 2] [--steps 40] [--levels O0,O1,O2,O3,O2K]
+    python benchmarks/ddp.py [--nproc 2] [--steps 40] [--levels O0,O1,O2,O3,O2K] [--workload wide --size tiny]
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+
+from ampkit.bench.workloads import SIZES, WORKLOADS, make_workload
 
 LEVELS = ("off", "O0", "O1", "O2", "O3", "O2K")
 
@@ -45,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per block")
     p.add_argument("--blocks", type=int, default=4, help="interleaved blocks the steps are split in")
     p.add_argument("--levels", default=",".join(LEVELS), help="comma-separated; 'off' is fp32 without ampkit")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=128, help="per process")
+    p.add_argument("--workload", default="wide", choices=sorted(WORKLOADS), help="the ampkit bench workload")
+    p.add_argument("--size", default="tiny", choices=SIZES, help="its size (batch per process included)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="default: bf16 on CPU, fp16 on CUDA")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -76,15 +77,6 @@ class CountAllReduce:
         dist.all_reduce = self._orig
 
 
-def make_model(hidden: int) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
-        nn.Linear(hidden, 10),
-    )  # fmt: skip
-
-
 def worker(args: argparse.Namespace, out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -101,13 +93,13 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or "", None)
     dtype = dtype or (torch.float16 if cuda else torch.bfloat16)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, 256, generator=g).to(device)
-    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+    workload = make_workload(args.workload, args.size, device=device)
+    x, y = (t.to(device) for t in workload.example_batch(seed=rank))  # each rank its own batch
 
     def setup(level: str, register: bool, sync: str = "auto"):
         amp.reset()
-        model = make_model(args.hidden).to(device)
+        torch.manual_seed(0)
+        model = workload.build_model().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if level != "off":
             model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype)
@@ -123,7 +115,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x).float(), y)
+        loss = workload.loss(net(x), y)
         if level == "off":
             loss.backward()
         else:
@@ -160,7 +152,11 @@ def worker(args: argparse.Namespace, out: Path) -> None:
         }
     amp.reset()
     if rank == 0:
-        out.write_text(json.dumps({"world": world, "device": device.type, "dtype": str(dtype), "results": results}))
+        out.write_text(
+            json.dumps(
+                {"world": world, "device": device.type, "dtype": str(dtype), "batch": int(x.shape[0]), "results": results}
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -201,10 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         one = run(1, argv, Path(tmp))
         many = run(args.nproc, argv, Path(tmp))
         wall = time.perf_counter() - t0
-    n = args.nproc
+    n, batch = args.nproc, many["batch"]
     print(
-        f"DDP, {many['device']}, {many['dtype'].removeprefix('torch.')}, MLP hidden {args.hidden}, "
-        f"batch {args.batch} per process, median of {args.steps} steps ({wall:.0f} s in all)"
+        f"DDP, {many['device']}, {many['dtype'].removeprefix('torch.')}, {args.workload} ({args.size}), "
+        f"batch {batch} per process, median of {args.steps} steps ({wall:.0f} s in all)"
     )
     head = (
         f"{'level':6} {'1 proc ms':>10} {f'{n} procs ms':>11} {f'{n}p/1p':>7} {'samples/s 1p':>13} "
@@ -219,8 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         agree_ms = "-" if agree is None else f"{agree:.2f}"
         coll = "-" if level == "off" else f"{rn['registered']['collectives']} reg / {rn['unregistered']['collectives']} unreg"
         print(
-            f"{level:6} {t1:10.2f} {tn:11.2f} {tn / t1:7.2f} {1000 * args.batch / t1:13.0f} "
-            f"{1000 * n * args.batch / tn:13.0f} {agree_ms:>13} {coll:>17}"
+            f"{level:6} {t1:10.2f} {tn:11.2f} {tn / t1:7.2f} {1000 * batch / t1:13.0f} "
+            f"{1000 * n * batch / tn:13.0f} {agree_ms:>13} {coll:>17}"
         )
     print(
         "collectives/step: all-reduces ampkit adds to a step, with the DDP model registered "
