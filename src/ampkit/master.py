@@ -412,10 +412,7 @@ class MasterWeights:
                 continue
             g = model_p.grad
             link = self._link(model_p)
-            if link.viewing and link.is_shown(g) and link.holds(master.grad):
-                model_p.grad = None
-                link.show(None)  # the next show() makes the view again (no memory)
-                continue
+            # a grad view (model_grads="view") costs nothing: show() makes it again
             keep = (
                 g is not None
                 and g.device.type in KEEP_ASIDE_DEVICES
@@ -437,10 +434,7 @@ class MasterWeights:
         model_changed = link.model_changed(cur, g)
         master_changed = link.master_changed(g)
         if model_changed and master_changed:
-            if _cleared(cur) and _cleared(g):
-                master.grad = None if cur is None or g is None else g.zero_()
-            else:
-                raise AmpError(_BOTH_CHANGED)
+            _clear_both(master, cur, g)
         elif model_changed:
             with torch.no_grad():
                 if cur is None:
@@ -474,9 +468,7 @@ class MasterWeights:
             return
         link.viewing = link.viewable = False
         if not model_same and not master_same:
-            if not (_cleared(cur) and _cleared(g)):
-                raise AmpError(_BOTH_CHANGED)
-            master.grad = None if cur is None or g is None else g.zero_()
+            _clear_both(master, cur, g)
         elif not model_same:  # p.grad = None / replaced through the model
             with torch.no_grad():
                 master.grad = None if cur is None else cur.detach().to(torch.float32, copy=True)
@@ -596,13 +588,19 @@ class _BackwardParams:
 
 _COMPARE_CHUNK = 1 << 16
 
-_BOTH_CHANGED = (
-    "gradients were changed both through the model's 16-bit parameters and "
-    "through the optimizer's fp32 master parameters since the last backward, "
-    "in different ways; ampkit cannot tell which change the step should use. "
-    "Clip, edit or clear them through one of the two (model.parameters() or "
-    "ampkit.master_params(optimizer))."
-)
+def _clear_both(master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor | None) -> None:
+    """Grads changed through both the model (``cur``) and the master (``g``) since the
+    last backward: fine when both were cleared (the master's grad ends up cleared too),
+    an :class:`AmpError` otherwise (no telling which change the step should use)."""
+    if not (_cleared(cur) and _cleared(g)):
+        raise AmpError(
+            "gradients were changed both through the model's 16-bit parameters and "
+            "through the optimizer's fp32 master parameters since the last backward, "
+            "in different ways; ampkit cannot tell which change the step should use. "
+            "Clip, edit or clear them through one of the two (model.parameters() or "
+            "ampkit.master_params(optimizer))."
+        )
+    master.grad = None if cur is None or g is None else g.zero_()
 
 
 def _high_halves(g: torch.Tensor) -> torch.Tensor:
