@@ -51,3 +51,27 @@ def test_exact_step_bytes_per_parameter_on_the_wide_workload(tmp_path):
     assert rows["O2K"]["opt_step_bytes_per_param"] == pytest.approx(10.0, abs=0.005)
     assert rows["O2K"]["opt_step_extra_bytes_per_param"] < 0.005  # nothing full-size allocated
     assert "[ok] wide: O2K opt.step peak <= 10 B/param" in proc.stdout
+
+
+def test_profiler_noise_is_held_back_and_other_native_stderr_passes(capfd):
+    """The memory meter's profiler run keeps torch's native start/stop and allocator
+    lines out of the user's terminal; anything else written to fd 2 still reaches it."""
+    import os
+
+    import torch
+
+    from ampkit.bench.memory import PeakMeter, native_profiler_quiet
+
+    with native_profiler_quiet():
+        os.write(2, b"USDT:2026 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"[W CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started\n")
+        os.write(2, b"a real error line\n")
+    meter = PeakMeter(torch.device("cpu"))
+    with meter.profiling():
+        with meter.window():
+            torch.ones(1024).sum()
+    err = capfd.readouterr().err
+    assert "a real error line" in err
+    assert "profiler_start" not in err and "profiler_stop" not in err
+    assert "CPUAllocator" not in err
+    assert meter.extra >= 4096  # the ones(1024) tensor was recorded

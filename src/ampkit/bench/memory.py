@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import re
+import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,6 +39,7 @@ __all__ = [
     "SavedActivations",
     "allocation_peak",
     "live_tensor_bytes",
+    "native_profiler_quiet",
     "PeakMeter",
     "param_and_state_bytes",
     "storage_ptrs",
@@ -143,6 +148,45 @@ def allocation_peak(prof: Any, window: str | None = None) -> int:
     return peak
 
 
+# What torch's profiler writes from C++ straight to the process's stderr while it
+# records memory: kineto's start/stop trace lines and the CPU allocator's note on
+# blocks allocated before profiling began. Neither is about the user's run.
+_PROFILER_NOISE = re.compile(
+    r"SyncActivityProfilerHandler\.cpp.*profiler_(start|stop)"
+    r"|CPUAllocator\.cpp.*\]|Memory block of unknown size was allocated before the profiling"
+)
+
+
+@contextlib.contextmanager
+def native_profiler_quiet() -> Iterator[None]:
+    """Hold back the profiler's own native stderr lines (:data:`_PROFILER_NOISE`)
+    written inside the block; every other line written to file descriptor 2 there
+    is passed on to ``sys.stderr`` when the block ends, in order."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (an embedded interpreter)
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [
+                line
+                for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                if not _PROFILER_NOISE.search(line)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 class PeakMeter:
     """Exact peak tensor bytes of a stretch of code on ``device`` (CPU)::
 
@@ -172,7 +216,7 @@ class PeakMeter:
 
     @contextlib.contextmanager
     def profiling(self) -> Iterator[PeakMeter]:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with native_profiler_quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             yield self
         self.extra = allocation_peak(prof, self.WINDOW)
 
