@@ -21,7 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit as amp
 from ampkit.bench.inference import train_checkpoint
-from ampkit.convert import Budget, ConversionError, output_error, run_batch
+from ampkit.convert import (
+    Budget,
+    ConversionError,
+    NonFiniteError,
+    OutputError,
+    output_error,
+    run_batch,
+)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -391,8 +398,10 @@ def test_budget_keeps_a_layer_whose_activations_overflow_fp16():
     torch.manual_seed(0)
     model = Loud().eval()
     calib = [torch.randn(4, 8, generator=torch.Generator().manual_seed(3))]
-    plain = amp.convert(model, dtype=FP16, calib=calib)
+    with pytest.warns(UserWarning, match="NaN/inf value"):
+        plain = amp.convert(model, dtype=FP16, calib=calib)
     assert math.isinf(plain.ampkit_report.error.rel_error)  # inf in the fp16 model
+    assert plain.ampkit_report.error.nonfinite > 0
     conv = amp.convert(model, dtype=FP16, calib=calib, budget=Budget(max_rel_error=0.02, min_top1_agreement=1.0))
     assert conv.ampkit_report.kept_for_budget == ["amp"]
     assert math.isinf(conv.ampkit_report.decision("amp").isolated_error)
@@ -406,6 +415,99 @@ def test_budget_that_cannot_be_met_raises():
         amp.convert(model, calib=_calib(1), budget=0.03, candidates=["fc1", "head"])
     with pytest.raises(ConversionError, match="matches no module"):
         amp.convert(model, calib=_calib(1), budget=0.03, candidates=["shiftt"])
+
+
+# ---------------------------------------------------------------------------
+# non-finite weights and outputs
+# ---------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_with_or_without_calib(value):
+    model = _mlp()
+    with torch.no_grad():
+        model[0].weight[0, 0] = value
+    before = _state(model)
+    for kwargs in ({}, {"calib": _calib(1, 8)}, {"calib": _calib(1, 8), "budget": 1e-2}):
+        with pytest.raises(NonFiniteError, match=r"0\.weight \(1 of 128\)"):
+            amp.convert(model, **kwargs)
+    after = model.state_dict()
+    assert all(torch.equal(before[k].view(torch.int32), after[k].view(torch.int32)) for k in before)  # bitwise
+
+
+def test_nan_buffer_and_nan_checkpoint_weights_are_refused_an_inf_mask_is_not():
+    bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).eval()
+    bn[1].running_var[3] = float("nan")
+    with pytest.raises(NonFiniteError, match="1.running_var"):
+        amp.convert(bn, fold_bn=False)
+    model = _mlp()
+    ckpt = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt["2.bias"][1] = float("nan")
+    with pytest.raises(NonFiniteError, match="checkpoint's weights.*2.bias"):
+        amp.convert(_mlp(), checkpoint=ckpt)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.register_buffer("mask", torch.tensor([0.0, 0.0, float("-inf"), 0.0]))
+
+        def forward(self, x):
+            return self.fc(x) + self.mask
+
+    torch.manual_seed(0)
+    conv = amp.convert(Masked().eval(), calib=_calib(1, 8), budget=0.02)
+    err = conv.ampkit_report.error
+    assert err.nonfinite == 0 and err.rel_error < 0.02  # the reference's own -inf, matched exactly
+    assert torch.isneginf(conv(_calib(1, 8)[0])[:, 2]).all()
+
+
+class MakesNaN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x).log()  # NaN for negative logits, in fp32 too
+
+
+def test_nan_in_the_fp32_reference_outputs_is_refused():
+    torch.manual_seed(0)
+    for kwargs in ({}, {"budget": 1e-2}, {"budget": Budget(min_top1_agreement=0.5)}):
+        with pytest.raises(NonFiniteError, match="reference outputs of batch 0 hold"):
+            amp.convert(MakesNaN().eval(), calib=_calib(2, 8), **kwargs)
+
+
+def test_non_finite_outputs_fail_every_budget_and_never_measure_as_zero_error():
+    ref = [torch.tensor([[1.0, 2.0, 0.5], [3.0, 1.0, 0.0]])]
+    nan_row = [torch.tensor([[1.0, 2.0, 0.5], [float("nan"), 1.0, 0.0]])]
+    err = output_error(ref, nan_row)
+    assert err.nonfinite == 1 and math.isinf(err.rel_error) and math.isinf(err.max_abs_error)
+    assert err.top1_agreement == 0.5  # the row holding a NaN does not agree
+    assert "1 non-finite output" in str(err)
+    for budget in (Budget(max_rel_error=1e9), Budget(max_abs_error=1e9), Budget(min_top1_agreement=0.0)):
+        assert not budget.met_by(err)
+    inf_out = output_error(ref, [torch.tensor([[1.0, float("inf"), 0.5], [3.0, 1.0, 0.0]])])
+    assert inf_out.nonfinite == 1 and not Budget(min_top1_agreement=0.0).met_by(inf_out)
+    # a NaN measure (an OutputError built by hand) fails too
+    assert not Budget(min_top1_agreement=0.0).met_by(OutputError(math.nan, 0.0, 1.0, 1))
+    assert not Budget(min_top1_agreement=0.5).met_by(OutputError(0.0, 0.0, math.nan, 1))
+    with pytest.raises(NonFiniteError, match="NaN"):
+        output_error(nan_row, ref)
+    both_inf = [torch.tensor([[float("-inf"), 2.0]])]
+    assert output_error(both_inf, both_inf) == OutputError(0.0, 0.0, 1.0, 1, 0)
+
+
+def test_calibration_batches_the_model_cannot_run_raise_conversion_error():
+    model = _mlp()
+    for calib, found in (([torch.randn(4, 5)], r"batch 0 \(tensor \[4, 5\] fp32\)"),
+                         ([torch.randn(2, 8), (torch.randn(2, 8), torch.randn(2, 8))], "batch 1")):
+        with pytest.raises(ConversionError, match=found) as info:
+            amp.convert(model, calib=calib)
+        assert "RuntimeError" in str(info.value) or "TypeError" in str(info.value)
 
 
 # ---------------------------------------------------------------------------
@@ -745,3 +847,29 @@ def test_cli_converts_exports_and_prints_the_table(cli_files, capsys, tmp_path):
     x = torch.randn(3, 1, 16, 16)
     assert program.module()(x).shape == (3, 10)
     assert run_batch(program.module(), x).dtype == FP32
+
+
+def test_cli_refuses_nan_weights_and_fails_on_nan_outputs(capsys, tmp_path):
+    (tmp_path / "f.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def model():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+        "def loud():\n    m = model()\n    with torch.no_grad():\n        m[0].weight.mul_(1e6)\n    return m\n"
+        "def calib():\n    return [torch.randn(4, 8, generator=torch.Generator().manual_seed(3))]\n"
+    )
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("f", tmp_path / "f.py")
+    f = module_from_spec(spec)
+    spec.loader.exec_module(f)
+    bad = f.model().state_dict()
+    bad["0.weight"][2, 2] = float("nan")
+    torch.save(bad, tmp_path / "nan.pt")
+    torch.save(f.loud().state_dict(), tmp_path / "loud.pt")
+    base = ["--calib", f"{tmp_path}/f.py:calib", "--rounds", "1"]
+    code, out, err = _cli(["convert", str(tmp_path / "nan.pt"), "--model", f"{tmp_path}/f.py:model", *base], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "NaN/inf values: 0.weight" in err, err
+    code, out, err = _cli(
+        ["convert", str(tmp_path / "loud.pt"), "--model", f"{tmp_path}/f.py:model", "--dtype", "fp16", *base], capsys
+    )
+    assert code == 1, (out, err)
+    assert "non-finite output(s)" in out and "ampkit convert: the converted model outputs" in err.splitlines()[-1]

@@ -116,3 +116,7 @@ __all__ += ["distributed"]
 from .doctor import DoctorReport, doctor  # noqa: E402  (ampkit.doctor is the function)
 
 __all__ += ["DoctorReport", "doctor"]
+# --- torch.load(f) (weights_only=True) of a model carrying ampkit's objects ---
+from . import _safe_globals  # noqa: E402
+
+_safe_globals.register()

@@ -65,7 +65,7 @@ from torch import nn
 from . import _reset
 from ._dtypes import LOW_PRECISION
 from .errors import AmpError
-from .model import cast_tensors, is_norm_layer
+from .model import CastInputs, CastOutputs, cast_tensors, is_norm_layer
 from .policy import Policy
 
 __all__ = [
@@ -74,6 +74,7 @@ __all__ = [
     "ConversionReport",
     "FoldRecord",
     "ModuleDecision",
+    "NonFiniteError",
     "OutputError",
     "convert",
     "fp32_weights",
@@ -92,6 +93,12 @@ class ConversionError(AmpError, ValueError):
     not fit the model, or an accuracy budget no choice of fp32 modules meets."""
 
 
+class NonFiniteError(ConversionError):
+    """The model to convert holds NaN/inf weights, or the fp32 model's own outputs
+    on the calibration batches are NaN: a conversion can neither be built from it nor
+    measured against it."""
+
+
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "-" if dtype is None else _NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
@@ -105,23 +112,31 @@ class OutputError:
 
     Attributes:
         rel_error: ``||y - y_ref||_2 / ||y_ref||_2`` over every floating output
-            element of every batch (``inf`` if the model produced a non-finite value
-            where the reference did not).
-        max_abs_error: largest ``|y - y_ref|``.
+            element of every batch (``inf`` if any output element is non-finite where
+            the reference's is not the same infinity).
+        max_abs_error: largest ``|y - y_ref|`` (``inf`` likewise).
         top1_agreement: fraction of positions where ``argmax(-1)`` of the outputs
-            equals the reference's (outputs with at least 2 dimensions), or None
-            when no output has a class dimension.
+            equals the reference's (outputs with at least 2 dimensions; a position
+            whose outputs hold a NaN never agrees), or None when no output has a
+            class dimension.
         batches: how many batches were compared.
+        nonfinite: output elements that are NaN or inf where the reference's is not
+            that same infinity. A reference infinity matched exactly (a masked logit)
+            counts as no error; a NaN in the reference is refused
+            (:class:`NonFiniteError`). Any non-finite element fails every
+            :class:`Budget`.
     """
 
     rel_error: float
     max_abs_error: float
     top1_agreement: float | None
     batches: int
+    nonfinite: int = 0
 
     def __str__(self) -> str:
         top1 = "-" if self.top1_agreement is None else f"{self.top1_agreement:.2%}"
-        return f"rel error {self.rel_error:.3g}, max abs error {self.max_abs_error:.3g}, top-1 agreement {top1}"
+        line = f"rel error {self.rel_error:.3g}, max abs error {self.max_abs_error:.3g}, top-1 agreement {top1}"
+        return line + (f", {self.nonfinite} non-finite output(s)" if self.nonfinite else "")
 
 
 def _floating_leaves(obj: Any) -> list[torch.Tensor]:
@@ -143,7 +158,7 @@ class _ErrorAccumulator:
         self.agree = 0
         self.positions = 0
         self.batches = 0
-        self.nonfinite = False
+        self.nonfinite = 0
 
     def add(self, reference: Any, output: Any) -> None:
         refs, outs = _floating_leaves(reference), _floating_leaves(output)
@@ -152,30 +167,41 @@ class _ErrorAccumulator:
                 "the converted model's outputs do not have the fp32 model's structure "
                 f"({[tuple(r.shape) for r in refs]} vs {[tuple(o.shape) for o in outs]})."
             )
+        batch = self.batches
         self.batches += 1
         for r, o in zip(refs, outs):
             r64, o64 = r.detach().double(), o.detach().double()
-            bad = ~torch.isfinite(o64) & torch.isfinite(r64)
-            if bool(bad.any()):
-                self.nonfinite = True
+            nan_ref = int(torch.isnan(r64).sum())
+            if nan_ref:
+                raise NonFiniteError(
+                    f"the reference outputs of batch {batch} hold {nan_ref} NaN value(s) (of "
+                    f"{r64.numel()}): nothing can be measured against them. Find where the fp32 model "
+                    "makes NaN (ampkit.doctor, torch.autograd.detect_anomaly) or calibrate on batches "
+                    "where its outputs are finite."
+                )
             both = torch.isfinite(o64) & torch.isfinite(r64)
+            # non-finite anywhere counts unless it is the reference's own infinity, exactly
+            self.nonfinite += int((~both & (o64 != r64)).sum())
             diff = torch.where(both, o64 - r64, torch.zeros_like(r64))
             self.diff_sq += float(diff.pow(2).sum())
             self.ref_sq += float(torch.where(both, r64, torch.zeros_like(r64)).pow(2).sum())
             if diff.numel():
-                self.max_abs = max(self.max_abs, float(diff.abs().max()))
+                worst = float(diff.abs().max())
+                if not worst <= self.max_abs:  # NaN-propagating max
+                    self.max_abs = worst
             if r.dim() >= 2 and r.shape[-1] > 1:
-                self.agree += int((r.argmax(-1) == o.argmax(-1)).sum())
+                agree = (r.argmax(-1) == o.argmax(-1)) & ~torch.isnan(o).any(-1)
+                self.agree += int(agree.sum())
                 self.positions += r[..., 0].numel()
 
     def result(self) -> OutputError:
         if self.nonfinite:
-            return OutputError(math.inf, math.inf, self._top1(), self.batches)
+            return OutputError(math.inf, math.inf, self._top1(), self.batches, self.nonfinite)
         if self.ref_sq == 0.0:
             rel = 0.0 if self.diff_sq == 0.0 else math.inf
         else:
             rel = math.sqrt(self.diff_sq / self.ref_sq)
-        return OutputError(rel, self.max_abs, self._top1(), self.batches)
+        return OutputError(rel, self.max_abs, self._top1(), self.batches, 0)
 
     def _top1(self) -> float | None:
         return self.agree / self.positions if self.positions else None
@@ -183,7 +209,9 @@ class _ErrorAccumulator:
 
 def output_error(reference: Sequence[Any], outputs: Sequence[Any]) -> OutputError:
     """Compare per-batch outputs (tensors or nested tuples/lists/dicts of them) of a
-    model against a reference's: relative and max abs error, top-1 agreement."""
+    model against a reference's: relative and max abs error, top-1 agreement, the
+    count of non-finite outputs. Raises :class:`NonFiniteError` when the reference
+    holds a NaN."""
     if len(reference) != len(outputs):
         raise ConversionError(f"{len(outputs)} output batches against {len(reference)} reference batches.")
     acc = _ErrorAccumulator()
@@ -223,15 +251,17 @@ class Budget:
             raise ConversionError(f"Budget.min_top1_agreement must be a fraction in [0, 1], got {v!r}.")
 
     def met_by(self, err: OutputError) -> bool:
-        """Whether ``err`` is within every limit of this budget."""
+        """Whether ``err`` is within every limit of this budget. Any non-finite output
+        (``err.nonfinite``) fails it, whichever limits it sets; so does a NaN measure."""
+        if err.nonfinite or any(math.isnan(v) for v in (err.rel_error, err.max_abs_error)):
+            return False
         if self.max_rel_error is not None and not err.rel_error <= self.max_rel_error:
             return False
         if self.max_abs_error is not None and not err.max_abs_error <= self.max_abs_error:
             return False
         if self.min_top1_agreement is not None:
-            if err.top1_agreement is None:
-                return False
-            if err.top1_agreement < self.min_top1_agreement:
+            top1 = err.top1_agreement
+            if top1 is None or not top1 >= self.min_top1_agreement:
                 return False
         return True
 
@@ -575,14 +605,49 @@ def _checked_name(
 # ---------------------------------------------------------------------------
 # Copies, hooks
 # ---------------------------------------------------------------------------
+# Every hook convert installs is an instance of a plain ampkit class (never a
+# functools.partial or a bound method), so a converted model loads with torch.load's
+# defaults: see ampkit._safe_globals.
+class _BoundaryInputs(CastInputs):
+    """Forward pre-hook (with kwargs) of a converted module: cast its floating inputs
+    to the dtype its weights are stored in."""
+
+
+class _BoundaryOutputs(CastOutputs):
+    """Forward hook of a converted module (or model): cast its floating outputs of the
+    dtypes in ``only`` to ``dtype``."""
+
+
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # the hook of models converted by ampkit 0.2 (pickled as functools.partial of it)
     return cast_tensors(args, dtype), cast_tensors(kwargs, dtype)
 
 
 def _cast_outputs(
     dtype: torch.dtype, only: tuple[torch.dtype, ...], module: nn.Module, args: tuple, output: Any
 ) -> Any:
+    # the hook of models converted by ampkit 0.2 (pickled as functools.partial of it)
     return cast_tensors(output, dtype, only)
+
+
+class _IslandEnter:
+    """Forward pre-hook of a norm layer kept in fp32: :meth:`_Fp32Island.pre`."""
+
+    def __init__(self, island: _Fp32Island) -> None:
+        self.island = island
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.island.pre(module, args, kwargs)
+
+
+class _IslandExit:
+    """Forward hook (always called) of a norm layer kept in fp32: :meth:`_Fp32Island.post`."""
+
+    def __init__(self, island: _Fp32Island) -> None:
+        self.island = island
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.island.post(module, args, output)
 
 
 class _Fp32Island:
@@ -619,6 +684,9 @@ class _Fp32Island:
 
 
 def _is_convert_hook(fn: Any) -> bool:
+    if isinstance(fn, (_BoundaryInputs, _BoundaryOutputs, _IslandEnter, _IslandExit)):
+        return True
+    # hooks of models converted by ampkit 0.2 and loaded with weights_only=False
     return (isinstance(fn, functools.partial) and fn.func in (_cast_inputs, _cast_outputs)) or isinstance(
         getattr(fn, "__self__", None), _Fp32Island
     )
@@ -748,9 +816,51 @@ def _outputs(model: nn.Module, calib: Sequence[Any], device_type: str) -> list[A
 
     outs = []
     with torch.inference_mode(), autocast(enabled=False, device_type=device_type):
-        for batch in calib:
-            outs.append(_detach(run_batch(model, batch)))
+        for i, batch in enumerate(calib):
+            try:
+                outs.append(_detach(run_batch(model, batch)))
+            except AmpError:
+                raise
+            except Exception as exc:  # the model's own error on this input: say which batch
+                text = str(exc).strip().splitlines()
+                raise ConversionError(
+                    f"calibration batch {i} ({_describe(batch)}) does not run through the model: "
+                    f"{type(exc).__name__}: {text[0] if text else ''}. Give batches the model takes, "
+                    "as model(batch), model(*batch) or model(**batch) would."
+                ) from exc
     return outs
+
+
+def _describe(batch: Any) -> str:
+    """A short description of a batch: tensor shapes and dtypes."""
+    if isinstance(batch, torch.Tensor):
+        return f"tensor {list(batch.shape)} {_dtype_name(batch.dtype)}"
+    if isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in list(batch.items())[:4]) + "}"
+    if isinstance(batch, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in list(batch)[:4]) + ")"
+    return type(batch).__name__
+
+
+def _check_finite_weights(model: nn.Module, whose: str) -> None:
+    """Raise :class:`NonFiniteError` for a parameter holding NaN/inf or a buffer
+    holding NaN (an infinite buffer is a mask or a bound, not a broken weight)."""
+    bad = [
+        (name, int((~torch.isfinite(t)).sum()), t.numel())
+        for name, t in model.named_parameters()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ] + [
+        (name, int(torch.isnan(t).sum()), t.numel())
+        for name, t in model.named_buffers()
+        if t is not None and t.is_floating_point() and bool(torch.isnan(t).any())
+    ]
+    if bad:
+        listed = ", ".join(f"{name} ({n} of {total})" for name, n, total in bad[:4])
+        more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+        raise NonFiniteError(
+            f"{whose} weights hold NaN/inf values: {listed}{more}. A converted model would "
+            "output NaN; convert the last checkpoint whose weights are finite."
+        )
 
 
 def _detach(obj: Any) -> Any:
@@ -998,17 +1108,17 @@ def _build(ref: nn.Module, plan: _Plan, output_dtype: torch.dtype | None) -> nn.
         if boundary and d == torch.float32 and plan.reason[name] == "norm layer":
             # fp32 inside, the dtype it was given outside (a normalized output is bounded)
             island = _Fp32Island()
-            m.register_forward_pre_hook(island.pre, with_kwargs=True)
-            m.register_forward_hook(island.post, always_call=True)
+            m.register_forward_pre_hook(_IslandEnter(island), with_kwargs=True)
+            m.register_forward_hook(_IslandExit(island), always_call=True)
             continue
         if _owns_weights(m) or boundary:
-            m.register_forward_pre_hook(functools.partial(_cast_inputs, d), with_kwargs=True)
+            m.register_forward_pre_hook(_BoundaryInputs(d), with_kwargs=True)
         if boundary and d != torch.float32:
             # a 16-bit module inside an fp32 (or other 16-bit) region: widen back
-            m.register_forward_hook(functools.partial(_cast_outputs, parent_d, (d,)))
+            m.register_forward_hook(_BoundaryOutputs(parent_d, (d,)))
     if output_dtype is not None:
         only = tuple(t for t in LOW_PRECISION if t != output_dtype)
-        model.register_forward_hook(functools.partial(_cast_outputs, output_dtype, only))
+        model.register_forward_hook(_BoundaryOutputs(output_dtype, only))
     model.eval()
     return model
 
@@ -1170,7 +1280,16 @@ def convert(
 
     Raises:
         ConversionError: bad arguments (checked before anything is built), a
-            checkpoint that does not fit, or a budget that cannot be met.
+            checkpoint that does not fit, calibration batches the model cannot run,
+            or a budget that cannot be met.
+        NonFiniteError: a NaN/inf parameter, a NaN buffer (infinite buffers such as
+            attention masks are allowed), or NaN in the fp32 model's outputs on
+            ``calib``.
+
+    Warns:
+        UserWarning: without a budget, when the converted model's outputs on
+            ``calib`` are non-finite where fp32's are not (the report's
+            ``error.nonfinite``).
     """
     from ._dtypes import default_dtype
     from .policy import check_compute_dtype
@@ -1205,6 +1324,7 @@ def convert(
     ref = _fp32_copy(model)
     if checkpoint is not None:
         load_fp32_checkpoint(ref, checkpoint, param_names)
+    _check_finite_weights(ref, "the checkpoint's" if checkpoint is not None else "the model's")
 
     def make_plan(target: nn.Module, forced: Mapping[str, tuple[torch.dtype, str]] | None = None) -> _Plan:
         return _plan(target, dtype, policy, keep, keep_norm_fp32, forced)
@@ -1241,6 +1361,14 @@ def convert(
         assert reference is not None
         error = output_error(reference, _outputs(converted, calib_list, device_type))
         evaluations += 1
+        if error.nonfinite and budget is None:
+            warnings.warn(
+                f"ampkit.convert: the converted model's outputs on the calibration batches hold "
+                f"{error.nonfinite} NaN/inf value(s) where the fp32 model's are finite (a 16-bit "
+                "overflow); keep the module that overflows in fp32 (keep_fp32=[...]) or pass a "
+                "budget so that convert finds it.",
+                stacklevel=2,
+            )
     converted.ampkit_report = ConversionReport(
         dtype=dtype,
         output_dtype=output_dtype,
@@ -1267,7 +1395,11 @@ def iter_boundary_modules(model: nn.Module) -> Iterator[tuple[str, torch.dtype]]
     """(name, dtype) of each module of a converted model that casts its inputs."""
     for name, m in model.named_modules():
         for fn in m._forward_pre_hooks.values():
-            if isinstance(fn, functools.partial) and fn.func is _cast_inputs:
+            if isinstance(fn, _BoundaryInputs):
+                yield name, fn.dtype
+            elif isinstance(fn, _IslandEnter):
+                yield name, torch.float32
+            elif isinstance(fn, functools.partial) and fn.func is _cast_inputs:  # ampkit 0.2
                 yield name, fn.args[0]
-            elif isinstance(getattr(fn, "__self__", None), _Fp32Island):
+            elif isinstance(getattr(fn, "__self__", None), _Fp32Island):  # ampkit 0.2
                 yield name, torch.float32

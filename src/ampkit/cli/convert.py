@@ -3,8 +3,10 @@ checkpoint into an inference model, optionally export it to ONNX, and print a ta
 weight size, latency (PyTorch and onnxruntime, fp32 vs converted) and error against fp32.
 
 Bad input (a file that is not there, a factory that cannot be imported or does not
-build a module, a checkpoint that does not fit it, an unmeetable budget, a missing
-extra) prints one line and exits with code 2.
+build a module, a checkpoint that does not fit it or holds NaN/inf weights, calibration
+batches the model cannot run or on which its fp32 outputs are NaN, an unmeetable
+budget, a missing extra) prints one line and exits with code 2. A converted model whose
+outputs are NaN/inf where fp32's are finite prints the report and one line, exit code 1.
 """
 
 from __future__ import annotations
@@ -193,6 +195,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"ampkit convert: {line}") from None
     report = converted.ampkit_report
     print(report)
+    if report.error is not None and report.error.nonfinite:
+        print(f"ampkit convert: the converted model outputs {report.error.nonfinite} NaN/inf value(s) on the "
+              "calibration batches where fp32's are finite; keep the overflowing module in fp32 "
+              "(--keep-fp32) or give a budget (--budget, --min-agreement)", file=sys.stderr)
+        return 1
 
     example = batches[0]
     with torch.inference_mode():

@@ -698,3 +698,7 @@ del _name
 amp._amp_state = _amp_state  # type: ignore[attr-defined]
 # `from ampkit.compat.apex.amp import _amp_state` (apex: `from apex.amp import _amp_state`)
 sys.modules.setdefault(amp.__name__, amp)
+# a model saved whole with Fp32StateDict hooks loads with torch.load's defaults
+from .._safe_globals import register as _register_safe_globals  # noqa: E402
+
+_register_safe_globals([__name__])

@@ -1,0 +1,84 @@
+"""``torch.load`` with its defaults and the objects ampkit puts into a model.
+
+Since torch 2.6 ``torch.load(f)`` unpickles with ``weights_only=True``: only tensors,
+plain containers and the classes on torch's allowlist may appear in the file. A whole
+model saved with ``torch.save(model)`` after ampkit touched it also holds ampkit's
+objects: the cast hooks of O2/O3/O2K, the fp8 linear and its scale state, the hooks and
+report of a converted model. :func:`register` (run when ``ampkit`` is imported) adds
+exactly those classes to torch's allowlist (``torch.serialization.add_safe_globals``),
+so such a model loads with plain ``torch.load(f)`` whenever the same model would at
+fp32.
+
+What the user still does, as at fp32:
+
+* allow the model's own classes (``nn.Sequential``, ``nn.Linear``, their ``nn.Module``
+  subclass) with ``torch.serialization.add_safe_globals([...])`` or
+  ``torch.serialization.safe_globals([...])``; torch allows no ``nn.Module`` by
+  default, and ampkit does not allow classes that are not its own;
+* ``import ampkit`` before ``torch.load``: the weights-only unpickler never imports a
+  module, so in a process without ampkit imported the load fails naming an ampkit
+  class (``Unsupported global: GLOBAL ampkit.model.CastInputs``).
+
+Why these are safe to allow: the weights-only unpickler may create an allowed class
+(``cls.__new__`` / ``cls(*args)``) and set its attributes (``__setstate__`` or
+``__dict__.update``) from data in the file, nothing else. Each class here only stores
+what it is given and, when the model runs, uses it as dtypes, strings, numbers and
+tensors (casts, scales, messages); none calls, imports or looks up anything named by
+its state. No function, ``functools.partial`` or bound method is on the list: ampkit's
+hooks are instances of these classes for that reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["ON_THEIR_IMPORT", "SAFE_GLOBALS", "register", "safe_classes"]
+
+#: module -> the names of its classes that ampkit puts into a model.
+SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
+    # hooks of cast_model (O2, O3, O2K) and of initialize's O2 masters and guards
+    "ampkit.model": ("CastInputs", "CastOutputs", "OpCastingEnter", "OpCastingExit"),
+    "ampkit.levels": ("ResyncMasters",),
+    "ampkit.grads": ("WatchDDP",),
+    "ampkit.distributed": ("FSDPGuard",),
+    # initialize(..., fp8=...): the switched class and its scale state
+    "ampkit.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
+    # convert(): boundary hooks and the report kept as model.ampkit_report
+    "ampkit.convert": (
+        "_BoundaryInputs",
+        "_BoundaryOutputs",
+        "_IslandEnter",
+        "_IslandExit",
+        "_Fp32Island",
+        "ConversionReport",
+        "ModuleDecision",
+        "FoldRecord",
+        "Budget",
+        "OutputError",
+    ),
+    # apex's O2 state-dict hook (registered when ampkit.compat.apex is imported)
+    "ampkit.compat.apex": ("Fp32StateDict",),
+}
+#: Modules whose classes are allowed when they themselves are imported (importing
+#: them does more than define classes).
+ON_THEIR_IMPORT = frozenset({"ampkit.compat.apex"})
+
+
+def safe_classes(modules: Iterable[str] | None = None) -> list[type]:
+    """The classes :data:`SAFE_GLOBALS` lists for ``modules`` (default: every module
+    but those of :data:`ON_THEIR_IMPORT`), imported."""
+    names = [m for m in SAFE_GLOBALS if m not in ON_THEIR_IMPORT] if modules is None else list(modules)
+    out = []
+    for module_name in names:
+        module = importlib.import_module(module_name)
+        out.extend(getattr(module, name) for name in SAFE_GLOBALS[module_name])
+    return out
+
+
+def register(modules: Iterable[str] | None = None) -> None:
+    """Add the classes of ``modules`` (see :func:`safe_classes`) to ``torch.load``'s
+    weights-only allowlist (idempotent)."""
+    torch.serialization.add_safe_globals(safe_classes(modules))
