@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import platform
 import statistics
 import time
 from typing import Any
@@ -43,20 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
+from ampkit.bench.machine import device_name
 from ampkit.bench.memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
 from ampkit.bench.workloads import CharTransformer
 
 VOCAB = 256
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def run_mode(mode: str, base: nn.Module, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -130,7 +120,7 @@ def main() -> None:
     torch.manual_seed(0)
     heads = max(1, args.d_model // 128)
     base = CharTransformer(VOCAB, args.d_model, args.layers, heads, args.seq)  # the lm workload's model, wider
-    where = torch.cuda.get_device_name(device) if cuda else f"{cpu_name()}, {args.threads} thread(s)"
+    where = torch.cuda.get_device_name(device) if cuda else f"{device_name('cpu')}, {args.threads} thread(s)"
     params = sum(p.numel() for p in base.parameters())
     print(f"fp8 benchmark on {where}; torch {torch.__version__}")
     print(f"model: d_model {args.d_model}, {args.layers} block(s), {params / 1e6:.0f}M params; batch {args.batch} x "

@@ -40,7 +40,10 @@ Each round every arm runs ``--steps`` steps in turn (the starting arm rotates);
 reported: the minimum ms/step over all rounds (least disturbed by other load on
 a shared machine) and the median, and the ratios of the minimum to ``bf16`` and
 ``bf16+fused``. One torch thread per process. Checks printed at the end (on
-``wide``): O2 <= 1.15x bf16, O2K <= 1.10x bf16, O1 <= torch-autocast.
+``wide``): O2 <= 1.15x bf16 and bf16+fused, O2K <= 1.10x bf16 and 1.05x bf16+fused,
+O1 <= torch-autocast and 1.02x autocast+fused. ``--json FILE`` writes all of it
+(machine: CPU, its bf16 flags, torch, date, command; per-arm times with min and
+median; ratios; checks) for the docs' tables.
 
     python benchmarks/step_limit.py                     # all workloads (~3-6 min)
     python benchmarks/step_limit.py --workloads wide --rounds 3
@@ -78,6 +81,10 @@ WORKLOADS = ("wide", "cnn", "lm")
 WARMUP_STEPS = 2
 # Targets of the wide workload (step time over the bf16 arm's).
 TARGETS = {"ampkit-O2": 1.15, "ampkit-O2-view": 1.15, "ampkit-O2K": 1.10}
+# Targets against torch's fastest 16-bit step (bf16 model + AdamW(fused=True)), and
+# ampkit O1 against torch.autocast with the same fused kernel.
+FUSED_TARGETS = {"ampkit-O2": 1.15, "ampkit-O2-view": 1.15, "ampkit-O2K": 1.05}
+O1_FUSED_TARGET = 1.02
 
 
 # --- the worker --------------------------------------------------------------------------
@@ -227,30 +234,42 @@ def _table(workload: str, phase: str, rows: dict, description: str) -> list[str]
         f"{workload} [{phase}]: {description}",
         f"  {'arm':<16} {'min ms':>9} {'median ms':>10} {'/ bf16':>8} {'/ bf16+fused':>13}",
     ]
-    limit = rows.get("bf16", {}).get("min")
-    kernel = rows.get("bf16+fused", {}).get("min")
     for arm, row in rows.items():
         if "error" in row:
             lines.append(f"  {arm:<16} error: {row['error']}")
             continue
-        r1 = f"{row['min'] / limit:.2f}" if limit else "-"
-        r2 = f"{row['min'] / kernel:.2f}" if kernel else "-"
+        r1, r2 = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("vs_bf16", "vs_bf16_fused"))
         lines.append(f"  {arm:<16} {row['min']:>9.1f} {row['median']:>10.1f} {r1:>8} {r2:>13}")
     return lines
 
 
-def _checks(workload: str, phase: str, rows: dict) -> list[tuple[str, bool, str]]:
-    out: list[tuple[str, bool, str]] = []
-    limit = rows.get("bf16", {}).get("min")
-    for arm, target in TARGETS.items():
-        if limit and "min" in rows.get(arm, {}):
-            ratio = rows[arm]["min"] / limit
-            out.append((f"{workload} [{phase}]: {arm} <= {target:.2f} x bf16", ratio <= target, f"{ratio:.2f}"))
+def _ratios(rows: dict) -> None:
+    """Adds ``vs_bf16`` and ``vs_bf16_fused`` (min over min) to every measured row."""
+    for ref, key in (("bf16", "vs_bf16"), ("bf16+fused", "vs_bf16_fused")):
+        base = rows.get(ref, {}).get("min")
+        for row in rows.values():
+            if "min" in row:
+                row[key] = row["min"] / base if base else None
+
+
+def _checks(workload: str, phase: str, rows: dict) -> list[dict[str, Any]]:
+    """The targets of ``wide``, each ``{"name", "ok", "value", "target"}``."""
+    out: list[dict[str, Any]] = []
+
+    def check(name: str, value: float, target: float, detail: str) -> None:
+        out.append({"name": f"{workload} [{phase}]: {name}", "ok": value <= target, "value": value,
+                    "target": target, "detail": detail})  # fmt: skip
+
+    for ref, key, targets in (("bf16", "vs_bf16", TARGETS), ("bf16+fused", "vs_bf16_fused", FUSED_TARGETS)):
+        for arm, target in targets.items():
+            ratio = rows.get(arm, {}).get(key)
+            if ratio is not None:
+                check(f"{arm} <= {target:.2f} x {ref}", ratio, target, f"{ratio:.2f}")
     o1 = rows.get("ampkit-O1", {}).get("min")
-    for ref in ("torch-autocast", "autocast+fused"):
+    for ref, target in (("torch-autocast", 1.0), ("autocast+fused", O1_FUSED_TARGET)):
         other = rows.get(ref, {}).get("min")
         if o1 and other:
-            out.append((f"{workload} [{phase}]: ampkit-O1 <= {ref}", o1 <= other, f"{o1:.1f} vs {other:.1f} ms"))
+            check(f"ampkit-O1 <= {target:.2f} x {ref}", o1 / other, target, f"{o1:.1f} vs {other:.1f} ms")
     return out
 
 
@@ -262,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=None, help="steps per arm per round (default: 2 wide, 5 others)")
     parser.add_argument("--baseline", help="an older ampkit source tree: adds its O1/O2/O2K arms")
+    parser.add_argument("--json", help="also write machine, per-arm times, ratios and checks to this file")
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
@@ -274,17 +294,19 @@ def main(argv: list[str] | None = None) -> int:
         phases = ["full", "update"] if native else ["update"]
     else:
         phases = ["full", "update"] if args.phase == "both" else [args.phase]
-    from ampkit.bench.runner import _device_name
+    from ampkit.bench.machine import machine_info
     from ampkit.bench.workloads import make_workload
 
+    machine = machine_info("cpu", threads=1)
     print(
-        f"torch {torch.__version__}, {_device_name('cpu')}, CPU capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, 1 thread per arm; bf16 matmul / fp32 "
+        f"torch {torch.__version__}, {machine['device_name']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}), "
+        f"CPU capability {machine['cpu_capability']}, 1 thread per arm; bf16 matmul / fp32 "
         f"matmul = {ratio:.1f}x" + ("" if native else " (no native bf16: full-step phase skipped unless asked)")
     )
     ctx = mp.get_context("spawn")
     pool: dict[str, Any] = {}
-    checks: list[tuple[str, bool, str]] = []
+    checks: list[dict[str, Any]] = []
+    tables: list[dict[str, Any]] = []
     try:
         for arm in arms:
             parent, child = ctx.Pipe()
@@ -298,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
             steps = args.steps or (2 if workload == "wide" else 5)
             for phase in phases:
                 rows = _measure(workload, phase, arms, pool, args.rounds, steps)
+                _ratios(rows)
                 print("\n".join(_table(workload, phase, rows, description)), flush=True)
+                tables.append({"workload": workload, "phase": phase, "description": description,
+                               "steps_per_round": steps, "rows": rows})  # fmt: skip
                 if workload == "wide":
                     checks += _checks(workload, phase, rows)
     finally:
@@ -310,8 +335,16 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
-    for name, ok, detail in checks:
-        print(f"[{'ok' if ok else 'MISS'}] {name}: {detail}")
+    for c in checks:
+        print(f"[{'ok' if c['ok'] else 'MISS'}] {c['name']}: {c['detail']}")
+    if args.json:
+        import json
+
+        record = {"machine": machine, "bf16_over_fp32_matmul": ratio, "bf16_native": native,
+                  "rounds": args.rounds, "phases": phases, "arms": arms, "results": tables, "checks": checks}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -21,12 +21,12 @@ import platform
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._dtypes import default_device_type
+from .machine import cpu_flags, device_name
 from .recipes import PRECISIONS
 from .worker import RunSpec, worker_main
 from .workloads import SIZES, WORKLOADS, default_steps
@@ -181,18 +181,6 @@ ProgressFn = Callable[[str, int, int], None]
 """``progress(workload, steps_done_total, steps_total)`` after every block."""
 
 
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _chunks(total: int, block: int) -> list[int]:
     return [min(block, total - start) for start in range(0, total, block)]
 
@@ -331,7 +319,9 @@ def run_bench(
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "device": config.device,
-        "device_name": _device_name(config.device),
+        "device_name": device_name(config.device),
+        "cpu_flags": cpu_flags(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "dtype": config.dtype,
         "threads": config.threads,
         "seed": config.seed,
