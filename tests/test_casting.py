@@ -677,3 +677,62 @@ def test_checkpoint_recomputes_under_the_same_policy():
         out = model.head(checkpoint(model.block, x, use_reentrant=False))
     with pytest.raises(torch.utils.checkpoint.CheckpointError, match="(?i)metadata|recomput|shape|dtype"):
         out.float().sum().backward()
+
+
+# --- random streams ----------------------------------------------------------------
+def _observable_rng_states():
+    import random
+
+    import numpy as np
+
+    states = {"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _same_states(a, b) -> bool:
+    import numpy as np
+
+    if a.keys() != b.keys():
+        return False
+    numpy_same = all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a["numpy"], b["numpy"])
+    )
+    cuda_same = all(torch.equal(x, y) for x, y in zip(a.get("cuda", []), b.get("cuda", [])))
+    return torch.equal(a["torch"], b["torch"]) and a["random"] == b["random"] and numpy_same and cuda_same
+
+
+@pytest.mark.fresh_process
+def test_first_scopes_of_a_process_leave_every_random_generator_as_they_found_it():
+    """What ampkit sets up on first use (the CPU LSTM probe, kernels, hooks, explain's
+    recorder, initialize at each level, a training step) draws from no generator a user
+    can observe: a seeded run draws the same numbers with ampkit as without it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2))
+    lstm = nn.LSTM(4, 4)
+    x = torch.randn(3, 4)
+    before = _observable_rng_states()
+    policies = [
+        None,
+        amp.Policy(fp32_ops=[F.linear], lower_ops=["softmax"], promote_ops=["add"]),
+        amp.Policy(lower_ops=[F.normalize], module_rules={nn.LayerNorm: FP32}),
+    ]
+    for policy in policies:
+        with amp.autocast(policy, "cpu"):
+            model(x).float().sum().backward()
+            lstm(x[None])[0].float().sum().backward()
+            F.normalize(x).sum()
+    amp.explain(model, x, device_type="cpu")
+    amp.init(device_type="cpu", fp32_ops=["mm"])
+    model(x)
+    amp.reset()
+    for level in ("O1", "O2", "O3", "O2K"):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m, opt = amp.initialize(m, opt, opt_level=level)
+        with amp.scale_loss(m(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        amp.reset()
+    assert _same_states(before, _observable_rng_states())

@@ -121,8 +121,15 @@ def _probe_rnn(dtype: torch.dtype) -> bool:
     torch 2.13 lowers ``mkldnn_rnn_layer`` to bf16/fp16 under CPU autocast, but oneDNN
     refuses that primitive on some CPUs ("could not create a primitive descriptor for the
     LSTM forward propagation primitive"), so plain ``torch.autocast`` cannot run an LSTM.
+
+    The probe LSTM is built on the meta device and zero-filled on the CPU: its usual
+    random init would draw from torch's default generator, and a seeded run must draw
+    the same numbers with ampkit as without it.
     """
-    lstm = nn.LSTM(2, 2)
+    lstm = nn.LSTM(2, 2, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for param in lstm.parameters():
+            param.zero_()
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
             lstm(torch.zeros(1, 1, 2))
