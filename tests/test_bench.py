@@ -429,3 +429,42 @@ def test_runner_keeps_going_when_one_precision_fails() -> None:
     assert entries["ampkit-O2"] == {"status": "unavailable", "note": "not in this install"}
     assert seen[-1] == (8, 8)  # 6 fp32 steps + the 2 autocast ran before failing
     assert entries["fp32"]["speedup"] == 1.0
+
+
+def _synthetic_results(scales_fp16: list[float | None]) -> dict:
+    def entry(scales: list[float | None], ms: float, mib: float) -> dict:
+        return {"status": "ok", "losses": [2.0, 1.5, 1.0, 0.8], "loss_scales": scales, "step_ms": ms, "peak_mib": mib}
+
+    return {
+        "dtype": "bf16",
+        "device": "cpu",
+        "workloads": {
+            "cnn": {"precisions": {"fp32": entry([None] * 4, 10.0, 40.0), "ampkit-O1": entry(scales_fp16, 5.0, 24.0)}}
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("scales", "panel"),
+    [([1.0, 1.0, 1.0, 1.0], "cnn: step time and peak memory"), ([65536.0, 32768.0, 32768.0, 65536.0], "cnn: loss scale")],
+)
+def test_plot_shows_loss_scale_only_where_it_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scales, panel) -> None:
+    """Under bf16 every scale stays 1: the second panel shows step time and peak
+    memory per precision instead of flat lines; a moving fp16 scale is plotted."""
+    import matplotlib.pyplot as plt
+
+    from ampkit.bench.report import write_plot
+
+    seen: list[list[str]] = []
+    real_close = plt.close
+
+    def close(fig=None):  # noqa: ANN001
+        seen.append([ax.get_title() for ax in fig.axes])
+        real_close(fig)
+
+    monkeypatch.setattr(plt, "close", close)
+    write_plot(_synthetic_results(scales), tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    (titles,) = seen
+    assert titles[0] == "cnn: training loss (bf16, cpu)"
+    assert titles[1] == panel

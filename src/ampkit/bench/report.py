@@ -152,9 +152,72 @@ def _smooth(values: list[float | None], window: int) -> list[float]:
     return out
 
 
+def _scale_varies(wl: dict[str, Any]) -> bool:
+    """Whether any precision's loss scale changed over training (fp16's dynamic
+    scale does; under bf16 every scale stays at 1 and a plot of it says nothing)."""
+    for entry in wl["precisions"].values():
+        known = {s for s in entry.get("loss_scales") or [] if s is not None}
+        if entry.get("status") == "ok" and len(known) > 1:
+            return True
+    return False
+
+
+def _plot_loss(ax: Any, name: str, wl: dict[str, Any], results: dict[str, Any], style_of: Any) -> None:
+    for pname, entry in wl["precisions"].items():
+        if entry.get("status") != "ok":
+            continue
+        color, style = style_of(pname)
+        losses = entry["losses"]
+        steps = list(range(1, len(losses) + 1))
+        raw = [float("nan") if v is None else v for v in losses]
+        ax.plot(steps, raw, color=color, alpha=0.15, linewidth=0.8)
+        ax.plot(steps, _smooth(losses, max(1, len(losses) // 20)), color=color,
+                linestyle=style, label=pname, linewidth=1.5)  # fmt: skip
+    ax.set_title(f"{name}: training loss ({results['dtype']}, {results['device']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_scale(ax: Any, name: str, wl: dict[str, Any], style_of: Any) -> None:
+    for pname, entry in wl["precisions"].items():
+        if entry.get("status") != "ok" or not any(s is not None for s in entry["loss_scales"]):
+            continue
+        color, style = style_of(pname)
+        scales = [float("nan") if s is None else s for s in entry["loss_scales"]]
+        ax.step(range(1, len(scales) + 1), scales, where="post", color=color, linestyle=style, label=pname)
+    ax.set_title(f"{name}: loss scale")
+    ax.set_xlabel("step")
+    ax.set_yscale("log", base=2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _plot_cost(ax: Any, name: str, wl: dict[str, Any], style_of: Any) -> None:
+    """Median step time (bars, left axis) and peak memory (dots, right axis) per
+    precision: what the precisions differ in when no loss scale moves."""
+    ok = [(p, e) for p, e in wl["precisions"].items() if e.get("status") == "ok"]
+    xs = list(range(len(ok)))
+    times = [e.get("step_ms") or float("nan") for _, e in ok]
+    peaks = [e.get("peak_mib") or float("nan") for _, e in ok]
+    ax.bar(xs, times, color=[style_of(p)[0] for p, _ in ok], alpha=0.8)
+    ax.set_xticks(xs, [p for p, _ in ok], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step (median)")
+    mem = ax.twinx()
+    mem.plot(xs, peaks, "ko", label="peak MiB")
+    mem.set_ylabel("peak MiB")
+    mem.set_ylim(bottom=0)
+    mem.legend(fontsize=8, loc="upper right")
+    ax.set_title(f"{name}: step time and peak memory")
+    ax.grid(alpha=0.3, axis="y")
+
+
 def write_plot(results: dict[str, Any], path: Path) -> None:
     """One row per workload: training loss per precision (raw, faint, and a
-    centered moving average) and the loss scale over steps."""
+    centered moving average) and, beside it, the loss scale over steps where it
+    moved (fp16), else each precision's median step time and peak memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,38 +227,18 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = ["-", "--", "-.", ":", (0, (5, 1))]
+    order = list(dict.fromkeys(p for wl in workloads.values() for p in wl["precisions"]))
+
+    def style_of(pname: str) -> tuple[Any, Any]:
+        i = order.index(pname)
+        return colors[i % len(colors)], styles[i % len(styles)]
+
     for row, (name, wl) in enumerate(workloads.items()):
-        ax_loss, ax_scale = axes[row]
-        any_scale = False
-        for i, (pname, entry) in enumerate(wl["precisions"].items()):
-            color, style = colors[i % len(colors)], styles[i % len(styles)]
-            if entry.get("status") != "ok":
-                continue
-            losses = entry["losses"]
-            steps = list(range(1, len(losses) + 1))
-            raw = [float("nan") if v is None else v for v in losses]
-            ax_loss.plot(steps, raw, color=color, alpha=0.15, linewidth=0.8)
-            ax_loss.plot(steps, _smooth(losses, max(1, len(losses) // 20)), color=color,
-                         linestyle=style, label=pname, linewidth=1.5)
-            scales = [float("nan") if s is None else s for s in entry["loss_scales"]]
-            if any(s is not None for s in entry["loss_scales"]):
-                any_scale = True
-                ax_scale.step(steps, scales, where="post", color=color, linestyle=style, label=pname)
-        ax_loss.set_title(f"{name}: training loss ({results['dtype']}, {results['device']})")
-        ax_loss.set_xlabel("step")
-        ax_loss.set_ylabel("cross-entropy")
-        ax_loss.set_yscale("log")
-        ax_loss.grid(alpha=0.3)
-        ax_loss.legend(fontsize=8)
-        ax_scale.set_title(f"{name}: loss scale")
-        ax_scale.set_xlabel("step")
-        if any_scale:
-            ax_scale.set_yscale("log", base=2)
-            ax_scale.legend(fontsize=8)
+        _plot_loss(axes[row][0], name, wl, results, style_of)
+        if _scale_varies(wl):
+            _plot_scale(axes[row][1], name, wl, style_of)
         else:
-            ax_scale.text(0.5, 0.5, "no precision scaled the loss", ha="center", va="center",
-                          transform=ax_scale.transAxes)
-        ax_scale.grid(alpha=0.3)
+            _plot_cost(axes[row][1], name, wl, style_of)
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
