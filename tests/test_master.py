@@ -209,3 +209,59 @@ def test_o2_masters_changed_outside_the_managed_step_reach_the_model_at_its_forw
     mw = ampkit.levels.master_weights_of(opt)
     assert all(torch.equal(m.to(p.dtype), p) for p, m in mw.pairs())
     ampkit.reset()
+
+
+# --- through the trainer: an iteration abandoned after unscale ---------------------------
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _trained_o2(model_grads: str, abort_first: bool, edit: str) -> list[torch.Tensor]:
+    """Two O2 steps; with ``abort_first``, before them an iteration the README's recovery
+    path drops: backward, ``amp.unscale``, a model grad edited to inf, a clip with
+    ``error_if_nonfinite=True`` that raises, ``opt.zero_grad()``."""
+    import ampkit as amp
+
+    amp.reset()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", model_grads=model_grads)
+
+    def loss_of(i: int) -> torch.Tensor:
+        x, y = _batch(i)
+        return nn.functional.cross_entropy(model(x).float(), y)
+
+    if abort_first:
+        with amp.scale_loss(loss_of(0), opt) as scaled:
+            scaled.backward()
+        amp.unscale(opt)
+        with torch.no_grad():
+            if edit == "in_place":
+                model[0].weight.grad[0, 0] = float("inf")
+            else:
+                model[0].weight.grad = torch.full_like(model[0].weight, float("inf"))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        opt.zero_grad()
+    for i in (1, 2):
+        opt.zero_grad()
+        with amp.scale_loss(loss_of(i), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert not amp.step_skipped(opt)
+    weights = [p.detach().clone() for p in [*model.parameters(), *amp.master_params(opt)]]
+    amp.reset()
+    return weights
+
+
+@pytest.mark.parametrize("edit", ["in_place", "replaced"])
+@pytest.mark.parametrize("model_grads", ["copy", "view"])
+def test_optimizer_zero_grad_drops_an_iteration_abandoned_after_unscale(model_grads, edit):
+    """``opt.zero_grad()`` after a clip raised on a model grad edited to inf: the batch
+    is dropped, the next iterations train bitwise as if it had never been."""
+    dropped = _trained_o2(model_grads, abort_first=True, edit=edit)
+    clean = _trained_o2(model_grads, abort_first=False, edit=edit)
+    assert all(torch.equal(a, b) for a, b in zip(dropped, clean))

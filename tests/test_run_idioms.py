@@ -2,13 +2,14 @@
 know nothing of ampkit): a nanoGPT-style model with the loss inside forward, REINFORCE
 with the optimizer built after the first rollout, a script's own fp32 island
 (``torch.autocast(enabled=False)``), torch.utils.checkpoint around the model, and the
-loop variations of loops.py -- each against its plain fp32 run."""
+loop variations of loops.py, a script that owns a torch.amp.GradScaler (unscale_, clip,
+scaler.step) -- each against its plain fp32 run."""
 
 from __future__ import annotations
 
 import pytest
 
-from test_run import SCRIPTS, _against_fp32, _run, _site
+from test_run import SCRIPTS, _against_fp32, _plain, _run, _site
 
 
 @pytest.mark.slow
@@ -128,3 +129,55 @@ def test_exception_in_the_loop_passes_exit_code_1(capsys, tmp_path):
     trace = err[err.index("Traceback (most recent call last):"):].splitlines()
     assert trace[1].startswith(f'  File "{SCRIPTS / "loops.py"}", line ') and "runpy" not in err
     assert report["optimizers"][0]["steps"] == 5
+
+
+# --- a script that owns a torch.amp.GradScaler --------------------------------------------
+
+#: Relative tolerance on each step's loss and on the grad norm clip_grad_norm_ saw, against
+#: the plain fp32 run: 8 eps of the dtype (as the idiom matrix allows over <= 25 steps).
+SCALER_RTOL = {"bf16": 8 * 2.0**-7, "fp16": 8 * 2.0**-10}
+
+
+def _per_step(out: str) -> tuple[list[float], list[float], list[int]]:
+    """(losses, grad norms clip_grad_norm_ saw, skipped flags) of grad_scaler_clip.py."""
+    rows = [line.split() for line in out.splitlines() if line.startswith("step ")]
+    return [float(r[3]) for r in rows], [float(r[5]) for r in rows], [int(r[7]) for r in rows]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", ["fp32", "O1", "O2", "O2K"])
+def test_the_scripts_grad_scaler_unscales_what_clip_and_step_see(level, dtype, opt, capsys, tmp_path):
+    """``scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_(model.parameters());
+    scaler.step(opt); scaler.update()``: at every level the clip sees the fp32 run's grad
+    norms and the losses follow fp32's (at O2 the unscale reaches the grads of the model,
+    not only the fp32 masters'); the report counts the script's steps, none skipped."""
+    args = ["--steps", "20", "--opt", opt]
+    ref_losses, ref_norms, _ = _per_step(_plain("grad_scaler_clip.py", args, capsys))
+    code, out, err, report = _run(["--level", level, "--dtype", dtype], "grad_scaler_clip.py", args, capsys, tmp_path)
+    if level == "O2K" and dtype == "fp16":
+        assert code == 2 and report is None and "bf16" in err
+        return
+    assert code == 0, err
+    losses, norms, skipped = _per_step(out)
+    if level == "fp32":
+        assert (losses, norms) == (ref_losses, ref_norms)
+    rtol = SCALER_RTOL[dtype]
+    for name, got, ref in (("loss", losses, ref_losses), ("grad norm", norms, ref_norms)):
+        bad = [(i, a, b) for i, (a, b) in enumerate(zip(got, ref)) if not abs(a - b) <= rtol * abs(b)]
+        assert len(got) == len(ref) and not bad, f"{level} {dtype} {opt}: {name} (step, got, fp32): {bad[:3]}"
+    assert skipped == [0] * 20
+    assert [(o["managed"], o["steps"], o["skipped"]) for o in report["optimizers"]] == [(level, 20, 0)]
+    assert report["script_grad_scaler"] and report["iterations"] == 20
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_steps_the_scripts_grad_scaler_skips_are_reported_as_skipped(level, capsys, tmp_path):
+    """fp16 grads times a scale of 1e9 overflow: the script's GradScaler skips every step
+    (it does not call optimizer.step()); the report says so and counts the iterations."""
+    args = ["--steps", "6", "--init-scale", "1e9"]
+    code, out, err, report = _run(["--level", level, "--dtype", "fp16"], "grad_scaler_clip.py", args, capsys, tmp_path)
+    assert code == 0, err
+    assert "SKIPS 6" in out
+    assert [(o["steps"], o["skipped"]) for o in report["optimizers"]] == [(6, 6)]
+    assert report["iterations"] == 6

@@ -6,9 +6,11 @@ bookkeeping it decides on is in :mod:`ampkit._step_grads`; the public functions 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,13 +19,14 @@ from ._decision import StepAgreement, decide
 from ._schedulers import mark_step_called
 from ._stats import StepStats
 from ._step_grads import StepGrads
+from ._validate import MAX_COUNT, is_count, require_flag
 from .errors import NumericsError, StateError
 from .fast_step import use_fastest_kernel
 from .grads import GradPath
-from .scaling import LossScaler, is_count
+from .scaling import LossScaler
 from .session import ExtraRegister, ExtraState, require_keys
 
-__all__ = ["ManagedOptimizer", "managed_state", "record_unmanaged_step", "last_skipped"]
+__all__ = ["ManagedOptimizer", "managed_state", "record_unmanaged_step", "last_skipped", "stepped_by_scaler", "unscaled_in_place"]
 
 if TYPE_CHECKING:
     from ._trainer import LossSlot
@@ -157,6 +160,8 @@ class ManagedOptimizer(StepGrads):
         mark_step_called(opt)
         if not self._active:
             return inner(*args, **kwargs)
+        if self.grad_path.masters is not None:
+            self._refuse_unseen_torch_unscale()
         closure, args, kwargs = _pop_closure(args, kwargs)
         loss = None
         if closure is not None:
@@ -205,6 +210,40 @@ class ManagedOptimizer(StepGrads):
         for hook in self.post_step_hooks:
             hook()
         return result
+
+    def _refuse_unseen_torch_unscale(self) -> None:
+        """O2: raise, before anything changes, when ``torch.amp.GradScaler.step`` calls
+        this step after unscaling the masters' grads where ampkit could not see it (its
+        fused kernel leaves version counters alone; ``ampkit run`` tells ampkit, a
+        script's own ``initialize`` cannot): the model's grads would still show the
+        scaled values and the step would take them for an edit."""
+        if self.grad_path.take_followed():
+            return
+        scaler = _torch_scaler_stepping()
+        if scaler is None or not scaler.is_enabled():
+            return
+        raise StateError(
+            "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
+            "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "
+            "it, so the model's grads (what clip_grad_norm_(model.parameters()) reads) "
+            "still held the scaled values and the step would mix the two. Use "
+            "ampkit.GradScaler, which has torch.amp.GradScaler's interface (from ampkit "
+            "import GradScaler), or ampkit.scale_loss and optimizer.step(); or run the "
+            "unmodified script under `ampkit run --level O2`."
+        )
+
+    def skipped_elsewhere(self) -> None:
+        """A step that a GradScaler outside ampkit skipped without calling
+        ``optimizer.step()`` (torch.amp.GradScaler found inf/NaN grads): counted as a
+        skipped step, as if ampkit had decided it (counters, skip hooks; LR schedulers
+        see a called step), and the next backward starts a fresh step."""
+        mark_step_called(self.optimizer)
+        self._start_fresh_step()
+        self.steps += 1
+        self.skipped += 1
+        self.last_skipped = True
+        for hook in self.skip_hooks:
+            hook()
 
     def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
         """The closure handed to the optimizer: its first call returns the loss ampkit
@@ -270,15 +309,14 @@ class ManagedOptimizer(StepGrads):
     def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
         """Validate a :meth:`state_dict` (counters, extra state via the ``check_fn`` of
         each :meth:`register_extra_state`); return the function that loads it."""
-        require_keys(state_dict, ("steps", "skipped", "last_skipped"), where)
+        require_keys(state_dict, ("steps", "skipped", "last_skipped"), where, optional=("extra",))
         steps, skipped, last = state_dict["steps"], state_dict["skipped"], state_dict["last_skipped"]
-        if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps):
+        if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps <= MAX_COUNT):
             raise StateError(
                 f"{where}: steps={steps!r}, skipped={skipped!r} are not step counters (ints, "
-                "0 <= skipped <= steps); pass the dict returned by ampkit.state_dict()."
+                "0 <= skipped <= steps < 2**63); pass the dict returned by ampkit.state_dict()."
             )
-        if not isinstance(last, bool):
-            raise StateError(f"{where}: last_skipped must be True or False, got {last!r}.")
+        require_flag(last, f"{where}: last_skipped", StateError)
         extra = state_dict.get("extra", {})
         self._extra.check_names(extra, f"{where}: ", " (e.g. master weights on or off)")
         self._extra.check_values(extra, where)
@@ -312,6 +350,49 @@ def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
             "ampkit.init_trainer (or ampkit.initialize) first."
         )
     return state
+
+
+def _torch_scaler_stepping() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step`` is on the calling thread's stack a
+    few frames up (it calls ``optimizer.step()``), or None."""
+    code = torch.amp.GradScaler.step.__code__
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def unscaled_in_place(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around an unscale of ``optimizer``'s grads by a GradScaler (ampkit's or
+    torch.amp's ``unscale_``, whose fused kernel leaves version counters alone). For a
+    managed optimizer with fp32 masters (O2) the model's grad edits reach the masters
+    first and the model's 16-bit grads show the unscaled values after, so code that
+    reads ``model.parameters()`` grads next (``clip_grad_norm_``) sees what the step
+    uses. Nothing for other optimizers."""
+    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    if state is None or not state._active:
+        yield
+        return
+    state.grad_path.before_outside_unscale()
+    yield
+    state.grad_path.after_outside_unscale()
+
+
+@contextlib.contextmanager
+def stepped_by_scaler(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around a GradScaler's ``step(optimizer)`` outside ampkit (torch.amp's): when it
+    skips the step (``optimizer.step()`` not called), a managed optimizer counts a
+    skipped step (:meth:`ManagedOptimizer.skipped_elsewhere`). Nothing for others."""
+    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    steps = state.steps if state is not None and state._active else None
+    yield
+    if steps is not None and state._active and state.steps == steps:
+        state.skipped_elsewhere()
 
 
 _GRADSCALER_ATTR = "_ampkit_gradscaler_skipped"

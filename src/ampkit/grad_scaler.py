@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ._schedulers import mark_step_called
-from ._step import record_unmanaged_step
-from ._validate import require_optimizer
+from ._step import record_unmanaged_step, unscaled_in_place
+from ._validate import require_fields, require_optimizer
 from .errors import ScalerError, StateError
 from .scaling import CONFIG_KEYS, LossScaler, group_grads, unscale_and_check_
 
@@ -60,6 +60,23 @@ def _check_device(device: Any) -> str:
                 "(or the device your model's parameters are on)."
             )
     return device
+
+
+def _check_torch_fields_agree(state_dict: Mapping[str, Any]) -> None:
+    """In ampkit's format the ``"ampkit"`` entry is loaded; torch.amp's keys beside it
+    repeat its values, so one that differs from it means the dict was edited."""
+    inner = state_dict["ampkit"]
+    for key in _TORCH_KEYS:
+        if key not in state_dict:
+            continue
+        value, saved = state_dict[key], inner[key.lstrip("_")]
+        if type(value) is not type(saved) or value != saved:
+            raise ScalerError(
+                f"GradScaler: state dict field {key!r} is {value!r}, its 'ampkit' entry (what "
+                f"is loaded) says {saved!r}; the two were saved equal. Pass the dict "
+                "GradScaler.state_dict() returned as it was saved, or drop 'ampkit' to load "
+                "torch.amp's fields alone."
+            )
 
 
 class _OptRecord:
@@ -157,10 +174,11 @@ class GradScaler:
             )
         if record.stage == _STEPPED:
             raise StateError("unscale_() is being called after step().")
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        groups = group_grads(params, allow_fp16=False)
         scaler = self._scaler
-        found = unscale_and_check_(groups, scaler.inv_scale, scaler._inv_tensors_for(groups))
+        with unscaled_in_place(optimizer):
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            groups = group_grads(params, allow_fp16=False)
+            found = unscale_and_check_(groups, scaler.inv_scale, scaler._inv_tensors_for(groups))
         if found is None:
             found = torch.zeros((), dtype=torch.float32, device=self._device)
         record.found = found
@@ -283,15 +301,14 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved from a "
                 "disabled GradScaler."
             )
+        source = "GradScaler.state_dict() (ampkit's or torch.amp's)"
         if "ampkit" in state_dict:
-            self._scaler.load_state_dict(state_dict["ampkit"])
+            require_fields(state_dict, ("ampkit",), "GradScaler", ScalerError, optional=_TORCH_KEYS, source=source)
+            apply = self._scaler._prepare_load(state_dict["ampkit"])
+            _check_torch_fields_agree(state_dict)
+            apply()
             return
-        missing = [k for k in _TORCH_KEYS if k not in state_dict]
-        if missing:
-            raise ScalerError(
-                f"GradScaler: state dict lacks {missing}; pass a dict returned by "
-                "GradScaler.state_dict() (ampkit's or torch.amp's)."
-            )
+        require_fields(state_dict, _TORCH_KEYS, "GradScaler", ScalerError, source=source)
         sd = self._scaler.state_dict()
         sd.update(
             scale=state_dict["scale"],

@@ -205,6 +205,7 @@ class GradPath:
         self._inv: dict[tuple[torch.device, float], torch.Tensor] = {}
         # id(stepped param) -> (weakref to its grad, version) when last checked
         self._checked: dict[int, tuple[weakref.ref, int]] = {}
+        self._followed = False  # an unscale outside ampkit was followed (after_outside_unscale)
         self._active = True
 
     # -- setup ------------------------------------------------------------------------
@@ -527,7 +528,30 @@ class GradPath:
         """Before the grads are checked (``unscale``/``step``): merge edits made through
         the model's 16-bit grads into the fp32 masters (O2)."""
         if self.masters is not None:
-            self.masters.reconcile([r.param for r in self._params.values() if r.master is not None and r.scale is None])
+            self.masters.reconcile(self._mastered())
+
+    def _mastered(self) -> list[nn.Parameter]:
+        """The model parameters whose grads are shown from a master (not held for DDP)."""
+        return [r.param for r in self._params.values() if r.master is not None and r.scale is None]
+
+    def before_outside_unscale(self) -> None:
+        """Before code outside ampkit unscales the stepped grads in place (a
+        GradScaler's ``unscale_``): finish pending work and, O2, merge the model's grad
+        edits into the masters, so the unscale acts on the grads the step will use."""
+        self.finish(absorb_raw=True)
+        self.reconcile()
+
+    def after_outside_unscale(self) -> None:
+        """After it: O2, the model's 16-bit grads show the unscaled masters' grads
+        (:meth:`ampkit.master.MasterWeights.follow_masters`)."""
+        if self.masters is not None:
+            self.masters.follow_masters(self._mastered())
+        self._followed = True
+
+    def take_followed(self) -> bool:
+        """Whether :meth:`after_outside_unscale` ran since the last call."""
+        followed, self._followed = self._followed, False
+        return followed
 
     def before_step(self) -> None:
         """Right before the optimizer runs (taken or skipped step), O2: masters take in
@@ -535,7 +559,7 @@ class GradPath:
         the step runs without them (:meth:`after_step` brings them back)."""
         mw = self.masters
         if mw is not None:
-            mw.hide([r.param for r in self._params.values() if r.master is not None and r.scale is None])
+            mw.hide(self._mastered())
             mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
 
     def after_step(self) -> None:
@@ -543,4 +567,4 @@ class GradPath:
         copies, for code that reads them after ``step()``."""
         mw = self.masters
         if mw is not None:
-            mw.show([r.param for r in self._params.values() if r.master is not None and r.scale is None])
+            mw.show(self._mastered())

@@ -71,7 +71,13 @@ from torch import nn
 
 from ._dtypes import cast_optimizer_state
 from ._kernels import rounds_to_bf16
-from ._validate import require_choice, require_optimizer
+from ._validate import (
+    CORRUPT_CHECKPOINT,
+    require_choice,
+    require_fields,
+    require_optimizer,
+    require_tensor,
+)
 from .errors import AmpError, StateError
 
 __all__ = ["MasterWeights"]
@@ -285,6 +291,13 @@ class MasterWeights:
 
     # -- one gradient, two views (used by ampkit.grads' hooks) ---------------------------
 
+    def _linked(self, model_params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, nn.Parameter, _Link]]:
+        """(model param, its master, their link) for those of ``model_params`` with a master."""
+        for model_p in model_params:
+            master = self._masters.get(id(model_p))
+            if master is not None:
+                yield model_p, master, self._link(model_p)
+
     def _link(self, model_p: torch.Tensor) -> _Link:
         link = self._links.get(id(model_p))
         if link is None:
@@ -343,11 +356,7 @@ class MasterWeights:
         """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad
         when the master has none), to be read and edited as the model's own."""
         with torch.no_grad():
-            for model_p in model_params:
-                master = self._masters.get(id(model_p))
-                if master is None:
-                    continue
-                link = self._link(model_p)
+            for model_p, master, link in self._linked(model_params):
                 if link.viewable and model_p.grad is None and link.holds(master.grad):
                     model_p.grad = _high_halves(master.grad)  # shares the fp32 grad's memory
                     link.show(model_p.grad)
@@ -397,6 +406,29 @@ class MasterWeights:
                 if master is not None:
                     self._reconcile_one(model_p, master, self._link(model_p))
 
+    def follow_masters(self, model_params: Iterable[torch.Tensor]) -> None:
+        """The masters' grads of ``model_params`` were just changed in place by an
+        operation that leaves version counters alone (the fused unscale a GradScaler
+        runs, ``torch._amp_foreach_non_finite_check_and_unscale_``): each model grad that
+        still shows its master's grad (as :meth:`reconcile` left them) takes the values
+        the master's grad holds now, in place; a grad view (``model_grads="view"``)
+        shares their memory already. Without this the change is invisible: the model
+        would keep showing the old values and :meth:`reconcile` would take them for an
+        edit of the model's grads."""
+        with torch.no_grad():
+            for model_p, master, link in self._linked(model_params):
+                cur, g = model_p.grad, master.grad
+                if g is None or cur is None or not (link.holds(g) and link.is_shown(cur)):
+                    continue
+                if link.viewing:
+                    continue
+                if g.is_sparse or cur.is_sparse:
+                    model_p.grad = cur = g.detach().to(model_p.dtype)
+                else:
+                    cur.copy_(g)
+                link.show(cur)
+                link.keep(g)
+
     def hide(self, model_params: Iterable[torch.Tensor]) -> None:
         """Take the 16-bit copies off the model while the optimizer steps (:meth:`show`
         brings them back). On devices outside ``KEEP_ASIDE_DEVICES`` they are freed, so
@@ -434,7 +466,8 @@ class MasterWeights:
         model_changed = link.model_changed(cur, g)
         master_changed = link.master_changed(g)
         if model_changed and master_changed:
-            _clear_both(master, cur, g)
+            _clear_both(model_p, master, cur, g)
+            cur = model_p.grad
         elif model_changed:
             with torch.no_grad():
                 if cur is None:
@@ -468,7 +501,7 @@ class MasterWeights:
             return
         link.viewing = link.viewable = False
         if not model_same and not master_same:
-            _clear_both(master, cur, g)
+            _clear_both(model_p, master, cur, g)
         elif not model_same:  # p.grad = None / replaced through the model
             with torch.no_grad():
                 master.grad = None if cur is None else cur.detach().to(torch.float32, copy=True)
@@ -528,7 +561,9 @@ class MasterWeights:
                 f"master-weight state has format {found!r}, expected "
                 f"{_STATE_FORMAT}: it was not written by MasterWeights.state_dict()."
             )
-        entries = state.get("masters")
+        require_fields(state, ("format", "masters"), "master-weight state", StateError,
+                       source="MasterWeights.state_dict()")
+        entries = state["masters"]
         if not isinstance(entries, (list, tuple)):
             raise StateError(f"master-weight state: 'masters' must be a list, got {entries!r:.80}.")
         saved: dict[tuple[int, int], torch.Tensor] = {}
@@ -568,6 +603,8 @@ class MasterWeights:
                     f"shape {tuple(t.shape)}; the optimizer's is float32 {tuple(master.shape)}: "
                     "the model does not match the checkpoint (masters are saved in fp32)."
                 )
+            require_tensor(t, f"saved master weight at group {gi}, index {pi}", StateError, torch.float32,
+                           finite=True, hint=CORRUPT_CHECKPOINT)
         return saved
 
 
@@ -588,11 +625,14 @@ class _BackwardParams:
 
 _COMPARE_CHUNK = 1 << 16
 
-def _clear_both(master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor | None) -> None:
+def _clear_both(model_p: torch.Tensor, master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor | None) -> None:
     """Grads changed through both the model (``cur``) and the master (``g``) since the
-    last backward: fine when both were cleared (the master's grad ends up cleared too),
-    an :class:`AmpError` otherwise (no telling which change the step should use)."""
-    if not (_cleared(cur) and _cleared(g)):
+    last backward. A side that was cleared (``zero_grad()``: None or all zeros) wins,
+    whatever was done to the other (an edit before an iteration was dropped, such as a
+    grad set to inf that made a clip raise): both end up cleared, None unless both are
+    zero tensors. Both edited otherwise: an :class:`AmpError` (no telling which change
+    the step should use)."""
+    if not (_cleared(cur) or _cleared(g)):
         raise AmpError(
             "gradients were changed both through the model's 16-bit parameters and "
             "through the optimizer's fp32 master parameters since the last backward, "
@@ -600,7 +640,12 @@ def _clear_both(master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor 
             "Clip, edit or clear them through one of the two (model.parameters() or "
             "ampkit.master_params(optimizer))."
         )
-    master.grad = None if cur is None or g is None else g.zero_()
+    if cur is None or g is None:
+        model_p.grad = master.grad = None
+        return
+    with torch.no_grad():
+        g.zero_()
+        cur.zero_()
 
 
 def _high_halves(g: torch.Tensor) -> torch.Tensor:

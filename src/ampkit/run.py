@@ -4,10 +4,17 @@
 expects) with these pieces installed for the length of the run, and removed after:
 
 - **Casting inside forward passes only.** A global forward pre-hook opens an
-  :class:`ampkit.autocast` scope when the outermost ``nn.Module`` call starts and a global
-  forward hook (always called) closes it when that call returns. Backward, optimizer
-  steps, ``p.data`` updates, data loading and evaluation code outside modules run as the
-  script wrote them. Inside a ``torch.autocast`` region the script opened itself (enabled)
+  :class:`ampkit.autocast` scope when a *model call* starts and a global forward hook
+  (always called) closes it when that call returns. A model call is the outermost call
+  of a module that has parameters (trained or frozen), made outside data loading.
+  Modules without parameters -- torchvision's transforms, loss modules -- are not
+  models: called on their own they run as written, in fp32 (a module with parameters
+  they call is the model call). Nothing that loads data is cast: DataLoader worker
+  processes, a DataLoader's batch fetch in the main process (``Dataset.__getitem__``,
+  ``collate_fn``) and a Dataset's ``__getitem__``/``__iter__`` the script calls itself.
+  The same rule holds with or without an optimizer, before and after it is built.
+  Backward, optimizer steps, ``p.data`` updates and evaluation code outside modules
+  run as the script wrote them. Inside a ``torch.autocast`` region the script opened itself (enabled)
   ampkit opens nothing: the script's choice stands. A model cast by O2/O2K runs under its
   own op-level scope (:func:`ampkit.model.add_op_casting`) instead.
 - **Every torch.optim optimizer is managed.** ``torch.optim.Optimizer.__init__`` is
@@ -30,7 +37,14 @@ expects) with these pieces installed for the length of the run, and removed afte
 - **Observation.** Each backward on a one-element tensor records the loss (the value of
   that tensor), in one series per source line of the ``backward()`` call; each step of
   the first optimizer built marks an iteration (a script without optimizer: each
-  backward). The step and time limits (``max_steps``, ``time_budget``) end the script
+  backward). A step taken with no ``backward()`` since the same optimizer's previous
+  step applies the same gradients again: it counts in that optimizer's steps, not as an
+  iteration, and a note says so. Module calls are counted: ``model_calls`` (the model
+  calls), of which ``forward_scopes`` ampkit cast, ``forward_calls_in_script_autocast``
+  ran in the script's own enabled ``torch.autocast``, ``forward_calls_kept_fp32`` in
+  its ``torch.autocast(enabled=False)`` and ``forward_calls_cast_model`` in the
+  op-level scope of an O2/O2K model; ``module_calls_left_alone`` counts the other
+  outermost module calls (no parameters, or data loading) of this process. The step and time limits (``max_steps``, ``time_budget``) end the script
   cleanly after such a step.
 
 The ``fp32`` level installs the observation only (no casting, optimizers left alone):
@@ -61,6 +75,7 @@ from torch import nn
 
 from . import _reset
 from ._script import check_script, exit_code, script_argv
+from ._step import stepped_by_scaler, unscaled_in_place
 from ._where import _SKIPPED
 from .casting import _hooks
 from .errors import AmpError
@@ -163,9 +178,50 @@ def _user_site() -> str:
 # ---------------------------------------------------------------------------------
 # Casting inside module forwards
 # ---------------------------------------------------------------------------------
+_FETCH_FILE = str(Path(torch.utils.data.__file__).parent / "_utils" / "fetch.py")
+_DATASET_METHODS = ("__getitem__", "__getitems__", "__iter__")
+
+
+def _data_loading() -> bool:
+    """Whether this call is part of loading data: in a DataLoader worker process, in a
+    batch fetch of a DataLoader (``Dataset.__getitem__``/``__getitems__``, an
+    IterableDataset's iterator, ``collate_fn``), or in a ``torch.utils.data.Dataset``'s
+    ``__getitem__``/``__getitems__``/``__iter__`` the script calls itself. A walk of
+    the calling frames, made only for a call that would otherwise be a model call."""
+    if torch.utils.data.get_worker_info() is not None:
+        return True
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _FETCH_FILE:
+            return True
+        if code.co_name in _DATASET_METHODS and isinstance(frame.f_locals.get("self"), torch.utils.data.Dataset):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_model(module: nn.Module) -> bool:
+    """A module with parameters (its own or its submodules'): a model, trained or
+    frozen. Data transforms (torchvision's GaussianBlur, Normalize), loss modules and
+    other parameter-free modules are not models."""
+    return next(module.parameters(), None) is not None
+
+
 class _ForwardScope:
-    """Global forward pre-hook / forward hook pair: the outermost module call of a
-    thread opens an :class:`ampkit.autocast` scope, its return closes it."""
+    """Global forward pre-hook / forward hook pair: a *model call* opens an
+    :class:`ampkit.autocast` scope, its return closes it.
+
+    A model call is the outermost call, on its thread, of a module with parameters
+    (:func:`_is_model`) made outside data loading (:func:`_data_loading`). A call of a
+    module without parameters is none: it runs as written, and a module with
+    parameters that it calls is the model call. Calls inside a model call belong to it.
+    Each model call is counted in one of: ``scopes_opened`` (ampkit cast it),
+    ``in_script_autocast`` (inside the script's own enabled ``torch.autocast``: its
+    choice stands), ``kept_fp32`` (inside the script's ``torch.autocast(enabled=False)``)
+    or ``own_scope`` (a model O2/O2K cast, with its op-level scope). ``left_alone``
+    counts the outermost calls of other modules (no parameters, or data loading: in
+    this process; DataLoader worker processes count their own)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         from .policy import default_policy
@@ -176,11 +232,15 @@ class _ForwardScope:
         self._local = threading.local()
         self._handles: list[Any] = []
         self._autocast_methods: tuple[Any, Any] | None = None
+        self.model_calls = 0
         self.scopes_opened = 0
+        self.in_script_autocast = 0
+        self.own_scope = 0
+        self.left_alone = 0
         self.kept_fp32 = 0
         self.kept_fp32_site: str | None = None
-        # modules called (outermost, grad enabled) since the last backward: their graph
-        # may still be waiting for it
+        # models called (grad enabled) since the last backward: their graph may still
+        # be waiting for it
         self.pending: dict[int, weakref.ref] = {}
 
     def install(self) -> None:
@@ -205,16 +265,18 @@ class _ForwardScope:
             _hooks.release()
         stack = getattr(self._local, "stack", None)
         while stack:  # a forward interrupted without its hook (never expected)
-            _, scope = stack.pop()
+            _, scope, _ = stack.pop()
             if scope is not None:
                 scope.__exit__(None, None, None)
 
     def _scope(self, module: nn.Module) -> Any:
-        """The scope to open for an outermost call of ``module`` (None: none)."""
+        """The scope to open for a model call of ``module`` (None: none), counted."""
         from .casting import autocast
 
-        p = next(module.parameters(), None)
-        device_type = p.device.type if p is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        if _has_own_scope(module):
+            self.own_scope += 1
+            return None
+        device_type = next(module.parameters()).device.type
         if device_type not in ("cpu", "cuda"):
             return None
         scope = self._policies.get(device_type)
@@ -222,12 +284,14 @@ class _ForwardScope:
             policy = self._default_policy(device_type, self._dtype)
             scope = self._policies[device_type] = autocast(policy, device_type=device_type)
         if torch.is_autocast_enabled(device_type):
+            self.in_script_autocast += 1
             return None  # the script's own torch.autocast region: its choice stands
         if self._script_disabled(device_type):  # torch.autocast(enabled=False): it stands too
             self.kept_fp32 += 1
             if self.kept_fp32_site is None:
                 self.kept_fp32_site = _user_site()
             return None
+        self.scopes_opened += 1
         return scope
 
     def _script_disabled(self, device_type: str) -> bool:
@@ -266,22 +330,30 @@ class _ForwardScope:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
-        scope = None
-        if not stack and torch.is_grad_enabled():
-            self.pending[id(module)] = weakref.ref(module)
-        if not stack and not _has_own_scope(module):
+        if stack and stack[-1][2]:
+            stack.append((module, None, True))
+            return
+        model_call = _is_model(module) and not _data_loading()
+        if not model_call and not stack:
+            self.left_alone += 1
+        # on the stack before the scope opens: module calls made while it opens (a
+        # probe of the engine's) are inside this call, not model calls of their own
+        stack.append((module, None, model_call))
+        if model_call:
+            self.model_calls += 1
+            if torch.is_grad_enabled():
+                self.pending[id(module)] = weakref.ref(module)
             scope = self._scope(module)
             if scope is not None:
                 scope.__enter__()
-                self.scopes_opened += 1
-        stack.append((module, scope))
+                stack[-1] = (module, scope, True)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
             return None
         stack = getattr(self._local, "stack", None)
         if stack and stack[-1][0] is module:
-            _, scope = stack.pop()
+            _, scope, _ = stack.pop()
             if scope is not None:
                 scope.__exit__(None, None, None)
                 # what the script does with the outputs (loss, metrics, sampling) runs
@@ -426,6 +498,9 @@ class _OptRecord:
     scale: float | None = None
     born: int = 0  # the run's event count (builds and steps) when it was built
     last_step: int = -1  # ... at its last step
+    backwards_at_step: int = -1  # the run's backward() count at its last step
+    repeated: int = 0  # steps taken with no backward() since its previous step
+    repeated_site: str | None = None  # the first of them
 
 
 class _Runner:
@@ -454,6 +529,8 @@ class _Runner:
         self._schedulers = _SchedulerHold() if self.apply else None
         self._orig_opt_init: Callable[..., None] | None = None
         self._orig_backward: Callable[..., Any] | None = None
+        self._orig_unscale: Callable[..., None] | None = None
+        self._orig_scaler_step: Callable[..., Any] | None = None
         self._step_handle: Any = None
         self._pre_handle: Any = None
         self._step_started: float | None = None
@@ -488,8 +565,29 @@ class _Runner:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             return runner._on_backward(orig_backward, tensors, args, kwargs)
 
+        # A script's torch.amp.GradScaler unscales the masters' grads (O2) with a kernel
+        # that leaves version counters alone: ampkit is told, so the model shows them too.
+        orig_unscale = torch.amp.GradScaler.unscale_
+        self._orig_unscale = orig_unscale
+
+        @functools.wraps(orig_unscale)
+        def unscale_(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+            with unscaled_in_place(optimizer):
+                orig_unscale(scaler, optimizer)
+
+        # ... and a step it skips (optimizer.step() not called) counts as skipped.
+        orig_scaler_step = torch.amp.GradScaler.step
+        self._orig_scaler_step = orig_scaler_step
+
+        @functools.wraps(orig_scaler_step)
+        def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            with stepped_by_scaler(optimizer):
+                return orig_scaler_step(scaler, optimizer, *args, **kwargs)
+
         torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
         torch.autograd.backward = backward
+        torch.amp.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+        torch.amp.GradScaler.step = scaler_step  # type: ignore[method-assign]
         self._step_handle = register_optimizer_step_post_hook(self._on_unmanaged_step)
         self._pre_handle = register_optimizer_step_pre_hook(self._before_step)
         if self._forward is not None:
@@ -505,6 +603,10 @@ class _Runner:
         if self._orig_backward is not None:
             torch.autograd.backward = self._orig_backward
             self._orig_backward = None
+        if self._orig_unscale is not None:
+            torch.amp.GradScaler.unscale_ = self._orig_unscale  # type: ignore[method-assign]
+            torch.amp.GradScaler.step = self._orig_scaler_step  # type: ignore[method-assign]
+            self._orig_unscale = self._orig_scaler_step = None
         for handle in (self._step_handle, self._pre_handle):
             if handle is not None:
                 handle.remove()
@@ -749,6 +851,15 @@ class _Runner:
         marker = next((r for r in in_use if r is rec or r.last_step < 0 or rec.born <= r.last_step), None)
         rec.last_step = self._events
         self._events += 1
+        if self.backwards and rec.backwards_at_step == self.backwards:
+            # a step again on the gradients of the step before (torchvision's reference
+            # script at vision@017e9b99 with --amp: scaler.step(opt), then opt.step()):
+            # counted as a step, not as an iteration
+            rec.repeated += 1
+            if rec.repeated_site is None:
+                rec.repeated_site = _user_site()
+            return
+        rec.backwards_at_step = self.backwards
         if marker is rec:
             self._iteration()
 
@@ -872,8 +983,31 @@ class _Runner:
         if is_rank_zero():
             _LOG.warning("ampkit run: %s", message)
 
+    def _forward_counts(self) -> dict[str, Any]:
+        """The report's module-call counts (see :class:`_ForwardScope`); None where the
+        fp32 level installed no module hooks."""
+        fwd = self._forward
+        return {
+            "model_calls": fwd.model_calls if fwd is not None else None,
+            "forward_scopes": fwd.scopes_opened if fwd is not None else 0,
+            "forward_calls_in_script_autocast": fwd.in_script_autocast if fwd is not None else 0,
+            "forward_calls_kept_fp32": fwd.kept_fp32 if fwd is not None else 0,
+            "forward_calls_cast_model": fwd.own_scope if fwd is not None else 0,
+            "module_calls_left_alone": fwd.left_alone if fwd is not None else None,
+        }
+
+    def _repeated_step_notes(self) -> None:
+        for r in self.optimizers:
+            if r.repeated:
+                self.notes.append(
+                    f"optimizer {r.index} ({r.kind}) stepped {r.repeated} time(s) with no backward() since "
+                    f"its previous step (the first at {r.repeated_site}): each such step applies the same "
+                    "gradients again; they count in its steps, not in the iterations"
+                )
+
     def report(self, code: int, script: str, args: list[str], wall: float) -> dict[str, Any]:
         self._flush_losses()
+        self._repeated_step_notes()
         if self._forward is not None and self._forward.kept_fp32:
             self.notes.append(
                 f"{self._forward.kept_fp32} module call(s) ran inside the script's own "
@@ -898,8 +1032,7 @@ class _Runner:
             "optimizer_step_seconds": self.step_seconds,
             "backward_calls": self.backwards,
             "scaled_backward_calls": self.scaled_backwards,
-            "forward_scopes": self._forward.scopes_opened if self._forward is not None else 0,
-            "forward_calls_kept_fp32": self._forward.kept_fp32 if self._forward is not None else 0,
+            **self._forward_counts(),
             "script_grad_scaler": bool(self.script_scales),
             "scheduler_steps_held": self._schedulers.held if self._schedulers is not None else 0,
             "optimizers": [
@@ -1038,6 +1171,11 @@ def format_summary(report: dict[str, Any]) -> str:
         )
     if not report["optimizers"]:
         lines.append("  no torch.optim optimizer: casting in forward passes only")
+    if report["model_calls"] is not None:
+        lines.append(
+            f"  {report['model_calls']} model calls, {report['forward_scopes']} cast by ampkit; "
+            f"{report['module_calls_left_alone']} other module calls (no parameters, or data loading) left as written"
+        )
     if report["iteration_ms_median"] is not None:
         lines.append(
             f"  {report['iterations']} iterations, median {report['iteration_ms_median']:.2f} ms, "
