@@ -181,3 +181,17 @@ def test_steps_the_scripts_grad_scaler_skips_are_reported_as_skipped(level, caps
     assert "SKIPS 6" in out
     assert [(o["steps"], o["skipped"]) for o in report["optimizers"]] == [(6, 6)]
     assert report["iterations"] == 6
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("level", ["fp32", "O1", "O2", "O2K"])
+def test_a_seeded_script_leaves_the_generators_as_plain_python_does(level, dtype, capsys, tmp_path):
+    """torch's, Python's and numpy's global generators end where the plain run leaves
+    them (ampkit's setup and first casting scope draw from none of them)."""
+    reference = [line for line in _plain("seeded.py", [], capsys).splitlines() if line.startswith("RNG ")]
+    code, out, err, report = _run(["--level", level, "--dtype", dtype], "seeded.py", [], capsys, tmp_path)
+    if level == "O2K" and dtype == "fp16":
+        assert code == 2
+        return
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("RNG ")] == reference and len(reference) == 3

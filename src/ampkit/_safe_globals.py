@@ -40,7 +40,7 @@ __all__ = ["ON_THEIR_IMPORT", "SAFE_GLOBALS", "register", "safe_classes"]
 #: module -> the names of its classes that ampkit puts into a model.
 SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
     # hooks of cast_model (O2, O3, O2K) and of initialize's O2 masters and guards
-    "ampkit.model": ("CastInputs", "CastOutputs", "OpCastingEnter", "OpCastingExit"),
+    "ampkit.model": ("CastInputs", "CastOutputs", "EntryCasts", "EntryExit", "OpCastingEnter", "OpCastingExit"),
     "ampkit.levels": ("ResyncMasters",),
     "ampkit.grads": ("WatchDDP",),
     "ampkit.distributed": ("FSDPGuard",),

@@ -26,7 +26,15 @@ from .grads import GradPath
 from .scaling import LossScaler
 from .session import ExtraRegister, ExtraState, require_keys
 
-__all__ = ["ManagedOptimizer", "managed_state", "record_unmanaged_step", "last_skipped", "stepped_by_scaler", "unscaled_in_place"]
+__all__ = [
+    "ManagedOptimizer",
+    "last_skipped",
+    "managed_state",
+    "record_unmanaged_step",
+    "resolve_optimizer",
+    "stepped_by_scaler",
+    "unscaled_in_place",
+]
 
 if TYPE_CHECKING:
     from ._trainer import LossSlot
@@ -340,13 +348,52 @@ class ManagedOptimizer(StepGrads):
         )
 
 
+#: How many ``.optimizer`` links :func:`resolve_optimizer` follows at most.
+_WRAPPER_DEPTH = 8
+
+
+def _known(obj: Any) -> bool:
+    found = getattr(obj, "__dict__", None)
+    if not isinstance(found, dict):
+        return False
+    state = found.get(_ATTR)
+    return (state is not None and state._active) or _GRADSCALER_ATTR in found
+
+
+def resolve_optimizer(obj: Any) -> Any:
+    """The optimizer ampkit knows behind ``obj``: ``obj`` itself, or, for a framework's
+    wrapper that exposes the optimizer it wraps as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``; wrappers of wrappers
+    too), the first object down that chain that ampkit manages or has a step record for.
+    When none has: the innermost ``torch.optim.Optimizer`` of the chain (``obj`` if it
+    holds none), so errors name the optimizer ampkit looked at. Every public function
+    that takes a managed optimizer resolves it here."""
+    current = obj
+    innermost = obj if isinstance(obj, torch.optim.Optimizer) else None
+    for _ in range(_WRAPPER_DEPTH):
+        if _known(current):
+            return current
+        inner = getattr(current, "optimizer", None)
+        if inner is None or inner is current:
+            break
+        current = inner
+        if isinstance(current, torch.optim.Optimizer):
+            innermost = current
+    return innermost if innermost is not None else obj
+
+
 def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
-    """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`;
-    raises :class:`~ampkit.StateError` if ampkit does not manage it."""
-    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
+    """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`, or
+    of the optimizer a framework's wrapper holds (:func:`resolve_optimizer`); raises
+    :class:`~ampkit.StateError` if ampkit does not manage it."""
+    resolved = resolve_optimizer(optimizer)
+    state = getattr(resolved, "__dict__", {}).get(_ATTR)
     if state is None or not state._active:
+        what = type(optimizer).__name__
+        if resolved is not optimizer:
+            what += f" (and the {type(resolved).__name__} it wraps as .optimizer)"
         raise StateError(
-            f"this {type(optimizer).__name__} is not managed by ampkit: pass it to "
+            f"this {what} is not managed by ampkit: pass the optimizer to "
             "ampkit.init_trainer (or ampkit.initialize) first."
         )
     return state
@@ -407,7 +454,7 @@ def record_unmanaged_step(optimizer: torch.optim.Optimizer, skipped: bool) -> No
 def last_skipped(optimizer: torch.optim.Optimizer) -> bool | None:
     """Whether the last step of ``optimizer`` was skipped: from its managed state, or
     from :func:`record_unmanaged_step`; None when ampkit has no record of it."""
-    found = getattr(optimizer, "__dict__", {})
+    found = getattr(resolve_optimizer(optimizer), "__dict__", {})
     state = found.get(_ATTR)
     if state is not None and state._active:
         return state.last_skipped

@@ -37,6 +37,7 @@ from torch import nn
 from . import _reset, casting, optim
 from . import fp8 as _fp8
 from ._dtypes import LOW_PRECISION, cast_optimizer_state, default_device_type, default_dtype
+from ._step import resolve_optimizer
 from ._validate import require_choice, require_optimizer
 from .compensated import CompensatedUpdates
 from .distributed import check_models  # refuses DDP/FSDP wrappers a level cannot run under
@@ -675,7 +676,9 @@ def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
     """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
     under O2 (plus fp32 model parameters such as norm layers), the model's own
-    parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``."""
+    parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``. A framework's
+    wrapper that holds the optimizer as ``.optimizer`` stands for it."""
+    optimizer = resolve_optimizer(optimizer)
     require_optimizer(optimizer, "master_params", StateError)
     return _stepped_params(optimizer)
 

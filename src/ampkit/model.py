@@ -41,6 +41,8 @@ from .errors import AmpError
 __all__ = [
     "CastInputs",
     "CastOutputs",
+    "EntryCasts",
+    "EntryExit",
     "NORM_LAYER_TYPES",
     "is_norm_layer",
     "looks_like_norm",
@@ -326,6 +328,120 @@ class OpCastingExit:
             scope.__exit__(None, None, None)
 
 
+# Per thread: the calls in flight of cast models and of their entry points (EntryCasts):
+# (module, the scope an entry opened, or None / True: none).
+_ENTRIES = threading.local()
+
+
+def _entry_stack() -> list[tuple[nn.Module, Any]]:
+    stack = getattr(_ENTRIES, "stack", None)
+    if stack is None:
+        stack = _ENTRIES.stack = []
+    return stack
+
+
+class EntryCasts:
+    """Forward pre-hook (with kwargs) of a cast model and of its *entry points*: the
+    submodules with 16-bit weights a script may call directly, outside a call of the
+    model (a LightningModule's ``training_step`` calling ``self.net(x)`` rather than
+    ``self(x)``): the model's children, through containers (``ModuleList``,
+    ``ModuleDict``). Inside a call of the model (or of another entry point) it does
+    nothing. Called from outside, the entry point is entered as the model would be: its
+    floating inputs are cast to ``dtype``, its forward runs under the model's op-level
+    casting (``device_type``; None: none, as at O3), and :class:`EntryExit` casts its
+    16-bit outputs to ``cast_outputs`` (None: left as they are). ``top``: the hook of
+    the model itself, which only marks its calls. Picklable, like :class:`CastInputs`."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        cast_outputs: torch.dtype | None,
+        device_type: str | None = None,
+        top: bool = False,
+    ) -> None:
+        self.dtype = dtype
+        self.cast_outputs = cast_outputs
+        self.device_type = device_type
+        self.top = top
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        stack = _entry_stack()
+        if self.top or stack:
+            stack.append((module, None))
+            return None
+        scope: Any = True
+        if self.device_type is not None:
+            scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))
+            scope.__enter__()
+        stack.append((module, scope))
+        return cast_tensors(args, self.dtype), cast_tensors(kwargs, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"EntryCasts({self.dtype}, top={self.top})"
+
+
+class EntryExit:
+    """Forward hook (always called) closing what :class:`EntryCasts` opened for this
+    call; an entry point called from outside the model hands back its 16-bit outputs
+    cast to ``cast_outputs``."""
+
+    def __init__(self, cast_outputs: torch.dtype | None) -> None:
+        self.cast_outputs = cast_outputs
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            return None
+        stack = _entry_stack()
+        if not stack or stack[-1][0] is not module:
+            return None
+        _, scope = stack.pop()
+        if scope is None:
+            return None
+        if scope is not True:
+            scope.__exit__(None, None, None)
+        if self.cast_outputs is None:
+            return None
+        return cast_tensors(output, self.cast_outputs, LOW_PRECISION)
+
+    def __repr__(self) -> str:
+        return f"EntryExit({self.cast_outputs})"
+
+
+def _entry_points(model: nn.Module, kept_ids: set[int]) -> list[nn.Module]:
+    """The model's children that hold parameters and are not kept fp32, with the
+    children of containers (modules without a ``forward`` of their own) in their place."""
+    out = []
+    for child in model.children():
+        if id(child) in kept_ids or next(child.parameters(), None) is None:
+            continue
+        if type(child).forward is nn.Module.forward:
+            out.extend(_entry_points(child, kept_ids))
+        else:
+            out.append(child)
+    return out
+
+
+def _add_entry_casts(model: nn.Module, dtype: torch.dtype, cast_outputs: torch.dtype | None, kept_ids: set[int]) -> None:
+    for module, top in [(model, True), *((m, False) for m in _entry_points(model, kept_ids))]:
+        module.register_forward_pre_hook(EntryCasts(dtype, cast_outputs, top=top), with_kwargs=True, prepend=True)
+        module.register_forward_hook(EntryExit(cast_outputs), always_call=True)
+
+
+def _set_entry_scope(model: nn.Module, device_type: str | None, policy: Any = None) -> None:
+    """Entry points of ``model`` run under its op-level casting (``device_type``, with
+    ``policy``) or none (None)."""
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, EntryCasts) and not hook.top:
+                hook.device_type = device_type
+                if device_type is not None and policy is not None:
+                    _MODEL_POLICY[module] = policy
+                elif device_type is None:
+                    _MODEL_POLICY.pop(module, None)
+
+
 # Inside code torch.compile traces, the scope is torch's own autocast state, switched
 # with calls dynamo records in the graph (the default lists: a custom policy's changes
 # apply to eager calls only); what to restore is taken at trace time, per module.
@@ -372,6 +488,7 @@ def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, polic
     remove_op_casting(model)
     if policy is not None:
         _MODEL_POLICY[model] = policy
+    _set_entry_scope(model, device_type, policy)
     # Outermost: the scope opens before the input casts and closes after the output casts.
     model.register_forward_pre_hook(OpCastingEnter(dtype, device_type), prepend=True)
     model.register_forward_hook(OpCastingExit(), always_call=True)
@@ -379,6 +496,7 @@ def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, polic
 
 def remove_op_casting(model: nn.Module) -> None:
     _MODEL_POLICY.pop(model, None)
+    _set_entry_scope(model, None)
     _remove_scope_hooks(model, enabled=True)
 
 
@@ -414,7 +532,7 @@ def remove_io_casts(module: nn.Module) -> None:
     for handle in _HANDLES.pop(module, []):
         handle.remove()
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        for key in [k for k, h in hooks.items() if isinstance(h, (CastInputs, CastOutputs))]:
+        for key in [k for k, h in hooks.items() if isinstance(h, (CastInputs, CastOutputs, EntryCasts, EntryExit))]:
             del hooks[key]
             module._forward_pre_hooks_with_kwargs.pop(key, None)
             module._forward_hooks_with_kwargs.pop(key, None)
@@ -515,4 +633,5 @@ def cast_model(
                 add_fp32_scope(m, _device_type_of(m))
     if id(model) not in kept_ids:
         add_io_casts(model, dtype, output_dtype=cast_outputs)
+        _add_entry_casts(model, dtype, cast_outputs, kept_ids)
     return model
