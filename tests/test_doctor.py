@@ -235,6 +235,61 @@ def test_backward_only_overflow_named_and_fixed_by_lower_scale():
     assert_trains_like(fixed, reference, rtol=1e-2)
 
 
+class InlineBoost(nn.Module):
+    """The custom function applied in the module's own forward, between its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(GradBoost.apply(self.fc1(x))))
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = InlineBoost()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("make, module", [(Wrapped, "body"), (InlineBoost, "")])
+def test_backward_overflow_in_a_modules_own_code_is_that_modules(make, module):
+    static = amp.LossScaler(init_scale=2.0**10, dynamic=False)
+    _, stats, report, _ = train(make, FP16, static, 2, fixed_batch, lr=3e-5, doctor=True)
+    assert stats.skipped == 2
+    event = report.events[0]
+    assert (event.level, event.direction, event.module) == ("module", "backward", module)
+    assert "model's output" not in event.summary()
+    f = report.first
+    assert (f.level, f.direction, f.module, f.op, f.node) == ("op", "backward", module, "mul", "GradBoostBackward")
+    assert "in None" not in " ".join(a.evidence for a in report.advice)
+
+
+def test_a_skipped_step_the_check_never_saw_again_gets_advice():
+    static = amp.LossScaler(init_scale=2.0**10, dynamic=False)
+    _, stats, report, _ = train(Wrapped, FP16, static, 1, fixed_batch, lr=3e-5, doctor=True)
+    assert stats.skipped == 1 and report.checks_run == 0
+    kinds = [a.kind for a in report.advice]
+    assert kinds == ["module_fp32", "use_bf16", "diagnose"], kinds
+    assert report.advice[0].change == {"module_rules": {"body": torch.float32}}
+    assert "nothing overflowed" not in report.table()
+
+
+def test_advice_none_says_why_when_the_skip_did_not_recur():
+    def data(step):  # one batch with huge targets: its grads overflow at the first scale only
+        x, y = batch(step)
+        return x, (y * 1e3 if step == 0 else y)
+
+    _, stats, report, _ = train(Mlp, FP16, amp.LossScaler(init_scale=2.0**16), 4, data, lr=1e-3, doctor=True)
+    assert stats.skipped == 1 and [e.recurred for e in report.events] == [False] and report.advice == []
+    table = report.table()
+    assert "Advice: none needed (1 skipped step(s) did not recur" in table and "nothing overflowed" not in table
+
+
 # --- 4. grads vanish in fp16 without loss scaling ----------------------------------------------
 class Mlp(nn.Module):
     def __init__(self) -> None:

@@ -11,11 +11,12 @@ from typing import Any
 
 def exit_code(value: Any) -> int:
     """The process exit code of ``SystemExit(value)``, as Python computes it: None is 0,
-    an int is itself, anything else is printed on stderr and gives 1."""
+    an int is itself (a bool its int: ``SystemExit(True)`` exits with 1), anything
+    else is printed on stderr and gives 1."""
     if value is None:
         return 0
     if isinstance(value, int):
-        return value
+        return int(value)
     print(value, file=sys.stderr)  # sys.exit("message") prints it and exits with 1
     return 1
 

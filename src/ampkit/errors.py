@@ -13,6 +13,7 @@ __all__ = [
     "NumericsError",
     "StateError",
     "DistributedError",
+    "OutputPathError",
 ]
 
 
@@ -43,3 +44,8 @@ class StateError(AmpError, RuntimeError):
 
 class DistributedError(AmpError, RuntimeError):
     """A distributed setup ampkit cannot support, or ranks that disagree."""
+
+
+class OutputPathError(AmpError, ValueError):
+    """An output path given to ampkit cannot be written: not a path, a folder, or in a
+    folder that is missing or not writable. Raised before any work is done."""

@@ -20,7 +20,12 @@ from . import casting
 from .errors import AmpError, PolicyError
 from .policy import Policy
 
-__all__ = ["explain", "ExplainReport", "OpRecord", "CastRecord"]
+__all__ = ["explain", "ExplainError", "ExplainReport", "OpRecord", "CastRecord"]
+
+
+class ExplainError(AmpError, RuntimeError):
+    """The call :func:`explain` was asked to run raised: typically inputs the model
+    does not take. The original exception is its ``__cause__``."""
 
 _CAST_OPS = {"_to_copy"}  # what .to(dtype) and autocast's casts reach the dispatcher as
 
@@ -226,6 +231,8 @@ def explain(
     scales; their scale state is not advanced by the explained call.
 
     Returns an :class:`ExplainReport`; ``print(report)`` shows a table.
+
+    Raises :class:`ExplainError` (chained to the original) when the call raises.
     """
     if not callable(fn_or_module):
         raise AmpError(
@@ -245,10 +252,26 @@ def explain(
     try:
         with recorder, fp8.observe() as fp8_records:
             fn_or_module(*inputs, **kwargs)
+    except AmpError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        given = ", ".join([_describe(x) for x in inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()])
+        raise ExplainError(
+            f"explain ran {getattr(fn_or_module, '__name__', type(fn_or_module).__name__)}({given}) and it "
+            f"raised {type(exc).__name__}: {text[0] if text else ''}. Pass the inputs the model takes: "
+            "ampkit.explain(model, *example_inputs, **keyword_inputs)."
+        ) from exc
     finally:
         if scope is not None:
             scope.__exit__(None, None, None)
     return ExplainReport(recorder.records, recorder.pending, note, fp8_records)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
+    return f"{type(x).__name__} {x!r:.30}"
 
 
 def _eager(fn: Any) -> tuple[Any, str | None]:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ._dtypes import LOW_PRECISION
+from ._paths import output_path
 from .convert import ConversionError, OutputError, dequantized, output_error, run_batch
 from .errors import AmpError
 
@@ -331,6 +332,8 @@ def export_onnx(
         An :class:`OnnxExport` (sizes, node dtypes, exporter used, errors).
 
     Raises:
+        OutputPathError: ``path`` is not a str/PathLike, is a folder, or its folder is
+            missing or not writable (checked before exporting).
         AmpError: the deploy extra is missing, the export fails, the file does not pass
             ``onnx.checker`` or does not run in onnxruntime (with what to do).
     """
@@ -341,9 +344,7 @@ def export_onnx(
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ConversionError(f"exporter must be 'auto', 'dynamo' or 'torchscript', got {exporter!r}.")
     args = _as_args(example_inputs)
-    path = Path(path)
-    if not path.parent.exists():
-        raise ConversionError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist.")
+    path = output_path(path, "the ONNX file")
     onnx = _require("onnx")
     if check:
         _require("onnxruntime")

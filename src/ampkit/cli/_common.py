@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ampkit._paths import unwritable_reason
 
 
 def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
@@ -30,17 +31,19 @@ class UsageError(Exception):
 
 
 def writable(path: Path) -> bool:
-    """Whether a file can be written at ``path``: its folder exists and is writable."""
-    parent = path.parent if str(path.parent) else Path(".")
-    return parent.is_dir() and os.access(parent, os.W_OK)
+    """Whether a file can be written at ``path``: it is no folder, and its folder
+    exists and is writable."""
+    return unwritable_reason(path) is None
 
 
 def unwritable(path: Path | None, what: str, prog: str) -> str | None:
-    """The one-line error for an output file ``path`` whose folder is missing or not
-    writable (None when it can be written, or no path was given)."""
-    if path is None or writable(path):
+    """The one-line error for an output file ``path`` that is a folder or whose
+    folder is missing or not writable (None when it can be written, or no path was
+    given)."""
+    reason = None if path is None else unwritable_reason(path)
+    if reason is None:
         return None
-    return f"{prog}: cannot write {what} to {str(path)!r} (folder missing or not writable)"
+    return f"{prog}: cannot write {what} to {str(path)!r} ({reason})"
 
 
 def check_writable(path: Path | None, what: str, prog: str) -> None:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ampkit._paths import unwritable_reason
+
 from ._common import UsageError, add_command, float_between, positive_int, writable
 
 __all__ = ["add_parser", "run"]
@@ -143,7 +145,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 def _check_out(path: Path | None, flag: str) -> None:
     if path is not None and not writable(path):
-        raise UsageError(f"{flag}: cannot write {str(path)!r} (folder missing or not writable)")
+        raise UsageError(f"{flag}: cannot write {str(path)!r} ({unwritable_reason(path)})")
 
 
 # --- the command -----------------------------------------------------------------------

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..errors import StateError
 from ._advice import Advice
 from ._checker import TensorStats
 from ._core import ENV, Doctor, DoctorWarning, attach_global, current, env_enabled
@@ -67,7 +68,12 @@ __all__ = [
 
 def doctor(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    **options: Any,
+    *,
+    every: int = 50,
+    max_checks: int = 10,
+    underflow_threshold: float = 0.5,
+    log: bool = True,
+    **unknown: Any,
 ) -> Doctor:
     """A :class:`Doctor` for ``optimizers`` (default: every optimizer managed in the
     current AMP session), to use as a context manager::
@@ -76,13 +82,26 @@ def doctor(
             train()
         doc.report().print()
 
-    Options (defaults in brackets): ``every`` [50] steps at least between op-level
-    checks, ``max_checks`` [10], ``underflow_threshold`` [0.5], ``log`` [True]. Raises
-    :class:`~ampkit.StateError` for an optimizer ampkit does not manage.
+    Args:
+        optimizers: managed optimizers to watch; default every optimizer managed in
+            the current AMP session when the doctor starts.
+        every: at least this many steps between two op-level checks (default 50).
+        max_checks: op-level checks in all (default 10).
+        underflow_threshold: fraction in (0, 1] of 16-bit parameter-gradient elements
+            below the smallest normal that arms an underflow check (default 0.5).
+        log: log findings on the ``ampkit.doctor`` logger, rank 0 only (default True).
+
+    Raises :class:`~ampkit.StateError` for an optimizer ampkit does not manage, an
+    option of the wrong type or range, or a keyword that is no option.
     ``ampkit.doctor.current()`` is the process-wide doctor that
     ``init_trainer(..., doctor=True)`` and ``AMPKIT_DOCTOR=1`` start.
     """
-    return Doctor(optimizers, **options)
+    if unknown:
+        raise StateError(
+            f"doctor: unknown option(s) {', '.join(sorted(map(repr, unknown)))}; the options are "
+            "every, max_checks, underflow_threshold and log."
+        )
+    return Doctor(optimizers, every=every, max_checks=max_checks, underflow_threshold=underflow_threshold, log=log)
 
 
 doctor.current = current  # type: ignore[attr-defined]

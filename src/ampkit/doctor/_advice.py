@@ -32,8 +32,8 @@ class Advice:
     Attributes:
         kind: ``"module_fp32"``, ``"op_fp32"``, ``"use_bf16"``, ``"init_scale"``,
             ``"clip"``, ``"learning_rate"``, ``"unscale_before_clip"``, ``"scale_loss"``,
-            ``"one_backward_per_scale_loss"``, ``"sync_masters"``, ``"clip_after_backward"``
-            or ``"restore_weights"``.
+            ``"one_backward_per_scale_loss"``, ``"sync_masters"``, ``"clip_after_backward"``,
+            ``"restore_weights"`` or ``"diagnose"``.
         title: the change, in a few words.
         evidence: the measurement that triggered it.
         code: code to paste.
@@ -256,15 +256,37 @@ def _skip_rate_advice(doc: Doctor) -> list[Advice]:
     return [_init_scale_advice(doc, settled, f"start the loss scale at {_pow2(settled)}", ev)]
 
 
-def _module_level_advice(doc: Doctor) -> list[Advice]:
-    """Module-level findings of steps the op-level check never reached."""
+def unexplained_events(doc: Doctor) -> list[Finding]:
+    """Module-level events (skipped steps, non-finite losses) that no op-level finding
+    explains and that were not shown to vanish (an op-level check after them saw no
+    inf/NaN: the dynamic scale backed off)."""
     if any(f.level == "op" and f.kind != "underflow" for f in doc.findings):
         return []
+    return [ev for ev in doc.events if ev.recurred is not False]
+
+
+def _module_level_advice(doc: Doctor) -> list[Advice]:
+    """Module-level findings of steps the op-level check never reached: keep the
+    module named in fp32 (not the whole model), compute in bf16 instead of fp16, and
+    run the op-level check on the failing batch."""
+    events = unexplained_events(doc)
+    if not events:
+        return []
+    ev = events[0]
+    what = (
+        f"step {ev.step}: first inf/NaN at {ev.where()} (module-level record); no op-level check "
+        f"ran on a later step ({doc.checks_run} of max_checks={doc.max_checks} run, every={doc.every})"
+    )
     out = []
-    for ev in doc.events[:1]:
-        if ev.direction == "forward" and ev.module is not None:
-            out.append(_module_fp32(ev, f"step {ev.step}: module {ev.module!r} ({ev.module_type}) output "
-                                        f"went inf/NaN in the forward (module-level record)"))
+    if ev.module:  # a named submodule; "" is the whole model
+        out.append(_module_fp32(ev, what))
+    if doc.compute_dtype is torch.float16:
+        out.append(_bf16_advice(what + "; bf16 reaches 3.4e38"))
+    out.append(Advice(
+        "diagnose", "run the op-level check on the batch that failed", what,
+        "finding = doc.diagnose(lambda: loss_fn(model(x), y).backward())   # inside `with amp.doctor(opt) as doc:`\n"
+        "print(finding.summary())   # the op, its module and the values; zero the grads after",
+    ))
     return out
 
 

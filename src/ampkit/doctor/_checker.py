@@ -223,13 +223,17 @@ class OpChecker:
     def map_nodes(self, outputs: list[torch.Tensor], stop: set[int], module: str) -> None:
         """Attribute the autograd nodes the forward of ``module`` created (those
         reachable from its outputs, up to its inputs' nodes) to ``module``; inner
-        modules map theirs first."""
+        modules map theirs first. The walk goes on through the nodes of inner modules
+        (they keep their module) to the ones this module's own code made before it
+        called them: a custom autograd function applied in its ``forward``, say."""
         todo = [t.grad_fn for t in outputs]
+        seen: set[int] = set()
         while todo:
             node = todo.pop()
-            if node is None or id(node) in self.nodes or id(node) in stop:
+            if node is None or id(node) in seen or id(node) in stop:
                 continue
-            self.nodes[id(node)] = (node, module)
+            seen.add(id(node))
+            self.nodes.setdefault(id(node), (node, module))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     # --- per op ---------------------------------------------------------------------

@@ -92,8 +92,14 @@ class Doctor:
             raise StateError(f"doctor: every must be an int >= 1, got {every!r}.")
         if not (isinstance(max_checks, int) and not isinstance(max_checks, bool) and max_checks >= 0):
             raise StateError(f"doctor: max_checks must be an int >= 0, got {max_checks!r}.")
-        if not (isinstance(underflow_threshold, (int, float)) and 0 < underflow_threshold <= 1):
+        if not (
+            isinstance(underflow_threshold, (int, float))
+            and not isinstance(underflow_threshold, bool)
+            and 0 < underflow_threshold <= 1
+        ):
             raise StateError(f"doctor: underflow_threshold must be in (0, 1], got {underflow_threshold!r}.")
+        if not isinstance(log, bool):
+            raise StateError(f"doctor: log must be True or False, got {log!r}.")
         self._requested = opts
         self.every = every
         self.max_checks = max_checks
@@ -744,7 +750,8 @@ def localize(res: ResolvedStep, step: int, scale: float) -> Finding | None:
         )
     if kind == "grad":
         tap, dt, amax = data
-        module = _innermost(tap.consumers)
+        # no module took the tensor: the code of the module that received it made its grad
+        module = _innermost(tap.consumers) if tap.consumers else tap.owner
         return Finding(
             step, scale, "overflow", "module", direction="backward", module=module,
             module_type=res.module_type.get(module or ""), dtype=dtype_name(dt), params=params,

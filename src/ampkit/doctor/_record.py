@@ -68,11 +68,15 @@ def _floats(value: Any) -> list[torch.Tensor]:
 @dataclasses.dataclass(eq=False)
 class Tap:
     """A tensor that crossed module boundaries this step (hooked once): the modules
-    that returned it and the modules that took it as input."""
+    that returned it, the modules that took it as input, and ``owner``: the module
+    whose own ``forward`` code received it from its outermost producer (None when
+    that producer is the model itself: the tensor is the model's output). Its grad
+    comes from a consumer's backward, or else from the owner's own code."""
 
     producers: list[str]
     consumers: list[str]
     dtype: torch.dtype
+    owner: str | None = None
 
 
 @dataclasses.dataclass
@@ -299,11 +303,14 @@ class Recorder:
             if outputs:
                 log.module_dtype.setdefault(name, outputs[0].dtype)
                 log.module_type.setdefault(name, type(module).__name__)
+            owner = stack[-1][1] if stack else None  # the module whose code receives the outputs
             for t in outputs:
                 self._known[t] = True
                 log.acts.append((log.next_seq(), name, t.dtype, abs_max(t)))
                 if t.requires_grad:
-                    self._tap(t).producers.append(name)
+                    tap = self._tap(t)
+                    tap.producers.append(name)
+                    tap.owner = owner
             if checker is not None:
                 checker.map_nodes([t for t in outputs if t.grad_fn is not None], stop or set(), name)
                 checker.forward_module = stack[-1][1] if stack else None

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._paths import output_path
 from . import _advice
 from ._advice import Advice
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint
@@ -130,10 +131,12 @@ class DoctorReport:
         }
 
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> str:
-        """The report as JSON; also written to ``path`` when given."""
+        """The report as JSON; also written to ``path`` when given
+        (:class:`~ampkit.OutputPathError` when it cannot be)."""
+        target = None if path is None else output_path(path, "the doctor's JSON report")
         text = json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
-        if path is not None:
-            Path(path).write_text(text + "\n")
+        if target is not None:
+            target.write_text(text + "\n")
         return text
 
     # --- text -------------------------------------------------------------------------------
@@ -174,6 +177,17 @@ class DoctorReport:
         if f.recurred is not None:
             lines.append(f"    recurred in the op-level check: {'yes' if f.recurred else 'no'}")
         return lines
+
+    def _why_no_advice(self) -> str:
+        """Why the advice list is empty, in words that agree with the findings."""
+        if not (self.findings or self.events or self.misuse):
+            return "(nothing overflowed, underflowed or looked misused)"
+        if self.events and not self.findings and not self.misuse and all(f.recurred is False for f in self.events):
+            return (
+                f"needed ({len(self.events)} skipped step(s) did not recur in the op-level check of a "
+                "later step: the dynamic loss scale backed off, as it is meant to)"
+            )
+        return "(no change ampkit knows of addresses the findings above; look at the op they name)"
 
     def table(self) -> str:
         """The whole report as fixed-width text."""
@@ -220,7 +234,7 @@ class DoctorReport:
                 out.append(f"     evidence: {a.evidence}")
                 out.extend("     | " + line for line in a.code.splitlines())
         else:
-            out.append("Advice: none (nothing overflowed, underflowed or looked misused).")
+            out.append(f"Advice: none {self._why_no_advice()}.")
         return "\n".join(out).rstrip()
 
     def __str__(self) -> str:
@@ -273,7 +287,9 @@ class DoctorReport:
     def save_png(self, path: str | Path) -> Path:
         """Write a PNG: loss scale and skipped steps over time, and each module's
         activation and gradient abs-max against its dtype's limit. Needs matplotlib
-        (``pip install 'ampkit[cli]'``)."""
+        (``pip install 'ampkit[cli]'``). Raises :class:`~ampkit.OutputPathError`
+        before drawing when ``path`` cannot be written."""
+        path = output_path(path, "the doctor's plot")
         import matplotlib
 
         matplotlib.use("Agg", force=False)
@@ -314,7 +330,6 @@ class DoctorReport:
             ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8)
         ax2.set_title("per-module peak vs dtype limit (top by risk)")
         fig.tight_layout()
-        path = Path(path)
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return path
