@@ -79,7 +79,7 @@ from ._step import stepped_by_scaler, unscaled_in_place
 from ._where import _SKIPPED
 from .casting import _hooks
 from .errors import AmpError
-from .model import OpCastingEnter, cast_tensors
+from .model import EntryCasts, OpCastingEnter, cast_tensors
 
 __all__ = ["LEVELS", "RunConfig", "RunRefused", "RunResult", "ScriptError", "run_script"]
 
@@ -377,8 +377,12 @@ def _entered_by_script() -> bool:
 
 
 def _has_own_scope(module: nn.Module) -> bool:
-    """A model cast by O2/O2K opens its own op-level scope (ampkit.model)."""
-    return any(isinstance(h, OpCastingEnter) for h in module._forward_pre_hooks.values())
+    """A model cast by O2/O2K opens its own op-level scope (ampkit.model), and so does a
+    submodule of it entered directly (its entry point's EntryCasts)."""
+    return any(
+        isinstance(h, OpCastingEnter) or isinstance(h, EntryCasts) and h.device_type is not None
+        for h in module._forward_pre_hooks.values()
+    )
 
 
 # ---------------------------------------------------------------------------------
