@@ -46,6 +46,7 @@ import operator
 import re
 import sys
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -493,6 +494,88 @@ def _guard_compiled_code() -> None:
         install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
     except Exception:  # noqa: BLE001 - another torch's internals: compile without the guard
         logger.debug("ampkit: could not add the policy guard to compiled code", exc_info=True)
+    _mark_graph(tx.output)
+
+
+# torch.compile's caches (AOTAutograd's, in memory and on disk, and the artifacts
+# torch.compiler.save_cache_artifacts writes) key compiled code on dynamo's graph and on
+# torch's autocast state. The casts of ampkit's kernels are made after that graph, while
+# AOTAutograd traces it: a graph traced under one policy would be served under another
+# (an inference graph of the default policy under fp32_ops=["linear"] ran linear in bf16).
+# So a graph traced while the kernels decide otherwise than torch's own gets a node naming
+# those decisions: a no-op (it decomposes to nothing when AOTAutograd traces it) whose
+# argument is part of the key.
+_marker_lib = torch.library.Library("ampkit", "FRAGMENT")
+_marker_lib.define("casting_decisions(str decisions) -> ()")
+_marker_lib.impl("casting_decisions", lambda decisions: None, "CompositeImplicitAutograd")
+_MARKER = torch.ops.ampkit.casting_decisions.default
+
+# Engine state: compile key -> its kernel decisions (a cache: the key names the scopes by
+# value), and the predicates of conditional rules by serial number (held, so the number is
+# never another object's; ``_PROCESS`` keeps two processes' numbers apart).
+_DECISIONS: dict[str, str] = {}
+_PREDICATES: dict[Callable[..., bool], int] = {}
+_PROCESS = uuid.uuid4().hex[:12]  # os.urandom: no generator a user can observe
+
+
+def _kernel_decisions() -> str:
+    """What this thread's scopes make ampkit's kernels decide where torch's own would
+    decide otherwise, as text ("" when nothing differs): per device, the compute dtype and
+    the ops whose category changed; conditional rules by their predicate's identity."""
+    key = _state.compile_key
+    hit = _DECISIONS.get(key)
+    if hit is not None:
+        return hit
+    parts = []
+    for device_type, frames in sorted(_state.frames.items()):
+        top = frames[-1] if frames else None
+        if top is None or not top.enabled:
+            continue
+        native = _NATIVE[device_type]
+        changed = sorted(f"{op}={c}" for op, c in top.categories.items() if native.get(op) != c)
+        with _step_hook_lock:
+            conditional = sorted(
+                f"{op}?{_PROCESS}.{_PREDICATES.setdefault(p, len(_PREDICATES))}"
+                for op, preds in top.conditionals.items()
+                for p in preds
+            )
+        if changed or conditional:
+            parts.append(f"{device_type}:{top.dtype}:{','.join(changed)}:{','.join(conditional)}")
+    decisions = ";".join(parts)
+    if len(_DECISIONS) > 1024:
+        _DECISIONS.clear()
+    _DECISIONS[key] = decisions
+    return decisions
+
+
+# Engine state: the warning that a graph could not be marked is given once per process.
+_marker_failed = False
+
+
+def _mark_graph(output: Any) -> None:
+    """Put the marker of :func:`_kernel_decisions` in the graph dynamo is building (once;
+    not after tracing ended: AOTAutograd runs the kernels again, under the same scopes)."""
+    if getattr(output, "should_exit", True):
+        return
+    decisions = _kernel_decisions()
+    if not decisions:
+        return
+    try:
+        tracer = output.root_tracer
+        if any(n.args == (decisions,) for n in tracer.graph.find_nodes(op="call_function", target=_MARKER)):
+            return
+        tracer.create_proxy("call_function", _MARKER, (decisions,), {}).node.meta["example_value"] = None
+    except Exception:  # noqa: BLE001 - another torch's internals: the cache may serve this graph elsewhere
+        global _marker_failed
+        if _marker_failed:
+            return
+        _marker_failed = True
+        logger.warning(
+            "ampkit: could not name the casting policy in a graph torch.compile is building; "
+            "its compile caches may serve it under another policy (set "
+            "torch._functorch.config.enable_autograd_cache = False to be safe)",
+            exc_info=True,
+        )
 
 
 # Engine state: set once, when dynamo is told to skip the kernel frames.
@@ -519,15 +602,76 @@ def _skip_kernel_frames() -> None:
         logger.debug("ampkit: could not mark kernel frames as skipped for dynamo", exc_info=True)
 
 
-def _drop_compiled_code() -> None:
-    """A policy overrides an op for the first time in this process: code torch.compile
-    built before may hold that op traced by torch's own kernel, with no guard on
-    ampkit's scopes (nothing of ampkit ran while it was traced). Recompile it."""
+def _drop_compiled_code(device_type: str) -> None:
+    """A policy overrides an op on ``device_type`` for the first time in this process:
+    code torch.compile traced before under autocast on that device, with no guard on
+    ampkit's scopes (nothing of ampkit ran while it was traced), holds the op as torch's
+    own kernel cast it, and would run so under the policy. Only that code is dropped
+    (compiled anew on its next call); code traced without autocast (an optimizer step,
+    a model compiled outside any scope) or guarded on the scopes stays as it is."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None or not utils.counters["frames"].get("ok") or torch.compiler.is_compiling():
         return
-    logger.info("ampkit: a policy overrides an op for the first time; compiled code is reset")
-    torch.compiler.reset()
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+        from torch._dynamo.convert_frame import compile_lock
+
+        with compile_lock:
+            stale = _unguarded_autocast_code(device_type)
+            for code in stale:
+                reset_code(code)
+    except Exception:  # noqa: BLE001 - another torch's internals: only a full reset is safe
+        logger.debug("ampkit: could not look into torch.compile's code cache", exc_info=True)
+        _warn_dropped("every function torch.compile compiled in this process")
+        torch.compiler.reset()
+        return
+    if stale:
+        names = ", ".join(sorted({c.co_name for c in stale})[:5])
+        _warn_dropped(f"{len(stale)} compiled function(s) ({names})")
+
+
+# Engine state: the warning that compiled code was dropped is given once per process.
+_warned_dropped = False
+
+
+def _warn_dropped(what: str) -> None:
+    global _warned_dropped
+    if _warned_dropped:
+        return
+    _warned_dropped = True
+    logger.warning(
+        "ampkit: a policy overrides an op for the first time; %s traced under autocast "
+        "before that, unguarded by ampkit's scopes, will be compiled again on the next call "
+        "(enter your policies once before compiling to avoid it)",
+        what,
+    )
+
+
+def _unguarded_autocast_code(device_type: str) -> list[Any]:
+    """Code objects with compiled code traced under autocast on ``device_type`` and not
+    guarded on ``_state.compile_key`` (read from dynamo's guards, a torch internal
+    checked by tests/test_compile.py)."""
+    import json
+
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    index = torch._C._autocast_supported_devices().index(device_type)
+    marker = "___check_global_state() against "
+    stale = []
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is None:
+            continue
+        for entry in _debug_get_cache_entry_list(code):
+            parts = entry.guard_manager.code_parts
+            if any("_state.compile_key" in part for part in parts):
+                continue
+            states = [json.loads(p[p.index(marker) + len(marker):]) for p in parts if marker in p]
+            if not states or states[0]["autocast_state"]["enabled"][index]:
+                stale.append(code)
+                break
+    return stale
 
 
 class _KernelRegistry:
@@ -559,7 +703,7 @@ class _KernelRegistry:
             for base in names - done:
                 self._libs[(device_type, base)] = _register(device_type, base)
             self._done[device_type] = done | names
-        _drop_compiled_code()
+        _drop_compiled_code(device_type)
 
     def clear(self) -> None:
         """Remove every kernel (torch's own are back). Only safe when no other thread
