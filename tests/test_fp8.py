@@ -6,6 +6,7 @@ and an LM that trains as well as bf16."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import warnings
 from typing import Any
@@ -297,6 +298,91 @@ def test_layer_choice_default_filter_exclude_and_refusals():
     assert all(type(m) is nn.Linear for m in small)  # refused calls changed nothing
     with pytest.warns(UserWarning, match="chose no nn.Linear"):
         amp.initialize(small, opt, opt_level="O1", fp8=True)
+
+
+@pytest.mark.parametrize("margin", [7, 20, 200, 10**6, -1, 1.5, True, "2"])
+def test_recipe_refuses_a_margin_whose_scales_fp32_cannot_represent(margin):
+    with pytest.raises(PolicyError, match=r"margin must be an int in \[0, 6\].*normal fp32"):
+        amp.Fp8Recipe(margin=margin)
+
+
+def test_the_margin_bound_is_derived_from_the_formats_and_is_tight():
+    """``MAX_MARGIN`` is the largest margin whose scale of fp32's largest abs-max is a
+    normal fp32 number (e4m3, the tighter format); one more and it is not. At the bound a
+    layer fed values up to fp32's largest computes finite outputs equal to the reference."""
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    for dt, bound in ((E4M3, 6), (E5M2, 13)):
+        assert fp8._max_margin(dt) == bound
+        assert torch.finfo(dt).max / big / 2.0**bound >= tiny > torch.finfo(dt).max / big / 2.0 ** (bound + 1)
+    assert fp8.MAX_MARGIN == 6
+    with pytest.warns(UserWarning, match="binades"):
+        rec = amp.Fp8Recipe(margin=fp8.MAX_MARGIN, module_filter=lambda n, m: True)
+    scale = fp8._scale_from_amax(torch.tensor(big), E4M3, rec)
+    assert scale.dtype == torch.float32 and scale >= tiny and torch.isfinite(scale.reciprocal())
+    lin = _one_linear(rec)
+    x = torch.randn(16, 32)
+    x[0, 0] = big / 64  # the product with weights stays finite; the abs-max is huge
+    with torch.no_grad():
+        y = lin(x)
+    assert torch.isfinite(y).all()
+    s = torch.tensor(torch.finfo(E4M3).max) / x.abs().max() / 2.0**fp8.MAX_MARGIN
+    sw = torch.tensor(torch.finfo(E4M3).max) / lin.weight.abs().max() / 2.0**fp8.MAX_MARGIN
+    ref = _deq(_q(x, s, E4M3), s) @ _deq(_q(lin.weight.detach(), sw, E4M3), sw).t() + lin.bias.detach()
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+
+
+def test_a_margin_that_costs_accuracy_warns_once():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m in range(fp8.WARN_MARGIN):
+            amp.Fp8Recipe(margin=m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rec = amp.Fp8Recipe(margin=fp8.WARN_MARGIN)
+        amp.Fp8Recipe(margin=fp8.WARN_MARGIN, scaling="delayed")
+        _one_linear(dataclasses.replace(rec, module_filter=lambda n, m: True))  # rebuilds the recipe
+    msgs = [str(w.message) for w in caught if "margin" in str(w.message)]
+    assert len(msgs) == 1 and "margin=4" in msgs[0] and "binades" in msgs[0]
+
+
+@pytest.mark.parametrize("length", [0, 1025, 10**8, True, 4.0])
+def test_recipe_refuses_an_amax_history_len_out_of_range(length):
+    with pytest.raises(PolicyError, match=r"amax_history_len must be an int in \[1, 1024\]"):
+        amp.Fp8Recipe(scaling="delayed", amax_history_len=length)
+
+
+def test_the_longest_history_allowed_is_kept_in_full():
+    lin = _one_linear(amp.Fp8Recipe(scaling="delayed", amax_history_len=fp8.MAX_AMAX_HISTORY_LEN,
+                                    module_filter=lambda n, m: True))
+    lin(torch.randn(4, 32)).sum().backward()
+    for role in fp8._ROLES:
+        history = _state()[role]["amax_history"]
+        assert history.shape == (1024,) and history.dtype == torch.float32 and history[0] > 0
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("format", "e5m2", "format must be one of"),
+    ("scaling", None, "scaling must be one of"),
+    ("granularity", ["rowwise"], "granularity must be one of"),
+    ("amax_compute_algo", "mean", "amax_compute_algo must be one of"),
+    ("min_features", -1, r"min_features must be an int >= 0"),
+    ("min_features", "16", r"min_features must be an int >= 0"),
+    ("power_of_2_scales", 1, "True or False"),
+    ("skip_first_last", "no", "True or False"),
+    ("reduce_amax", None, "True or False"),
+    ("module_filter", "*.fc", "callable"),
+    ("exclude", 5, "tuple of name globs"),
+    ("exclude", "*.fc", "tuple of name globs"),
+    ("exclude", ("*.fc", 3), "tuple of name globs"),
+])
+def test_every_recipe_field_is_checked_at_construction(field, value, match):
+    with pytest.raises(PolicyError, match=match):
+        amp.Fp8Recipe(**{field: value})
+
+
+def test_an_exclude_list_is_kept_as_a_tuple():
+    rec = amp.Fp8Recipe(exclude=["*.fc", "0"])
+    assert rec.exclude == ("*.fc", "0") and hash(rec) == hash(amp.Fp8Recipe(exclude=("*.fc", "0")))
 
 
 def test_conversion_keeps_identity_and_state_dict_and_reset_reverts():

@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import itertools
+import math
 import threading
 import warnings
 import weakref
@@ -80,6 +81,42 @@ E5M2 = torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EPS = 1e-12  # abs-max floor: an all-zero tensor gets a large finite scale
 _ROLES = ("input", "weight", "grad_output")
+_FP32 = torch.finfo(torch.float32)
+
+
+def _max_margin(fp8: torch.dtype) -> int:
+    """The largest margin whose scales fp32 represents for every finite abs-max.
+
+    ``scale = fp8_max / amax / 2**margin`` is smallest at fp32's largest abs-max; it must
+    stay a normal fp32 number (a subnormal scale rounds ``t * scale``, a zero one turns
+    the cast into 0 and its dequantization into inf: NaN outputs)::
+
+        fp8_max / fp32_max / 2**margin >= fp32_tiny
+        margin <= log2(fp8_max / (fp32_max * fp32_tiny))   # e4m3: 6.8, e5m2: 13.8
+
+    Then ``1/scale`` is finite too (that needs only ``2**margin <= fp8_max``), and the
+    abs-max lands at ``fp8_max / 2**margin`` (>= 7 for e4m3), inside fp8's normal range."""
+    return int(math.floor(math.log2(torch.finfo(fp8).max / (_FP32.max * _FP32.tiny))))
+
+
+#: ``Fp8Recipe.margin``'s upper bound: every recipe casts inputs and weights to e4m3,
+#: whose range is the tighter (6; e5m2's alone would allow 13).
+MAX_MARGIN = min(_max_margin(E4M3), _max_margin(E5M2))
+#: Margins from this one up give away at least a quarter of e4m3's normal binades
+#: (log2(448 / 2**-6) = 14.8): values more than ``14.8 - margin`` binades below a
+#: tensor's abs-max become subnormal (fewer than 3 mantissa bits). Measured on 4096x64
+#: tensors (e4m3 relative error, margin 0 / 4 / 6 / 8): Gaussian 0.026 / 0.026 / 0.026 /
+#: 0.026, Student-t(3) 0.026 / 0.026 / 0.026 / 0.028, log-normal(sigma 2) 0.025 / 0.025 /
+#: 0.026 / 0.039: heavy tails lose accuracy first.
+WARN_MARGIN = 4
+#: ``Fp8Recipe.amax_history_len``'s upper bound: TransformerEngine's default history
+#: (``DelayedScaling(amax_history_len=1024)``), the longest in common use. Each fp8 layer
+#: keeps 3 histories, rolled on every call: 12 KB and O(length) work a call at the bound
+#: (at 10**8 it was 1.2 GB a layer and a copy of it every call).
+MAX_AMAX_HISTORY_LEN = 1024
+#: Margins already warned about (a recipe is rebuilt by ``dataclasses.replace``; warn
+#: once a process per value); cleared by the reset hook below.
+_WARNED_MARGINS: set[int] = set()
 
 Fp8Format = Literal["hybrid", "e4m3"]
 Fp8Scaling = Literal["current", "delayed"]
@@ -99,27 +136,35 @@ class Fp8Recipe:
             ``"delayed"`` (scale from an abs-max history, updated after each call).
         granularity: ``"tensorwise"`` (default; one fp32 scale per tensor) or
             ``"rowwise"`` (one per row of each matmul operand; current scaling only).
-        amax_history_len: abs-max entries kept per tensor role (delayed; default 16).
+        amax_history_len: abs-max entries kept per tensor role (delayed; default 16):
+            an int in ``[1, MAX_AMAX_HISTORY_LEN]`` (1024, TransformerEngine's default).
         amax_compute_algo: ``"max"`` (default; max of the history) or
             ``"most_recent"`` (the latest entry) (delayed).
-        margin: scale down by ``2**margin`` for headroom (default 0).
+        margin: scale down by ``2**margin`` for headroom (default 0): an int in
+            ``[0, MAX_MARGIN]`` (6, derived by :func:`_max_margin`: beyond it fp32
+            cannot represent the scale of every finite abs-max); from ``WARN_MARGIN``
+            (4) on it warns once (small values of heavy-tailed tensors lose precision).
         power_of_2_scales: round each scale down to a power of two (default False), so
             scaling itself adds no rounding error.
         skip_first_last: leave the model's first and last ``nn.Linear`` (in module
             order) in the level's 16-bit dtype (default True): an LM's head and the
             input projection are the most sensitive layers.
         min_features: leave linears with ``in_features`` or ``out_features`` below this
-            in 16 bits (default 1024): below it an fp8 matmul's casts cost more than
-            its faster multiply saves. Tiny test models pass e.g. 16.
+            in 16 bits (default 1024; an int >= 0): below it an fp8 matmul's casts cost
+            more than its faster multiply saves. Tiny test models pass e.g. 16.
         module_filter: ``fn(qualified_name, linear) -> bool``; when given it alone
             decides (``skip_first_last``/``min_features`` are not applied).
-        exclude: qualified-name globs never converted (e.g. ``("*.attn.qkv",)``).
+        exclude: qualified-name globs never converted (e.g. ``("*.attn.qkv",)``; a
+            list is kept as a tuple).
         reduce_amax: all-reduce (MAX) the tensorwise abs-max of inputs and
             grad_outputs across ranks when ``torch.distributed`` runs more than one
             (default True).
 
     Only exact ``nn.Linear`` instances (not subclasses) whose ``in_features`` and
     ``out_features`` are multiples of 16 (what fp8 GEMM kernels require) are chosen.
+
+    Every field is checked at construction: a wrong type or a value out of its range
+    raises :class:`~ampkit.PolicyError` naming the range and why.
     """
 
     format: Fp8Format = "hybrid"
@@ -144,18 +189,29 @@ class Fp8Recipe:
         one_of("scaling", ("current", "delayed"))
         one_of("granularity", ("tensorwise", "rowwise"))
         one_of("amax_compute_algo", ("max", "most_recent"))
-        for name in ("amax_history_len", "min_features", "margin"):
-            value = getattr(self, name)
-            low = 1 if name == "amax_history_len" else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise PolicyError(f"Fp8Recipe.{name} must be an int >= {low}, got {value!r}.")
+        _check_int(
+            "amax_history_len", self.amax_history_len, 1, MAX_AMAX_HISTORY_LEN,
+            f"each fp8 layer keeps and rolls 3 histories of this length on every call; "
+            f"{MAX_AMAX_HISTORY_LEN} is TransformerEngine's default, the longest in common use",
+        )
+        _check_int("min_features", self.min_features, 0, None, "it is a size in features")
+        _check_int(
+            "margin", self.margin, 0, MAX_MARGIN,
+            f"scale = fp8_max / amax / 2**margin must be a normal fp32 number for every finite "
+            f"abs-max (fp32's largest included), else casts round to 0 or their dequantization to "
+            f"inf; e4m3's range allows margins up to {MAX_MARGIN}",
+        )
         for name in ("power_of_2_scales", "skip_first_last", "reduce_amax"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"Fp8Recipe.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.module_filter is not None and not callable(self.module_filter):
             raise PolicyError("Fp8Recipe.module_filter must be a callable (name, linear) -> bool.")
-        if isinstance(self.exclude, str) or not all(isinstance(g, str) for g in self.exclude):
-            raise PolicyError(f"Fp8Recipe.exclude must be a tuple of name globs, got {self.exclude!r}.")
+        globs = self.exclude
+        if isinstance(globs, list):
+            globs = tuple(globs)
+        if not isinstance(globs, tuple) or not all(isinstance(g, str) for g in globs):
+            raise PolicyError(f"Fp8Recipe.exclude must be a tuple of name globs (str), got {self.exclude!r}.")
+        object.__setattr__(self, "exclude", globs)  # frozen: a list becomes the tuple it stands for
         if self.granularity == "rowwise":
             if self.scaling != "current":
                 raise PolicyError(
@@ -167,6 +223,17 @@ class Fp8Recipe:
                     "row-wise scaled fp8 GEMMs take e4m3 operands only (as torchao's rowwise "
                     "recipe); use Fp8Recipe(format='e4m3', granularity='rowwise')."
                 )
+        if self.margin >= WARN_MARGIN and self.margin not in _WARNED_MARGINS:
+            _WARNED_MARGINS.add(self.margin)
+            warnings.warn(
+                f"ampkit fp8: Fp8Recipe(margin={self.margin}) puts each tensor's abs-max at "
+                f"fp8_max / 2**{self.margin} and gives away {self.margin} of e4m3's 14.8 normal binades: values "
+                f"more than {14.8 - self.margin:.1f} binades below the abs-max lose precision (heavy-tailed "
+                f"tensors lose accuracy first). Margins below {WARN_MARGIN} (TransformerEngine's default is 0) "
+                "cost no measurable accuracy.",
+                UserWarning,
+                stacklevel=user_stacklevel() + 1,  # past the dataclass's generated __init__
+            )
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -199,6 +266,14 @@ class Fp8Recipe:
                     continue
             chosen.append((name, m))
         return chosen
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None, why: str) -> None:
+    """Raise :class:`PolicyError` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high):
+        return
+    bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+    raise PolicyError(f"Fp8Recipe.{name} must be {bound}, got {value!r}: {why}.")
 
 
 # --- scales -----------------------------------------------------------------------------------
@@ -760,6 +835,7 @@ def _unconvert() -> None:
         module.__dict__.pop(_STATE_ATTR, None)
     _CONVERTED.clear()
     _CURRENT.training = None
+    _WARNED_MARGINS.clear()
 
 
 def plan(recipe: Fp8Recipe, models: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -> Fp8Training:
