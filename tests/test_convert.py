@@ -380,7 +380,8 @@ def test_budget_keeps_nothing_when_16_bits_are_enough():
 
 
 class Loud(nn.Module):
-    """``amp`` produces activations far above fp16's 65504; the next line scales them down."""
+    """``amp`` produces activations above fp16's 65504 from weights fp16 holds (3e4);
+    the next line scales them down."""
 
     def __init__(self):
         super().__init__()
@@ -388,10 +389,10 @@ class Loud(nn.Module):
         self.amp = nn.Linear(8, 8)
         self.head = nn.Linear(8, 4)
         with torch.no_grad():
-            self.amp.weight.mul_(1e6)
+            self.amp.weight.fill_(3e4)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.amp(torch.relu(self.fc1(x))) / 1e6))
+        return self.head(self.amp(torch.relu(self.fc1(x)) + 1.0) / 1e5)
 
 
 def test_budget_keeps_a_layer_whose_activations_overflow_fp16():
@@ -463,6 +464,17 @@ def test_nan_buffer_and_nan_checkpoint_weights_are_refused_an_inf_mask_is_not():
     err = conv.ampkit_report.error
     assert err.nonfinite == 0 and err.rel_error < 0.02  # the reference's own -inf, matched exactly
     assert torch.isneginf(conv(_calib(1, 8)[0])[:, 2]).all()
+
+
+def test_a_weight_beyond_the_16_bit_range_keeps_its_module_fp32_not_inf():
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight[0, 0] = 1e5  # finite in fp32 and bf16, inf in fp16
+    conv = amp.convert(model, dtype=FP16)
+    assert conv.ampkit_report.decision("2").reason == "range" and conv[2].weight.dtype == FP32
+    assert conv[2].weight[0, 0].item() == 1e5 and conv[0].weight.dtype == FP16
+    assert amp.convert(model, dtype=BF16).ampkit_report.decision("2").dtype == BF16  # bf16 holds it
+    assert all(torch.isfinite(t).all() for t in conv.state_dict().values())
 
 
 class MakesNaN(nn.Module):

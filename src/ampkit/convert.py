@@ -296,7 +296,8 @@ class ModuleDecision:
         kind: the module's class name.
         dtype: the dtype its own weights are stored and computed in.
         reason: ``"default"``, ``"inherited"``, ``"norm layer"``, ``"keep_fp32"``,
-            ``"policy rule"``, ``"budget"`` or ``"shared parameter"``.
+            ``"policy rule"``, ``"budget"``, ``"range"`` (its weights exceed the 16-bit
+            dtype's range) or ``"shared parameter"``.
         params: number of elements of its own floating parameters and buffers.
         isolated_error: with a budget, the relative error of the model when this
             module alone runs in 16 bits (every other candidate in fp32), else None.
@@ -735,6 +736,13 @@ def _fp32_copy(model: nn.Module) -> nn.Module:
     return ref
 
 
+def _overflows(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a finite weight of ``module`` itself would round to inf in ``dtype``."""
+    own = [t for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+           if t is not None and t.is_floating_point() and t.numel()]
+    return any(bool((torch.isinf(t.detach().to(dtype)) & torch.isfinite(t.detach())).any()) for t in own)
+
+
 def _owns_weights(module: nn.Module) -> bool:
     return any(p.is_floating_point() for p in module.parameters(recurse=False)) or any(
         b is not None and b.is_floating_point() for b in module.buffers(recurse=False)
@@ -1048,9 +1056,12 @@ def _plan(
 ) -> _Plan:
     """Each module's dtype: a forced choice (budget search), ``keep_fp32``, a policy
     module rule, the norm-layer rule, else its parent's dtype (the model: ``dtype``).
-    Modules sharing a parameter are widened to the widest dtype among them."""
+    A module whose own weights exceed its 16-bit dtype's range stays fp32 (its
+    children still inherit the 16-bit dtype). Modules sharing a parameter are widened
+    to the widest dtype among them."""
     forced = forced or {}
     dtypes: dict[str, torch.dtype] = {}
+    passed_down: dict[str, torch.dtype] = {}  # what children inherit
     reasons: dict[str, str] = {}
     named = list(model.named_modules())
     for name, m in named:
@@ -1066,7 +1077,10 @@ def _plan(
         elif parent is None:
             d, why = dtype, "default"
         else:
-            d, why = dtypes[parent], "inherited" if dtypes[parent] != dtype else "default"
+            d, why = passed_down[parent], "inherited" if passed_down[parent] != dtype else "default"
+        passed_down[name] = d
+        if d in LOW_PRECISION and _overflows(m, d):
+            d, why = torch.float32, "range"
         dtypes[name], reasons[name] = d, why
     # A parameter shared by modules of different dtypes: widen them all.
     owners: dict[int, list[str]] = {}
