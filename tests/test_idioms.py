@@ -1600,6 +1600,14 @@ def loop_ampkit_grad_scaler_adamw(h: Harness) -> Result:
     return scaler_train(h, amp.GradScaler("cpu"), torch.optim.AdamW, lr=1e-2)
 
 
+@idiom(dtype=torch.float16, raises=(("O2K", "bf16|bfloat16"), ("O3", "unscale FP16 gradients")))
+def loop_ampkit_grad_scaler_fp16(h: Harness) -> Result:
+    """``ampkit.GradScaler`` with fp16 models (O2: fp16 grads scaled by 2**16 moved into
+    the masters, unscaled there by the scaler's unscale_ and shown on the model). O3's
+    fp16 grads are refused by the scaler, as torch.amp's refuses them."""
+    return scaler_train(h, amp.GradScaler("cpu"), torch.optim.SGD, lr=0.5, momentum=0.5)
+
+
 class LightningOptimizerLike:
     """The shape of Lightning's ``LightningOptimizer``: not a torch optimizer, the one
     it wraps exposed as ``.optimizer``; ``step``/``zero_grad`` forward to it."""
