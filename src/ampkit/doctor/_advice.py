@@ -269,16 +269,22 @@ def _module_level_advice(doc: Doctor) -> list[Advice]:
     """Module-level findings of steps the op-level check never reached: keep the
     module named in fp32 (not the whole model), compute in bf16 instead of fp16, and
     run the op-level check on the failing batch."""
+    if any(f.level == "op" and f.kind != "underflow" for f in doc.findings):
+        return []
+    out = []
+    for ev in doc.events[:1]:
+        if ev.direction == "forward" and ev.module is not None:
+            out.append(_module_fp32(ev, f"step {ev.step}: module {ev.module!r} ({ev.module_type}) output "
+                                        f"went inf/NaN in the forward (module-level record)"))
     events = unexplained_events(doc)
     if not events:
-        return []
+        return out
     ev = events[0]
     what = (
         f"step {ev.step}: first inf/NaN at {ev.where()} (module-level record); no op-level check "
         f"ran on a later step ({doc.checks_run} of max_checks={doc.max_checks} run, every={doc.every})"
     )
-    out = []
-    if ev.module:  # a named submodule; "" is the whole model
+    if ev.module and not out:  # a named submodule; "" is the whole model
         out.append(_module_fp32(ev, what))
     if doc.compute_dtype is torch.float16:
         out.append(_bf16_advice(what + "; bf16 reaches 3.4e38"))
