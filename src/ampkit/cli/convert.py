@@ -257,6 +257,11 @@ def run(args: argparse.Namespace) -> int:
             top1=None if err is None else err.top1_agreement,
         ))
     render(rows, title=f"ampkit convert: {args.checkpoint} (batch {batch_n}, {args.threads} thread(s))")
+    bad = [key for key, err in errors.items() if err is not None and err.nonfinite]
+    if bad:
+        print(f"ampkit convert: {', '.join(bad)} outputs NaN/inf on the calibration batches where the fp32 "
+              "model's are finite", file=sys.stderr)
+        return 1
     return 0
 
 
