@@ -306,14 +306,18 @@ def _train(make, level, compiled, steps=2, policy=None, backend=FAST):
 LEVELS = ["O0", "O1", "O2", "O3", "O2K", "init"]
 
 
+@BACKENDS
 @pytest.mark.parametrize("make", [_cnn, _transformer], ids=["cnn", "transformer"])
-def test_compiled_models_train_as_eager_at_every_level(make):
+def test_compiled_models_train_as_eager_at_every_level(make, backend):
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32})
     for level, policy in [*((lv, None) for lv in LEVELS), ("O1", custom)]:
         eager, want = _train(make, level, compiled=False, policy=policy)
-        comp, got = _train(make, level, compiled=True, policy=policy)
+        comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
         assert got == want, (level, policy)  # each layer's output dtype, op for op
-        assert eager == comp, (level, policy)  # aot_eager computes what eager does
+        if backend == FAST:
+            assert eager == comp, (level, policy)  # aot_eager computes what eager does
+        else:  # fused kernels round differently: within bf16 noise
+            assert all(abs(a - b) <= 0.02 * abs(a) for a, b in zip(eager, comp)), (level, policy, eager, comp)
     assert _breaks() == {}
 
 
