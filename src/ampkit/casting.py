@@ -34,7 +34,9 @@ How it works:
   trace time (constants in the graph), module rules as autocast switches dynamo
   records; compiled code is guarded on ``_state.compile_key``, which names the
   thread's scopes by value. Kernels run while graphs are traced, so their casts are
-  in the graph (see "Module hooks inside torch.compile" below).
+  in the graph (see "Module hooks inside torch.compile" below); a graph whose kernels
+  cast otherwise than torch's carries a no-op node naming their decisions, so torch's
+  compile caches key it on them (:func:`_mark_graph`).
 """
 
 from __future__ import annotations
