@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: test test-fast lint bench bench-quick clean
+.PHONY: test test-fast lint bench bench-quick gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,8 @@ bench-quick: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# On a machine with a CUDA GPU: the cuda-marked tests, ampkit bench, step_limit and fp8
+# benchmarks at GPU sizes; one JSON + markdown summary in gpu-check-out/. Refuses without a GPU.
+gpu-check: $(VENV)/.installed
+	$(PY) benchmarks/gpu_check.py --out gpu-check-out

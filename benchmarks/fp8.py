@@ -110,9 +110,12 @@ def main() -> None:
     parser.add_argument("--level", default="O1", choices=["O1", "O2"])
     parser.add_argument("--modes", default="bf16,fp8-current,fp8-delayed")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: shared machines)")
+    parser.add_argument("--json", help="also write the machine, the settings and the rows to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
     for name, gpu, cpu in (("d_model", 4096, 1024), ("layers", 4, 1), ("batch", 8, 1), ("seq", 1024, 16), ("steps", 20, 2), ("warmup", 5, 1)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
@@ -134,6 +137,17 @@ def main() -> None:
         m = f"{r['peak_mib']:8.0f}" if cuda else f"{r['saved_mib']:9.1f}  {r['state_mib']:9.0f}"
         print(f"{r['mode']:<12} {r['layers']:>10} {r['step_s']:>9.3f} {tokens / r['step_s']:>10.0f} "
               f"{ref / r['step_s']:>7.2f}x  {m}  {r['loss']:.4f}")
+    if args.json:
+        import json
+
+        from ampkit.bench.machine import machine_info
+
+        settings = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "seq", "steps", "warmup", "level")}
+        for r in rows:
+            r["tokens_per_s"], r["vs_first"] = tokens / r["step_s"], ref / r["step_s"]
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_info(device.type, args.threads), "settings": settings, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

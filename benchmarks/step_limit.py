@@ -93,16 +93,17 @@ O1_FUSED_TARGET = 1.02
 class _Arm:
     """One arm on one workload: model, optimizer and a step function."""
 
-    def __init__(self, workload: str, arm: str, phase: str) -> None:
+    def __init__(self, workload: str, arm: str, phase: str, device: str = "cpu") -> None:
         from ampkit.bench.recipes import AmpkitLevel, make_recipe
         from ampkit.bench.workloads import make_workload
 
-        self.workload = make_workload(workload, "full")
+        self.device = torch.device(device)
+        self.workload = make_workload(workload, "full", self.device)
         recipe_name = {"autocast+fused": "torch-autocast", "bf16+fused": "bf16"}.get(arm, arm)
         if recipe_name == "ampkit-O2-view":
-            self.recipe = AmpkitLevel(torch.device("cpu"), torch.bfloat16, "O2", model_grads="view")
+            self.recipe = AmpkitLevel(self.device, torch.bfloat16, "O2", model_grads="view")
         else:
-            self.recipe = make_recipe(recipe_name, torch.device("cpu"), torch.bfloat16)
+            self.recipe = make_recipe(recipe_name, self.device, torch.bfloat16)
         torch.manual_seed(0)
         model = self.workload.build_model()
         fused = arm.endswith("+fused")
@@ -114,7 +115,7 @@ class _Arm:
             g = torch.Generator().manual_seed(1)
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.params = params
-            self.grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype) for p in params]
+            self.grads = [(torch.randn(p.shape, generator=g) * 1e-3).to(self.device, p.dtype) for p in params]
 
     def _loss(self) -> Any:
         if self.phase == "update":
@@ -123,10 +124,16 @@ class _Arm:
         with self.recipe.scope():
             return self.workload.loss(self.model(x), y)
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def step(self) -> float:
+        self._sync()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         self.recipe.backward_step(self._loss(), self.optimizer)
+        self._sync()
         return 1000.0 * (time.perf_counter() - start)
 
     def close(self) -> None:
@@ -164,8 +171,8 @@ def _worker(conn: Any, src: str | None = None) -> None:
                 import ampkit
 
                 ampkit.reset()
-                workload, name, phase = msg[1:]
-                arm = _Arm(workload, name.removesuffix("@base"), phase)
+                workload, name, phase, device = msg[1:]
+                arm = _Arm(workload, name.removesuffix("@base"), phase, device)
                 for _ in range(WARMUP_STEPS):
                     arm.step()
                 conn.send(("ready",))
@@ -198,11 +205,13 @@ def bf16_is_native(threshold: float = 1.5) -> tuple[bool, float]:
     return ratio <= threshold, ratio
 
 
-def _measure(workload: str, phase: str, arms: list[str], pool: dict[str, Any], rounds: int, steps: int) -> dict:
+def _measure(
+    workload: str, phase: str, arms: list[str], pool: dict[str, Any], rounds: int, steps: int, device: str = "cpu"
+) -> dict:
     ready: list[str] = []
     rows: dict[str, dict[str, Any]] = {}
     for arm in arms:
-        pool[arm][0].send(("setup", workload, arm, phase))
+        pool[arm][0].send(("setup", workload, arm, phase, device))
     for arm in arms:
         reply = pool[arm][0].recv()
         if reply[0] == "ready":
@@ -278,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--phase", choices=("auto", "full", "update", "both"), default="auto")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the arms train (default cpu; cuda: the GPU, phases full and update)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--steps", type=int, default=None, help="steps per arm per round (default: 2 wide, 5 others)")
     parser.add_argument("--baseline", help="an older ampkit source tree: adds its O1/O2/O2K arms")
@@ -289,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown arm(s) {sorted(unknown)}; choose from {', '.join(ARMS)}")
     if args.baseline:
         arms += [f"{a}@base" for a in arms if a.startswith("ampkit-") and a != "ampkit-O2-view"]  # an option older trees lack
-    native, ratio = bf16_is_native()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)")
+    native, ratio = (True, float("nan")) if args.device == "cuda" else bf16_is_native()
     if args.phase == "auto":
         phases = ["full", "update"] if native else ["update"]
     else:
@@ -297,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from ampkit.bench.machine import machine_info
     from ampkit.bench.workloads import make_workload
 
-    machine = machine_info("cpu", threads=1)
+    machine = machine_info(args.device, threads=1)
     print(
         f"torch {torch.__version__}, {machine['device_name']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}), "
         f"CPU capability {machine['cpu_capability']}, 1 thread per arm; bf16 matmul / fp32 "
@@ -319,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             description = make_workload(workload, "full").description
             steps = args.steps or (2 if workload == "wide" else 5)
             for phase in phases:
-                rows = _measure(workload, phase, arms, pool, args.rounds, steps)
+                rows = _measure(workload, phase, arms, pool, args.rounds, steps, args.device)
                 _ratios(rows)
                 print("\n".join(_table(workload, phase, rows, description)), flush=True)
                 tables.append({"workload": workload, "phase": phase, "description": description,
