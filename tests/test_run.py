@@ -419,3 +419,84 @@ def test_example_runs_under_ampkit_run(capsys, tmp_path):
     assert data["iterations"] == 5 and data["stopped_early"] == "max_steps=5 reached"
     assert data["optimizers"][0]["managed"] == "O1" and data["optimizers"][0]["steps"] == 5
     assert "test accuracy" not in capsys.readouterr().out  # stopped before the evaluation
+
+
+def _data_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("DATA ")]
+
+
+@pytest.mark.parametrize("args", [
+    ["--workers", "0"],
+    pytest.param(["--workers", "2"], marks=pytest.mark.slow),
+    ["--no-train"],
+    ["--encoder"],
+    pytest.param(["--encoder", "--workers", "2"], marks=pytest.mark.slow),
+])
+def test_data_transforms_stay_fp32_bit_for_bit(args, capsys, tmp_path):
+    """nn.Module transforms (a GaussianBlur's conv2d, a Normalize with buffers) in a
+    Dataset's __getitem__, with DataLoader workers 0 and 2, a loader built and iterated
+    before the optimizer exists and after, a blur called on its own, a frozen layer
+    with parameters in __getitem__: every image bit for bit as in the plain run, every
+    conv of the pipeline in fp32; the model's own calls are cast."""
+    plain = _plain("data_pipeline.py", args, capsys)
+    code, out, err, report = _run([], "data_pipeline.py", args, capsys, tmp_path)
+    assert code == 0, err
+    assert _data_lines(out) == _data_lines(plain) and len(_data_lines(out)) == (2 if "--no-train" in args else 4)
+    assert all(line.endswith("codes [0]") for line in _data_lines(out))  # float32 convs only
+    if "--no-train" in args:  # no optimizer: no model either, nothing cast
+        assert report["model_calls"] == 0 and report["forward_scopes"] == 0
+        assert report["module_calls_left_alone"] > 0
+    else:
+        assert "model_conv ['torch.bfloat16']" in out
+        # 12 training steps and the 4 batches of the evaluation
+        assert report["model_calls"] == report["forward_scopes"] == 16
+        assert "16 model calls, 16 cast by ampkit" in err
+
+
+def test_repeated_step_is_no_iteration_and_is_noted(capsys, tmp_path):
+    """torchvision's reference classification script (vision@017e9b99) with --amp on a
+    CPU: torch disables its autocast and GradScaler, scaler.step(optimizer) steps, and
+    the loop's own optimizer.step() steps again on the same gradients. 20 batches: 40
+    steps, 20 iterations, a note naming the second step's line; the transforms'
+    module calls are no model calls."""
+    code, out, err, report = _run([], "reference_classification.py", ["--amp"], capsys, tmp_path)
+    assert code == 0, err
+    assert report["backward_calls"] == 20 and report["iterations"] == 20
+    assert report["optimizers"][0]["steps"] == 40 and report["optimizers"][0]["skipped"] == 0
+    assert len(report["notes"]) == 1
+    note = report["notes"][0]
+    assert "stepped 20 time(s) with no backward()" in note
+    assert _site("reference_classification.py", "        optimizer.step()") in note
+    assert report["model_calls"] == report["forward_scopes"] == 28  # 20 training, 8 evaluation batches
+    assert report["forward_calls_in_script_autocast"] == 0
+    # the flip and normalize of 160 training and 64 test images, and the criterion
+    assert report["module_calls_left_alone"] == 2 * 160 + 64 + 20
+    # without --amp: one step per batch, nothing noted
+    code, out, err, report = _run([], "reference_classification.py", [], capsys, tmp_path)
+    assert code == 0 and report["iterations"] == 20 and report["optimizers"][0]["steps"] == 20
+    assert report["notes"] == []
+
+
+def test_a_model_called_through_a_parameterless_module_is_cast(capsys, tmp_path):
+    """A wrapper without parameters that calls a model it was handed: the model's call
+    is the model call (cast); the wrapper's own ops stay fp32."""
+    script = tmp_path / "wrapper.py"
+    script.write_text(
+        "import torch\n"
+        "class Apply(torch.nn.Module):\n"
+        "    def forward(self, model, x):\n"
+        "        y = model(x)\n"
+        "        print('inner', y.dtype, (x @ x.T).dtype)\n"
+        "        return y\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
+        "seen = []\n"
+        "model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))\n"
+        "Apply()(model, torch.randn(3, 4))\n"
+        "print('linear', seen)\n"
+    )
+    report = tmp_path / "r.json"
+    assert main(["run", "--report", str(report), str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "inner torch.float32 torch.float32" in out and "linear [torch.bfloat16]" in out
+    data = json.loads(report.read_text())
+    assert data["model_calls"] == data["forward_scopes"] == 1 and data["module_calls_left_alone"] == 1
