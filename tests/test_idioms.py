@@ -1550,14 +1550,18 @@ def loop_clip_fp16(h: Harness) -> Result:
     return Result(losses, {"grad_norm": norms})
 
 
-def scaler_train(h: Harness, scaler: Any, opt_cls: type[torch.optim.Optimizer], **opt_kw: Any) -> Result:
+def scaler_train(
+    h: Harness, scaler: Any, opt_cls: type[torch.optim.Optimizer], wrap: Callable[[Any], Any] = lambda o: o, **opt_kw: Any
+) -> Result:
     """A script that owns a GradScaler (torch.amp's recipe, no autocast):
     ``scaler.scale(loss).backward(); scaler.unscale_(opt); clip_grad_norm_(model.parameters());
-    scaler.step(opt); scaler.update()``. Logs the norm the clip saw; the steps the scaler
-    skipped must be fp32's (none)."""
+    scaler.step(opt); scaler.update()``, ``opt`` the optimizer set up, or ``wrap`` of it
+    (a framework's wrapper). Logs the norm the clip saw; the steps the scaler skipped
+    must be fp32's (none)."""
     model = mlp()
     opt = opt_cls(model.parameters(), **opt_kw)
     model, opt = h.setup(model, opt)
+    opt = wrap(opt)
     losses, norms, skipped = [], [], 0
     for x, y in classification_batches(20):
         opt.zero_grad()
@@ -1660,6 +1664,13 @@ class OutDtypes:
 
     def __call__(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
         self.seen.append(out.dtype)
+
+
+@idiom()
+def loop_accelerate_wrapped_optimizer_with_grad_scaler(h: Harness) -> Result:
+    """Accelerate's fp16 shape: the GradScaler (ampkit's) unscales and steps the wrapper
+    (an AcceleratedOptimizer-like ``torch.optim.Optimizer`` holding the set-up one)."""
+    return scaler_train(h, amp.GradScaler("cpu"), torch.optim.SGD, AcceleratedOptimizerLike, lr=0.5, momentum=0.5)
 
 
 class LitClassifier(nn.Module):

@@ -352,43 +352,54 @@ class ManagedOptimizer(StepGrads):
 _WRAPPER_DEPTH = 8
 
 
-def _known(obj: Any) -> bool:
-    found = getattr(obj, "__dict__", None)
-    if not isinstance(found, dict):
-        return False
-    state = found.get(_ATTR)
-    return (state is not None and state._active) or _GRADSCALER_ATTR in found
+def _chain(obj: Any) -> list[Any]:
+    """``obj`` and the objects down its ``.optimizer`` links (at most ``_WRAPPER_DEPTH``)."""
+    chain = [obj]
+    for _ in range(_WRAPPER_DEPTH):
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or any(inner is c for c in chain):
+            break
+        chain.append(inner)
+    return chain
 
 
 def resolve_optimizer(obj: Any) -> Any:
     """The optimizer ampkit knows behind ``obj``: ``obj`` itself, or, for a framework's
     wrapper that exposes the optimizer it wraps as ``.optimizer`` (Accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``; wrappers of wrappers
-    too), the first object down that chain that ampkit manages or has a step record for.
-    When none has: the innermost ``torch.optim.Optimizer`` of the chain (``obj`` if it
-    holds none), so errors name the optimizer ampkit looked at. Every public function
-    that takes a managed optimizer resolves it here."""
-    current = obj
-    innermost = obj if isinstance(obj, torch.optim.Optimizer) else None
-    for _ in range(_WRAPPER_DEPTH):
-        if _known(current):
-            return current
-        inner = getattr(current, "optimizer", None)
-        if inner is None or inner is current:
-            break
-        current = inner
-        if isinstance(current, torch.optim.Optimizer):
-            innermost = current
-    return innermost if innermost is not None else obj
+    too), the first object down that chain that ampkit manages, else the first with a
+    step record of :class:`ampkit.GradScaler`, else the innermost
+    ``torch.optim.Optimizer`` (``obj`` if the chain holds none), so errors name the
+    optimizer ampkit looked at. Every public function that takes a managed optimizer
+    resolves it here."""
+    chain = _chain(obj)
+    dicts = [getattr(c, "__dict__", None) for c in chain]
+    dicts = [d if isinstance(d, dict) else {} for d in dicts]
+    for c, d in zip(chain, dicts):
+        state = d.get(_ATTR)
+        if state is not None and state._active:
+            return c
+    for c, d in zip(chain, dicts):
+        if _GRADSCALER_ATTR in d:
+            return c
+    optimizers = [c for c in chain if isinstance(c, torch.optim.Optimizer)]
+    return optimizers[-1] if optimizers else obj
+
+
+def _active_state(optimizer: Any) -> ManagedOptimizer | None:
+    """The active :class:`ManagedOptimizer` of ``optimizer`` (or of the optimizer its
+    wrapper holds), or None."""
+    state = getattr(resolve_optimizer(optimizer), "__dict__", {}).get(_ATTR)
+    return state if state is not None and state._active else None
 
 
 def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
     """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`, or
     of the optimizer a framework's wrapper holds (:func:`resolve_optimizer`); raises
     :class:`~ampkit.StateError` if ampkit does not manage it."""
-    resolved = resolve_optimizer(optimizer)
-    state = getattr(resolved, "__dict__", {}).get(_ATTR)
-    if state is None or not state._active:
+    state = _active_state(optimizer)
+    if state is None:
+        resolved = resolve_optimizer(optimizer)
         what = type(optimizer).__name__
         if resolved is not optimizer:
             what += f" (and the {type(resolved).__name__} it wraps as .optimizer)"
@@ -420,9 +431,10 @@ def unscaled_in_place(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     managed optimizer with fp32 masters (O2) the model's grad edits reach the masters
     first and the model's 16-bit grads show the unscaled values after, so code that
     reads ``model.parameters()`` grads next (``clip_grad_norm_``) sees what the step
-    uses. Nothing for other optimizers."""
-    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
-    if state is None or not state._active:
+    uses. Nothing for other optimizers. A framework's wrapper stands for the optimizer
+    it holds (:func:`resolve_optimizer`)."""
+    state = _active_state(optimizer)
+    if state is None:
         yield
         return
     state.grad_path.before_outside_unscale()
@@ -435,10 +447,10 @@ def stepped_by_scaler(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Around a GradScaler's ``step(optimizer)`` outside ampkit (torch.amp's): when it
     skips the step (``optimizer.step()`` not called), a managed optimizer counts a
     skipped step (:meth:`ManagedOptimizer.skipped_elsewhere`). Nothing for others."""
-    state = getattr(optimizer, "__dict__", {}).get(_ATTR)
-    steps = state.steps if state is not None and state._active else None
+    state = _active_state(optimizer)
+    steps = state.steps if state is not None else None
     yield
-    if steps is not None and state._active and state.steps == steps:
+    if state is not None and state._active and state.steps == steps:
         state.skipped_elsewhere()
 
 
