@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -413,7 +414,7 @@ def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
 def _torch_scaler_stepping() -> Any:
     """The ``torch.amp.GradScaler`` whose ``step`` is on the calling thread's stack a
     few frames up (it calls ``optimizer.step()``), or None."""
-    code = torch.amp.GradScaler.step.__code__
+    code = inspect.unwrap(torch.amp.GradScaler.step).__code__  # under a wrapper (ampkit run) too
     frame = sys._getframe(2)
     for _ in range(8):
         if frame is None:
