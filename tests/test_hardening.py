@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ampkit as amp
-from ampkit import AmpError, LossScaler, ScalerError, StateError
+from ampkit import AmpError, LossScaler, ScalerError, StateError, scaling
 from ampkit.distributed import _fingerprint as freeze  # bitwise digest of nested state
 from ampkit.levels import compensation_of, master_weights_of
 from ampkit.optim import managed_state
@@ -592,7 +592,7 @@ def test_scaler_checkpoints_load_with_weights_only():
 # length. Every mutation must raise an AmpError and change nothing.
 
 _SCALE_BAD = [NAN, INF, -INF, -4.0, 0.0, 1e-40, 2.0**30, 0.5, "1", None, True, [2.0]]
-_COUNT_BAD = [-1, 2.5, True, "3", None]
+_COUNT_BAD = [-1, 2.5, True, "3", None, 2**63, 2**70]  # counters are ints in [0, 2**63)
 _FLAG_BAD = ["False", "True", 0, 1, None]
 _BAD_BY_KEY: dict[str, list[Any]] = {
     "scale": _SCALE_BAD,
@@ -600,8 +600,9 @@ _BAD_BY_KEY: dict[str, list[Any]] = {
     "loss_scale": [NAN, INF, -4.0, 0.0, 1e-40, "1", None, True],
     "min_scale": [NAN, INF, -4.0, 0.0, 1e-40, 2.0**30, "1", None, True],
     "max_scale": [NAN, -4.0, 0.0, 1e-40, 1.0, "x", None, True],
-    "growth_factor": [1.0, 0.5, -2.0, NAN, INF, "2", None, True],
-    "backoff_factor": [0.0, 1.0, 1.5, -0.5, NAN, "x", None, True],
+    # factors are normal fp32 numbers: 1e-45 is subnormal, 1e39 beyond fp32's range
+    "growth_factor": [1.0, 0.5, -2.0, NAN, INF, 1e39, 1e300, "2", None, True],
+    "backoff_factor": [0.0, 1.0, 1.5, -0.5, NAN, 1e-45, 2.0**-127, "x", None, True],
     "growth_interval": [0, *_COUNT_BAD],
     "hysteresis": [0, *_COUNT_BAD],
     "hysteresis_left": [0, 2, *_COUNT_BAD],
@@ -611,7 +612,7 @@ _BAD_BY_KEY: dict[str, list[Any]] = {
     "num_events": _COUNT_BAD,
     "consecutive_skips": [10**9, *_COUNT_BAD],
     "num_overflows": [10**9, *_COUNT_BAD],
-    "max_consecutive_skips": [-1, 2.5, True, "100"],
+    "max_consecutive_skips": [-1, 2.5, True, "100", 2**63],
     "steps": _COUNT_BAD,
     "skipped": [10**9, *_COUNT_BAD],
     "dynamic": _FLAG_BAD,
@@ -620,6 +621,10 @@ _BAD_BY_KEY: dict[str, list[Any]] = {
     "num_losses": [0, 3, 1.0, True, "1", None],
     "format": ["ampkit.session/2", 2, "1", None, True],
     "method": ["nearest", "x", None],
+    # fp8 scale state (tensors below, by key too)
+    "calls": _COUNT_BAD,
+    "initialized": [True, False, *_FLAG_BAD],  # a flip contradicts the counters
+    "recipe": ["e4m3 current tensorwise", "", None, 3],
 }
 _POSITION_BAD = [99, -1, "0", None, 1.5, True]  # group / index inside a [group, index, tensor] entry
 
@@ -634,31 +639,83 @@ def _nodes(obj: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _bad_tensors(t: torch.Tensor) -> list[Any]:
+def _with_last(t: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of ``t`` whose last element is ``value``."""
+    out = t.detach().clone()
+    out.reshape(-1)[-1] = value
+    return out
+
+
+def _bad_tensors(t: torch.Tensor, key: Any = None) -> list[Any]:
+    """Invalid stand-ins for ``t``: another dtype or shape, no tensor, and for a floating
+    tensor inf/NaN in it (no state ampkit saves holds them where they would be used);
+    ``key`` adds the values out of range there (an fp8 scale <= 0 or beyond what a
+    recipe derives, a negative abs-max, a saturation count above the calls)."""
     other = torch.float32 if t.dtype != torch.float32 else torch.float64
-    return [t.to(torch.int64), t.to(other), t.unsqueeze(0), t.reshape(-1)[:0], "tensor", None]
+    ints = torch.int64 if t.dtype != torch.int64 else torch.int32
+    out: list[Any] = [t.to(ints), t.to(other), t.unsqueeze(0), t.reshape(-1)[:0], "tensor", None]
+    if t.dtype != torch.float16:
+        out.append(t.to(torch.float16))
+    if t.is_floating_point() and t.numel():
+        out += [_with_last(t, v) for v in (NAN, INF, -INF)]
+        out += [_with_last(t, v) for v in _BAD_TENSOR_VALUES.get(key, ())]
+    elif key == "saturated":
+        out += [torch.tensor(-1), torch.tensor(2**62)]
+    return out
+
+
+_BAD_TENSOR_VALUES: dict[str, list[float]] = {
+    "scale": [0.0, -1.0, 1e38, 1e-45],
+    "amax": [-1.0],
+    "amax_history": [-1.0],
+}
 
 
 def _mutations(sd: Any, optional: frozenset[str], keep_lists: frozenset[str]) -> list[tuple[tuple, str, Any]]:
     """Every known-invalid mutation of ``sd``: (path, kind, value). ``optional``: keys a
     loader may do without; ``keep_lists``: lists whose length may change validly."""
     out: list[tuple[tuple, str, Any]] = [((), "root", bad) for bad in (None, [], "sd", 3)]
+    out.append(((), "add_key", None))
     for path, value in _nodes(sd):
         key = path[-1]
         parent_key = next((k for k in reversed(path[:-1]) if isinstance(k, str)), None)
         if isinstance(key, str) and key not in optional and not (isinstance(value, dict) and not value):
             out.append((path, "delete", None))
         if isinstance(value, torch.Tensor):
-            out += [(path, "set", bad) for bad in _bad_tensors(value)]
+            out += [(path, "set", bad) for bad in _bad_tensors(value, key)]
         elif isinstance(value, (dict, list)):
             out += [(path, "set", bad) for bad in (None, 3, "x")]
+            if isinstance(value, dict):
+                out.append((path, "add_key", None))  # an unknown key
             if isinstance(value, list) and value and key not in keep_lists and parent_key not in keep_lists:
                 out += [(path, "drop_last", None), (path, "repeat_last", None)]
         elif isinstance(key, int) and len(path) >= 2 and isinstance(key, int) and key < 2:
             out += [(path, "set", bad) for bad in _POSITION_BAD]  # in a [group, index, tensor] entry
         elif isinstance(key, str) and key in _BAD_BY_KEY:
-            out += [(path, "set", bad) for bad in _BAD_BY_KEY[key] if not _same(bad, value)]
+            bads = _BAD_BY_KEY[key]
+            if key in _SCALE_KEYS and _holder(sd, path).get("dynamic") is False:
+                bads = [bad for bad in bads if not _usable_scale(bad)]  # any usable scale is valid there
+            out += [(path, "set", bad) for bad in bads if not _same(bad, value)]
     return out
+
+
+_SCALE_KEYS = ("scale", "init_scale", "min_scale", "max_scale")
+
+
+def _holder(sd: Any, path: tuple) -> Any:
+    """The container holding the node at ``path``."""
+    for key in path[:-1]:
+        sd = sd[key]
+    return sd
+
+
+def _usable_scale(value: Any) -> bool:
+    """A scale a static scaler may hold: a number whose fp32 value and reciprocal are finite."""
+    try:
+        scaling.check_scale(value, "scale")
+    except ScalerError:
+        return False
+    return True
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -670,6 +727,12 @@ def _apply(sd: Any, mutation: tuple[tuple, str, Any]) -> Any:
     if kind == "root":
         return value
     broken = copy.deepcopy(sd)
+    if kind == "add_key":
+        target = broken
+        for key in path:
+            target = target[key]
+        target["unknown_key"] = 0
+        return broken
     parent = broken
     for key in path[:-1]:
         parent = parent[key]
@@ -741,8 +804,10 @@ def test_malformed_scaler_states_are_refused_and_change_nothing(data):
             ]
         )
     )
-    optional = frozenset({"ampkit"})  # without it, GradScaler reads torch.amp's keys
-    mutations = [m for m in _mutations(sd, optional, frozenset()) if not (len(m[0]) == 1 and m[0][0] in torch_format and "ampkit" in sd)]
+    # without "ampkit" GradScaler reads torch.amp's keys (a valid dict either way); beside
+    # it they may be left out, or must repeat its values
+    optional = frozenset({"ampkit", *(torch_format if "ampkit" in sd else ())})
+    mutations = _mutations(sd, optional, frozenset())
     mutation = data.draw(st.sampled_from(mutations))
     _check_refused(target.load_state_dict, sd, mutation, lambda: freeze(target.state_dict()))
 
@@ -789,6 +854,216 @@ def test_malformed_master_and_compensation_states_are_refused(data):
         return (snapshot([model], [opt]), freeze(extra), freeze(getattr(target, "_buffers", None)))
 
     _check_refused(target.load_state_dict, sd, mutation, state)
+
+
+# --- non-finite and out-of-range values in checkpoints, at every level -----------------------
+#
+# Each level trains a model whose middle linear is an fp8 layer under the fp8 recipes; its
+# checkpoint (model, optimizer, amp) is taken two steps before the current state. A value a
+# run never saves must be refused with the model, the optimizer and ampkit's state as they
+# were; a checkpoint that loads must train as the saved one does.
+
+_LEVELS: dict[str, dict[str, Any]] = {
+    "O1": dict(opt_level="O1", loss_scale="dynamic", num_losses=2),
+    "O2": dict(opt_level="O2", loss_scale="dynamic"),
+    "O3": dict(opt_level="O3"),
+    "O2K-kahan": dict(opt_level="O2K", compensation="kahan"),
+    "O2K-stochastic": dict(opt_level="O2K", compensation="stochastic"),
+    "fp8-current": dict(opt_level="O2", fp8=amp.Fp8Recipe(min_features=16)),
+    "fp8-delayed": dict(
+        opt_level="O1", loss_scale="dynamic",
+        fp8=amp.Fp8Recipe(scaling="delayed", amax_history_len=4, min_features=16),
+    ),
+    "fp8-rowwise": dict(opt_level="O1", fp8=amp.Fp8Recipe(format="e4m3", granularity="rowwise", min_features=16)),
+}
+
+
+def mlp16(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16))
+
+
+def step16(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    g = torch.Generator().manual_seed(200 + i)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def _load_model_and_optimizer(model: nn.Module, opt: torch.optim.Optimizer, ck: dict[str, Any]) -> None:
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(copy.deepcopy(ck["opt"]))  # Adam steps the loaded step tensors in place
+
+
+def _resume(model: nn.Module, opt: torch.optim.Optimizer, ck: dict[str, Any], amp_sd: Any) -> None:
+    _load_model_and_optimizer(model, opt, ck)
+    amp.load_state_dict(amp_sd)
+
+
+def _trained(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """Two more steps; what the user sees of them: weights, optimizer state, skips and
+    ampkit's state (without the init/min/max of a static scale, which it never reads)."""
+    skipped = []
+    for i in (2, 3):
+        step16(model, opt, i)
+        skipped.append(amp.step_skipped(opt))
+    sd = amp.state_dict()
+    for scaler in sd["trainers"][0]["scalers"]:
+        if not scaler["dynamic"]:
+            for key in ("init_scale", "min_scale", "max_scale"):
+                del scaler[key]
+    return freeze((list(model.parameters()), opt.state_dict()["state"], skipped, sd))
+
+
+def _level_setup(level: str) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any], Any]:
+    """The model and optimizer of ``level`` two steps past their checkpoint, the
+    checkpoint, and what two steps from the checkpoint give. Cached per session."""
+    session = amp.session.current_session()
+    cached = _CACHE.get(("level", level))
+    if cached is None or cached[0] is not session or not session.members:
+        model = mlp16()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, **_LEVELS[level])
+        for i in range(2):
+            step16(model, opt, i)
+        ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+        _resume(model, opt, ck, ck["amp"])
+        reference = _trained(model, opt)
+        cached = _CACHE[("level", level)] = (amp.session.current_session(), model, opt, ck, reference)
+    return cached[1], cached[2], cached[3], cached[4]
+
+
+def _amp_entry(sd: dict[str, Any], level: str, field: str) -> tuple[dict[str, Any], str]:
+    """(the dict holding ``field``, the key) in an ``amp.state_dict()`` of ``level``."""
+    opt = sd["trainers"][0]["optimizers"][0]
+    if field == "master":
+        return opt["extra"]["master_weights"]["masters"][0], 2
+    if field == "compensation":
+        return opt["extra"]["compensation"]["buffers"][0], 2
+    if field.startswith("fp8 "):
+        role, key = field.split()[1:]
+        return sd["extra"]["fp8"]["layers"]["2"][role], key
+    if field == "steps":
+        return opt, "steps"
+    return sd["trainers"][0]["scalers"][0], field
+
+
+def _nan_at_last(t: torch.Tensor) -> torch.Tensor:
+    return _with_last(t, NAN)
+
+
+@pytest.mark.parametrize(
+    "level, field, bad, match",
+    [
+        ("O2K-kahan", "compensation", _nan_at_last, "compensation buffer .* non-finite"),
+        ("O2", "master", lambda t: _with_last(t, INF), "master weight .* non-finite"),
+        ("fp8-delayed", "fp8 input scale", lambda t: torch.tensor(INF), "scale="),
+        ("fp8-delayed", "fp8 input scale", lambda t: t.double(), "tensor of torch.float32"),
+        ("fp8-delayed", "fp8 weight amax_history", _nan_at_last, "amax_history .* non-finite"),
+        ("fp8-delayed", "fp8 grad_output saturated", lambda t: t.float(), "tensor of torch.int64"),
+        ("fp8-current", "fp8 input calls", lambda v: None, "calls must be an int"),
+        ("fp8-current", "fp8 input calls", lambda v: 2**70, "calls must be an int"),
+        ("fp8-current", "fp8 weight scale", lambda t: torch.tensor(-1.0), "scale="),
+        ("O1", "num_events", lambda v: 2**70, "num_events"),
+        ("O1", "growth_tracker", lambda v: 2**63, "growth_tracker"),
+        ("O1", "steps", lambda v: 2**70, "steps"),
+        ("O1", "backoff_factor", lambda v: 1e-45, "backoff_factor"),
+        ("O1", "growth_factor", lambda v: 1e300, "growth_factor"),
+    ],
+)
+def test_a_checkpoint_value_no_run_saves_is_refused_and_changes_nothing(level, field, bad, match):
+    model, opt, ck, _ = _level_setup(level)
+    broken = copy.deepcopy(ck["amp"])
+    holder, key = _amp_entry(broken, level, field)
+    holder[key] = bad(holder[key])
+    _load_model_and_optimizer(model, opt, ck)
+    before = snapshot([model], [opt])
+    with pytest.raises(AmpError, match=match):
+        amp.load_state_dict(broken)
+    assert snapshot([model], [opt]) == before
+
+
+@pytest.mark.parametrize(
+    "level, path",
+    [
+        ("O1", ()),
+        ("O1", ("trainers", 0)),
+        ("O1", ("trainers", 0, "scalers", 1)),
+        ("O1", ("trainers", 0, "optimizers", 0)),
+        ("O2", ("trainers", 0, "optimizers", 0, "extra", "master_weights")),
+        ("O2K-kahan", ("trainers", 0, "optimizers", 0, "extra", "compensation")),
+        ("fp8-delayed", ("extra", "fp8")),
+        ("fp8-delayed", ("extra", "fp8", "layers", "2")),
+        ("fp8-delayed", ("extra", "fp8", "layers", "2", "input")),
+    ],
+)
+def test_an_unknown_key_is_refused_by_name(level, path):
+    model, opt, ck, _ = _level_setup(level)
+    broken = _apply(ck["amp"], (path, "add_key", None))
+    before = snapshot([model], [opt])
+    with pytest.raises(AmpError, match=r"unknown key\(s\) \[\"'unknown_key'\"\].*known"):
+        amp.load_state_dict(broken)
+    assert snapshot([model], [opt]) == before
+
+
+def test_scaler_and_grad_scaler_refuse_unknown_keys_and_edited_torch_fields():
+    scaler = LossScaler()
+    with pytest.raises(ScalerError, match="unknown key.*'bogus'"):
+        scaler.load_state_dict({**scaler.state_dict(), "bogus": 1})
+    grad_scaler = amp.GradScaler("cpu", init_scale=8.0)
+    sd = grad_scaler.state_dict()
+    torch_sd = {k: v for k, v in sd.items() if k != "ampkit"}
+    for broken in ({**sd, "bogus": 1}, {**torch_sd, "bogus": 1}, {**sd, "scale": 16.0}):
+        with pytest.raises(ScalerError, match="unknown key|'ampkit' entry"):
+            grad_scaler.load_state_dict(broken)
+    assert freeze(grad_scaler.state_dict()) == freeze(sd)
+    grad_scaler.load_state_dict({"ampkit": sd["ampkit"]})  # torch.amp's fields may be left out
+
+
+def test_saved_scale_state_after_an_overflow_loads():
+    """A current-scaling fp8 role records the scale derived from an inf/NaN abs-max (0 or
+    NaN) on an overflowing step: a checkpoint saved right then is valid."""
+    model = mlp16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", fp8=amp.Fp8Recipe(min_features=16))
+    step16(model, opt, 0)
+    x = torch.randn(8, 16)
+    with amp.scale_loss(model(x).float().sum() * INF, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_skipped(opt)
+    sd = amp.state_dict()
+    grad_out = sd["extra"]["fp8"]["layers"]["2"]["grad_output"]
+    assert not torch.isfinite(grad_out["amax"]) and not float(grad_out["scale"]) > 0
+    amp.load_state_dict(roundtrip(sd))
+    assert freeze(amp.state_dict()) == freeze(sd)
+
+
+_LEVEL_EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@_LEVEL_EXAMPLES
+@given(data=st.data())
+def test_corrupted_checkpoints_are_refused_whole_or_train_as_saved(data):
+    """Every field of ``amp.state_dict()`` at every level (scalers, step counters, fp32
+    masters, compensation, fp8 scale state) set to a non-finite or out-of-range value, a
+    wrong dtype, shape or type, deleted, or joined by an unknown key: the load is refused
+    with everything as it was, or it loads a state that trains exactly as the saved one."""
+    level = data.draw(st.sampled_from(sorted(_LEVELS)))
+    model, opt, ck, reference = _level_setup(level)
+    optional = frozenset({"device_generators"})
+    mutation = data.draw(st.sampled_from(_mutations(ck["amp"], optional, keep_lists=frozenset({"buffers"}))))
+    broken = _apply(ck["amp"], mutation)
+    _load_model_and_optimizer(model, opt, ck)
+    before = snapshot([model], [opt])
+    try:
+        amp.load_state_dict(broken)
+    except AmpError:
+        assert snapshot([model], [opt]) == before, mutation
+        return
+    assert _trained(model, opt) == reference, mutation
 
 
 # --- hypothesis: malformed arguments ----------------------------------------------------------

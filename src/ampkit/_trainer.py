@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._stats import SkipReport
+from ._validate import is_count
 from .errors import StateError
-from .scaling import LossScaler, is_count
+from .scaling import LossScaler
 from .session import require_keys
 
 if TYPE_CHECKING:

@@ -67,7 +67,13 @@ from torch import nn
 from . import _kernels
 from ._dtypes import LOW_PRECISION, cast_optimizer_state
 from ._kernels import Kernel, flat, same_layout
-from ._validate import require_choice, require_optimizer
+from ._validate import (
+    CORRUPT_CHECKPOINT,
+    require_choice,
+    require_fields,
+    require_optimizer,
+    require_tensor,
+)
 from .errors import AmpError, StateError
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
@@ -592,9 +598,8 @@ class CompensatedUpdates:
                 f"compensation state has format {found!r}, expected "
                 f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
             )
-        missing = [k for k in ("method", "buffers", "generator") if k not in state]
-        if missing:
-            raise StateError(f"compensation state lacks {missing}: it was not written by state_dict().")
+        require_fields(state, ("format", "method", "buffers", "generator"), "compensation state", StateError,
+                       optional=("device_generators",), source="CompensatedUpdates.state_dict()")
         if state["method"] != self.method:
             raise StateError(
                 f"the checkpoint used compensation {state['method']!r}, this run "
@@ -631,6 +636,8 @@ class CompensatedUpdates:
                     f"shape {tuple(t.shape)}; the parameter there is {p.dtype} "
                     f"{tuple(p.shape)}: the model does not match the checkpoint."
                 )
+            require_tensor(t, f"compensation buffer at group {gi}, index {pi}", StateError, p.dtype,
+                           finite=True, hint=CORRUPT_CHECKPOINT)
             seen.add((gi, pi))
             buffers.append((p, t.detach().to(device=p.device, copy=True)))
         generator = _checked_generator_state(state["generator"], "cpu")

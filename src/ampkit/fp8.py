@@ -64,6 +64,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _reset
+from ._validate import (
+    CORRUPT_CHECKPOINT,
+    require_count,
+    require_fields,
+    require_flag,
+    require_tensor,
+)
 from ._where import user_stacklevel
 from .errors import AmpError, PolicyError, StateError
 
@@ -117,6 +124,8 @@ MAX_AMAX_HISTORY_LEN = 1024
 #: Margins already warned about (a recipe is rebuilt by ``dataclasses.replace``; warn
 #: once a process per value); cleared by the reset hook below.
 _WARNED_MARGINS: set[int] = set()
+_SCALE_KEYS = ("scale", "amax", "amax_history", "saturated", "initialized", "calls")
+_FP32_MAX = torch.finfo(torch.float32).max
 
 Fp8Format = Literal["hybrid", "e4m3"]
 Fp8Scaling = Literal["current", "delayed"]
@@ -312,25 +321,68 @@ class TensorScale:
             "calls": self.calls,
         }
 
-    def check_state_dict(self, sd: Any, where: str) -> None:
-        if not isinstance(sd, dict) or set(sd) != {"scale", "amax", "amax_history", "saturated", "initialized", "calls"}:
-            raise StateError(f"{where}: not an fp8 scale state; save it with amp.state_dict().")
-        for key in ("scale", "amax", "saturated"):
-            if not (torch.is_tensor(sd[key]) and sd[key].dim() == 0):
-                raise StateError(f"{where}: {key} must be a 0-d tensor, got {sd[key]!r}.")
-        if not (torch.is_tensor(sd["amax_history"]) and sd["amax_history"].shape == self.amax_history.shape):
-            got = tuple(sd["amax_history"].shape) if torch.is_tensor(sd["amax_history"]) else sd["amax_history"]
-            raise StateError(
-                f"{where}: the checkpoint's amax history has shape {got}, this recipe keeps "
-                f"{tuple(self.amax_history.shape)}; use the same Fp8Recipe.amax_history_len."
-            )
+    def check_state_dict(self, sd: Any, where: str, recipe: Fp8Recipe, fp8: torch.dtype) -> None:
+        """Raise :class:`~ampkit.StateError` unless ``sd`` holds what this role's casts
+        under ``recipe`` (into ``fp8``) can leave behind:
+
+        - types: ``scale``, ``amax`` 0-d float32; ``amax_history`` float32 of the
+          recipe's length; ``saturated`` 0-d int64; ``initialized`` a bool; ``calls`` an
+          int in [0, 2**63).
+        - A role never recorded (no call yet, or rowwise, which keeps no per-tensor
+          scale) is as constructed: scale 1, amax 0, history and saturated 0.
+        - Recorded: ``amax`` (the last abs-max seen) >= 0, or inf/NaN after an overflow.
+          Delayed: ``scale`` (what the next cast uses) finite, within a factor 2 of the
+          scales the recipe derives (:func:`_scale_from_amax` of fp32's largest value and
+          of 0); the history finite and >= 0; ``saturated <= calls``; ``initialized``.
+          Current: ``scale`` (what the last cast used) as delayed's when ``amax`` is
+          finite, else 0 or NaN (derived from inf/NaN); history and saturated 0, not
+          ``initialized``."""
+        require_fields(sd, _SCALE_KEYS, where, StateError)
+        calls = require_count(sd["calls"], f"{where}: calls", StateError)
+        initialized = require_flag(sd["initialized"], f"{where}: initialized", StateError)
+        scalar: tuple[int, ...] = ()
+        scale = require_tensor(sd["scale"], f"{where}: scale", StateError, torch.float32, scalar)
+        amax = require_tensor(sd["amax"], f"{where}: amax", StateError, torch.float32, scalar, low=0.0)
+        history = require_tensor(
+            sd["amax_history"], f"{where}: amax_history", StateError, torch.float32, self.amax_history.shape,
+            finite=True, low=0.0, hint="Use the same Fp8Recipe.amax_history_len as the saved run.",
+        )
+        saturated = int(require_tensor(sd["saturated"], f"{where}: saturated", StateError, torch.int64, scalar, low=0))
+        delayed = recipe.scaling == "delayed"
+        recorded = recipe.granularity == "tensorwise" and calls > 0
+
+        def bad(msg: str) -> StateError:
+            return StateError(f"{where}: {msg}. {CORRUPT_CHECKPOINT}")
+
+        if initialized != (delayed and recorded):
+            raise bad(f"initialized={initialized} with calls={calls} under {recipe.describe()} scaling")
+        if not recorded or not delayed:
+            if saturated or bool(history.any()):
+                raise bad(
+                    f"saturated={saturated} and amax_history (largest entry {float(history.amax())}) "
+                    "must be 0 here: only delayed scaling records them, once it has cast"
+                )
+        if not recorded:
+            if float(scale) != 1.0 or float(amax) != 0.0:
+                raise bad(f"scale={float(scale)}, amax={float(amax)}, but a role never recorded keeps 1 and 0")
+            return
+        if delayed and saturated > calls:
+            raise bad(f"saturated={saturated} exceeds calls={calls}")
+        if not delayed and not bool(torch.isfinite(amax)):
+            if float(scale) == 0.0 or scale.isnan():
+                return
+            raise bad(f"scale={float(scale)} after a cast whose abs-max was {float(amax)} (its scale is 0 or NaN)")
+        low, high = (float(_scale_from_amax(torch.tensor(a), fp8, recipe)) for a in (_FP32_MAX, 0.0))
+        value = float(scale)
+        if not (math.isfinite(value) and low / 2 <= value <= 2 * high):
+            raise bad(f"scale={value} lies outside [{low / 2:g}, {2 * high:g}], the range of scales this recipe derives")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         dev = self.scale.device
-        self.scale = sd["scale"].to(dev, torch.float32).clone()
-        self.amax = sd["amax"].to(dev, torch.float32).clone()
-        self.amax_history = sd["amax_history"].to(dev, torch.float32).clone()
-        self.saturated = sd["saturated"].to(dev, torch.int64).clone()
+        self.scale = sd["scale"].detach().to(dev, torch.float32).clone()
+        self.amax = sd["amax"].detach().to(dev, torch.float32).clone()
+        self.amax_history = sd["amax_history"].detach().to(dev, torch.float32).clone()
+        self.saturated = sd["saturated"].detach().to(dev, torch.int64).clone()
         self.initialized = bool(sd["initialized"])
         self.calls = int(sd["calls"])
 
@@ -747,9 +799,13 @@ class Fp8Training:
         return {"recipe": self.recipe.describe(), "layers": {n: st.state_dict() for n, (_, st) in self.layers.items()}}
 
     def check_state_dict(self, sd: Any) -> None:
-        if not isinstance(sd, dict) or not isinstance(sd.get("layers"), dict):
+        """Raise :class:`~ampkit.StateError` unless ``sd`` is a :meth:`state_dict` of
+        the same recipe and layers whose every role passes
+        :meth:`TensorScale.check_state_dict`."""
+        require_fields(sd, ("recipe", "layers"), "the checkpoint's fp8 state", StateError)
+        if not isinstance(sd["layers"], dict):
             raise StateError("the checkpoint's fp8 state is not a dict from amp.state_dict().")
-        if sd.get("recipe") != self.recipe.describe():
+        if type(sd["recipe"]) is not str or sd["recipe"] != self.recipe.describe():
             raise StateError(
                 f"the checkpoint was saved with the fp8 recipe {sd.get('recipe')!r}, this run uses "
                 f"{self.recipe.describe()!r}; initialize with the same Fp8Recipe."
@@ -760,11 +816,10 @@ class Fp8Training:
                 f"{sorted(self.layers)}; initialize the same model with the same Fp8Recipe."
             )
         for name, (_, st) in self.layers.items():
-            roles = sd["layers"][name]
-            if not isinstance(roles, dict) or set(roles) != set(_ROLES):
-                raise StateError(f"fp8 layer {name!r}: the checkpoint lacks roles {list(_ROLES)}.")
+            roles = require_fields(sd["layers"][name], _ROLES, f"fp8 layer {name!r}", StateError)
             for role, scale in st.roles.items():
-                scale.check_state_dict(roles[role], f"fp8 layer {name!r} {role}")
+                fp8 = st.recipe.grad_dtype if role == "grad_output" else E4M3
+                scale.check_state_dict(roles[role], f"fp8 layer {name!r} {role}", st.recipe, fp8)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for name, (_, st) in self.layers.items():

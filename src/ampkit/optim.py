@@ -84,9 +84,10 @@ from ._schedulers import SchedulerStepper, check_schedulers
 from ._stats import StepStats
 from ._step import _ATTR, ManagedOptimizer, last_skipped, managed_state
 from ._trainer import LossSlot, Trainer
+from ._validate import is_count, is_real
 from .casting import current_policy
 from .errors import StateError
-from .scaling import LossScaler, is_count, is_real
+from .scaling import LossScaler
 
 __all__ = [
     "ManagedOptimizer",

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ._validate import is_real, require_count, require_fields, require_flag
 from .errors import NumericsError, ScalerError
 
 __all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
@@ -87,14 +87,10 @@ def to_fp32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def is_real(value: Any) -> bool:
-    """A real number (int, float, numpy scalar), not a bool, str or tensor."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, str))
-
-
-def is_count(value: Any) -> bool:
-    """An integer (int, numpy integer), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+#: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
+#: subnormal backoff factor (``1e-45``) or a growth factor beyond fp32's range (``1e300``)
+#: takes any scale to the floor or past the cap in one step.
+_FP32_TINY = 2.0**-126
 
 
 def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, allow_inf: bool = False) -> float:
@@ -127,37 +123,34 @@ def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
     def bad(msg: str) -> ScalerError:
         return ScalerError(f"{name}: {msg}")
 
-    def count(key: str, low: int, allow_none: bool = False) -> int | None:
-        value = cfg[key]
-        if value is None and allow_none:
-            return None
-        if not is_count(value) or value < low:
-            extra = " or None" if allow_none else ""
-            raise bad(f"{key} must be an int >= {low}{extra}, got {value!r}.")
-        return int(value)
-
-    def flag(key: str) -> bool:
-        value = cfg[key]
-        if not isinstance(value, bool):
-            raise bad(f"{key} must be True or False, got {value!r} ({type(value).__name__}).")
-        return value
+    def count(key: str, low: int) -> int:
+        return require_count(cfg[key], f"{name}: {key}", ScalerError, low=low)
 
     out: dict[str, Any] = {}
     out["init_scale"] = check_scale(cfg["init_scale"], f"{name}: init_scale")
     out["min_scale"] = check_scale(cfg["min_scale"], f"{name}: min_scale")
     out["max_scale"] = check_scale(cfg["max_scale"], f"{name}: max_scale", allow_inf=True)
     growth, backoff = cfg["growth_factor"], cfg["backoff_factor"]
-    if not (is_real(growth) and math.isfinite(growth) and growth > 1.0):
-        raise bad(f"growth_factor must be a finite number > 1, got {growth!r}.")
-    if not (is_real(backoff) and 0.0 < backoff < 1.0):
-        raise bad(f"backoff_factor must be a number in (0, 1), got {backoff!r}.")
+    if not (is_real(growth) and 1.0 < growth and math.isfinite(to_fp32(float(growth)))):
+        raise bad(
+            f"growth_factor must be a number > 1 that is finite in float32 (at most about "
+            f"3.4e38), got {growth!r}."
+        )
+    if not (is_real(backoff) and _FP32_TINY <= backoff < 1.0):
+        raise bad(
+            "backoff_factor must be a number in [2**-126, 1) (2**-126, about 1.2e-38, is "
+            f"float32's smallest normal number), got {backoff!r}."
+        )
     out["growth_factor"] = float(growth)
     out["backoff_factor"] = float(backoff)
     out["growth_interval"] = count("growth_interval", 1)
     out["hysteresis"] = count("hysteresis", 1)
-    out["max_consecutive_skips"] = count("max_consecutive_skips", 0, allow_none=True)
-    out["dynamic"] = flag("dynamic")
-    out["consecutive_hysteresis"] = flag("consecutive_hysteresis")
+    skips = cfg["max_consecutive_skips"]
+    out["max_consecutive_skips"] = None if skips is None else count("max_consecutive_skips", 0)
+    out["dynamic"] = require_flag(cfg["dynamic"], f"{name}: dynamic", ScalerError)
+    out["consecutive_hysteresis"] = require_flag(
+        cfg["consecutive_hysteresis"], f"{name}: consecutive_hysteresis", ScalerError
+    )
     if out["dynamic"] and not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
         raise bad(
             f"need min_scale <= init_scale <= max_scale, got {out['min_scale']} <= "
@@ -180,10 +173,8 @@ def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str
             f"[{cfg['min_scale']}, {cfg['max_scale']}]"
         )
     for key in ("growth_tracker", "hysteresis_left", "consecutive_skips", "num_events", "num_overflows"):
-        value = sd[key]
-        if not is_count(value) or value < 0:
-            raise bad(f"has {key}={value!r}, expected an int >= 0")
-        out[key] = int(value)
+        hint = "Pass a dict returned by LossScaler.state_dict()."
+        out[key] = require_count(sd[key], f"{name}: state dict field {key!r}", ScalerError, hint=hint)
     if not 1 <= out["hysteresis_left"] <= cfg["hysteresis"]:
         raise bad(f"has hysteresis_left={out['hysteresis_left']}, expected 1..hysteresis={cfg['hysteresis']}")
     if not out["consecutive_skips"] <= out["num_overflows"] <= out["num_events"]:
@@ -570,17 +561,8 @@ class LossScaler:
     def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
         """Validate ``state_dict`` completely; return the function that applies it
         (which cannot fail). Lets a caller validate several objects before changing any."""
-        if not isinstance(state_dict, Mapping):
-            raise ScalerError(
-                f"{self.name}: expected a state dict (a dict returned by LossScaler.state_dict()), "
-                f"got {type(state_dict).__name__}."
-            )
-        missing = [k for k in (*_STATE_KEYS, *CONFIG_KEYS) if k not in state_dict]
-        if missing:
-            raise ScalerError(
-                f"{self.name}: state dict lacks {missing}; pass a dict returned by "
-                "LossScaler.state_dict()."
-            )
+        require_fields(state_dict, (*_STATE_KEYS, *CONFIG_KEYS), self.name, ScalerError,
+                       source="LossScaler.state_dict()")
         cfg = _check_config({k: state_dict[k] for k in CONFIG_KEYS}, self.name)
         state = _check_state(state_dict, cfg, self.name)
 

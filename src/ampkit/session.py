@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from . import _reset
+from ._validate import require_fields
 from .errors import AmpError, StateError
 
 __all__ = [
@@ -38,16 +39,10 @@ Extra = tuple[_Get, _Set, "_Check | None"]
 ExtraRegister = Callable[..., None]
 
 
-def require_keys(state_dict: Any, keys: Sequence[str], where: str) -> None:
-    if not isinstance(state_dict, Mapping):
-        raise StateError(
-            f"{where}: expected a dict (from ampkit.state_dict()), got {type(state_dict).__name__}."
-        )
-    missing = [k for k in keys if k not in state_dict]
-    if missing:
-        raise StateError(
-            f"{where}: the state dict lacks {missing}; pass the dict returned by ampkit.state_dict()."
-        )
+def require_keys(state_dict: Any, keys: Sequence[str], where: str, optional: Sequence[str] = ()) -> None:
+    """Raise StateError unless ``state_dict`` is a dict with every key of ``keys`` and
+    none outside ``keys`` and ``optional`` (part of an ``ampkit.state_dict()``)."""
+    require_fields(state_dict, keys, where, StateError, optional)
 
 
 class ExtraState:
@@ -162,12 +157,14 @@ class Session:
         extra state (fp32 masters, compensation buffers) -- is validated before anything
         is loaded; a rejected one raises an :class:`~ampkit.AmpError` (``StateError`` or
         ``ScalerError``) and leaves every trainer as it was."""
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != _FORMAT:
+        fmt = state_dict.get("format") if isinstance(state_dict, Mapping) else None
+        if type(fmt) is not str or fmt != _FORMAT:
             raise StateError(
                 "not an ampkit session state dict (expected the dict returned by "
-                "ampkit.state_dict())."
+                f"ampkit.state_dict(), whose 'format' is {_FORMAT!r})."
             )
-        trainers = state_dict.get("trainers")
+        require_keys(state_dict, ("format", "trainers"), "the session state", optional=("extra",))
+        trainers = state_dict["trainers"]
         if not isinstance(trainers, (list, tuple)) or len(trainers) != len(self._members):
             count = len(trainers) if isinstance(trainers, (list, tuple)) else repr(trainers)
             raise StateError(

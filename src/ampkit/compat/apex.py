@@ -60,6 +60,7 @@ import ampkit
 
 from .. import _reset, optim
 from .._dtypes import default_device_type
+from .._validate import require_fields
 from ..errors import AmpError, PolicyError, StateError
 from ..model import cast_tensors
 from ..policy import canonical_op
@@ -348,12 +349,15 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         raise StateError("amp.load_state_dict called before amp.initialize; initialize first.")
     if not isinstance(state_dict, dict):
         raise StateError(f"amp.load_state_dict expects a dict from amp.state_dict(), got {type(state_dict).__name__}.")
+    scalers = _scalers()
+    names = [f"loss_scaler{i}" for i in range(len(scalers))]
+    keys = sorted(k for k in state_dict if isinstance(k, str) and k.startswith("loss_scaler"))
+    require_fields({k: v for k, v in state_dict.items() if k not in keys}, (), "amp.load_state_dict",
+                   StateError, optional=("ampkit", *names), source="amp.state_dict()")
     if "ampkit" in state_dict:
         ampkit.load_state_dict(state_dict["ampkit"])
         return
-    scalers = _scalers()
-    keys = sorted(k for k in state_dict if k.startswith("loss_scaler"))
-    if keys != sorted(f"loss_scaler{i}" for i in range(len(scalers))):
+    if keys != sorted(names):
         raise StateError(
             f"the checkpoint has loss scalers {keys}, this run {len(scalers)}: "
             "pass the same num_losses to amp.initialize."
@@ -361,8 +365,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     loads = []  # every scaler's entry is validated before any is loaded
     for i, scaler in enumerate(scalers):
         entry = state_dict[f"loss_scaler{i}"]
-        if not isinstance(entry, dict) or "loss_scale" not in entry:
-            raise StateError(f"loss_scaler{i} must be a dict with 'loss_scale' and 'unskipped', got {entry!r:.80}.")
+        require_fields(entry, ("loss_scale",), f"loss_scaler{i}", StateError, optional=("unskipped",),
+                       source="amp.state_dict()")
         sd = scaler.state_dict()
         sd["scale"] = entry["loss_scale"]
         sd["growth_tracker"] = entry.get("unskipped", 0)
