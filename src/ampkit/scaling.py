@@ -88,8 +88,8 @@ def to_fp32(x: float) -> float:
 
 
 #: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
-#: subnormal backoff factor (``1e-45``) or a growth factor beyond fp32's range (``1e300``)
-#: takes any scale to the floor or past the cap in one step.
+#: subnormal backoff factor (``1e-45``) takes any scale to the floor in one step, and a
+#: growth factor beyond fp32's range (``1e300``) never grows it (no product is finite).
 _FP32_TINY = 2.0**-126
 
 
@@ -279,9 +279,10 @@ class LossScaler:
             ``max_scale`` may also be ``math.inf``. When dynamic, ``min_scale <=
             init_scale <= max_scale``; a static scale ignores ``min_scale``/``max_scale``.
         growth_factor (float) [2.0]: ``S *= growth_factor`` after ``growth_interval``
-            clean steps in a row; must be > 1.
+            clean steps in a row; must be > 1 and finite in fp32 (<= about 3.4e38).
         backoff_factor (float) [0.5]: ``S *= backoff_factor`` on an overflow that is not
-            tolerated by hysteresis; must be in (0, 1).
+            tolerated by hysteresis; must be in [2**-126, 1) (a normal fp32 number: a
+            subnormal one takes any scale to the floor at once).
         growth_interval (int) [2000]: clean steps in a row before the scale grows; >= 1.
         hysteresis (int) [1]: overflows tolerated before backing off, DeepSpeed's
             meaning; 1 backs off on every overflow (torch.amp's rule); >= 1.
@@ -553,9 +554,10 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` exactly (configuration and state).
 
-        The whole dict is validated first (types, scales usable and within
-        ``[min_scale, max_scale]`` when dynamic, counters ints >= 0); a rejected dict
-        raises :class:`~ampkit.ScalerError` and leaves this scaler unchanged."""
+        The whole dict is validated first (exactly the keys :meth:`state_dict` writes,
+        the configuration by the constructor's rules, scales usable and within
+        ``[min_scale, max_scale]`` when dynamic, counters ints in [0, 2**63)); a rejected
+        dict raises :class:`~ampkit.ScalerError` and leaves this scaler unchanged."""
         self._prepare_load(state_dict)()
 
     def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
