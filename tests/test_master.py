@@ -219,10 +219,10 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
-def _trained_o2(model_grads: str, abort_first: bool, edit: str) -> list[torch.Tensor]:
+def _trained_o2(model_grads: str, abort_first: bool, edit: str, set_to_none: bool = True) -> list[torch.Tensor]:
     """Two O2 steps; with ``abort_first``, before them an iteration the README's recovery
     path drops: backward, ``amp.unscale``, a model grad edited to inf, a clip with
-    ``error_if_nonfinite=True`` that raises, ``opt.zero_grad()``."""
+    ``error_if_nonfinite=True`` that raises, ``opt.zero_grad(set_to_none)``."""
     import ampkit as amp
 
     amp.reset()
@@ -245,7 +245,7 @@ def _trained_o2(model_grads: str, abort_first: bool, edit: str) -> list[torch.Te
                 model[0].weight.grad = torch.full_like(model[0].weight, float("inf"))
         with pytest.raises(RuntimeError, match="non-finite"):
             nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     for i in (1, 2):
         opt.zero_grad()
         with amp.scale_loss(loss_of(i), opt) as scaled:
@@ -257,11 +257,12 @@ def _trained_o2(model_grads: str, abort_first: bool, edit: str) -> list[torch.Te
     return weights
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("edit", ["in_place", "replaced"])
 @pytest.mark.parametrize("model_grads", ["copy", "view"])
-def test_optimizer_zero_grad_drops_an_iteration_abandoned_after_unscale(model_grads, edit):
+def test_optimizer_zero_grad_drops_an_iteration_abandoned_after_unscale(model_grads, edit, set_to_none):
     """``opt.zero_grad()`` after a clip raised on a model grad edited to inf: the batch
     is dropped, the next iterations train bitwise as if it had never been."""
-    dropped = _trained_o2(model_grads, abort_first=True, edit=edit)
+    dropped = _trained_o2(model_grads, abort_first=True, edit=edit, set_to_none=set_to_none)
     clean = _trained_o2(model_grads, abort_first=False, edit=edit)
     assert all(torch.equal(a, b) for a, b in zip(dropped, clean))
