@@ -11,6 +11,11 @@ Casting is done with forward hooks, never by replacing ``forward``:
 * the model gets a forward pre-hook that casts its floating inputs to the compute
   dtype and a forward hook that casts its 16-bit floating outputs to fp32, so a
   loss computed outside the model runs in fp32;
+* the model's children with 16-bit weights (through ``ModuleList``/``ModuleDict``
+  containers) are *entry points*: called directly, outside a call of the model (a
+  LightningModule's ``training_step`` calling ``self.net(x)``), they cast their inputs,
+  run under the model's op-level casting and hand back fp32, as the model's call would
+  (:class:`EntryCasts`); inside the model's call they do nothing;
 * every normalization layer kept in fp32 computes its statistics and weight
   grads in fp32 and hands the next layer the compute dtype. BatchNorm,
   InstanceNorm and (on CPU) GroupNorm kernels do this themselves from a 16-bit
