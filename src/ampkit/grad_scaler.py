@@ -164,7 +164,9 @@ class GradScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale the optimizer's grads in place and check them for inf/NaN (one fused
-        pass per device/dtype, no host sync). At most once per optimizer per ``update``."""
+        pass per device/dtype, no host sync). At most once per optimizer per ``update``.
+        For an optimizer with fp32 masters (O2) the model's 16-bit grads show the
+        unscaled values too, so ``clip_grad_norm_(model.parameters())`` reads them."""
         if not self._enabled:
             return
         record = self._record(optimizer)
