@@ -30,23 +30,45 @@ def _q(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return (t.float() * scale).clamp(-m, m).to(dtype)
 
 
-def _deq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.reciprocal()
+def _unit(scale: torch.Tensor) -> torch.Tensor:
+    """A scale with unit strides (a transposed ``(N, 1)`` row-wise scale), as ``_scaled_mm`` checks."""
+    return scale.flatten().view(scale.shape)
+
+
+def _ref_mm(a: torch.Tensor, sa: torch.Tensor, adt: torch.dtype, b: torch.Tensor, sb: torch.Tensor,
+            bdt: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in fp32 from fp8 operands quantized here (``sa`` per tensor or per row of
+    ``a``, ``sb`` per tensor or per column of ``b``): ``torch._scaled_mm``'s result on them.
+
+    The GEMM is torch's: its accumulation order, and whether it applies ``1/scale``
+    before or after summing, depend on the CPU (on AVX-512 CPUs torch runs oneDNN's fp8
+    kernel, under ``ATEN_CPU_CAPABILITY=avx2`` it dequantizes and multiplies in fp32), so
+    a bitwise reference computes it with the same kernel; what it is checked against is
+    the dequantized fp32 product, within fp32 GEMM rounding (``|err| <= 2 k eps |a||b|``)."""
+    qa, qb = _q(a, sa, adt), _q(b, sb, bdt)
+    ia, ib = sa.reciprocal(), sb.reciprocal()
+    y = torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=_unit(ia), scale_b=_unit(ib),
+                         out_dtype=torch.float32)
+    da, db = qa.float() * ia, qb.float() * ib
+    bound = 2 * a.shape[1] * torch.finfo(torch.float32).eps * (da.abs() @ db.abs())
+    assert ((y - da @ db).abs() <= bound).all()
+    return y
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gy: torch.Tensor, rowwise: bool,
                gdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, grad_x, grad_w)`` of a linear in fp32 from dequantized fp8 operands, each
+    """``(y, grad_x, grad_w)`` of a linear in fp32 from fp8 operands (:func:`_ref_mm`), each
     scaled by ``fp8_max / abs-max`` derived here: per tensor, or (rowwise) per row of
     each matmul operand (``dim`` is the axis the abs-max runs over)."""
 
-    def dq(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    def scale(t: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         amax = t.abs().amax(dim=dim, keepdim=True) if rowwise else t.abs().max()
-        s = torch.tensor(torch.finfo(dtype).max) / amax
-        return _deq(_q(t, s, dtype), s)
+        return torch.tensor(torch.finfo(dtype).max) / amax
 
-    y = dq(x, 1, E4M3) @ dq(w, 1, E4M3).t() + b
-    return y, dq(gy, 1, gdt) @ dq(w, 0, E4M3), dq(gy, 0, gdt).t() @ dq(x, 0, E4M3)
+    y = _ref_mm(x, scale(x, 1, E4M3), E4M3, w.t(), scale(w, 1, E4M3).t(), E4M3) + b
+    gx = _ref_mm(gy, scale(gy, 1, gdt), gdt, w, scale(w, 0, E4M3), E4M3)
+    gw = _ref_mm(gy.t(), scale(gy, 0, gdt).t(), gdt, x, scale(x, 0, E4M3), E4M3)
+    return y, gx, gw
 
 
 def _state(name: str = "") -> dict[str, dict[str, Any]]:
@@ -119,7 +141,7 @@ def test_delayed_scaling_uses_the_previous_calls_history_exactly():
         st = _state()["input"]
         # the output is exactly the dequantized matmul with the scale fixed before this call
         wscale = _state()["weight"]["scale"] if step else torch.tensor(448.0) / lin.weight.detach().abs().max()
-        ref = _deq(_q(x, used, E4M3), used) @ _deq(_q(lin.weight.detach(), wscale, E4M3), wscale).t()
+        ref = _ref_mm(x, used, E4M3, lin.weight.detach().t(), wscale, E4M3)
         assert torch.equal(y, ref + lin.bias.detach())
         amaxes.append(float(x.abs().max()))
         hist = amaxes[::-1][:3]
@@ -327,8 +349,7 @@ def test_the_margin_bound_is_derived_from_the_formats_and_is_tight():
     assert torch.isfinite(y).all()
     s = torch.tensor(torch.finfo(E4M3).max) / x.abs().max() / 2.0**fp8.MAX_MARGIN
     sw = torch.tensor(torch.finfo(E4M3).max) / lin.weight.abs().max() / 2.0**fp8.MAX_MARGIN
-    ref = _deq(_q(x, s, E4M3), s) @ _deq(_q(lin.weight.detach(), sw, E4M3), sw).t() + lin.bias.detach()
-    torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+    assert torch.equal(y, _ref_mm(x, s, E4M3, lin.weight.detach().t(), sw, E4M3) + lin.bias.detach())
 
 
 def test_a_margin_that_costs_accuracy_warns_once():

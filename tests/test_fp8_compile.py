@@ -5,11 +5,28 @@ state (delayed scaling's abs-max histories) -- with no graph break.
 Inductor keeps fused bf16 intermediates in fp32 unless told otherwise, which once made
 the fp8 casts read unrounded inputs; ampkit's fp8 steps run as custom ops while
 compiling (see ``ampkit.fp8``). Inductor compiles slowly on 2 cores: the models are tiny.
+
+Which CPU: the models' other ops are chosen so that the bitwise claims hold on every
+x86-64 CPU torch supports, whatever vector ISA inductor and ATen use (AVX2, AVX-512):
+LeakyReLU (a compare, a select and an IEEE multiply, correctly rounded everywhere; its
+``x * 0.1`` needs rounding to bf16, so an fp8 cast that read an unrounded intermediate
+would show), matmuls by the same ATen kernels in both runs, and bias sums over the rows
+in row order. GELU is not such an op: inductor generates its own erf/exp vector code for
+``gelu_backward``, which differs from ATen's kernel in the last fp32 bits (245 of 512
+elements of one gradient on an AVX-512 CPU; after bf16 rounding a few elements, enough to
+move 4 of 1,024 weights by 1.9e-9 after 3 AdamW steps). The GELU model is therefore
+compared with an eager run whose GELU is inductor's too. Both CPU kinds are checked on
+any AVX-512 machine by rerunning the checks in a subprocess under
+``ATEN_CPU_CAPABILITY=avx2`` (see the last test).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,10 +46,12 @@ CASES = {  # (recipe, level)
 }
 
 
-def _model() -> nn.Module:
+def _model(act: nn.Module | None = None) -> nn.Module:
+    """Linear, fp8 linear, ``act`` (default LeakyReLU(0.1), see the module docstring),
+    fp8 linear, linear: the activation's bf16 output is what an fp8 cast reads."""
     torch.manual_seed(0)
-    # a GELU between two fp8 linears: its bf16 output is what an fp8 cast reads
-    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    act = nn.LeakyReLU(0.1) if act is None else act
+    return nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), act, nn.Linear(32, 32), nn.Linear(32, 4))
 
 
 @pytest.fixture(autouse=True)
@@ -46,11 +65,12 @@ def _fresh():
     torch._dynamo.reset()
 
 
-def _train(recipe: amp.Fp8Recipe, level: str, compiled: bool, steps: int = 3):
-    """Build the model, train ``steps`` AdamW steps on fixed batches; returns the losses,
-    the per-step input grads, the final parameters, the fp8 state and a no_grad output."""
+def _train(recipe: amp.Fp8Recipe, level: str, compiled: bool, steps: int = 3, act: nn.Module | None = None):
+    """Build the model (with ``act``), train ``steps`` AdamW steps on fixed batches; returns
+    the losses, the per-step input grads, the final parameters, the fp8 state and a
+    no_grad output."""
     amp.reset()
-    model = _model()
+    model = _model(act)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = amp.initialize(model, opt, opt_level=level, fp8=recipe)
     run = torch.compile(model) if compiled else model
@@ -83,6 +103,17 @@ def _assert_same_fp8_state(a: dict, b: dict) -> None:
                     assert value == other[key], (name, role, key)
 
 
+def _assert_same_training(eager: tuple, comp: tuple) -> None:
+    for e, c in zip(eager[0], comp[0]):
+        assert torch.equal(e, c)  # every step's loss
+    for e, c in zip(eager[1], comp[1]):
+        assert e.dtype == c.dtype and torch.equal(e, c)  # backward through fp8
+    for e, c in zip(eager[2], comp[2]):
+        assert torch.equal(e, c)  # weights after the optimizer steps
+    assert eager[4].dtype == comp[4].dtype and torch.equal(eager[4], comp[4])
+    _assert_same_fp8_state(eager[3], comp[3])
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_inductor_fp8_training_equals_eager_bitwise_without_graph_breaks(name):
     from torch._dynamo.utils import counters
@@ -92,18 +123,23 @@ def test_inductor_fp8_training_equals_eager_bitwise_without_graph_breaks(name):
     counters.clear()
     comp = _train(recipe, level, compiled=True)
     assert dict(counters["graph_break"]) == {}
-    for e, c in zip(eager[0], comp[0]):
-        assert torch.equal(e, c)  # every step's loss
-    for e, c in zip(eager[1], comp[1]):
-        assert e.dtype == c.dtype and torch.equal(e, c)  # backward through fp8
-    for e, c in zip(eager[2], comp[2]):
-        assert torch.equal(e, c)  # weights after the optimizer steps
-    assert eager[4].dtype == comp[4].dtype and torch.equal(eager[4], comp[4])
-    _assert_same_fp8_state(eager[3], comp[3])
+    _assert_same_training(eager, comp)
     roles = eager[3]["layers"]["1"]
     if recipe.scaling == "delayed":
         assert roles["input"]["calls"] == 3 and bool((roles["input"]["amax_history"][:3] > 0).all())
         assert int(roles["input"]["saturated"]) > 0  # the growing batches saturated once: a live history
+
+
+@pytest.mark.parametrize("name", ["O1-hybrid-current-tensorwise", "O1-hybrid-delayed-tensorwise"])
+def test_inductor_fp8_training_through_a_gelu_equals_eager_with_inductors_gelu(name):
+    """Through a GELU, compiled fp8 training is bitwise the eager one whose GELU alone is
+    compiled: the two part only where inductor's GELU (forward and backward) differs from
+    ATen's (see the module docstring), not in the fp8 layers around it."""
+    recipe, level = CASES[name]
+    eager = _train(recipe, level, compiled=False, act=torch.compile(nn.GELU()))
+    torch._dynamo.reset()
+    comp = _train(recipe, level, compiled=True, act=nn.GELU())
+    _assert_same_training(eager, comp)
 
 
 def test_inductor_fp8_forward_of_the_reported_model_equals_eager():
@@ -119,7 +155,8 @@ def test_a_compiled_deep_copy_advances_its_own_scale_state():
     """A compiled training call of a deep copy moves the copy's scales (input, weight and
     grad_output: its next forward and backward use them) and none of the session's
     layers' (``amp.state_dict()`` counts no call; they compute as before)."""
-    model, _ = amp.initialize(_model(), None, opt_level="O1", fp8=DELAYED)
+    # GELU: unlike LeakyReLU its gradient changes when the input is scaled, so each role's scale moves
+    model, _ = amp.initialize(_model(nn.GELU()), None, opt_level="O1", fp8=DELAYED)
     copied = copy.deepcopy(model)
     x = torch.randn(16, 16)
 
@@ -177,3 +214,42 @@ def test_inductor_fp8_under_activation_checkpointing_equals_eager():
         for role, st in roles.items():
             assert all(torch.equal(v, comp[1]["layers"][name][role][k]) if torch.is_tensor(v)
                        else v == comp[1]["layers"][name][role][k] for k, v in st.items()), (name, role)
+
+
+def _cpu_kinds() -> list:
+    """The ATen CPU capabilities this machine can run: its own and, on an AVX-512 CPU,
+    AVX2 (what an AVX2-only CPU runs, emulated with ``ATEN_CPU_CAPABILITY``)."""
+    own = torch.backends.cpu.get_cpu_capability()
+    return [
+        pytest.param("default", id=f"default-{own.lower()}"),
+        pytest.param("avx2", marks=pytest.mark.skipif(own not in ("AVX2", "AVX512"), reason="not an AVX2 CPU")),
+    ]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("capability", _cpu_kinds())
+def test_the_bitwise_checks_hold_under_each_cpu_kind(capability, tmp_path):
+    """The bitwise checks above (the two hybrid O1 recipes, and through a GELU), rerun in a
+    new interpreter with ATen's kernels and inductor's generated code on ``capability``.
+
+    Each run gets its own inductor cache directory: torch 2.13's FX graph cache key
+    leaves out the vector ISA, so a process under ``ATEN_CPU_CAPABILITY=avx2`` reusing a
+    graph an AVX-512 process cached runs AVX-512-width code compiled for AVX2 (half of
+    each vector loaded, the rest garbage: NaN from the first step, for plain
+    ``torch.compile`` of an ``nn.Linear`` under ``torch.autocast`` as much as for fp8)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability != "default":
+        env["ATEN_CPU_CAPABILITY"] = capability
+    probe = (
+        "import torch; from torch._inductor.cpu_vec_isa import pick_vec_isa; "
+        "print(torch.backends.cpu.get_cpu_capability(), pick_vec_isa())"
+    )
+    seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
+    if capability == "avx2":
+        assert seen == ["AVX2", "avx2"]  # ATen and inductor both on AVX2
+    root = Path(__file__).resolve().parents[1]
+    checks = "(equals_eager_bitwise and O1-hybrid) or through_a_gelu"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0 and "\n4 passed" in proc.stdout, f"under {seen}:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
