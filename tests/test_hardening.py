@@ -477,6 +477,8 @@ def test_o2_dropped_batch_after_unscale():
         (lambda o, m: amp.Policy().override("x"), amp.PolicyError),
         (lambda o, m: amp.Policy().override(fp32ops=["mm"]), amp.PolicyError),
         (lambda o, m: LossScaler(init_scale="big"), ScalerError),
+        (lambda o, m: LossScaler(init_scale=10**400), ScalerError),  # beyond float64
+        (lambda o, m: LossScaler(growth_factor=10**400), ScalerError),
         (lambda o, m: amp.initialize(m, o, opt_level="O1", loss_scale=True), ScalerError),
         (lambda o, m: amp.initialize(m, o, opt_level="O1", num_losses=True), AmpError),
         (lambda o, m: amp.init_trainer(o, num_losses=True), StateError),
@@ -591,17 +593,17 @@ def test_scaler_checkpoints_load_with_weights_only():
 # tensor of the wrong dtype or shape, a missing key, a container of the wrong kind or
 # length. Every mutation must raise an AmpError and change nothing.
 
-_SCALE_BAD = [NAN, INF, -INF, -4.0, 0.0, 1e-40, 2.0**30, 0.5, "1", None, True, [2.0]]
+_SCALE_BAD = [NAN, INF, -INF, -4.0, 0.0, 1e-40, 2.0**30, 0.5, 10**400, "1", None, True, [2.0]]
 _COUNT_BAD = [-1, 2.5, True, "3", None, 2**63, 2**70]  # counters are ints in [0, 2**63)
 _FLAG_BAD = ["False", "True", 0, 1, None]
 _BAD_BY_KEY: dict[str, list[Any]] = {
     "scale": _SCALE_BAD,
     "init_scale": _SCALE_BAD,
     "loss_scale": [NAN, INF, -4.0, 0.0, 1e-40, "1", None, True],
-    "min_scale": [NAN, INF, -4.0, 0.0, 1e-40, 2.0**30, "1", None, True],
+    "min_scale": [NAN, INF, -4.0, 0.0, 1e-40, 2.0**30, -(10**400), "1", None, True],
     "max_scale": [NAN, -4.0, 0.0, 1e-40, 1.0, "x", None, True],
     # factors are normal fp32 numbers: 1e-45 is subnormal, 1e39 beyond fp32's range
-    "growth_factor": [1.0, 0.5, -2.0, NAN, INF, 1e39, 1e300, "2", None, True],
+    "growth_factor": [1.0, 0.5, -2.0, NAN, INF, 1e39, 1e300, 10**400, "2", None, True],
     "backoff_factor": [0.0, 1.0, 1.5, -0.5, NAN, 1e-45, 2.0**-127, "x", None, True],
     "growth_interval": [0, *_COUNT_BAD],
     "hysteresis": [0, *_COUNT_BAD],
@@ -1069,7 +1071,7 @@ def test_corrupted_checkpoints_are_refused_whole_or_train_as_saved(data):
 # --- hypothesis: malformed arguments ----------------------------------------------------------
 
 _SCALER_ARGS: dict[str, list[Any]] = {
-    "init_scale": [NAN, INF, -1.0, 0.0, 1e-40, "big", None, True, 2.0**30],
+    "init_scale": [NAN, INF, -1.0, 0.0, 1e-40, 10**400, "big", None, True, 2.0**30],
     "growth_factor": _BAD_BY_KEY["growth_factor"],
     "backoff_factor": _BAD_BY_KEY["backoff_factor"],
     "growth_interval": _BAD_BY_KEY["growth_interval"],

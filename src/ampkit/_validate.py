@@ -48,7 +48,8 @@ def is_count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _short(value: Any) -> str:
+def brief(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters for a message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -61,7 +62,7 @@ def require_count(
     if not (is_count(value) and low <= value <= high):
         top = "2**63 - 1" if high == MAX_COUNT else str(high)
         tail = f" {hint}" if hint else ""
-        raise error(f"{what} must be an int in [{low}, {top}], got {_short(value)}.{tail}")
+        raise error(f"{what} must be an int in [{low}, {top}], got {brief(value)}.{tail}")
     return int(value)
 
 
@@ -69,7 +70,7 @@ def require_flag(value: Any, what: str, error: type[AmpError], hint: str = "") -
     """``value`` if it is True or False (not 0/1 or a string), else ``error``."""
     if not isinstance(value, bool):
         tail = f" {hint}" if hint else ""
-        raise error(f"{what} must be True or False, got {_short(value)} ({type(value).__name__}).{tail}")
+        raise error(f"{what} must be True or False, got {brief(value)} ({type(value).__name__}).{tail}")
     return value
 
 
@@ -119,7 +120,7 @@ def require_tensor(
     if shape is not None:
         wanted = f"a 0-d tensor of {dtype}" if len(shape) == 0 else f"{wanted} and shape {tuple(shape)}"
     if not isinstance(value, torch.Tensor):
-        raise error(f"{what} must be {wanted}, got {_short(value)} ({type(value).__name__}).{tail}")
+        raise error(f"{what} must be {wanted}, got {brief(value)} ({type(value).__name__}).{tail}")
     if value.layout != torch.strided or value.is_meta:
         raise error(f"{what} must be {wanted} with data, got a {value.layout} tensor on {value.device}.{tail}")
     if value.dtype != dtype or (shape is not None and tuple(value.shape) != tuple(shape)):

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ._validate import is_real, require_count, require_fields, require_flag
+from ._validate import brief, is_real, require_count, require_fields, require_flag
 from .errors import NumericsError, ScalerError
 
 __all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
@@ -80,11 +80,11 @@ CONFIG_KEYS = (
 def to_fp32(x: float) -> float:
     """``x`` rounded to the nearest float32 value (round half to even), as a Python float.
 
-    Values beyond float32's range become ``±inf``."""
+    Values beyond float32's range (ints beyond float64's too) become ``±inf``."""
     try:
-        return struct.unpack("f", struct.pack("f", x))[0]
+        return struct.unpack("f", struct.pack("f", float(x)))[0]
     except OverflowError:
-        return math.copysign(math.inf, x)
+        return math.inf if x > 0 else -math.inf
 
 
 #: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
@@ -101,15 +101,15 @@ def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, all
     fp32 too (scales below about 2.9e-39 have none). ``allow_inf`` also accepts
     ``+inf`` (a cap that caps nothing)."""
     if not is_real(value):
-        raise error(f"{what} must be a number, got {value!r} ({type(value).__name__}).")
-    scale = to_fp32(float(value))
+        raise error(f"{what} must be a number, got {brief(value)} ({type(value).__name__}).")
+    scale = to_fp32(value)
     if allow_inf and scale == math.inf:
         return scale
     if not (math.isfinite(scale) and scale > 0):
-        raise error(f"{what} must be a finite number > 0, got {value!r}.")
+        raise error(f"{what} must be a finite number > 0, got {brief(value)}.")
     if not math.isfinite(to_fp32(1.0 / scale)):
         raise error(
-            f"{what}={value!r} is too small: its reciprocal overflows float32, so unscaling "
+            f"{what}={brief(value)} is too small: its reciprocal overflows float32, so unscaling "
             "would turn every gradient into inf/NaN. Use a scale of at least 1e-38 "
             "(scales below 1 are rarely useful)."
         )
@@ -131,15 +131,15 @@ def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
     out["min_scale"] = check_scale(cfg["min_scale"], f"{name}: min_scale")
     out["max_scale"] = check_scale(cfg["max_scale"], f"{name}: max_scale", allow_inf=True)
     growth, backoff = cfg["growth_factor"], cfg["backoff_factor"]
-    if not (is_real(growth) and 1.0 < growth and math.isfinite(to_fp32(float(growth)))):
+    if not (is_real(growth) and 1.0 < growth and math.isfinite(to_fp32(growth))):
         raise bad(
             f"growth_factor must be a number > 1 that is finite in float32 (at most about "
-            f"3.4e38), got {growth!r}."
+            f"3.4e38), got {brief(growth)}."
         )
     if not (is_real(backoff) and _FP32_TINY <= backoff < 1.0):
         raise bad(
             "backoff_factor must be a number in [2**-126, 1) (2**-126, about 1.2e-38, is "
-            f"float32's smallest normal number), got {backoff!r}."
+            f"float32's smallest normal number), got {brief(backoff)}."
         )
     out["growth_factor"] = float(growth)
     out["backoff_factor"] = float(backoff)
