@@ -393,3 +393,113 @@ def test_apex_initialize_refuses_a_bad_opt_level_with_an_amp_error(bad):
         amp.initialize(model, opt, opt_level=bad)
     assert model.weight.dtype == torch.float32 and ampkit.levels.master_weights_of(opt) is None
     ampkit.reset()
+
+
+class _CheckpointNet(nn.Module):
+    """apex's tests/L0/run_amp/test_checkpointing.py model: a bare parameter, a conv, a
+    batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, 1, 1)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.param = nn.Parameter(torch.randn(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn1(torch.relu(self.conv1(x * self.param)))
+
+
+def test_o1_initialize_sets_apex_handle_and_opt_properties():
+    """apex's tests end an O1 test with ``_amp_state.handle._deactivate()`` and read
+    ``_amp_state.opt_properties``."""
+    state = amp._amp_state
+    assert state.handle is None and not hasattr(state, "opt_properties")
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)
+    props = state.opt_properties
+    assert (props.enabled, props.opt_level, props.patch_torch_functions) == (True, "O1", True)
+    assert props.cast_model_type is None and props.keep_batchnorm_fp32 is None and props.master_weights is None
+    assert props.loss_scale == "dynamic" and props.options["loss_scale"] == "dynamic"
+    assert set(props.options) == {
+        "enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+        "master_weights", "loss_scale",
+    }
+    handle = state.handle
+    assert isinstance(handle, amp.AmpHandle) and handle.is_active()
+    a = torch.randn(4, 4)
+    assert torch.mm(a, a).dtype == torch.bfloat16
+    handle._clear_cache()
+    handle._deactivate()
+    assert torch.mm(a, a).dtype == torch.float32
+    assert state.handle is None and not hasattr(state, "opt_properties")
+    # O2: apex's static defaults where the level casts the model; no O1 handle
+    model, opt = nn.Linear(4, 4), None
+    model = amp.initialize(model, opt_level="O2", verbosity=0)
+    props = state.opt_properties
+    assert props.opt_level == "O2" and props.cast_model_type == torch.bfloat16
+    assert props.keep_batchnorm_fp32 is True and props.master_weights is True
+    assert props.patch_torch_functions is False and props.loss_scale == 1.0
+    assert state.handle is None
+    amp.initialize(nn.Linear(2, 2), enabled=False)
+    assert state.opt_properties.enabled is False
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("amp_before_load", [True, False])
+def test_a_restored_pair_trains_next_to_the_first(opt_level, amp_before_load):
+    """apex's test_restoring: train a pair, checkpoint it half way, initialize a
+    restored pair (before or after loading its model and optimizer state) and train
+    both on the same batches, each on its own loss ids. Both keep training, each with
+    its own state: the restored pair equals the original bit for bit, amp state
+    (masters included) loaded from the original's amp.state_dict()."""
+    num_losses = 2
+    torch.manual_seed(2809)
+
+    def step(model, optimizer, x, loss_ids):
+        optimizer.zero_grad()
+        output = model(x)
+        for idx in loss_ids:
+            with amp.scale_loss(output.float().mean(), optimizer, loss_id=idx) as scaled:
+                scaled.backward(retain_graph=True)
+        optimizer.step()
+        return output
+
+    model = _CheckpointNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, num_losses=2 * num_losses, verbosity=0)
+    batches = [torch.randn(16, 3, 24, 24) for _ in range(10)]
+    for x in batches[:5]:
+        step(model, optimizer, x, range(num_losses))
+    checkpoint = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}
+    )
+    restore_model = _CheckpointNet()
+    restore_optimizer = torch.optim.SGD(restore_model.parameters(), lr=1e-3)
+
+    def restore_initialize():
+        return amp.initialize(restore_model, restore_optimizer, opt_level=opt_level,
+                              num_losses=2 * num_losses, verbosity=0)
+
+    if amp_before_load:
+        restore_model, restore_optimizer = restore_initialize()
+    restore_model.load_state_dict(checkpoint["model"])
+    restore_optimizer.load_state_dict(checkpoint["optimizer"])
+    if not amp_before_load:
+        restore_model, restore_optimizer = restore_initialize()
+    amp.load_state_dict(checkpoint["amp"])  # the restored pair's own state: the latest initialize's
+    for x in batches[5:]:
+        output = step(model, optimizer, x, range(num_losses))
+        restore_output = step(restore_model, restore_optimizer, x, range(num_losses, 2 * num_losses))
+        assert torch.equal(output, restore_output)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, restore_model.state_dict()[key]), key
+    for a, b in zip(amp.master_params(optimizer), amp.master_params(restore_optimizer)):
+        assert torch.equal(a, b)
+    # the restored counters went on from the checkpoint's 5
+    assert [(ampkit.stats(o).steps, ampkit.stats(o).skipped) for o in (optimizer, restore_optimizer)] == [(10, 0)] * 2
+    # amp.state_dict() follows the latest pair, as apex's global loss scalers did
+    assert len(amp.state_dict()["ampkit"]["trainers"]) == 1
+    # a reset releases the earlier pair too: its own step() is back
+    ampkit.reset()
+    assert "_ampkit_managed" not in optimizer.__dict__ and "_ampkit_managed" not in restore_optimizer.__dict__

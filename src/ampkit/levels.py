@@ -364,6 +364,15 @@ def _watch_model_loads(model: nn.Module, masters: list[MasterWeights]) -> None:
             _LOAD_HOOKS[module] = (handle, refs)
 
 
+def is_managed(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is set up by ampkit (``init_trainer`` or ``initialize``)."""
+    try:
+        optim.managed_state(opt)
+    except StateError:
+        return False
+    return True
+
+
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
     if isinstance(obj, kind):
         return [obj], True
@@ -463,6 +472,7 @@ def initialize(
     *,
     device_type: str | None = None,
     fp8: Fp8Recipe | bool | None = None,
+    fresh: bool = True,
     **overrides: Any,
 ) -> tuple[Any, Any]:
     """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
@@ -484,6 +494,13 @@ def initialize(
             optimizer included, runs as ``opt_level`` says (any level but O0). Scales
             and abs-max histories are saved by :func:`ampkit.state_dict`. See
             :mod:`ampkit.fp8`. Default None: no fp8.
+        fresh (bool) [True]: end the previous AMP session first, like
+            :func:`ampkit.reset`. False adds these models and optimizers to the current
+            session instead: the ones set up before keep training, each optimizer with
+            its own scalers, masters and counters, and :func:`ampkit.state_dict` holds
+            them all (apex's ``amp.initialize`` called again for a restored
+            model/optimizer pair). Process-wide op-level casting (O1) is then set to this
+            call's policy. ``fresh=False`` takes no ``fp8``.
         **overrides: change one setting of the level:
 
             - ``dtype``: compute dtype; default bf16 on CPU, fp16 on CUDA.
@@ -532,6 +549,10 @@ def initialize(
     """
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
+    if not isinstance(fresh, bool):
+        raise AmpError(f"fresh must be True or False, got {fresh!r}.")
+    if not fresh and fp8 not in (None, False):
+        raise AmpError("fp8 needs a fresh session (its scale state is session-wide): pass fresh=True.")
     model_list, one_model = _as_list(models, nn.Module, "models")
     if optimizers is None:
         opt_list: list[torch.optim.Optimizer] = []
@@ -552,6 +573,11 @@ def initialize(
         check_device_type(device_type)
     _check_fp32(model_list, opt_list, level)
     for opt in opt_list:
+        if not fresh and is_managed(opt):
+            raise AmpError(
+                f"this {type(opt).__name__} is already set up in the current session; with "
+                "fresh=False pass only optimizers not set up yet."
+            )
         if _masters_of(opt) is not None and not level.master_weights:
             where = "keeps the model in fp32" if level.cast_model_type is None else "has none"
             raise AmpError(
@@ -576,7 +602,8 @@ def initialize(
         ] if level.cast_model_type is not None else []
         fp8_plan = _fp8.plan(recipe, model_list, skip=kept)
 
-    _reset.reset()  # a new session: no leftovers of a previous initialize or init
+    if fresh:
+        _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
     masters: list[MasterWeights | None] = [_masters_of(opt) for opt in opt_list]
     if level.cast_model_type is not None:

@@ -47,6 +47,7 @@ What maps to what:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import types
@@ -84,6 +85,7 @@ class _Registry:
         self.enabled = True
         self.device_type: str | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.handle_api = False  # amp.init ran: registrations go on after initialize
 
 
 # Module state: apex.amp's API is process-global by design (registrations before init).
@@ -94,15 +96,26 @@ _state = _Registry()
 _STATE_DICT_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
+# Optimizers of earlier initialize calls, still managed outside the session (weak).
+# Module state, like _state; released by reset.
+_DETACHED: list[weakref.ref] = []
+
+
 @_reset.on_reset
 def _forget() -> None:
     global _state
     _state = _Registry()
+    for ref in _DETACHED:
+        opt = ref()
+        if opt is not None and _managed(opt):
+            optim.release(opt)
+    _DETACHED.clear()
     for handles in list(_STATE_DICT_HOOKS.values()):
         for handle in handles:
             handle.remove()
     _STATE_DICT_HOOKS.clear()
     _amp_state.handle = None
+    _amp_state.__dict__.pop("opt_properties", None)
 
 
 class Fp32StateDict:
@@ -147,9 +160,48 @@ class _ScalerView:
         return self._scaler.dynamic
 
 
+@dataclasses.dataclass(frozen=True)
+class OptProperties:
+    """apex's ``_amp_state.opt_properties``: the options the last ``amp.initialize``
+    set up, as apex named them (read-only: changing them after ``initialize`` changed
+    nothing in apex either). ``cast_model_type`` is what the call passed, else the
+    dtype the level stores the model in (None: the model stays as it is);
+    ``keep_batchnorm_fp32`` and ``master_weights`` are None where the level casts no
+    model (O1), as in apex; ``loss_scale`` is ``"dynamic"`` or the static scale (bf16
+    levels default to a static 1, see :mod:`ampkit.levels`)."""
+
+    enabled: bool
+    opt_level: str | None = None
+    cast_model_type: Any = None
+    patch_torch_functions: bool = False
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool | None = None
+    loss_scale: float | str = 1.0
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _opt_properties(level: Any, cast_model_type: Any) -> OptProperties:
+    cast = level.cast_model_type is not None
+    return OptProperties(
+        enabled=True,
+        opt_level=level.name,
+        cast_model_type=cast_model_type if cast_model_type is not None else level.cast_model_type,
+        patch_torch_functions=level.op_casting,
+        keep_batchnorm_fp32=level.keep_norm_fp32 if cast else None,
+        master_weights=level.master_weights if cast or level.name == "O0" else None,
+        loss_scale=level.loss_scale,
+    )
+
+
 class _AmpState:
     """apex's ``amp._amp_state`` (``from apex.amp import _amp_state``), the switches
-    legacy scripts and apex's own tests set."""
+    legacy scripts and apex's own tests set. After ``amp.initialize``: ``handle`` (at
+    a level with op-level casting, O1: the :class:`AmpHandle` whose ``_deactivate()``
+    turns everything off) and ``opt_properties`` (:class:`OptProperties`; absent before
+    the first ``initialize``, as in apex)."""
 
     def __init__(self) -> None:
         self.allow_incoming_model_not_fp32 = False
@@ -208,6 +260,7 @@ def initialize(
         _reset.reset()
         _state.enabled = False
         _state.initialized = True
+        _amp_state.opt_properties = OptProperties(enabled=False)
         return models if optimizers is None else (models, optimizers)
     if cast_model_type is False or cast_model_type == torch.float32:
         # apex: nothing cast, so no masters either (the fp32 params are their own
@@ -246,15 +299,42 @@ def initialize(
         for m in model_list:  # masters from the 16-bit values, as apex built them
             if any(p.is_floating_point() and p.dtype != torch.float32 for p in m.parameters()):
                 m.float()
-    out_models, out_opts = ampkit.initialize(models, optimizers, opt_level, **overrides)
+    # apex kept every initialized pair training (a restored model/optimizer pair next
+    # to the original): a later initialize joins the session of the earlier one
+    # (an optimizer passed again starts afresh, as before)
+    new_opts = [] if optimizers is None else (list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers])
+    join = (
+        _state.initialized and _state.enabled and any(_managed(opt) for opt in _state.optimizers)
+        and not any(isinstance(opt, torch.optim.Optimizer) and _managed(opt) for opt in new_opts)
+    )
+    if join:
+        _detach_session()
+    out_models, out_opts = ampkit.initialize(models, optimizers, opt_level, fresh=not join, **overrides)
     if level.cast_model_type is not None and level.name in ("O0", "O1", "O2", "O3"):
         _fp32_state_dicts(model_list)
-    # ampkit.initialize reset the process-wide state; keep what was registered.
+    # a fresh ampkit.initialize reset the process-wide state; keep what was registered.
     _state.lower, _state.fp32, _state.promote = registrations
     _state.initialized = True
     _state.device_type = _device_of(models)
     _state.optimizers = [] if out_opts is None else (out_opts if isinstance(out_opts, list) else [out_opts])
+    if level.op_casting:  # apex's O1 handle, which its scripts reach as _amp_state.handle
+        _amp_state.handle = AmpHandle(level.loss_scale, True, False)
+    _amp_state.opt_properties = _opt_properties(level, cast_model_type)
     return out_models if optimizers is None else (out_models, out_opts)
+
+
+def _detach_session() -> None:
+    """Take the trainers of the earlier ``initialize`` calls out of the AMP session,
+    still managed: they keep training with their own scalers, masters and counters,
+    while ``amp.state_dict()`` and ``amp.load_state_dict`` follow the latest pair (as
+    apex's did). They are released on :func:`ampkit.reset`, or go with their
+    optimizers (held weakly here)."""
+    from ..session import current_session
+
+    session = current_session()
+    for member in session.members:
+        session.unregister(member)
+        _DETACHED.extend(weakref.ref(state.optimizer) for state in getattr(member, "optimizers", ()))
 
 
 def _device_of(models: Any) -> str:
@@ -379,7 +459,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
 
 def _register(bucket: list[Callable[..., Any]], module: Any, name: str, kind: str) -> None:
-    if _state.initialized and _amp_state.handle is None:
+    if _state.initialized and not _state.handle_api:
         raise StateError(
             f"amp.register_{kind}_function must be called before amp.initialize, as with apex."
         )
@@ -508,6 +588,7 @@ def init(
         _state.lower, _state.fp32, _state.promote = [], [], []  # consumed, as apex did
         _state.device_type = device_type
         handle = AmpHandle(scale if scale is not None else "dynamic", enable_caching, verbose)
+    _state.handle_api = True
     _amp_state.handle = handle
     return handle
 
@@ -614,12 +695,7 @@ class NoOpHandle:
         pass
 
 
-def _managed(opt: torch.optim.Optimizer) -> bool:
-    try:
-        optim.managed_state(opt)
-    except StateError:
-        return False
-    return True
+_managed = ampkit.levels.is_managed
 
 
 class OptimWrapper:
