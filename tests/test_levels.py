@@ -932,3 +932,24 @@ def test_the_forward_scope_closes_when_forward_raises():
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(2, 4))
     assert not ampkit.is_active("cpu")
+
+
+def test_initialize_fresh_false_adds_to_the_session_and_refuses_what_it_cannot_add():
+    first, second = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    ampkit.initialize(first, opt1, "O2")
+    with pytest.raises(AmpError, match="already set up"):
+        ampkit.initialize(nn.Linear(4, 2), opt1, "O2", fresh=False)
+    with pytest.raises(AmpError, match="fresh must be True or False"):
+        ampkit.initialize(second, opt2, "O2", fresh="no")
+    with pytest.raises(AmpError, match="fp8 needs a fresh session"):
+        ampkit.initialize(second, opt2, "O2", fresh=False, fp8=True)
+    assert second.weight.dtype == torch.float32  # refused calls changed nothing
+    ampkit.initialize(second, opt2, "O2", fresh=False)
+    assert len(ampkit.state_dict()["trainers"]) == 2
+    for model, opt in ((first, opt1), (second, opt2)):
+        with ampkit.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as loss:
+            loss.backward()
+        opt.step()
+        assert ampkit.stats(opt).steps == 1
