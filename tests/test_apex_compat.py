@@ -503,3 +503,19 @@ def test_a_restored_pair_trains_next_to_the_first(opt_level, amp_before_load):
     # a reset releases the earlier pair too: its own step() is back
     ampkit.reset()
     assert "_ampkit_managed" not in optimizer.__dict__ and "_ampkit_managed" not in restore_optimizer.__dict__
+
+
+def test_initialize_of_the_same_model_with_a_new_optimizer_starts_afresh():
+    """A pair that shares parameters with the earlier one replaces it (two optimizers
+    managing one model's grads would unscale them twice): the earlier optimizer is
+    released, the new one trains."""
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, first = amp.initialize(model, first, opt_level="O1", verbosity=0)
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, second = amp.initialize(model, second, opt_level="O1", verbosity=0)
+    assert "_ampkit_managed" not in first.__dict__
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), second) as loss:
+        loss.backward()
+    second.step()
+    assert ampkit.stats(second).steps == 1

@@ -85,6 +85,7 @@ class _Registry:
         self.enabled = True
         self.device_type: str | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.param_ids: set[int] = set()  # parameters of every pair set up in this session
         self.handle_api = False  # amp.init ran: registrations go on after initialize
 
 
@@ -301,11 +302,10 @@ def initialize(
                 m.float()
     # apex kept every initialized pair training (a restored model/optimizer pair next
     # to the original): a later initialize joins the session of the earlier one
-    # (an optimizer passed again starts afresh, as before)
-    new_opts = [] if optimizers is None else (list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers])
+    # (an optimizer or model passed again starts afresh, as before)
     join = (
         _state.initialized and _state.enabled and any(_managed(opt) for opt in _state.optimizers)
-        and not any(isinstance(opt, torch.optim.Optimizer) and _managed(opt) for opt in new_opts)
+        and not _shares_with_earlier(model_list, optimizers)
     )
     if join:
         _detach_session()
@@ -317,10 +317,24 @@ def initialize(
     _state.initialized = True
     _state.device_type = _device_of(models)
     _state.optimizers = [] if out_opts is None else (out_opts if isinstance(out_opts, list) else [out_opts])
+    _state.param_ids |= _param_ids(model_list, out_opts)
     if level.op_casting:  # apex's O1 handle, which its scripts reach as _amp_state.handle
         _amp_state.handle = AmpHandle(level.loss_scale, True, False)
     _amp_state.opt_properties = _opt_properties(level, cast_model_type)
     return out_models if optimizers is None else (out_models, out_opts)
+
+
+def _param_ids(models: list[torch.nn.Module], optimizers: Any) -> set[int]:
+    opts = [] if optimizers is None else (list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers])
+    ids = {id(p) for m in models for p in m.parameters()}
+    ids |= {id(p) for o in opts if isinstance(o, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
+    return ids | {id(o) for o in opts}
+
+
+def _shares_with_earlier(models: list[torch.nn.Module], optimizers: Any) -> bool:
+    """Whether the new models or optimizers are, or hold a parameter of, a pair set
+    up before in this session."""
+    return not _state.param_ids.isdisjoint(_param_ids(models, optimizers))
 
 
 def _detach_session() -> None:
@@ -335,6 +349,7 @@ def _detach_session() -> None:
     for member in session.members:
         session.unregister(member)
         _DETACHED.extend(weakref.ref(state.optimizer) for state in getattr(member, "optimizers", ()))
+    _DETACHED[:] = [ref for ref in _DETACHED if ref() is not None]
 
 
 def _device_of(models: Any) -> str:
