@@ -33,6 +33,16 @@ What maps to what:
   weights (apex's masters of fp32 params were the params themselves).
   ``amp._amp_state.allow_incoming_model_not_fp32 = True`` accepts a 16-bit model at
   a cast level; its masters start from the 16-bit values, as in apex.
+- After ``amp.initialize``: ``amp._amp_state.opt_properties`` (:class:`OptProperties`,
+  the options under apex's names) and, at a level with op-level casting (O1),
+  ``amp._amp_state.handle`` (an :class:`AmpHandle`: ``_deactivate()`` turns
+  everything off, like :func:`ampkit.reset`).
+- A later ``amp.initialize`` of a pair that shares no parameter with the earlier ones
+  (a model and optimizer restored from a checkpoint) keeps the earlier pairs training,
+  each with its own scalers, masters and counters (``ampkit.initialize(fresh=False)``;
+  their trainers leave the AMP session, still managed, and are released on reset);
+  ``amp.state_dict()``/``amp.load_state_dict`` follow the latest pair, as apex's loss
+  scalers did. A pair over the same parameters replaces the earlier one.
 - apex's older handle API: ``handle = amp.init(enabled=True, loss_scale="dynamic")``
   turns op-level casting on process-wide (with the functions registered by
   ``amp.register_*_function`` before it); ``handle.scale_loss(loss, optimizer)``
