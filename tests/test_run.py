@@ -500,3 +500,21 @@ def test_a_model_called_through_a_parameterless_module_is_cast(capsys, tmp_path)
     assert "inner torch.float32 torch.float32" in out and "linear [torch.bfloat16]" in out
     data = json.loads(report.read_text())
     assert data["model_calls"] == data["forward_scopes"] == 1 and data["module_calls_left_alone"] == 1
+
+
+def test_summary_says_who_cast_the_model_calls_ampkit_did_not():
+    """A model call the script's own autocast (or an O2 model's own casting) ran is not
+    reported as left uncast: the summary names where it ran."""
+    from ampkit.run import format_summary
+
+    report = {
+        "level": "O1", "level_applied": "O1", "dtype": "bf16", "exit_code": 0, "wall_seconds": 1.0,
+        "stopped_early": None, "optimizers": [], "model_calls": 30, "forward_scopes": 0,
+        "forward_calls_in_script_autocast": 28, "forward_calls_kept_fp32": 2, "forward_calls_cast_model": 0,
+        "module_calls_left_alone": 0, "iteration_ms_median": None, "losses": {}, "notes": [],
+        "scheduler_steps_held": 0, "script_grad_scaler": False,
+    }  # fmt: skip
+    text = format_summary(report)
+    line = next(line for line in text.splitlines() if "model calls" in line)
+    assert "30 model calls, 0 cast by ampkit, 28 under the script's own torch.autocast, 2 kept fp32" in line
+    assert "model's own casting" not in line

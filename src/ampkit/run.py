@@ -1176,8 +1176,14 @@ def format_summary(report: dict[str, Any]) -> str:
     if not report["optimizers"]:
         lines.append("  no torch.optim optimizer: casting in forward passes only")
     if report["model_calls"] is not None:
+        other = [
+            (report["forward_calls_in_script_autocast"], "under the script's own torch.autocast"),
+            (report["forward_calls_kept_fp32"], "kept fp32 by the script's torch.autocast(enabled=False)"),
+            (report["forward_calls_cast_model"], "in the 16-bit model's own casting"),
+        ]
+        also = "".join(f", {n} {where}" for n, where in other if n)
         lines.append(
-            f"  {report['model_calls']} model calls, {report['forward_scopes']} cast by ampkit; "
+            f"  {report['model_calls']} model calls, {report['forward_scopes']} cast by ampkit{also}; "
             f"{report['module_calls_left_alone']} other module calls (no parameters, or data loading) left as written"
         )
     if report["iteration_ms_median"] is not None:
