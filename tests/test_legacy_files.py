@@ -1,0 +1,104 @@
+"""Files written by ampkit 0.2 (tests/fixtures/v0_2, written by its make_fixtures.py at
+0.2's main) still load: whole models saved at O2/O3/O2K, with fp8 layers, converted or
+set up through the apex compat layer (their pickles name 0.2's class paths, e.g.
+``ampkit.model.CastInputs``), with torch.load's default ``weights_only=True`` and without
+it; and a 0.2 training checkpoint resumes bitwise as the same run would continue today."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit as amp
+import ampkit.compat.apex  # noqa: F401  (the apex model's script imported it too)
+
+HERE = Path(__file__).resolve().parent / "fixtures" / "v0_2"
+MODELS = ["model-O2", "model-O3", "model-O2K", "model-fp8-O2-delayed", "model-fp8-O1-current",
+          "converted-bf16", "converted-fp16", "apex-O2"]
+TORCH_CLASSES = [nn.Sequential, nn.Linear, nn.LayerNorm, nn.ReLU, nn.BatchNorm1d, nn.Identity]
+
+
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return torch.load(HERE / "expected.pt")
+
+
+def _hooks(model: nn.Module) -> list[list[str]]:
+    return [[f"{type(h).__module__}.{type(h).__qualname__}" for h in d.values()] for sub in model.modules()
+            for d in (sub._forward_pre_hooks, sub._forward_hooks, sub._state_dict_hooks)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_whole_model_written_by_0_2_loads_and_computes_as_it_did(name, expected):
+    with torch.serialization.safe_globals(TORCH_CLASSES):
+        safe = torch.load(HERE / f"{name}.pt")  # weights_only=True
+    full = torch.load(HERE / f"{name}.pt", weights_only=False)
+    x = expected["x"]
+    with torch.no_grad():
+        a, b = safe.eval()(x), full.eval()(x)
+    want = expected["outputs"][name]
+    assert a.dtype == b.dtype == want.dtype
+    assert torch.equal(_bits(a), _bits(b))
+    # the same weights on another CPU kind may round a 16-bit matmul differently
+    tol = {torch.float32: 2e-2, torch.bfloat16: 3e-2, torch.float16: 5e-3}[a.dtype]
+    torch.testing.assert_close(a.float(), want.float(), rtol=tol, atol=tol)
+    hooks = _hooks(safe)
+    assert hooks == _hooks(full)
+    # what came back are today's classes, wherever they now live
+    assert all(h.startswith("ampkit.") for hs in hooks for h in hs)
+    if name != "model-fp8-O1-current":
+        assert sum(map(len, hooks)) > 0
+    if name.startswith("model-fp8"):
+        assert any(type(m) is amp.fp8.Float8Linear for m in safe.modules())
+    if name.startswith("converted"):
+        assert type(safe.ampkit_report) is amp.ConversionReport
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_a_0_2_checkpoint_resumes_bitwise_as_the_same_run_continues_today(level, tmp_path):
+    """0.2's checkpoint of 3 steps, loaded into fresh objects and stepped twice, equals
+    today's uninterrupted 5 steps of the same run (same process, so CPU-independent)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("v0_2_make_fixtures", HERE / "make_fixtures.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    dtype = torch.float16 if level == "O2" else torch.bfloat16
+
+    def more(m, opt, seed=4):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            xb = torch.randn(4, 16, generator=g)
+            with amp.scale_loss(m(xb).float().square().mean(), opt) as s:
+                s.backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in amp.master_params(opt)]
+
+    try:
+        m, opt = make.trained(level, steps=3, dtype=dtype)
+        today = more(m, opt)
+        amp.reset()
+        ckpt = torch.load(HERE / f"checkpoint-{level}.pt")  # weights_only=True
+        m = make.mlp()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m, opt = amp.initialize(m, opt, opt_level=level, dtype=dtype)
+        m.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        amp.load_state_dict(ckpt["amp"])
+        resumed = more(m, opt)
+    finally:
+        amp.reset()
+    assert len(today) == len(resumed) == 8
+    for a, b in zip(today, resumed):
+        assert a.dtype == b.dtype and (a.dtype == torch.float32 or level == "O2K")
+        assert torch.equal(a, b)
