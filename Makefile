@@ -22,6 +22,7 @@ test-fast: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports  # the layers contract of pyproject.toml [tool.importlinter]
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/ampkit bench

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit.bench.workloads import SIZES, make_workload
+from ampkit.tools.bench.workloads import SIZES, make_workload
 
 CUSTOM = amp.Policy(
     fp32_ops=[F.softmax, F.log_softmax],

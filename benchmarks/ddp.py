@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ampkit.bench.workloads import SIZES, WORKLOADS, make_workload
+from ampkit.tools.bench.workloads import SIZES, WORKLOADS, make_workload
 
 LEVELS = ("off", "O0", "O1", "O2", "O3", "O2K")
 

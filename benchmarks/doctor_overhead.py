@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 import ampkit as amp
-from ampkit.bench.workloads import SIZES, make_workload
-from ampkit.doctor import Doctor
+from ampkit.tools.bench.workloads import SIZES, make_workload
+from ampkit.tools.diagnosis import Doctor
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

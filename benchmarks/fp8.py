@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit.bench.machine import device_name
-from ampkit.bench.memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
-from ampkit.bench.workloads import CharTransformer
+from ampkit.tools.bench.machine import device_name
+from ampkit.tools.bench.memory import MIB, SavedActivations, live_tensor_bytes, storage_ptrs
+from ampkit.tools.bench.workloads import CharTransformer
 
 VOCAB = 256
 
@@ -140,7 +140,7 @@ def main() -> None:
     if args.json:
         import json
 
-        from ampkit.bench.machine import machine_info
+        from ampkit.tools.bench.machine import machine_info
 
         settings = {k: getattr(args, k) for k in ("d_model", "layers", "batch", "seq", "steps", "warmup", "level")}
         for r in rows:

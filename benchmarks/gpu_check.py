@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    from ampkit.bench.machine import machine_info
+    from ampkit.tools.bench.machine import machine_info
 
     record: dict[str, Any] = {"machine": machine_info("cuda"), "cuda_version": torch.version.cuda, "stages": []}
     for stage in stages:

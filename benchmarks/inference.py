@@ -27,15 +27,15 @@ import torch
 import torch.nn.functional as F
 
 import ampkit as amp
-from ampkit.bench.inference import (
+from ampkit.inference.conversion import load_fp32_checkpoint, output_error, weight_bytes
+from ampkit.inference.export import onnx_session, run_onnx
+from ampkit.tools.bench.inference import (
     LatencyRow,
     interleaved_latency,
     markdown,
     render,
     train_checkpoint,
 )
-from ampkit.convert import load_fp32_checkpoint, output_error, weight_bytes
-from ampkit.export import onnx_session, run_onnx
 
 
 def _logits_in_chunks(fn, x, chunk):

@@ -74,7 +74,7 @@ def _workload(name: str, quick: bool) -> Any:
     so the step figures leave it out (as ``ampkit bench`` does)."""
     key = (name, quick)
     if key not in _WORKLOADS:
-        from ampkit.bench.workloads import make_workload
+        from ampkit.tools.bench.workloads import make_workload
 
         _WORKLOADS[key] = make_workload(name, "quick" if quick else "full")
     return _WORKLOADS[key]
@@ -124,7 +124,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
     import torch
 
     import ampkit
-    from ampkit.bench.memory import PeakMeter, storage_ptrs
+    from ampkit.tools.bench.memory import PeakMeter, storage_ptrs
 
     wl = _workload(workload, quick)
     torch.manual_seed(0)
@@ -178,7 +178,7 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     import ampkit
-    from ampkit.bench.memory import param_and_state_bytes
+    from ampkit.tools.bench.memory import param_and_state_bytes
 
     # A throwaway pass first: it loads every kernel the step uses (code pages and
     # one-time buffers count as RSS), then its tensors are freed. What is resident

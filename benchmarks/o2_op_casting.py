@@ -26,8 +26,8 @@ import time
 import torch
 
 import ampkit as amp
-from ampkit.bench.workloads import SIZES, Workload, make_workload
-from ampkit.model import add_op_casting, cast_model
+from ampkit.levels.model_cast import add_op_casting, cast_model
+from ampkit.tools.bench.workloads import SIZES, Workload, make_workload
 
 BF16 = torch.bfloat16
 

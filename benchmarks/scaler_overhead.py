@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 import ampkit as amp
-from ampkit.bench.workloads import SIZES, WORKLOADS, make_workload
+from ampkit.tools.bench.workloads import SIZES, WORKLOADS, make_workload
 
 
 class NoStep(torch.optim.SGD):
@@ -60,7 +60,7 @@ def scaler_only(model: torch.nn.Module, batch, loss_fn, rounds: int, steps: int)
 
     opt_plain = NoStep(params, lr=0.0)
     opt_managed = amp.init_trainer(NoStep(params, lr=0.0))
-    state = amp.optim.managed_state(opt_managed)
+    state = amp.trainer.managed_state(opt_managed)
     opt_gs = NoStep(params, lr=0.0)
     gs = amp.GradScaler("cpu")
     opt_torch = NoStep(params, lr=0.0)

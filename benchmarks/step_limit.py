@@ -94,8 +94,8 @@ class _Arm:
     """One arm on one workload: model, optimizer and a step function."""
 
     def __init__(self, workload: str, arm: str, phase: str, device: str = "cpu") -> None:
-        from ampkit.bench.recipes import AmpkitLevel, make_recipe
-        from ampkit.bench.workloads import make_workload
+        from ampkit.tools.bench.recipes import AmpkitLevel, make_recipe
+        from ampkit.tools.bench.workloads import make_workload
 
         self.device = torch.device(device)
         self.workload = make_workload(workload, "full", self.device)
@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         phases = ["full", "update"] if native else ["update"]
     else:
         phases = ["full", "update"] if args.phase == "both" else [args.phase]
-    from ampkit.bench.machine import machine_info
-    from ampkit.bench.workloads import make_workload
+    from ampkit.tools.bench.machine import machine_info
+    from ampkit.tools.bench.workloads import make_workload
 
     machine = machine_info(args.device, threads=1)
     print(

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import ampkit as amp
-from ampkit.bench.data import image_batches, load_digits
-from ampkit.bench.workloads import DigitsCNN
+from ampkit.tools.bench.data import image_batches, load_digits
+from ampkit.tools.bench.workloads import DigitsCNN
 
 AMP_CHOICES = ("off", "init", "O0", "O1", "O2", "O3", "O2K")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

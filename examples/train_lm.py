@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import ampkit as amp
-from ampkit.bench.data import TextData, load_stdlib_text, text_batches
-from ampkit.bench.workloads import CharTransformer
+from ampkit.tools.bench.data import TextData, load_stdlib_text, text_batches
+from ampkit.tools.bench.workloads import CharTransformer
 
 AMP_CHOICES = ("off", "init", "O0", "O1", "O2", "O3", "O2K")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

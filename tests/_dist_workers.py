@@ -188,7 +188,7 @@ def run_steps(
 
 
 def _backward_params(opt: torch.optim.Optimizer) -> Any:
-    from ampkit.optim import managed_state
+    from ampkit.trainer.api import managed_state
 
     state = managed_state(opt)
     return list(state.backward_params) if state.backward_params is not None else list(state._grad_params())
@@ -196,7 +196,7 @@ def _backward_params(opt: torch.optim.Optimizer) -> Any:
 
 def fingerprint(state: dict) -> Any:
     """A bitwise digest of a state dict (tensors hashed), safe to keep and compare."""
-    from ampkit.distributed import _fingerprint
+    from ampkit.distributed.core import _fingerprint
 
     return _fingerprint(state)
 
@@ -224,7 +224,7 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ampkit
-    from ampkit.distributed import check_ranks_agree, register_ddp, set_sync, sync_plan
+    from ampkit.distributed.core import check_ranks_agree, register_ddp, set_sync, sync_plan
 
     res: dict[str, Any] = {}
 
@@ -385,7 +385,7 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
 
 def _multi_loss(rank: int) -> dict:
     import ampkit
-    from ampkit.distributed import check_ranks_agree
+    from ampkit.distributed.core import check_ranks_agree
 
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -431,7 +431,7 @@ def job_checkpoint(rank: int, world: int, outdir: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ampkit
-    from ampkit.distributed import check_ranks_agree, register_ddp
+    from ampkit.distributed.core import check_ranks_agree, register_ddp
 
     def setup(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
         model = make_model(seed)
@@ -439,7 +439,7 @@ def job_checkpoint(rank: int, world: int, outdir: Path) -> dict:
         model, opt = ampkit.initialize(
             model, opt, opt_level="O2", loss_scale="dynamic", max_loss_scale=2.0**20
         )
-        for s in ampkit.optim.managed_state(opt).scalers:
+        for s in ampkit.trainer.managed_state(opt).scalers:
             s.growth_interval = 2  # let the scale move within a few steps
         return model, register_ddp(DDP(model)), opt
 
@@ -490,7 +490,7 @@ def job_fsdp(rank: int, world: int, outdir: Path) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import ampkit
-    from ampkit.distributed import sync_plan
+    from ampkit.distributed.core import sync_plan
 
     res: dict[str, Any] = {}
 
@@ -557,7 +557,7 @@ def job_ddp_grads(rank: int, world: int, outdir: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ampkit
-    from ampkit.distributed import register_ddp
+    from ampkit.distributed.core import register_ddp
 
     def reference(micro_batches: int) -> list[torch.Tensor]:
         ref = make_model(0)

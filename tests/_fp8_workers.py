@@ -30,7 +30,7 @@ def job_amax(rank: int, world: int, outdir: Path) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ampkit as amp
-    from ampkit import fp8
+    from ampkit.levels import fp8
 
     out: dict = {}
     for scaling in ("current", "delayed"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ampkit.scaling import to_fp32
+from ampkit.scaling.loss_scaler import to_fp32
 
 
 class RefScaler:

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from ampkit.compat.apex import amp
 from torch import nn
 
 import ampkit
-from ampkit.compat.apex import amp
 from ampkit.errors import AmpError, StateError
 
 SCRIPT = Path(__file__).with_name("legacy_apex_script.py")
@@ -149,7 +149,7 @@ def test_state_dict_has_apex_keys_and_loads_an_apex_checkpoint():
             "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0},
         }
     )
-    scalers = ampkit.optim.managed_state(opt).scalers
+    scalers = ampkit.trainer.managed_state(opt).scalers
     assert [s.scale for s in scalers] == [512.0, 8.0]
     assert scalers[0].growth_tracker == 7
     with pytest.raises(StateError, match="loss scaler"):

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampkit.bench import PRECISIONS
-from ampkit.bench.data import image_batches, load_digits, load_stdlib_text, text_batches
-from ampkit.bench.memory import (
+from ampkit.tools.bench import PRECISIONS
+from ampkit.tools.bench.data import image_batches, load_digits, load_stdlib_text, text_batches
+from ampkit.tools.bench.memory import (
     PeakMeter,
     SavedActivations,
     live_tensor_bytes,
     param_and_state_bytes,
     storage_ptrs,
 )
-from ampkit.bench.recipes import RecipeUnavailable, TorchAutocast, make_recipe
-from ampkit.bench.runner import BenchConfig, BenchError, summarize_precision
-from ampkit.cli.main import main
+from ampkit.tools.bench.recipes import RecipeUnavailable, TorchAutocast, make_recipe
+from ampkit.tools.bench.runner import BenchConfig, BenchError, summarize_precision
+from ampkit.tools.cli.main import main
 
 MIXED = [p for p in PRECISIONS if p not in ("fp32", "bf16")]  # bf16: the floor, no promise
 # Tiny runs train for 30-40 steps: a mixed run may differ from fp32 by a few
@@ -195,7 +195,7 @@ def test_config_validation_messages() -> None:
 def test_repeated_precision_runs_once() -> None:
     """``--precisions fp32,fp32`` used to send each command twice to the one fp32
     worker, which then reported 'finish before setup' as a training failure."""
-    from ampkit.bench.runner import _run_workload
+    from ampkit.tools.bench.runner import _run_workload
 
     config = BenchConfig(workloads=("cnn", "cnn"), precisions=("fp32", "ampkit-O2", "fp32"), steps=4, block=2)
     assert config.workloads == ("cnn",) and config.precisions == ("fp32", "ampkit-O2")
@@ -339,7 +339,7 @@ def test_pure_bf16_recipe_casts_model_inputs_and_state_in_place() -> None:
 
 
 def test_wide_workload_is_parameter_heavy_and_tiny_trains() -> None:
-    from ampkit.bench.workloads import WIDE_SIZES, WideMLP, make_workload
+    from ampkit.tools.bench.workloads import WIDE_SIZES, WideMLP, make_workload
 
     full = WIDE_SIZES["full"]
     with torch.device("meta"):
@@ -368,7 +368,7 @@ def test_wide_workload_is_parameter_heavy_and_tiny_trains() -> None:
 def test_example_batch_is_the_first_batch_of_its_seed(name: str) -> None:
     """What the benchmarks/ scripts time their steps on: the first training batch for the
     seed, the same on every call, and another batch for another seed."""
-    from ampkit.bench.workloads import make_workload
+    from ampkit.tools.bench.workloads import make_workload
 
     wl = make_workload(name, "tiny")
     x, y = wl.example_batch()
@@ -415,7 +415,7 @@ class _ScriptedWorker:
 
 
 def test_runner_keeps_going_when_one_precision_fails() -> None:
-    from ampkit.bench.runner import _run_workload
+    from ampkit.tools.bench.runner import _run_workload
 
     config = BenchConfig(workloads=("cnn",), precisions=("fp32", "torch-autocast", "ampkit-O2"),
                          steps=6, block=2)
@@ -453,7 +453,7 @@ def test_plot_shows_loss_scale_only_where_it_moves(tmp_path: Path, monkeypatch: 
     memory per precision instead of flat lines; a moving fp16 scale is plotted."""
     import matplotlib.pyplot as plt
 
-    from ampkit.bench.report import write_plot
+    from ampkit.tools.bench.report import write_plot
 
     seen: list[list[str]] = []
     real_close = plt.close

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit import casting
+from ampkit.casting import engine as casting
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from ampkit.compensated import CompensatedUpdates, kahan_round, stochastic_round
 from ampkit.errors import AmpError, StateError
-from ampkit.model import cast_model
+from ampkit.levels.compensated import CompensatedUpdates, kahan_round, stochastic_round
+from ampkit.levels.model_cast import cast_model
 
 BF16 = torch.bfloat16
 
@@ -235,7 +235,7 @@ def test_dedicated_update_computes_what_the_generic_path_does(opt_cls, kw, kerne
 def test_compiled_and_eager_kernels_agree_and_batching_changes_nothing(monkeypatch):
     """Small tensors are concatenated and stepped in one call: bitwise the same as
     one call per tensor."""
-    from ampkit import _kernels
+    from ampkit.levels import update_kernels as _kernels
 
     def many_small() -> nn.Module:
         torch.manual_seed(2)
@@ -253,7 +253,7 @@ def test_compiled_and_eager_kernels_agree_and_batching_changes_nothing(monkeypat
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
-    from ampkit import compensated
+    from ampkit.levels import compensated
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")

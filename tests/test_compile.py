@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit.bench.workloads import CharTransformer, DigitsCNN
+from ampkit.tools.bench.workloads import CharTransformer, DigitsCNN
 
 pytestmark = pytest.mark.slow
 

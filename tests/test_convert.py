@@ -20,8 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit as amp
-from ampkit.bench.inference import train_checkpoint
-from ampkit.convert import (
+from ampkit.inference.conversion import (
     Budget,
     ConversionError,
     NonFiniteError,
@@ -29,6 +28,7 @@ from ampkit.convert import (
     output_error,
     run_batch,
 )
+from ampkit.tools.bench.inference import train_checkpoint
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -219,7 +219,7 @@ def test_a_model_that_cannot_be_copied_is_refused():
 
 
 def test_slow_cpu_warning_once_per_session(monkeypatch):
-    convert_module = sys.modules["ampkit.convert"]  # ampkit.convert is the function
+    convert_module = sys.modules["ampkit.inference.conversion"]  # ampkit.convert is the function
 
     monkeypatch.setattr(convert_module, "_cpu_computes_fast", lambda dtype: False)
     amp.reset()
@@ -700,7 +700,7 @@ def test_export_onnx_without_the_extra_says_what_to_install(monkeypatch, tmp_pat
 # ONNX in onnxruntime (slow: the dynamo exporter takes seconds per model)
 # ---------------------------------------------------------------------------
 def _ort_logits(session, x, batch=128):
-    from ampkit.export import run_onnx
+    from ampkit.inference.export import run_onnx
 
     return torch.cat([run_onnx(session, x[i : i + batch])[0] for i in range(0, x.shape[0], batch)])
 
@@ -708,7 +708,7 @@ def _ort_logits(session, x, batch=128):
 @pytest.mark.slow
 def test_onnx_cnn_from_o2_checkpoint_storage_and_fp16_compute(cnn_runs, tmp_path):
     pytest.importorskip("onnxruntime")
-    from ampkit.export import onnx_session
+    from ampkit.inference.export import onnx_session
 
     _, ckpt, wl = cnn_runs["O2"]
     fp32 = _fp32_model(wl, ckpt)
@@ -738,7 +738,7 @@ def test_onnx_cnn_from_o2_checkpoint_storage_and_fp16_compute(cnn_runs, tmp_path
 @pytest.mark.slow
 def test_onnx_lm_from_o1_checkpoint_keeps_bits_per_char(lm_runs, tmp_path):
     pytest.importorskip("onnxruntime")
-    from ampkit.export import onnx_session
+    from ampkit.inference.export import onnx_session
 
     _, ckpt, wl = lm_runs["O1"]
     fp32 = _fp32_model(wl, ckpt)
@@ -780,7 +780,7 @@ def cli_files(tmp_path_factory, cnn_runs):
     _, ckpt, _ = cnn_runs["O2"]
     torch.save(ckpt, folder / "ckpt.pt")
     (folder / "factories.py").write_text(
-        "from ampkit.bench.inference import digits_calib, digits_cnn\n"
+        "from ampkit.tools.bench.inference import digits_calib, digits_cnn\n"
         "def model():\n    return digits_cnn('tiny')\n"
         "def calib():\n    return digits_calib('tiny', batches=1, batch_size=16)\n"
         "def not_a_model():\n    return 3\n"
@@ -790,7 +790,7 @@ def cli_files(tmp_path_factory, cnn_runs):
 
 
 def _cli(args, capsys):
-    from ampkit.cli.main import main
+    from ampkit.tools.cli.main import main
 
     code = main(args)
     out, err = capsys.readouterr()
@@ -826,7 +826,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(cli_files, capsys, args, message):
 
 def test_cli_converts_with_a_calibration_tensor_file(cli_files, capsys, tmp_path):
     d = str(cli_files)
-    from ampkit.bench.inference import digits_calib
+    from ampkit.tools.bench.inference import digits_calib
 
     torch.save(torch.cat(digits_calib("tiny", batches=2, batch_size=8)), tmp_path / "calib.pt")
     code, out, err = _cli(

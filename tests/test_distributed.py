@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ampkit
-from ampkit._decision import decide, encode
+from ampkit.trainer.decision import decide, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist_workers as workers  # noqa: E402
@@ -417,8 +417,8 @@ def test_sync_batchnorm_conversion_keeps_parameters_and_cast_hooks():
     """The conversion itself (what convert_sync_batchnorm does on a GPU machine), checked
     on CPU in eval mode, where SyncBatchNorm runs plain batch norm: same Parameter
     objects, ampkit's cast hooks moved to the new layer, the same output bitwise."""
-    from ampkit import model as amp_model
-    from ampkit.distributed import _convert_bn
+    from ampkit.distributed.core import _convert_bn
+    from ampkit.levels import model_cast as amp_model
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit.doctor import DoctorWarning, current
+from ampkit.tools.diagnosis import DoctorWarning, current
 
 FP16 = amp.Policy(dtype=torch.float16)
 
@@ -476,14 +476,14 @@ def test_off_installs_nothing_and_stop_removes_everything(monkeypatch):
     before = _global_hook_counts()
     model, opt = _bf16_setup()
     amp.init_trainer(opt)
-    state = amp.optim.managed_state(opt)
+    state = amp.trainer.managed_state(opt)
     hooks = (list(state.pre_unscale_hooks), list(state.skip_hooks), list(state.post_step_hooks))
 
     def param_hooks():
         return [(len(p._backward_hooks or {}), len(p._post_accumulate_grad_hooks or {})) for p in model.parameters()]
 
     own = param_hooks()  # ampkit's gradient path may hook parameters itself
-    assert current() is None and amp.optim.scale_loss_observers == []
+    assert current() is None and amp.trainer.api.scale_loss_observers == []
     assert _global_hook_counts() == before
     with amp.doctor(opt):
         assert _global_hook_counts() == (before[0] + 1, before[1] + 1)
@@ -492,7 +492,7 @@ def test_off_installs_nothing_and_stop_removes_everything(monkeypatch):
         assert [h[0] for h in param_hooks()] == [n + 1 for n, _ in own]
         opt.step()
     assert _global_hook_counts() == before
-    assert amp.optim.scale_loss_observers == []
+    assert amp.trainer.api.scale_loss_observers == []
     assert param_hooks() == own
     assert (state.pre_unscale_hooks, state.skip_hooks, state.post_step_hooks) == hooks
 
@@ -576,7 +576,7 @@ sys.exit(int(sys.argv[1]))
 
 
 def test_cli_runs_script_prints_report_and_passes_exit_code(tmp_path, capsys):
-    from ampkit.cli.main import main
+    from ampkit.tools.cli.main import main
 
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -633,7 +633,7 @@ def test_example_demo_report_and_fix(capsys):
     with --fix (the advice) it trains without a skipped step."""
     from pathlib import Path
 
-    from ampkit.cli.main import main
+    from ampkit.tools.cli.main import main
 
     demo = Path(__file__).resolve().parent.parent / "examples" / "doctor_demo.py"
     assert main(["doctor", str(demo), "--steps", "24"]) == 0

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit._dtypes import LOW_PRECISION, cast_optimizer_state, default_dtype
+from ampkit._internal.dtypes import LOW_PRECISION, cast_optimizer_state, default_dtype
 
 BF16 = torch.bfloat16
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.fast_step import use_fastest_kernel
-from ampkit.optim import managed_state
+from ampkit.trainer.api import managed_state
+from ampkit.trainer.fused_step import use_fastest_kernel
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -55,7 +55,7 @@ def test_unpinned_groups_get_the_fastest_kernel_pinned_ones_stay(cls, kw, expect
 
 
 def test_16_bit_parameters_get_foreach_and_a_disagreeing_fused_kernel_is_not_used(monkeypatch):
-    from ampkit import fast_step
+    from ampkit.trainer import fused_step as fast_step
 
     model = _model().to(torch.bfloat16)
     assert use_fastest_kernel(torch.optim.AdamW(model.parameters())) == ["foreach"]
@@ -97,7 +97,7 @@ def test_load_state_dict_of_a_plain_checkpoint_keeps_the_fast_kernel():
     opt = amp.init_trainer(torch.optim.AdamW(_model().parameters()))
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["fused"] is True
-    amp.optim.release(opt)
+    amp.trainer.release(opt)
     opt.load_state_dict(saved)  # released: the optimizer is the user's again
     assert opt.param_groups[0]["fused"] is None
     amp.reset()
@@ -153,7 +153,7 @@ def test_fused_step_skips_bitwise_and_resumes_bitwise(cls, kw):
 @pytest.mark.parametrize("n", [7, 40_000])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_flag_reads_without_writing(dtype, n, bad):
-    from ampkit.fast_step import nonfinite_flag
+    from ampkit.trainer.fused_step import nonfinite_flag
 
     g = torch.Generator().manual_seed(n)
     tensors = [torch.randn(n, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype)]

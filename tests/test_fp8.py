@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit import fp8
 from ampkit.errors import AmpError, PolicyError, StateError
+from ampkit.levels import fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ALL = amp.Fp8Recipe(module_filter=lambda name, m: True)
@@ -635,8 +635,8 @@ def test_cuda_fp8_linear_matches_dequantized_reference(granularity):
 def test_char_lm_trains_under_fp8_within_2_percent_of_bf16():
     """The bench's character LM on the stdlib text, tiny: O1 bf16 against O1 + fp8
     (the blocks' linears in fp8, embeddings/head/attention matmuls in bf16)."""
-    from ampkit.bench.data import load_stdlib_text, text_batches
-    from ampkit.bench.workloads import CharTransformer
+    from ampkit.tools.bench.data import load_stdlib_text, text_batches
+    from ampkit.tools.bench.workloads import CharTransformer
 
     data = load_stdlib_text(max_chars=60_000)
     vocab = int(data.train.max()) + 1

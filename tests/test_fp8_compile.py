@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import fp8
+from ampkit.levels import fp8
 
 pytestmark = pytest.mark.slow
 

@@ -86,7 +86,7 @@ def test_summary_is_built_from_the_stage_files(tmp_path):
     limit = gpu_check.headline("step-limit", tmp_path)
     assert limit["min_ms"]["wide [full]"]["ampkit-O2"] == 2.2
     assert gpu_check.headline("fp8", tmp_path) == {}  # no file: no figures, no crash
-    from ampkit.bench.machine import machine_info
+    from ampkit.tools.bench.machine import machine_info
 
     record = {"machine": machine_info("cpu"), "cuda_version": None, "stages": [
         {"name": "tests", "exit_code": 1, "timed_out": False, "seconds": 12.0, "log": "tests.log",

@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ampkit as amp
-from ampkit import AmpError, LossScaler, ScalerError, StateError, scaling
-from ampkit.distributed import _fingerprint as freeze  # bitwise digest of nested state
-from ampkit.levels import compensation_of, master_weights_of
-from ampkit.optim import managed_state
+from ampkit import AmpError, LossScaler, ScalerError, StateError
+from ampkit.distributed.core import _fingerprint as freeze  # bitwise digest of nested state
+from ampkit.levels.setup import compensation_of, master_weights_of
+from ampkit.scaling import loss_scaler as scaling
+from ampkit.trainer.api import managed_state
 
 INF, NAN = float("inf"), float("nan")
 
@@ -757,7 +758,7 @@ def _session_setup() -> tuple[list[nn.Module], list[torch.optim.Optimizer], dict
     """Two trainers (O2 with masters, and a plain one with two losses) and a checkpoint
     taken two steps before their current state. Built once per test (a refused load
     changes nothing, so the examples can share it; if one did, its test fails)."""
-    session = amp.session.current_session()
+    session = amp.trainer.current_session()
     cached = _CACHE.get("session")
     if cached is None or cached[0] is not session or not session.members:
         models, opts = two_trainers()
@@ -765,7 +766,7 @@ def _session_setup() -> tuple[list[nn.Module], list[torch.optim.Optimizer], dict
         for i in range(2, 4):
             train_step(models[0], opts[0], i)
             train_step(models[1], opts[1], i, loss_id=i % 2)
-        cached = _CACHE["session"] = (amp.session.current_session(), models, opts, sd)
+        cached = _CACHE["session"] = (amp.trainer.current_session(), models, opts, sd)
     return cached[1], cached[2], cached[3]
 
 
@@ -819,7 +820,7 @@ def test_malformed_scaler_states_are_refused_and_change_nothing(data):
 def test_malformed_master_and_compensation_states_are_refused(data):
     kind = data.draw(st.sampled_from(["masters", "kahan", "stochastic", "apex"]))
     cached = _CACHE.get(kind)
-    session = amp.session.current_session()
+    session = amp.trainer.current_session()
     if cached is None or cached[0] is not session or not session.members:
         model = mlp()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -842,7 +843,7 @@ def test_malformed_master_and_compensation_states_are_refused(data):
             sd = target.state_dict()
         sd = copy.deepcopy(sd)
         train_step(model, opt, 1)
-        cached = _CACHE[kind] = (amp.session.current_session(), model, opt, target, sd)
+        cached = _CACHE[kind] = (amp.trainer.current_session(), model, opt, target, sd)
     _, model, opt, target, sd = cached
     # Compensation buffers may be absent (they start at zero), apex's growth counter too.
     optional = frozenset({"device_generators", "unskipped"})
@@ -922,7 +923,7 @@ def _trained(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
 def _level_setup(level: str) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any], Any]:
     """The model and optimizer of ``level`` two steps past their checkpoint, the
     checkpoint, and what two steps from the checkpoint give. Cached per session."""
-    session = amp.session.current_session()
+    session = amp.trainer.current_session()
     cached = _CACHE.get(("level", level))
     if cached is None or cached[0] is not session or not session.members:
         model = mlp16()
@@ -933,7 +934,7 @@ def _level_setup(level: str) -> tuple[nn.Module, torch.optim.Optimizer, dict[str
         ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
         _resume(model, opt, ck, ck["amp"])
         reference = _trained(model, opt)
-        cached = _CACHE[("level", level)] = (amp.session.current_session(), model, opt, ck, reference)
+        cached = _CACHE[("level", level)] = (amp.trainer.current_session(), model, opt, ck, reference)
     return cached[1], cached[2], cached[3], cached[4]
 
 

@@ -1,19 +1,19 @@
 """Files written by ampkit 0.2 (tests/fixtures/v0_2, written by its make_fixtures.py at
 0.2's main) still load: whole models saved at O2/O3/O2K, with fp8 layers, converted or
 set up through the apex compat layer (their pickles name 0.2's class paths, e.g.
-``ampkit.model.CastInputs``), with torch.load's default ``weights_only=True`` and without
+``ampkit.levels.model_cast.CastInputs``), with torch.load's default ``weights_only=True`` and without
 it; and a 0.2 training checkpoint resumes bitwise as the same run would continue today."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import ampkit.compat.apex  # noqa: F401  (the apex model's script imported it too)
 import pytest
 import torch
 from torch import nn
 
 import ampkit as amp
-import ampkit.compat.apex  # noqa: F401  (the apex model's script imported it too)
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "v0_2"
 MODELS = ["model-O2", "model-O3", "model-O2K", "model-fp8-O2-delayed", "model-fp8-O1-current",

@@ -19,7 +19,7 @@ from torch import nn
 
 import ampkit
 from ampkit.errors import AmpError
-from ampkit.levels import resolve_opt_level
+from ampkit.levels.setup import resolve_opt_level
 
 LEVELS = ["O0", "O1", "O2", "O3", "O2K"]
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -191,7 +191,7 @@ def test_fp16_o2_uses_dynamic_scaling_and_fp32_masters():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ampkit.initialize(model, opt, opt_level="O2", dtype=torch.float16)
     assert resolve_opt_level("O2", "cpu", dtype=torch.float16).loss_scale == "dynamic"
-    assert ampkit.optim.managed_state(opt).scalers[0].scale == 2.0**16
+    assert ampkit.trainer.managed_state(opt).scalers[0].scale == 2.0**16
     with ampkit.scale_loss(model(torch.randn(2, 4)).sum(), opt) as scaled:
         scaled.backward()
     assert model[0].weight.grad.dtype == torch.float16
@@ -377,7 +377,7 @@ def test_injected_infs_skip_exactly_the_right_steps(level):
     )
     models = {"a": a, "b": b}
     opts = {"a": opt_a, "b": opt_b}
-    scalers = ampkit.optim.managed_state(opt_a).scalers
+    scalers = ampkit.trainer.managed_state(opt_a).scalers
     for step in range(8):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
         for opt in opts.values():

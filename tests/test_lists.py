@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import ampkit as amp
-from ampkit import casting
-from ampkit.lists import AUTOCAST_KEYS, BANNED_OPS, CATEGORIES, DEFAULT_LISTS
+from ampkit.casting import engine as casting
+from ampkit.casting.lists import AUTOCAST_KEYS, BANNED_OPS, CATEGORIES, DEFAULT_LISTS
 
 
 @pytest.mark.fresh_process  # ampkit kernels kept by earlier tests would be counted too
@@ -220,7 +220,7 @@ def test_default_cuda_policy_matches_torch_autocast(intercept_all):
 
 
 def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
-    from ampkit import lists
+    from ampkit.casting import lists
 
     assert lists.torch_release("2.13.0+cpu") == (2, 13) and lists.torch_release("2.13.1") == (2, 13)
     with warnings.catch_warnings():
@@ -232,7 +232,7 @@ def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
 
 
 def test_an_unknown_torch_release_uses_the_newest_table_and_says_so():
-    from ampkit import lists
+    from ampkit.casting import lists
 
     newest = max(lists.TABLES)
     with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.13 tables are used.*tests/test_lists\.py"):

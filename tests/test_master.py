@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ampkit.errors import AmpError, StateError
-from ampkit.master import MasterWeights
-from ampkit.model import cast_model, params_to_cast
+from ampkit.levels.master import MasterWeights
+from ampkit.levels.model_cast import cast_model, params_to_cast
 
 
 def _model() -> nn.Module:

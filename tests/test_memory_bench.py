@@ -60,7 +60,7 @@ def test_profiler_noise_is_held_back_and_other_native_stderr_passes(capfd):
 
     import torch
 
-    from ampkit.bench.memory import PeakMeter, native_profiler_quiet
+    from ampkit.tools.bench.memory import PeakMeter, native_profiler_quiet
 
     with native_profiler_quiet():
         os.write(2, b"USDT:2026 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit import _kernels
-from ampkit.master import MasterWeights, _rounds_to
+from ampkit.levels import update_kernels as _kernels
+from ampkit.levels.master import MasterWeights, _rounds_to
 
 BF16 = torch.bfloat16
 N = _kernels.ROUND_CHECK_NUMEL
@@ -191,7 +191,7 @@ def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
 
 def _old_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_kernels, "ROUND_CHECK_NUMEL", 1 << 62)
-    monkeypatch.setattr("ampkit.master.KEEP_ASIDE_DEVICES", ())
+    monkeypatch.setattr("ampkit.levels.master.KEEP_ASIDE_DEVICES", ())
     absorb = MasterWeights.absorb
     monkeypatch.setattr(MasterWeights, "absorb", lambda self, p, unscale, keep=False: absorb(self, p, unscale))
 
@@ -208,7 +208,7 @@ def test_o2_fast_paths_give_the_old_paths_results_bitwise(idiom, monkeypatch):
     calls = []
     check = _kernels.rounds_to_bf16
     monkeypatch.setattr(
-        "ampkit.master.rounds_to_bf16", lambda low, g: calls.append(low.numel()) or check(low, g)
+        "ampkit.levels.master.rounds_to_bf16", lambda low, g: calls.append(low.numel()) or check(low, g)
     )
     fast, fast_state = _train(idiom)
     assert N in calls  # the big weight's grad and weight went through the rounding check
@@ -299,7 +299,7 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
     switched off) it is freed as soon as it moved into the fp32 master. Either way the
     model shows the master grad rounded after backward."""
     if rule == "off":
-        monkeypatch.setattr("ampkit.master.KEEP_ASIDE_DEVICES", ())
+        monkeypatch.setattr("ampkit.levels.master.KEEP_ASIDE_DEVICES", ())
     import weakref
 
     model = _model()

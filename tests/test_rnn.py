@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit import casting
+from ampkit.casting import engine as casting
 
 
 def _lstm_runs_under_torch_autocast() -> bool:

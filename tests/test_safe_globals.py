@@ -172,14 +172,17 @@ def test_only_ampkit_classes_are_allowed_and_nothing_callable_beyond_them():
         return wou.Unpickler(io.BytesIO(data)).load()
 
     # functions of the same modules (and attributes of allowed classes) stay refused
-    for path in (b"ampkit.model\ncast_tensors", b"ampkit.model\nCastInputs.__call__", b"ampkit.model\ntorch",
-                 b"ampkit.convert\n_cast_inputs", b"functools\npartial"):
+    for path in (b"ampkit.levels.model_cast\ncast_tensors", b"ampkit.levels.model_cast\nCastInputs.__call__",
+                 b"ampkit.levels.model_cast\ntorch", b"ampkit.inference.conversion\n_cast_inputs",
+                 # 0.2's paths of the same (its classes are allowed under them too)
+                 b"ampkit.model\ncast_tensors", b"ampkit.model\nCastInputs.__call__", b"ampkit.convert\n_cast_inputs",
+                 b"functools\npartial"):
         with pytest.raises(pickle.UnpicklingError, match="Unsupported global"):
             load(b"\x80\x02c" + path + b"\n.")
     # an allowed class rebuilt with hostile state is inert data: its hook raises, runs nothing
-    hook = load(pickle.dumps(amp.model.CastInputs(torch.bfloat16), protocol=2))
-    assert isinstance(hook, amp.model.CastInputs) and hook.dtype is torch.bfloat16
-    hostile = amp.model.CastInputs(torch.bfloat16)
+    hook = load(pickle.dumps(amp.levels.model_cast.CastInputs(torch.bfloat16), protocol=2))
+    assert isinstance(hook, amp.levels.model_cast.CastInputs) and hook.dtype is torch.bfloat16
+    hostile = amp.levels.model_cast.CastInputs(torch.bfloat16)
     hostile.dtype = "os.system('touch /tmp/pwned')"
     loaded = load(pickle.dumps(hostile, protocol=2))
     with pytest.raises((TypeError, RuntimeError)):

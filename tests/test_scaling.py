@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from _scaler_reference import RefScaler
 from ampkit import LossScaler, NumericsError, ScalerError
-from ampkit.scaling import group_grads, to_fp32, unscale_and_check_
+from ampkit.scaling.loss_scaler import group_grads, to_fp32, unscale_and_check_
 
 
 def make_scaler(cfg: dict) -> LossScaler:

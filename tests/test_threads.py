@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit import casting
+from ampkit.casting import engine as casting
 
 BF16, FP32 = torch.bfloat16, torch.float32
 STRESS = Path(__file__).with_name("_thread_stress.py")
@@ -293,7 +293,7 @@ def _fake_parallel_apply(inside: threading.Barrier, release: threading.Event):
     """Stands in for torch's parallel_apply: blocks like a caller joining its replicas."""
 
     def _worker(found: list) -> None:
-        from ampkit import casting
+        from ampkit.casting import engine as casting
 
         found.append(casting._replica_caller())
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.cli.main import main
 from ampkit.errors import OutputPathError
+from ampkit.tools.cli.main import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:ampkit. float16 on CPU")
 
@@ -97,7 +97,7 @@ def test_doctor_names_its_options_and_refuses_unknown_or_mistyped_ones():
 
 
 def test_explain_of_a_call_that_raises_is_an_explain_error():
-    from ampkit.explain import ExplainError
+    from ampkit.casting.explanation import ExplainError
 
     with pytest.raises(ExplainError, match=r"Linear\(str 'x'\) and it raised TypeError") as info:
         amp.explain(nn.Linear(4, 4), "x")
@@ -107,7 +107,7 @@ def test_explain_of_a_call_that_raises_is_an_explain_error():
 
 
 def test_system_exit_true_is_exit_code_1(tmp_path, capsys):
-    from ampkit._script import exit_code
+    from ampkit._internal.script import exit_code
 
     assert exit_code(True) == 1 and type(exit_code(True)) is int and exit_code(False) == 0
     script = tmp_path / "s.py"

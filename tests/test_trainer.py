@@ -18,9 +18,9 @@ from torch.overrides import TorchFunctionMode, resolve_name
 import ampkit as amp
 from _scaler_reference import RefScaler
 from ampkit import LossScaler, NumericsError, StateError
-from ampkit import _stats as amp_stats
-from ampkit import session as amp_session
-from ampkit.optim import managed_state
+from ampkit.trainer import session as amp_session
+from ampkit.trainer import stats as amp_stats
+from ampkit.trainer.api import managed_state
 
 INF = float("inf")
 
@@ -761,7 +761,7 @@ def test_release_restores_a_wrapper_that_was_there_before():
     torch.optim.lr_scheduler.StepLR(opt, 1)
     scheduler_wrapper = opt.__dict__["step"]
     amp.init_trainer(opt)
-    amp.optim.release(opt)
+    amp.trainer.release(opt)
     assert opt.__dict__["step"] is scheduler_wrapper
     assert amp_session.current_session().members == ()
 

@@ -12,8 +12,8 @@ Quick start::
 
 from __future__ import annotations
 
-from ._reset import reset
-from .errors import (
+from ampkit._internal.registry import reset
+from ampkit.errors import (
     AmpError,
     DistributedError,
     NumericsError,
@@ -37,9 +37,9 @@ __all__ = [
 ]
 
 # --- casting engine (policy, lists, autocast, init/reset, explain) ---
-from .casting import autocast, checkpoint_context, current_policy, init, is_active  # noqa: E402
-from .explain import ExplainReport, explain  # noqa: E402
-from .policy import Policy, canonical_op, default_policy  # noqa: E402
+from ampkit.casting.engine import autocast, checkpoint_context, current_policy, init, is_active  # noqa: E402
+from ampkit.casting.explanation import ExplainReport, explain  # noqa: E402
+from ampkit.casting.policy import Policy, canonical_op, default_policy  # noqa: E402
 
 __all__ += [
     "ExplainReport",
@@ -54,8 +54,8 @@ __all__ += [
     "is_active",
 ]
 # --- loss scaling and optimizer integration ---
-from .grad_scaler import GradScaler  # noqa: E402
-from .optim import (  # noqa: E402
+from ampkit.scaling.loss_scaler import LossScaler  # noqa: E402
+from ampkit.trainer.api import (  # noqa: E402
     StepStats,
     init_trainer,
     scale_loss,
@@ -63,8 +63,8 @@ from .optim import (  # noqa: E402
     step_skipped,
     unscale,
 )
-from .scaling import LossScaler  # noqa: E402
-from .session import load_state_dict, state_dict  # noqa: E402
+from ampkit.trainer.grad_scaler import GradScaler  # noqa: E402
+from ampkit.trainer.session import load_state_dict, state_dict  # noqa: E402
 
 __all__ += [
     "GradScaler",
@@ -79,12 +79,12 @@ __all__ += [
     "unscale",
 ]
 # --- opt levels, master weights, compensated updates ---
-from . import fp8  # noqa: E402  (fp8 training: Fp8Recipe, layers(), observe())
-from .compensated import CompensatedUpdates  # noqa: E402
-from .fp8 import Fp8Recipe  # noqa: E402
-from .levels import OptLevel, initialize, master_params  # noqa: E402
-from .master import MasterWeights  # noqa: E402
-from .model import cast_model  # noqa: E402
+from ampkit.levels import fp8  # noqa: E402  (fp8 training: Fp8Recipe, layers(), observe())
+from ampkit.levels.compensated import CompensatedUpdates  # noqa: E402
+from ampkit.levels.fp8 import Fp8Recipe  # noqa: E402
+from ampkit.levels.master import MasterWeights  # noqa: E402
+from ampkit.levels.model_cast import cast_model  # noqa: E402
+from ampkit.levels.setup import OptLevel, initialize, master_params  # noqa: E402
 
 __all__ += [
     "CompensatedUpdates",
@@ -97,8 +97,14 @@ __all__ += [
     "master_params",
 ]
 # --- inference: convert, export (onnx is imported only when exporting) ---
-from .convert import Budget, ConversionError, ConversionReport, convert, fp32_weights  # noqa: E402
-from .export import OnnxExport, export_onnx, export_program  # noqa: E402
+from ampkit.inference.conversion import (  # noqa: E402
+    Budget,
+    ConversionError,
+    ConversionReport,
+    convert,
+    fp32_weights,
+)
+from ampkit.inference.export import OnnxExport, export_onnx, export_program  # noqa: E402
 
 __all__ += [
     "Budget",
@@ -111,14 +117,15 @@ __all__ += [
     "fp32_weights",
 ]
 # --- distributed ---
-from . import distributed  # noqa: E402
+from ampkit import distributed  # noqa: E402
 
 __all__ += ["distributed"]
 # --- diagnosis ---
-from .doctor import DoctorReport, doctor  # noqa: E402  (ampkit.doctor is the function)
+from ampkit.tools.diagnosis import DoctorReport, doctor  # noqa: E402  (ampkit.doctor is the function)
 
 __all__ += ["DoctorReport", "doctor"]
 # --- torch.load(f) (weights_only=True) of a model carrying ampkit's objects ---
-from . import _safe_globals  # noqa: E402
+from ampkit import _legacy, _safe_globals  # noqa: E402
 
+_legacy.install()  # 0.2's module paths (pickled class paths, ampkit.compat.apex)
 _safe_globals.register()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ampkit.cli.main import main
+from ampkit.tools.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,7 @@ What the user still does, as at fp32:
   default, and ampkit does not allow classes that are not its own;
 * ``import ampkit`` before ``torch.load``: the weights-only unpickler never imports a
   module, so in a process without ampkit imported the load fails naming an ampkit
-  class (``Unsupported global: GLOBAL ampkit.model.CastInputs``).
+  class (``Unsupported global: GLOBAL ampkit.levels.model_cast.CastInputs``).
 
 Why these are safe to allow: the weights-only unpickler may create an allowed class
 (``cls.__new__`` / ``cls(*args)``) and set its attributes (``__setstate__`` or
@@ -40,14 +40,16 @@ __all__ = ["ON_THEIR_IMPORT", "SAFE_GLOBALS", "register", "safe_classes"]
 #: module -> the names of its classes that ampkit puts into a model.
 SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
     # hooks of cast_model (O2, O3, O2K) and of initialize's O2 masters and guards
-    "ampkit.model": ("CastInputs", "CastOutputs", "EntryCasts", "EntryExit", "OpCastingEnter", "OpCastingExit"),
-    "ampkit.levels": ("ResyncMasters",),
-    "ampkit.grads": ("WatchDDP",),
-    "ampkit.distributed": ("FSDPGuard",),
+    "ampkit.levels.model_cast": (
+        "CastInputs", "CastOutputs", "EntryCasts", "EntryExit", "OpCastingEnter", "OpCastingExit",
+    ),
+    "ampkit.levels.setup": ("ResyncMasters",),
+    "ampkit.trainer.grad_hooks": ("WatchDDP",),
+    "ampkit.distributed.core": ("FSDPGuard",),
     # initialize(..., fp8=...): the switched class and its scale state
-    "ampkit.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
+    "ampkit.levels.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
     # convert(): boundary hooks and the report kept as model.ampkit_report
-    "ampkit.convert": (
+    "ampkit.inference.conversion": (
         "_BoundaryInputs",
         "_BoundaryOutputs",
         "_IslandEnter",
@@ -60,11 +62,18 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
         "OutputError",
     ),
     # apex's O2 state-dict hook (registered when ampkit.compat.apex is imported)
-    "ampkit.compat.apex": ("Fp32StateDict",),
+    "ampkit.tools.compat.apex": ("Fp32StateDict",),
 }
 #: Modules whose classes are allowed when they themselves are imported (importing
 #: them does more than define classes).
-ON_THEIR_IMPORT = frozenset({"ampkit.compat.apex"})
+ON_THEIR_IMPORT = frozenset({"ampkit.tools.compat.apex"})
+
+
+def _legacy_names(module_name: str) -> list[str]:
+    """The module paths under which ampkit 0.2 pickled the classes of ``module_name``."""
+    from ._legacy import LEGACY_MODULES
+
+    return [old for old, new in LEGACY_MODULES.items() if new == module_name]
 
 
 def safe_classes(modules: Iterable[str] | None = None) -> list[type]:
@@ -80,5 +89,10 @@ def safe_classes(modules: Iterable[str] | None = None) -> list[type]:
 
 def register(modules: Iterable[str] | None = None) -> None:
     """Add the classes of ``modules`` (see :func:`safe_classes`) to ``torch.load``'s
-    weights-only allowlist (idempotent)."""
-    torch.serialization.add_safe_globals(safe_classes(modules))
+    weights-only allowlist (idempotent), under their module paths of today and of 0.2
+    (:data:`ampkit._legacy.LEGACY_MODULES`: files written by 0.2 name those)."""
+    classes = safe_classes(modules)
+    entries: list = list(classes)
+    for cls in classes:
+        entries.extend((cls, f"{old}.{cls.__qualname__}") for old in _legacy_names(cls.__module__))
+    torch.serialization.add_safe_globals(entries)

@@ -1,0 +1,29 @@
+"""DDP and FSDP under ampkit: one skip decision across ranks, the grad-sync plan,
+SyncBatchNorm conversion, and the checks that refuse wrappers a level cannot run
+under. ``ampkit.distributed`` is public: these names are its API."""
+
+from __future__ import annotations
+
+from .core import (
+    FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
+    SyncMode,
+    SyncPlan,
+    check_models,
+    check_ranks_agree,
+    convert_sync_batchnorm,
+    register_ddp,
+    set_sync,
+    sync_plan,
+)
+
+__all__ = [
+    "FSDPGuard",
+    "SyncMode",
+    "SyncPlan",
+    "check_models",
+    "check_ranks_agree",
+    "convert_sync_batchnorm",
+    "register_ddp",
+    "set_sync",
+    "sync_plan",
+]

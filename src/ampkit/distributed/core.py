@@ -1,0 +1,705 @@
+"""Multi-process training: skip decisions every rank agrees on, DDP/FSDP2 helpers.
+
+The problem. A managed optimizer skips its step when its gradients hold inf/NaN and
+its loss scaler backs off. If one rank skips and another steps, the replicas stop
+being replicas, silently. Whether that can happen depends on where the gradients
+come from when ``optimizer.step()`` checks them:
+
+- plain ``DistributedDataParallel``, last backward synchronized: every rank holds the
+  same all-reduced gradients (an inf on one rank is an inf in the sum everywhere), so
+  every rank reaches the same decision alone. No collective is needed.
+- FSDP2 (``fully_shard``): gradients are ``DTensor`` shards, and torch's fused
+  unscale kernel already all-reduces the found-inf flag (MAX) over the device mesh
+  inside the unscale call. Again no collective is needed.
+- anything else: stepping on gradients accumulated under ``no_sync``, parameters
+  outside DDP, per-rank losses, gradients modified per rank after the all-reduce,
+  CPU-offloaded copies, several loss ids checked between backward passes. Ranks may
+  disagree, so the found-inf flags are all-reduced (MAX).
+
+How the agreement runs. At step time the trainer already holds one found-inf flag per
+segment of the step (one per loss id switch, each from the fused unscale+check pass
+over every device/dtype group). With agreement on, these flags are encoded on the
+device into one small vector -- per loss id, whether it overflowed, was masked by an
+earlier overflow, was clean or was absent on this rank, plus the skip flag -- that
+vector goes through **one** ``all_reduce(MAX)``, and its host read is the step's one
+host sync. Every rank then skips together and feeds every loss scaler the same event,
+so the scales stay equal. Ranks that scaled different loss ids in one step get a
+:class:`~ampkit.DistributedError` on every rank (rather than scalers drifting apart).
+
+When ampkit agrees (:func:`set_sync`, per optimizer):
+
+- ``"auto"`` (default): agree unless ampkit can tell the gradients are already
+  identical on every rank: all gradients are DTensors, or every parameter the
+  optimizer trains belongs to a DDP model announced with :func:`register_ddp` whose
+  last forward pass with grad enabled was synchronized (not under ``no_sync``) and the
+  step checked its grads once (one loss id). When unsure, it agrees: one all-reduce
+  of a few floats per step.
+- ``"always"``: agree on every step (world size > 1).
+- ``"never"``: each rank decides alone. Only for setups where you know better.
+
+How it plugs in. :data:`AGREEMENT` implements :class:`ampkit._decision.StepAgreement`;
+``ampkit.init_trainer`` hands it to every managed optimizer (``ManagedOptimizer.agreement``),
+whose step calls it before checking the grads and before reading the flags; the skip
+rule itself is :func:`ampkit._decision.decide`, the same for one process and many.
+
+Nothing happens in a single process, or before ``torch.distributed`` is initialized.
+:func:`sync_plan` says what the next step will do and why.
+
+Opt levels. ``ampkit.initialize`` first, then wrap the model in DDP (like apex). O2
+builds fp32 master weights from each rank's fp32 model *before* DDP broadcasts rank 0's
+weights into the model, so :func:`register_ddp` broadcasts the masters from rank 0 too;
+without it (and without identical seeds on every rank) the first step raises a
+:class:`~ampkit.DistributedError` instead of letting the masters drift apart. Under
+FSDP2, O0 and O1 work (``fully_shard`` first, then the optimizer, then ``initialize``);
+O2/O3/O2K, which cast the model's weights themselves, are refused with a recipe:
+FSDP2 casts sharded weights itself through ``MixedPrecisionPolicy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ampkit._internal.dtypes import torch_class
+from ampkit._internal.validate import require_choice
+from ampkit._internal.where import user_stacklevel
+from ampkit.errors import DistributedError
+from ampkit.levels import model_cast as _model
+from ampkit.trainer import loss_slots as _trainer
+from ampkit.trainer import managed as _step
+from ampkit.trainer import session as _session
+
+__all__ = [
+    "SyncMode",
+    "SyncPlan",
+    "set_sync",
+    "sync_plan",
+    "register_ddp",
+    "convert_sync_batchnorm",
+    "check_ranks_agree",
+    "check_models",
+]
+
+SyncMode = Literal["auto", "always", "never"]
+_MODES = ("auto", "always", "never")
+
+dist = torch.distributed
+
+
+# --- per-optimizer settings ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Settings:
+    sync: SyncMode = "auto"
+    group: Any = None  # process group; None: the default (world) group
+    masters_checked: bool = False
+    # This step's grads differ from what a registered DDP model's reducer left (seen
+    # before ampkit touched them); warned about once per optimizer.
+    changed_after_reduce: bool = False
+    warned_changed: bool = False
+
+
+# Module state: per-optimizer sync settings (weak keys), set by set_sync.
+_SETTINGS: weakref.WeakKeyDictionary[_step.ManagedOptimizer, _Settings] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def agrees_over_world(state: _step.ManagedOptimizer) -> bool:
+    """Whether this optimizer's skip decisions are agreed over the whole world (any
+    sync mode but ``"never"``, on the default group): every rank skips the same steps."""
+    settings = _SETTINGS.get(state)
+    return settings is None or (settings.sync != "never" and settings.group is None)
+
+
+def _settings(state: _step.ManagedOptimizer) -> _Settings:
+    s = _SETTINGS.get(state)
+    if s is None:
+        s = _SETTINGS[state] = _Settings()
+    return s
+
+
+def set_sync(
+    optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    sync: SyncMode = "auto",
+    *,
+    group: Any = None,
+) -> None:
+    """Choose when the skip decision of a managed optimizer is agreed across ranks.
+
+    Args:
+        optimizer_or_list: optimizer(s) managed by :func:`ampkit.init_trainer` or
+            :func:`ampkit.initialize` (set it after those: a new ``initialize`` starts
+            from the defaults).
+        sync: ``"auto"`` (default: agree unless the grads are known to be identical on
+            every rank), ``"always"`` or ``"never"``; see the module docs.
+        group: the process group to agree over (default: the world).
+    """
+    require_choice(sync, _MODES, "set_sync: sync", DistributedError)
+    opts = list(optimizer_or_list) if isinstance(optimizer_or_list, (list, tuple)) else [optimizer_or_list]
+    for opt in opts:
+        s = _settings(_step.managed_state(opt))
+        s.sync = sync
+        s.group = group
+
+
+# --- DDP models announced by the user ----------------------------------------------------
+
+
+class _DDPRecord:
+    """What ampkit knows about one registered DDP model: the ids of the parameters
+    whose grads it all-reduces, whether its last forward with grad enabled will be (or
+    was) followed by a synchronized backward, and each grad as the reducer left it.
+
+    The last is taken at the very end of the backward pass, after DDP's reducer wrote
+    the all-reduced grads: a hook on the forward's outputs queues an autograd callback
+    when backward reaches them, which queues the snapshot behind the reducer's own
+    callback (callbacks queued while callbacks run go to the end of the line)."""
+
+    def __init__(self, ddp: nn.Module) -> None:
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        self.params = [
+            p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored
+        ]
+        self.param_ids = frozenset(id(p) for p in self.params)
+        self.group_size = dist.get_world_size(ddp.process_group)
+        self.synced: bool | None = None  # None: no forward seen since registration
+        # id(param) -> (its grad, weakly; the grad's version) after the last backward.
+        self.reduced: dict[int, tuple[Any, int]] | None = None
+        self._armed = False
+        self._hooks = contextlib.ExitStack()  # closing it removes the hooks
+        self._hooks.callback(ddp.register_forward_pre_hook(self._on_forward).remove)
+        self._hooks.callback(ddp.register_forward_hook(self._after_forward).remove)
+
+    def remove(self) -> None:
+        self._hooks.close()
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            # The decision DDP itself takes in this forward for the following backward.
+            self.synced = bool(module.require_backward_grad_sync)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._armed = True
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_backward)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        if self._armed:
+            self._armed = False
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._snapshot))
+
+    def _snapshot(self) -> None:
+        self.reduced = {
+            id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            for p in self.params
+        }
+
+    def resnapshot(self, params: Iterable[torch.Tensor]) -> None:
+        """``params``' grads as ampkit's gradient path left them after this backward
+        (unscaled, or moved into fp32 masters): ampkit's own work is no change."""
+        if self.reduced is None:
+            return
+        for p in params:
+            if id(p) in self.reduced:
+                self.reduced[id(p)] = (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+
+    def changed(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether the grad of any of ``params`` (those of this model) was replaced or
+        modified in place since the reducer finished."""
+        if self.reduced is None:
+            return False
+        for p in params:
+            seen = self.reduced.get(id(p))
+            if seen is None:
+                continue
+            ref, version = seen
+            grad = None if ref is None else ref()
+            if p.grad is not grad or (grad is not None and grad._version != version):
+                return True
+        return False
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+# Module state: DDP models registered by the user, process-wide like the process group
+# (weak keys: no model kept alive).
+_DDPS: weakref.WeakKeyDictionary[nn.Module, _DDPRecord] = weakref.WeakKeyDictionary()
+
+
+def register_ddp(ddp_model: nn.Module) -> nn.Module:
+    """Tell ampkit that ``ddp_model`` (a ``DistributedDataParallel``) all-reduces the
+    grads of its parameters, and return it. Call it on every rank, right after wrapping::
+
+        model, opt = ampkit.initialize(model, opt, opt_level="O2")
+        model = ampkit.distributed.register_ddp(DDP(model))
+
+    Effects: steps whose grads all come from a synchronized backward of registered
+    DDP models skip the found-inf all-reduce (``sync="auto"``); a forward under
+    ``no_sync`` brings it back for the step that follows, unless a synchronized
+    forward/backward comes after it. It also broadcasts the fp32 master weights (O2)
+    of the DDP's parameters from the group's first rank, as DDP's constructor does with
+    the model's own weights, so masters built from differently seeded models agree.
+    """
+    ddp_cls = nn.parallel.DistributedDataParallel
+    if not isinstance(ddp_model, ddp_cls):
+        raise DistributedError(
+            f"register_ddp expects a torch.nn.parallel.DistributedDataParallel, got "
+            f"{type(ddp_model).__name__}; wrap the model first: register_ddp(DDP(model))."
+        )
+    old = _DDPS.pop(ddp_model, None)
+    if old is not None:
+        old.remove()
+    record = _DDPRecord(ddp_model)
+    _DDPS[ddp_model] = record
+    _broadcast_masters(record.param_ids, ddp_model.process_group)
+    return ddp_model
+
+
+def _managed_states() -> list[_step.ManagedOptimizer]:
+    return [
+        state
+        for member in _session.current_session().members
+        if isinstance(member, _trainer.Trainer)
+        for state in member.optimizers
+    ]
+
+
+def _master_pairs(state: _step.ManagedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 master, 16-bit model parameter) for each mastered parameter (O2)."""
+    backward = state.backward_params
+    if backward is None:
+        return []
+    return [(m, p) for m, p in zip(state._grad_params(), backward) if m is not p]
+
+
+def _broadcast_masters(param_ids: frozenset[int], group: Any) -> None:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for state in _managed_states():
+            for master, model_p in _master_pairs(state):
+                if id(model_p) in param_ids:
+                    dist.broadcast(master.data, src=src, group=group)
+
+
+# --- the decision: agree or not ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """What the next step of an optimizer does about cross-rank agreement.
+
+    Attributes:
+        agree: whether its found-inf flags go through one ``all_reduce(MAX)``.
+        reason: why, in words.
+    """
+
+    agree: bool
+    reason: str
+
+
+def sync_plan(optimizer: torch.optim.Optimizer) -> SyncPlan:
+    """Whether the next ``step()`` of ``optimizer`` would all-reduce its found-inf flag,
+    judged from its gradients and the registered DDP models now (as for a step that
+    checks its grads once, i.e. one loss id)."""
+    state = _step.managed_state(optimizer)
+    return _plan(state, num_segments=1)
+
+
+def _plan(state: _step.ManagedOptimizer, num_segments: int) -> SyncPlan:
+    if not (dist.is_available() and dist.is_initialized()):
+        return SyncPlan(False, "torch.distributed is not initialized")
+    s = _SETTINGS.get(state) or _Settings()
+    if dist.get_world_size(s.group) < 2:
+        return SyncPlan(False, "a single process in the group")
+    if s.sync == "never":
+        return SyncPlan(False, "sync='never'")
+    if s.sync == "always":
+        return SyncPlan(True, "sync='always'")
+    # Only what every rank sees alike decides (a rank that all-reduces while another
+    # does not would hang): the sync mode, the kind of grads, the loss ids of the step,
+    # the registered DDP models and their no_sync state -- never this rank's values.
+    # The grads are on the params in param_groups or, before an O2 step moved them into
+    # the masters, on the model's params.
+    backward = state.backward_params
+    grads = [
+        p.grad
+        for p in itertools.chain(state._grad_params(), backward if backward is not None else ())
+        if p.grad is not None
+    ]
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    if grads and dtensor is not None and all(isinstance(g, dtensor) for g in grads):
+        return SyncPlan(
+            False, "the grads are DTensors: torch's unscale kernel already all-reduces the flag"
+        )
+    if num_segments > 1:
+        return SyncPlan(True, "several loss ids were checked between backward passes this step")
+    return _ddp_plan(state, dist.get_world_size(s.group))
+
+
+def _ddp_plan(state: _step.ManagedOptimizer, group_size: int) -> SyncPlan:
+    if not _DDPS:
+        return SyncPlan(True, "no DDP model registered (ampkit.distributed.register_ddp)")
+    backward = state.backward_params
+    params = backward if backward is not None else state._grad_params()
+    records = [r for r in _DDPS.values() if r.group_size == group_size]
+    for p in params:
+        if not p.requires_grad:
+            continue
+        owner = next((r for r in records if id(p) in r.param_ids), None)
+        if owner is None:
+            return SyncPlan(True, "a parameter is outside every registered DDP model")
+        if owner.synced is not True:
+            why = "ran under no_sync" if owner.synced is False else "is unknown (no forward seen)"
+            return SyncPlan(True, f"the last forward of a registered DDP model {why}")
+    return SyncPlan(False, "the grads come from a synchronized backward of registered DDP models")
+
+
+class _Agreement:
+    """The one collective of a step: ``all_reduce(MAX)`` over ``group`` of a vector
+    living on ``device``. At an optimizer's first distributed step it carries one more
+    element, this rank's verdict on its master weights, so that a mismatch on any rank
+    raises on every rank instead of leaving the others waiting in a collective."""
+
+    def __init__(self, group: Any, like: torch.device, first_step_error: str | None | bool) -> None:
+        self.group = group
+        self.device = _comm_device(group, like)
+        # False: no check this step; None: checked, fine; str: what is wrong here.
+        self._first_step_error = first_step_error
+
+    def reduce(self, tensor: torch.Tensor) -> None:
+        error = self._first_step_error
+        if error is False:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            return
+        flag = torch.full((1,), 0.0 if error is None else 1.0, device=tensor.device)
+        packed = torch.cat([tensor, flag])
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group)
+        if packed[-1].item() > 0:
+            raise DistributedError(error or _MASTERS_ELSEWHERE)
+        tensor.copy_(packed[:-1])
+
+
+def _comm_device(group: Any, like: torch.device) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend in ("gloo", "mpi"):
+        return torch.device("cpu")
+    return like  # e.g. "cpu:gloo,cuda:nccl": the flags' own device is supported
+
+
+def _before_check(state: _step.ManagedOptimizer) -> None:
+    """The trainer's hook, called once per step with the grads as backward left them:
+    note whether they changed since a registered DDP model's reducer wrote them."""
+    if not _DDPS or not (dist.is_available() and dist.is_initialized()):
+        return
+    backward = state.backward_params
+    params = list(backward if backward is not None else state._grad_params())
+    _settings(state).changed_after_reduce = any(r.changed(params) for r in list(_DDPS.values()))
+
+
+def _agreement_for(
+    state: _step.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
+) -> _Agreement | None:
+    """The trainer's hook, called once per step before the found-inf flags are read."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    s = _settings(state)
+    if dist.get_world_size(s.group) < 2:
+        return None
+    changed, s.changed_after_reduce = s.changed_after_reduce, False
+    if not _plan(state, len(segments)).agree:
+        if changed and not s.warned_changed:
+            s.warned_changed = True
+            warnings.warn(
+                _CHANGED_AFTER_REDUCE.format(rank=dist.get_rank()), UserWarning, stacklevel=user_stacklevel()
+            )
+        return None
+    # The masters check rides on the collective, so that a mismatch on one rank raises
+    # on every rank. Without one (registered DDP), register_ddp broadcast the masters.
+    first_step_error: str | None | bool = False
+    if not s.masters_checked:
+        s.masters_checked = True
+        if _master_pairs(state):
+            first_step_error = _masters_mismatch(state)
+    like = next((f.device for _, f in segments if f is not None), torch.device("cpu"))
+    return _Agreement(s.group, like, first_step_error)
+
+
+_CHANGED_AFTER_REDUCE = (
+    "ampkit: on rank {rank}, gradients changed after DistributedDataParallel all-reduced "
+    "them (written in place or replaced between backward and the step). With a registered "
+    "DDP model ampkit does not all-reduce the overflow flag, trusting that every rank holds "
+    "the same grads; if this change is not the same on every rank, the ranks may skip "
+    "different steps and the replicas split. Call "
+    "ampkit.distributed.set_sync(optimizer, 'always') to agree on every step."
+)
+
+
+_MASTERS_FIX = (
+    "Call ampkit.distributed.register_ddp(ddp_model) on every rank right after wrapping "
+    "(it broadcasts the masters too), or seed every rank the same before building the "
+    "model (loading model weights with load_state_dict, before or after initialize, "
+    "keeps the masters in step too)."
+)
+_MASTERS_ELSEWHERE = (
+    "fp32 master weights do not match the model's 16-bit weights on another rank at the "
+    "first step, so the replicas would drift apart. " + _MASTERS_FIX
+)
+
+
+def _masters_mismatch(state: _step.ManagedOptimizer) -> str | None:
+    """Checked once per optimizer, at its first distributed step: every fp32 master must
+    round to its model weight. DDP overwrites the model's weights with rank 0's at
+    construction; masters built before from this rank's own weights would then train a
+    different model and drag the replicas apart."""
+    for master, model_p in _master_pairs(state):
+        if not torch.equal(model_p.detach(), master.detach().to(model_p.dtype)):
+            return (
+                f"rank {dist.get_rank()}: fp32 master weights do not match the model's "
+                f"{model_p.dtype} weights at the first step. The model's weights changed "
+                "after ampkit.initialize built the masters -- most likely "
+                "DistributedDataParallel broadcast rank 0's weights and this rank's model "
+                "was initialized differently. " + _MASTERS_FIX
+            )
+    return None
+
+
+class _DistributedAgreement:
+    """ampkit's :class:`~ampkit._decision.StepAgreement`: how a managed step joins
+    the other ranks (given to every managed optimizer by ``init_trainer``). Stateless:
+    what it needs lives in the DDP records and the per-optimizer settings above."""
+
+    # The module functions themselves (no forwarding frame: these run on every step).
+    before_check = staticmethod(_before_check)
+    agreement = staticmethod(_agreement_for)
+
+    def grads_settled(self, params: list[torch.Tensor]) -> None:
+        for record in list(_DDPS.values()):
+            record.resnapshot(params)
+
+
+#: The agreement every managed optimizer uses (see :class:`_DistributedAgreement`).
+AGREEMENT = _DistributedAgreement()
+
+
+# --- initialize-time checks --------------------------------------------------------------
+
+
+def _contains(model: nn.Module, cls: type | None) -> bool:
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    return _contains(model, torch_class("torch.distributed.fsdp", "FSDPModule"))
+
+
+def _is_fsdp1(model: nn.Module) -> bool:
+    return _contains(model, torch_class("torch.distributed.fsdp", "FullyShardedDataParallel"))
+
+
+def _fsdp_recipe(level_name: str) -> str:
+    return (
+        f"{level_name} casts the model's weights itself, which FSDP2 cannot follow (it owns "
+        "the sharded parameters). Let FSDP2 cast: fully_shard(module, mp_policy="
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) keeps "
+        "fp32 sharded weights (the masters of O2) and computes in bf16; then build the "
+        "optimizer and call ampkit.initialize(model, opt, opt_level='O0') for step skipping "
+        "(add loss_scale='dynamic' for fp16), or 'O1' for op-level casting on top."
+    )
+
+
+def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool) -> None:
+    """Refuse distributed wrappers that an opt level cannot work under (called by
+    :func:`ampkit.initialize` before it touches anything).
+
+    A level that casts the model (O2, O3, O2K) needs the plain model: wrap it in DDP
+    *after* ``initialize``; FSDP2 and FSDP1 models are refused with a recipe. O0/O1
+    (weights stay fp32) accept any wrapper. For cast levels, a forward pre-hook on each
+    model raises :class:`~ampkit.DistributedError` if ``fully_shard`` is applied to it
+    afterwards (its optimizer would be left training stale copies)."""
+    models = list(models)
+    if not casts_model:
+        return
+    ddp_cls = nn.parallel.DistributedDataParallel
+    for model in models:
+        if isinstance(model, ddp_cls):
+            raise DistributedError(
+                f"initialize got a DistributedDataParallel model at {level_name}, which casts "
+                "the weights: DDP's gradient buckets were built for the fp32 weights. Call "
+                "ampkit.initialize on the plain model first, then wrap it: "
+                "model = ampkit.distributed.register_ddp(DDP(model))."
+            )
+        if _is_fsdp2(model):
+            raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
+        if _is_fsdp1(model):
+            raise DistributedError(
+                f"initialize got a FullyShardedDataParallel (FSDP1) model at {level_name}; "
+                "FSDP1 flattens and casts parameters itself. Use FSDP2 (fully_shard) with "
+                "O0/O1 and FSDP2's MixedPrecisionPolicy, or DDP."
+            )
+    for model in models:
+        _install_fsdp_guard(model, level_name)
+
+
+# Module state: the FSDP guard hook of each model a cast level prepared (weak keys).
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _install_fsdp_guard(model: nn.Module, level_name: str) -> None:
+    old = _GUARDS.pop(model, None)
+    if old is not None:
+        old.remove()
+
+    _GUARDS[model] = model.register_forward_pre_hook(FSDPGuard(level_name))
+
+
+class FSDPGuard:
+    """Forward pre-hook of a model whose weights an opt level cast: refuse to run once
+    ``fully_shard`` replaced its parameters. A plain object (picklable, copyable)."""
+
+    def __init__(self, level_name: str) -> None:
+        self.level_name = level_name
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if _is_fsdp2_root(module):
+            raise DistributedError(
+                f"this model was set up by ampkit.initialize at {self.level_name} and then "
+                f"sharded by fully_shard, which replaced its parameters. {_fsdp_recipe(self.level_name)}"
+            )
+
+
+def _is_fsdp2_root(module: nn.Module) -> bool:
+    fsdp2 = torch_class("torch.distributed.fsdp", "FSDPModule")
+    return fsdp2 is not None and isinstance(module, fsdp2)
+
+
+# --- SyncBatchNorm -----------------------------------------------------------------------
+
+
+def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Module:
+    """Replace every BatchNorm layer of ``model`` by ``torch.nn.SyncBatchNorm`` (batch
+    statistics computed over all ranks) and return the model (a new object if ``model``
+    itself is a BatchNorm layer).
+
+    The new layers keep the same ``Parameter`` and buffer objects (so optimizers and
+    fp32 master weights still point at them) and ampkit's cast hooks: under O2 they stay
+    fp32, run on fp32 inputs and hand their output back in the compute dtype. Call it
+    before or after ``ampkit.initialize`` and before wrapping in DDP.
+
+    Raises :class:`~ampkit.DistributedError` without a GPU: torch's SyncBatchNorm only
+    runs on CUDA (and a few other accelerators), not on CPU.
+    """
+    if not torch.cuda.is_available():
+        raise DistributedError(
+            "SyncBatchNorm is GPU-only in torch: its training forward needs CUDA tensors, "
+            "and this machine has no CUDA device. On CPU keep plain BatchNorm (each rank "
+            "normalizes with its own batch statistics; DDP broadcasts rank 0's running "
+            "statistics every forward), or use GroupNorm/LayerNorm, which need no syncing."
+        )
+    return _convert_bn(model, process_group)
+
+
+def _convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        new = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+        _move_cast_hooks(module, new)
+        return new
+    for name, child in list(module.named_children()):
+        converted = _convert_bn(child, process_group)
+        if converted is not child:
+            module._modules[name] = converted
+    return module
+
+
+def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Re-register on ``new`` the input/output cast hooks ampkit put on ``old``."""
+    handles = _model._HANDLES.pop(old, [])
+    moved = []
+    for handle in handles:
+        hid = handle.id
+        if hid in old._forward_pre_hooks:
+            fn = old._forward_pre_hooks[hid]
+            with_kwargs = hid in old._forward_pre_hooks_with_kwargs
+            moved.append(new.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+        elif hid in old._forward_hooks:
+            moved.append(new.register_forward_hook(old._forward_hooks[hid]))
+        handle.remove()
+    if moved:
+        _model._HANDLES[new] = moved
+
+
+# --- checking that the ranks agree -------------------------------------------------------
+
+
+def _fingerprint(obj: Any) -> Any:
+    """A picklable digest of a state dict: numbers as they are, tensors by dtype, shape
+    and a hash of their bytes (bitwise)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return ("tensor", str(t.dtype), tuple(t.shape), digest)
+    if isinstance(obj, dict):
+        return {k: _fingerprint(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_fingerprint(v) for v in obj]
+    if isinstance(obj, float):
+        return repr(obj)
+    return obj
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                out.append(f"{path}/{k}: present on one rank only")
+            else:
+                out += _differences(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path or '/'}: {a!r} vs {b!r}"]
+
+
+def check_ranks_agree(group: Any = None) -> None:
+    """Raise :class:`~ampkit.DistributedError` unless every rank of ``group`` holds the
+    same AMP state (``ampkit.state_dict()``: scales, counters, fp32 masters bitwise).
+    A collective: call it on every rank, e.g. after loading a checkpoint or in tests."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mine = _fingerprint(_session.state_dict())
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        diffs = _differences(everyone[0], theirs)
+        if diffs:
+            shown = "; ".join(diffs[:5])
+            raise DistributedError(
+                f"the AMP state of group rank {rank} differs from group rank 0's in "
+                f"{len(diffs)} place(s): {shown}."
+            )

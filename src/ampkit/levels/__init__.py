@@ -1,0 +1,31 @@
+"""How weights are stored and stepped: :func:`initialize` and its opt levels, model
+casting (:func:`cast_model`), fp32 master weights (:class:`MasterWeights`),
+compensated bf16 updates (:class:`CompensatedUpdates`) and fp8 (:mod:`.fp8`).
+
+Names resolve on first use (``ampkit.levels.initialize``), so importing one module of
+the package does not import the rest (the levels and :mod:`ampkit.distributed` use
+each other's checks)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "OptLevel": "setup", "OPT_LEVELS": "setup", "initialize": "setup", "master_params": "setup",
+    "resolve_opt_level": "setup", "master_weights_of": "setup", "compensation_of": "setup",
+    "ResyncMasters": "setup",  # also 0.2's pickled path ampkit.levels.ResyncMasters
+    "cast_model": "model_cast", "MasterWeights": "master", "CompensatedUpdates": "compensated",
+    "Fp8Recipe": "fp8",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

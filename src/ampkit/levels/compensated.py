@@ -1,0 +1,688 @@
+"""Compensated updates for parameters stored in bfloat16 (opt level O2K).
+
+A bf16 weight has 8 significant bits: an update smaller than half a unit in the
+last place of the weight (|u| < |w| * 2**-9) is rounded away entirely, so with a
+small learning rate pure-bf16 training stalls. Two remedies, without an fp32
+master copy of the weights:
+
+``"kahan"``
+    Kahan-compensated summation. Each bf16 parameter ``w`` gets a bf16 buffer
+    ``c`` holding what rounding took off; the value being trained is ``w + c``.
+    Per step, with ``w'`` the optimizer's result computed in fp32::
+
+        t = w' + c            (fp32)
+        w = round_bf16(t)
+        c = round_bf16(t - w)
+
+    2 extra bytes per parameter; sums keep ~16 significant bits.
+``"stochastic"``
+    Stochastic rounding: ``w = round_bf16(w')`` up or down at random, with the
+    probability of rounding up equal to the fraction of the gap below ``w'``, so
+    the expected value is exact. No buffer; uses a dedicated ``torch.Generator``
+    whose state is saved with the rest, so a resumed run draws the same bits.
+``"nearest"``
+    Plain round-to-nearest from the fp32 step: the reference the other two are
+    measured against.
+
+Two ways to step, chosen per parameter group:
+
+Dedicated updates (Kahan, bf16 parameters of ``torch.optim.Adam``, ``AdamW`` and
+``SGD``, with or without momentum, nesterov, weight decay, maximize; not amsgrad,
+capturable or differentiable): one elementwise kernel per tensor reads the bf16
+weight, compensation, grad and state once, computes the optimizer's update in
+fp32 registers, and writes weight, compensation and state back in place (see
+:mod:`ampkit._kernels`; ``kernel="auto"`` compiles it with ``torch.compile`` where
+a C++ compiler is available, else runs it op by op in bounded chunks). No
+full-size temporary: AdamW costs 10 bytes per parameter in all (bf16 weight,
+compensation, grad and two moments), the step included. The arithmetic is the
+optimizer's (same formulas, fp32), except that the moments are read from and
+rounded back to bf16 each step, as torch's own optimizers do for bf16 parameters;
+the update itself uses the fp32 values before that rounding.
+
+The generic path, for any other ``torch.optim`` optimizer whose update of a
+parameter depends only on that parameter, its grad and its own state (all of them
+except LBFGS), and for ``method="stochastic"``/``"nearest"``: the real optimizer
+runs, on fp32 copies of a bounded chunk of parameters, grads and state at a time,
+and its result is rounded as above. State is stored back in the parameter's dtype
+(bf16), as torch does for bf16 parameters, so an Adam moment costs 2 bytes, not 4.
+Peak extra memory during the step is about ``chunk_numel * 20`` bytes (fp32
+parameter, grad, Adam's two moments, the sum).
+
+How the step is intercepted without replacing ``optimizer.step``: a step
+pre-hook (``Optimizer.register_step_pre_hook``) runs the optimizer's class-level
+``step`` once per chunk, with every grad outside the chunk set aside (torch
+optimizers skip parameters whose ``.grad`` is None), then sets all grads aside so
+the step the user called finds nothing left to do; the post-hook puts the grads
+back. A step skipped by the loss scaler never reaches the hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ampkit._internal.dtypes import LOW_PRECISION, cast_optimizer_state
+from ampkit._internal.validate import (
+    CORRUPT_CHECKPOINT,
+    require_choice,
+    require_fields,
+    require_optimizer,
+    require_tensor,
+)
+from ampkit.errors import AmpError, StateError
+
+from . import update_kernels as _kernels
+from .update_kernels import Kernel, flat, same_layout
+
+__all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
+
+Method = Literal["kahan", "stochastic", "nearest"]
+_METHODS = ("kahan", "stochastic", "nearest")
+KernelChoice = Literal["auto", "compiled", "eager", "generic"]
+_KERNELS = ("auto", "compiled", "eager", "generic")
+_STATE_FORMAT = 1
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16 stochastically: up with probability equal to the
+    dropped fraction of a bf16 unit, so ``E[result] == x``. Non-finite values
+    round to nearest."""
+    if dtype != torch.bfloat16 or x.dtype != torch.float32:
+        raise AmpError(
+            f"stochastic rounding goes from float32 to bfloat16, got {x.dtype} -> {dtype}."
+        )
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    # Adding noise below the 16 kept bits then truncating rounds the magnitude
+    # up with the right probability (bf16 keeps the upper half of the fp32 bits).
+    rounded = (bits + noise).bitwise_and_(-65536).view(torch.float32)
+    out = torch.where(torch.isfinite(x), rounded, x)
+    return out.to(torch.bfloat16)
+
+
+def kahan_round(
+    target: torch.Tensor, compensation: torch.Tensor
+) -> torch.Tensor:
+    """Return ``round(target + compensation)`` in ``compensation``'s dtype and
+    store the rounding error into ``compensation`` in place. ``target`` (fp32) is
+    overwritten with scratch values."""
+    total = target.add_(compensation)
+    stored = total.to(compensation.dtype)
+    compensation.copy_(total.sub_(stored))
+    return stored
+
+
+# --- dedicated updates: the optimizers' math, fused with the Kahan rounding ------------
+
+
+def _split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to 8 significant bits (a bf16 value, still in fp32), by
+    Veltkamp splitting: ``t = x * (2**16 + 1); x - ... = t - (t - x)``.
+
+    Arithmetic rather than ``x.to(bfloat16).float()``: Inductor folds that round
+    trip away (it keeps intermediates in fp32), its ``emulate_precision_casts`` mode
+    runs the kernel ~1.7x slower, and integer bit tricks cost ~2x (the bit casts go
+    through memory). Exact for |x| < 2**112; the result is round-to-nearest (ties
+    may go either way, unlike the cast's ties-to-even). Needs fp32 arithmetic
+    without contraction into fused multiply-adds, which Inductor's default
+    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit._kernels` checks."""
+    t = x * 65537.0
+    return t - (t - x)
+
+
+def _kahan_store(w: torch.Tensor, c: torch.Tensor, total: torch.Tensor) -> None:
+    """``w = round(total)``, ``c = round(total - w)`` (``total`` fp32, ``w`` and ``c``
+    bf16; ``w``'s rounding is exact: the value is already a bf16 value)."""
+    rounded = _split_bf16(total)
+    c.copy_(total - rounded)
+    w.copy_(rounded)
+
+
+def _adam_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+) -> None:
+    """Adam/AdamW on bf16 ``w`` (+ compensation ``c``) and bf16 moments ``m``, ``v``.
+    ``s``: 1-beta1, beta2, 1-beta2, eps, lr/bias_correction1, sqrt(bias_correction2),
+    1-lr*wd (decoupled decay; else 1), wd (L2 decay; else 0), -1 if maximize else 1."""
+    wf = w.float()
+    gf = g.float() * s[8] + wf * s[7]
+    mf = m.float()
+    mf = mf + (gf - mf) * s[0]
+    vf = v.float() * s[1] + gf * gf * s[2]
+    denom = vf.sqrt() / s[5] + s[3]
+    _kahan_store(w, c, wf * s[6] - (mf / denom) * s[4] + c.float())
+    m.copy_(mf)
+    v.copy_(vf)
+
+
+def _sgd_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool
+) -> None:
+    """SGD with momentum on bf16 ``w`` (+ ``c``) and a bf16 momentum buffer. ``s``: lr,
+    wd, buffer decay (momentum; 0 on the first step), buffer gain (1-dampening; 1 on
+    the first step), -1 if maximize else 1, momentum."""
+    wf = w.float()
+    gf = g.float() * s[4] + wf * s[1]
+    bf = buf.float() * s[2] + gf * s[3]
+    update = gf + bf * s[5] if nesterov else bf
+    _kahan_store(w, c, wf - update * s[0] + c.float())
+    buf.copy_(bf)
+
+
+def _sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+    """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
+    wf = w.float()
+    gf = g.float() * s[2] + wf * s[1]
+    _kahan_store(w, c, wf - gf * s[0] + c.float())
+
+
+_BF = torch.bfloat16
+_ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
+_SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
+_SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
+
+
+def _scalar(x: Any) -> float | None:
+    """A hyperparameter as a float, or None if it is not a plain number."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if torch.is_tensor(x) and x.numel() == 1 and not x.requires_grad and x.device.type == "cpu":
+        return float(x.item())
+    return None
+
+
+def _rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+    """Which dedicated update computes this group's step ("adam", "sgd"), or None."""
+    if group.get("differentiable") or group.get("capturable"):
+        return None
+    cls = type(optimizer)
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        betas = group.get("betas", ())
+        if group.get("amsgrad") or len(betas) != 2:
+            return None
+        values = [group.get("lr"), betas[0], betas[1], group.get("eps"), group.get("weight_decay")]
+        return "adam" if all(_scalar(v) is not None for v in values) else None
+    if cls is torch.optim.SGD:
+        values = [group.get("lr"), group.get("momentum"), group.get("dampening"), group.get("weight_decay")]
+        return "sgd" if all(_scalar(v) is not None for v in values) else None
+    return None
+
+
+_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+class CompensatedUpdates:
+    """Make ``optimizer`` update its bf16 parameters with compensation.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer except LBFGS; its low-precision
+            parameters may be added later with ``add_param_group``.
+        method: ``"kahan"`` (default), ``"stochastic"`` or ``"nearest"``.
+        chunk_numel: at most this many elements of low-precision parameters are
+            expanded to fp32 at once (a single larger parameter is stepped alone).
+            Default 2**20.
+        seed: seed of the generator used by ``"stochastic"``. Default 0.
+        kernel: how the dedicated updates (Kahan; Adam, AdamW, SGD) run: ``"auto"``
+            (default: ``"compiled"`` where a C++ compiler is found, else ``"eager"``),
+            ``"compiled"`` (``torch.compile``; falls back to ``"eager"`` with a warning
+            if compiling fails), ``"eager"`` (op by op, in chunks of ``chunk_numel``),
+            or ``"generic"`` (no dedicated update: every optimizer takes the generic
+            path).
+
+    fp32 parameters in the same optimizer (normalization layers) are stepped as
+    usual. Call :meth:`remove` to detach.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        method: Method = "kahan",
+        chunk_numel: int = 1 << 20,
+        seed: int = 0,
+        kernel: KernelChoice = "auto",
+    ) -> None:
+        require_optimizer(optimizer, "CompensatedUpdates")
+        require_choice(method, _METHODS, "compensation method")
+        require_choice(kernel, _KERNELS, "kernel")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise AmpError(
+                "LBFGS mixes all parameters in one update and calls a closure many "
+                "times per step; compensated updates need a per-parameter optimizer."
+            )
+        if not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel < 1:
+            raise AmpError(f"chunk_numel must be a positive int, got {chunk_numel!r}.")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise AmpError(f"seed must be an int, got {seed!r}.")
+        self.optimizer = optimizer
+        self.method: Method = method
+        self.chunk_numel = chunk_numel
+        self.kernel: KernelChoice = kernel
+        self._buffers: dict[int, torch.Tensor] = {}  # id(param) -> compensation
+        self._params: dict[int, nn.Parameter] = {}  # keeps ids valid
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self._inside = False
+        self._set_aside: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+        ]
+
+    def remove(self) -> None:
+        """Detach from the optimizer (compensation buffers are dropped)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- which parameters ---------------------------------------------------------
+
+    def _low_params(self) -> Iterator[tuple[int, int, nn.Parameter]]:
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.dtype in LOW_PRECISION:
+                    yield gi, pi, p
+
+    def buffer(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The Kahan compensation buffer of ``param`` (None before its first step
+        or with another method)."""
+        return self._buffers.get(id(param))
+
+    def _buffer_for(self, p: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(id(p))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.zeros_like(like, memory_format=torch.preserve_format)
+            self._buffers[id(p)] = buf
+            self._params[id(p)] = p
+        return buf
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self._generator
+        gen = self._device_generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._generator)))
+            self._device_generators[device] = gen
+        return gen
+
+    # -- the step -----------------------------------------------------------------
+
+    def _chunks(self, params: list[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
+        chunk: list[nn.Parameter] = []
+        size = 0
+        for p in params:
+            if chunk and size + p.numel() > self.chunk_numel:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(p)
+            size += p.numel()
+        if chunk:
+            yield chunk
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._inside:
+            return None
+        # args[0] is the optimizer itself; anything after it is a closure.
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            raise AmpError(
+                "compensated updates do not support optimizer.step(closure): compute "
+                "the loss and backward before calling step()."
+            )
+        low = [p for _, _, p in self._low_params() if p.grad is not None]
+        low_ids = {id(p) for p in low}
+        dedicated = self._plan(optimizer)
+        done = {id(p) for _, _, params in dedicated for p in params}
+        low = [p for p in low if id(p) not in done]
+        every = [p for g in optimizer.param_groups for p in g["params"]]
+        # Grads of everything not stepped yet; fp32 parameters go with the first chunk.
+        pending = {id(p): p.grad for p in every if p.grad is not None}
+        fp32_first = [p for p in every if id(p) not in low_ids and p.grad is not None]
+        chunks = list(self._chunks(low)) or [[]]
+        chunks[0] = fp32_first + chunks[0]
+        self._inside = True
+        try:
+            for group, rule, params in dedicated:
+                self._step_dedicated(optimizer, group, rule, params)
+            for chunk in chunks:
+                if chunk:
+                    self._step_chunk(optimizer, chunk, pending, every)
+        except BaseException:
+            for p in every:
+                p.grad = pending.get(id(p))
+            raise
+        finally:
+            self._inside = False
+        # The step the user called runs after this hook: it must find no grads.
+        self._set_aside = [(p, pending[id(p)]) for p in every if id(p) in pending]
+        for p in every:
+            p.grad = None
+        return None
+
+    # -- dedicated updates ----------------------------------------------------------
+
+    def _plan(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str, list[nn.Parameter]]]:
+        """(group, rule, params) for the parameters a dedicated update steps; the rest
+        take the generic path. Reads only: nothing is changed here."""
+        if self.method != "kahan" or self.kernel == "generic":
+            return []
+        plan = []
+        for group in optimizer.param_groups:
+            rule = _rule_for(optimizer, group)
+            if rule is None:
+                continue
+            params = [p for p in group["params"] if self._fits(optimizer, p, rule)]
+            if params:
+                plan.append((group, rule, params))
+        return plan
+
+    def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
+        g = p.grad
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or flat(p) is None:
+            return False
+        state = optimizer.state.get(p)
+        tensors = [p, g]
+        buf = self._buffers.get(id(p))
+        if buf is not None:
+            tensors.append(buf)
+        if state:
+            if rule == "adam" and "step" not in state:
+                return False
+            for key in _STATE_KEYS[rule]:
+                v = state.get(key)
+                if v is None and rule == "sgd":
+                    continue
+                if not torch.is_tensor(v) or v.dtype != _BF:
+                    return False
+                tensors.append(v)
+        return same_layout(tensors)
+
+    def _step_dedicated(
+        self, optimizer: torch.optim.Optimizer, group: dict, rule: str, params: list[nn.Parameter]
+    ) -> None:
+        assert self.kernel != "generic"
+        mode = _kernels.resolve_mode(self.kernel)
+        run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
+        ws = [flat(p.detach()) for p in params]
+        cs = [flat(self._buffer_for(p, p.detach())) for p in params]
+        gs = [flat(p.grad) for p in params]  # type: ignore[arg-type]
+        with torch.no_grad():
+            if rule == "adam":
+                self._adam(optimizer, group, params, ws, cs, gs, run)
+            else:
+                self._sgd(optimizer, group, params, ws, cs, gs, run)
+
+    def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
+              gs: list, run: dict) -> None:
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        lr, eps, wd = _scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"])
+        assert lr is not None and eps is not None and wd is not None and beta1 is not None and beta2 is not None
+        decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
+        by_step: dict[float, list[int]] = {}
+        for i, p in enumerate(params):
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            by_step.setdefault(float(state["step"]), []).append(i)
+        sign = -1.0 if group.get("maximize") else 1.0
+        for step, idx in by_step.items():
+            bc1 = 1 - beta1**step
+            bc2 = 1 - beta2**step
+            scalars = torch.tensor(
+                [1 - beta1, beta2, 1 - beta2, eps, lr / bc1, bc2**0.5,
+                 1 - lr * wd if decoupled else 1.0, 0.0 if decoupled else wd, sign],
+                dtype=torch.float32,
+            )  # fmt: skip
+            ms = [flat(optimizer.state[params[i]]["exp_avg"]) for i in idx]
+            vs = [flat(optimizer.state[params[i]]["exp_avg_sq"]) for i in idx]
+            _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
+
+    def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
+             gs: list, run: dict) -> None:
+        lr, momentum = _scalar(group["lr"]), _scalar(group["momentum"])
+        dampening, wd = _scalar(group["dampening"]), _scalar(group["weight_decay"])
+        assert lr is not None and momentum is not None and dampening is not None and wd is not None
+        sign = -1.0 if group.get("maximize") else 1.0
+        if momentum == 0:
+            _SGD_PLAIN([ws, cs, gs], torch.tensor([lr, wd, sign], dtype=torch.float32), **run)
+            return
+        first: list[int] = []
+        later: list[int] = []
+        for i, p in enumerate(params):
+            state = optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                first.append(i)
+            else:
+                later.append(i)
+        for idx, decay, gain in ((first, 0.0, 1.0), (later, momentum, 1 - dampening)):
+            if not idx:
+                continue
+            bufs = [flat(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
+            scalars = torch.tensor([lr, wd, decay, gain, sign, momentum], dtype=torch.float32)
+            _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
+                 nesterov=bool(group.get("nesterov")), **run)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._inside or self._set_aside is None:
+            return
+        for p, g in self._set_aside:
+            p.grad = g
+        self._set_aside = None
+
+    def _step_chunk(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chunk: list[nn.Parameter],
+        grads: dict[int, torch.Tensor],
+        every: list[nn.Parameter],
+    ) -> None:
+        in_chunk = {id(p) for p in chunk}
+        for p in every:
+            p.grad = grads[id(p)] if id(p) in in_chunk else None
+        positions = {
+            id(p): (gi, pi)
+            for gi, group in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(group["params"])
+            if id(p) in in_chunk
+        }
+        widened = [
+            self._widen(optimizer, p, grads[id(p)], positions[id(p)]) for p in chunk if p.dtype in LOW_PRECISION
+        ]
+        try:
+            type(optimizer).step(optimizer)
+        finally:
+            for p, wide in widened:
+                self._narrow(optimizer, p, wide, grads[id(p)], positions[id(p)])
+            for p in chunk:
+                p.grad = None
+
+    def _widen(
+        self,
+        optimizer: torch.optim.Optimizer,
+        p: nn.Parameter,
+        grad: torch.Tensor,
+        where: tuple[int, int],
+    ) -> tuple[nn.Parameter, nn.Parameter]:
+        """Give the optimizer an fp32 stand-in for ``p``: a parameter with ``p``'s value,
+        grad and state in fp32, in ``p``'s place in ``param_groups``. ``p`` keeps its
+        dtype: changing it through ``p.data`` would reset ``p``'s gradient accumulator in
+        autograd, and with it the hooks DistributedDataParallel registered there."""
+        wide = nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
+        wide.grad = grad.to(torch.float32)
+        p.grad = None
+        state = optimizer.state.pop(p, None)
+        if state:
+            optimizer.state[wide] = cast_optimizer_state(state, torch.float32)
+        optimizer.param_groups[where[0]]["params"][where[1]] = wide
+        return p, wide
+
+    def _narrow(
+        self,
+        optimizer: torch.optim.Optimizer,
+        p: nn.Parameter,
+        wide: nn.Parameter,
+        grad: torch.Tensor,
+        where: tuple[int, int],
+    ) -> None:
+        """Round the optimizer's fp32 result back into ``p`` (in place) and store its
+        state in ``p``'s dtype, under ``p`` again."""
+        low = p.dtype
+        optimizer.param_groups[where[0]]["params"][where[1]] = p
+        result = wide.detach()
+        with torch.no_grad():
+            if self.method == "kahan":
+                new = kahan_round(result, self._buffer_for(p, p.detach()))
+            elif self.method == "stochastic":
+                new = stochastic_round(result, low, self._generator_for(result.device))
+            else:
+                new = result.to(low)
+            p.copy_(new)
+        state = optimizer.state.pop(wide, None)
+        if state:
+            optimizer.state[p] = cast_optimizer_state(state, low)
+        p.grad = grad
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "method", "buffers": [[group, index, tensor], ...],
+        "generator": ByteTensor}``: what a resumed run needs to continue bitwise."""
+        entries = [
+            [gi, pi, self._buffers[id(p)]]
+            for gi, pi, p in self._low_params()
+            if id(p) in self._buffers
+        ]
+        return {
+            "format": _STATE_FORMAT,
+            "method": self.method,
+            "buffers": entries,
+            "generator": self._generator.get_state(),
+            "device_generators": {
+                str(d): g.get_state() for d, g in self._device_generators.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers and generator saved by :meth:`state_dict`; the
+        optimizer must have the same param groups as when saved. Validated
+        completely first (:meth:`check_state_dict`): a rejected state raises
+        :class:`~ampkit.StateError` and changes nothing."""
+        buffers, generator, device_generators = self._checked(state)
+        for p, _ in buffers:
+            self._params[id(p)] = p
+        self._buffers = {id(p): t for p, t in buffers}
+        self._generator.set_state(generator)
+        self._device_generators = device_generators
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~ampkit.StateError` unless :meth:`load_state_dict` would
+        accept ``state``."""
+        self._checked(state)
+
+    def _checked(
+        self, state: Any
+    ) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], torch.Tensor, dict[torch.device, torch.Generator]]:
+        if not isinstance(state, Mapping) or type(state.get("format")) is not int or state["format"] != _STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise StateError(
+                f"compensation state has format {found!r}, expected "
+                f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
+            )
+        require_fields(state, ("format", "method", "buffers", "generator"), "compensation state", StateError,
+                       optional=("device_generators",), source="CompensatedUpdates.state_dict()")
+        if state["method"] != self.method:
+            raise StateError(
+                f"the checkpoint used compensation {state['method']!r}, this run "
+                f"{self.method!r}: initialize with the same compensation to resume."
+            )
+        entries = state["buffers"]
+        if not isinstance(entries, (list, tuple)):
+            raise StateError(f"compensation state: 'buffers' must be a list, got {entries!r:.80}.")
+        groups = self.optimizer.param_groups
+        buffers: list[tuple[nn.Parameter, torch.Tensor]] = []
+        seen: set[tuple[int, int]] = set()
+        for entry in entries:
+            if not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 3
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in entry[:2])
+                and isinstance(entry[2], torch.Tensor)
+            ):
+                raise StateError(
+                    f"compensation state: each buffer entry must be [group, index, tensor], got {entry!r:.80}."
+                )
+            gi, pi, t = entry
+            try:
+                p = groups[gi]["params"][pi]
+            except (IndexError, KeyError):
+                raise StateError(
+                    f"the checkpoint has a compensation buffer for group {gi}, index "
+                    f"{pi}, which this optimizer lacks: build the same param groups "
+                    "before loading."
+                ) from None
+            if (gi, pi) in seen or p.shape != t.shape or p.dtype not in LOW_PRECISION or t.dtype != p.dtype:
+                raise StateError(
+                    f"compensation buffer at group {gi}, index {pi} is a {t.dtype} tensor of "
+                    f"shape {tuple(t.shape)}; the parameter there is {p.dtype} "
+                    f"{tuple(p.shape)}: the model does not match the checkpoint."
+                )
+            require_tensor(t, f"compensation buffer at group {gi}, index {pi}", StateError, p.dtype,
+                           finite=True, hint=CORRUPT_CHECKPOINT)
+            seen.add((gi, pi))
+            buffers.append((p, t.detach().to(device=p.device, copy=True)))
+        generator = _checked_generator_state(state["generator"], "cpu")
+        saved_devices = state.get("device_generators", {})
+        if not isinstance(saved_devices, Mapping):
+            raise StateError(f"compensation state: 'device_generators' must be a dict, got {saved_devices!r:.80}.")
+        device_generators: dict[torch.device, torch.Generator] = {}
+        for d, s in saved_devices.items():
+            try:
+                device = torch.device(d)
+                gen = torch.Generator(device=device)
+            except (RuntimeError, TypeError):
+                raise StateError(f"compensation state: no generator on device {d!r} here.") from None
+            gen.set_state(_checked_generator_state(s, str(device)))
+            device_generators[device] = gen
+        return buffers, generator, device_generators
+
+    def param_and_state_bytes(self) -> int:
+        """Bytes held by the optimizer's parameters, its state tensors and the
+        compensation buffers."""
+        return _tensor_bytes(
+            [p for g in self.optimizer.param_groups for p in g["params"]],
+            self.optimizer,
+        ) + sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
+    """``state`` if a generator on ``device`` accepts it (tried on a scratch one)."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise StateError(
+            f"compensation state: a generator state must be a 1-d uint8 tensor, got {state!r:.80}."
+        )
+    try:
+        torch.Generator(device=device).set_state(state)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise StateError(f"compensation state: invalid {device} generator state ({err}).") from None
+    return state
+
+
+def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in params)
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+

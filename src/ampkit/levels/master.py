@@ -1,0 +1,768 @@
+"""fp32 master weights for a model stored in 16 bits (opt level O2).
+
+The optimizer never sees the model's fp16/bf16 parameters: each one is replaced,
+at its position in ``optimizer.param_groups``, by an fp32 *master* copy. One step
+under ampkit's trainer (hooks installed by :mod:`ampkit.grads`):
+
+1. backward produces each 16-bit gradient (times the loss scale); as soon as it is
+   accumulated, a hook moves it into the master's fp32 ``.grad`` -- unscaled and
+   checked for inf/NaN in fp32, summed in fp32 over micro-batches -- and frees it
+   (:meth:`MasterWeights.absorb`);
+2. when the backward pass ends, each model parameter gets a 16-bit copy of its
+   master's gradient (:meth:`MasterWeights.show`), so code that reads or edits
+   ``model.parameters()`` grads (``clip_grad_norm_``, logging, hand edits) sees the
+   real gradient. On CPU, with a scale of 1 (bf16's default) and no earlier grad in
+   the master, that copy is the 16-bit grad backward produced (the fp32 one is its
+   exact widening), kept aside by :meth:`MasterWeights.absorb` until then: no copy is
+   rounded, no second 16-bit buffer allocated (see ``KEEP_ASIDE_DEVICES``). With
+   ``model_grads="view"`` such a grad is shown as a bf16 view of the fp32 grad's high
+   halves instead (the two share memory; see :class:`MasterWeights`);
+3. before the grads are checked and before the step, changes made through either
+   side are merged (:meth:`MasterWeights.reconcile`): clearing grads through the model
+   (``model.zero_grad()``, ``p.grad = None``, ``set_to_none=False``) or through the
+   optimizer (``optimizer.zero_grad()``, the masters' grads) clears the one gradient;
+   a uniform rescale of the copy (``clip_grad_norm_``) rescales the fp32 gradient by
+   the same factor; other edits replace the elements they changed;
+4. while the optimizer steps, the model holds no 16-bit grad (:meth:`MasterWeights.hide`
+   before, :meth:`MasterWeights.show` after: on CUDA no 16-bit gradient beside the fp32
+   one at the step's peak; on CPU, where re-allocating costs page faults, unchanged
+   copies are kept aside and put back); the optimizer steps the masters (fp32 state,
+   fp32 arithmetic);
+   after a real (not skipped) step, :meth:`MasterWeights.publish` rounds the masters
+   into the model's 16-bit weights.
+
+The two copies of the weights stay one as well: before each step, model weights
+changed outside ampkit (``p.data.clamp_``, manual weight decay, ``copy_``) are taken
+into their masters (:meth:`MasterWeights.sync_from_model`); masters changed outside the
+managed step (an optimizer wrapper stepping its base optimizer, e.g. SAM) are rounded
+into the model at its next forward (:meth:`MasterWeights.publish_changed`).
+
+Edits made through ``.data`` bypass the version counter: on the model's grads they
+are found by comparing values; on the masters' grads use in-place tensor ops (as
+``torch.nn.utils`` does). The comparisons (16-bit copy against its fp32 source
+rounded, for grads and weights) read each element once; large bf16 tensors on CPU
+use a compiled kernel (:func:`ampkit._kernels.rounds_to_bf16`, ~4-5x faster than
+comparing chunk by chunk), falling back to the exact chunked comparison whenever
+it finds a difference or where it cannot compile.
+
+Masters are built from the fp32 weights *before* the model is cast, so no bit of
+the initial weights is lost. Their values are saved by :meth:`state_dict` in
+fp32; a resumed run loads them back instead of re-deriving them from the 16-bit
+weights (which would lose the low bits, and with them exact resumption).
+``Optimizer.load_state_dict`` casts floating state to the dtype of the parameter
+at each position; as masters are fp32, the fp32 optimizer state survives it.
+
+Parameters that are fp32 in the model (normalization layers under O2) are stepped
+directly and have no master.
+
+Without the trainer (a bare :class:`MasterWeights`), :meth:`MasterWeights.gather_grads`
+moves the model's grads into the masters by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit._internal.dtypes import cast_optimizer_state
+from ampkit._internal.validate import (
+    CORRUPT_CHECKPOINT,
+    require_choice,
+    require_fields,
+    require_optimizer,
+    require_tensor,
+)
+from ampkit.errors import AmpError, StateError
+
+from .update_kernels import rounds_to_bf16
+
+__all__ = ["MasterWeights"]
+
+_STATE_FORMAT = 1
+
+#: Device types where ampkit keeps 16-bit grads it would otherwise free and allocate
+#: again (:meth:`MasterWeights.absorb`, :meth:`MasterWeights.hide`): CPU, where every
+#: fresh large tensor is page-faulted in (no caching allocator). Costs up to 2 bytes
+#: per parameter during backward and the step; elsewhere they are freed at once.
+KEEP_ASIDE_DEVICES: tuple[str, ...] = ("cpu",)
+
+#: How the model's parameters show their grads (``MasterWeights(model_grads=...)``):
+#: ``"copy"``, a 16-bit tensor of its own rounded from the fp32 grad; ``"view"``, where
+#: the fp32 grad holds bf16 values exactly, a bf16 view of its high halves (no memory).
+MODEL_GRADS: tuple[str, ...] = ("copy", "view")
+
+
+class MasterWeights:
+    """fp32 master copies of an optimizer's 16-bit parameters.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` whose ``param_groups`` hold the
+            model's parameters.
+        params: the parameters that get a master. They must still be fp32 (the
+            model is cast after this object is built), so masters start exact.
+            Default: every floating parameter of the optimizer that is not fp32
+            (masters then start from the 16-bit values; use this for a model
+            that was cast before).
+        model_grads: how model parameters show their grads between backward and
+            the next backward. ``"copy"`` (default): a 16-bit tensor of their own,
+            the fp32 grad rounded (contiguous; a uniform rescale of it, as
+            ``clip_grad_norm_`` does, rescales the fp32 grad by the same factor in
+            fp32). ``"view"``: for bf16 parameters whose fp32 grad holds bf16 values
+            exactly (a loss scale of 1, one backward per step, outside DDP), a bf16
+            view of the fp32 grad's high halves: the two share memory, so the model's
+            grads cost nothing (AdamW under O2: 18 bytes per parameter at the step
+            instead of 20) and edits made through them land in the fp32 grad directly,
+            rounded to bf16 (a clipped grad is bf16(c * g) rather than c * g in fp32);
+            the view is strided (stride 2 in its last dim: not ``is_contiguous()``),
+            and after fp32-side edits it shows the fp32 grad truncated to bf16. Any
+            other grad is shown as a copy.
+
+    After construction ``optimizer.param_groups`` holds the masters in place of
+    those parameters, and any optimizer state held for a parameter is moved to
+    its master (as fp32).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[nn.Parameter] | None = None,
+        *,
+        model_grads: str = "copy",
+    ) -> None:
+        require_optimizer(optimizer, "MasterWeights")
+        require_choice(model_grads, MODEL_GRADS, "model_grads")
+        self.optimizer = optimizer
+        self.model_grads = model_grads
+        self._model_of: dict[int, nn.Parameter] = {}  # id(master) -> model param
+        self._masters: dict[int, nn.Parameter] = {}  # id(model param) -> master
+        self._layout: tuple[int, ...] = ()
+        self._links: dict[int, _Link] = {}  # id(model param) -> its two-views bookkeeping
+        self._published: dict[int, int] = {}  # id(master) -> its version when last published
+        if params is None:
+            wanted = None
+        else:
+            wanted = {id(p) for p in params}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) in wanted and p.dtype != torch.float32:
+                        raise AmpError(
+                            f"a parameter of dtype {p.dtype} was given to MasterWeights "
+                            "as fp32: build master weights from the fp32 model before "
+                            "casting it (ampkit.initialize does this for you)."
+                        )
+        self._adopt(wanted)
+
+    # -- which parameters have masters ------------------------------------------------
+
+    def _adopt(self, wanted: set[int] | None) -> None:
+        """Swap in masters for ``wanted`` params (None: every non-fp32 floating
+        param not yet mastered) across all param groups."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) in self._model_of:
+                    continue
+                if wanted is None:
+                    if not p.is_floating_point() or p.dtype == torch.float32:
+                        continue
+                elif id(p) not in wanted:
+                    continue
+                params[i] = self._make_master(p)
+        self._layout = self._current_layout()
+
+    def _make_master(self, p: nn.Parameter) -> nn.Parameter:
+        master = nn.Parameter(
+            p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad
+        )
+        if p.grad is not None:
+            master.grad = p.grad.detach().to(torch.float32)
+            p.grad = None
+        state = self.optimizer.state.pop(p, None)
+        if state:
+            self.optimizer.state[master] = cast_optimizer_state(state, torch.float32)
+        self._model_of[id(master)] = p
+        self._masters[id(p)] = master
+        self._published[id(master)] = master._version
+        return master
+
+    def _current_layout(self) -> tuple[int, ...]:
+        return tuple(len(g["params"]) for g in self.optimizer.param_groups)
+
+    def refresh(self) -> None:
+        """Give masters to 16-bit parameters added since (``add_param_group``).
+        Their masters start from the 16-bit values, the only copy there is.
+        Called by every method below; cheap when nothing changed."""
+        if self._current_layout() != self._layout:
+            self._adopt(None)
+
+    # -- what users read -------------------------------------------------------------
+
+    def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(model parameter, fp32 master) for every mastered parameter, in
+        ``param_groups`` order."""
+        self.refresh()
+        return [
+            (self._model_of[id(p)], p)
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) in self._model_of
+        ]
+
+    def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """The fp32 master of a model parameter, or None if it has none."""
+        self.refresh()
+        return self._masters.get(id(param))
+
+    def model_param_of(self, master: nn.Parameter) -> nn.Parameter | None:
+        """The model parameter a master stands for, or None."""
+        return self._model_of.get(id(master))
+
+    def params(self) -> Iterator[nn.Parameter]:
+        """Every parameter the optimizer steps (masters and fp32 model params), in
+        ``param_groups`` order: what to clip."""
+        self.refresh()
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def backward_params(self) -> _BackwardParams:
+        """A live view of the tensors backward accumulates into: the model parameter
+        in place of each master, other parameters as they are (follows
+        ``add_param_group``)."""
+        return _BackwardParams(self)
+
+    # -- the step --------------------------------------------------------------------
+
+    def gather_grads(self) -> None:
+        """Add each model grad into its master's fp32 grad and release the 16-bit
+        grad. A master whose model param got no grad keeps its own."""
+        self.refresh()
+        with torch.no_grad():
+            for model_p, master in self.pairs():
+                g = model_p.grad
+                if g is None:
+                    continue
+                if master.grad is None:
+                    master.grad = g.to(torch.float32)
+                else:
+                    master.grad.add_(g)
+                model_p.grad = None
+
+    def publish(self) -> None:
+        """Round every master into its model parameter (after a real step)."""
+        pairs = self.pairs()
+        if not pairs:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+        self._published = {id(p): p._version for _, p in pairs}
+
+    def publish_changed(self) -> None:
+        """Round into the model the masters changed since the last publish (by anything
+        but the managed step: an optimizer wrapper that steps its base optimizer itself,
+        hand edits). Cheap when none changed: version counters only."""
+        changed = [
+            (m, p) for m, p in self.pairs() if self._published.get(id(p)) != p._version
+        ]
+        if changed:
+            with torch.no_grad():
+                torch._foreach_copy_([m for m, _ in changed], [p for _, p in changed])
+            for _, p in changed:
+                self._published[id(p)] = p._version
+
+    def sync_from_model(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """Re-derive the master of each model parameter (of ``params``; default: all)
+        whose 16-bit value is no longer its master rounded, i.e. that was changed
+        outside ampkit (``model.load_state_dict`` after ``initialize``). Masters that
+        still round to their model weight keep their low bits. ``initialize`` calls
+        this from a load-state-dict hook on the model."""
+        if params is None:
+            pairs = self.pairs()
+        else:
+            pairs = [(p, m) for p in params if (m := self.master_of(p)) is not None]
+        with torch.no_grad():
+            for model_p, master in pairs:
+                if not _rounds_to(model_p, master):
+                    master.copy_(model_p)
+                    self._published[id(master)] = master._version
+
+    # -- one gradient, two views (used by ampkit.grads' hooks) ---------------------------
+
+    def _linked(self, model_params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, nn.Parameter, _Link]]:
+        """(model param, its master, their link) for those of ``model_params`` with a master."""
+        for model_p in model_params:
+            master = self._masters.get(id(model_p))
+            if master is not None:
+                yield model_p, master, self._link(model_p)
+
+    def _link(self, model_p: torch.Tensor) -> _Link:
+        link = self._links.get(id(model_p))
+        if link is None:
+            link = self._links[id(model_p)] = _Link()
+        return link
+
+    def absorb(
+        self, model_p: torch.Tensor, unscale: Callable[[list[torch.Tensor]], None] | None, keep: bool = False
+    ) -> None:
+        """Move ``model_p``'s 16-bit grad into its master's fp32 grad and free it.
+        ``unscale`` multiplies (and checks) the fp32 copy in place before it is added;
+        None leaves it as it is.
+
+        ``keep`` (the caller's promise that ``unscale`` multiplies by 1, i.e. only
+        checks): where the master has no grad yet, the fp32 grad is the 16-bit one
+        widened, exactly, so the 16-bit grad already is the copy :meth:`show` would
+        make when the backward pass ends. On ``KEEP_ASIDE_DEVICES`` (CPU) it is checked
+        in 16 bits, taken off ``model_p`` and kept aside until then (:meth:`show` puts it
+        back instead of allocating and rounding a copy: one pass and one page-faulted
+        allocation less, for up to 2 bytes per parameter more during backward)."""
+        g = model_p.grad
+        master = self._masters[id(model_p)]
+        model_p.grad = None
+        link = self._link(model_p)
+        link.show(None)
+        link.viewable = False
+        if g is None:
+            return
+        if keep and master.grad is None and g.layout == torch.strided and g.grad_fn is None and g.dtype != torch.float32:
+            view = self.model_grads == "view" and g.dtype == torch.bfloat16 and g.dim() > 0 and g.is_contiguous()
+            if view or g.device.type in KEEP_ASIDE_DEVICES:
+                with torch.no_grad():
+                    if unscale is not None:
+                        unscale([g])
+                    master.grad = g.to(torch.float32)
+                link.keep(master.grad)
+                if view:
+                    link.viewable = True  # show() gives the model a view of it; g is freed
+                else:
+                    link.aside = g
+                return
+        with torch.no_grad():
+            g32 = g.detach().to(torch.float32, copy=True)
+            del g
+            if g32.is_sparse:  # nn.Embedding(sparse=True): duplicates summed in fp32
+                g32 = g32.coalesce()
+            if unscale is not None:
+                unscale([g32._values() if g32.is_sparse else g32])
+            if master.grad is None:
+                master.grad = g32
+            else:
+                master.grad.add_(g32)
+        link.keep(master.grad)
+
+    def show(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad
+        when the master has none), to be read and edited as the model's own."""
+        with torch.no_grad():
+            for model_p, master, link in self._linked(model_params):
+                if link.viewable and model_p.grad is None and link.holds(master.grad):
+                    model_p.grad = _high_halves(master.grad)  # shares the fp32 grad's memory
+                    link.show(model_p.grad)
+                    link.viewing = True
+                    continue
+                aside = link.aside
+                if aside is not None and model_p.grad is None and not link.master_changed(master.grad):
+                    model_p.grad = aside  # the produced grad, which the fp32 one widens exactly
+                    link.show(aside)
+                    continue
+                self._reconcile_one(model_p, master, link)
+                g = master.grad
+                model_p.grad = None if g is None else g.detach().to(model_p.dtype)
+                link.show(model_p.grad)
+                link.keep(g)
+
+    def settle(self, model_p: torch.Tensor) -> None:
+        """Before backward adds into ``model_p.grad``: merge what was done to either
+        gradient since it was shown, then free the 16-bit copy."""
+        master = self._masters.get(id(model_p))
+        if master is None:
+            return
+        link = self._link(model_p)
+        self._reconcile_one(model_p, master, link)
+        model_p.grad = None
+        link.show(None)
+
+    def settle_raw(self, model_p: torch.Tensor) -> bool:
+        """Before backward adds into 16-bit grads held for DDP to reduce: if either side
+        was cleared since, clear both. Returns whether grads are still held."""
+        master = self._masters.get(id(model_p))
+        if master is None:
+            return False
+        link = self._link(model_p)
+        if model_p.grad is None or link.master_changed(master.grad):
+            model_p.grad = None
+            master.grad = None
+            link.keep(None)
+            return False
+        return True
+
+    def reconcile(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Merge changes made through the model's 16-bit grads into the masters'."""
+        with torch.no_grad():
+            for model_p in model_params:
+                master = self._masters.get(id(model_p))
+                if master is not None:
+                    self._reconcile_one(model_p, master, self._link(model_p))
+
+    def follow_masters(self, model_params: Iterable[torch.Tensor]) -> None:
+        """The masters' grads of ``model_params`` were just changed in place by an
+        operation that leaves version counters alone (the fused unscale a GradScaler
+        runs, ``torch._amp_foreach_non_finite_check_and_unscale_``): each model grad that
+        still shows its master's grad (as :meth:`reconcile` left them) takes the values
+        the master's grad holds now, in place; a grad view (``model_grads="view"``)
+        shares their memory already. Without this the change is invisible: the model
+        would keep showing the old values and :meth:`reconcile` would take them for an
+        edit of the model's grads."""
+        with torch.no_grad():
+            for model_p, master, link in self._linked(model_params):
+                cur, g = model_p.grad, master.grad
+                if g is None or cur is None or not (link.holds(g) and link.is_shown(cur)):
+                    continue
+                if link.viewing:
+                    continue
+                if g.is_sparse or cur.is_sparse:
+                    model_p.grad = cur = g.detach().to(model_p.dtype)
+                else:
+                    cur.copy_(g)
+                link.show(cur)
+                link.keep(g)
+
+    def hide(self, model_params: Iterable[torch.Tensor]) -> None:
+        """Take the 16-bit copies off the model while the optimizer steps (:meth:`show`
+        brings them back). On devices outside ``KEEP_ASIDE_DEVICES`` they are freed, so
+        no 16-bit gradient sits beside the fp32 one at the step's peak. On CPU a copy
+        that still shows its master's grad (reconciled, unchanged since) is kept aside
+        and put back as it is: without a caching allocator every fresh large tensor
+        is page-faulted in again (on the 38M-parameter MLP of ``benchmarks/step_limit.py``
+        ~75 ms a step, a third of it), at the cost of 2 bytes per parameter at the
+        step's peak (20 instead of 18 with AdamW)."""
+        for model_p in model_params:
+            master = self._masters.get(id(model_p))
+            if master is None:
+                continue
+            g = model_p.grad
+            link = self._link(model_p)
+            # a grad view (model_grads="view") costs nothing: show() makes it again
+            keep = (
+                g is not None
+                and g.device.type in KEEP_ASIDE_DEVICES
+                and link.is_shown(g)
+                and g._version == link._shown_version
+                and not link.master_changed(master.grad)
+            )
+            model_p.grad = None
+            link.show(None)
+            if keep:
+                link.aside = g
+
+    def _reconcile_one(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
+        cur = model_p.grad
+        g = master.grad
+        if link.viewing:
+            self._reconcile_view(model_p, master, link, cur, g)
+            return
+        model_changed = link.model_changed(cur, g)
+        master_changed = link.master_changed(g)
+        if model_changed and master_changed:
+            _clear_both(model_p, master, cur, g)
+            cur = model_p.grad
+        elif model_changed:
+            with torch.no_grad():
+                if cur is None:
+                    master.grad = None
+                elif g is not None and link.is_shown(cur) and not (g.is_sparse or cur.is_sparse):
+                    _merge(g, cur)
+                    cur.copy_(g)  # the copy now shows exactly what the step will use
+                else:
+                    master.grad = cur.detach().to(torch.float32, copy=True)
+        elif master_changed:
+            # The masters' grads were cleared or edited: the model shows the same.
+            if g is None:
+                model_p.grad = cur = None
+            else:
+                with torch.no_grad():
+                    if cur is None or cur.is_sparse or g.is_sparse:
+                        model_p.grad = cur = g.detach().to(model_p.dtype)
+                    else:
+                        cur.copy_(g)
+        link.show(cur)
+        link.keep(master.grad)
+
+    def _reconcile_view(
+        self, model_p: torch.Tensor, master: nn.Parameter, link: _Link, cur: torch.Tensor | None, g: torch.Tensor | None
+    ) -> None:
+        """:meth:`_reconcile_one` for a model grad shown as a view of the fp32 grad: an
+        in-place edit of either is one edit of their shared memory, already merged;
+        only a grad replaced or cleared on one side has to be carried to the other."""
+        model_same, master_same = link.is_shown(cur), link.holds(g)
+        if model_same and master_same:
+            return
+        link.viewing = link.viewable = False
+        if not model_same and not master_same:
+            _clear_both(model_p, master, cur, g)
+        elif not model_same:  # p.grad = None / replaced through the model
+            with torch.no_grad():
+                master.grad = None if cur is None else cur.detach().to(torch.float32, copy=True)
+        else:  # the masters' grads were cleared or replaced: the model shows the same
+            with torch.no_grad():
+                model_p.grad = None if g is None else g.detach().to(model_p.dtype)
+        link.show(model_p.grad)
+        link.keep(master.grad)
+
+    def drop_stale_views(self) -> None:
+        """Take off the model the grad views whose fp32 grad the masters no longer hold
+        (``optimizer.zero_grad()``): a view would keep that fp32 memory alive."""
+        if self.model_grads != "view":
+            return
+        for model_p, master in self.pairs():
+            link = self._links.get(id(model_p))
+            if link is not None and link.viewing and not link.holds(master.grad):
+                self._reconcile_one(model_p, master, link)
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format": 1, "masters": [[group, index, fp32 tensor], ...]}``: the
+        position in ``param_groups`` and the value of every master."""
+        self.refresh()
+        entries = [
+            [gi, pi, p.detach()]
+            for gi, g in enumerate(self.optimizer.param_groups)
+            for pi, p in enumerate(g["params"])
+            if id(p) in self._model_of
+        ]
+        return {"format": _STATE_FORMAT, "masters": entries}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore master values saved by :meth:`state_dict` and round them into
+        the model. The optimizer must have the same param groups as when saved.
+        Validated completely first (:meth:`check_state_dict`): a rejected state
+        raises :class:`~ampkit.StateError` and changes nothing."""
+        saved = self._checked(state)
+        groups = self.optimizer.param_groups
+        with torch.no_grad():
+            for (gi, pi), t in saved.items():
+                groups[gi]["params"][pi].copy_(t)
+        self.publish()
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~ampkit.StateError` unless :meth:`load_state_dict` would
+        accept ``state``: format 1, one fp32 tensor per mastered position of
+        ``param_groups``, each of its master's shape."""
+        self._checked(state)
+
+    def _checked(self, state: Any) -> dict[tuple[int, int], torch.Tensor]:
+        self.refresh()
+        if not isinstance(state, Mapping) or type(state.get("format")) is not int or state["format"] != _STATE_FORMAT:
+            found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise StateError(
+                f"master-weight state has format {found!r}, expected "
+                f"{_STATE_FORMAT}: it was not written by MasterWeights.state_dict()."
+            )
+        require_fields(state, ("format", "masters"), "master-weight state", StateError,
+                       source="MasterWeights.state_dict()")
+        entries = state["masters"]
+        if not isinstance(entries, (list, tuple)):
+            raise StateError(f"master-weight state: 'masters' must be a list, got {entries!r:.80}.")
+        saved: dict[tuple[int, int], torch.Tensor] = {}
+        for entry in entries:
+            if not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 3
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in entry[:2])
+                and isinstance(entry[2], torch.Tensor)
+            ):
+                raise StateError(
+                    f"master-weight state: each entry must be [group, index, tensor], got {entry!r:.80}."
+                )
+            gi, pi, t = entry
+            if (gi, pi) in saved:
+                raise StateError(f"master-weight state: position ({gi}, {pi}) appears twice.")
+            saved[(gi, pi)] = t
+        groups = self.optimizer.param_groups
+        mine = {
+            (gi, pi): p
+            for gi, g in enumerate(groups)
+            for pi, p in enumerate(g["params"])
+            if id(p) in self._model_of
+        }
+        if set(saved) != set(mine):
+            raise StateError(
+                f"the checkpoint has master weights at {len(saved)} positions and this "
+                f"optimizer at {len(mine)} ({sorted(set(saved) ^ set(mine))[:4]} differ): "
+                "build the model, optimizer and param groups as in the saved run, and "
+                "call initialize with the same opt level, before loading."
+            )
+        for (gi, pi), t in saved.items():
+            master = mine[(gi, pi)]
+            if t.dtype != torch.float32 or t.is_sparse or master.shape != t.shape:
+                raise StateError(
+                    f"saved master weight at group {gi}, index {pi} is a {t.dtype} tensor of "
+                    f"shape {tuple(t.shape)}; the optimizer's is float32 {tuple(master.shape)}: "
+                    "the model does not match the checkpoint (masters are saved in fp32)."
+                )
+            require_tensor(t, f"saved master weight at group {gi}, index {pi}", StateError, torch.float32,
+                           finite=True, hint=CORRUPT_CHECKPOINT)
+        return saved
+
+
+class _BackwardParams:
+    """Iterable over the parameters backward writes grads to, re-read on every
+    iteration (the loss scaler rescales these grads between two losses of a step)."""
+
+    def __init__(self, masters: MasterWeights) -> None:
+        self._masters = masters
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        mw = self._masters
+        mw.refresh()
+        for group in mw.optimizer.param_groups:
+            for p in group["params"]:
+                yield mw._model_of.get(id(p), p)
+
+
+_COMPARE_CHUNK = 1 << 16
+
+def _clear_both(model_p: torch.Tensor, master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor | None) -> None:
+    """Grads changed through both the model (``cur``) and the master (``g``) since the
+    last backward. A side that was cleared (``zero_grad()``: None or all zeros) wins,
+    whatever was done to the other (an edit before an iteration was dropped, such as a
+    grad set to inf that made a clip raise): both end up cleared, None unless both are
+    zero tensors. Both edited otherwise: an :class:`AmpError` (no telling which change
+    the step should use)."""
+    if not (_cleared(cur) or _cleared(g)):
+        raise AmpError(
+            "gradients were changed both through the model's 16-bit parameters and "
+            "through the optimizer's fp32 master parameters since the last backward, "
+            "in different ways; ampkit cannot tell which change the step should use. "
+            "Clip, edit or clear them through one of the two (model.parameters() or "
+            "ampkit.master_params(optimizer))."
+        )
+    if cur is None or g is None:
+        model_p.grad = master.grad = None
+        return
+    with torch.no_grad():
+        g.zero_()
+        cur.zero_()
+
+
+def _high_halves(g: torch.Tensor) -> torch.Tensor:
+    """A bf16 view of contiguous fp32 ``g``'s high 16 bits, element by element: ``g``
+    truncated to bf16 (exactly ``g`` where it holds bf16 values), sharing its memory."""
+    halves = g.view(torch.bfloat16)  # the last dim doubled: (low, high) pairs
+    return halves[..., 1::2] if _LITTLE_ENDIAN else halves[..., 0::2]
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype (a gradient
+    copy and its master's gradient, a model weight and its master), compared a chunk
+    of ``_COMPARE_CHUNK`` elements at a time: no full-size temporary at the step
+    (large bf16 tensors on CPU: :func:`ampkit._kernels.rounds_to_bf16`, one compiled
+    pass, several times faster)."""
+    if low.shape != g.shape:
+        return False
+    with torch.no_grad():
+        fast = rounds_to_bf16(low, g)  # large bf16 tensors: one compiled read pass
+        if fast is not None:
+            return fast
+        if not (low.is_contiguous() and g.is_contiguous()):
+            return torch.equal(low, g.to(low.dtype))
+        a, b = low.view(-1), g.view(-1)
+        return all(
+            torch.equal(a[i : i + _COMPARE_CHUNK], b[i : i + _COMPARE_CHUNK].to(low.dtype))
+            for i in range(0, a.numel(), _COMPARE_CHUNK)
+        )
+
+
+def _cleared(t: torch.Tensor | None) -> bool:
+    if t is not None and t.is_sparse:
+        t = t.coalesce()._values()
+    return t is None or not bool(t.any())
+
+
+def _merge(g: torch.Tensor, edited: torch.Tensor) -> None:
+    """Bring fp32 ``g`` in line with ``edited``, a 16-bit copy of it that user code
+    changed in place. All zeros: zeros. A uniform rescale (what ``clip_grad_norm_``
+    does): ``g`` times the same factor, in fp32. Anything else: the changed elements
+    take the edited values, the others keep their fp32 bits."""
+    if not bool(edited.any()):
+        g.zero_()
+        return
+    old = g.to(edited.dtype)
+    changed = edited != old
+    if not bool(changed.any()):
+        return
+    new32, old32 = edited.float(), old.float()
+    den = (old32 * old32).sum()
+    if bool(den > 0):
+        factor = (new32 * old32).sum() / den
+        info = torch.finfo(edited.dtype)
+        if bool(torch.isfinite(factor)) and torch.allclose(
+            new32, old32 * factor, rtol=info.eps, atol=info.smallest_normal
+        ):
+            g.mul_(factor)
+            return
+    g.copy_(torch.where(changed, new32, g))
+
+
+class _Link:
+    """What ampkit last left on each side of one mastered gradient: the tensor set as
+    the model parameter's ``.grad`` (a 16-bit copy) and the master's ``.grad``, each
+    with its version, held weakly (a cleared grad is freed)."""
+
+    __slots__ = ("_shown", "_shown_version", "_kept", "_kept_version", "aside", "viewable", "viewing")
+
+    def __init__(self) -> None:
+        self._shown: weakref.ref | None = None
+        self._shown_version = 0
+        self._kept: weakref.ref | None = None
+        self._kept_version = 0
+        # The 16-bit grad backward produced, kept by MasterWeights.absorb while the kept
+        # fp32 grad is its exact widening, for show() to put back (dropped by show()).
+        self.aside: torch.Tensor | None = None
+        # model_grads="view": the kept fp32 grad holds bf16 values exactly (show() may
+        # give the model a view of it), and the model's shown grad is such a view.
+        self.viewable = False
+        self.viewing = False
+
+    def show(self, t: torch.Tensor | None) -> None:
+        self._shown = None if t is None else weakref.ref(t)
+        self._shown_version = 0 if t is None else t._version
+        self.aside = None
+        self.viewing = False
+
+    def holds(self, g: torch.Tensor | None) -> bool:
+        """Whether ``g`` is the fp32 grad last kept (any version)."""
+        return g is not None and self._kept is not None and self._kept() is g
+
+    def keep(self, g: torch.Tensor | None) -> None:
+        self._kept = None if g is None else weakref.ref(g)
+        self._kept_version = 0 if g is None else g._version
+
+    def is_shown(self, t: torch.Tensor | None) -> bool:
+        if self._shown is None:
+            return t is None
+        return t is not None and self._shown() is t
+
+    def model_changed(self, cur: torch.Tensor | None, g: torch.Tensor | None) -> bool:
+        if not self.is_shown(cur):
+            return True
+        if cur is None:
+            return False
+        if cur._version != self._shown_version:
+            return True
+        # Edits through .data leave the version alone: compare values (dense grads).
+        if g is None or self.master_changed(g) or g.is_sparse or cur.is_sparse:
+            return False
+        return not _rounds_to(cur, g)
+
+    def master_changed(self, g: torch.Tensor | None) -> bool:
+        if self._kept is None:
+            return g is not None
+        return g is None or self._kept() is not g or g._version != self._kept_version

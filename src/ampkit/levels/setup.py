@@ -1,0 +1,739 @@
+"""Opt levels: apex-style one-call setup of casting, model dtype, master weights
+and loss scaling, on top of ampkit's scoped pieces.
+
+- ``O0``: fp32 weights, no casting, the optimizer steps the fp32 weights; scale 1.
+- ``O1``: fp32 weights, op-level casting (``ampkit.init``) in the compute dtype;
+  dynamic scale [*].
+- ``O2``: weights in the compute dtype except normalization layers (fp32); the
+  optimizer steps fp32 master copies; dynamic scale [*].
+- ``O3``: every weight in the compute dtype, norm layers too; the optimizer steps
+  the 16-bit weights; scale 1.
+- ``O2K``: bf16 weights except norm layers (fp32), no master copy; the optimizer's
+  updates are applied with Kahan compensation (``compensation="stochastic"`` for
+  stochastic rounding), see :mod:`ampkit.compensated`; scale 1. Always bf16.
+
+[*] with ``dtype=torch.float16``. bf16 has fp32's exponent range, so gradients do
+not underflow and the default scale is a static 1 for every level when the compute
+dtype is bf16 (the default on CPU); pass ``loss_scale="dynamic"`` to get apex's
+behaviour anyway. Every level, static scale included, skips a step whose gradients
+are not finite (``ampkit.step_skipped``).
+
+``initialize`` starts afresh: like :func:`ampkit.reset` it ends the previous AMP
+session and any process-wide casting, then sets up the chosen level. Models are
+cast in place and get input/output cast hooks (:mod:`ampkit.model`), never a new
+``forward``, so they can be wrapped by ``DistributedDataParallel`` afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ampkit._internal import registry as _reset
+from ampkit._internal.dtypes import (
+    LOW_PRECISION,
+    cast_optimizer_state,
+    default_device_type,
+    default_dtype,
+)
+from ampkit._internal.validate import require_choice, require_optimizer
+from ampkit.casting import engine as casting
+from ampkit.casting.policy import Policy, check_device_type
+from ampkit.distributed.core import (
+    check_models,  # refuses DDP/FSDP wrappers a level cannot run under
+)
+from ampkit.errors import AmpError, PolicyError, ScalerError, StateError
+from ampkit.scaling.loss_scaler import LossScaler, check_scale
+from ampkit.trainer import api as optim
+from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
+from ampkit.trainer.managed import resolve_optimizer
+
+from . import fp8 as _fp8
+from .compensated import CompensatedUpdates
+from .fp8 import Fp8Recipe
+from .master import MODEL_GRADS, MasterWeights
+from .model_cast import (
+    add_op_casting,
+    cast_model,
+    check_keep_fp32,
+    kept_fp32_modules,
+    params_to_cast,
+    remove_op_casting,
+)
+
+__all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
+
+LossScale = float | Literal["dynamic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptLevel:
+    """What an opt level sets up, after overrides.
+
+    Attributes:
+        name: ``"O0"`` ... ``"O3"``, ``"O2K"``.
+        dtype: compute dtype of casting and of the 16-bit weights.
+        op_casting: turn on op-level casting (``ampkit.init``) in ``dtype``.
+        model_op_casting: run the cast model's forward under op-level casting in
+            ``dtype`` (the policy's fp32 ops in fp32 inside the model; O2, O2K).
+        cast_model_type: dtype the model's weights are stored in (None: left fp32).
+        keep_norm_fp32: keep normalization layers in fp32 when casting the model.
+        master_weights: step fp32 master copies of the 16-bit weights.
+        compensation: ``"kahan"``/``"stochastic"`` updates of bf16 weights, or None.
+        loss_scale: ``"dynamic"`` or a static scale.
+        num_losses: loss scalers per optimizer (one per ``loss_id``).
+        min_loss_scale / max_loss_scale: floor and cap of a dynamic scale (None:
+            the :class:`ampkit.LossScaler` defaults, 1 and 2**24).
+        cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
+            (default fp32; None keeps them 16-bit).
+        fast_kernels: step param groups left at ``foreach=None, fused=None`` with
+            torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`);
+            default True except at O0, which runs the script's fp32 bit for bit.
+        model_grads: ``"copy"`` or ``"view"``: how a model with fp32 masters shows
+            its grads (see :class:`ampkit.master.MasterWeights`).
+    """
+
+    name: str
+    dtype: torch.dtype
+    op_casting: bool
+    cast_model_type: torch.dtype | None
+    keep_norm_fp32: bool
+    master_weights: bool
+    compensation: str | None
+    loss_scale: LossScale
+    num_losses: int = 1
+    min_loss_scale: float | None = None
+    max_loss_scale: float | None = None
+    cast_model_outputs: torch.dtype | None = torch.float32
+    fast_kernels: bool = True
+    keep_fp32: tuple[type[nn.Module] | str, ...] = ()
+    model_op_casting: bool = False
+    model_grads: str = "copy"
+
+
+#: The base settings of each level; ``dtype`` and the loss scale are filled per device.
+OPT_LEVELS: dict[str, dict[str, Any]] = {
+    "O0": dict(op_casting=False, cast=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale=1.0),
+    "O1": dict(op_casting=True, cast=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale="dynamic"),
+    "O2": dict(op_casting=False, cast=True, keep_norm_fp32=True, master_weights=True, compensation=None, fp16_scale="dynamic"),
+    "O3": dict(op_casting=False, cast=True, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_scale=1.0),
+    "O2K": dict(op_casting=False, cast=True, keep_norm_fp32=True, master_weights=False, compensation="kahan", fp16_scale=1.0),
+}  # fmt: skip
+
+_OVERRIDES = (
+    "dtype",
+    "op_casting",
+    "cast_model_type",
+    "keep_norm_fp32",
+    "master_weights",
+    "compensation",
+    "loss_scale",
+    "num_losses",
+    "min_loss_scale",
+    "max_loss_scale",
+    "cast_model_outputs",
+    "fast_kernels",
+    "keep_fp32",
+    "model_op_casting",
+    "model_grads",
+    "policy",
+)
+
+_COMPENSATIONS = ("kahan", "stochastic")
+
+
+def _check_dtype(value: Any, what: str) -> torch.dtype:
+    if value not in LOW_PRECISION:
+        raise AmpError(f"{what} must be torch.float16 or torch.bfloat16, got {value!r}.")
+    return value
+
+
+def resolve_opt_level(
+    opt_level: str, device_type: str = "cpu", **overrides: Any
+) -> OptLevel:
+    """The :class:`OptLevel` that ``initialize(..., opt_level, **overrides)`` sets up
+    for models on ``device_type``; raises :class:`AmpError` on nonsense."""
+    if not isinstance(opt_level, str) or opt_level.upper() not in OPT_LEVELS:
+        raise AmpError(
+            f"unknown opt_level {opt_level!r}; choose one of {sorted(OPT_LEVELS)} "
+            "(O0 fp32, O1 op-level casting, O2 16-bit model with fp32 masters, O3 pure "
+            "16-bit, O2K bf16 model with compensated updates)."
+        )
+    name = opt_level.upper()
+    unknown = sorted(set(overrides) - set(_OVERRIDES))
+    if unknown:
+        raise AmpError(f"initialize got unknown option(s) {unknown}; valid: {list(_OVERRIDES)}.")
+    base = OPT_LEVELS[name]
+    ov = {k: v for k, v in overrides.items() if v is not None}
+
+    # O2K is bf16 by definition (compensation needs bf16's range), on any device.
+    default = torch.bfloat16 if base["compensation"] else default_dtype(device_type)
+    dtype = _check_dtype(ov.get("dtype", default), "dtype")
+    cast = ov.get("cast_model_type", dtype if base["cast"] else None)
+    if cast is False or cast == torch.float32:
+        cast = None
+    if cast is not None:
+        cast = _check_dtype(cast, "cast_model_type")
+
+    for flag in ("keep_norm_fp32", "master_weights", "op_casting", "fast_kernels", "model_op_casting"):
+        if flag in ov and not isinstance(ov[flag], bool):
+            raise AmpError(f"{flag} must be True or False, got {ov[flag]!r}.")
+    keep_norm = ov.get("keep_norm_fp32", base["keep_norm_fp32"] if cast is not None else False)
+    if "keep_norm_fp32" in ov and cast is None:
+        raise AmpError(
+            f"keep_norm_fp32 only applies when the model is cast to 16 bits; {name} keeps "
+            "the whole model in fp32. Drop the option or use O2/O3."
+        )
+    compensation = ov.get("compensation", base["compensation"] if cast is not None else None)
+    if compensation is False:
+        compensation = None
+    if compensation is not None:
+        if compensation not in _COMPENSATIONS:
+            raise AmpError(f"compensation must be one of {_COMPENSATIONS} or None, got {compensation!r}.")
+        if cast is not torch.bfloat16:
+            raise AmpError(
+                f"compensated updates need bf16 weights, but {name} stores the model in "
+                f"{cast}; use dtype=torch.bfloat16, or master weights (O2) for fp16."
+            )
+    master = bool(ov.get("master_weights", base["master_weights"] and compensation is None))
+    if master and cast is None:
+        raise AmpError(
+            f"master_weights=True needs a 16-bit model, but {name} keeps the model in "
+            "fp32 (its weights are already the masters); use O2 or set cast_model_type."
+        )
+    if master and compensation is not None:
+        raise AmpError(
+            "master_weights and compensation both keep updates from being rounded away; "
+            "choose one (O2: fp32 masters, O2K: compensated bf16 weights)."
+        )
+    op_casting = bool(ov.get("op_casting", base["op_casting"]))
+
+    default_scale = base["fp16_scale"] if dtype == torch.float16 else 1.0
+    loss_scale = ov.get("loss_scale", default_scale)
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ScalerError(f"loss_scale must be 'dynamic' or a number > 0, got {loss_scale!r}.")
+    else:
+        loss_scale = check_scale(loss_scale, "loss_scale")
+    min_s, max_s = ov.get("min_loss_scale"), ov.get("max_loss_scale")
+    if min_s is not None:
+        min_s = check_scale(min_s, "min_loss_scale")
+    if max_s is not None:
+        max_s = check_scale(max_s, "max_loss_scale", allow_inf=True)
+    if loss_scale != "dynamic" and (min_s is not None or max_s is not None):
+        raise AmpError(
+            f"min_loss_scale/max_loss_scale bound a dynamic scale, but the loss scale is a "
+            f"static {loss_scale}; pass loss_scale='dynamic' or drop the bounds."
+        )
+    if min_s is not None and max_s is not None and min_s > max_s:
+        raise AmpError(f"min_loss_scale {min_s} is above max_loss_scale {max_s}.")
+    num_losses = ov.get("num_losses", 1)
+    if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
+        raise AmpError(f"num_losses must be an int >= 1, got {num_losses!r}.")
+    # None is meaningful here: keep a cast model's outputs 16-bit.
+    outputs = overrides.get("cast_model_outputs", torch.float32)
+    if outputs is not None and outputs not in (torch.float32, *LOW_PRECISION):
+        raise AmpError(f"cast_model_outputs must be a float dtype or None, got {outputs!r}.")
+    keep_fp32 = _check_keep_fp32(ov.get("keep_fp32", ()), name, cast)
+    # O2/O2K: the policy's fp32 ops run in fp32 inside the cast model; O3 is pure 16-bit.
+    model_op_casting = ov.get("model_op_casting", cast is not None and name in ("O2", "O2K"))
+    if model_op_casting and cast is None:
+        raise AmpError(
+            f"model_op_casting runs a cast model's forward under op-level casting; {name} "
+            "keeps the model in fp32 (use op_casting=True, or O1)."
+        )
+    model_grads = ov.get("model_grads", "copy")
+    require_choice(model_grads, MODEL_GRADS, "model_grads")
+    if model_grads != "copy" and not master:
+        raise AmpError(
+            f"model_grads={model_grads!r} sets how a 16-bit model shows the grads of its fp32 "
+            f"master weights; {name} has no master weights (use O2)."
+        )
+    if model_grads == "view" and cast is not torch.bfloat16:
+        raise AmpError(
+            f"model_grads='view' shows each grad as the high half of its fp32 grad, which "
+            f"is a bf16 number; the model is stored in {cast}. Use dtype=torch.bfloat16, "
+            "or model_grads='copy'."
+        )
+    return OptLevel(
+        name=name,
+        dtype=dtype,
+        op_casting=op_casting,
+        cast_model_type=cast,
+        keep_norm_fp32=bool(keep_norm),
+        master_weights=master,
+        compensation=compensation,
+        loss_scale=loss_scale,
+        num_losses=num_losses,
+        min_loss_scale=min_s,
+        max_loss_scale=max_s,
+        cast_model_outputs=outputs,
+        # O0 is fp32 exactly as the script runs it: the optimizer's kernel too.
+        fast_kernels=ov.get("fast_kernels", name != "O0"),
+        keep_fp32=keep_fp32,
+        model_op_casting=bool(model_op_casting),
+        model_grads=model_grads,
+    )
+
+
+def _check_keep_fp32(value: Any, name: str, cast: torch.dtype | None) -> tuple[type[nn.Module] | str, ...]:
+    """``keep_fp32``: a module class, a qualified-name glob, or a list/tuple of them."""
+    rules = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    for rule in rules:
+        if not (isinstance(rule, str) or (isinstance(rule, type) and issubclass(rule, nn.Module))):
+            raise AmpError(
+                f"keep_fp32 takes nn.Module subclasses and module-name globs (e.g. "
+                f"[MyLayerNorm, 'blocks.*.ln_1']), got {rule!r}."
+            )
+    if rules and cast is None:
+        raise AmpError(
+            f"keep_fp32 keeps modules fp32 in a model cast to 16 bits; {name} keeps the "
+            "whole model in fp32. Drop the option or use O2/O3/O2K."
+        )
+    return rules
+
+
+# --- objects that outlive a session: they describe how an optimizer was rebuilt -------
+
+# Masters stay in an optimizer's param_groups after reset; a later initialize on the
+# same optimizer reuses them instead of mastering the masters. Kept in the optimizer's
+# own __dict__ (a MasterWeights refers to its optimizer, so a weak-keyed table would
+# keep every O2 setup alive forever); the cycle goes with the optimizer.
+_MASTERS_ATTR = "_ampkit_master_weights"
+
+
+def _masters_of(optimizer: Any) -> MasterWeights | None:
+    return getattr(optimizer, "__dict__", {}).get(_MASTERS_ATTR)
+
+# Module state (weak): models cast by initialize (a later initialize may cast them again).
+_CAST_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Compensation hooks belong to a session: removed on reset / re-initialize.
+_COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdates] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_reset.on_reset(drop_guards)
+
+
+@_reset.on_reset
+def _drop_compensation() -> None:
+    for comp in list(_COMPENSATED.values()):
+        comp.remove()
+    _COMPENSATED.clear()
+
+
+# Load-state-dict hooks that resync masters from a model loaded after initialize (O2).
+# module -> (its load-state-dict post-hook handle, the masters to resync, held weakly so
+# the model does not keep optimizers alive).
+_LOAD_HOOKS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, list[weakref.ref]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@_reset.on_reset
+def _drop_load_hooks() -> None:
+    for handle, _ in list(_LOAD_HOOKS.values()):
+        handle.remove()
+    _LOAD_HOOKS.clear()
+
+
+class ResyncMasters:
+    """Load-state-dict post-hook of an O2 model's modules: re-derive the masters of the
+    module's own parameters from the loaded 16-bit weights. Stateless (what to resync
+    is looked up by module), so the model pickles and deep-copies; a copy resyncs
+    nothing."""
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        entry = _LOAD_HOOKS.get(module)
+        if entry is None:
+            return
+        own = list(module.parameters(recurse=False))
+        for ref in entry[1]:
+            mw = ref()
+            if mw is not None:
+                mw.sync_from_model(own)
+
+
+def _watch_model_loads(model: nn.Module, masters: list[MasterWeights]) -> None:
+    """After ``module.load_state_dict`` on any module of ``model``, re-derive the masters
+    of that module's own parameters from the loaded 16-bit weights; otherwise the next
+    step would publish the old masters over the loaded weights."""
+    refs = [weakref.ref(mw) for mw in masters]
+    for module in model.modules():
+        old = _LOAD_HOOKS.pop(module, None)
+        if old is not None:
+            old[0].remove()
+        if any(p.is_floating_point() for p in module.parameters(recurse=False)):
+            handle = module.register_load_state_dict_post_hook(ResyncMasters())
+            _LOAD_HOOKS[module] = (handle, refs)
+
+
+def is_managed(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is set up by ampkit (``init_trainer`` or ``initialize``)."""
+    try:
+        optim.managed_state(opt)
+    except StateError:
+        return False
+    return True
+
+
+def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    if isinstance(obj, kind):
+        return [obj], True
+    if isinstance(obj, (list, tuple)) and all(isinstance(o, kind) for o in obj) and obj:
+        if len({id(o) for o in obj}) != len(obj):
+            raise AmpError(f"the same {kind.__name__} appears twice in {what}.")
+        return list(obj), False
+    raise AmpError(
+        f"{what} must be a {kind.__name__} or a non-empty list of them, got {type(obj).__name__}."
+    )
+
+
+def _device_type(models: Sequence[nn.Module], requested: Any = None) -> str:
+    """The device type the models' tensors are on. ``requested`` (initialize's
+    ``device_type``) must name that same type; for models without tensors it chooses
+    (None: the default device type)."""
+    if requested is not None:
+        if not isinstance(requested, str):
+            raise AmpError(f"device_type must be a string such as 'cpu' or 'cuda', got {requested!r}.")
+        if ":" in requested:
+            raise AmpError(
+                f"device_type takes a device type such as {requested.split(':')[0]!r}, not a "
+                f"device ({requested!r}); initialize sets the models up on the device they are on."
+            )
+    types = {t.device.type for m in models for t in list(m.parameters()) + list(m.buffers())}
+    if len(types) > 1:
+        raise AmpError(
+            f"the models' tensors are on several device types {sorted(types)}; move each "
+            "model to one device before initialize."
+        )
+    if not types:
+        return requested if requested is not None else default_device_type()
+    found = types.pop()
+    if requested is not None and requested != found:
+        raise AmpError(
+            f"device_type={requested!r}, but the models' tensors are on {found!r}; initialize "
+            f"sets the models up where they are: move them first (model.to({requested!r})) "
+            "or drop device_type."
+        )
+    return found
+
+
+def _make_scaler(level: OptLevel) -> LossScaler:
+    if level.loss_scale == "dynamic":
+        kw: dict[str, Any] = {}
+        if level.min_loss_scale is not None:
+            kw["min_scale"] = level.min_loss_scale
+        if level.max_loss_scale is not None:
+            kw["max_scale"] = level.max_loss_scale
+        init = 2.0**16
+        if "max_scale" in kw:
+            init = min(init, kw["max_scale"])
+        if "min_scale" in kw:
+            init = max(init, kw["min_scale"])
+        return LossScaler(init_scale=init, dynamic=True, **kw)
+    return LossScaler(init_scale=float(level.loss_scale), dynamic=False)
+
+
+def _check_fp32(
+    models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], level: OptLevel
+) -> None:
+    """Casting and masters start from fp32 weights. A model cast by an earlier
+    ``initialize`` may be initialized again, as long as no new master would have to
+    be built from its 16-bit weights."""
+    if level.cast_model_type is None:
+        return
+    for i, model in enumerate(models):
+        recast = model in _CAST_MODELS
+        for name, p in model.named_parameters():
+            if not p.is_floating_point() or p.dtype == torch.float32:
+                continue
+            if _has_master(p, optimizers):
+                continue
+            if recast and not (level.master_weights and _in_optimizers(p, optimizers)):
+                continue
+            raise AmpError(
+                f"model {i} parameter {name!r} is {p.dtype}: initialize expects fp32 "
+                "models (it casts them itself, after building fp32 master weights); "
+                "build the model in fp32."
+            )
+
+
+def _in_optimizers(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    return any(p is q for opt in optimizers for g in opt.param_groups for q in g["params"])
+
+
+def _has_master(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    return any(
+        (mw := _masters_of(opt)) is not None and mw.master_of(p) is not None for opt in optimizers
+    )
+
+
+def initialize(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    opt_level: str = "O1",
+    *,
+    device_type: str | None = None,
+    fp8: Fp8Recipe | bool | None = None,
+    fresh: bool = True,
+    **overrides: Any,
+) -> tuple[Any, Any]:
+    """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
+
+    Args:
+        models: an ``nn.Module`` or a list of them, in fp32, already on their device.
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference).
+        opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
+            the table in :mod:`ampkit.levels`.
+        device_type: ``"cpu"``, ``"cuda"``, ...: the device type the models are on,
+            which sets the default ``dtype`` and where op-level casting applies.
+            Default None: taken from the models' tensors (models without any: the
+            default device type, ``"cuda"`` if available else ``"cpu"``). Given for
+            models with tensors, it must name the type they are on (initialize does
+            not move models).
+        fp8: an :class:`ampkit.Fp8Recipe` (or True for the default one): the linears
+            it chooses compute their matmuls in fp8 (e4m3 forward, e5m2 or e4m3
+            gradients, through ``torch._scaled_mm``); everything else, weights and
+            optimizer included, runs as ``opt_level`` says (any level but O0). Scales
+            and abs-max histories are saved by :func:`ampkit.state_dict`. See
+            :mod:`ampkit.fp8`. Default None: no fp8.
+        fresh (bool) [True]: end the previous AMP session first, like
+            :func:`ampkit.reset`. False adds these models and optimizers to the current
+            session instead: the ones set up before keep training, each optimizer with
+            its own scalers, masters and counters, and :func:`ampkit.state_dict` holds
+            them all (apex's ``amp.initialize`` called again for a restored
+            model/optimizer pair). Process-wide op-level casting (O1) is then set to this
+            call's policy. ``fresh=False`` takes no ``fp8``.
+        **overrides: change one setting of the level:
+
+            - ``dtype``: compute dtype; default bf16 on CPU, fp16 on CUDA.
+            - ``cast_model_type``: dtype to store the model in (None/False/fp32: fp32).
+            - ``keep_norm_fp32``: keep normalization layers fp32 in a cast model.
+            - ``master_weights``: fp32 master copies for a 16-bit model.
+            - ``compensation``: ``"kahan"`` or ``"stochastic"`` updates of bf16 weights.
+            - ``op_casting``: op-level casting (apex's ``patch_torch_functions``).
+            - ``policy``: an :class:`ampkit.Policy` for op-level casting.
+            - ``loss_scale``: ``"dynamic"`` or a number.
+            - ``num_losses``: loss scalers per optimizer, one per ``loss_id``.
+            - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
+            - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
+            - ``model_op_casting``: run the cast model's forward under op-level
+              casting in ``dtype`` (default True for O2/O2K, False for O3): the
+              policy's fp32 ops (softmax, norms, a loss computed in ``forward``) run in
+              fp32 inside the model. ``policy`` applies here too.
+            - ``keep_fp32``: module classes or qualified-name globs kept in fp32 like
+              norm layers (O2/O3/O2K), e.g. ``[MyLayerNorm, "blocks.*.attn"]``, each
+              with its whole subtree (weights fp32, matmuls in fp32); a glob matching
+              no module name raises :class:`AmpError`. With
+              ``keep_norm_fp32`` (O2/O2K) hand-written norm layers are found without it:
+              a class named ``*Norm*`` holding only vector parameters.
+            - ``fast_kernels``: step with torch's fused/foreach kernel where the
+              optimizer was built with neither pinned (default True, False at O0).
+            - ``model_grads``: how the 16-bit model shows its grads under fp32 masters
+              (O2): ``"copy"`` (default), a rounded 16-bit copy of each fp32 grad; or
+              ``"view"`` (bf16 only), a bf16 view of each fp32 grad's high halves where
+              it holds bf16 values exactly (loss scale 1, one backward per step): no
+              memory for the model's grads (AdamW: 18 bytes per parameter at the step
+              instead of 20), edits through them made in bf16 precision, grads strided
+              (not ``is_contiguous()``). See :class:`ampkit.master.MasterWeights`.
+
+    Returns:
+        ``(models, optimizers)`` in the shape given (one object or a list;
+        ``optimizers`` is None when None was passed). The objects are the ones passed
+        in, modified in place: weights cast, masters swapped into ``param_groups``,
+        each optimizer registered with :func:`ampkit.init_trainer`.
+
+    Raises:
+        AmpError: unknown level or option, a combination that makes no sense
+            (e.g. ``master_weights=True`` with O1), a value of the wrong type or out of
+            range (``loss_scale=True``, a scale whose reciprocal overflows fp32), models
+            not in fp32, a ``device_type`` other than the models'. Every argument is checked before anything changes: a refused
+            call leaves the models, the optimizers and the previous session as they were.
+    """
+    # Everything is validated before anything changes: a refused initialize leaves the
+    # models, the optimizers and the previous session as they were.
+    if not isinstance(fresh, bool):
+        raise AmpError(f"fresh must be True or False, got {fresh!r}.")
+    if not fresh and fp8 not in (None, False):
+        raise AmpError("fp8 needs a fresh session (its scale state is session-wide): pass fresh=True.")
+    model_list, one_model = _as_list(models, nn.Module, "models")
+    if optimizers is None:
+        opt_list: list[torch.optim.Optimizer] = []
+        one_opt = False
+    else:
+        opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    policy = overrides.pop("policy", None)
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
+    device_type = _device_type(model_list, device_type)
+    level = resolve_opt_level(opt_level, device_type, **overrides)
+    if policy is not None and not (level.op_casting or level.model_op_casting):
+        raise AmpError(
+            f"a policy only applies with op-level casting, which {level.name} leaves off; "
+            "use O1, O2, O2K or op_casting=True."
+        )
+    if level.op_casting or level.model_op_casting:
+        check_device_type(device_type)
+    _check_fp32(model_list, opt_list, level)
+    for opt in opt_list:
+        if not fresh and is_managed(opt):
+            raise AmpError(
+                f"this {type(opt).__name__} is already set up in the current session; with "
+                "fresh=False pass only optimizers not set up yet."
+            )
+        if _masters_of(opt) is not None and not level.master_weights:
+            where = "keeps the model in fp32" if level.cast_model_type is None else "has none"
+            raise AmpError(
+                "this optimizer holds fp32 master weights from an earlier O2 initialize, "
+                f"but {level.name} {where}; build a fresh optimizer."
+            )
+        if level.compensation is not None and isinstance(opt, torch.optim.LBFGS):
+            raise AmpError(
+                "LBFGS mixes all parameters in one update and calls a closure many times "
+                f"per step; {level.name}'s compensated updates need a per-parameter optimizer."
+            )
+    scaler = _make_scaler(level)
+    if level.cast_model_type is not None:
+        check_keep_fp32(model_list, level.keep_fp32)
+    check_models(model_list, level.name, level.cast_model_type is not None)
+    recipe = _fp8.check_level(level.name, fp8)
+    fp8_plan = None
+    if recipe is not None:
+        # a module the level keeps fp32 (keep_fp32, norm layers) stays out of fp8 too
+        kept = [
+            k for m in model_list for k in kept_fp32_modules(m, level.keep_norm_fp32, keep_fp32=level.keep_fp32)
+        ] if level.cast_model_type is not None else []
+        fp8_plan = _fp8.plan(recipe, model_list, skip=kept)
+
+    if fresh:
+        _reset.reset()  # a new session: no leftovers of a previous initialize or init
+
+    masters: list[MasterWeights | None] = [_masters_of(opt) for opt in opt_list]
+    if level.cast_model_type is not None:
+        # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
+        if level.master_weights:
+            to_cast = [
+                p for m in model_list for p in params_to_cast(m, level.keep_norm_fp32, keep_fp32=level.keep_fp32)
+            ]
+            for i, opt in enumerate(opt_list):
+                if masters[i] is None:
+                    mw = MasterWeights(
+                        opt, [p for p in to_cast if p.dtype == torch.float32], model_grads=level.model_grads
+                    )
+                    opt.__dict__[_MASTERS_ATTR] = mw
+                    masters[i] = mw
+        for m in model_list:
+            cast_model(
+                m,
+                level.cast_model_type,
+                keep_norm_fp32=level.keep_norm_fp32,
+                cast_outputs=level.cast_model_outputs,
+                keep_fp32=level.keep_fp32,
+            )
+            if level.model_op_casting:
+                add_op_casting(m, level.cast_model_type, device_type, policy)
+            else:
+                remove_op_casting(m)
+            _CAST_MODELS.add(m)
+        if not level.master_weights:
+            for opt in opt_list:
+                _cast_state_to_params(opt)
+
+    if level.op_casting:
+        casting.init(dtype=level.dtype, device_type=device_type, policy=policy)
+    if fp8_plan is not None:
+        _fp8.activate(fp8_plan)
+
+    if opt_list:
+        _attach_trainer(opt_list, masters, level, scaler, model_list)
+    elif level.master_weights or level.compensation is not None:
+        no_masters_guard([p for m in model_list for p in m.parameters() if p.dtype in LOW_PRECISION], level.name)
+    live_masters = [mw for mw in masters if mw is not None]
+    if live_masters:
+        for m in model_list:
+            _watch_model_loads(m, live_masters)
+
+    if fp8_plan is not None:
+        from ampkit.trainer.session import register_extra_state
+
+        register_extra_state("fp8", fp8_plan.state_dict, fp8_plan.load_state_dict, fp8_plan.check_state_dict)
+    out_models: Any = model_list[0] if one_model else model_list
+    out_opts: Any = None if optimizers is None else (opt_list[0] if one_opt else opt_list)
+    return out_models, out_opts
+
+
+def _attach_trainer(
+    opt_list: list[torch.optim.Optimizer],
+    masters: list[MasterWeights | None],
+    level: OptLevel,
+    scaler: LossScaler,
+    models: list[nn.Module],
+) -> None:
+    """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
+    id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
+    master-weight or compensation hooks of each optimizer."""
+    optim.init_trainer(
+        opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
+    )
+    for opt, mw in zip(opt_list, masters):
+        managed = optim.managed_state(opt)
+        if mw is not None:
+            managed.post_step_hooks.append(mw.publish)
+            managed.backward_params = mw.backward_params()  # type: ignore[assignment]
+            managed.grad_path.set_masters(mw, models)
+            managed.register_extra_state(
+                "master_weights", mw.state_dict, mw.load_state_dict, mw.check_state_dict
+            )
+        if level.compensation is not None:
+            comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
+            _COMPENSATED[opt] = comp
+            managed.register_extra_state(
+                "compensation", comp.state_dict, comp.load_state_dict, comp.check_state_dict
+            )
+
+
+def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
+    """Optimizer state created before the cast follows its parameter's dtype (as
+    ``Optimizer.load_state_dict`` would do)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            state.update(cast_optimizer_state(state, p.dtype))
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
+    """The parameters ``optimizer`` steps, in ``param_groups`` order: the fp32 masters
+    under O2 (plus fp32 model parameters such as norm layers), the model's own
+    parameters otherwise. Clip these, after ``ampkit.unscale(optimizer)``. A framework's
+    wrapper that holds the optimizer as ``.optimizer`` stands for it."""
+    optimizer = resolve_optimizer(optimizer)
+    require_optimizer(optimizer, "master_params", StateError)
+    return _stepped_params(optimizer)
+
+
+def _stepped_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
+    mw = _masters_of(optimizer)
+    if mw is not None:
+        yield from mw.params()
+        return
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def master_weights_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+    """The :class:`~ampkit.master.MasterWeights` of an optimizer set up by O2, or None."""
+    return _masters_of(optimizer)
+
+
+def compensation_of(optimizer: torch.optim.Optimizer) -> CompensatedUpdates | None:
+    """The :class:`~ampkit.compensated.CompensatedUpdates` of an O2K optimizer, or None."""
+    return _COMPENSATED.get(optimizer)

@@ -1,0 +1,604 @@
+"""Loss scaling: a static or dynamic loss scale written out as a plain state machine.
+
+Why: float16 represents magnitudes from about 6e-8 (subnormal) to 65504. Gradients
+of a small loss often fall below that range and become zero. Multiplying the loss by
+a scale ``S`` multiplies every gradient by ``S`` (backward is linear), which moves
+them into range; before the optimizer step the gradients are multiplied by ``1/S``
+again ("unscaled") in fp32. A scale that is too large makes gradients overflow to
+inf/NaN; that step is skipped and the scale is reduced.
+
+The state machine (``dynamic=True``), one *event* per optimizer step:
+
+- clean step (all gradients finite): ``growth_tracker += 1``; once it reaches
+  ``growth_interval`` the scale grows, ``S <- min(S * growth_factor, max_scale)``
+  (kept as is if the product is not finite in fp32), the tracker restarts at 0 and
+  the hysteresis budget refills. With ``consecutive_hysteresis=True`` the budget
+  refills on every clean step instead.
+- overflow (some gradient inf/NaN): the step is skipped, the tracker restarts at 0.
+  If the hysteresis budget is above 1 it is decremented and the scale stays (the
+  overflow is tolerated); otherwise ``S <- max(S * backoff_factor, min_scale)``.
+  This is DeepSpeed's meaning of ``hysteresis``: ``hysteresis=1`` backs off on every
+  overflow (torch.amp.GradScaler's rule); ``hysteresis=h`` tolerates ``h - 1``
+  overflows per growth window (or in a row, with ``consecutive_hysteresis``).
+- no silent failure: an overflow that would back off while ``S`` already sits at
+  ``min_scale``, or more than ``max_consecutive_skips`` overflows in a row, raises
+  :class:`~ampkit.NumericsError` (the state is updated first, the step stays skipped).
+
+With ``dynamic=False`` the scale never changes; overflows still skip the step and
+count towards ``max_consecutive_skips``.
+
+Arithmetic matches ``torch.amp.GradScaler`` bit for bit: the scale is an fp32 value,
+every new scale is the float64 product rounded once to fp32 (as ``torch._amp_update_scale_``
+does), and the inverse scale used for unscaling is the float64 reciprocal rounded to
+fp32. The state machine runs on the host in Python numbers; the scale and its inverse
+are mirrored into fp32 0-dim tensors per device (refreshed with ``fill_`` only when
+the scale changes). Unscaling and the non-finite check are one fused
+``torch._amp_foreach_non_finite_check_and_unscale_`` pass per (device, dtype) group
+and need no host sync; the caller syncs once per step to read the flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
+from ampkit.errors import NumericsError, ScalerError
+
+__all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
+
+_LOG = logging.getLogger("ampkit")
+
+_STATE_KEYS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_left",
+    "consecutive_skips",
+    "num_events",
+    "num_overflows",
+)
+#: LossScaler's configuration: its constructor arguments, the keys of ``config()``.
+CONFIG_KEYS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_scale",
+    "max_scale",
+    "dynamic",
+    "max_consecutive_skips",
+)
+
+
+def to_fp32(x: float) -> float:
+    """``x`` rounded to the nearest float32 value (round half to even), as a Python float.
+
+    Values beyond float32's range (ints beyond float64's too) become ``±inf``."""
+    try:
+        return struct.unpack("f", struct.pack("f", float(x)))[0]
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+#: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
+#: subnormal backoff factor (``1e-45``) takes any scale to the floor in one step, and a
+#: growth factor beyond fp32's range (``1e300``) never grows it (no product is finite).
+_FP32_TINY = 2.0**-126
+
+
+def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, allow_inf: bool = False) -> float:
+    """``value`` rounded to fp32 if it is a usable loss scale, else ``error``.
+
+    A usable scale is a real number (not a bool) whose fp32 value is finite and > 0
+    and whose reciprocal -- what unscaling multiplies the grads by -- is finite in
+    fp32 too (scales below about 2.9e-39 have none). ``allow_inf`` also accepts
+    ``+inf`` (a cap that caps nothing)."""
+    if not is_real(value):
+        raise error(f"{what} must be a number, got {brief(value)} ({type(value).__name__}).")
+    scale = to_fp32(value)
+    if allow_inf and scale == math.inf:
+        return scale
+    if not (math.isfinite(scale) and scale > 0):
+        raise error(f"{what} must be a finite number > 0, got {brief(value)}.")
+    if not math.isfinite(to_fp32(1.0 / scale)):
+        raise error(
+            f"{what}={brief(value)} is too small: its reciprocal overflows float32, so unscaling "
+            "would turn every gradient into inf/NaN. Use a scale of at least 1e-38 "
+            "(scales below 1 are rarely useful)."
+        )
+    return scale
+
+
+def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The scaler configuration in ``cfg`` (keys: ``CONFIG_KEYS``) validated and
+    normalized (fp32 scales, Python ints and bools), or :class:`ScalerError`."""
+
+    def bad(msg: str) -> ScalerError:
+        return ScalerError(f"{name}: {msg}")
+
+    def count(key: str, low: int) -> int:
+        return require_count(cfg[key], f"{name}: {key}", ScalerError, low=low)
+
+    out: dict[str, Any] = {}
+    out["init_scale"] = check_scale(cfg["init_scale"], f"{name}: init_scale")
+    out["min_scale"] = check_scale(cfg["min_scale"], f"{name}: min_scale")
+    out["max_scale"] = check_scale(cfg["max_scale"], f"{name}: max_scale", allow_inf=True)
+    growth, backoff = cfg["growth_factor"], cfg["backoff_factor"]
+    if not (is_real(growth) and 1.0 < growth and math.isfinite(to_fp32(growth))):
+        raise bad(
+            f"growth_factor must be a number > 1 that is finite in float32 (at most about "
+            f"3.4e38), got {brief(growth)}."
+        )
+    if not (is_real(backoff) and _FP32_TINY <= backoff < 1.0):
+        raise bad(
+            "backoff_factor must be a number in [2**-126, 1) (2**-126, about 1.2e-38, is "
+            f"float32's smallest normal number), got {brief(backoff)}."
+        )
+    out["growth_factor"] = float(growth)
+    out["backoff_factor"] = float(backoff)
+    out["growth_interval"] = count("growth_interval", 1)
+    out["hysteresis"] = count("hysteresis", 1)
+    skips = cfg["max_consecutive_skips"]
+    out["max_consecutive_skips"] = None if skips is None else count("max_consecutive_skips", 0)
+    out["dynamic"] = require_flag(cfg["dynamic"], f"{name}: dynamic", ScalerError)
+    out["consecutive_hysteresis"] = require_flag(
+        cfg["consecutive_hysteresis"], f"{name}: consecutive_hysteresis", ScalerError
+    )
+    if out["dynamic"] and not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
+        raise bad(
+            f"need min_scale <= init_scale <= max_scale, got {out['min_scale']} <= "
+            f"{out['init_scale']} <= {out['max_scale']}; adjust one of them."
+        )
+    return out
+
+
+def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The state fields of a scaler state dict, validated against the (validated)
+    configuration ``cfg``, or :class:`ScalerError`."""
+
+    def bad(msg: str) -> ScalerError:
+        return ScalerError(f"{name}: state dict {msg}; pass a dict returned by LossScaler.state_dict().")
+
+    out: dict[str, Any] = {"scale": check_scale(sd["scale"], f"{name}: state dict scale")}
+    if cfg["dynamic"] and not cfg["min_scale"] <= out["scale"] <= cfg["max_scale"]:
+        raise bad(
+            f"has scale {out['scale']} outside [min_scale, max_scale] = "
+            f"[{cfg['min_scale']}, {cfg['max_scale']}]"
+        )
+    for key in ("growth_tracker", "hysteresis_left", "consecutive_skips", "num_events", "num_overflows"):
+        hint = "Pass a dict returned by LossScaler.state_dict()."
+        out[key] = require_count(sd[key], f"{name}: state dict field {key!r}", ScalerError, hint=hint)
+    if not 1 <= out["hysteresis_left"] <= cfg["hysteresis"]:
+        raise bad(f"has hysteresis_left={out['hysteresis_left']}, expected 1..hysteresis={cfg['hysteresis']}")
+    if not out["consecutive_skips"] <= out["num_overflows"] <= out["num_events"]:
+        raise bad(
+            "has inconsistent counters (need consecutive_skips <= num_overflows <= num_events, "
+            f"got {out['consecutive_skips']}, {out['num_overflows']}, {out['num_events']})"
+        )
+    return out
+
+
+def _is_rank_zero() -> bool:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def group_grads(
+    params: Iterable[torch.Tensor], *, allow_fp16: bool = True
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The gradients of ``params`` (those that have one), grouped by (device, dtype).
+
+    Sparse gradients contribute their values (an fp16 sparse gradient is coalesced
+    first so that duplicate indices are summed before the check); complex gradients
+    their real view (``torch.view_as_real``), which shares their storage. With
+    ``allow_fp16=False`` an fp16 gradient raises :class:`~ampkit.ScalerError`."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        if grad.dtype == torch.float16 and not allow_fp16:
+            raise ScalerError(
+                "Attempting to unscale FP16 gradients: a parameter is float16, so its "
+                "unscaled gradient would underflow. Keep the parameters in float32 (cast "
+                "in the forward pass with autocast) or use fp32 master weights."
+            )
+        if grad.is_sparse:
+            if grad.dtype == torch.float16:
+                p.grad = grad = grad.coalesce()
+            grad = grad._values()
+        if grad.is_complex():
+            # Unscale and check the real and imaginary parts in place, as floats.
+            grad = torch.view_as_real(grad)
+        key = (grad.device, grad.dtype)
+        bucket = groups.get(key)
+        if bucket is None:
+            groups[key] = [grad]
+        else:
+            bucket.append(grad)
+    return groups
+
+
+def unscale_and_check_(
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
+    factor: float,
+    factor_tensors: dict[torch.device, torch.Tensor] | None = None,
+    *,
+    check_result: bool | None = None,
+) -> torch.Tensor | None:
+    """Multiply every tensor in ``groups`` in place by ``factor`` (an fp32 value) and
+    check them for inf/NaN, one fused kernel per (device, dtype) group.
+
+    Returns a float32 0-dim tensor, 1.0 if any tensor held a non-finite value and 0.0
+    otherwise, or ``None`` when ``groups`` is empty. No host sync. The fused kernel
+    checks the values before the multiply; a factor above 1 (a loss scale below 1) can
+    overflow finite values, so by default (``check_result=None``) the products are then
+    checked too, in a second pass (``True``/``False`` force it on/off).
+    ``factor_tensors`` (device -> fp32 0-dim tensor holding ``factor``) lets a caller
+    reuse cached tensors."""
+    if not groups:
+        return None
+    if check_result is None:
+        check_result = factor > 1.0
+    found_per_device: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for (device, _dtype), grads in groups.items():
+            found = found_per_device.get(device)
+            if found is None:
+                found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
+            factor_t = factor_tensors.get(device) if factor_tensors is not None else None
+            if factor_t is None:
+                factor_t = torch.full((), factor, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor_t)
+            if check_result:
+                one = torch.ones((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    founds = iter(found_per_device.values())
+    total = next(founds)
+    for other in founds:
+        total = total + other.to(total.device, non_blocking=True)
+    return total
+
+
+class LossScaler:
+    """A loss scale for one loss: static or dynamic, with hysteresis, a floor and a cap.
+
+    Args (defaults in brackets):
+        init_scale (float) [2**16]: starting scale ``S``, rounded to fp32. Every scale
+            (``init_scale``, ``min_scale``, ``max_scale``, a loaded or set scale) must be
+            a finite number > 0 whose fp32 reciprocal is finite too (>= about 2.9e-39);
+            ``max_scale`` may also be ``math.inf``. When dynamic, ``min_scale <=
+            init_scale <= max_scale``; a static scale ignores ``min_scale``/``max_scale``.
+        growth_factor (float) [2.0]: ``S *= growth_factor`` after ``growth_interval``
+            clean steps in a row; must be > 1 and finite in fp32 (<= about 3.4e38).
+        backoff_factor (float) [0.5]: ``S *= backoff_factor`` on an overflow that is not
+            tolerated by hysteresis; must be in [2**-126, 1) (a normal fp32 number: a
+            subnormal one takes any scale to the floor at once).
+        growth_interval (int) [2000]: clean steps in a row before the scale grows; >= 1.
+        hysteresis (int) [1]: overflows tolerated before backing off, DeepSpeed's
+            meaning; 1 backs off on every overflow (torch.amp's rule); >= 1.
+        min_scale (float) [1.0]: floor; the scale never goes below it, and an overflow
+            that would back off from it raises :class:`~ampkit.NumericsError`.
+        max_scale (float) [2**24]: cap; growth stops there (``math.inf`` for none).
+        dynamic (bool) [True]: ``False`` keeps ``init_scale`` forever (static scaling).
+        consecutive_hysteresis (bool) [False]: refill the hysteresis budget on every clean
+            step (overflows must then be consecutive to back off) instead of only when the
+            scale grows (DeepSpeed's ``consecutive_hysteresis``).
+        max_consecutive_skips (int | None) [100]: raise :class:`~ampkit.NumericsError` when
+            more than this many overflows happen in a row; ``None`` turns the check off.
+        name (str) ["loss scaler"]: how log records and errors call this scaler.
+
+    Counts (``growth_interval``, ``hysteresis``, ``max_consecutive_skips``) must be
+    ints and flags (``dynamic``, ``consecutive_hysteresis``) bools; anything else
+    raises :class:`~ampkit.ScalerError`.
+
+    Use: ``scale(loss)`` before backward, ``unscale_(params)`` for the fused unscale and
+    check (returns a 0-dim found-inf tensor, no sync), then ``update(found_inf)`` once
+    per step with the host value. :func:`ampkit.init_trainer` and
+    :class:`ampkit.GradScaler` drive these for you.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        dynamic: bool = True,
+        *,
+        consecutive_hysteresis: bool = False,
+        max_consecutive_skips: int | None = 100,
+        name: str = "loss scaler",
+    ) -> None:
+        if not isinstance(name, str):
+            raise ScalerError(f"LossScaler: name must be a str, got {name!r}.")
+        self.name = name
+        arguments = locals()  # the constructor arguments are the configuration
+        self._apply_config(_check_config({k: arguments[k] for k in CONFIG_KEYS}, "LossScaler"))
+        self._scale = self.init_scale
+        self._growth_tracker = 0
+        self._hysteresis_left = self.hysteresis
+        self._consecutive_skips = 0
+        self._num_events = 0
+        self._num_overflows = 0
+        # Tensor mirrors of the scale and its inverse, per device; refreshed on change.
+        self._scale_tensors: dict[torch.device, torch.Tensor] = {}
+        self._inv_tensors: dict[torch.device, torch.Tensor] = {}
+        self._inv_scale = to_fp32(1.0 / self._scale)
+        # Set while a trainer (init_trainer) drives this scaler, so two cannot share it.
+        self._attached = False
+
+    def _apply_config(self, cfg: dict[str, Any]) -> None:
+        self.init_scale: float = cfg["init_scale"]
+        self.growth_factor: float = cfg["growth_factor"]
+        self.backoff_factor: float = cfg["backoff_factor"]
+        self.growth_interval: int = cfg["growth_interval"]
+        self.hysteresis: int = cfg["hysteresis"]
+        self.min_scale: float = cfg["min_scale"]
+        self.max_scale: float = cfg["max_scale"]
+        self.dynamic: bool = cfg["dynamic"]
+        self.consecutive_hysteresis: bool = cfg["consecutive_hysteresis"]
+        self.max_consecutive_skips: int | None = cfg["max_consecutive_skips"]
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``)."""
+        return {key: getattr(self, key) for key in CONFIG_KEYS}
+
+    def configure(self, **changes: Any) -> None:
+        """Change configuration fields (constructor arguments), validated like the
+        constructor's (a dynamic scale must also stay within the new ``min_scale`` and
+        ``max_scale``); a rejected change raises :class:`~ampkit.ScalerError` and
+        changes nothing. The state (scale, counters) is kept; a hysteresis budget
+        above a lowered ``hysteresis`` is cut to it."""
+        unknown = sorted(set(changes) - set(CONFIG_KEYS))
+        if unknown:
+            raise ScalerError(f"{self.name}: unknown setting(s) {unknown}; valid: {list(CONFIG_KEYS)}.")
+        cfg = _check_config({**self.config(), **changes}, self.name)
+        if cfg["dynamic"] and not cfg["min_scale"] <= self._scale <= cfg["max_scale"]:
+            raise ScalerError(
+                f"{self.name}: the current scale {self._scale} would lie outside "
+                f"[min_scale, max_scale] = [{cfg['min_scale']}, {cfg['max_scale']}]."
+            )
+        self._apply_config(cfg)
+        self._hysteresis_left = min(self._hysteresis_left, self.hysteresis)
+
+    # --- reading the state -------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        """The current scale ``S`` (an fp32 value, as a Python float)."""
+        return self._scale
+
+    @property
+    def inv_scale(self) -> float:
+        """``1/S`` computed in float64 and rounded to fp32 (what unscaling multiplies by)."""
+        return self._inv_scale
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps since the last overflow or growth."""
+        return self._growth_tracker
+
+    @property
+    def hysteresis_left(self) -> int:
+        """Overflows the scale still absorbs before backing off (1: backs off on the next)."""
+        return self._hysteresis_left
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Overflow events in a row (0 after a clean step)."""
+        return self._consecutive_skips
+
+    @property
+    def num_overflows(self) -> int:
+        """Overflow events since construction (or as loaded from a state dict)."""
+        return self._num_overflows
+
+    @property
+    def num_events(self) -> int:
+        """Events (clean or overflow) fed to :meth:`update` so far."""
+        return self._num_events
+
+    def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """``S`` as a float32 0-dim tensor on ``device``. Cached: do not modify it."""
+        device = torch.device(device)
+        t = self._scale_tensors.get(device)
+        if t is None:
+            t = self._scale_tensors[device] = torch.full(
+                (), self._scale, dtype=torch.float32, device=device
+            )
+        return t
+
+    def inv_scale_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """``1/S`` (float64 reciprocal rounded to fp32) as a float32 0-dim tensor on
+        ``device``. Cached: do not modify it."""
+        device = torch.device(device)
+        t = self._inv_tensors.get(device)
+        if t is None:
+            t = self._inv_tensors[device] = torch.full(
+                (), self._inv_scale, dtype=torch.float32, device=device
+            )
+        return t
+
+    # --- the three operations ------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` (out of place; the fp32 scale tensor on ``loss``'s device, so a
+        0-dim fp16 loss becomes fp32, as with torch.amp.GradScaler)."""
+        if not isinstance(loss, torch.Tensor):
+            raise ScalerError(f"can only scale a torch.Tensor loss, got {type(loss).__name__}.")
+        return loss * self.scale_tensor(loss.device)
+
+    def unscale_(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """Multiply the grads of ``params`` in place by ``1/S`` and check them for
+        inf/NaN, fused per (device, dtype). Returns a float32 0-dim tensor (1.0 when a
+        non-finite value was found), or ``None`` when no param has a grad. No sync."""
+        groups = group_grads(params)
+        return unscale_and_check_(groups, self._inv_scale, self._inv_tensors_for(groups))
+
+    def _inv_tensors_for(self, groups: dict) -> dict[torch.device, torch.Tensor]:
+        return {device: self.inv_scale_tensor(device) for device, _ in groups}
+
+    def update(self, found_inf: bool) -> None:
+        """Feed one step's event to the state machine (see the module docstring).
+
+        Raises :class:`~ampkit.NumericsError` when an overflow would back off from
+        ``min_scale`` or when more than ``max_consecutive_skips`` overflows happened in
+        a row; the state is updated before raising."""
+        self._num_events += 1
+        if not found_inf:
+            self._consecutive_skips = 0
+            if not self.dynamic:
+                return
+            if self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
+            self._growth_tracker += 1
+            if self._growth_tracker >= self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_left = self.hysteresis
+                grown = to_fp32(self._scale * self.growth_factor)
+                if math.isfinite(grown):
+                    self._set_scale(min(grown, self.max_scale))
+            return
+
+        self._num_overflows += 1
+        self._consecutive_skips += 1
+        self._growth_tracker = 0
+        old = self._scale
+        if not self.dynamic:
+            self._log_overflow(old, "static scale")
+        elif self._hysteresis_left > 1:
+            self._hysteresis_left -= 1
+            self._log_overflow(old, f"tolerated by hysteresis, {self._hysteresis_left} left")
+        elif old <= self.min_scale:
+            self._log_overflow(old, "already at min_scale")
+            raise NumericsError(
+                f"{self.name}: gradients are still inf/NaN with the loss scale at its floor "
+                f"min_scale={self.min_scale:g} ({self._consecutive_skips} step(s) skipped in "
+                "a row). Loss scaling cannot fix this: the loss or the model produces inf/NaN "
+                "by itself. Check the inputs and the loss for inf/NaN, lower the learning "
+                "rate, run the overflowing ops in float32 (or train in bfloat16), or lower "
+                "min_scale if the gradients are merely large."
+            )
+        else:
+            self._set_scale(max(to_fp32(old * self.backoff_factor), self.min_scale))
+            self._log_overflow(old, "backing off")
+        limit = self.max_consecutive_skips
+        if limit is not None and self._consecutive_skips > limit:
+            raise NumericsError(
+                f"{self.name}: {self._consecutive_skips} optimizer steps skipped in a row "
+                f"(more than max_consecutive_skips={limit}); the gradients keep overflowing "
+                f"at loss scale {self._scale:g}. Check the inputs and the loss for inf/NaN, "
+                "lower the learning rate, lower the scale (init_scale, backoff_factor, "
+                "hysteresis), or run the overflowing ops in float32 / bfloat16."
+            )
+
+    def set_scale(self, value: float) -> None:
+        """Set ``S`` by hand (rounded to fp32; clamped to [min_scale, max_scale] when
+        dynamic). Counters and the growth tracker are kept."""
+        value = check_scale(value, f"{self.name}: set_scale")
+        if self.dynamic:
+            value = min(max(value, self.min_scale), self.max_scale)
+        self._set_scale(value)
+
+    def _set_scale(self, value: float) -> None:
+        if value == self._scale:
+            return
+        self._scale = value
+        self._inv_scale = to_fp32(1.0 / value)
+        for t in self._scale_tensors.values():
+            t.fill_(value)
+        for t in self._inv_tensors.values():
+            t.fill_(self._inv_scale)
+
+    def _log_overflow(self, old: float, what: str) -> None:
+        if not _LOG.isEnabledFor(logging.INFO) or not _is_rank_zero():
+            return
+        _LOG.info(
+            "%s: inf/NaN gradients, optimizer step skipped; scale %g -> %g (%s)",
+            self.name,
+            old,
+            self._scale,
+            what,
+        )
+
+    # --- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every field of the scaler: its configuration and its state, as Python numbers.
+
+        Keys: ``scale``, ``growth_tracker``, ``hysteresis_left``, ``consecutive_skips``,
+        ``num_events``, ``num_overflows`` (state) and the constructor arguments
+        (``init_scale`` ... ``max_consecutive_skips``)."""
+        sd: dict[str, Any] = {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_left": self._hysteresis_left,
+            "consecutive_skips": self._consecutive_skips,
+            "num_events": self._num_events,
+            "num_overflows": self._num_overflows,
+        }
+        for key in CONFIG_KEYS:
+            sd[key] = getattr(self, key)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` exactly (configuration and state).
+
+        The whole dict is validated first (exactly the keys :meth:`state_dict` writes,
+        the configuration by the constructor's rules, scales usable and within
+        ``[min_scale, max_scale]`` when dynamic, counters ints in [0, 2**63)); a rejected
+        dict raises :class:`~ampkit.ScalerError` and leaves this scaler unchanged."""
+        self._prepare_load(state_dict)()
+
+    def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
+        """Validate ``state_dict`` completely; return the function that applies it
+        (which cannot fail). Lets a caller validate several objects before changing any."""
+        require_fields(state_dict, (*_STATE_KEYS, *CONFIG_KEYS), self.name, ScalerError,
+                       source="LossScaler.state_dict()")
+        cfg = _check_config({k: state_dict[k] for k in CONFIG_KEYS}, self.name)
+        state = _check_state(state_dict, cfg, self.name)
+
+        def apply() -> None:
+            self._apply_config(cfg)
+            self._growth_tracker = state["growth_tracker"]
+            self._hysteresis_left = state["hysteresis_left"]
+            self._consecutive_skips = state["consecutive_skips"]
+            self._num_events = state["num_events"]
+            self._num_overflows = state["num_overflows"]
+            self._set_scale(state["scale"])
+
+        return apply
+
+    def new_like(self, name: str | None = None) -> LossScaler:
+        """A fresh scaler with this one's configuration and its initial state."""
+        return LossScaler(
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            dynamic=self.dynamic,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            max_consecutive_skips=self.max_consecutive_skips,
+            name=self.name if name is None else name,
+        )
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return (
+            f"LossScaler({self.name!r}, {kind}, scale={self._scale:g}, "
+            f"growth_tracker={self._growth_tracker}, hysteresis_left={self._hysteresis_left}, "
+            f"consecutive_skips={self._consecutive_skips})"
+        )

@@ -1,0 +1,55 @@
+"""``ampkit doctor SCRIPT [ARGS...]``: run a training script with :func:`ampkit.doctor`
+watching every optimizer it passes to ``init_trainer``/``initialize``, then print the
+report (rich on a terminal, plain text otherwise). The script's exit code is passed
+through; bad input (no such script, an output path that cannot be written, --png
+without matplotlib) prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._common import UsageError, add_command, add_script_arguments, check_writable
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = add_command(sub, "doctor", "run a training script with ampkit.doctor on and print its report", __doc__)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--png", type=Path, default=None, metavar="PATH",
+                        help="also write the plot (loss scale, skipped steps, per-module margins); needs matplotlib")
+    add_script_arguments(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ampkit doctor``; returns the script's exit code (raises
+    UsageError for bad input)."""
+    from ampkit.tools.diagnosis._script import ScriptError, run_script
+
+    check_writable(args.json, "the JSON report", "ampkit doctor")
+    check_writable(args.png, "the plot", "ampkit doctor")
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("ampkit doctor: --png needs matplotlib; install the extra: pip install 'ampkit[cli]'")
+    try:
+        code, reports = run_script(args.script, list(args.args))
+    except ScriptError as exc:
+        raise UsageError(f"ampkit doctor: {exc}") from None
+    sys.stdout.flush()
+    if not reports:
+        print("ampkit doctor: the script never passed an optimizer to ampkit.init_trainer or "
+              "ampkit.initialize; nothing to report", file=sys.stderr)
+        return code
+    for report in reports:
+        report.print()
+    last = reports[-1]
+    if args.json is not None:
+        last.to_json(args.json)
+    if args.png is not None:
+        last.save_png(args.png)
+    return code

@@ -1,0 +1,250 @@
+"""``ampkit run [options] SCRIPT [ARGS...]``: mixed precision for an unmodified training
+script (see :mod:`ampkit.run`), a summary on stderr at exit, ``--report`` JSON, and
+``--compare``: the script run twice, fp32 then the chosen level, each in its own
+process, with the loss curves and iteration times side by side (a rich table and a PNG).
+
+Exit codes: the script's own (0, its ``sys.exit`` code, 1 after an uncaught exception);
+2 with one line on stderr for bad input (no such script, an unknown level, a combination
+that cannot work, an output that cannot be written) and when the precision cannot be
+applied exactly (fp16 loss scaling for a manual ``p.data`` update: bf16 is proposed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._common import (
+    UsageError,
+    add_command,
+    add_script_arguments,
+    check_writable,
+    float_between,
+    positive_int,
+)
+
+__all__ = ["add_parser", "run"]
+
+PNG_DEFAULT = Path("ampkit-compare.png")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    parser = add_command(sub, "run", "train an unmodified script in mixed precision (and --compare it with fp32)", __doc__)
+    parser.add_argument("--level", choices=("O1", "O2", "O2K", "fp32"), default="O1",
+                        help="O1: casting in forward passes, fp32 weights (default); O2: 16-bit models "
+                             "with fp32 master weights; O2K: bf16 models with compensated updates; "
+                             "fp32: nothing applied (the script as it is, observed)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
+                        help="16-bit compute dtype (default: bf16; fp16 on a GPU without bf16)")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help="also write the summary as JSON (with the loss values)")
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                        help="end the script after N iterations (steps of the first optimizer it builds)")
+    parser.add_argument("--time", type=float_between(1e-3, 1e9), default=None, metavar="SECONDS",
+                        help="end the script at the first iteration after SECONDS")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the script twice, fp32 then --level, and show the loss curves and "
+                             "iteration times side by side (needs the cli extra)")
+    parser.add_argument("--png", type=Path, default=None, metavar="PATH",
+                        help=f"with --compare: where to write the plot (default: {PNG_DEFAULT})")
+    add_script_arguments(parser)
+    return parser
+
+
+def _default_dtype() -> str:
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "fp16"
+    return "bf16"
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from ampkit.errors import AmpError
+    from ampkit.tools.launch import RunConfig
+
+    dtype = args.dtype or _default_dtype()
+    try:
+        return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time)
+    except AmpError as err:
+        raise UsageError(f"ampkit run: {err}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ampkit run``; returns the exit code (raises UsageError for bad input)."""
+    config = _config(args)
+    check_writable(args.report, "the JSON report", "ampkit run")
+    if not Path(args.script).is_file():
+        what = "no such file" if not Path(args.script).exists() else "not a file"
+        raise UsageError(f"ampkit run: {what}: {args.script!r}")
+    if args.compare:
+        return _compare(args, config)
+    if args.png is not None:
+        raise UsageError("ampkit run: --png goes with --compare")
+    from ampkit.tools.launch import RunRefused, ScriptError, is_rank_zero, run_script, write_report
+
+    try:
+        result = run_script(args.script, list(args.args), config)
+    except (ScriptError, RunRefused) as err:
+        raise UsageError(f"ampkit run: {err}") from None
+    sys.stdout.flush()
+    if is_rank_zero():
+        print(result.summary(), file=sys.stderr)
+        if args.report is not None:
+            write_report(result.report, args.report)
+    return result.code
+
+
+# ---------------------------------------------------------------------------------
+# --compare
+# ---------------------------------------------------------------------------------
+def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tuple[int, str, str]:
+    cmd = [sys.executable, "-m", "ampkit", "run", "--level", level, "--dtype", dtype, "--report", str(report)]
+    if args.steps is not None:
+        cmd += ["--steps", str(args.steps)]
+    if args.time is not None:
+        cmd += ["--time", repr(args.time)]
+    cmd += [args.script, *args.args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _compare(args: argparse.Namespace, config: Any) -> int:
+    missing = [m for m in ("rich", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(
+            f"ampkit run --compare: missing {', '.join(missing)}; install the command-line extra: "
+            "pip install 'ampkit[cli]'"
+        )
+    png = args.png or PNG_DEFAULT
+    check_writable(png, "the plot", "ampkit run")
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    reports = []
+    label = f"{config.level} {config.dtype}"
+    with tempfile.TemporaryDirectory(prefix="ampkit-compare-") as tmp:
+        for level, name in (("fp32", "fp32"), (config.level, label)):
+            err.print(f"[bold]ampkit run --compare[/]: running {args.script} under {name} ...")
+            path = Path(tmp) / f"{level}.json"
+            code, stdout, stderr = _child(args, level, config.dtype, path)
+            if code != 0 or not path.exists():
+                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
+                print(f"{tail}\nampkit run --compare: the {name} run exited with code {code}", file=sys.stderr)
+                return code if code != 0 else 1
+            report = json.loads(path.read_text())
+            report["last_line"] = _last_line(stdout)
+            reports.append(report)
+    render_compare(reports[0], reports[1], label)
+    write_compare_png(reports[0], reports[1], label, png)
+    print(f"wrote {png}")
+    if args.report is not None:
+        args.report.write_text(json.dumps({"fp32": reports[0], label: reports[1]}, indent=1) + "\n")
+    return 0
+
+
+def _tail_mean(values: list[float]) -> float | None:
+    """The mean of the last tenth of a series (at least one value): the final loss."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return None
+    n = max(1, len(finite) // 10)
+    return sum(finite[-n:]) / n
+
+
+def compare_rows(ref: list[float], amp: list[float], rows: int = 10) -> list[tuple[int, int, float, float]]:
+    """The two series cut into ``rows`` consecutive windows of backward() calls: (first
+    call, last call, fp32 mean, level mean) per window (one mini-batch's loss is noisy;
+    a window's mean is what training moved)."""
+    n = min(len(ref), len(amp))
+    if n == 0:
+        return []
+    rows = min(rows, n)
+    bounds = [round(i * n / rows) for i in range(rows + 1)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        out.append((lo + 1, hi, sum(ref[lo:hi]) / (hi - lo), sum(amp[lo:hi]) / (hi - lo)))
+    return out
+
+
+def _last_line(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1][:60] if lines else ""
+
+
+def render_compare(ref: dict[str, Any], amp: dict[str, Any], label: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for site, ref_values in ref["losses"].items():
+        amp_values = amp["losses"].get(site, [])
+        table = Table(title=f"loss at {site}", caption="window means of backward()'s loss")
+        table.add_column("calls", justify="right")
+        table.add_column("fp32", justify="right")
+        table.add_column(label, justify="right")
+        table.add_column("diff", justify="right")
+        for lo, hi, a, b in compare_rows(ref_values, amp_values):
+            diff = f"{(b - a) / abs(a) * 100:+.1f}%" if a != 0.0 and a == a and b == b else "-"
+            table.add_row(f"{lo}-{hi}", f"{a:.4f}", f"{b:.4f}", diff)
+        console.print(table)
+    summary = Table(title="fp32 vs " + label)
+    for col in ("run", "iterations", "ms/iter", "vs fp32", "final loss*", "skipped", "script's last line"):
+        summary.add_column(col, justify="left" if col in ("run", "script's last line") else "right")
+    base = ref["iteration_ms_median"]
+    for name, rep in (("fp32", ref), (label, amp)):
+        ms = rep["iteration_ms_median"]
+        speed = f"{base / ms:.2f}x" if ms and base else "-"
+        first_site = next(iter(rep["losses"]), None)
+        final = _tail_mean(rep["losses"][first_site]) if first_site else None
+        skipped = sum(o["skipped"] for o in rep["optimizers"])
+        summary.add_row(
+            name, str(rep["iterations"]), "-" if ms is None else f"{ms:.2f}", speed,
+            "-" if final is None else f"{final:.4f}", str(skipped), rep.get("last_line", ""),
+        )
+    console.print(summary)
+    console.print(
+        "ms/iter: median time between steps of the first optimizer; vs fp32: fp32's ms/iter over "
+        "the run's; * mean of the last tenth of the first loss series"
+    )
+    for note in amp["notes"]:
+        console.print(f"note: {note}")
+
+
+def _running_mean(values: list[float], window: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def write_compare_png(ref: dict[str, Any], amp: dict[str, Any], label: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sites = list(ref["losses"])
+    fig, axes = plt.subplots(1, max(1, len(sites)), figsize=(5.5 * max(1, len(sites)), 3.6), squeeze=False)
+    for ax, site in zip(axes[0], sites):
+        for name, values, color in (("fp32", ref["losses"][site], "C0"), (label, amp["losses"].get(site, []), "C1")):
+            xs = range(1, len(values) + 1)
+            ax.plot(xs, values, color=color, lw=0.6, alpha=0.3)
+            ax.plot(xs, _running_mean(values), color=color, lw=1.5, label=f"{name} (running mean)")
+        ax.set_yscale("log" if all(v > 0 for v in ref["losses"][site]) else "linear")
+        ax.set_title(f"loss at {site}", fontsize=9)
+        ax.set_xlabel("backward() call")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"ampkit run --compare: {Path(ref['script']).name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

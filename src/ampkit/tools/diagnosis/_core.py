@@ -1,0 +1,831 @@
+"""The :class:`Doctor`: ties the recording hooks, the op-level checker, the misuse
+checks and the advice to the managed optimizers' steps."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ampkit._internal import registry as _reset
+from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal.where import user_stacklevel
+from ampkit.casting.policy import canonical_op
+from ampkit.distributed import core as _distributed
+from ampkit.errors import StateError
+from ampkit.levels.setup import master_weights_of
+from ampkit.trainer import api as _optim
+
+from ._checker import OpChecker
+from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
+from ._record import Recorder, ResolvedStep, StepLog, dtype_name, local
+from ._report import DoctorReport
+
+logger = logging.getLogger("ampkit.doctor")
+
+ENV = "AMPKIT_DOCTOR"
+
+
+class DoctorWarning(UserWarning):
+    """A training-loop mistake found by :func:`ampkit.doctor` (see the message)."""
+
+
+def env_enabled() -> bool:
+    """Whether ``AMPKIT_DOCTOR`` asks for the doctor (``1``/``true``/``yes``/``on``)."""
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _rank() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Doctor:
+    """Watches the steps of ampkit-managed optimizers and says where non-finite values
+    and underflows come from, how close each module runs to its dtype's limits, what
+    to change, and which training-loop mistakes it saw. Create it with
+    :func:`ampkit.doctor`; see :mod:`ampkit.doctor` for what it costs.
+
+    Args:
+        optimizers: managed optimizers to watch (``None``: every optimizer managed in
+            the current AMP session when the doctor starts).
+        every (int) [50]: at least this many steps between two op-level checks.
+        max_checks (int) [10]: op-level checks in all.
+        underflow_threshold (float) [0.5]: a step whose 16-bit parameter gradients have
+            at least this fraction of elements below the smallest subnormal arms an
+            op-level underflow check.
+        log (bool) [True]: log findings on the ``ampkit.doctor`` logger (rank 0 only).
+    """
+
+    def __init__(
+        self,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        *,
+        every: int = 50,
+        max_checks: int = 10,
+        underflow_threshold: float = 0.5,
+        log: bool = True,
+    ) -> None:
+        if optimizers is None:
+            opts: list[torch.optim.Optimizer] | None = None
+        elif isinstance(optimizers, torch.optim.Optimizer):
+            opts = [optimizers]
+        elif isinstance(optimizers, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            opts = list(optimizers)
+        else:
+            raise StateError(
+                f"doctor: expected a torch.optim.Optimizer or a list of them, got {type(optimizers).__name__}."
+            )
+        if opts is not None:
+            for opt in opts:
+                _optim.managed_state(opt)  # raises StateError for an unmanaged optimizer
+        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+            raise StateError(f"doctor: every must be an int >= 1, got {every!r}.")
+        if not (isinstance(max_checks, int) and not isinstance(max_checks, bool) and max_checks >= 0):
+            raise StateError(f"doctor: max_checks must be an int >= 0, got {max_checks!r}.")
+        if not (
+            isinstance(underflow_threshold, (int, float))
+            and not isinstance(underflow_threshold, bool)
+            and 0 < underflow_threshold <= 1
+        ):
+            raise StateError(f"doctor: underflow_threshold must be in (0, 1], got {underflow_threshold!r}.")
+        if not isinstance(log, bool):
+            raise StateError(f"doctor: log must be True or False, got {log!r}.")
+        self._requested = opts
+        self.every = every
+        self.max_checks = max_checks
+        self.underflow_threshold = float(underflow_threshold)
+        self.log = bool(log)
+        self.recorder = Recorder()
+        self._states: list[_optim.ManagedOptimizer] = []
+        self._hooks: dict[int, tuple[Callable[[], None], Callable[[], None], Callable[[], None]]] = {}
+        self._running = False
+        # results
+        self.history: list[StepPoint] = []
+        self.findings: list[Finding] = []
+        self.events: list[Finding] = []
+        self.events_total = 0
+        self.misuse: list[Misuse] = []
+        self.margins: dict[str, ModuleMargin] = {}
+        self.compute_dtype: torch.dtype | None = None
+        self.checks_run = 0
+        self.lrs: list[float] = []
+        self._warned: set[str] = set()
+        # op-level checking
+        self._checker: OpChecker | None = None
+        self._armed_reason: str | None = None
+        self._check_reason: str | None = None
+        self._last_check_step: int | None = None
+        self._pending_event: Finding | None = None
+        self._ungathered: list[Finding] = []  # op-level findings not yet sent to the other ranks
+        # per-step bookkeeping (misuse)
+        self._scaled_nodes: list[Any] = []
+        self._user_hooks_checked: set[int] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> Doctor:
+        """Install the hooks and attach to the optimizers. Returns self."""
+        if self._running:
+            return self
+        if self._requested is None:
+            from ampkit.trainer.session import current_session
+
+            opts = [
+                s.optimizer
+                for member in current_session().members
+                for s in getattr(member, "optimizers", ())
+                if getattr(s, "_active", False)
+            ]
+            if not opts:
+                raise StateError(
+                    "doctor: no optimizer is managed by ampkit yet; call ampkit.init_trainer(opt) "
+                    "or ampkit.initialize(...) first, or pass the optimizers: ampkit.doctor(opt)."
+                )
+        else:
+            opts = self._requested
+        self.recorder.install()
+        _optim.scale_loss_observers.append(self._on_scale_loss)
+        self._running = True
+        for opt in opts:
+            self.attach(opt)
+        return self
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch one more managed optimizer (``init_trainer(..., doctor=True)`` calls this)."""
+        state = _optim.managed_state(optimizer)
+        if any(s is state for s in self._states):
+            return
+        pre = functools.partial(self._pre_unscale, state)
+        skip = functools.partial(self._end_step, state, True)
+        post = functools.partial(self._end_step, state, False)
+        state.pre_unscale_hooks.insert(0, pre)
+        state.skip_hooks.append(skip)
+        state.post_step_hooks.append(post)
+        self._hooks[id(state)] = (pre, skip, post)
+        self._states.append(state)
+        for group in optimizer.param_groups:
+            if "lr" in group and isinstance(group["lr"], (int, float)):
+                self.lrs.append(float(group["lr"]))
+                break
+
+    def stop(self) -> None:
+        """Remove every hook (the report stays readable)."""
+        if not self._running:
+            return
+        self._running = False
+        self._stop_checker()
+        self.recorder.arm_on_forward = None
+        self.recorder.remove()
+        try:
+            _optim.scale_loss_observers.remove(self._on_scale_loss)
+        except ValueError:
+            pass
+        for state in self._states:
+            pre, skip, post = self._hooks.pop(id(state))
+            for hooks, fn in ((state.pre_unscale_hooks, pre), (state.skip_hooks, skip), (state.post_step_hooks, post)):
+                try:
+                    hooks.remove(fn)
+                except ValueError:
+                    pass
+        # Whatever the last step recorded (e.g. a loss that never reached a step).
+        if not self.recorder.log.empty:
+            self.recorder.take()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def __enter__(self) -> Doctor:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- the op-level checker ------------------------------------------------------------
+    def _arm(self, reason: str, step: int) -> bool:
+        """Run the op-level checker on the next forward+backward (rate-limited)."""
+        if self._armed_reason is not None or self._checker is not None or not self._running:
+            return False
+        if self.checks_run >= self.max_checks:
+            return False
+        if self._last_check_step is not None and step < self._last_check_step + self.every:
+            return False
+        self._armed_reason = reason
+        self.recorder.arm_on_forward = self._begin_check
+        return True
+
+    def _begin_check(self) -> None:
+        self.recorder.arm_on_forward = None
+        self._check_reason, self._armed_reason = self._armed_reason, None
+        checker = OpChecker(self.recorder.param_name, track_underflow=True)
+        checker.start()
+        self._checker = checker
+        self.recorder.checker = checker
+
+    def _stop_checker(self) -> OpChecker | None:
+        checker = self._checker
+        if checker is not None and checker.active:
+            checker.stop()
+        self.recorder.checker = None
+        return checker
+
+    def diagnose(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Finding | None:
+        """Run ``fn(*args, **kwargs)`` -- typically the forward and backward of the
+        batch that failed -- under the op-level checker now, and return the finding
+        (None when every value stayed finite and nothing underflowed). Nothing is
+        stepped; the grads ``fn`` produces stay in ``.grad`` (zero them after)."""
+        if not self._running:
+            raise StateError("doctor.diagnose: the doctor is not running; use it inside `with ampkit.doctor(...)`.")
+        if self._checker is not None:
+            raise StateError("doctor.diagnose: an op-level check is already running (armed by a skipped step).")
+        self._check_reason = "diagnose"
+        checker = OpChecker(self.recorder.param_name, track_underflow=True)
+        checker.start()
+        self._checker = checker
+        self.recorder.checker = checker
+        try:
+            fn(*args, **kwargs)
+        finally:
+            self._stop_checker()
+            self._checker = None
+        state = self._states[0] if self._states else None
+        step = state.steps if state is not None else 0
+        scale = state.scalers[0].scale if state is not None else 1.0
+        self.recorder.take()
+        return self._conclude(checker, step, scale, "diagnose")
+
+    # --- optimizer hooks -------------------------------------------------------------------
+    def _on_scale_loss(self, states: Sequence[Any], losses: Sequence[torch.Tensor], loss_id: int, scaled: Any) -> None:
+        if not any(s is t for s in states for t in self._states):
+            return
+        log = self.recorder.log
+        with torch.no_grad():
+            for loss in losses:
+                log.losses.append(loss.detach().float().sum())
+        # the loss scaled twice: a loss whose graph holds the product of an earlier scale_loss
+        if self._scaled_nodes:
+            found = _graph_contains([loss.grad_fn for loss in losses], self._scaled_nodes)
+            if found:
+                self._misuse(
+                    "loss_scaled_twice", states[0],
+                    "the loss passed to ampkit.scale_loss was already multiplied by a loss scale "
+                    "(it is computed from the tensor an earlier scale_loss yielded), so its grads "
+                    "carry the scale twice and will overflow or be mis-scaled. Pass the unscaled "
+                    "loss to scale_loss and call backward() on what it yields, once.",
+                )
+        scaled_list = [scaled] if isinstance(scaled, torch.Tensor) else list(scaled)
+        log.scaled_losses += len(scaled_list)
+        mine = [s for s in states if any(s is t for t in self._states)]
+        for t in scaled_list:
+            node = t.grad_fn
+            if node is not None:
+                self._scaled_nodes.append(node)
+                node.register_prehook(self._scaled_backward_hook(log, mine))
+        del self._scaled_nodes[:-8]
+
+    def _scaled_backward_hook(self, log: StepLog, states: list[Any]) -> Callable[[Any], None]:
+        """At the start of a scaled loss's backward: count the pass, and queue the
+        snapshot of the grads that still hold the scale when it ends (queued from a
+        final callback, so it runs after every callback the pass queues: DDP's and
+        FSDP's, which write the grads)."""
+
+        def hook(grad_outputs: Any) -> None:
+            log.scaled_tasks.append(torch._C._current_graph_task_id())
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(lambda: self._snapshot_scaled(log, states)))
+
+        return hook
+
+    def _snapshot_scaled(self, log: StepLog, states: list[Any]) -> None:
+        """Remember (grad, squared norm) of every grad that holds the loss scale
+        after backward: with ampkit's gradient path, only those it does not hook (FSDP2's
+        sharded parameters); without it, all."""
+        if not self._running:
+            return
+        with torch.no_grad():
+            for state in states:
+                if state.scalers[0].scale == 1.0:
+                    continue
+                params = [p for g in state.optimizer.param_groups for p in g["params"]]
+                path = getattr(state, "grad_path", None)
+                if path is not None:
+                    params = path.unhooked(params)
+                for p in params:
+                    g = p.grad
+                    if g is None or g.is_sparse:
+                        continue
+                    sumsq = local(g).detach().float().pow(2).sum()
+                    log.scaled_grads[id(p)] = (weakref.ref(p), weakref.ref(g), sumsq)
+
+    def _pre_unscale(self, state: _optim.ManagedOptimizer) -> None:
+        """Before ampkit first touches this step's grads: end an op-level check, and
+        look for grads changed while scaled, masters out of sync, a step without
+        scale_loss."""
+        checker = self._checker
+        if checker is not None and checker.active:
+            self._stop_checker()
+        log = self.recorder.log
+        try:
+            self._check_scaled_edits(state, log)
+            self._check_backward_passes(state, log)
+            self._check_masters(state)
+            self._check_user_hooks(state)
+        except Exception as err:  # the doctor must never break a training step
+            logger.debug("doctor: misuse check failed: %r", err)
+
+    def _end_step(self, state: _optim.ManagedOptimizer, skipped: bool) -> None:
+        if not self._running:
+            return
+        try:
+            self._process_step(state, skipped)
+        except Exception as err:  # never break a step; say so once
+            self._warn_once("internal", f"ampkit.doctor: could not analyse step {state.steps} ({err!r}).")
+        self._scaled_nodes.clear()
+
+    # --- step analysis ---------------------------------------------------------------
+    def _process_step(self, state: _optim.ManagedOptimizer, skipped: bool) -> None:
+        checker = self._stop_checker()
+        self._checker = None
+        log = self.recorder.take()
+        step = state.steps
+        scale = float(state.scalers[0].scale)
+        opt_index = next(i for i, s in enumerate(self._states) if s is state)
+        res = log.resolve()
+        loss = None
+        finite_losses = [v for v in res.losses if math.isfinite(v)]
+        nonfinite_loss = len(finite_losses) != len(res.losses)
+        if res.losses:
+            loss = res.losses[-1]
+        sumsq = [p[8] for p in res.params]
+        norm = math.sqrt(sum(sumsq)) / scale if sumsq and all(map(math.isfinite, sumsq)) else None
+        self.history.append(StepPoint(opt_index, step, scale, skipped, loss, norm))
+        self._update_margins(res, step)
+        local = localize(res, step, scale)
+        if nonfinite_loss and local is None:  # the loss itself, computed outside any module
+            local = Finding(step, scale, "overflow", "module", direction="forward")
+        if checker is not None:
+            self._conclude(checker, step, scale, self._check_reason or "check")
+        if skipped or local is not None:
+            self.events_total += 1
+            if local is None:
+                local = Finding(step, scale, "overflow", "module")
+            if skipped:
+                self._gather(state, local)
+            if local.module is not None and local.module in self.margins:
+                self.margins[local.module].overflows += 1
+            if len(self.events) < 100:
+                self.events.append(local)
+            if self.events_total == 1:
+                self._log(f"ampkit.doctor: {'skipped ' if skipped else ''}{local.summary()}")
+            if self._arm("overflow", step):
+                self._pending_event = local
+        elif self.compute_dtype is torch.float16:
+            under = _underflow_fraction(res, torch.float16)
+            if under is not None and under >= self.underflow_threshold:
+                self._arm("underflow", step)
+
+    def _conclude(self, checker: OpChecker, step: int, scale: float, reason: str) -> Finding | None:
+        self.checks_run += 1
+        self._last_check_step = step
+        finding: Finding | None = None
+        origin, entered = checker.origin, checker.entered
+        if origin is not None:
+            policy_op = _policy_op(origin.function)
+            module_type = self._module_types.get(origin.module or "")
+            finding = Finding(
+                step=step, scale=scale, kind="overflow", level="op", direction=origin.direction,
+                module=origin.module, module_type=module_type, op=origin.op, node=origin.node,
+                torch_function=origin.torch_function, policy_op=policy_op, inputs=origin.inputs,
+                outputs=origin.outputs, fp32_abs_max=origin.fp32_abs_max, consumer=origin.consumer,
+                consumer_module=origin.consumer_module,
+                dtype=origin.outputs[0].dtype if origin.outputs else None,
+            )
+            pending = self._pending_event
+            if pending is not None and pending.direction == "backward" and origin.direction == "backward":
+                finding.params = list(pending.params)
+        elif entered is not None:
+            finding = Finding(
+                step=step, scale=scale, kind="nonfinite_input", level="op", direction=entered.direction,
+                module=entered.module, module_type=self._module_types.get(entered.module or ""),
+                op=entered.op, inputs=entered.inputs, params=entered.params,
+            )
+        flushed = checker.flush_summary()
+        total_flushed = sum(v[0] for v in flushed.values())
+        total_nz = sum(v[2] for v in flushed.values())
+        if finding is None and total_nz and total_flushed / total_nz >= 0.05:
+            finding = Finding(
+                step=step, scale=scale, kind="underflow", level="op", flushed=flushed,
+                magnitude_range=checker.magnitude_range(), dtype="fp16",
+            )
+        elif finding is not None and total_nz:
+            finding.flushed = flushed
+            finding.magnitude_range = checker.magnitude_range()
+        pending, self._pending_event = self._pending_event, None
+        if pending is not None and reason != "diagnose":
+            pending.recurred = finding is not None and finding.kind != "underflow"
+        if finding is not None:
+            rank, world = _rank()
+            finding.ranks = [rank] if world > 1 else []
+            self.findings.append(finding)
+            if reason != "diagnose":
+                self._ungathered.append(finding)
+            self._log(f"ampkit.doctor: op-level check: {finding.summary()}")
+        return finding
+
+    @property
+    def _module_types(self) -> dict[str, str]:
+        return {name: m.module_type for name, m in self.margins.items()}
+
+    def _update_margins(self, res: ResolvedStep, step: int) -> None:
+        for name, dt in res.module_dtype.items():
+            if dt in LOW_PRECISION and self.compute_dtype is None:
+                self.compute_dtype = dt
+            margin = self.margins.get(name)
+            if margin is None:
+                margin = self.margins[name] = ModuleMargin(name, res.module_type.get(name, "?"), dtype_name(dt))
+                margin.act_limit = limit_of(dt)
+                margin.grad_limit = limit_of(dt)
+            margin.steps += 1
+        act_step: dict[str, float] = {}
+        bad: set[str] = set()
+        for _, name, _dt, amax in res.acts:
+            if math.isfinite(amax):
+                act_step[name] = max(act_step.get(name, 0.0), amax)
+            else:
+                bad.add(name)
+        for name, value in act_step.items():
+            margin = self.margins[name]
+            margin.act_abs_max = max(margin.act_abs_max, value)
+            margin.act_history.append((step, value))
+        for _, tap, dt, amax in res.grads:
+            for name in tap.producers:
+                margin = self.margins.get(name)
+                if margin is None:
+                    continue
+                if math.isfinite(amax):
+                    if amax / limit_of(dt) > margin.grad_abs_max / margin.grad_limit:
+                        margin.grad_abs_max, margin.grad_limit = amax, limit_of(dt)
+                else:
+                    bad.add(name)
+        under: dict[str, list[float]] = {}
+        for _, _pn, mname, dt, n, amax, zeros, sub, _sq, _t in res.params:
+            margin = self.margins.get(mname)
+            if margin is None:
+                continue
+            if dt in LOW_PRECISION:
+                if math.isfinite(amax):
+                    if amax / limit_of(dt) > margin.grad_abs_max / margin.grad_limit:
+                        margin.grad_abs_max, margin.grad_limit = amax, limit_of(dt)
+                else:
+                    bad.add(mname)
+            acc = under.setdefault(mname, [0.0, 0.0, 0.0])
+            acc[0] += zeros
+            acc[1] += sub - zeros  # sub: zero or subnormal
+            acc[2] += n
+        for name, (zeros, sub, n) in under.items():
+            compute = res.module_dtype.get(name)
+            if n and compute in LOW_PRECISION:
+                margin = self.margins[name]
+                margin.zeros = zeros / n
+                margin.underflow = sub / (n - zeros) if n > zeros else 0.0
+        for name in bad:
+            if name in self.margins:
+                self.margins[name].nonfinite_steps += 1
+
+    # --- misuse checks -----------------------------------------------------------------
+    def _misuse(self, kind: str, state: Any, message: str, **details: Any) -> None:
+        step = getattr(state, "steps", 0) + 1
+        if any(m.kind == kind for m in self.misuse):
+            return
+        self.misuse.append(Misuse(kind, step, message, details))
+        self._warn_once(kind, f"ampkit.doctor: {message}")
+
+    def _check_scaled_edits(self, state: _optim.ManagedOptimizer, log: StepLog) -> None:
+        """Grads changed in place between backward and ampkit's unscale while they
+        still held ``S*g`` -- typically ``clip_grad_norm_`` before ``amp.unscale``. With
+        ampkit's gradient path grads are real when backward ends, so this concerns the
+        grads it leaves scaled until the step (FSDP2's sharded parameters)."""
+        scale = state.scalers[0].scale
+        if scale == 1.0 or not log.scaled_grads:
+            return
+        pairs = []
+        for pref, gref, sumsq in log.scaled_grads.values():
+            p, g = pref(), gref()
+            if p is None or g is None or p.grad is not g:
+                continue
+            # squared norms, not version counters: in-place ops on DTensor grads (FSDP2)
+            # leave those unchanged
+            pairs.append(torch.stack([sumsq, local(g).detach().float().pow(2).sum()]))
+        if not pairs:
+            return
+        changed = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]
+        ratios = [math.sqrt(after / before) for before, after in changed if before > 0 and math.isfinite(after)]
+        if not ratios:
+            return
+        lo, hi = min(ratios), max(ratios)
+        uniform = hi <= lo * 1.01 + 1e-12 and hi < 0.999
+        if uniform:
+            before = math.sqrt(sum(v[0] for v in changed))
+            after = math.sqrt(sum(v[1] for v in changed))
+            self._misuse(
+                "clip_before_unscale", state,
+                f"the grads of {len(changed)} parameter(s) were scaled down by {lo:.3g} between backward "
+                f"and the step while they still held the loss scale ({scale:g}): the total norm went from "
+                f"{before:.4g} (= {before / scale:.4g} unscaled) to {after:.4g}, so clip_grad_norm_ clipped "
+                "the scaled grads and the update is about 1/scale too small. Call ampkit.unscale(optimizer) "
+                "before clipping (or clip ampkit.master_params(optimizer) after it).",
+                factor=lo, norm_before=before / scale, norm_after=after / scale, scale=scale,
+            )
+        elif not torch.distributed.is_initialized():
+            self._misuse(
+                "grads_modified_while_scaled", state,
+                f"the grads of {len(changed)} parameter(s) were changed in place between backward and "
+                f"the step while they still held the loss scale ({scale:g}); code that reads or edits "
+                "grads (clipping, noise, masks, logging norms) must run after ampkit.unscale(optimizer).",
+            )
+
+    def _check_backward_passes(self, state: _optim.ManagedOptimizer, log: StepLog) -> None:
+        if not log.params:
+            return
+        tasks: dict[int, tuple[int, int]] = {}
+        for seq, *_rest, task in log.params:
+            lo, hi = tasks.get(task, (seq, seq))
+            tasks[task] = (min(lo, seq), max(hi, seq))
+        scaled = set(log.scaled_tasks)
+        if log.scaled_losses == 0:
+            if state.scalers[0].scale != 1.0 or self.compute_dtype is torch.float16:
+                self._misuse(
+                    "step_without_scale_loss", state,
+                    "optimizer.step() ran on grads from a backward outside ampkit.scale_loss: the loss was "
+                    "not scaled (fp16 grads can underflow) and the loss scaler learns nothing from the "
+                    "step. Write `with ampkit.scale_loss(loss, optimizer) as scaled: scaled.backward()`.",
+                )
+            return
+        spans = [tasks[t] for t in scaled if t in tasks]
+        unscaled = [
+            t for t, (lo, hi) in tasks.items()
+            if t not in scaled and not any(a <= lo and hi <= b for a, b in spans)
+        ]
+        repeated = len(log.scaled_tasks) > log.scaled_losses
+        if unscaled or repeated:
+            what = (
+                f"{len(unscaled)} backward pass(es) outside scale_loss added unscaled grads to grads "
+                "scaled by the loss scale" if unscaled else
+                f"backward ran {len(log.scaled_tasks)} times on {log.scaled_losses} scaled loss(es) "
+                "(retain_graph=True and a second backward?), adding the same grads twice"
+            )
+            self._misuse(
+                "two_backward_one_scale_loss", state,
+                f"the grads of this step come from more backward passes than scale_loss calls: {what}. "
+                "Give every backward its own `with ampkit.scale_loss(loss, optimizer) as scaled:` "
+                "(losses summed before one scale_loss count as one).",
+                backward_passes=len(tasks), scaled_losses=log.scaled_losses,
+            )
+
+    def _check_masters(self, state: _optim.ManagedOptimizer) -> None:
+        mw = master_weights_of(state.optimizer)
+        if mw is None:
+            return
+        pairs = mw.pairs()
+        if not pairs:
+            return
+        with torch.no_grad():
+            diff = torch.stack([(m.to(p.dtype) != p).any() for p, m in pairs]).tolist()
+        stale = [self.recorder.param_name(p) or f"param {i}" for i, ((p, _), d) in enumerate(zip(pairs, diff)) if d]
+        if stale:
+            self._misuse(
+                "masters_out_of_sync", state,
+                f"{len(stale)} O2 model weight(s) ({', '.join(stale[:3])}{'...' if len(stale) > 3 else ''}) "
+                "differ from their fp32 masters rounded: they were changed outside the optimizer "
+                "(p.data.copy_, a manual update) and the next step overwrites the change with the "
+                "masters. Change the weights through ampkit.master_params(optimizer), or call "
+                "ampkit.levels.master_weights_of(optimizer).sync_from_model() after changing the model.",
+                params=stale,
+            )
+
+    def _check_user_hooks(self, state: _optim.ManagedOptimizer) -> None:
+        scale = state.scalers[0].scale
+        if scale == 1.0:
+            return
+        for name, p in self.recorder.hooked_params():
+            if id(p) in self._user_hooks_checked:
+                continue
+            self._user_hooks_checked.add(id(p))
+            if self.recorder.user_grad_hooks(p):
+                self._misuse(
+                    "grad_hook_sees_scaled_grads", state,
+                    f"parameter {name} has a gradient hook (Tensor.register_hook): hooks run inside "
+                    f"backward and see the scaled grad S*g (S = {scale:g}), so a clamp or clip there acts on "
+                    "S*g. Clip after backward with torch.nn.utils.clip_grad_norm_/clip_grad_value_ instead.",
+                    param=name,
+                )
+                return
+
+    # --- distributed ---------------------------------------------------------------------
+    def _gather(self, state: _optim.ManagedOptimizer, local: Finding) -> None:
+        """Several processes, at a skipped step (every rank skips it together): one
+        ``all_gather_object`` of each rank's module-level finding and of its op-level
+        findings not sent yet. ``local.ranks`` becomes the ranks where the non-finite
+        value appeared; a rank that saw only the aftermath (inf/NaN grads after the
+        all-reduce) takes the origin rank's view; other ranks' op-level findings join
+        this rank's list."""
+        rank, world = _rank()
+        pending, self._ungathered = self._ungathered, []
+        if world == 1:
+            return
+        if not _skip_agreed(state):  # ranks may skip different steps: no collective
+            local.ranks = [rank] if local.direction is not None else []
+            return
+        mine = local.to_dict() if local.direction is not None else None
+        gathered: list[Any] = [None] * world
+        torch.distributed.all_gather_object(gathered, (mine, [f.to_dict() for f in pending]))
+        local.ranks = [r for r, (event, _) in enumerate(gathered) if event is not None]
+        if mine is None and local.ranks:
+            other = gathered[local.ranks[0]][0]
+            for key in ("direction", "module", "module_type", "params", "dtype"):
+                setattr(local, key, other.get(key))
+        by_step = {(f.step, f.kind): f for f in self.findings}
+        for r, (_, findings) in enumerate(gathered):
+            for d in findings:
+                own = by_step.get((d["step"], d["kind"]))
+                if own is None:
+                    f = Finding.from_dict(d)
+                    f.ranks = [r]
+                    self.findings.append(f)
+                    by_step[(f.step, f.kind)] = f
+                    for event in self.events:  # it did recur, on another rank
+                        if event.recurred is False and event.step < f.step and f.kind != "underflow":
+                            event.recurred = True
+                elif r not in own.ranks and (own.module, own.op) == (d.get("module"), d.get("op")):
+                    own.ranks = sorted({*own.ranks, r})
+
+    # --- output --------------------------------------------------------------------------
+    def _log(self, message: str) -> None:
+        if self.log and _rank()[0] == 0:
+            logger.warning(message)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        if _rank()[0] == 0:
+            warnings.warn(message, DoctorWarning, stacklevel=user_stacklevel())
+
+    def report(self) -> Any:
+        """The :class:`~ampkit.doctor.DoctorReport` of everything seen so far (also
+        while running)."""
+        return DoctorReport.build(self)
+
+
+def _skip_agreed(state: _optim.ManagedOptimizer) -> bool:
+    """Whether every rank of the world skips the same steps as this one (ampkit's
+    agreement is on: any sync mode but ``"never"``, on the default group)."""
+    return _distributed.agrees_over_world(state)
+
+
+def localize(res: ResolvedStep, step: int, scale: float) -> Finding | None:
+    """The first non-finite value in one step's module-level records, or None."""
+    events: list[tuple[int, str, Any]] = []
+    for seq, name, dt, amax in res.acts:
+        if not math.isfinite(amax):
+            events.append((seq, "act", (name, dt, amax)))
+            break
+    for seq, name, parent, dt, amax in res.inputs:
+        if not math.isfinite(amax):
+            events.append((seq, "input", (name, parent, dt)))
+            break
+    for seq, tap, dt, amax in res.grads:
+        if not math.isfinite(amax):
+            events.append((seq, "grad", (tap, dt, amax)))
+            break
+    bad_params = [p for p in res.params if not math.isfinite(p[5])]
+    if bad_params:
+        p = bad_params[0]
+        events.append((p[0], "param", p))
+    if not events:
+        return None
+    events.sort(key=lambda e: e[0])
+    seq, kind, data = events[0]
+    params = [p[1] for p in bad_params[:3]]
+    if kind == "act":
+        name, dt, amax = data
+        return Finding(
+            step, scale, "overflow", "module", direction="forward", module=name,
+            module_type=res.module_type.get(name), dtype=dtype_name(dt),
+        )
+    if kind == "input":
+        name, parent, dt = data
+        if parent is None:  # the model's own input
+            return Finding(step, scale, "nonfinite_input", "module", direction="forward", module=name,
+                           module_type=res.module_type.get(name), dtype=dtype_name(dt))
+        # made by the parent's own code (functional ops between its children)
+        return Finding(
+            step, scale, "overflow", "module", direction="forward", module=parent,
+            module_type=res.module_type.get(parent), dtype=dtype_name(dt),
+        )
+    if kind == "grad":
+        tap, dt, amax = data
+        # no module took the tensor: the code of the module that received it made its grad
+        module = _innermost(tap.consumers) if tap.consumers else tap.owner
+        return Finding(
+            step, scale, "overflow", "module", direction="backward", module=module,
+            module_type=res.module_type.get(module or ""), dtype=dtype_name(dt), params=params,
+        )
+    module = data[2]
+    return Finding(
+        step, scale, "overflow", "module", direction="backward", module=module,
+        module_type=res.module_type.get(module), dtype=dtype_name(data[3]), params=params,
+    )
+
+
+def _innermost(names: list[str]) -> str | None:
+    """The most deeply nested of the modules that took a tensor as input (the one
+    whose backward computed its grad)."""
+    if not names:
+        return None
+    return max(names, key=lambda n: (n.count(".") + (1 if n else 0), len(n)))
+
+
+def _underflow_fraction(res: ResolvedStep, dtype: torch.dtype) -> float | None:
+    """Of the parameter-grad elements of modules computing in ``dtype``: the fraction of
+    non-zero ones below its smallest normal, or the fraction of zeros when that is
+    above 90% (grads that vanished altogether). None without such grads."""
+    zeros = sub = n = 0.0
+    for _seq, _pn, mname, _dt, numel, _amax, z, below, _sq, _t in res.params:
+        if res.module_dtype.get(mname) is dtype:
+            zeros += z
+            sub += below - z
+            n += numel
+    if not n:
+        return None
+    if zeros / n >= 0.9:
+        return zeros / n
+    return sub / (n - zeros) if n > zeros else 0.0
+
+
+def _policy_op(function: Any) -> str | None:
+    if function is None:
+        return None
+    try:
+        name = canonical_op(function)
+    except Exception:
+        return None
+    return None if name.startswith("py:") else name
+
+
+def _graph_contains(roots: list[Any], targets: list[Any], limit: int = 256) -> bool:
+    wanted = {id(t) for t in targets}
+    seen: set[int] = set()
+    todo = [r for r in roots if r is not None]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        if id(node) in wanted:
+            return True
+        seen.add(id(node))
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+# --- the process-wide doctor (init_trainer(..., doctor=True), AMPKIT_DOCTOR=1) ----------
+# Module state: the process-wide doctor is one per process by design.
+_GLOBAL: Doctor | None = None
+_FINISHED: list[Doctor] = []  # global doctors stopped by ampkit.reset(), for `ampkit doctor`
+_KEEP_FINISHED = False
+
+
+def current() -> Doctor | None:
+    """The process-wide doctor started by ``init_trainer(..., doctor=True)`` or
+    ``AMPKIT_DOCTOR=1`` (None when none runs)."""
+    return _GLOBAL
+
+
+def attach_global(optimizers: Sequence[torch.optim.Optimizer]) -> Doctor:
+    """Start the process-wide doctor if needed and watch ``optimizers``."""
+    global _GLOBAL
+    if _GLOBAL is None or not _GLOBAL.running:
+        _GLOBAL = Doctor(list(optimizers)).start()
+    else:
+        for opt in optimizers:
+            _GLOBAL.attach(opt)
+    return _GLOBAL
+
+
+@_reset.on_reset
+def _stop_global() -> None:
+    global _GLOBAL
+    doc, _GLOBAL = _GLOBAL, None
+    if doc is not None:
+        doc.stop()
+        if _KEEP_FINISHED:
+            _FINISHED.append(doc)

@@ -1,0 +1,31 @@
+"""The managed optimizer step: :func:`init_trainer`, :func:`scale_loss`,
+:func:`unscale`, :func:`step_skipped`, :func:`stats`, the skip decision, the session
+state dict, scheduler holds and the fused steps. Above :mod:`ampkit.scaling`; below
+the levels (:mod:`ampkit.levels`), which extend a step through
+:mod:`ampkit.trainer.extensions`.
+
+Names resolve on first use (``ampkit.trainer.init_trainer``), so importing one module
+of the package does not import the rest."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ManagedOptimizer": "api", "StepStats": "api", "init_trainer": "api", "scale_loss": "api",
+    "unscale": "api", "step_skipped": "api", "stats": "api", "managed_state": "api", "release": "api",
+    "GradScaler": "grad_scaler", "current_session": "session", "register_extra_state": "session",
+    "state_dict": "session", "load_state_dict": "session",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,385 @@
+"""Optimizer integration: loss scaling, step skipping and the skipped-step signal.
+
+The seed API::
+
+    opt = ampkit.init_trainer(opt)                 # once
+    for batch in data:
+        opt.zero_grad()
+        with ampkit.scale_loss(loss_fn(model(batch)), opt) as scaled:
+            scaled.backward()
+        ampkit.unscale(opt)                        # optional, before clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()                                 # skips itself on inf/NaN grads
+        if not ampkit.step_skipped(opt):           # or init_trainer(opt, schedulers=[sched])
+            sched.step()
+
+How a step runs. ``scale_loss`` multiplies the loss by its loss scaler's scale ``S`` and
+leaves the gradients alone afterwards: several backward passes (gradient accumulation,
+DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()`` (after
+``init_trainer``, an instance attribute wrapping the optimizer's own ``step``):
+
+1. runs the ``pre_unscale_hooks`` (once per step),
+2. unscales the grads of the params in ``optimizer.param_groups`` by ``1/S`` and checks
+   them for inf/NaN, one fused kernel per (device, dtype) -- unless ``ampkit.unscale``
+   already did this step,
+3. reads the found-inf flag(s) with one host sync (in a multi-process run, after one
+   all-reduce that makes every rank reach the same decision when they could disagree;
+   see :mod:`ampkit.distributed`),
+4. if every grad is finite, calls the optimizer's own ``step`` and then the
+   ``post_step_hooks``; otherwise it returns without touching params or optimizer
+   state (bitwise) and runs the ``skip_hooks``,
+5. feeds the event to the loss scaler(s), which may raise :class:`~ampkit.NumericsError`.
+
+Several losses (``num_losses > 1``): each ``loss_id`` has its own :class:`LossScaler`.
+When one step mixes loss ids, ``scale_loss`` for a new loss id first rescales the grads
+already accumulated from ``S_old`` to ``S_new`` in place, checking them for inf/NaN in
+the same fused pass, so each loss's overflow is known separately without moving grads
+aside. The step is skipped if any loss's grads overflowed. Each scaler updates on its own
+events only: an overflow found in loss ``k``'s grads backs off scaler ``k``; clean grads
+count as a clean step for it; if an earlier loss already overflowed in the same step, the
+grads of later losses are necessarily non-finite too, so their scalers are left unchanged
+for that step (their event is unknown).
+
+Several optimizers in one ``init_trainer`` call share one scaler per ``loss_id`` (one
+backward fills all their grads with the same scale); the scaler updates once all the
+optimizers that received that loss's grads have stepped. Optimizers passed to separate
+``init_trainer`` calls have separate scalers.
+
+Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`` and
+``fused`` unset to torch's fastest kernel for the same optimizer (see
+:mod:`ampkit.fast_step`; ``fast_kernels=False`` opts out). Grads the step checks
+without unscaling them (scale 1, bf16's default, or edited since the end-of-backward
+unscale of :mod:`ampkit.grads`) are read once by a min/max reduction
+(:func:`ampkit.fast_step.nonfinite_flag`), not rewritten times 1. The skip decision
+stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
+and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
+
+LR schedulers: see :mod:`ampkit._schedulers`. The skip wrapper is a bound method whose
+function LR schedulers can wrap, it keeps the ``_wrapped_by_lr_sched`` marker of a
+scheduler created earlier, and sets ``optimizer._opt_called`` on every call, skipped or
+not, so schedulers never warn that ``lr_scheduler.step()`` came before ``optimizer.step()``.
+
+Where the parts live: this module holds the public functions; the step wrapper is
+:class:`ampkit._step.ManagedOptimizer`, and the per-step gradient bookkeeping it decides
+on (found-inf segments, abandoned steps) its base :class:`ampkit._step_grads.StepGrads`;
+the loss scalers' slots and the session's trainer are in :mod:`ampkit._trainer`; the
+skip decision, one rule for a process alone and for ranks that agree, is
+:func:`ampkit._decision.decide`; multi-process runs plug in through
+:class:`ampkit._decision.StepAgreement` (``ampkit.distributed``'s is given to every
+managed optimizer here); counters and skip logs are in :mod:`ampkit._stats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ampkit._internal.validate import is_count, is_real
+from ampkit.casting.engine import current_policy
+from ampkit.distributed import core as _distributed
+from ampkit.errors import StateError
+from ampkit.scaling.loss_scaler import LossScaler
+
+from . import session as _session
+from .loss_slots import LossSlot, Trainer
+from .managed import _ATTR, ManagedOptimizer, last_skipped, managed_state
+from .schedulers import SchedulerStepper, check_schedulers
+from .stats import StepStats
+
+__all__ = [
+    "ManagedOptimizer",
+    "StepStats",
+    "init_trainer",
+    "scale_loss",
+    "unscale",
+    "step_skipped",
+    "stats",
+    "managed_state",
+    "release",
+]
+
+_ON = ("1", "true", "yes", "on")
+
+# An optimizer or a list/tuple of them: init_trainer returns what it was given.
+_Opts = TypeVar("_Opts", bound="torch.optim.Optimizer | list[Any] | tuple[Any, ...]")
+
+
+# Module state: observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
+# ``fn(states, losses, loss_id, scaled)`` once the loss is scaled, before the block runs
+# (``states``: the ManagedOptimizers of the call; ``losses``: the unscaled loss tensors;
+# ``scaled``: what the block yields). Empty unless the doctor is on: no cost otherwise.
+scale_loss_observers: list[Callable[[Sequence[ManagedOptimizer], Sequence[torch.Tensor], int, Any], None]] = []
+
+
+def _as_list(obj: Any) -> list[Any]:
+    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+
+
+def _default_scale(optimizers: list[torch.optim.Optimizer]) -> float | None:
+    """``init_trainer``'s default: 1.0 (static) when the compute dtype is bf16, None
+    (dynamic) for fp16 or when it cannot be told (fp32 parameters, no ``amp.init``)."""
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    for device_type in {p.device.type for p in params}:
+        try:
+            policy = current_policy(device_type)
+        except Exception:  # a device type ampkit's casting does not know
+            policy = None
+        if policy is not None:
+            dtypes.add(policy.dtype)
+    if torch.float16 in dtypes or torch.bfloat16 not in dtypes:
+        return None
+    return 1.0
+
+
+def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
+    if scaler is None:
+        scalers = [LossScaler() for _ in range(num_losses)]
+    elif isinstance(scaler, LossScaler):
+        scalers = [scaler] + [scaler.new_like() for _ in range(num_losses - 1)]
+    elif is_real(scaler):
+        scalers = [LossScaler(init_scale=scaler, dynamic=False) for _ in range(num_losses)]
+    elif isinstance(scaler, (list, tuple)) and all(isinstance(s, LossScaler) for s in scaler):
+        if len(scaler) != num_losses:
+            raise StateError(
+                f"init_trainer: got {len(scaler)} scalers for num_losses={num_losses}; "
+                "pass one LossScaler per loss id."
+            )
+        scalers = list(scaler)
+    else:
+        raise StateError(
+            "init_trainer: scaler must be None, a LossScaler, a list of LossScalers (one per "
+            f"loss id) or a number (static scale), got {type(scaler).__name__}."
+        )
+    if len({id(s) for s in scalers}) != len(scalers):
+        raise StateError("init_trainer: the same LossScaler was given for two loss ids.")
+    for s in scalers:
+        if s._attached:
+            raise StateError(
+                f"init_trainer: {s!r} already drives another trainer; give each init_trainer "
+                "call its own LossScaler (LossScaler.new_like() copies the configuration)."
+            )
+    return scalers
+
+
+def init_trainer(
+    optimizer_or_list: _Opts,
+    scaler: LossScaler | Sequence[LossScaler] | float | None = None,
+    num_losses: int = 1,
+    *,
+    schedulers: Sequence[Any] | None = None,
+    fast_kernels: bool = True,
+    doctor: bool | None = None,
+    hold_schedulers_on_skip: bool | None = None,
+) -> _Opts:
+    """Put one or several optimizers under ampkit's loss scaling and step skipping.
+
+    Args:
+        optimizer_or_list: a ``torch.optim.Optimizer`` or a list/tuple of them. Optimizers
+            passed together share one scaler per loss id.
+        scaler: ``None`` (the default, following the compute dtype: a static scale of
+            1 when it is bf16 -- bf16 parameters in the optimizer, or ``amp.init``
+            casting in bf16 -- since bf16 has fp32's range; otherwise a dynamic
+            :class:`LossScaler` per loss: init 2**16, growth 2 every 2000 clean steps,
+            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way), a
+            :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
+            its configuration), a list of ``num_losses`` LossScalers, or a number (a
+            static scale for every loss).
+        num_losses (int) [1]: how many losses get their own scaler (``loss_id`` in
+            ``scale_loss``).
+        schedulers (list of LRScheduler | None) [None]: per-step LR schedulers of these
+            optimizers for ampkit to step: each one's ``step()`` is called right after
+            every real (not skipped) step of its optimizer, so the schedule advances only
+            on steps that updated the parameters; the loop then calls no ``sched.step()``
+            of its own (ampkit warns once if it does). Without it, write
+            ``if not amp.step_skipped(opt): sched.step()``. ReduceLROnPlateau and
+            epoch-level schedulers stay with the loop (a ReduceLROnPlateau here raises).
+        fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
+            both unset (torch's defaults) step with torch's fastest kernel for the same
+            optimizer: ``fused=True`` for Adam, AdamW, SGD and Adagrad, else
+            ``foreach=True`` (see :mod:`ampkit.fast_step`); re-applied after
+            ``optimizer.load_state_dict``. Results may differ from the per-parameter
+            loop in the last bits. False leaves the optimizer exactly as built.
+        doctor (bool | None) [None]: watch these optimizers with the process-wide
+            :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it); ``None``: on
+            when the environment variable ``AMPKIT_DOCTOR`` is ``1``. Off installs nothing.
+        hold_schedulers_on_skip: removed (it searched the heap for schedulers and
+            swapped their class); ``True`` raises a :class:`~ampkit.StateError` that says
+            what to write instead, ``False``/``None`` are accepted and do nothing.
+
+    Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
+    grads. Registers into the current AMP session (``ampkit.state_dict()``).
+    """
+    optimizers = _as_list(optimizer_or_list)
+    if not optimizers:
+        raise StateError("init_trainer: got no optimizer.")
+    if not is_count(num_losses) or num_losses < 1:
+        raise StateError(f"init_trainer: num_losses must be an int >= 1, got {num_losses!r}.")
+    if not isinstance(fast_kernels, bool):
+        raise StateError(f"init_trainer: fast_kernels must be True or False, got {fast_kernels!r}.")
+    if hold_schedulers_on_skip is not None and not isinstance(hold_schedulers_on_skip, bool):
+        raise StateError(
+            f"init_trainer: hold_schedulers_on_skip must be True or False, got {hold_schedulers_on_skip!r}."
+        )
+    if hold_schedulers_on_skip:
+        raise StateError(
+            "init_trainer: hold_schedulers_on_skip is gone. Pass the per-step schedulers "
+            "instead, init_trainer(opt, schedulers=[sched]), and drop your sched.step() "
+            "(ampkit steps them after real steps only); or keep sched.step() in the loop "
+            "as: if not amp.step_skipped(opt): sched.step()"
+        )
+    if doctor is not None and not isinstance(doctor, bool):
+        raise StateError(f"init_trainer: doctor must be True, False or None, got {doctor!r}.")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise StateError(
+                f"init_trainer: expected torch.optim.Optimizer objects, got {type(opt).__name__}."
+            )
+        if _ATTR in opt.__dict__:
+            raise StateError(
+                f"init_trainer: this {type(opt).__name__} is already managed by ampkit; call it "
+                "once per optimizer (ampkit.reset() or ampkit.trainer.release(opt) undoes it)."
+            )
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise StateError("init_trainer: the same optimizer appears twice in the list.")
+    scheds = check_schedulers(schedulers, optimizers)
+    scalers = _build_scalers(_default_scale(optimizers) if scaler is None else scaler, int(num_losses))
+    for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
+        if s.name == "loss scaler":
+            s.name = f"loss scaler {i}"
+    slots = [LossSlot(s) for s in scalers]
+    states = []
+    for opt in optimizers:
+        state = ManagedOptimizer(opt, slots, _distributed.AGREEMENT, fast_kernels)
+        own = [s for s in scheds if s.optimizer is opt]
+        if own:
+            state.post_step_hooks.append(SchedulerStepper(own))
+        opt.__dict__[_ATTR] = state
+        states.append(state)
+    for slot in slots:
+        slot.scaler._attached = True
+    _session.current_session().register(Trainer(states, slots))
+    if doctor or (doctor is None and os.environ.get("AMPKIT_DOCTOR", "").strip().lower() in _ON):
+        from ampkit.tools.diagnosis import (
+            attach_global,  # the doctor sits above optim (it imports optim)
+        )
+
+        attach_global(optimizers)
+    return optimizer_or_list
+
+
+def release(optimizer: torch.optim.Optimizer) -> None:
+    """Stop managing ``optimizer`` (its own ``step`` comes back) and drop its trainer
+    from the session. Other optimizers of the same ``init_trainer`` call are released too."""
+    state = managed_state(optimizer)
+    session = _session.current_session()
+    for member in session.members:
+        if isinstance(member, Trainer) and any(s is state for s in member.optimizers):
+            member.release()
+            session.unregister(member)
+            return
+    state.release()
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss_or_losses: torch.Tensor | Sequence[torch.Tensor],
+    optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_id: int = 0,
+) -> Iterator[Any]:
+    """Context manager yielding ``loss * S`` (S: the scale of ``loss_id``'s scaler, an
+    fp32 0-dim tensor) for you to call ``backward()`` on; a list of losses yields a list.
+
+    Nothing happens at exit: grads stay scaled until ``ampkit.unscale`` or the
+    optimizer's ``step()``, so several backward passes (gradient accumulation, DDP
+    ``no_sync``) accumulate normally. All optimizers given must share ``loss_id``'s
+    scaler (pass them to one ``init_trainer`` call).
+
+    An abandoned iteration does not leak into the next: when a ``scale_loss`` finds
+    that the grads of a step begun earlier were dropped (``optimizer.zero_grad()`` after
+    an exception in backward or in clipping), it starts a fresh step. Raises
+    :class:`~ampkit.StateError`, before changing anything, for a loss that is not a
+    floating-point tensor or a ``loss_id`` that is not an int below ``num_losses``."""
+    states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
+    if not states:
+        raise StateError("scale_loss: got no optimizer.")
+    if not is_count(loss_id):
+        raise StateError(f"scale_loss: loss_id must be an int, got {loss_id!r}.")
+    losses = [loss_or_losses] if isinstance(loss_or_losses, torch.Tensor) else loss_or_losses
+    if not isinstance(losses, (list, tuple)) or not losses:
+        raise StateError(
+            "scale_loss: expected a loss tensor or a list/tuple of them, got "
+            f"{type(loss_or_losses).__name__}."
+        )
+    for loss in losses:
+        if not (isinstance(loss, torch.Tensor) and (loss.is_floating_point() or loss.is_complex())):
+            what = f"a {loss.dtype} tensor" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise StateError(
+                f"scale_loss: a loss must be a floating-point torch.Tensor (the output of the "
+                f"loss function), got {what}."
+            )
+    scalers = set()
+    for state in states:
+        if not 0 <= loss_id < len(state._slots):
+            raise StateError(
+                f"scale_loss: loss_id={loss_id} but the optimizer was set up with "
+                f"num_losses={len(state._slots)}; pass num_losses to init_trainer."
+            )
+        scalers.add(id(state._slots[loss_id].scaler))
+    if len(scalers) != 1:
+        raise StateError(
+            "scale_loss: these optimizers have different loss scalers for "
+            f"loss_id={loss_id}; a loss can only be scaled once. Pass optimizers that share "
+            "a loss to one ampkit.init_trainer call."
+        )
+    scaler = states[0]._slots[loss_id].scaler
+    for state in states:
+        state._check_before_backward()
+    for state in states:
+        state._before_backward(loss_id)
+    if isinstance(loss_or_losses, torch.Tensor):
+        scaled: Any = scaler.scale_loss(loss_or_losses)
+    else:
+        scaled = type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
+    for observer in scale_loss_observers:
+        observer(states, losses, loss_id, scaled)
+    try:
+        yield scaled
+    except BaseException:
+        # The backward may have stopped halfway; the next scale_loss checks whether the
+        # user dropped the batch (see ManagedOptimizer._drop_abandoned_step).
+        for state in states:
+            state._aborted = True
+        raise
+
+
+def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
+    """Unscale the optimizer's grads now (in place, and check them for inf/NaN), e.g.
+    before clipping. Idempotent until the next ``step()``; no host sync."""
+    states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
+    for state in states:
+        state._unscale()
+
+
+def step_skipped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's most recent step was skipped for inf/NaN grads (False
+    before the first step). Works for optimizers managed by :func:`init_trainer` and
+    for those stepped through :class:`ampkit.GradScaler`. The documented way to keep a
+    per-step LR schedule on real steps: ``if not amp.step_skipped(opt): sched.step()``."""
+    skipped = last_skipped(optimizer)
+    if skipped is None:
+        raise StateError(
+            f"step_skipped: ampkit has no step record for this {type(optimizer).__name__}; "
+            "pass it to ampkit.init_trainer or step it with ampkit.GradScaler."
+        )
+    return skipped
+
+
+def stats(optimizer: torch.optim.Optimizer) -> StepStats:
+    """The step counters and current scales of a managed optimizer (readable any time)."""
+    return managed_state(optimizer).stats()
+

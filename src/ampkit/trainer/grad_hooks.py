@@ -1,0 +1,572 @@
+"""The gradient path: the gradients user code can see are real ones.
+
+A loss scale ``S`` multiplies every gradient backward produces. Code that runs between
+backward and ``optimizer.step()`` -- ``clip_grad_norm_(model.parameters())``,
+``clip_grad_value_``, grad-norm logging, edits of ``p.grad`` -- was written for real
+gradients: it must see them unscaled, and, under O2, on the parameters it names (the
+model's), with its changes reaching the fp32 masters the optimizer steps.
+
+Every parameter backward accumulates into gets two hooks while its optimizer is managed:
+
+- a pre-hook on the parameter's gradient accumulator (``AccumulateGrad``): it runs only
+  when backward is about to add into ``p.grad`` (not for ``torch.autograd.grad``, whose
+  results stay scaled, as with ``torch.amp``);
+- a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``).
+
+**Parameters stepped as they are** (fp32 under O0/O1, 16-bit under O3/O2K, fp32 norm
+layers under O2). With a scale ``S != 1`` the pre-hook multiplies a gradient the
+parameter already holds by ``S`` (exact for the power-of-two scales loss scalers use), so
+backward adds ``S*g`` onto ``S*previous``. When the backward pass ends -- in an autograd
+final callback queued behind DistributedDataParallel's, so DDP has all-reduced the sums
+-- the gradients it touched are multiplied by ``1/S`` and checked for inf/NaN in one fused
+pass per (device, dtype). That is the unscale pass ``step()`` used to run, moved to the
+end of each backward; gradient accumulation pays one more pass per micro-batch (the
+rescale) and gets real gradients between micro-batches. Under DDP's ``no_sync`` the
+local sums stay in ``p.grad`` as DDP requires, so the synchronized backward reduces the
+whole sum. With ``S == 1`` (bf16) the hooks do nothing.
+
+**Parameters with an fp32 master** (O2): see :class:`ampkit.master.MasterWeights`. The
+post-accumulate hook moves each 16-bit gradient into its master's fp32 gradient as it is
+produced (unscaled and checked in fp32, accumulated in fp32) and frees it; when the
+backward pass ends the model parameters get 16-bit copies to read and edit; edits and
+clearing through either side are merged before the step. Under DDP (seen by a forward
+pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until DDP has reduced
+them, and move into the masters after the synchronized backward.
+
+The overflow check. Gradients checked by the hooks are remembered (tensor and version);
+at ``unscale``/``step`` only gradients changed since then (edited, assigned, produced
+with ``S == 1``) are checked, in one fused pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ampkit._internal.dtypes import torch_class
+from ampkit.errors import AmpError, StateError
+from ampkit.scaling.loss_scaler import group_grads
+
+from .fused_step import MINMAX_NUMEL, nonfinite_flag
+
+if TYPE_CHECKING:
+    from ampkit.levels.master import MasterWeights
+
+    from .managed import ManagedOptimizer
+
+__all__ = ["GradPath", "WatchDDP", "watch_ddp", "no_masters_guard"]
+
+_ENGINE = torch.autograd.Variable._execution_engine
+
+# id(param) -> the GradPath whose hooks are on it (one managed optimizer per parameter).
+# Module state: a parameter is hooked by at most one managed optimizer in the process.
+_OWNER: dict[int, weakref.ref[GradPath]] = {}
+
+
+def _task() -> int:
+    return torch._C._current_graph_task_id()
+
+
+def _accumulator(p: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node of leaf ``p`` (kept alive by the caller)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(p, dtensor)
+
+
+# --- DDP, as seen from the model's forward ------------------------------------------------
+
+# model -> whether DDP will all-reduce the grads of the backward that follows its last
+# forward with grad enabled (True), will not (``no_sync``: False); absent: not under DDP.
+# Module state: DDP models are process-wide objects (weak keys: no model kept alive).
+_DDP_SYNC: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+# model -> the MasterWeights whose masters it holds (weakly). Module state, like
+# _DDP_SYNC: the model's forward hook finds its masters here (weak keys).
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
+
+
+class WatchDDP:
+    """Forward pre-hook of a model set up with fp32 masters: rounds into the model the
+    masters changed since the last step (see ``MasterWeights.publish_changed``) and
+    records whether the call runs inside ``DistributedDataParallel`` and whether DDP
+    will reduce its grads. A plain, stateless object, so the model pickles and
+    deep-copies (a copy is not watched: the registry is keyed by the module)."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        masters = _WATCHED.get(module)
+        if masters is None:
+            return
+        for ref in masters:
+            mw = ref()
+            if mw is not None:
+                mw.publish_changed()
+                mw.drop_stale_views()
+        if not torch.is_grad_enabled():
+            return
+        ddp_cls = nn.parallel.DistributedDataParallel
+        ddp = ddp_cls._get_active_ddp_module()
+        if ddp is None:
+            _DDP_SYNC.pop(module, None)
+        else:
+            _DDP_SYNC[module] = bool(ddp.require_backward_grad_sync)
+
+
+def watch_ddp(model: nn.Module, masters: MasterWeights) -> None:
+    """Install :class:`WatchDDP` on ``model`` (once) for ``masters``."""
+    refs = _WATCHED.setdefault(model, [])
+    refs[:] = [r for r in refs if r() is not None and r() is not masters] + [weakref.ref(masters)]
+    if not any(isinstance(h, WatchDDP) for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(WatchDDP())
+
+
+def _ddp_sync_of(model_ref: weakref.ref[nn.Module] | None) -> bool | None:
+    model = model_ref() if model_ref is not None else None
+    return None if model is None else _DDP_SYNC.get(model)
+
+
+# --- levels that need an optimizer ----------------------------------------------------------
+
+# Module state: the guards of models prepared by initialize; dropped by ampkit.reset.
+_GUARDS: list[Any] = []
+
+
+def no_masters_guard(params: list[nn.Parameter], level_name: str) -> None:
+    """Make the first backward that accumulates into one of ``params`` raise: the level
+    (O2/O2K) was set up without an optimizer, so nothing keeps the updates from being
+    rounded away in 16 bits. Inference (no backward into the weights) is unaffected."""
+
+    def refuse(p: torch.Tensor) -> None:
+        raise AmpError(
+            f"a backward pass accumulated gradients into the 16-bit weights of a model set "
+            f"up by ampkit.initialize at {level_name} without an optimizer, so no fp32 master "
+            "weights (or compensation) exist and a hand-written update would round small "
+            "changes away. Pass the optimizer to ampkit.initialize(model, optimizer, ...); "
+            "for pure 16-bit training use O3; for inference call model.requires_grad_(False) "
+            "or run under torch.no_grad()."
+        )
+
+    for p in params:
+        if p.requires_grad:
+            _GUARDS.append(p.register_post_accumulate_grad_hook(refuse))
+
+
+def drop_guards() -> None:
+    for handle in _GUARDS:
+        handle.remove()
+    _GUARDS.clear()
+
+
+# --- per-parameter state ------------------------------------------------------------------
+
+
+class _Param:
+    """One parameter backward accumulates into (the model's, for a mastered one)."""
+
+    __slots__ = ("param", "stepped", "master", "node", "handles", "scale", "loss_id", "pre_task", "model")
+
+    def __init__(self, param: nn.Parameter, stepped: nn.Parameter, model: weakref.ref | None) -> None:
+        self.param = param
+        self.stepped = stepped  # what the optimizer steps: the master, or param itself
+        self.master = stepped if stepped is not param else None
+        self.node: Any = None
+        self.handles: list[Any] = []
+        # p.grad currently holds `scale` times its real value (None: real), the scale of
+        # loss `loss_id`'s scaler.
+        self.scale: float | None = None
+        self.loss_id: int | None = None
+        self.pre_task = -2  # graph task in which the pre-hook last ran
+        self.model = model
+
+
+class GradPath:
+    """The hooks of one managed optimizer (see the module docs). Created by
+    :class:`ampkit.optim.ManagedOptimizer`; master weights plug in with
+    :meth:`set_masters`."""
+
+    def __init__(self, state: ManagedOptimizer) -> None:
+        self._state = weakref.ref(state)
+        self.masters: MasterWeights | None = None
+        self._params: dict[int, _Param] = {}  # id(backward param) -> record
+        # ids of parameters left without hooks: FSDP2's sharded DTensor parameters, whose
+        # grads FSDP assigns after reduce-scatter (no accumulator runs for them). Their
+        # grads stay scaled until the step unscales them, as before these hooks.
+        self._unhooked: set[int] = set()
+        self._model_of: dict[int, weakref.ref[nn.Module]] = {}
+        # graph task -> records its backward touched, processed when the task ends.
+        self._open: dict[int, list[_Param]] = {}
+        # this step's inf/NaN flags from the hooks, per loss id and device
+        self._found: dict[int, dict[torch.device, torch.Tensor]] = {}
+        self._inv: dict[tuple[torch.device, float], torch.Tensor] = {}
+        # id(stepped param) -> (weakref to its grad, version) when last checked
+        self._checked: dict[int, tuple[weakref.ref, int]] = {}
+        self._followed = False  # an unscale outside ampkit was followed (after_outside_unscale)
+        self._active = True
+
+    # -- setup ------------------------------------------------------------------------
+    def set_masters(self, masters: MasterWeights, models: list[nn.Module]) -> None:
+        """Route gradients of mastered parameters into ``masters`` (O2)."""
+        self.masters = masters
+        for model in models:
+            ref = weakref.ref(model)
+            for p in model.parameters():
+                self._model_of[id(p)] = ref
+            watch_ddp(model, masters)
+        self._reinstall()
+
+    def _reinstall(self) -> None:
+        for rec in list(self._params.values()):
+            self._unhook(rec)
+        self._params.clear()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Hook the parameters now in the optimizer's param groups (cheap when the
+        groups did not change)."""
+        state = self._state()
+        if state is None or not self._active:
+            return
+        opt = state.optimizer
+        mw = self.masters
+        if mw is not None:
+            mw.refresh()
+        backward = state.backward_params if mw is None else None
+        if backward is not None:
+            pairs = [(p, p) for p in backward]
+        else:
+            pairs = []
+            for group in opt.param_groups:
+                for stepped in group["params"]:
+                    model_p = mw.model_param_of(stepped) if mw is not None else None
+                    pairs.append((model_p if model_p is not None else stepped, stepped))
+        for param, stepped in pairs:
+            # Every call: a parameter frozen before may have been unfrozen since.
+            if param.requires_grad and id(param) not in self._params:
+                if _is_dtensor(param):
+                    self._unhooked.add(id(stepped))
+                else:
+                    self._hook(param, stepped)
+
+    def _hook(self, param: nn.Parameter, stepped: nn.Parameter) -> None:
+        if len(_OWNER) > 4096:  # optimizers dropped without ampkit.reset
+            for key in [k for k, ref in _OWNER.items() if ref() is None]:
+                del _OWNER[key]
+        owner = _OWNER.get(id(param))
+        other = owner() if owner is not None else None
+        if other is not None and other is not self and other._active:
+            raise StateError(
+                "a parameter is in two optimizers managed by ampkit; its gradient can "
+                "only be unscaled once. Give each parameter to one optimizer."
+            )
+        rec = _Param(param, stepped, self._model_of.get(id(param)))
+        me = weakref.ref(self)
+
+        def pre(grad_outputs: Any) -> None:
+            path = me()
+            if path is not None:
+                path._before_accumulate(rec)
+
+        def post(p: torch.Tensor) -> None:
+            path = me()
+            if path is not None:
+                path._after_accumulate(rec)
+
+        rec.node = _accumulator(param)
+        rec.handles = [rec.node.register_prehook(pre), param.register_post_accumulate_grad_hook(post)]
+        self._params[id(param)] = rec
+        _OWNER[id(param)] = me
+
+    def _unhook(self, rec: _Param) -> None:
+        for handle in rec.handles:
+            handle.remove()
+        rec.handles = []
+        rec.node = None
+        if _OWNER.get(id(rec.param)) is not None and _OWNER[id(rec.param)]() is self:
+            del _OWNER[id(rec.param)]
+
+    def remove(self) -> None:
+        """Detach: finish pending work, then remove every hook (the optimizer is no
+        longer managed)."""
+        if not self._active:
+            return
+        self.finish(absorb_raw=True)
+        self._active = False
+        for rec in self._params.values():
+            self._unhook(rec)
+        self._params.clear()
+        self._open.clear()
+        self._found.clear()
+
+    # -- the current scale ----------------------------------------------------------------
+    def _current(self) -> tuple[int | None, float]:
+        state = self._state()
+        if state is None or state._pending is None:
+            return None, 1.0
+        loss_id = state._pending
+        return loss_id, state._slots[loss_id].scaler.scale
+
+    def _unscaler(self, loss_id: int | None, scale: float) -> Callable[[list[torch.Tensor]], None] | None:
+        """In-place ``* (1/scale)`` and inf/NaN check of a list of same-device, same-dtype
+        tensors, the flag going to this step's ``loss_id``; None when there is nothing
+        to do (no loss scaled, scale 1)."""
+        if loss_id is None:
+            return None if scale == 1.0 else (lambda ts: torch._foreach_mul_(ts, 1.0 / scale))
+        flags = self._found.setdefault(loss_id, {})
+        inv = 1.0 / scale if scale != 1.0 else 1.0
+
+        def run(tensors: list[torch.Tensor]) -> None:
+            device = tensors[0].device
+            found = flags.get(device)
+            if found is None:
+                found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+            if inv == 1.0:  # nothing to multiply: large tensors are only read (min/max)
+                large = [t for t in tensors if t.numel() >= MINMAX_NUMEL]
+                if large:
+                    flag = nonfinite_flag({(device, tensors[0].dtype): large})
+                    if flag is not None:
+                        torch.maximum(found, flag, out=found)
+                    tensors = [t for t in tensors if t.numel() < MINMAX_NUMEL]
+                    if not tensors:
+                        return
+            inv_t = self._inv.get((device, inv))
+            if inv_t is None:
+                if len(self._inv) > 16:
+                    self._inv.clear()
+                inv_t = self._inv[(device, inv)] = torch.full((), inv, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_t)
+            if inv > 1.0:  # a scale below 1: finite grads can overflow once unscaled
+                one = self._inv.get((device, 1.0))
+                if one is None:
+                    one = self._inv[(device, 1.0)] = torch.ones((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+
+        return run
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _before_accumulate(self, rec: _Param) -> None:
+        task = _task()
+        rec.pre_task = task
+        loss_id, scale = self._current()
+        p = rec.param
+        if rec.master is not None:
+            mw = self.masters
+            assert mw is not None
+            if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
+                if not mw.settle_raw(p):
+                    rec.scale = None
+                elif scale != rec.scale:
+                    with torch.no_grad():
+                        p.grad.mul_(scale / rec.scale)
+                    rec.scale, rec.loss_id = scale, loss_id
+                return
+            mw.settle(p)
+            return
+        if p.grad is None or scale == 1.0 and rec.scale is None:
+            return
+        with torch.no_grad():
+            if rec.scale is None:
+                p.grad.mul_(scale)
+            elif rec.scale != scale:
+                p.grad.mul_(scale / rec.scale)
+        rec.scale, rec.loss_id = scale, loss_id
+        self._touch(task, rec)
+
+    def _after_accumulate(self, rec: _Param) -> None:
+        task = _task()
+        if rec.pre_task != task:
+            self._replace_node(rec)
+        loss_id, scale = self._current()
+        if rec.master is not None:
+            self._touch(task, rec)
+            if _ddp_sync_of(rec.model) is not None:
+                rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
+                return
+            assert self.masters is not None
+            self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0)
+            self._mark_checked(rec.stepped, loss_id)
+            return
+        if scale != 1.0:
+            rec.scale, rec.loss_id = scale, loss_id
+            self._touch(task, rec)
+
+    def _replace_node(self, rec: _Param) -> None:
+        """The accumulator changed since the hooks were installed (``p.data`` replaced
+        with another dtype or device): hook the new one."""
+        if rec.master is not None:
+            raise AmpError(
+                "a 16-bit model parameter with an fp32 master changed its dtype or device "
+                "after ampkit.initialize (e.g. model.to(...) afterwards): the masters would "
+                "train a stale copy. Move the model to its device before initialize."
+            )
+        me = weakref.ref(self)
+
+        def pre(grad_outputs: Any) -> None:
+            path = me()
+            if path is not None:
+                path._before_accumulate(rec)
+
+        if rec.handles:
+            rec.handles[0].remove()
+        rec.node = _accumulator(rec.param)
+        rec.handles[0] = rec.node.register_prehook(pre)
+
+    def _touch(self, task: int, rec: _Param) -> None:
+        touched = self._open.get(task)
+        if touched is None:
+            touched = self._open[task] = []
+            me = weakref.ref(self)
+
+            def end() -> None:
+                path = me()
+                if path is not None:
+                    path._end_backward(task)
+
+            # Queued from inside the final callbacks, so it runs after every callback
+            # queued during the backward pass (DDP's finalize, which writes the reduced
+            # grads into p.grad).
+            _ENGINE.queue_callback(lambda: _ENGINE.queue_callback(end))
+        touched.append(rec)
+
+    def _end_backward(self, task: int) -> None:
+        touched = self._open.pop(task, None)
+        if touched:
+            self._process(touched, absorb_raw=False)
+            # The grads this pass's end-of-pass processing changed (unscaled in place,
+            # moved into masters): a multi-process layer records them as the grads DDP's
+            # reducer left, so ampkit's own work is not taken for a change after it.
+            state = self._state()
+            agreement = state.agreement if state is not None else None
+            if agreement is not None:
+                agreement.grads_settled([r.param for r in touched])
+
+    def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
+        """Unscale and check the scaled grads of ``touched`` (fused, per loss id, device
+        and dtype), move reduced 16-bit grads into masters, show mirrors."""
+        by_loss: dict[tuple[int | None, float], list[_Param]] = {}
+        shown: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for rec in touched:
+            if id(rec) in seen:
+                continue
+            seen.add(id(rec))
+            if rec.master is not None:
+                if rec.scale is not None:
+                    if not absorb_raw and _ddp_sync_of(rec.model) is False:
+                        continue  # under no_sync: DDP reduces the whole sum later
+                    assert self.masters is not None
+                    self.masters.absorb(rec.param, self._unscaler(rec.loss_id, rec.scale))
+                    self._mark_checked(rec.stepped, rec.loss_id)
+                    rec.scale = None
+                shown.append(rec.param)
+            elif rec.scale is not None:
+                by_loss.setdefault((rec.loss_id, rec.scale), []).append(rec)
+        for (loss_id, scale), recs in by_loss.items():
+            params = [r.param for r in recs if r.param.grad is not None]
+            unscale = self._unscaler(loss_id, scale)
+            if unscale is not None:
+                with torch.no_grad():
+                    for grads in group_grads(params).values():
+                        unscale(grads)
+            for r in recs:
+                r.scale = None
+            for p in params:
+                self._mark_checked(p, loss_id)
+        if shown and self.masters is not None:
+            self.masters.show(shown)
+
+    def finish(self, absorb_raw: bool = False) -> None:
+        """Process backward passes whose end was not seen (an exception inside backward)
+        and, with ``absorb_raw``, 16-bit grads still held for DDP (a step after
+        ``no_sync`` backward passes only)."""
+        for task in list(self._open):
+            self._end_backward(task)
+        if absorb_raw:
+            raw = [r for r in self._params.values() if r.scale is not None]
+            if raw:
+                self._process(raw, absorb_raw=True)
+
+    # -- the step's check -----------------------------------------------------------------
+    def _mark_checked(self, stepped: torch.Tensor, loss_id: int | None) -> None:
+        if loss_id is None:
+            return
+        g = stepped.grad
+        if g is not None:
+            self._checked[id(stepped)] = (weakref.ref(g), g._version)
+
+    def forget_flags(self) -> None:
+        """A fresh step (the previous one was abandoned): drop the hooks' flags."""
+        self._found.clear()
+
+    def take_found(self, loss_id: int) -> list[torch.Tensor]:
+        """The hooks' inf/NaN flags for ``loss_id`` since the last call (one per device)."""
+        return list(self._found.pop(loss_id, {}).values())
+
+    def unhooked(self, params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` that have a grad and no hooks (still scaled)."""
+        return [p for p in params if id(p) in self._unhooked and p.grad is not None]
+
+    def unchecked(self, params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` whose grad changed since the hooks (or the last call)
+        checked it; they count as checked from now on (the caller checks them)."""
+        out = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            seen = self._checked.get(id(p))
+            if seen is None or seen[0]() is not g or seen[1] != g._version:
+                out.append(p)
+                self._checked[id(p)] = (weakref.ref(g), g._version)
+        return out
+
+    def reconcile(self) -> None:
+        """Before the grads are checked (``unscale``/``step``): merge edits made through
+        the model's 16-bit grads into the fp32 masters (O2)."""
+        if self.masters is not None:
+            self.masters.reconcile(self._mastered())
+
+    def _mastered(self) -> list[nn.Parameter]:
+        """The model parameters whose grads are shown from a master (not held for DDP)."""
+        return [r.param for r in self._params.values() if r.master is not None and r.scale is None]
+
+    def before_outside_unscale(self) -> None:
+        """Before code outside ampkit unscales the stepped grads in place (a
+        GradScaler's ``unscale_``): finish pending work and, O2, merge the model's grad
+        edits into the masters, so the unscale acts on the grads the step will use."""
+        self.finish(absorb_raw=True)
+        self.reconcile()
+
+    def after_outside_unscale(self) -> None:
+        """After it: O2, the model's 16-bit grads show the unscaled masters' grads
+        (:meth:`ampkit.master.MasterWeights.follow_masters`)."""
+        if self.masters is not None:
+            self.masters.follow_masters(self._mastered())
+        self._followed = True
+
+    def take_followed(self) -> bool:
+        """Whether :meth:`after_outside_unscale` ran since the last call."""
+        followed, self._followed = self._followed, False
+        return followed
+
+    def before_step(self) -> None:
+        """Right before the optimizer runs (taken or skipped step), O2: masters take in
+        model weights changed outside ampkit, and the 16-bit grad copies are freed so
+        the step runs without them (:meth:`after_step` brings them back)."""
+        mw = self.masters
+        if mw is not None:
+            mw.hide(self._mastered())
+            mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
+
+    def after_step(self) -> None:
+        """After the step: the model's params show their (fp32) grads again, as 16-bit
+        copies, for code that reads them after ``step()``."""
+        mw = self.masters
+        if mw is not None:
+            mw.show(self._mastered())

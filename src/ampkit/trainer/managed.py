@@ -1,0 +1,484 @@
+"""The step wrapper of one managed optimizer (:class:`ManagedOptimizer`): it takes or
+skips each step on the skip decision (:mod:`ampkit._decision`), feeds the loss scalers,
+runs the hooks, and keeps the counters and checkpoints. The per-step gradient
+bookkeeping it decides on is in :mod:`ampkit._step_grads`; the public functions are in
+:mod:`ampkit.optim`, where how a step runs is told."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampkit._internal.validate import MAX_COUNT, is_count, require_flag
+from ampkit.errors import NumericsError, StateError
+from ampkit.scaling.loss_scaler import LossScaler
+
+from .decision import StepAgreement, decide
+from .fused_step import use_fastest_kernel
+from .grad_hooks import GradPath
+from .schedulers import mark_step_called
+from .session import ExtraRegister, ExtraState, require_keys
+from .stats import StepStats
+from .step_grads import StepGrads
+
+__all__ = [
+    "ManagedOptimizer",
+    "last_skipped",
+    "managed_state",
+    "record_unmanaged_step",
+    "resolve_optimizer",
+    "stepped_by_scaler",
+    "unscaled_in_place",
+]
+
+if TYPE_CHECKING:
+    from .loss_slots import LossSlot
+
+_ATTR = "_ampkit_managed"
+_MISSING = object()
+
+
+class ManagedOptimizer(StepGrads):
+    """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
+
+    Extension points (used by fp32 master weights):
+
+    - ``scalers``: ``list[LossScaler]``, one per ``loss_id`` (shared with the other
+      optimizers of the same ``init_trainer`` call).
+    - ``grad_path``: the :class:`ampkit.grads.GradPath` whose hooks keep grads real
+      (unscaled) as backward produces them; fp32 master weights plug in there.
+    - ``pre_unscale_hooks``: ``list[Callable[[], None]]``, called once per step before
+      the grads are checked (by ``ampkit.unscale`` or by ``step``).
+    - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
+      skipped) step. Master weights copy the masters back into the model here.
+    - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
+    - ``scale_loss_observers`` (module level in :mod:`ampkit.optim`): callables told of
+      every ``scale_loss`` (``ampkit.doctor`` counts scaled losses and backward passes there).
+    - ``agreement``: the :class:`ampkit._decision.StepAgreement` that makes the ranks of
+      a multi-process run decide alike (``ampkit.distributed``'s, set by ``init_trainer``);
+      ``None``: this process decides alone.
+    - Unscaling and the check act on the grads of the params *currently* in
+      ``optimizer.param_groups``: swap master params in there and their grads are what
+      gets checked and stepped.
+    - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
+      backward accumulates into, when these are not the params in ``param_groups``
+      (master weights: the model's params). Iterated afresh each time it is needed, so a
+      live view is fine. The gradient hooks go on these (set it before the first
+      ``scale_loss``); ``None``: the params in ``param_groups``.
+    - ``rescale_after_unscale``: kept for compatibility, no effect: grads are real at
+      all times, so a ``scale_loss`` after ``unscale`` in the same step simply goes on
+      accumulating.
+    - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
+      ``ampkit.state_dict()``.
+
+    Counters: ``steps``, ``skipped``, ``last_skipped`` (see :class:`StepStats`).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        slots: list[LossSlot],
+        agreement: StepAgreement | None = None,
+        fast_kernels: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self._slots = slots
+        self.scalers: list[LossScaler] = [slot.scaler for slot in slots]
+        self.pre_unscale_hooks: list[Callable[[], None]] = []
+        self.post_step_hooks: list[Callable[[], None]] = []
+        self.skip_hooks: list[Callable[[], None]] = []
+        self.backward_params: Iterable[torch.Tensor] | None = None
+        self.rescale_after_unscale = False
+        self.agreement = agreement
+        self.steps = 0
+        self.skipped = 0
+        self.last_skipped = False
+        self._extra = ExtraState("extra optimizer state", "this run")
+        self._active = True
+        StepGrads.__init__(self)
+        self._previous_step: Any = _MISSING
+        self._install_step()
+        # Hooks that make grads real as backward produces them (ampkit.grads).
+        self.grad_path = GradPath(self)
+        self.grad_path.refresh()
+        # torch's fastest kernel for groups left at foreach=None/fused=None, again after
+        # a load_state_dict brings back groups saved with both unset.
+        self.kernels: list[str] = []
+        self._kernel_hook: Any = None
+        if fast_kernels:
+            self.kernels = use_fastest_kernel(optimizer)
+            self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+
+    # --- extension API ---------------------------------------------------------------
+    @property
+    def register_extra_state(self) -> ExtraRegister:
+        """``register_extra_state(name, get_fn, set_fn, check_fn=None)``: save
+        ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``
+        (:meth:`ampkit.session.ExtraState.register`)."""
+        return self._extra.register
+
+    # --- the step wrapper ------------------------------------------------------------
+    def _install_step(self) -> None:
+        opt = self.optimizer
+        self._previous_step = opt.__dict__.get("step", _MISSING)
+        inner = opt.step  # the class's step (bound) or a wrapper set on the instance
+        state = self
+
+        def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return state._step(inner, args, kwargs)
+
+        functools.update_wrapper(
+            step, type(opt).step, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+        if hasattr(inner, "_wrapped_by_lr_sched"):
+            # A scheduler created before us wrapped `step`; keep its marker. We set
+            # `_opt_called` ourselves on every call, so the marker stays truthful.
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._step_function = step
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        """Stop managing the optimizer: its previous ``step`` comes back (if something
+        wrapped ours since, ours stays but only forwards)."""
+        if not self._active:
+            return
+        self._active = False
+        self.grad_path.remove()
+        if self._kernel_hook is not None:
+            self._kernel_hook.remove()
+        opt = self.optimizer
+        current = opt.__dict__.get("step")
+        if getattr(current, "__func__", None) is self._step_function:
+            if self._previous_step is _MISSING:
+                del opt.__dict__["step"]
+            else:
+                opt.step = self._previous_step  # type: ignore[method-assign]
+        if opt.__dict__.get(_ATTR) is self:
+            del opt.__dict__[_ATTR]
+        for slot in self._slots:
+            slot.owed = [s for s in slot.owed if s is not self]
+
+    def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        opt = self.optimizer
+        mark_step_called(opt)
+        if not self._active:
+            return inner(*args, **kwargs)
+        if self.grad_path.masters is not None:
+            self._refuse_unseen_torch_unscale()
+        closure, args, kwargs = _pop_closure(args, kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        was_unscaled = self._unscaled
+        self._unscale()
+        if was_unscaled:
+            self._check_edits()
+        events, skip = self._resolve_step()
+        self.grad_path.before_step()
+        try:
+            return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
+        finally:
+            self.grad_path.after_step()
+
+    def _take_or_skip(
+        self,
+        inner: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        closure: Callable[[], Any] | None,
+        loss: Any,
+        events: dict[int, bool | None],
+        skip: bool,
+    ) -> Any:
+        self.steps += 1
+        report = self._slots[0].skips
+        if skip:
+            self.skipped += 1
+            self.last_skipped = True
+            for hook in self.skip_hooks:
+                hook()
+            try:
+                self._report(events)  # may raise NumericsError; the step stays skipped
+            finally:
+                report.note(self, skipped=True)
+            return loss
+        self.last_skipped = False
+        self._report(events)  # clean events never raise
+        report.note(self, skipped=False)
+        if closure is None:
+            result = inner(*args, **kwargs)
+        else:
+            result = inner(*args, closure=self._replay_closure(closure, loss), **kwargs)
+        for hook in self.post_step_hooks:
+            hook()
+        return result
+
+    def _refuse_unseen_torch_unscale(self) -> None:
+        """O2: raise, before anything changes, when ``torch.amp.GradScaler.step`` calls
+        this step after unscaling the masters' grads where ampkit could not see it (its
+        fused kernel leaves version counters alone; ``ampkit run`` tells ampkit, a
+        script's own ``initialize`` cannot): the model's grads would still show the
+        scaled values and the step would take them for an edit."""
+        if self.grad_path.take_followed():
+            return
+        scaler = _torch_scaler_stepping()
+        if scaler is None or not scaler.is_enabled():
+            return
+        raise StateError(
+            "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
+            "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "
+            "it, so the model's grads (what clip_grad_norm_(model.parameters()) reads) "
+            "still held the scaled values and the step would mix the two. Use "
+            "ampkit.GradScaler, which has torch.amp.GradScaler's interface (from ampkit "
+            "import GradScaler), or ampkit.scale_loss and optimizer.step(); or run the "
+            "unmodified script under `ampkit run --level O2`."
+        )
+
+    def skipped_elsewhere(self) -> None:
+        """A step that a GradScaler outside ampkit skipped without calling
+        ``optimizer.step()`` (torch.amp.GradScaler found inf/NaN grads): counted as a
+        skipped step, as if ampkit had decided it (counters, skip hooks; LR schedulers
+        see a called step), and the next backward starts a fresh step."""
+        mark_step_called(self.optimizer)
+        self._start_fresh_step()
+        self.steps += 1
+        self.skipped += 1
+        self.last_skipped = True
+        for hook in self.skip_hooks:
+            hook()
+
+    def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
+        """The closure handed to the optimizer: its first call returns the loss ampkit
+        already computed (grads in place, unscaled); later calls (LBFGS) evaluate the
+        closure again and unscale its grads. Such a re-evaluation cannot be skipped, so
+        inf/NaN grads there raise NumericsError."""
+        calls = 0
+
+        def replay() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return first_loss
+            with torch.enable_grad():
+                loss = closure()
+            self._unscale()
+            events, overflow = self._resolve_step()
+            self._report(events)
+            if overflow:
+                raise NumericsError(
+                    "inf/NaN gradients in a re-evaluation of the step closure: the optimizer "
+                    "is mid-step and cannot skip it. Use a lower or static loss scale with "
+                    "optimizers that evaluate the closure several times (LBFGS)."
+                )
+            return loss
+
+        return replay
+
+    def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
+        """Read this step's found-inf flags (the step's one host sync) and attribute them
+        to loss ids (:func:`ampkit._decision.decide`, agreed across ranks when the
+        ``agreement`` asks). Returns ({loss_id: True/False/None(unknown)}, skip)."""
+        segments, self._segments = self._segments, []
+        self._pending = None
+        self._unscaled = False
+        plugin = self.agreement
+        agreement = plugin.agreement(self, segments) if plugin is not None else None
+        return decide(segments, len(self._slots), agreement)
+
+    def _report(self, events: dict[int, bool | None]) -> None:
+        errors: list[NumericsError] = []
+        for loss_id, slot in enumerate(self._slots):
+            if loss_id in events or any(s is self for s in slot.owed):
+                try:
+                    slot.report(self, events.get(loss_id))
+                except NumericsError as err:  # let every scaler see its event first
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+    # --- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "skipped": self.skipped,
+            "last_skipped": self.last_skipped,
+            "extra": self._extra.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], where: str) -> None:
+        self.prepare_load(state_dict, where)()
+
+    def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` (counters, extra state via the ``check_fn`` of
+        each :meth:`register_extra_state`); return the function that loads it."""
+        require_keys(state_dict, ("steps", "skipped", "last_skipped"), where, optional=("extra",))
+        steps, skipped, last = state_dict["steps"], state_dict["skipped"], state_dict["last_skipped"]
+        if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps <= MAX_COUNT):
+            raise StateError(
+                f"{where}: steps={steps!r}, skipped={skipped!r} are not step counters (ints, "
+                "0 <= skipped <= steps < 2**63); pass the dict returned by ampkit.state_dict()."
+            )
+        require_flag(last, f"{where}: last_skipped", StateError)
+        extra = state_dict.get("extra", {})
+        self._extra.check_names(extra, f"{where}: ", " (e.g. master weights on or off)")
+        self._extra.check_values(extra, where)
+
+        def apply() -> None:
+            self.steps = int(steps)
+            self.skipped = int(skipped)
+            self.last_skipped = last
+            self._start_fresh_step()
+            self._extra.load(extra)
+
+        return apply
+
+    def stats(self) -> StepStats:
+        return StepStats(
+            steps=self.steps,
+            skipped=self.skipped,
+            last_skipped=self.last_skipped,
+            scales=tuple(s.scale for s in self.scalers),
+            overflows=tuple(s.num_overflows for s in self.scalers),
+        )
+
+
+#: How many ``.optimizer`` links :func:`resolve_optimizer` follows at most.
+_WRAPPER_DEPTH = 8
+
+
+def _chain(obj: Any) -> list[Any]:
+    """``obj`` and the objects down its ``.optimizer`` links (at most ``_WRAPPER_DEPTH``)."""
+    chain = [obj]
+    for _ in range(_WRAPPER_DEPTH):
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or any(inner is c for c in chain):
+            break
+        chain.append(inner)
+    return chain
+
+
+def resolve_optimizer(obj: Any) -> Any:
+    """The optimizer ampkit knows behind ``obj``: ``obj`` itself, or, for a framework's
+    wrapper that exposes the optimizer it wraps as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``; wrappers of wrappers
+    too), the first object down that chain that ampkit manages, else the first with a
+    step record of :class:`ampkit.GradScaler`, else the innermost
+    ``torch.optim.Optimizer`` (``obj`` if the chain holds none), so errors name the
+    optimizer ampkit looked at. Every public function that takes a managed optimizer
+    resolves it here."""
+    chain = _chain(obj)
+    dicts = [getattr(c, "__dict__", None) for c in chain]
+    dicts = [d if isinstance(d, dict) else {} for d in dicts]
+    for c, d in zip(chain, dicts):
+        state = d.get(_ATTR)
+        if state is not None and state._active:
+            return c
+    for c, d in zip(chain, dicts):
+        if _GRADSCALER_ATTR in d:
+            return c
+    optimizers = [c for c in chain if isinstance(c, torch.optim.Optimizer)]
+    return optimizers[-1] if optimizers else obj
+
+
+def _active_state(optimizer: Any) -> ManagedOptimizer | None:
+    """The active :class:`ManagedOptimizer` of ``optimizer`` (or of the optimizer its
+    wrapper holds), or None."""
+    state = getattr(resolve_optimizer(optimizer), "__dict__", {}).get(_ATTR)
+    return state if state is not None and state._active else None
+
+
+def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
+    """The :class:`ManagedOptimizer` of an optimizer passed to :func:`init_trainer`, or
+    of the optimizer a framework's wrapper holds (:func:`resolve_optimizer`); raises
+    :class:`~ampkit.StateError` if ampkit does not manage it."""
+    state = _active_state(optimizer)
+    if state is None:
+        resolved = resolve_optimizer(optimizer)
+        what = type(optimizer).__name__
+        if resolved is not optimizer:
+            what += f" (and the {type(resolved).__name__} it wraps as .optimizer)"
+        raise StateError(
+            f"this {what} is not managed by ampkit: pass the optimizer to "
+            "ampkit.init_trainer (or ampkit.initialize) first."
+        )
+    return state
+
+
+def _torch_scaler_stepping() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step`` is on the calling thread's stack a
+    few frames up (it calls ``optimizer.step()``), or None."""
+    code = inspect.unwrap(torch.amp.GradScaler.step).__code__  # under a wrapper (ampkit run) too
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def unscaled_in_place(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around an unscale of ``optimizer``'s grads by a GradScaler (ampkit's or
+    torch.amp's ``unscale_``, whose fused kernel leaves version counters alone). For a
+    managed optimizer with fp32 masters (O2) the model's grad edits reach the masters
+    first and the model's 16-bit grads show the unscaled values after, so code that
+    reads ``model.parameters()`` grads next (``clip_grad_norm_``) sees what the step
+    uses. Nothing for other optimizers. A framework's wrapper stands for the optimizer
+    it holds (:func:`resolve_optimizer`)."""
+    state = _active_state(optimizer)
+    if state is None:
+        yield
+        return
+    state.grad_path.before_outside_unscale()
+    yield
+    state.grad_path.after_outside_unscale()
+
+
+@contextlib.contextmanager
+def stepped_by_scaler(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around a GradScaler's ``step(optimizer)`` outside ampkit (torch.amp's): when it
+    skips the step (``optimizer.step()`` not called), a managed optimizer counts a
+    skipped step (:meth:`ManagedOptimizer.skipped_elsewhere`). Nothing for others."""
+    state = _active_state(optimizer)
+    steps = state.steps if state is not None else None
+    yield
+    if state is not None and state._active and state.steps == steps:
+        state.skipped_elsewhere()
+
+
+_GRADSCALER_ATTR = "_ampkit_gradscaler_skipped"
+
+
+def record_unmanaged_step(optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+    """Note the skip decision of an optimizer ampkit does not manage but stepped
+    (:class:`ampkit.GradScaler`), for :func:`last_skipped`. Kept on the optimizer."""
+    optimizer.__dict__[_GRADSCALER_ATTR] = skipped
+
+
+def last_skipped(optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether the last step of ``optimizer`` was skipped: from its managed state, or
+    from :func:`record_unmanaged_step`; None when ampkit has no record of it."""
+    found = getattr(resolve_optimizer(optimizer), "__dict__", {})
+    state = found.get(_ATTR)
+    if state is not None and state._active:
+        return state.last_skipped
+    return found.get(_GRADSCALER_ATTR)
+
+
+def _pop_closure(args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, tuple, dict]:
+    if "closure" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if args:
+        return args[0], args[1:], kwargs
+    return None, args, kwargs

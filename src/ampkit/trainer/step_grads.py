@@ -1,0 +1,205 @@
+"""The per-step gradient bookkeeping of a managed optimizer (:class:`StepGrads`, a base
+of :class:`ampkit._step.ManagedOptimizer`): which loss id's scale the grads gathered so
+far carry, the found-inf flags of the step's checked *segments* (one per loss id switch,
+one at ``step()``, one for edits after ``ampkit.unscale``; see :mod:`ampkit._decision`),
+and the detection of a step abandoned since ampkit last looked at its grads. The step
+wrapper reads the segments once per step and decides (``ManagedOptimizer._resolve_step``)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from ampkit._internal.where import user_stacklevel
+from ampkit.errors import StateError
+from ampkit.scaling.loss_scaler import group_grads, to_fp32, unscale_and_check_
+
+from .fused_step import nonfinite_flag
+
+if TYPE_CHECKING:
+    from .decision import Segment, StepAgreement
+    from .grad_hooks import GradPath
+    from .loss_slots import LossSlot
+
+__all__ = ["StepGrads"]
+
+
+class StepGrads:
+    """Per-step state of the grads of one managed optimizer and the checks that fill it.
+
+    What it reads from the managed optimizer it is a base of: ``optimizer``,
+    ``backward_params``, ``grad_path``, ``agreement``, ``pre_unscale_hooks``,
+    ``rescale_after_unscale`` and the loss slots (their scalers)."""
+
+    optimizer: torch.optim.Optimizer
+    backward_params: Iterable[torch.Tensor] | None
+    grad_path: GradPath
+    agreement: StepAgreement | None
+    pre_unscale_hooks: list[Callable[[], None]]
+    rescale_after_unscale: bool
+    _slots: list[LossSlot]
+
+    def __init__(self) -> None:
+        # The loss id whose scale the grads carry (not yet unscaled), the found-inf
+        # flags of this step's segments in order, whether the grads were already
+        # unscaled this step, and whether a scale_loss block of this step was left by
+        # an exception (the step may have been abandoned).
+        self._pending: int | None = None
+        self._segments: list[Segment] = []
+        self._unscaled = False
+        self._aborted = False
+        self._fp16_warned = False
+
+    def _grad_params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def _tracked_grads(self) -> list[torch.Tensor]:
+        """The grads this step holds: of the params in ``param_groups`` and of the
+        ``backward_params`` (each tensor once; sparse grads by their values)."""
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        grads: dict[int, torch.Tensor] = {}
+        for p in params:
+            g = p.grad
+            if g is not None:
+                grads[id(g)] = g._values() if g.is_sparse else g
+        return list(grads.values())
+
+    def _start_fresh_step(self) -> None:
+        self._segments = []
+        self._pending = None
+        self._unscaled = False
+        self._aborted = False
+        self.grad_path.forget_flags()
+
+    def _drop_abandoned_step(self) -> None:
+        """At a ``scale_loss``: if this step's grads were dropped since ampkit last
+        looked at them (``zero_grad()`` after an exception in backward, in a clip, or
+        any abandoned batch), forget the old step's flags and start a fresh one.
+
+        The grads count as dropped when every one is None (``zero_grad()``), or -- only
+        after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
+        one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
+        self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
+        flagged = self._unscaled or any(f is not None for _, f in self._segments)
+        aborted, self._aborted = self._aborted, False
+        if not flagged:
+            return
+        self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
+        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        if all(p.grad is None for p in params):
+            self._start_fresh_step()
+            return
+        if aborted or (self._unscaled and not self.rescale_after_unscale):
+            grads = self._tracked_grads()
+            nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
+            if not bool(nonzero):
+                self._start_fresh_step()
+
+    def _check_before_backward(self) -> None:
+        """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
+        cannot start a backward pass now."""
+        self._drop_abandoned_step()
+        if self._unscaled and self.grad_path.unhooked(self._grad_params()):
+            raise StateError(
+                "this optimizer's grads were already unscaled this step (ampkit.unscale) "
+                "and some of them (FSDP2's sharded parameters) are only unscaled at the "
+                "step: run every scale_loss/backward of the step before unscale, then "
+                "step(). To drop a batch after unscale, call optimizer.zero_grad() first."
+            )
+
+    def _before_backward(self, loss_id: int) -> None:
+        """Called by ``scale_loss`` before the backward of ``loss_id`` (after
+        :meth:`_check_before_backward` passed for every optimizer of the call)."""
+        path = self.grad_path
+        path.refresh()
+        path.finish()
+        # The hooks keep grads real: a backward after ``unscale`` in the same step just
+        # reopens the step.
+        self._unscaled = False
+        pending = self._pending
+        if pending is not None and pending != loss_id:
+            path.reconcile()
+            ratio = _ratio(self._slots[loss_id].scaler.scale, self._slots[pending].scaler.scale)
+            self._segments.append((pending, self._close(pending, ratio)))
+        self._pending = loss_id
+        self._slots[loss_id].expect(self)
+
+    def _close(self, loss_id: int | None, unhooked_factor: float = 1.0) -> torch.Tensor | None:
+        """The inf/NaN flag of the grads gathered since the last close: the hooks'
+        flags for ``loss_id``, one fused check of grads they did not check (edited,
+        assigned, or produced with a scale of 1), and the fused multiply by
+        ``unhooked_factor`` and check of grads without hooks. No host sync."""
+        path = self.grad_path
+        flags = path.take_found(loss_id) if loss_id is not None else []
+        params = list(self._grad_params())
+        raw = path.unhooked(params)
+        if raw:
+            raw_groups = group_grads(raw)
+            found = (
+                nonfinite_flag(raw_groups) if unhooked_factor == 1.0 else unscale_and_check_(raw_groups, unhooked_factor)
+            )
+            if found is not None:
+                flags.append(found)
+            path.unchecked(raw)  # checked just now
+        unchecked = path.unchecked(params)
+        if unchecked:
+            found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
+            if found is not None:
+                flags.append(found)
+        if not flags:
+            return None
+        total = flags[0]
+        for other in flags[1:]:
+            total = total + other.to(total.device, non_blocking=True)
+        return total
+
+    def _unscale(self) -> None:
+        """Hooks, then close this step's pending grads: their inf/NaN flag (no sync).
+        The grads are unscaled already (ampkit.grads). Idempotent within a step."""
+        if self._unscaled:
+            return
+        if self.agreement is not None:
+            self.agreement.before_check(self)
+        for hook in self.pre_unscale_hooks:
+            hook()
+        path = self.grad_path
+        path.finish(absorb_raw=True)
+        path.reconcile()
+        if self._pending is not None:
+            scaler = self._slots[self._pending].scaler
+            if not self._fp16_warned and scaler.scale != 1.0:
+                self._warn_fp16(self._grad_params())
+            self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
+            self._pending = None
+        elif not self._segments:
+            # No scale_loss this step: still refuse to step on inf/NaN grads.
+            self._segments.append((None, self._close(None)))
+        self._unscaled = True
+
+    def _check_edits(self) -> None:
+        """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.
+        clipped); an inf/NaN there skips the step without blaming a loss scaler."""
+        self.grad_path.reconcile()
+        found = self._close(None)
+        if found is not None:
+            self._segments.append((None, found))
+
+    def _warn_fp16(self, params: Iterable[torch.Tensor]) -> None:
+        if any(g is not None and g.dtype == torch.float16 for g in (p.grad for p in params)):
+            self._fp16_warned = True
+            warnings.warn(
+                "ampkit: this optimizer holds float16 parameters; unscaling their grads in "
+                "float16 loses the small values loss scaling preserved. Keep the parameters "
+                "in float32 (casting in the forward pass) or use fp32 master weights.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+
+def _ratio(new: float, old: float) -> float:
+    return to_fp32(new / old)
