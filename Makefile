@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 test-fast: $(VENV)/.installed

@@ -191,12 +191,12 @@ def _backward_params(opt: torch.optim.Optimizer) -> Any:
     from ampkit.trainer.api import managed_state
 
     state = managed_state(opt)
-    return list(state.backward_params) if state.backward_params is not None else list(state._grad_params())
+    return list(state.backward_params) if state.backward_params is not None else list(state.grad_params())
 
 
 def fingerprint(state: dict) -> Any:
     """A bitwise digest of a state dict (tensors hashed), safe to keep and compare."""
-    from ampkit.distributed.core import _fingerprint
+    from ampkit.distributed.core import fingerprint as _fingerprint
 
     return _fingerprint(state)
 

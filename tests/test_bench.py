@@ -195,7 +195,7 @@ def test_config_validation_messages() -> None:
 def test_repeated_precision_runs_once() -> None:
     """``--precisions fp32,fp32`` used to send each command twice to the one fp32
     worker, which then reported 'finish before setup' as a training failure."""
-    from ampkit.tools.bench.runner import _run_workload
+    from ampkit.tools.bench.runner import run_workload as _run_workload
 
     config = BenchConfig(workloads=("cnn", "cnn"), precisions=("fp32", "ampkit-O2", "fp32"), steps=4, block=2)
     assert config.workloads == ("cnn",) and config.precisions == ("fp32", "ampkit-O2")
@@ -415,7 +415,7 @@ class _ScriptedWorker:
 
 
 def test_runner_keeps_going_when_one_precision_fails() -> None:
-    from ampkit.tools.bench.runner import _run_workload
+    from ampkit.tools.bench.runner import run_workload as _run_workload
 
     config = BenchConfig(workloads=("cnn",), precisions=("fp32", "torch-autocast", "ampkit-O2"),
                          steps=6, block=2)

@@ -308,7 +308,7 @@ class _TwiceExp(nn.Module):
 
     def forward(self, x):
         y = torch.exp(self.w) + torch.exp(self.w)
-        self.cache_sizes.append(len(casting._top("cpu").cache))
+        self.cache_sizes.append(len(casting.top_frame("cpu").cache))
         return x @ y
 
 
@@ -320,11 +320,11 @@ def test_own_cache_lives_for_one_outermost_module_call():
     policy = amp.Policy(lower_ops=[torch.exp])
     with amp.autocast(policy, "cpu"):
         y1 = m(x)
-        assert m.cache_sizes == [1] and len(casting._top("cpu").cache) == 0
+        assert m.cache_sizes == [1] and len(casting.top_frame("cpu").cache) == 0
         m.w.data.add_(1.0)  # .data: a version counter of its own, invisible to version checks
         y2 = m(x)
         e1, e2 = torch.exp(m.w), torch.exp(m.w)
-        assert len(casting._top("cpu").cache) == 0  # outside module calls: no cache
+        assert len(casting.top_frame("cpu").cache) == 0  # outside module calls: no cache
     assert not torch.equal(y1, y2)
     with torch.no_grad():
         want = x.bfloat16() @ (2 * torch.exp(m.w.bfloat16()))
@@ -532,7 +532,7 @@ def test_policy_errors_name_the_problem():
 
 
 def test_fp16_on_cpu_warns_once():
-    casting._warned_fp16_cpu = False
+    amp.reset()  # a new ampkit session: the warning comes once again
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         amp.autocast(amp.Policy(dtype=FP16), "cpu")

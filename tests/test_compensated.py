@@ -258,8 +258,8 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    fresh = compensated.Kernel("SGD", compensated._sgd_plain_kahan, (0, 1), (BF16,) * 3)
-    monkeypatch.setattr(compensated, "_SGD_PLAIN", fresh)
+    fresh = compensated.Kernel("SGD", compensated.sgd_plain_kahan, (0, 1), (BF16,) * 3)
+    monkeypatch.setattr(compensated, "SGD_PLAIN", fresh)
     monkeypatch.setattr(torch, "compile", broken)
     with caplog.at_level("WARNING", logger="ampkit"):
         fallback = _run_kernel(torch.optim.SGD, {"lr": 0.01}, "compiled")

@@ -219,7 +219,7 @@ def test_a_model_that_cannot_be_copied_is_refused():
 
 
 def test_slow_cpu_warning_once_per_session(monkeypatch):
-    convert_module = sys.modules["ampkit.inference.conversion"]  # ampkit.convert is the function
+    convert_module = sys.modules["ampkit.inference.conversion.api"]  # ampkit.convert is the function
 
     monkeypatch.setattr(convert_module, "_cpu_computes_fast", lambda dtype: False)
     amp.reset()

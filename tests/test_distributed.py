@@ -417,7 +417,7 @@ def test_sync_batchnorm_conversion_keeps_parameters_and_cast_hooks():
     """The conversion itself (what convert_sync_batchnorm does on a GPU machine), checked
     on CPU in eval mode, where SyncBatchNorm runs plain batch norm: same Parameter
     objects, ampkit's cast hooks moved to the new layer, the same output bitwise."""
-    from ampkit.distributed.core import _convert_bn
+    from ampkit.distributed.core import convert_bn as _convert_bn
     from ampkit.levels import model_cast as amp_model
 
     torch.manual_seed(0)
@@ -428,12 +428,12 @@ def test_sync_batchnorm_conversion_keeps_parameters_and_cast_hooks():
     x = torch.randn(6, 4)
     before = model(x)
     old_bn, weight = model[1], model[1].weight
-    hooks = len(amp_model._HANDLES[old_bn])
+    hooks = len(amp_model.HANDLES[old_bn])
     model = _convert_bn(model, None)
     assert type(model[1]) is nn.SyncBatchNorm
     assert model[1].weight is weight and weight.dtype == torch.float32
     assert model[1].running_var.dtype == torch.float32
-    assert old_bn not in amp_model._HANDLES and len(amp_model._HANDLES[model[1]]) == hooks > 0
+    assert old_bn not in amp_model.HANDLES and len(amp_model.HANDLES[model[1]]) == hooks > 0
     assert torch.equal(model(x), before)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 import ampkit as amp
 from ampkit.tools.diagnosis import DoctorWarning, current
+from ampkit.trainer.extensions import global_extensions
 
 FP16 = amp.Policy(dtype=torch.float16)
 
@@ -477,13 +478,13 @@ def test_off_installs_nothing_and_stop_removes_everything(monkeypatch):
     model, opt = _bf16_setup()
     amp.init_trainer(opt)
     state = amp.trainer.managed_state(opt)
-    hooks = (list(state.pre_unscale_hooks), list(state.skip_hooks), list(state.post_step_hooks))
+    hooks = state.extensions
 
     def param_hooks():
         return [(len(p._backward_hooks or {}), len(p._post_accumulate_grad_hooks or {})) for p in model.parameters()]
 
     own = param_hooks()  # ampkit's gradient path may hook parameters itself
-    assert current() is None and amp.trainer.api.scale_loss_observers == []
+    assert current() is None and global_extensions() == ()
     assert _global_hook_counts() == before
     with amp.doctor(opt):
         assert _global_hook_counts() == (before[0] + 1, before[1] + 1)
@@ -492,9 +493,9 @@ def test_off_installs_nothing_and_stop_removes_everything(monkeypatch):
         assert [h[0] for h in param_hooks()] == [n + 1 for n, _ in own]
         opt.step()
     assert _global_hook_counts() == before
-    assert amp.trainer.api.scale_loss_observers == []
+    assert global_extensions() == ()
     assert param_hooks() == own
-    assert (state.pre_unscale_hooks, state.skip_hooks, state.post_step_hooks) == hooks
+    assert state.extensions == hooks
 
 
 def test_init_trainer_flag_and_env_switch(monkeypatch):

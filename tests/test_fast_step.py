@@ -60,11 +60,13 @@ def test_16_bit_parameters_get_foreach_and_a_disagreeing_fused_kernel_is_not_use
     model = _model().to(torch.bfloat16)
     assert use_fastest_kernel(torch.optim.AdamW(model.parameters())) == ["foreach"]
     # A fused kernel that does not compute the loop's result is refused by the probe.
-    monkeypatch.setattr(fast_step, "_PROBED", {})
+    fast_step.forget_probes()
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *args, **kwargs: None)
     opt = torch.optim.AdamW(_model().parameters(), lr=1e-2)
     assert use_fastest_kernel(opt) == ["foreach"]
     assert not getattr(opt, "_step_supports_amp_scaling", False)
+    monkeypatch.undo()
+    fast_step.forget_probes()  # the refusal was of the patched kernel
 
 
 def test_subclasses_and_mixed_groups():

@@ -23,7 +23,7 @@ from torch import nn
 
 import ampkit as amp
 from ampkit import AmpError, LossScaler, ScalerError, StateError
-from ampkit.distributed.core import _fingerprint as freeze  # bitwise digest of nested state
+from ampkit.distributed.core import fingerprint as freeze  # bitwise digest of nested state
 from ampkit.levels.setup import compensation_of, master_weights_of
 from ampkit.scaling import loss_scaler as scaling
 from ampkit.trainer.api import managed_state

@@ -102,3 +102,75 @@ def test_a_0_2_checkpoint_resumes_bitwise_as_the_same_run_continues_today(level,
     for a, b in zip(today, resumed):
         assert a.dtype == b.dtype and (a.dtype == torch.float32 or level == "O2K")
         assert torch.equal(a, b)
+
+
+def _fresh(code: str) -> str:
+    import subprocess
+    import sys
+    import textwrap
+
+    r = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:ampkit", "-c", textwrap.dedent(code)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_0_2_module_paths_give_todays_modules_and_never_rebind_a_function():
+    """``import ampkit.model`` (0.2's path) warns and gives today's module object; the
+    documented ``ampkit.compat.apex`` and ``ampkit.bench`` paths do not warn; importing
+    0.2's ``ampkit.convert`` leaves ``ampkit.convert`` the function; no module of the
+    package is named like a function of ``ampkit``."""
+    out = _fresh("""
+        import importlib, sys, warnings
+        import ampkit
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            import ampkit.model as old
+        import ampkit.levels.model_cast as new
+        print(old is new, [str(x.category.__name__) for x in w], "ampkit.levels.model_cast" in str(w[0].message))
+        import ampkit.compat.apex, ampkit.bench.memory  # supported paths: -W error would raise on a warning
+        print(ampkit.compat.apex is sys.modules["ampkit.tools.compat.apex"],
+              sys.modules["ampkit.bench.memory"] is sys.modules["ampkit.tools.bench.memory"])
+        import ampkit.convert as c
+        print(callable(c) and c is ampkit.convert and type(ampkit.convert).__name__ == "function")
+        print(sorted(n for n in ("convert", "explain", "doctor")
+                     if importlib.util.find_spec("ampkit." + n) is not None and n != "convert"))
+    """)
+    lines = out.split("\n")
+    assert lines[0] == "True ['DeprecationWarning'] True", out
+    assert lines[1] == "True True", out
+    assert lines[2] == "True", out
+    assert lines[3] == "[]", out
+
+
+#: what ampkit 0.2 put into pickled models: module path -> class names (0.2's allowlist)
+PICKLED_BY_0_2 = {
+    "ampkit.model": ("CastInputs", "CastOutputs", "EntryCasts", "EntryExit", "OpCastingEnter", "OpCastingExit"),
+    "ampkit.levels": ("ResyncMasters",),
+    "ampkit.grads": ("WatchDDP",),
+    "ampkit.distributed": ("FSDPGuard",),
+    "ampkit.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
+    "ampkit.convert": ("_BoundaryInputs", "_BoundaryOutputs", "_IslandEnter", "_IslandExit", "_Fp32Island",
+                       "ConversionReport", "ModuleDecision", "FoldRecord", "Budget", "OutputError"),
+    "ampkit.compat.apex": ("Fp32StateDict",),
+}
+
+
+def test_a_class_pickled_under_its_0_2_path_unpickles_as_todays_class():
+    """Every class 0.2 pickled, named by its 0.2 path: the full unpickler
+    (``weights_only=False``) imports that path and gets today's class, and the
+    weights-only unpickler allows it under that name."""
+    import io
+    import pickle
+    import warnings
+
+    from torch import _weights_only_unpickler as wou
+
+    for old, names in PICKLED_BY_0_2.items():
+        for name in names:
+            data = b"\x80\x02c" + f"{old}\n{name}\n".encode() + b"."
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                got = pickle.load(io.BytesIO(data))
+            assert got.__name__ == name and got.__module__.startswith("ampkit.") and got.__module__ != old, (old, name)
+            assert wou.Unpickler(io.BytesIO(data)).load() is got, (old, name)

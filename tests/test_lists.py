@@ -168,7 +168,7 @@ def _mismatches(device_type, dtype, inputs, intercept_all):
     for label, fn, _ in OPS:
         with torch.autocast(device_type, dtype=dtype):
             want = _outcome(fn, inputs)
-        with casting._scope(policy, device_type, intercept_all=intercept_all):
+        with casting.open_scope(policy, device_type, intercept_all=intercept_all):
             got = _outcome(fn, inputs)
         if want != got:
             out.append((label, want, got))
@@ -196,7 +196,7 @@ def test_ampkit_kernels_are_transparent_to_plain_torch_autocast():
     """Once ampkit registered kernels, torch.autocast outside any ampkit scope still
     behaves exactly as before."""
     inputs = _inputs(torch.float32, torch.bfloat16)
-    with casting._scope(amp.default_policy("cpu"), "cpu", intercept_all=True):
+    with casting.open_scope(amp.default_policy("cpu"), "cpu", intercept_all=True):
         pass
     for label, fn, _ in OPS:
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -12,7 +12,7 @@ from ampkit.casting import engine as casting
 
 
 def _lstm_runs_under_torch_autocast() -> bool:
-    return casting._probe_rnn(torch.bfloat16)
+    return casting.probe_rnn(torch.bfloat16)
 
 
 def _model():

@@ -158,14 +158,14 @@ def test_without_importing_ampkit_the_load_names_the_ampkit_class(saved):
 
 
 def test_only_ampkit_classes_are_allowed_and_nothing_callable_beyond_them():
-    from ampkit import _safe_globals
+    from ampkit import safe_globals
 
-    classes = _safe_globals.safe_classes(list(_safe_globals.SAFE_GLOBALS))
-    assert len(classes) == sum(map(len, _safe_globals.SAFE_GLOBALS.values()))
+    classes = safe_globals.safe_classes(list(safe_globals.SAFE_GLOBALS))
+    assert len(classes) == sum(map(len, safe_globals.SAFE_GLOBALS.values()))
     for cls in classes:
-        assert isinstance(cls, type) and cls.__module__ in _safe_globals.SAFE_GLOBALS, cls
+        assert isinstance(cls, type) and cls.__module__ in safe_globals.SAFE_GLOBALS, cls
     allowed = set(torch.serialization.get_safe_globals())
-    assert set(_safe_globals.safe_classes()) <= allowed
+    assert set(safe_globals.safe_classes()) <= allowed
     from torch import _weights_only_unpickler as wou
 
     def load(data: bytes):

@@ -49,15 +49,15 @@ def test_kernels_stay_after_the_scope_and_act_as_torch_autocast_outside_it():
         native_mm, native_softmax = torch.mm(a, a), F.softmax(a, -1)
     with amp.autocast(amp.Policy(fp32_ops=["mm"], lower_ops=["softmax"]), "cpu"):
         assert torch.mm(a, a).dtype == FP32 and F.softmax(a, -1).dtype == BF16
-    assert {"mm", "softmax"} <= casting._registry.registered("cpu")  # kept
-    assert not casting._hooks.installed()  # one thread, no scope: module calls on torch's fast path
+    assert {"mm", "softmax"} <= casting.kernel_registry.registered("cpu")  # kept
+    assert not casting.module_hooks.installed()  # one thread, no scope: module calls on torch's fast path
     with torch.autocast("cpu", dtype=BF16):  # through ampkit's kernels: torch's categories
         mm, softmax = torch.mm(a, a), F.softmax(a, -1)
     assert torch.equal(mm, native_mm) and mm.dtype == BF16
     assert torch.equal(softmax, native_softmax) and softmax.dtype == FP32
     assert torch.mm(a, a).dtype == FP32  # no autocast at all
     amp.reset()  # the only thread, no scope open: torch's own kernels are back
-    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+    assert not casting.kernel_registry.registered("cpu") and not casting.module_hooks.installed()
 
 
 @pytest.mark.fresh_process
@@ -78,13 +78,13 @@ def test_reset_keeps_kernels_and_hooks_while_another_thread_runs():
     started.wait(30)
     hooks = _global_hooks()
     amp.reset()
-    assert "mm" in casting._registry.registered("cpu") and casting._hooks.installed()
+    assert "mm" in casting.kernel_registry.registered("cpu") and casting.module_hooks.installed()
     assert _global_hooks() == hooks
     stop.set()
     t.join()
     assert seen == [FP32, FP32]  # the other thread's scope kept working
     amp.reset()
-    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+    assert not casting.kernel_registry.registered("cpu") and not casting.module_hooks.installed()
 
 
 @pytest.mark.fresh_process
@@ -102,7 +102,7 @@ def test_init_in_a_thread_that_exits_leaves_nothing_reset_cannot_remove():
     with torch.autocast("cpu", dtype=BF16):
         assert torch.mm(a, a).dtype == BF16
     amp.reset()
-    assert not casting._registry.registered("cpu") and not casting._hooks.installed()
+    assert not casting.kernel_registry.registered("cpu") and not casting.module_hooks.installed()
     assert _global_hooks() == hooks
 
 
@@ -295,7 +295,7 @@ def _fake_parallel_apply(inside: threading.Barrier, release: threading.Event):
     def _worker(found: list) -> None:
         from ampkit.casting import engine as casting
 
-        found.append(casting._replica_caller())
+        found.append(casting.replica_caller())
 
     inside.wait()
     release.wait(10)

@@ -21,6 +21,7 @@ from ampkit import LossScaler, NumericsError, StateError
 from ampkit.trainer import session as amp_session
 from ampkit.trainer import stats as amp_stats
 from ampkit.trainer.api import managed_state
+from ampkit.trainer.extensions import StepExtension
 
 INF = float("inf")
 
@@ -789,9 +790,17 @@ def test_hooks_run_at_the_right_times_and_swapped_params_are_checked():
             for m, p in zip(masters, model.parameters()):
                 p.copy_(m)
 
-    state.pre_unscale_hooks.append(copy_grads_in)
-    state.post_step_hooks.append(copy_back)
-    state.skip_hooks.append(lambda: calls.append("skip"))
+    class Hooks(StepExtension):
+        def before_check(self) -> None:
+            copy_grads_in()
+
+        def after_step(self, skipped: bool) -> None:
+            if skipped:
+                calls.append("skip")
+            else:
+                copy_back()
+
+    state.add_extension(Hooks())
     state.backward_params = list(model.parameters())
     saved = {"v": 0}
     state.register_extra_state("masters", lambda: [m.detach().clone() for m in masters],

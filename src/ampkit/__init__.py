@@ -125,7 +125,7 @@ from ampkit.tools.diagnosis import DoctorReport, doctor  # noqa: E402  (ampkit.d
 
 __all__ += ["DoctorReport", "doctor"]
 # --- torch.load(f) (weights_only=True) of a model carrying ampkit's objects ---
-from ampkit import _legacy, _safe_globals  # noqa: E402
+from ampkit import legacy, safe_globals  # noqa: E402
 
-_legacy.install()  # 0.2's module paths (pickled class paths, ampkit.compat.apex)
-_safe_globals.register()
+legacy.install()  # 0.2's module paths (pickled class paths, ampkit.compat.apex)
+safe_globals.register()

@@ -1,6 +1,9 @@
 """dtype and device facts every layer shares, in one place.
 
 - :data:`LOW_PRECISION`: the 16-bit floating dtypes ampkit computes or stores in.
+- :data:`DTYPE_NAMES` / :func:`dtype_name`: the short names ampkit prints (``"bf16"``).
+- :data:`DTYPES_BY_NAME`: the dtype a short name given on a command line or in a
+  config (``"bf16"``, ``"fp16"``, ``"fp32"``) stands for.
 - :func:`default_device_type` / :func:`default_dtype`: what ampkit picks when the caller
   names no device or dtype (torch.autocast's own defaults).
 - :func:`cast_optimizer_state`: how an optimizer's per-parameter state follows its
@@ -16,8 +19,13 @@ from typing import Any
 
 import torch
 
+from ampkit._internal import torch_compat
+
 __all__ = [
     "LOW_PRECISION",
+    "DTYPE_NAMES",
+    "DTYPES_BY_NAME",
+    "dtype_name",
     "default_device_type",
     "default_dtype",
     "cast_optimizer_state",
@@ -27,6 +35,46 @@ __all__ = [
 #: The 16-bit floating dtypes: ampkit's compute dtypes, and the storage dtypes of the
 #: O2/O3/O2K levels.
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+#: The short name ampkit prints for each floating dtype it reports on.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+}
+
+#: The dtype each short name accepted from a user (CLI flag, spec field) stands for.
+#: Callers that accept fewer names (16-bit only) check the name against their own
+#: choices first.
+DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+def dtype_name(
+    dtype: torch.dtype | None,
+    *,
+    none: str = "None",
+    extra: Mapping[torch.dtype, str] | None = None,
+) -> str:
+    """The short name of ``dtype``: ``"fp32"``/``"fp16"``/``"bf16"``/``"fp64"``
+    (:data:`DTYPE_NAMES`, then ``extra``'s names, e.g. ``{torch.int64: "i64"}``), else
+    torch's own name without ``torch.`` (``"float8_e4m3fn"``).
+
+    Args:
+        dtype: the dtype to name, or None.
+        none: what None is named (default ``"None"``).
+        extra: further names, looked up after :data:`DTYPE_NAMES` (default none).
+    """
+    if dtype is None:
+        return none
+    name = DTYPE_NAMES.get(dtype)
+    if name is None and extra is not None:
+        name = extra.get(dtype)
+    return name if name is not None else str(dtype).replace("torch.", "")
 
 
 def default_device_type() -> str:
@@ -68,4 +116,4 @@ def torch_class(module: str, name: str) -> type | None:
 # Called inside module hooks that torch.compile traces (the FSDP guard, the gradient
 # path): dynamo runs it at trace time and keeps the class as a constant of the graph,
 # rather than breaking the graph at importlib.
-torch_class._dynamo_marked_constant = True  # type: ignore[attr-defined]
+torch_compat.mark_trace_constant(torch_class)

@@ -13,9 +13,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ampkit._internal import observe
+from ampkit._internal.dtypes import dtype_name
+from ampkit._internal.torch_compat import (
+    TorchDispatchMode,
+    compiled_function_inner,
+    compiled_module_inner,
+    tree_flatten,
+)
 from ampkit.errors import AmpError, PolicyError
 
 from . import engine as casting
@@ -172,12 +178,11 @@ class ExplainReport:
         return table
 
 
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-          torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+_INT_NAMES = {torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
 
 
 def _short(dtypes: tuple[torch.dtype, ...]) -> str:
-    return ",".join(_SHORT.get(d, str(d).replace("torch.", "")) for d in dtypes) or "-"
+    return ",".join(dtype_name(d, extra=_INT_NAMES) for d in dtypes) or "-"
 
 
 def _tensor_dtypes(value: Any) -> tuple[torch.dtype, ...]:
@@ -248,10 +253,8 @@ def explain(
     scope = casting.autocast(policy, device_type) if use_scope else None
     if scope is not None:
         scope.__enter__()
-    from ampkit.levels import fp8
-
-    try:
-        with recorder, fp8.observe() as fp8_records:
+    try:  # records reported by the levels above (fp8 matmuls) while the model runs
+        with recorder, observe.collector() as fp8_records:
             fn_or_module(*inputs, **kwargs)
     except AmpError:
         raise
@@ -277,10 +280,10 @@ def _describe(x: Any) -> str:
 
 def _eager(fn: Any) -> tuple[Any, str | None]:
     """The eager module or function under ``torch.compile``'s wrapper, if any."""
-    if isinstance(fn, nn.Module) and type(fn).__name__ == "OptimizedModule" and hasattr(fn, "_orig_mod"):
-        inner = fn._orig_mod
+    inner = compiled_module_inner(fn) if isinstance(fn, nn.Module) else None
+    if inner is not None:
         return inner, f"(explained the eager {type(inner).__name__} that torch.compile wraps; compiled code uses the same dtypes)"
-    inner = getattr(fn, "_torchdynamo_orig_callable", None)
+    inner = compiled_function_inner(fn)
     if inner is not None:
         name = getattr(inner, "__name__", type(inner).__name__)
         return inner, f"(explained the eager {name} that torch.compile wraps; compiled code uses the same dtypes)"

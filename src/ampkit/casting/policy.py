@@ -1,7 +1,7 @@
 """Policy: which ops run in which dtype. Pure data: building one changes no torch state.
 
 A :class:`Policy` names a compute dtype (bf16 or fp16) and moves ops between the
-categories of the device's default lists (:mod:`ampkit.lists`):
+categories of the device's default lists (:mod:`ampkit.casting.lists`):
 
 - ``lower_ops`` run in the compute dtype,
 - ``fp32_ops`` run in float32,
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ampkit._internal.dtypes import LOW_PRECISION, default_dtype
+from ampkit._internal.torch_compat import TENSOR_BASE
 from ampkit.errors import PolicyError
 
 from .lists import DEFAULT_LISTS
@@ -75,7 +76,7 @@ def _aten_exists(name: str) -> bool:
 
 def _is_torch_callable(fn: Callable[..., Any]) -> bool:
     objclass = getattr(fn, "__objclass__", None)
-    if isinstance(objclass, type) and issubclass(objclass, torch._C.TensorBase):
+    if isinstance(objclass, type) and issubclass(objclass, TENSOR_BASE):
         return True
     module = getattr(fn, "__module__", None) or ""
     if module == "torch" or module.startswith("torch."):

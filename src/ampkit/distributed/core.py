@@ -37,10 +37,12 @@ When ampkit agrees (:func:`set_sync`, per optimizer):
 - ``"always"``: agree on every step (world size > 1).
 - ``"never"``: each rank decides alone. Only for setups where you know better.
 
-How it plugs in. :data:`AGREEMENT` implements :class:`ampkit._decision.StepAgreement`;
-``ampkit.init_trainer`` hands it to every managed optimizer (``ManagedOptimizer.agreement``),
+How it plugs in. :data:`AGREEMENT` implements :class:`ampkit.trainer.decision.StepAgreement`;
+importing this module installs it as the trainer's default agreement
+(:func:`ampkit.trainer.extensions.set_default_agreement`), which ``ampkit.init_trainer``
+hands to every managed optimizer (``ManagedOptimizer.agreement``),
 whose step calls it before checking the grads and before reading the flags; the skip
-rule itself is :func:`ampkit._decision.decide`, the same for one process and many.
+rule itself is :func:`ampkit.trainer.decision.decide`, the same for one process and many.
 
 Nothing happens in a single process, or before ``torch.distributed`` is initialized.
 :func:`sync_plan` says what the next step will do and why.
@@ -69,11 +71,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import torch_class
+from ampkit._internal.tree import iter_tensors, map_leaves
 from ampkit._internal.validate import require_choice
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import DistributedError
 from ampkit.levels import model_cast as _model
+from ampkit.trainer import extensions as _extensions
 from ampkit.trainer import loss_slots as _trainer
 from ampkit.trainer import managed as _step
 from ampkit.trainer import session as _session
@@ -193,19 +198,19 @@ class _DDPRecord:
         if not torch.is_grad_enabled():
             return
         self._armed = True
-        for t in _tensors(output):
+        for t in iter_tensors(output, mapping=dict):
             if t.requires_grad:
                 t.register_hook(self._on_backward)
 
     def _on_backward(self, grad: torch.Tensor) -> None:
         if self._armed:
             self._armed = False
-            engine = torch.autograd.Variable._execution_engine
+            engine = torch_compat.autograd_engine()
             engine.queue_callback(lambda: engine.queue_callback(self._snapshot))
 
     def _snapshot(self) -> None:
         self.reduced = {
-            id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+            id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), torch_compat.tensor_version(p.grad))
             for p in self.params
         }
 
@@ -216,7 +221,7 @@ class _DDPRecord:
             return
         for p in params:
             if id(p) in self.reduced:
-                self.reduced[id(p)] = (None, -1) if p.grad is None else (weakref.ref(p.grad), p.grad._version)
+                self.reduced[id(p)] = (None, -1) if p.grad is None else (weakref.ref(p.grad), torch_compat.tensor_version(p.grad))
 
     def changed(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether the grad of any of ``params`` (those of this model) was replaced or
@@ -229,20 +234,9 @@ class _DDPRecord:
                 continue
             ref, version = seen
             grad = None if ref is None else ref()
-            if p.grad is not grad or (grad is not None and grad._version != version):
+            if p.grad is not grad or (grad is not None and torch_compat.tensor_version(grad) != version):
                 return True
         return False
-
-
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 # Module state: DDP models registered by the user, process-wide like the process group
@@ -293,7 +287,7 @@ def _master_pairs(state: _step.ManagedOptimizer) -> list[tuple[torch.Tensor, tor
     backward = state.backward_params
     if backward is None:
         return []
-    return [(m, p) for m, p in zip(state._grad_params(), backward) if m is not p]
+    return [(m, p) for m, p in zip(state.grad_params(), backward) if m is not p]
 
 
 def _broadcast_masters(param_ids: frozenset[int], group: Any) -> None:
@@ -347,7 +341,7 @@ def _plan(state: _step.ManagedOptimizer, num_segments: int) -> SyncPlan:
     backward = state.backward_params
     grads = [
         p.grad
-        for p in itertools.chain(state._grad_params(), backward if backward is not None else ())
+        for p in itertools.chain(state.grad_params(), backward if backward is not None else ())
         if p.grad is not None
     ]
     dtensor = torch_class("torch.distributed.tensor", "DTensor")
@@ -364,7 +358,7 @@ def _ddp_plan(state: _step.ManagedOptimizer, group_size: int) -> SyncPlan:
     if not _DDPS:
         return SyncPlan(True, "no DDP model registered (ampkit.distributed.register_ddp)")
     backward = state.backward_params
-    params = backward if backward is not None else state._grad_params()
+    params = backward if backward is not None else state.grad_params()
     records = [r for r in _DDPS.values() if r.group_size == group_size]
     for p in params:
         if not p.requires_grad:
@@ -418,7 +412,7 @@ def _before_check(state: _step.ManagedOptimizer) -> None:
     if not _DDPS or not (dist.is_available() and dist.is_initialized()):
         return
     backward = state.backward_params
-    params = list(backward if backward is not None else state._grad_params())
+    params = list(backward if backward is not None else state.grad_params())
     _settings(state).changed_after_reduce = any(r.changed(params) for r in list(_DDPS.values()))
 
 
@@ -490,7 +484,7 @@ def _masters_mismatch(state: _step.ManagedOptimizer) -> str | None:
 
 
 class _DistributedAgreement:
-    """ampkit's :class:`~ampkit._decision.StepAgreement`: how a managed step joins
+    """ampkit's :class:`~ampkit.trainer.decision.StepAgreement`: how a managed step joins
     the other ranks (given to every managed optimizer by ``init_trainer``). Stateless:
     what it needs lives in the DDP records and the per-optimizer settings above."""
 
@@ -503,8 +497,10 @@ class _DistributedAgreement:
             record.resnapshot(params)
 
 
-#: The agreement every managed optimizer uses (see :class:`_DistributedAgreement`).
+#: The agreement every managed optimizer uses (see :class:`_DistributedAgreement`):
+#: installed as the trainer's default when this module is imported.
 AGREEMENT = _DistributedAgreement()
+_extensions.set_default_agreement(AGREEMENT)
 
 
 # --- initialize-time checks --------------------------------------------------------------
@@ -632,25 +628,29 @@ def _convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
     for name, child in list(module.named_children()):
         converted = _convert_bn(child, process_group)
         if converted is not child:
-            module._modules[name] = converted
+            torch_compat.replace_child(module, name, converted)
     return module
+
+
+convert_bn = _convert_bn  # the public name, for other subpackages and tests
 
 
 def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
     """Re-register on ``new`` the input/output cast hooks ampkit put on ``old``."""
-    handles = _model._HANDLES.pop(old, [])
+    handles = _model.HANDLES.pop(old, [])
     moved = []
     for handle in handles:
         hid = handle.id
-        if hid in old._forward_pre_hooks:
-            fn = old._forward_pre_hooks[hid]
-            with_kwargs = hid in old._forward_pre_hooks_with_kwargs
+        old_hooks = torch_compat.module_hook_dicts(old)
+        if hid in old_hooks.pre:
+            fn = old_hooks.pre[hid]
+            with_kwargs = hid in old_hooks.pre_with_kwargs
             moved.append(new.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
-        elif hid in old._forward_hooks:
-            moved.append(new.register_forward_hook(old._forward_hooks[hid]))
+        elif hid in old_hooks.post:
+            moved.append(new.register_forward_hook(old_hooks.post[hid]))
         handle.remove()
     if moved:
-        _model._HANDLES[new] = moved
+        _model.HANDLES[new] = moved
 
 
 # --- checking that the ranks agree -------------------------------------------------------
@@ -659,17 +659,18 @@ def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
 def _fingerprint(obj: Any) -> Any:
     """A picklable digest of a state dict: numbers as they are, tensors by dtype, shape
     and a hash of their bytes (bitwise)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-        return ("tensor", str(t.dtype), tuple(t.shape), digest)
-    if isinstance(obj, dict):
-        return {k: _fingerprint(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_fingerprint(v) for v in obj]
-    if isinstance(obj, float):
-        return repr(obj)
-    return obj
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+            return ("tensor", str(t.dtype), tuple(t.shape), digest)
+        return repr(x) if isinstance(x, float) else x
+
+    return map_leaves(obj, leaf, mapping=dict)
+
+
+fingerprint = _fingerprint  # the public name, for other subpackages and tests
 
 
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:

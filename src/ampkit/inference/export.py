@@ -43,7 +43,7 @@ import io
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +52,7 @@ from torch import nn
 
 from ampkit._internal.dtypes import LOW_PRECISION
 from ampkit._internal.paths import output_path
+from ampkit._internal.tree import iter_tensors
 from ampkit.errors import AmpError
 
 from .conversion import ConversionError, OutputError, dequantized, output_error, run_batch
@@ -214,7 +215,7 @@ def _export_torchscript(target: nn.Module, args: tuple[Any, ...], dynamic_batch:
     input_names = [f"input_{i}" for i in range(len(tensor_args))]
     with torch.no_grad():
         out = target(*args)
-    n_out = len(_flat_tensors(out))
+    n_out = len(list(iter_tensors(out)))
     output_names = [f"output_{i}" for i in range(n_out)]
     axes = {n: {0: "batch"} for n in input_names + output_names} if dynamic_batch else None
     buf = io.BytesIO()
@@ -230,16 +231,6 @@ def _export_torchscript(target: nn.Module, args: tuple[Any, ...], dynamic_batch:
             opset_version=opset or _TORCHSCRIPT_OPSET,
         )
     return onnx.load_model_from_string(buf.getvalue())
-
-
-def _flat_tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for k in obj for t in _flat_tensors(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _flat_tensors(x)]
-    return []
 
 
 def _store_16bit(proto: Any, dtype: torch.dtype) -> None:
@@ -321,7 +312,7 @@ def export_onnx(
             converted model takes them). Non-tensor arguments are baked in.
         path: the ``.onnx`` file to write.
         precision: ``"compute"``, ``"storage"`` or ``"auto"`` (see
-            :mod:`ampkit.export`; auto: compute for fp16 weights, storage for bf16).
+            :mod:`ampkit.inference.export`; auto: compute for fp16 weights, storage for bf16).
         exporter: ``"dynamo"`` (torch.onnx.export(dynamo=True)), ``"torchscript"``,
             or ``"auto"``: dynamo, falling back to TorchScript when dynamo fails.
         dynamic_batch: make dimension 0 of inputs (and outputs) dynamic. Default True.
@@ -464,5 +455,5 @@ def run_onnx(session: Any, inputs: Any) -> list[torch.Tensor]:
 
 def onnx_output_error(session: Any, reference: Sequence[Any], batches: Sequence[Any]) -> OutputError:
     """onnxruntime's outputs on ``batches`` against ``reference`` (one output per
-    batch, e.g. an fp32 model's): :class:`ampkit.convert.OutputError`."""
+    batch, e.g. an fp32 model's): :class:`ampkit.inference.conversion.OutputError`."""
     return output_error(list(reference), [run_onnx(session, b) for b in batches])

@@ -31,7 +31,7 @@ Dedicated updates (Kahan, bf16 parameters of ``torch.optim.Adam``, ``AdamW`` and
 capturable or differentiable): one elementwise kernel per tensor reads the bf16
 weight, compensation, grad and state once, computes the optimizer's update in
 fp32 registers, and writes weight, compensation and state back in place (see
-:mod:`ampkit._kernels`; ``kernel="auto"`` compiles it with ``torch.compile`` where
+:mod:`ampkit.levels.update_kernels`; ``kernel="auto"`` compiles it with ``torch.compile`` where
 a C++ compiler is available, else runs it op by op in bounded chunks). No
 full-size temporary: AdamW costs 10 bytes per parameter in all (bf16 weight,
 compensation, grad and two moments), the step included. The arithmetic is the
@@ -48,12 +48,15 @@ and its result is rounded as above. State is stored back in the parameter's dtyp
 Peak extra memory during the step is about ``chunk_numel * 20`` bytes (fp32
 parameter, grad, Adam's two moments, the sum).
 
-How the step is intercepted without replacing ``optimizer.step``: a step
-pre-hook (``Optimizer.register_step_pre_hook``) runs the optimizer's class-level
-``step`` once per chunk, with every grad outside the chunk set aside (torch
-optimizers skip parameters whose ``.grad`` is None), then sets all grads aside so
-the step the user called finds nothing left to do; the post-hook puts the grads
-back. A step skipped by the loss scaler never reaches the hooks.
+How the step is intercepted without replacing ``optimizer.step``: right before the
+optimizer's own step, the optimizer's class-level ``step`` runs once per chunk, with
+every grad outside the chunk set aside (torch optimizers skip parameters whose
+``.grad`` is None), then every grad is set aside so the step the user called finds
+nothing left to do; right after it the grads come back. On an optimizer ampkit
+manages (``init_trainer``, O2K) this is a step extension
+(:class:`ampkit.trainer.extensions.StepExtension`: ``before_update``/``after_update``),
+so a step skipped by the loss scaler never reaches it; on an unmanaged optimizer, a
+step pre-hook and post-hook (``Optimizer.register_step_pre_hook``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ from ampkit._internal.validate import (
     require_tensor,
 )
 from ampkit.errors import AmpError, StateError
+from ampkit.trainer.extensions import StepExtension
+from ampkit.trainer.managed import managed_state
 
 from . import update_kernels as _kernels
 from .update_kernels import Kernel, flat, same_layout
@@ -130,7 +135,7 @@ def _split_bf16(x: torch.Tensor) -> torch.Tensor:
     through memory). Exact for |x| < 2**112; the result is round-to-nearest (ties
     may go either way, unlike the cast's ties-to-even). Needs fp32 arithmetic
     without contraction into fused multiply-adds, which Inductor's default
-    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit._kernels` checks."""
+    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit.levels.update_kernels` checks."""
     t = x * 65537.0
     return t - (t - x)
 
@@ -181,10 +186,13 @@ def _sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch
     _kahan_store(w, c, wf - gf * s[0] + c.float())
 
 
+sgd_plain_kahan = _sgd_plain_kahan  # the public name, for other subpackages and tests
+
+
 _BF = torch.bfloat16
 _ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
 _SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
-_SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
+SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
 
 
 def _scalar(x: Any) -> float | None:
@@ -271,16 +279,29 @@ class CompensatedUpdates:
         self._device_generators: dict[torch.device, torch.Generator] = {}
         self._inside = False
         self._set_aside: list[tuple[nn.Parameter, torch.Tensor]] | None = None
-        self._handles = [
-            optimizer.register_step_pre_hook(self._pre_step),
-            optimizer.register_step_post_hook(self._post_step),
-        ]
+        self._handles: list[Any] = []
+        self._extension: _CompensatedStep | None = None
+        try:
+            managed = managed_state(optimizer)
+        except StateError:  # not managed by ampkit: torch's step hooks
+            managed = None
+        if managed is not None and managed.optimizer is optimizer:
+            self._extension = _CompensatedStep(self)
+            managed.add_extension(self._extension)
+        else:
+            self._handles = [
+                optimizer.register_step_pre_hook(self._pre_step),
+                optimizer.register_step_post_hook(self._post_step),
+            ]
 
     def remove(self) -> None:
         """Detach from the optimizer (compensation buffers are dropped)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._extension is not None:
+            self._extension.remove()
+            self._extension = None
 
     # -- which parameters ---------------------------------------------------------
 
@@ -454,7 +475,7 @@ class CompensatedUpdates:
         assert lr is not None and momentum is not None and dampening is not None and wd is not None
         sign = -1.0 if group.get("maximize") else 1.0
         if momentum == 0:
-            _SGD_PLAIN([ws, cs, gs], torch.tensor([lr, wd, sign], dtype=torch.float32), **run)
+            SGD_PLAIN([ws, cs, gs], torch.tensor([lr, wd, sign], dtype=torch.float32), **run)
             return
         first: list[int] = []
         later: list[int] = []
@@ -686,3 +707,19 @@ def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) 
                 total += v.numel() * v.element_size()
     return total
 
+
+
+class _CompensatedStep(StepExtension):
+    """The compensated update of a managed optimizer's taken steps: the pre-step work
+    right before the optimizer's own ``step``, the grads put back right after."""
+
+    def __init__(self, comp: CompensatedUpdates) -> None:
+        self.comp = comp
+
+    def before_update(self, args: tuple, kwargs: dict) -> None:
+        opt = self.comp.optimizer
+        self.comp._pre_step(opt, (opt, *args), kwargs)
+
+    def after_update(self) -> None:
+        opt = self.comp.optimizer
+        self.comp._post_step(opt, (opt,), {})

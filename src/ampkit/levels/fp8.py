@@ -53,7 +53,6 @@ import dataclasses
 import fnmatch
 import itertools
 import math
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -63,7 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampkit._internal import observe as _observe_mod
 from ampkit._internal import registry as _reset
+from ampkit._internal import torch_compat
+from ampkit._internal.dtypes import dtype_name
 from ampkit._internal.validate import (
     CORRUPT_CHECKPOINT,
     require_count,
@@ -88,6 +90,7 @@ E5M2 = torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EPS = 1e-12  # abs-max floor: an all-zero tensor gets a large finite scale
 _ROLES = ("input", "weight", "grad_output")
+ROLES = _ROLES  # the public name, for other subpackages and tests
 _FP32 = torch.finfo(torch.float32)
 
 
@@ -104,6 +107,9 @@ def _max_margin(fp8: torch.dtype) -> int:
     Then ``1/scale`` is finite too (that needs only ``2**margin <= fp8_max``), and the
     abs-max lands at ``fp8_max / 2**margin`` (>= 7 for e4m3), inside fp8's normal range."""
     return int(math.floor(math.log2(torch.finfo(fp8).max / (_FP32.max * _FP32.tiny))))
+
+
+max_margin = _max_margin  # the public name, for other subpackages and tests
 
 
 #: ``Fp8Recipe.margin``'s upper bound: every recipe casts inputs and weights to e4m3,
@@ -398,6 +404,9 @@ def _scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) ->
     return scale
 
 
+scale_from_amax = _scale_from_amax  # the public name, for other subpackages and tests
+
+
 def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -410,6 +419,9 @@ def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
 def _saturate(t: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     limit = _MAX[fp8]
     return (t.float() * scale).clamp(-limit, limit).to(fp8)
+
+
+saturate = _saturate  # the public name, for other subpackages and tests
 
 
 def _dequant(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -533,7 +545,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, ou
             b = F.pad(b.float(), (0, 0, 0, pad)).to(b.dtype)
         if sa.dim() == 2 and out_dtype != torch.bfloat16:
             return _mm(a, b, sa, sb, torch.bfloat16).to(out_dtype)
-    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=out_dtype)
+    return torch_compat.scaled_mm(a.contiguous(), _col_major(b), scale_a=_dense(sa), scale_b=_dense(sb), out_dtype=out_dtype)
 
 
 def _dense(scale: torch.Tensor) -> torch.Tensor:
@@ -792,7 +804,7 @@ class Fp8Training:
             module = ref()
             if module is not None:
                 module.__dict__[_STATE_ATTR] = state
-                module.__class__ = Float8Linear
+                torch_compat.swap_module_class(module, Float8Linear)
                 _CONVERTED.add(module)
 
     def state_dict(self) -> dict[str, Any]:
@@ -886,7 +898,7 @@ def _unconvert() -> None:
     """Back to plain ``nn.Linear`` on reset / the next ``initialize``."""
     for module in list(_CONVERTED):
         if type(module) is Float8Linear:
-            module.__class__ = nn.Linear
+            torch_compat.swap_module_class(module, nn.Linear)
         module.__dict__.pop(_STATE_ATTR, None)
     _CONVERTED.clear()
     _CURRENT.training = None
@@ -952,61 +964,44 @@ class Fp8MatmulRecord:
         def rng(s: tuple[float, float]) -> str:
             return f"{s[0]:.3g}" if s[0] == s[1] else f"{s[0]:.3g}..{s[1]:.3g}"
 
-        short = {E4M3: "e4m3", E5M2: "e5m2", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        def short(d: torch.dtype) -> str:
+            return dtype_name(d, extra={E4M3: "e4m3", E5M2: "e5m2"})
+
         return (
-            f"{self.module} {self.matmul}: {short.get(self.a_dtype)} x {short.get(self.b_dtype)} -> "
-            f"{short.get(self.out_dtype)}, dequant scales {rng(self.a_scale)} / {rng(self.b_scale)}"
+            f"{self.module} {self.matmul}: {short(self.a_dtype)} x {short(self.b_dtype)} -> "
+            f"{short(self.out_dtype)}, dequant scales {rng(self.a_scale)} / {rng(self.b_scale)}"
         )
-
-
-#: Per-thread stack of open :class:`observe` collectors: a diagnostic run in one thread
-#: (``explain``) must neither collect another thread's matmuls nor freeze its scale state.
-#: Each ``observe`` removes its own entry on exit, so reset has nothing to drop.
-_LOCAL = threading.local()
-
-
-def _observers() -> list[list[Fp8MatmulRecord]]:
-    obs = getattr(_LOCAL, "observers", None)
-    if obs is None:
-        obs = _LOCAL.observers = []
-    return obs
 
 
 def _forward_mode(grad: bool) -> Mode:
     """The :data:`Mode` of a forward call made now with the caller's grad mode ``grad``
     (read outside the autograd Function or op, where grad mode is still the caller's)."""
-    if _observers() or not grad:
+    if _observe_mod.collecting() or not grad:
         return "frozen"
-    if torch._C._current_graph_task_id() != -1:  # a forward run inside backward: recomputation
+    if torch_compat.current_graph_task_id() != -1:  # a forward run inside backward: recomputation
         return "replay"
     return "train"
 
 
-class observe:
+class observe(_observe_mod.collector):
     """``with observe() as records:`` collects an :class:`Fp8MatmulRecord` per fp8 matmul
     run in this thread; scale state is left unchanged meanwhile (a diagnostic run does
-    not advance delayed-scaling histories)."""
+    not advance delayed-scaling histories). Records of other kinds reported in the same
+    block (:mod:`ampkit._internal.observe`) are left out."""
 
-    def __enter__(self) -> list[Fp8MatmulRecord]:
-        self.records: list[Fp8MatmulRecord] = []
-        _observers().append(self.records)
-        return self.records
-
-    def __exit__(self, *exc: Any) -> None:
-        _observers().remove(self.records)
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.records[:] = [r for r in self.records if isinstance(r, Fp8MatmulRecord)]
 
 
 def _observe(state: LayerState, matmul: str, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out: torch.dtype) -> None:
-    obs = _observers()
-    if not obs:
+    if not _observe_mod.collecting():
         return
 
     def rng(s: torch.Tensor) -> tuple[float, float]:
         return float(s.min()), float(s.max())
 
-    rec = Fp8MatmulRecord(state.name, matmul, a.dtype, b.dtype, rng(sa), rng(sb), out)
-    for records in obs:
-        records.append(rec)
+    _observe_mod.emit(Fp8MatmulRecord(state.name, matmul, a.dtype, b.dtype, rng(sa), rng(sb), out))
 
 
 def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:

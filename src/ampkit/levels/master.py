@@ -2,7 +2,7 @@
 
 The optimizer never sees the model's fp16/bf16 parameters: each one is replaced,
 at its position in ``optimizer.param_groups``, by an fp32 *master* copy. One step
-under ampkit's trainer (hooks installed by :mod:`ampkit.grads`):
+under ampkit's trainer (hooks installed by :mod:`ampkit.trainer.grad_hooks`):
 
 1. backward produces each 16-bit gradient (times the loss scale); as soon as it is
    accumulated, a hook moves it into the master's fp32 ``.grad`` -- unscaled and
@@ -41,7 +41,7 @@ Edits made through ``.data`` bypass the version counter: on the model's grads th
 are found by comparing values; on the masters' grads use in-place tensor ops (as
 ``torch.nn.utils`` does). The comparisons (16-bit copy against its fp32 source
 rounded, for grads and weights) read each element once; large bf16 tensors on CPU
-use a compiled kernel (:func:`ampkit._kernels.rounds_to_bf16`, ~4-5x faster than
+use a compiled kernel (:func:`ampkit.levels.update_kernels.rounds_to_bf16`, ~4-5x faster than
 comparing chunk by chunk), falling back to the exact chunked comparison whenever
 it finds a difference or where it cannot compile.
 
@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import cast_optimizer_state
 from ampkit._internal.validate import (
     CORRUPT_CHECKPOINT,
@@ -187,7 +188,7 @@ class MasterWeights:
             self.optimizer.state[master] = cast_optimizer_state(state, torch.float32)
         self._model_of[id(master)] = p
         self._masters[id(p)] = master
-        self._published[id(master)] = master._version
+        self._published[id(master)] = torch_compat.tensor_version(master)
         return master
 
     def _current_layout(self) -> tuple[int, ...]:
@@ -258,21 +259,21 @@ class MasterWeights:
         if not pairs:
             return
         with torch.no_grad():
-            torch._foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
-        self._published = {id(p): p._version for _, p in pairs}
+            torch_compat.foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
+        self._published = {id(p): torch_compat.tensor_version(p) for _, p in pairs}
 
     def publish_changed(self) -> None:
         """Round into the model the masters changed since the last publish (by anything
         but the managed step: an optimizer wrapper that steps its base optimizer itself,
         hand edits). Cheap when none changed: version counters only."""
         changed = [
-            (m, p) for m, p in self.pairs() if self._published.get(id(p)) != p._version
+            (m, p) for m, p in self.pairs() if self._published.get(id(p)) != torch_compat.tensor_version(p)
         ]
         if changed:
             with torch.no_grad():
-                torch._foreach_copy_([m for m, _ in changed], [p for _, p in changed])
+                torch_compat.foreach_copy_([m for m, _ in changed], [p for _, p in changed])
             for _, p in changed:
-                self._published[id(p)] = p._version
+                self._published[id(p)] = torch_compat.tensor_version(p)
 
     def sync_from_model(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Re-derive the master of each model parameter (of ``params``; default: all)
@@ -288,9 +289,9 @@ class MasterWeights:
             for model_p, master in pairs:
                 if not _rounds_to(model_p, master):
                     master.copy_(model_p)
-                    self._published[id(master)] = master._version
+                    self._published[id(master)] = torch_compat.tensor_version(master)
 
-    # -- one gradient, two views (used by ampkit.grads' hooks) ---------------------------
+    # -- one gradient, two views (used by ampkit.trainer.grad_hooks' hooks) ---------------------------
 
     def _linked(self, model_params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, nn.Parameter, _Link]]:
         """(model param, its master, their link) for those of ``model_params`` with a master."""
@@ -450,7 +451,7 @@ class MasterWeights:
                 g is not None
                 and g.device.type in KEEP_ASIDE_DEVICES
                 and link.is_shown(g)
-                and g._version == link._shown_version
+                and torch_compat.tensor_version(g) == link._shown_version
                 and not link.master_changed(master.grad)
             )
             model_p.grad = None
@@ -663,7 +664,7 @@ def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype (a gradient
     copy and its master's gradient, a model weight and its master), compared a chunk
     of ``_COMPARE_CHUNK`` elements at a time: no full-size temporary at the step
-    (large bf16 tensors on CPU: :func:`ampkit._kernels.rounds_to_bf16`, one compiled
+    (large bf16 tensors on CPU: :func:`ampkit.levels.update_kernels.rounds_to_bf16`, one compiled
     pass, several times faster)."""
     if low.shape != g.shape:
         return False
@@ -678,6 +679,9 @@ def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
             torch.equal(a[i : i + _COMPARE_CHUNK], b[i : i + _COMPARE_CHUNK].to(low.dtype))
             for i in range(0, a.numel(), _COMPARE_CHUNK)
         )
+
+
+rounds_to = _rounds_to  # the public name, for other subpackages and tests
 
 
 def _cleared(t: torch.Tensor | None) -> bool:
@@ -733,7 +737,7 @@ class _Link:
 
     def show(self, t: torch.Tensor | None) -> None:
         self._shown = None if t is None else weakref.ref(t)
-        self._shown_version = 0 if t is None else t._version
+        self._shown_version = 0 if t is None else torch_compat.tensor_version(t)
         self.aside = None
         self.viewing = False
 
@@ -743,7 +747,7 @@ class _Link:
 
     def keep(self, g: torch.Tensor | None) -> None:
         self._kept = None if g is None else weakref.ref(g)
-        self._kept_version = 0 if g is None else g._version
+        self._kept_version = 0 if g is None else torch_compat.tensor_version(g)
 
     def is_shown(self, t: torch.Tensor | None) -> bool:
         if self._shown is None:
@@ -755,7 +759,7 @@ class _Link:
             return True
         if cur is None:
             return False
-        if cur._version != self._shown_version:
+        if torch_compat.tensor_version(cur) != self._shown_version:
             return True
         # Edits through .data leave the version alone: compare values (dense grads).
         if g is None or self.master_changed(g) or g.is_sparse or cur.is_sparse:
@@ -765,4 +769,4 @@ class _Link:
     def master_changed(self, g: torch.Tensor | None) -> bool:
         if self._kept is None:
             return g is not None
-        return g is None or self._kept() is not g or g._version != self._kept_version
+        return g is None or self._kept() is not g or torch_compat.tensor_version(g) != self._kept_version

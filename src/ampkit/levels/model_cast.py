@@ -39,7 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal.tree import map_leaves
 from ampkit.casting.engine import autocast
 from ampkit.errors import AmpError
 
@@ -81,6 +83,7 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
 
 # Module state (weak keys): module -> hook handles installed by this file, so a second cast replaces them.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+HANDLES = _HANDLES  # the public name, for other subpackages and tests
 
 
 def is_norm_layer(module: nn.Module, extra_types: tuple[type[nn.Module], ...] = ()) -> bool:
@@ -221,16 +224,10 @@ def cast_tensors(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | N
     """Return ``obj`` with every floating tensor inside it (through tuples,
     named tuples, lists and dicts) cast to ``dtype``; with ``only``, just tensors
     of those dtypes. Integer and boolean tensors and other objects pass through."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if _is_cast_target(obj, only) and obj.dtype != dtype else obj
-    if isinstance(obj, tuple):
-        items = [cast_tensors(x, dtype, only) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [cast_tensors(x, dtype, only) for x in obj]
-    if isinstance(obj, dict):
-        return type(obj)((k, cast_tensors(v, dtype, only)) for k, v in obj.items())
-    return obj
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if _is_cast_target(x, only) and x.dtype != dtype else x
+
+    return map_leaves(obj, cast, keep_types=True, mapping=dict)
 
 
 class CastInputs:
@@ -438,7 +435,7 @@ def _set_entry_scope(model: nn.Module, device_type: str | None, policy: Any = No
     """Entry points of ``model`` run under its op-level casting (``device_type``, with
     ``policy``) or none (None)."""
     for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
+        for hook in torch_compat.module_hook_dicts(module).pre.values():
             if isinstance(hook, EntryCasts) and not hook.top:
                 hook.device_type = device_type
                 if device_type is not None and policy is not None:
@@ -482,8 +479,8 @@ def _trace_restore(module: nn.Module) -> tuple[str, bool, torch.dtype] | None:
 
 
 # run by dynamo at trace time, their results constants in the graph
-_trace_save._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_trace_restore._dynamo_marked_constant = True  # type: ignore[attr-defined]
+torch_compat.mark_trace_constant(_trace_save)
+torch_compat.mark_trace_constant(_trace_restore)
 
 
 def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, policy: Any = None) -> None:
@@ -518,11 +515,12 @@ def remove_fp32_scope(module: nn.Module) -> None:
 
 
 def _remove_scope_hooks(module: nn.Module, enabled: bool) -> None:
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+    dicts = torch_compat.module_hook_dicts(module)
+    for hooks in (dicts.pre, dicts.post):
         kinds = (OpCastingEnter, OpCastingExit)
         for key in [k for k, h in hooks.items() if isinstance(h, kinds) and h.enabled == enabled]:
             del hooks[key]
-            module._forward_hooks_always_called.pop(key, None)
+            dicts.post_always_called.pop(key, None)
 
 
 def _device_type_of(module: nn.Module) -> str:
@@ -536,12 +534,13 @@ def remove_io_casts(module: nn.Module) -> None:
     ``module`` itself (not on its children), also on a copy or an unpickled model."""
     for handle in _HANDLES.pop(module, []):
         handle.remove()
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+    dicts = torch_compat.module_hook_dicts(module)
+    for hooks in (dicts.pre, dicts.post):
         for key in [k for k, h in hooks.items() if isinstance(h, (CastInputs, CastOutputs, EntryCasts, EntryExit))]:
             del hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_always_called.pop(key, None)
+            dicts.pre_with_kwargs.pop(key, None)
+            dicts.post_with_kwargs.pop(key, None)
+            dicts.post_always_called.pop(key, None)
 
 
 def add_io_casts(
@@ -575,7 +574,7 @@ def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, keep: set[int]) -> 
                 p.grad = p.grad.to(dtype)
     for name, b in module.named_buffers(recurse=False):
         if b is not None and b.is_floating_point() and b.dtype != dtype:
-            module._buffers[name] = b.to(dtype)
+            torch_compat.replace_buffer(module, name, b.to(dtype))
 
 
 def cast_model(

@@ -10,7 +10,7 @@ and loss scaling, on top of ampkit's scoped pieces.
   the 16-bit weights; scale 1.
 - ``O2K``: bf16 weights except norm layers (fp32), no master copy; the optimizer's
   updates are applied with Kahan compensation (``compensation="stochastic"`` for
-  stochastic rounding), see :mod:`ampkit.compensated`; scale 1. Always bf16.
+  stochastic rounding), see :mod:`ampkit.levels.compensated`; scale 1. Always bf16.
 
 [*] with ``dtype=torch.float16``. bf16 has fp32's exponent range, so gradients do
 not underflow and the default scale is a static 1 for every level when the compute
@@ -20,7 +20,7 @@ are not finite (``ampkit.step_skipped``).
 
 ``initialize`` starts afresh: like :func:`ampkit.reset` it ends the previous AMP
 session and any process-wide casting, then sets up the chosen level. Models are
-cast in place and get input/output cast hooks (:mod:`ampkit.model`), never a new
+cast in place and get input/output cast hooks (:mod:`ampkit.levels.model_cast`), never a new
 ``forward``, so they can be wrapped by ``DistributedDataParallel`` afterwards.
 """
 
@@ -50,6 +50,7 @@ from ampkit.distributed.core import (
 from ampkit.errors import AmpError, PolicyError, ScalerError, StateError
 from ampkit.scaling.loss_scaler import LossScaler, check_scale
 from ampkit.trainer import api as optim
+from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
 from ampkit.trainer.managed import resolve_optimizer
 
@@ -92,10 +93,10 @@ class OptLevel:
         cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
             (default fp32; None keeps them 16-bit).
         fast_kernels: step param groups left at ``foreach=None, fused=None`` with
-            torch's fused (else foreach) kernel (see :mod:`ampkit.fast_step`);
+            torch's fused (else foreach) kernel (see :mod:`ampkit.trainer.fused_step`);
             default True except at O0, which runs the script's fp32 bit for bit.
         model_grads: ``"copy"`` or ``"view"``: how a model with fp32 masters shows
-            its grads (see :class:`ampkit.master.MasterWeights`).
+            its grads (see :class:`ampkit.levels.master.MasterWeights`).
     """
 
     name: str
@@ -542,7 +543,7 @@ def initialize(
               it holds bf16 values exactly (loss scale 1, one backward per step): no
               memory for the model's grads (AdamW: 18 bytes per parameter at the step
               instead of 20), edits through them made in bf16 precision, grads strided
-              (not ``is_contiguous()``). See :class:`ampkit.master.MasterWeights`.
+              (not ``is_contiguous()``). See :class:`ampkit.levels.master.MasterWeights`.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -678,25 +679,45 @@ def _attach_trainer(
 ) -> None:
     """One ``init_trainer`` call for all optimizers, so they share one scaler per loss
     id (apex's semantics: ``scale_loss(loss, [opt_a, opt_b])`` scales once); then the
-    master-weight or compensation hooks of each optimizer."""
+    master-weight or compensation extension of each optimizer."""
     optim.init_trainer(
         opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
     )
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if mw is not None:
-            managed.post_step_hooks.append(mw.publish)
             managed.backward_params = mw.backward_params()  # type: ignore[assignment]
             managed.grad_path.set_masters(mw, models)
-            managed.register_extra_state(
-                "master_weights", mw.state_dict, mw.load_state_dict, mw.check_state_dict
-            )
+            managed.add_extension(_MasterStep(mw))
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
             managed.register_extra_state(
                 "compensation", comp.state_dict, comp.load_state_dict, comp.check_state_dict
             )
+
+
+class _MasterStep(StepExtension):
+    """fp32 master weights (O2) on a managed step: the masters are copied back into the
+    model after every taken step; saved as ``"master_weights"`` with the optimizer."""
+
+    state_name = "master_weights"
+
+    def __init__(self, masters: MasterWeights) -> None:
+        self.masters = masters
+
+    def after_step(self, skipped: bool) -> None:
+        if not skipped:
+            self.masters.publish()
+
+    def state_dict(self) -> Any:
+        return self.masters.state_dict()
+
+    def check_state_dict(self, state: Any) -> None:
+        self.masters.check_state_dict(state)
+
+    def load_state_dict(self, state: Any) -> None:
+        self.masters.load_state_dict(state)
 
 
 def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
@@ -730,10 +751,10 @@ def _stepped_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
 
 
 def master_weights_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
-    """The :class:`~ampkit.master.MasterWeights` of an optimizer set up by O2, or None."""
+    """The :class:`~ampkit.levels.master.MasterWeights` of an optimizer set up by O2, or None."""
     return _masters_of(optimizer)
 
 
 def compensation_of(optimizer: torch.optim.Optimizer) -> CompensatedUpdates | None:
-    """The :class:`~ampkit.compensated.CompensatedUpdates` of an O2K optimizer, or None."""
+    """The :class:`~ampkit.levels.compensated.CompensatedUpdates` of an O2K optimizer, or None."""
     return _COMPENSATED.get(optimizer)

@@ -15,7 +15,7 @@ written with torch ops. It runs in one of two modes:
 
 Inductor keeps intermediates in fp32: a round trip ``x.to(bfloat16).float()``
 inside a kernel is folded away, so a kernel that needs a rounding error computes
-the rounding explicitly (see ``ampkit.compensated``). Before first use, the
+the rounding explicitly (see ``ampkit.levels.compensated``). Before first use, the
 compiled kernel is run on random data beside the eager function and must match
 it bit for bit; otherwise (and when compiling fails) the eager mode is used, with
 a warning.
@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+
+from ampkit._internal import torch_compat
 
 __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 
@@ -186,7 +188,7 @@ class Kernel:
         (run or self.fn)(*joined, scalars, **static)
         sizes = [tensors[0][i].numel() for i in batch]
         for pos in self.mutated:
-            torch._foreach_copy_([tensors[pos][i] for i in batch], list(joined[pos].split(sizes)))
+            torch_compat.foreach_copy_([tensors[pos][i] for i in batch], list(joined[pos].split(sizes)))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -211,13 +213,7 @@ def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
 
 
 def _compiler_available() -> bool:
-    try:
-        from torch._inductor import cpp_builder
-
-        cpp_builder.get_cpp_compiler()
-        return True
-    except Exception:
-        return False
+    return torch_compat.cpp_compiler_available()
 
 
 # --- is a 16-bit tensor its fp32 source rounded? (bf16, one read pass) -------------------
@@ -229,7 +225,7 @@ ROUND_CHECK_NUMEL = DIRECT_NUMEL
 
 def _split(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x`` rounded to nearest with ``24 - log2(factor - 1)`` significant bits (Veltkamp
-    splitting; see ``ampkit.compensated._split_bf16``; ties may go either way)."""
+    splitting; see ``ampkit.levels.compensated._split_bf16``; ties may go either way)."""
     t = x * factor
     return t - (t - x)
 
@@ -281,6 +277,9 @@ def _compiled_round_check() -> Callable[..., torch.Tensor] | None:
                 fn = None
         _round_check.append(fn)
         return fn
+
+
+compiled_round_check = _compiled_round_check  # the public name, for other subpackages and tests
 
 
 def _round_probes() -> list[tuple[torch.Tensor, torch.Tensor]]:

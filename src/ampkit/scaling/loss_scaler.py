@@ -47,12 +47,18 @@ from typing import Any
 
 import torch
 
+from ampkit._internal import torch_compat
+from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
 from ampkit.errors import NumericsError, ScalerError
 
 __all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
 
 _LOG = logging.getLogger("ampkit")
+
+#: The old private name of :func:`ampkit._internal.dist.is_rank_zero`, still imported
+#: by ``ampkit.trainer.stats``.
+_is_rank_zero = is_rank_zero
 
 _STATE_KEYS = (
     "scale",
@@ -185,13 +191,6 @@ def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str
     return out
 
 
-def _is_rank_zero() -> bool:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    return True
-
-
 def group_grads(
     params: Iterable[torch.Tensor], *, allow_fp16: bool = True
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -258,10 +257,10 @@ def unscale_and_check_(
             factor_t = factor_tensors.get(device) if factor_tensors is not None else None
             if factor_t is None:
                 factor_t = torch.full((), factor, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor_t)
+            torch_compat.amp_unscale_and_check_(grads, found, factor_t)
             if check_result:
                 one = torch.ones((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+                torch_compat.amp_unscale_and_check_(grads, found, one)
     founds = iter(found_per_device.values())
     total = next(founds)
     for other in founds:
@@ -522,7 +521,7 @@ class LossScaler:
             t.fill_(self._inv_scale)
 
     def _log_overflow(self, old: float, what: str) -> None:
-        if not _LOG.isEnabledFor(logging.INFO) or not _is_rank_zero():
+        if not _LOG.isEnabledFor(logging.INFO) or not is_rank_zero():
             return
         _LOG.info(
             "%s: inf/NaN gradients, optimizer step skipped; scale %g -> %g (%s)",
@@ -558,11 +557,13 @@ class LossScaler:
         the configuration by the constructor's rules, scales usable and within
         ``[min_scale, max_scale]`` when dynamic, counters ints in [0, 2**63)); a rejected
         dict raises :class:`~ampkit.ScalerError` and leaves this scaler unchanged."""
-        self._prepare_load(state_dict)()
+        self.prepare_load(state_dict)()
 
-    def _prepare_load(self, state_dict: Any) -> Callable[[], None]:
-        """Validate ``state_dict`` completely; return the function that applies it
-        (which cannot fail). Lets a caller validate several objects before changing any."""
+    def prepare_load(self, state_dict: Any) -> Callable[[], None]:
+        """Validate ``state_dict`` (a :meth:`state_dict`) completely, changing nothing;
+        return the function that applies it (which cannot fail). Lets a caller validate
+        several objects before changing any. Raises :class:`~ampkit.ScalerError` as
+        :meth:`load_state_dict` does."""
         require_fields(state_dict, (*_STATE_KEYS, *CONFIG_KEYS), self.name, ScalerError,
                        source="LossScaler.state_dict()")
         cfg = _check_config({k: state_dict[k] for k in CONFIG_KEYS}, self.name)
@@ -578,6 +579,8 @@ class LossScaler:
             self._set_scale(state["scale"])
 
         return apply
+
+    _prepare_load = prepare_load  # the name of ampkit 0.2
 
     def new_like(self, name: str | None = None) -> LossScaler:
         """A fresh scaler with this one's configuration and its initial state."""

@@ -17,6 +17,8 @@ _EXPORTS = {
     "unscale": "api", "step_skipped": "api", "stats": "api", "managed_state": "api", "release": "api",
     "GradScaler": "grad_scaler", "current_session": "session", "register_extra_state": "session",
     "state_dict": "session", "load_state_dict": "session",
+    "StepExtension": "extensions", "add_global_extension": "extensions",
+    "remove_global_extension": "extensions", "StepStage": "step_grads",
 }
 __all__ = sorted(_EXPORTS)
 

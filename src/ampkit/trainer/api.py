@@ -18,16 +18,18 @@ leaves the gradients alone afterwards: several backward passes (gradient accumul
 DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()`` (after
 ``init_trainer``, an instance attribute wrapping the optimizer's own ``step``):
 
-1. runs the ``pre_unscale_hooks`` (once per step),
+1. runs the ``before_check`` of its extensions (once per step; see
+   :mod:`ampkit.trainer.extensions`),
 2. unscales the grads of the params in ``optimizer.param_groups`` by ``1/S`` and checks
    them for inf/NaN, one fused kernel per (device, dtype) -- unless ``ampkit.unscale``
    already did this step,
 3. reads the found-inf flag(s) with one host sync (in a multi-process run, after one
    all-reduce that makes every rank reach the same decision when they could disagree;
    see :mod:`ampkit.distributed`),
-4. if every grad is finite, calls the optimizer's own ``step`` and then the
-   ``post_step_hooks``; otherwise it returns without touching params or optimizer
-   state (bitwise) and runs the ``skip_hooks``,
+4. if every grad is finite, calls the optimizer's own ``step`` (between the extensions'
+   ``before_update`` and ``after_update``) and then their ``after_step(skipped=False)``;
+   otherwise it returns without touching params or optimizer state (bitwise) and runs
+   their ``after_step(skipped=True)``,
 5. feeds the event to the loss scaler(s), which may raise :class:`~ampkit.NumericsError`.
 
 Several losses (``num_losses > 1``): each ``loss_id`` has its own :class:`LossScaler`.
@@ -47,43 +49,46 @@ optimizers that received that loss's grads have stepped. Optimizers passed to se
 
 Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`` and
 ``fused`` unset to torch's fastest kernel for the same optimizer (see
-:mod:`ampkit.fast_step`; ``fast_kernels=False`` opts out). Grads the step checks
+:mod:`ampkit.trainer.fused_step`; ``fast_kernels=False`` opts out). Grads the step checks
 without unscaling them (scale 1, bf16's default, or edited since the end-of-backward
-unscale of :mod:`ampkit.grads`) are read once by a min/max reduction
-(:func:`ampkit.fast_step.nonfinite_flag`), not rewritten times 1. The skip decision
+unscale of :mod:`ampkit.trainer.grad_hooks`) are read once by a min/max reduction
+(:func:`ampkit.trainer.fused_step.nonfinite_flag`), not rewritten times 1. The skip decision
 stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
 and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
 
-LR schedulers: see :mod:`ampkit._schedulers`. The skip wrapper is a bound method whose
+LR schedulers: see :mod:`ampkit.trainer.schedulers`. The skip wrapper is a bound method whose
 function LR schedulers can wrap, it keeps the ``_wrapped_by_lr_sched`` marker of a
 scheduler created earlier, and sets ``optimizer._opt_called`` on every call, skipped or
 not, so schedulers never warn that ``lr_scheduler.step()`` came before ``optimizer.step()``.
 
 Where the parts live: this module holds the public functions; the step wrapper is
-:class:`ampkit._step.ManagedOptimizer`, and the per-step gradient bookkeeping it decides
-on (found-inf segments, abandoned steps) its base :class:`ampkit._step_grads.StepGrads`;
-the loss scalers' slots and the session's trainer are in :mod:`ampkit._trainer`; the
-skip decision, one rule for a process alone and for ranks that agree, is
-:func:`ampkit._decision.decide`; multi-process runs plug in through
-:class:`ampkit._decision.StepAgreement` (``ampkit.distributed``'s is given to every
-managed optimizer here); counters and skip logs are in :mod:`ampkit._stats`.
+:class:`ampkit.trainer.managed.ManagedOptimizer`, and the per-step gradient bookkeeping
+it decides on (step stage, found-inf segments, abandoned steps) its base
+:class:`ampkit.trainer.step_grads.StepGrads`; what extends a step (levels, the doctor,
+``ampkit run``) is a :class:`ampkit.trainer.extensions.StepExtension`; the loss scalers'
+slots and the session's trainer are in :mod:`ampkit.trainer.loss_slots`; the skip
+decision, one rule for a process alone and for ranks that agree, is
+:func:`ampkit.trainer.decision.decide`; multi-process runs plug in through
+:class:`ampkit.trainer.decision.StepAgreement` (the default one of
+:func:`ampkit.trainer.extensions.set_default_agreement`, which ``ampkit.distributed``
+installs, is given to every managed optimizer here); counters and skip logs are in
+:mod:`ampkit.trainer.stats`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ampkit._internal.validate import is_count, is_real
 from ampkit.casting.engine import current_policy
-from ampkit.distributed import core as _distributed
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
+from . import extensions as _extensions
 from . import session as _session
 from .loss_slots import LossSlot, Trainer
 from .managed import _ATTR, ManagedOptimizer, last_skipped, managed_state
@@ -102,17 +107,8 @@ __all__ = [
     "release",
 ]
 
-_ON = ("1", "true", "yes", "on")
-
 # An optimizer or a list/tuple of them: init_trainer returns what it was given.
 _Opts = TypeVar("_Opts", bound="torch.optim.Optimizer | list[Any] | tuple[Any, ...]")
-
-
-# Module state: observers of ``scale_loss`` (``ampkit.doctor`` subscribes here): each is called as
-# ``fn(states, losses, loss_id, scaled)`` once the loss is scaled, before the block runs
-# (``states``: the ManagedOptimizers of the call; ``losses``: the unscaled loss tensors;
-# ``scaled``: what the block yields). Empty unless the doctor is on: no cost otherwise.
-scale_loss_observers: list[Callable[[Sequence[ManagedOptimizer], Sequence[torch.Tensor], int, Any], None]] = []
 
 
 def _as_list(obj: Any) -> list[Any]:
@@ -201,12 +197,15 @@ def init_trainer(
         fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
             both unset (torch's defaults) step with torch's fastest kernel for the same
             optimizer: ``fused=True`` for Adam, AdamW, SGD and Adagrad, else
-            ``foreach=True`` (see :mod:`ampkit.fast_step`); re-applied after
+            ``foreach=True`` (see :mod:`ampkit.trainer.fused_step`); re-applied after
             ``optimizer.load_state_dict``. Results may differ from the per-parameter
             loop in the last bits. False leaves the optimizer exactly as built.
         doctor (bool | None) [None]: watch these optimizers with the process-wide
-            :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it); ``None``: on
-            when the environment variable ``AMPKIT_DOCTOR`` is ``1``. Off installs nothing.
+            :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
+            registered as ``"doctor"`` (:func:`ampkit.trainer.extensions.register_attacher`;
+            ``ampkit.tools.diagnosis`` registers it when imported, a
+            :class:`~ampkit.StateError` if it is not); ``None``: on when the environment
+            variable it registers (``AMPKIT_DOCTOR``) is ``1``. Off installs nothing.
         hold_schedulers_on_skip: removed (it searched the heap for schedulers and
             swapped their class); ``True`` raises a :class:`~ampkit.StateError` that says
             what to write instead, ``False``/``None`` are accepted and do nothing.
@@ -234,6 +233,7 @@ def init_trainer(
         )
     if doctor is not None and not isinstance(doctor, bool):
         raise StateError(f"init_trainer: doctor must be True, False or None, got {doctor!r}.")
+    attach_doctor = _extensions.attacher("doctor") if _extensions.attacher_requested("doctor", doctor) else None
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Optimizer):
             raise StateError(
@@ -254,21 +254,17 @@ def init_trainer(
     slots = [LossSlot(s) for s in scalers]
     states = []
     for opt in optimizers:
-        state = ManagedOptimizer(opt, slots, _distributed.AGREEMENT, fast_kernels)
+        state = ManagedOptimizer(opt, slots, _extensions.default_agreement(), fast_kernels)
         own = [s for s in scheds if s.optimizer is opt]
         if own:
-            state.post_step_hooks.append(SchedulerStepper(own))
+            state.add_extension(SchedulerStepper(own))
         opt.__dict__[_ATTR] = state
         states.append(state)
     for slot in slots:
         slot.scaler._attached = True
     _session.current_session().register(Trainer(states, slots))
-    if doctor or (doctor is None and os.environ.get("AMPKIT_DOCTOR", "").strip().lower() in _ON):
-        from ampkit.tools.diagnosis import (
-            attach_global,  # the doctor sits above optim (it imports optim)
-        )
-
-        attach_global(optimizers)
+    if attach_doctor is not None:
+        attach_doctor(optimizers)
     return optimizer_or_list
 
 
@@ -345,16 +341,28 @@ def scale_loss(
         scaled: Any = scaler.scale_loss(loss_or_losses)
     else:
         scaled = type(loss_or_losses)(scaler.scale_loss(loss) for loss in loss_or_losses)
-    for observer in scale_loss_observers:
-        observer(states, losses, loss_id, scaled)
+    _tell_scale_loss(states, losses, loss_id, scaled)
     try:
         yield scaled
     except BaseException:
         # The backward may have stopped halfway; the next scale_loss checks whether the
         # user dropped the batch (see ManagedOptimizer._drop_abandoned_step).
         for state in states:
-            state._aborted = True
+            state.mark_aborted()
         raise
+
+
+def _tell_scale_loss(
+    states: list[ManagedOptimizer], losses: Sequence[torch.Tensor], loss_id: int, scaled: Any
+) -> None:
+    """``on_scale_loss`` of the global extensions, then of the extensions of ``states``
+    (in their order), each extension once."""
+    told: list[_extensions.StepExtension] = []
+    for ext in (*_extensions.global_extensions(), *(e for s in states for e in s.extensions)):
+        if any(t is ext for t in told):
+            continue
+        told.append(ext)
+        ext.on_scale_loss(states, losses, loss_id, scaled)
 
 
 def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:

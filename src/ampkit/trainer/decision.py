@@ -54,7 +54,7 @@ class StepAgreement(Protocol):
     implements it; :func:`ampkit.init_trainer` gives each managed optimizer one).
 
     - ``before_check(state)``: once per step, before ampkit first touches the grads
-      (before the ``pre_unscale_hooks``), with the grads as backward left them.
+      (before the extensions' ``before_check``), with the grads as backward left them.
     - ``agreement(state, segments)``: once per step, before the flags are read: None
       when this rank decides alone, else the :class:`Agreement` to run.
     - ``grads_settled(params)``: after ampkit's gradient hooks finished their work on

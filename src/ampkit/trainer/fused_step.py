@@ -34,6 +34,8 @@ import inspect
 
 import torch
 
+from ampkit._internal import torch_compat
+
 __all__ = ["use_fastest_kernel", "FUSED_OPTIMIZERS"]
 
 #: Optimizer classes (exactly these, not subclasses that may override ``step``)
@@ -47,6 +49,12 @@ _FUSED_DTYPES = (torch.float32, torch.float64)
 # (class, dtype, device type, hyperparameters) -> whether fused matches the loop.
 # Module state: a memo of probe results, the same answer every time in a process.
 _PROBED: dict[tuple, bool] = {}
+
+
+def forget_probes() -> None:
+    """Forget which fused kernels agreed with the loop kernel: the next optimizer set
+    up probes again (after a kernel of torch's was replaced, e.g. in a test)."""
+    _PROBED.clear()
 _PROBE_SKIP = ("params", "fused", "foreach", "differentiable", "capturable")
 
 
@@ -155,7 +163,7 @@ def nonfinite_flag(
             found = torch.zeros((), dtype=torch.float32, device=device)
             if small:
                 one = torch.ones((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(small, found, one)
+                torch_compat.amp_unscale_and_check_(small, found, one)
             flags.append(found)
         if large:
             extremes = torch.stack([v.float() for t in large for v in torch.aminmax(t)])

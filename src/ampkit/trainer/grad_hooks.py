@@ -25,7 +25,7 @@ rescale) and gets real gradients between micro-batches. Under DDP's ``no_sync`` 
 local sums stay in ``p.grad`` as DDP requires, so the synchronized backward reduces the
 whole sum. With ``S == 1`` (bf16) the hooks do nothing.
 
-**Parameters with an fp32 master** (O2): see :class:`ampkit.master.MasterWeights`. The
+**Parameters with an fp32 master** (O2): see :class:`ampkit.levels.master.MasterWeights`. The
 post-accumulate hook moves each 16-bit gradient into its master's fp32 gradient as it is
 produced (unscaled and checked in fp32, accumulated in fp32) and frees it; when the
 backward pass ends the model parameters get 16-bit copies to read and edit; edits and
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import torch_class
 from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import group_grads
@@ -60,15 +61,21 @@ if TYPE_CHECKING:
 
 __all__ = ["GradPath", "WatchDDP", "watch_ddp", "no_masters_guard"]
 
-_ENGINE = torch.autograd.Variable._execution_engine
+_ENGINE = torch_compat.autograd_engine()
 
 # id(param) -> the GradPath whose hooks are on it (one managed optimizer per parameter).
 # Module state: a parameter is hooked by at most one managed optimizer in the process.
 _OWNER: dict[int, weakref.ref[GradPath]] = {}
 
 
+def has_grad_path(param: torch.Tensor) -> bool:
+    """Whether ``param``'s grads go through the hooks of a live :class:`GradPath`."""
+    ref = _OWNER.get(id(param))
+    return ref is not None and ref() is not None
+
+
 def _task() -> int:
-    return torch._C._current_graph_task_id()
+    return torch_compat.current_graph_task_id()
 
 
 def _accumulator(p: torch.Tensor) -> Any:
@@ -123,7 +130,7 @@ def watch_ddp(model: nn.Module, masters: MasterWeights) -> None:
     """Install :class:`WatchDDP` on ``model`` (once) for ``masters``."""
     refs = _WATCHED.setdefault(model, [])
     refs[:] = [r for r in refs if r() is not None and r() is not masters] + [weakref.ref(masters)]
-    if not any(isinstance(h, WatchDDP) for h in model._forward_pre_hooks.values()):
+    if not any(isinstance(h, WatchDDP) for h in torch_compat.module_hook_dicts(model).pre.values()):
         model.register_forward_pre_hook(WatchDDP())
 
 
@@ -188,7 +195,7 @@ class _Param:
 
 class GradPath:
     """The hooks of one managed optimizer (see the module docs). Created by
-    :class:`ampkit.optim.ManagedOptimizer`; master weights plug in with
+    :class:`ampkit.trainer.api.ManagedOptimizer`; master weights plug in with
     :meth:`set_masters`."""
 
     def __init__(self, state: ManagedOptimizer) -> None:
@@ -317,7 +324,7 @@ class GradPath:
         tensors, the flag going to this step's ``loss_id``; None when there is nothing
         to do (no loss scaled, scale 1)."""
         if loss_id is None:
-            return None if scale == 1.0 else (lambda ts: torch._foreach_mul_(ts, 1.0 / scale))
+            return None if scale == 1.0 else (lambda ts: torch_compat.foreach_mul_(ts, 1.0 / scale))
         flags = self._found.setdefault(loss_id, {})
         inv = 1.0 / scale if scale != 1.0 else 1.0
 
@@ -340,12 +347,12 @@ class GradPath:
                 if len(self._inv) > 16:
                     self._inv.clear()
                 inv_t = self._inv[(device, inv)] = torch.full((), inv, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_t)
+            torch_compat.amp_unscale_and_check_(tensors, found, inv_t)
             if inv > 1.0:  # a scale below 1: finite grads can overflow once unscaled
                 one = self._inv.get((device, 1.0))
                 if one is None:
                     one = self._inv[(device, 1.0)] = torch.ones((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+                torch_compat.amp_unscale_and_check_(tensors, found, one)
 
         return run
 
@@ -498,7 +505,7 @@ class GradPath:
             return
         g = stepped.grad
         if g is not None:
-            self._checked[id(stepped)] = (weakref.ref(g), g._version)
+            self._checked[id(stepped)] = (weakref.ref(g), torch_compat.tensor_version(g))
 
     def forget_flags(self) -> None:
         """A fresh step (the previous one was abandoned): drop the hooks' flags."""
@@ -521,9 +528,9 @@ class GradPath:
             if g is None:
                 continue
             seen = self._checked.get(id(p))
-            if seen is None or seen[0]() is not g or seen[1] != g._version:
+            if seen is None or seen[0]() is not g or seen[1] != torch_compat.tensor_version(g):
                 out.append(p)
-                self._checked[id(p)] = (weakref.ref(g), g._version)
+                self._checked[id(p)] = (weakref.ref(g), torch_compat.tensor_version(g))
         return out
 
     def reconcile(self) -> None:
@@ -545,7 +552,7 @@ class GradPath:
 
     def after_outside_unscale(self) -> None:
         """After it: O2, the model's 16-bit grads show the unscaled masters' grads
-        (:meth:`ampkit.master.MasterWeights.follow_masters`)."""
+        (:meth:`ampkit.levels.master.MasterWeights.follow_masters`)."""
         if self.masters is not None:
             self.masters.follow_masters(self._mastered())
         self._followed = True

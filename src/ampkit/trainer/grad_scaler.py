@@ -307,7 +307,7 @@ class GradScaler:
         source = "GradScaler.state_dict() (ampkit's or torch.amp's)"
         if "ampkit" in state_dict:
             require_fields(state_dict, ("ampkit",), "GradScaler", ScalerError, optional=_TORCH_KEYS, source=source)
-            apply = self._scaler._prepare_load(state_dict["ampkit"])
+            apply = self._scaler.prepare_load(state_dict["ampkit"])
             _check_torch_fields_agree(state_dict)
             apply()
             return

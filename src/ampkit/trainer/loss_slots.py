@@ -94,7 +94,7 @@ class Trainer:
                 f"{where}: the checkpoint has {count} optimizer(s), "
                 f"this run {len(self.optimizers)}; pass the same optimizers to init_trainer."
             )
-        steps = [slot.scaler._prepare_load(sd) for slot, sd in zip(self.slots, scalers)]
+        steps = [slot.scaler.prepare_load(sd) for slot, sd in zip(self.slots, scalers)]
         steps += [state.prepare_load(sd, where) for state, sd in zip(self.optimizers, opts)]
 
         def apply() -> None:

@@ -1,8 +1,9 @@
 """The step wrapper of one managed optimizer (:class:`ManagedOptimizer`): it takes or
-skips each step on the skip decision (:mod:`ampkit._decision`), feeds the loss scalers,
-runs the hooks, and keeps the counters and checkpoints. The per-step gradient
-bookkeeping it decides on is in :mod:`ampkit._step_grads`; the public functions are in
-:mod:`ampkit.optim`, where how a step runs is told."""
+skips each step on the skip decision (:mod:`ampkit.trainer.decision`), feeds the loss
+scalers, runs its extensions (:mod:`ampkit.trainer.extensions`), and keeps the counters
+and checkpoints. The per-step gradient bookkeeping it decides on is in
+:mod:`ampkit.trainer.step_grads`; the public functions are in :mod:`ampkit.trainer.api`,
+where how a step runs is told."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from ampkit.errors import NumericsError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
 from .decision import StepAgreement, decide
+from .extensions import StepExtension, _owners
 from .fused_step import use_fastest_kernel
 from .grad_hooks import GradPath
 from .schedulers import mark_step_called
 from .session import ExtraRegister, ExtraState, require_keys
 from .stats import StepStats
-from .step_grads import StepGrads
+from .step_grads import StepGrads, StepStage
 
 __all__ = [
     "ManagedOptimizer",
+    "StepStage",
     "last_skipped",
     "managed_state",
     "record_unmanaged_step",
@@ -48,25 +51,25 @@ _MISSING = object()
 class ManagedOptimizer(StepGrads):
     """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
 
-    Extension points (used by fp32 master weights):
+    Extension points (used by fp32 master weights, compensated updates, scheduler
+    holds, the doctor, ``ampkit run``):
 
+    - :meth:`add_extension` / :meth:`remove_extension` / :attr:`extensions`: the
+      :class:`~ampkit.trainer.extensions.StepExtension` objects that join every step,
+      in registration order, at their named hook points (``on_scale_loss``,
+      ``before_check``, ``before_update``, ``after_update``, ``after_step(skipped)``).
     - ``scalers``: ``list[LossScaler]``, one per ``loss_id`` (shared with the other
       optimizers of the same ``init_trainer`` call).
-    - ``grad_path``: the :class:`ampkit.grads.GradPath` whose hooks keep grads real
-      (unscaled) as backward produces them; fp32 master weights plug in there.
-    - ``pre_unscale_hooks``: ``list[Callable[[], None]]``, called once per step before
-      the grads are checked (by ``ampkit.unscale`` or by ``step``).
-    - ``post_step_hooks``: ``list[Callable[[], None]]``, called after a real (not
-      skipped) step. Master weights copy the masters back into the model here.
-    - ``skip_hooks``: ``list[Callable[[], None]]``, called after a skipped step.
-    - ``scale_loss_observers`` (module level in :mod:`ampkit.optim`): callables told of
-      every ``scale_loss`` (``ampkit.doctor`` counts scaled losses and backward passes there).
-    - ``agreement``: the :class:`ampkit._decision.StepAgreement` that makes the ranks of
-      a multi-process run decide alike (``ampkit.distributed``'s, set by ``init_trainer``);
-      ``None``: this process decides alone.
+    - ``grad_path``: the :class:`ampkit.trainer.grad_hooks.GradPath` whose hooks keep
+      grads real (unscaled) as backward produces them; fp32 master weights plug in there.
+    - ``agreement``: the :class:`ampkit.trainer.decision.StepAgreement` that makes the
+      ranks of a multi-process run decide alike (the default one of
+      :func:`ampkit.trainer.extensions.set_default_agreement`, which
+      ``ampkit.distributed`` installs; set by ``init_trainer``); ``None``: this process
+      decides alone.
     - Unscaling and the check act on the grads of the params *currently* in
-      ``optimizer.param_groups``: swap master params in there and their grads are what
-      gets checked and stepped.
+      ``optimizer.param_groups`` (:meth:`grad_params`): swap master params in there and
+      their grads are what gets checked and stepped.
     - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
       backward accumulates into, when these are not the params in ``param_groups``
       (master weights: the model's params). Iterated afresh each time it is needed, so a
@@ -77,6 +80,7 @@ class ManagedOptimizer(StepGrads):
       accumulating.
     - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
       ``ampkit.state_dict()``.
+    - :attr:`stage`: where the current step stands (:class:`~ampkit.trainer.step_grads.StepStage`).
 
     Counters: ``steps``, ``skipped``, ``last_skipped`` (see :class:`StepStats`).
     """
@@ -91,9 +95,7 @@ class ManagedOptimizer(StepGrads):
         self.optimizer = optimizer
         self._slots = slots
         self.scalers: list[LossScaler] = [slot.scaler for slot in slots]
-        self.pre_unscale_hooks: list[Callable[[], None]] = []
-        self.post_step_hooks: list[Callable[[], None]] = []
-        self.skip_hooks: list[Callable[[], None]] = []
+        self._extensions: list[StepExtension] = []
         self.backward_params: Iterable[torch.Tensor] | None = None
         self.rescale_after_unscale = False
         self.agreement = agreement
@@ -105,7 +107,7 @@ class ManagedOptimizer(StepGrads):
         StepGrads.__init__(self)
         self._previous_step: Any = _MISSING
         self._install_step()
-        # Hooks that make grads real as backward produces them (ampkit.grads).
+        # Hooks that make grads real as backward produces them (ampkit.trainer.grad_hooks).
         self.grad_path = GradPath(self)
         self.grad_path.refresh()
         # torch's fastest kernel for groups left at foreach=None/fused=None, again after
@@ -118,10 +120,53 @@ class ManagedOptimizer(StepGrads):
 
     # --- extension API ---------------------------------------------------------------
     @property
+    def active(self) -> bool:
+        """Whether ampkit still manages the optimizer (False after :meth:`release`)."""
+        return self._active
+
+    @property
+    def extensions(self) -> tuple[StepExtension, ...]:
+        """The extensions of this optimizer, in registration (and running) order."""
+        return tuple(self._extensions)
+
+    def add_extension(self, ext: StepExtension) -> StepExtension:
+        """Run ``ext`` at the named points of every step of this optimizer, after the
+        extensions added before it; with a ``state_name``, its state is saved with the
+        optimizer (raises :class:`~ampkit.StateError` if that name is taken). Adding
+        one extension twice adds it once. Returns ``ext``."""
+        if not isinstance(ext, StepExtension):
+            raise StateError(f"add_extension: expected a StepExtension, got {type(ext).__name__}.")
+        if any(e is ext for e in self._extensions):
+            return ext
+        name = ext.state_name
+        if name is not None:
+            self._extra.register(name, ext.state_dict, ext.load_state_dict, ext.check_state_dict)
+        self._extensions.append(ext)
+        _owners(ext).append(self)
+        return ext
+
+    def remove_extension(self, ext: StepExtension) -> None:
+        """Stop running ``ext`` here (its saved state goes too) and call its
+        ``on_remove``; nothing if it is not an extension of this optimizer."""
+        if not any(e is ext for e in self._extensions):
+            return
+        self._extensions = [e for e in self._extensions if e is not ext]
+        owners = _owners(ext)
+        owners[:] = [s for s in owners if s is not self]
+        name = ext.state_name
+        if name is not None:
+            self._extra.items.pop(name, None)
+        ext.on_remove(self)
+
+    def _after_step(self, skipped: bool) -> None:
+        for ext in tuple(self._extensions):
+            ext.after_step(skipped)
+
+    @property
     def register_extra_state(self) -> ExtraRegister:
         """``register_extra_state(name, get_fn, set_fn, check_fn=None)``: save
         ``get_fn()`` under ``name`` with this optimizer in ``ampkit.state_dict()``
-        (:meth:`ampkit.session.ExtraState.register`)."""
+        (:meth:`ampkit.trainer.session.ExtraState.register`)."""
         return self._extra.register
 
     # --- the step wrapper ------------------------------------------------------------
@@ -203,8 +248,7 @@ class ManagedOptimizer(StepGrads):
         if skip:
             self.skipped += 1
             self.last_skipped = True
-            for hook in self.skip_hooks:
-                hook()
+            self._after_step(True)
             try:
                 self._report(events)  # may raise NumericsError; the step stays skipped
             finally:
@@ -213,12 +257,15 @@ class ManagedOptimizer(StepGrads):
         self.last_skipped = False
         self._report(events)  # clean events never raise
         report.note(self, skipped=False)
-        if closure is None:
-            result = inner(*args, **kwargs)
-        else:
-            result = inner(*args, closure=self._replay_closure(closure, loss), **kwargs)
-        for hook in self.post_step_hooks:
-            hook()
+        if closure is not None:
+            kwargs = {**kwargs, "closure": self._replay_closure(closure, loss)}
+        extensions = tuple(self._extensions)
+        for ext in extensions:
+            ext.before_update(args, kwargs)
+        result = inner(*args, **kwargs)
+        for ext in extensions:
+            ext.after_update()
+        self._after_step(False)
         return result
 
     def _refuse_unseen_torch_unscale(self) -> None:
@@ -252,8 +299,7 @@ class ManagedOptimizer(StepGrads):
         self.steps += 1
         self.skipped += 1
         self.last_skipped = True
-        for hook in self.skip_hooks:
-            hook()
+        self._after_step(True)
 
     def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
         """The closure handed to the optimizer: its first call returns the loss ampkit
@@ -284,11 +330,11 @@ class ManagedOptimizer(StepGrads):
 
     def _resolve_step(self) -> tuple[dict[int, bool | None], bool]:
         """Read this step's found-inf flags (the step's one host sync) and attribute them
-        to loss ids (:func:`ampkit._decision.decide`, agreed across ranks when the
+        to loss ids (:func:`ampkit.trainer.decision.decide`, agreed across ranks when the
         ``agreement`` asks). Returns ({loss_id: True/False/None(unknown)}, skip)."""
         segments, self._segments = self._segments, []
         self._pending = None
-        self._unscaled = False
+        self._stage = StepStage.READY
         plugin = self.agreement
         agreement = plugin.agreement(self, segments) if plugin is not None else None
         return decide(segments, len(self._slots), agreement)

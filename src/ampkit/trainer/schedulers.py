@@ -27,6 +27,8 @@ import torch
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import StateError
 
+from .extensions import StepExtension
+
 __all__ = ["mark_step_called", "check_schedulers", "SchedulerStepper"]
 
 _LR = torch.optim.lr_scheduler
@@ -66,9 +68,9 @@ def check_schedulers(schedulers: Any, optimizers: Sequence[torch.optim.Optimizer
     return listed
 
 
-class SchedulerStepper:
+class SchedulerStepper(StepExtension):
     """Steps the per-step schedulers of one optimizer after each of its real steps (a
-    ``post_step_hook``). A scheduler whose ``last_epoch`` moved on by one since ampkit
+    :class:`~ampkit.trainer.extensions.StepExtension`: ``after_step(skipped=False)``). A scheduler whose ``last_epoch`` moved on by one since ampkit
     last stepped it was stepped by the loop too: warned about once (a larger move is a
     ``load_state_dict``, not a step)."""
 
@@ -76,6 +78,10 @@ class SchedulerStepper:
         self.schedulers = list(schedulers)
         self._epochs = [s.last_epoch for s in self.schedulers]
         self._warned = False
+
+    def after_step(self, skipped: bool) -> None:
+        if not skipped:
+            self()
 
     def __call__(self) -> None:
         for i, sched in enumerate(self.schedulers):

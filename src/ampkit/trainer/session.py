@@ -99,7 +99,7 @@ class ExtraState:
 
 
 class SessionMember(Protocol):
-    """What a session holds per ``init_trainer`` call (see ``ampkit._trainer.Trainer``)."""
+    """What a session holds per ``init_trainer`` call (see ``ampkit.trainer.loss_slots.Trainer``)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -213,7 +213,7 @@ def new_session() -> Session:
 def register_extra_state(name: str, get_fn: _Get, set_fn: _Set, check_fn: _Check | None = None) -> None:
     """Register session-wide extra state in the current session (see
     :meth:`ExtraState.register`). Per-optimizer extra state goes through
-    ``ampkit.optim.managed_state(opt).register_extra_state``."""
+    ``ampkit.trainer.api.managed_state(opt).register_extra_state``."""
     _current.register_extra_state(name, get_fn, set_fn, check_fn)
 
 

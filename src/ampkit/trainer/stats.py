@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.where import user_stacklevel
-from ampkit.scaling.loss_scaler import _is_rank_zero as is_rank_zero
 
 if TYPE_CHECKING:
     from .managed import ManagedOptimizer

@@ -1,15 +1,17 @@
 """The per-step gradient bookkeeping of a managed optimizer (:class:`StepGrads`, a base
-of :class:`ampkit._step.ManagedOptimizer`): which loss id's scale the grads gathered so
-far carry, the found-inf flags of the step's checked *segments* (one per loss id switch,
-one at ``step()``, one for edits after ``ampkit.unscale``; see :mod:`ampkit._decision`),
+of :class:`ampkit.trainer.managed.ManagedOptimizer`): where the step stands
+(:class:`StepStage`), which loss id's scale the grads gathered so far carry, the
+found-inf flags of the step's checked *segments* (one per loss id switch, one at
+``step()``, one for edits after ``ampkit.unscale``; see :mod:`ampkit.trainer.decision`),
 and the detection of a step abandoned since ampkit last looked at its grads. The step
 wrapper reads the segments once per step and decides (``ManagedOptimizer._resolve_step``)."""
 
 from __future__ import annotations
 
+import enum
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,46 +24,89 @@ from .fused_step import nonfinite_flag
 
 if TYPE_CHECKING:
     from .decision import Segment, StepAgreement
+    from .extensions import StepExtension
     from .grad_hooks import GradPath
     from .loss_slots import LossSlot
 
-__all__ = ["StepGrads"]
+__all__ = ["StepGrads", "StepStage"]
+
+
+class StepStage(enum.Enum):
+    """Where the current step of a managed optimizer stands (its ``stage``).
+
+    - ``READY``: nothing gathered since the last step (or a fresh start).
+    - ``GATHERING``: a ``scale_loss`` ran; the grads of its loss id are not closed yet.
+    - ``ABORTED``: gathering, and a ``scale_loss`` block was left by an exception (the
+      step may have been abandoned: the next ``scale_loss`` checks whether the grads
+      were dropped).
+    - ``UNSCALED``: the grads were unscaled and checked (``ampkit.unscale``, or ``step()``
+      until it decides); a ``scale_loss`` now reopens the step.
+    """
+
+    READY = "ready"
+    GATHERING = "gathering"
+    ABORTED = "aborted"
+    UNSCALED = "unscaled"
 
 
 class StepGrads:
     """Per-step state of the grads of one managed optimizer and the checks that fill it.
 
     What it reads from the managed optimizer it is a base of: ``optimizer``,
-    ``backward_params``, ``grad_path``, ``agreement``, ``pre_unscale_hooks``,
-    ``rescale_after_unscale`` and the loss slots (their scalers)."""
+    ``backward_params``, ``grad_path``, ``agreement``, the extensions (their
+    ``before_check``), ``rescale_after_unscale`` and the loss slots (their scalers)."""
 
     optimizer: torch.optim.Optimizer
     backward_params: Iterable[torch.Tensor] | None
     grad_path: GradPath
     agreement: StepAgreement | None
-    pre_unscale_hooks: list[Callable[[], None]]
+    _extensions: list[StepExtension]
     rescale_after_unscale: bool
     _slots: list[LossSlot]
 
     def __init__(self) -> None:
-        # The loss id whose scale the grads carry (not yet unscaled), the found-inf
-        # flags of this step's segments in order, whether the grads were already
-        # unscaled this step, and whether a scale_loss block of this step was left by
-        # an exception (the step may have been abandoned).
+        # Where the step stands, the loss id whose scale the grads carry (not yet
+        # unscaled) and the found-inf flags of this step's segments in order.
+        self._stage = StepStage.READY
         self._pending: int | None = None
         self._segments: list[Segment] = []
-        self._unscaled = False
-        self._aborted = False
         self._fp16_warned = False
 
-    def _grad_params(self) -> Iterator[torch.Tensor]:
+    @property
+    def stage(self) -> StepStage:
+        """Where the current step stands (:class:`StepStage`)."""
+        return self._stage
+
+    @property
+    def _unscaled(self) -> bool:
+        return self._stage is StepStage.UNSCALED
+
+    def grad_params(self) -> Iterator[torch.Tensor]:
+        """The params whose grads the step unscales, checks and steps: those currently
+        in ``optimizer.param_groups`` (fp32 masters under O2), in order."""
         for group in self.optimizer.param_groups:
             yield from group["params"]
+
+    def segment_flags(self) -> list[torch.Tensor]:
+        """The found-inf flags (0-dim tensors, > 0 on inf/NaN) of this step's segments
+        checked so far, in order; no host sync."""
+        return [f for _, f in self._segments if f is not None]
+
+    def add_segment(self, found: torch.Tensor) -> None:
+        """Add a found-inf flag (a 0-dim tensor, > 0 skips the step) to this step as a
+        segment of no loss id: it can skip the step but blames no loss scaler."""
+        self._segments.append((None, found))
+
+    def mark_aborted(self) -> None:
+        """A ``scale_loss`` block of this step was left by an exception: the next
+        ``scale_loss`` checks whether the step was abandoned."""
+        if self._stage is StepStage.GATHERING:
+            self._stage = StepStage.ABORTED
 
     def _tracked_grads(self) -> list[torch.Tensor]:
         """The grads this step holds: of the params in ``param_groups`` and of the
         ``backward_params`` (each tensor once; sparse grads by their values)."""
-        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        params = itertools.chain(self.grad_params(), self.backward_params or ())
         grads: dict[int, torch.Tensor] = {}
         for p in params:
             g = p.grad
@@ -72,8 +117,7 @@ class StepGrads:
     def _start_fresh_step(self) -> None:
         self._segments = []
         self._pending = None
-        self._unscaled = False
-        self._aborted = False
+        self._stage = StepStage.READY
         self.grad_path.forget_flags()
 
     def _drop_abandoned_step(self) -> None:
@@ -86,11 +130,13 @@ class StepGrads:
         one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
         self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
         flagged = self._unscaled or any(f is not None for _, f in self._segments)
-        aborted, self._aborted = self._aborted, False
+        aborted = self._stage is StepStage.ABORTED
+        if aborted:
+            self._stage = StepStage.GATHERING
         if not flagged:
             return
         self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
-        params = itertools.chain(self._grad_params(), self.backward_params or ())
+        params = itertools.chain(self.grad_params(), self.backward_params or ())
         if all(p.grad is None for p in params):
             self._start_fresh_step()
             return
@@ -104,7 +150,7 @@ class StepGrads:
         """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
         cannot start a backward pass now."""
         self._drop_abandoned_step()
-        if self._unscaled and self.grad_path.unhooked(self._grad_params()):
+        if self._unscaled and self.grad_path.unhooked(self.grad_params()):
             raise StateError(
                 "this optimizer's grads were already unscaled this step (ampkit.unscale) "
                 "and some of them (FSDP2's sharded parameters) are only unscaled at the "
@@ -120,7 +166,7 @@ class StepGrads:
         path.finish()
         # The hooks keep grads real: a backward after ``unscale`` in the same step just
         # reopens the step.
-        self._unscaled = False
+        self._stage = StepStage.GATHERING
         pending = self._pending
         if pending is not None and pending != loss_id:
             path.reconcile()
@@ -136,7 +182,7 @@ class StepGrads:
         ``unhooked_factor`` and check of grads without hooks. No host sync."""
         path = self.grad_path
         flags = path.take_found(loss_id) if loss_id is not None else []
-        params = list(self._grad_params())
+        params = list(self.grad_params())
         raw = path.unhooked(params)
         if raw:
             raw_groups = group_grads(raw)
@@ -159,27 +205,28 @@ class StepGrads:
         return total
 
     def _unscale(self) -> None:
-        """Hooks, then close this step's pending grads: their inf/NaN flag (no sync).
-        The grads are unscaled already (ampkit.grads). Idempotent within a step."""
+        """The agreement's and the extensions' ``before_check``, then close this step's
+        pending grads: their inf/NaN flag (no sync). The grads are unscaled already
+        (:mod:`ampkit.trainer.grad_hooks`). Idempotent within a step."""
         if self._unscaled:
             return
         if self.agreement is not None:
             self.agreement.before_check(self)
-        for hook in self.pre_unscale_hooks:
-            hook()
+        for ext in tuple(self._extensions):
+            ext.before_check()
         path = self.grad_path
         path.finish(absorb_raw=True)
         path.reconcile()
         if self._pending is not None:
             scaler = self._slots[self._pending].scaler
             if not self._fp16_warned and scaler.scale != 1.0:
-                self._warn_fp16(self._grad_params())
+                self._warn_fp16(self.grad_params())
             self._segments.append((self._pending, self._close(self._pending, scaler.inv_scale)))
             self._pending = None
         elif not self._segments:
             # No scale_loss this step: still refuse to step on inf/NaN grads.
             self._segments.append((None, self._close(None)))
-        self._unscaled = True
+        self._stage = StepStage.UNSCALED
 
     def _check_edits(self) -> None:
         """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.

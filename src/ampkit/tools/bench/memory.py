@@ -1,6 +1,6 @@
 """Tensor memory counts, one method for both benchmark trees.
 
-Two trees measure ampkit: ``ampkit bench`` (:mod:`ampkit.bench`, installed, what
+Two trees measure ampkit: ``ampkit bench`` (:mod:`ampkit.tools.bench`, installed, what
 users run: speed, memory and accuracy of built-in workloads) and the repository's
 ``benchmarks/`` scripts (what developers run: one figure each, e.g.
 ``benchmarks/memory.py``). Both count tensor memory with this module.
@@ -202,7 +202,7 @@ class PeakMeter:
     (:func:`allocation_peak`); ``peak``: their sum.
     """
 
-    WINDOW = "ampkit.bench.memory.window"
+    WINDOW = "ampkit.tools.bench.memory.window"
 
     def __init__(self, device: torch.device, exclude: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         self.device = device

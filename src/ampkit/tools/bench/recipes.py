@@ -4,7 +4,7 @@ A recipe turns an fp32 model and optimizer into what the precision trains
 (``prepare``), gives the scope the forward pass runs in (``scope``), and does
 backward + optimizer step (``backward_step``), reporting whether the step was
 skipped and the current loss scale. The training loop itself is shared
-(:mod:`ampkit.bench.worker`), so the only difference between two runs is the
+(:mod:`ampkit.tools.bench.worker`), so the only difference between two runs is the
 recipe.
 
 ======================  ==================================================================

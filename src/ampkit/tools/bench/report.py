@@ -1,7 +1,7 @@
 """Output of ``ampkit bench``: the rich table, results.json and the PNG plot.
 
 rich and matplotlib (the ``cli`` extra) are imported inside the functions, so
-``import ampkit.bench`` needs only torch.
+``import ampkit.tools.bench`` needs only torch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ampkit._internal.tree import map_leaves
 
 __all__ = ["render_tables", "write_json", "write_plot", "fmt_precision_row"]
 
@@ -129,16 +131,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def write_json(results: dict[str, Any], path: Path) -> None:
     """Write ``results`` as JSON (non-finite floats become null)."""
 
-    def clean(obj: Any) -> Any:
-        if isinstance(obj, float):
-            return obj if math.isfinite(obj) else None
-        if isinstance(obj, dict):
-            return {k: clean(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [clean(v) for v in obj]
-        return obj
+    def clean(x: Any) -> Any:
+        return (x if math.isfinite(x) else None) if isinstance(x, float) else x
 
-    _atomic_write(path, (json.dumps(clean(results), indent=1, allow_nan=False) + "\n").encode())
+    _atomic_write(path, (json.dumps(map_leaves(results, clean, mapping=dict), indent=1, allow_nan=False) + "\n").encode())
 
 
 def _smooth(values: list[float | None], window: int) -> list[float]:

@@ -7,7 +7,7 @@ only one precision computes at any time and slow spells of a shared machine fall
 on all precisions alike. Step time is the median over blocks of (block wall time /
 steps), leaving out each precision's first block (warm-up: kernel selection,
 allocator growth). The CPU memory figure comes from one more step after the
-last block, out of the timing (:mod:`ampkit.bench.memory`).
+last block, out of the timing (:mod:`ampkit.tools.bench.memory`).
 """
 
 from __future__ import annotations
@@ -298,6 +298,9 @@ def _run_workload(
         "metric": WORKLOADS[name].metric,
         "precisions": ordered,
     }
+
+
+run_workload = _run_workload  # the public name, for other subpackages and tests
 
 
 def run_bench(

@@ -3,7 +3,7 @@
 Each precision trains in its own process: ampkit's O1 turns casting on process-wide
 and ``initialize`` starts a new AMP session, so precisions sharing a process would
 disturb each other, and CUDA peak memory is per process. The parent
-(:mod:`ampkit.bench.runner`) drives the workers one at a time over a pipe, a short
+(:mod:`ampkit.tools.bench.runner`) drives the workers one at a time over a pipe, a short
 block of steps each in turn, so machine noise falls on every precision alike.
 
 Messages (parent -> worker): ``("setup", RunSpec)``, ``("train", n_steps)``,
@@ -25,13 +25,15 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.dtypes import DTYPES_BY_NAME
+
 from .memory import MIB, PeakMeter, SavedActivations, live_tensor_bytes, storage_ptrs
 from .recipes import Recipe, RecipeUnavailable, make_recipe
 from .workloads import make_workload
 
 __all__ = ["RunSpec", "TrainingRun", "worker_main"]
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = DTYPES_BY_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,7 @@ class TrainingRun:
 
     def _measure_cpu_step(self) -> dict[str, Any]:
         """CPU: one more training step, after the metrics and out of the timing, under
-        :class:`~ampkit.bench.memory.PeakMeter` (the method ``benchmarks/memory.py``
+        :class:`~ampkit.tools.bench.memory.PeakMeter` (the method ``benchmarks/memory.py``
         uses too): its exact peak of tensor bytes, the dataset left out. Beside it
         what was alive before it (``state_mib``) and what autograd saved for backward
         in it (``activation_mib``)."""

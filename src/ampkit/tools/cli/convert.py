@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION, dtype_name
 from ampkit._internal.paths import unwritable_reason
 
 from ._common import UsageError, add_command, float_between, positive_int, writable
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ampkit.tools.bench.inference import LatencyRow, interleaved_latency, render
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+    dtype = None if args.dtype is None else DTYPES_BY_NAME[args.dtype]  # argparse: bf16/fp16
     budget = None
     if args.budget is not None or args.min_agreement is not None:
         budget = Budget(max_rel_error=args.budget, min_top1_agreement=args.min_agreement)
@@ -265,8 +266,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``"torch.bfloat16"`` -> ``"bf16"``, ``"torch.float16"`` -> ``"fp16"``.
+_LOW_NAMES = {str(d): dtype_name(d) for d in LOW_PRECISION}
+
+
 def _dtype(dtype: Any) -> str:
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(dtype), str(dtype))
+    """``"bf16"``/``"fp16"`` for the 16-bit dtypes (or their ``str``), else ``str(dtype)``."""
+    return _LOW_NAMES.get(str(dtype), str(dtype))
 
 
 def _batch_size(batch: Any) -> int:

@@ -1,5 +1,5 @@
 """``ampkit run [options] SCRIPT [ARGS...]``: mixed precision for an unmodified training
-script (see :mod:`ampkit.run`), a summary on stderr at exit, ``--report`` JSON, and
+script (see :mod:`ampkit.tools.run`), a summary on stderr at exit, ``--report`` JSON, and
 ``--compare``: the script run twice, fp32 then the chosen level, each in its own
 process, with the loss curves and iteration times side by side (a rich table and a PNG).
 
@@ -67,7 +67,7 @@ def _default_dtype() -> str:
 
 def _config(args: argparse.Namespace) -> Any:
     from ampkit.errors import AmpError
-    from ampkit.tools.launch import RunConfig
+    from ampkit.tools.run import RunConfig
 
     dtype = args.dtype or _default_dtype()
     try:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return _compare(args, config)
     if args.png is not None:
         raise UsageError("ampkit run: --png goes with --compare")
-    from ampkit.tools.launch import RunRefused, ScriptError, is_rank_zero, run_script, write_report
+    from ampkit.tools.run import RunRefused, ScriptError, is_rank_zero, run_script, write_report
 
     try:
         result = run_script(args.script, list(args.args), config)

@@ -70,6 +70,7 @@ import torch
 import ampkit
 from ampkit._internal import registry as _reset
 from ampkit._internal.dtypes import default_device_type
+from ampkit._internal.tree import iter_tensors
 from ampkit._internal.validate import require_fields
 from ampkit.casting.policy import canonical_op
 from ampkit.errors import AmpError, PolicyError, StateError
@@ -410,14 +411,14 @@ def _skip_together(states: list[Any]) -> None:
     step (no loss id: no scaler event of its own; no host sync)."""
     if len(states) < 2:
         return
-    flags = [f for state in states for _, f in state._segments if f is not None]
+    flags = [f for state in states for f in state.segment_flags()]
     if not flags:
         return
     total = flags[0]
     for f in flags[1:]:
         total = total + f.to(total.device, non_blocking=True)
     for state in states:
-        state._segments.append((None, total))
+        state.add_segment(total)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
@@ -476,7 +477,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         sd = scaler.state_dict()
         sd["scale"] = entry["loss_scale"]
         sd["growth_tracker"] = entry.get("unskipped", 0)
-        loads.append(scaler._prepare_load(sd))
+        loads.append(scaler.prepare_load(sd))
     for load in loads:
         load()
 
@@ -520,29 +521,19 @@ def register_promote_function(module: Any, name: str) -> None:
 # --- decorators -----------------------------------------------------------------------
 
 
-def _first_device_type(args: Any) -> str | None:
-    for x in args:
-        if isinstance(x, torch.Tensor):
-            return x.device.type
-        if isinstance(x, (list, tuple)):
-            found = _first_device_type(x)
-            if found:
-                return found
-    return None
+def _first_device_type(args: list[Any]) -> str | None:
+    """The device type of the first tensor in ``args`` (through lists and tuples, not
+    dicts), or None."""
+    return next((t.device.type for t in iter_tensors(args, mapping=None)), None)
 
 
-def _widest(args: Any) -> torch.dtype | None:
+def _widest(args: tuple[Any, ...]) -> torch.dtype | None:
+    """The widest floating dtype in ``args`` (through lists, tuples and dicts); of two
+    as wide (bf16, fp16) the last one found."""
     widest: torch.dtype | None = None
-    stack = list(args)
-    while stack:
-        x = stack.pop()
-        if isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, torch.Tensor) and x.is_floating_point():
-            if widest is None or torch.finfo(x.dtype).bits > torch.finfo(widest).bits:
-                widest = x.dtype
+    for x in reversed(list(iter_tensors(args, mapping=dict))):
+        if x.is_floating_point() and (widest is None or torch.finfo(x.dtype).bits > torch.finfo(widest).bits):
+            widest = x.dtype
     return widest
 
 
@@ -805,6 +796,6 @@ amp._amp_state = _amp_state  # type: ignore[attr-defined]
 # `from ampkit.compat.apex.amp import _amp_state` (apex: `from apex.amp import _amp_state`)
 sys.modules.setdefault(amp.__name__, amp)
 # a model saved whole with Fp32StateDict hooks loads with torch.load's defaults
-from ampkit._safe_globals import register as _register_safe_globals  # noqa: E402
+from ampkit.safe_globals import register as _register_safe_globals  # noqa: E402
 
 _register_safe_globals([__name__])

@@ -19,7 +19,7 @@ What runs while it is on:
   input's gradient (backward) went non-finite, and the parameter(s) whose grads first did.
 - **Op-level check**, armed by a skipped step, a non-finite loss or heavy underflow
   and run on the *next* forward + backward (at most once every ``every`` steps, at most
-  ``max_checks`` times): see :mod:`ampkit.doctor._checker` -- every aten op is checked
+  ``max_checks`` times): see :mod:`ampkit.tools.diagnosis._checker` -- every aten op is checked
   for inf/NaN (one host sync per op), 16-bit backward ops are re-run in fp32 to count
   flushed values. When the failure does not recur (a dynamic scale that backed off),
   the report says so and keeps the module-level finding. ``doc.diagnose(fn)`` runs the

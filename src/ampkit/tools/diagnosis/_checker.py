@@ -25,12 +25,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ampkit._internal.dtypes import LOW_PRECISION
-
-from ._record import dtype_name
+from ampkit._internal import torch_compat
+from ampkit._internal.dtypes import LOW_PRECISION, dtype_name
+from ampkit._internal.torch_compat import TorchDispatchMode, tree_flatten, tree_map
 
 # ops that create or copy values without computing them: never an origin
 _SKIP = {
@@ -239,7 +237,7 @@ class OpChecker:
 
     # --- per op ---------------------------------------------------------------------
     def _where(self) -> tuple[str, str | None, str | None]:
-        node = torch._C._current_autograd_node()
+        node = torch_compat.current_autograd_node()
         if node is None:
             return "forward", self.forward_module, None
         hit = self.nodes.get(id(node))
@@ -250,7 +248,7 @@ class OpChecker:
 
     def run(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         self.ops += 1
-        mutable = func._schema.is_mutable
+        mutable = torch_compat.overload_schema(func).is_mutable
         inputs = _float_tensors((args, kwargs))
         searching = self.origin is None and self.entered is None
         consumer_search = self.origin is not None and self.origin.consumer is None
@@ -276,7 +274,7 @@ class OpChecker:
                     self.origin.consumer_module = module  # type: ignore[union-attr]
             if (
                 self.track_underflow and not mutable and outputs and name != "_to_copy"
-                and torch._C._current_autograd_node() is not None
+                and torch_compat.current_autograd_node() is not None
             ):
                 self._underflow(func, args, kwargs, outputs)
         finally:
@@ -327,7 +325,7 @@ class OpChecker:
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if src is None or src.dtype in LOW_PRECISION or not src.is_floating_point():
             return
-        if torch._C._current_autograd_node() is None:
+        if torch_compat.current_autograd_node() is None:
             return
         self.paused = True
         try:

@@ -3,10 +3,8 @@ checks and the advice to the managed optimizers' steps."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -15,17 +13,20 @@ from typing import Any
 import torch
 
 from ampkit._internal import registry as _reset
-from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal import torch_compat
+from ampkit._internal.dist import rank_and_world_size
+from ampkit._internal.dtypes import LOW_PRECISION, dtype_name
 from ampkit._internal.where import user_stacklevel
 from ampkit.casting.policy import canonical_op
 from ampkit.distributed import core as _distributed
 from ampkit.errors import StateError
 from ampkit.levels.setup import master_weights_of
 from ampkit.trainer import api as _optim
+from ampkit.trainer import extensions as _extensions
 
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
-from ._record import Recorder, ResolvedStep, StepLog, dtype_name, local
+from ._record import Recorder, ResolvedStep, StepLog, local
 from ._report import DoctorReport
 
 logger = logging.getLogger("ampkit.doctor")
@@ -38,15 +39,34 @@ class DoctorWarning(UserWarning):
 
 
 def env_enabled() -> bool:
-    """Whether ``AMPKIT_DOCTOR`` asks for the doctor (``1``/``true``/``yes``/``on``)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``AMPKIT_DOCTOR`` asks for the doctor (``1``/``true``/``yes``/``on``;
+    :func:`ampkit.trainer.extensions.env_enabled`)."""
+    return _extensions.env_enabled(ENV)
 
 
-def _rank() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+class _Watch(_extensions.StepExtension):
+    """The doctor on one managed optimizer's steps (a step extension): the misuse checks
+    before the grads are checked, the step's analysis once it is taken or skipped."""
+
+    def __init__(self, doctor: Doctor, state: _optim.ManagedOptimizer) -> None:
+        self.doctor = doctor
+        self.state = state
+
+    def before_check(self) -> None:
+        self.doctor._pre_unscale(self.state)
+
+    def after_step(self, skipped: bool) -> None:
+        self.doctor._end_step(self.state, skipped)
+
+
+class _ScaleLossWatch(_extensions.StepExtension):
+    """The doctor on every ``scale_loss`` of the process (a global extension)."""
+
+    def __init__(self, doctor: Doctor) -> None:
+        self.doctor = doctor
+
+    def on_scale_loss(self, optimizers: Sequence[Any], losses: Sequence[torch.Tensor], loss_id: int, scaled: Any) -> None:
+        self.doctor._on_scale_loss(optimizers, losses, loss_id, scaled)
 
 
 class Doctor:
@@ -107,7 +127,8 @@ class Doctor:
         self.log = bool(log)
         self.recorder = Recorder()
         self._states: list[_optim.ManagedOptimizer] = []
-        self._hooks: dict[int, tuple[Callable[[], None], Callable[[], None], Callable[[], None]]] = {}
+        self._watches: dict[int, _Watch] = {}
+        self._scale_loss_watch = _ScaleLossWatch(self)
         self._running = False
         # results
         self.history: list[StepPoint] = []
@@ -143,7 +164,7 @@ class Doctor:
                 s.optimizer
                 for member in current_session().members
                 for s in getattr(member, "optimizers", ())
-                if getattr(s, "_active", False)
+                if getattr(s, "active", False)
             ]
             if not opts:
                 raise StateError(
@@ -153,7 +174,7 @@ class Doctor:
         else:
             opts = self._requested
         self.recorder.install()
-        _optim.scale_loss_observers.append(self._on_scale_loss)
+        _extensions.add_global_extension(self._scale_loss_watch)
         self._running = True
         for opt in opts:
             self.attach(opt)
@@ -164,13 +185,7 @@ class Doctor:
         state = _optim.managed_state(optimizer)
         if any(s is state for s in self._states):
             return
-        pre = functools.partial(self._pre_unscale, state)
-        skip = functools.partial(self._end_step, state, True)
-        post = functools.partial(self._end_step, state, False)
-        state.pre_unscale_hooks.insert(0, pre)
-        state.skip_hooks.append(skip)
-        state.post_step_hooks.append(post)
-        self._hooks[id(state)] = (pre, skip, post)
+        self._watches[id(state)] = state.add_extension(_Watch(self, state))  # type: ignore[assignment]
         self._states.append(state)
         for group in optimizer.param_groups:
             if "lr" in group and isinstance(group["lr"], (int, float)):
@@ -185,17 +200,9 @@ class Doctor:
         self._stop_checker()
         self.recorder.arm_on_forward = None
         self.recorder.remove()
-        try:
-            _optim.scale_loss_observers.remove(self._on_scale_loss)
-        except ValueError:
-            pass
+        _extensions.remove_global_extension(self._scale_loss_watch)
         for state in self._states:
-            pre, skip, post = self._hooks.pop(id(state))
-            for hooks, fn in ((state.pre_unscale_hooks, pre), (state.skip_hooks, skip), (state.post_step_hooks, post)):
-                try:
-                    hooks.remove(fn)
-                except ValueError:
-                    pass
+            state.remove_extension(self._watches.pop(id(state)))
         # Whatever the last step recorded (e.g. a loss that never reached a step).
         if not self.recorder.log.empty:
             self.recorder.take()
@@ -299,8 +306,8 @@ class Doctor:
         FSDP's, which write the grads)."""
 
         def hook(grad_outputs: Any) -> None:
-            log.scaled_tasks.append(torch._C._current_graph_task_id())
-            engine = torch.autograd.Variable._execution_engine
+            log.scaled_tasks.append(torch_compat.current_graph_task_id())
+            engine = torch_compat.autograd_engine()
             engine.queue_callback(lambda: engine.queue_callback(lambda: self._snapshot_scaled(log, states)))
 
         return hook
@@ -433,7 +440,7 @@ class Doctor:
         if pending is not None and reason != "diagnose":
             pending.recurred = finding is not None and finding.kind != "underflow"
         if finding is not None:
-            rank, world = _rank()
+            rank, world = rank_and_world_size()
             finding.ranks = [rank] if world > 1 else []
             self.findings.append(finding)
             if reason != "diagnose":
@@ -638,7 +645,7 @@ class Doctor:
         value appeared; a rank that saw only the aftermath (inf/NaN grads after the
         all-reduce) takes the origin rank's view; other ranks' op-level findings join
         this rank's list."""
-        rank, world = _rank()
+        rank, world = rank_and_world_size()
         pending, self._ungathered = self._ungathered, []
         if world == 1:
             return
@@ -670,18 +677,18 @@ class Doctor:
 
     # --- output --------------------------------------------------------------------------
     def _log(self, message: str) -> None:
-        if self.log and _rank()[0] == 0:
+        if self.log and rank_and_world_size()[0] == 0:
             logger.warning(message)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key in self._warned:
             return
         self._warned.add(key)
-        if _rank()[0] == 0:
+        if rank_and_world_size()[0] == 0:
             warnings.warn(message, DoctorWarning, stacklevel=user_stacklevel())
 
     def report(self) -> Any:
-        """The :class:`~ampkit.doctor.DoctorReport` of everything seen so far (also
+        """The :class:`~ampkit.DoctorReport` of everything seen so far (also
         while running)."""
         return DoctorReport.build(self)
 
@@ -829,3 +836,6 @@ def _stop_global() -> None:
         doc.stop()
         if _KEEP_FINISHED:
             _FINISHED.append(doc)
+
+
+_extensions.register_attacher("doctor", attach_global, env=ENV)

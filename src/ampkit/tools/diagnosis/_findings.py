@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.dtypes import dtype_name
+
 from ._checker import TensorStats
-from ._record import dtype_name
 
 
 def _num(x: float | None) -> float | str | None:

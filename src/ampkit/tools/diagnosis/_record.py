@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import LOW_PRECISION
-from ampkit.casting.engine import _model_name, _unwrap
+from ampkit._internal.torch_compat import tree_flatten
+from ampkit.casting.engine import model_name, unwrap_module
 
 if TYPE_CHECKING:
     from ._checker import OpChecker
@@ -39,12 +40,6 @@ def tiny_subnormal(dtype: torch.dtype) -> float:
     """The smallest positive subnormal of ``dtype`` (fp16: 2**-24 ~ 5.96e-8)."""
     info = torch.finfo(dtype)
     return float(info.smallest_normal * info.eps)
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}.get(
-        dtype, str(dtype).replace("torch.", "")  # type: ignore[arg-type]
-    )
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +231,7 @@ class Recorder:
     def name_of(self, module: nn.Module, root: nn.Module) -> str:
         names = self._names.get(root)
         if names is None or id(module) not in names:
-            names = {id(m): _model_name(n) for n, m in _unwrap(root).named_modules(remove_duplicate=False)}
+            names = {id(m): model_name(n) for n, m in unwrap_module(root).named_modules(remove_duplicate=False)}
             names.setdefault(id(root), "")
             self._names[root] = names
         return names.get(id(module), type(module).__name__)
@@ -337,7 +332,7 @@ class Recorder:
         return hook
 
     def _hook_params(self, module: nn.Module, module_name: str) -> None:
-        for pname, p in module._parameters.items():
+        for pname, p in torch_compat.own_parameters(module).items():
             if p is None or not p.requires_grad or id(p) in self._param_hooks:
                 continue
             full = f"{module_name}.{pname}" if module_name else pname
@@ -360,7 +355,7 @@ class Recorder:
                     abs_max(g), g.numel() - torch.count_nonzero(g).float(), below.float(),
                     torch.linalg.vector_norm(g, dtype=torch.float32).square(),
                 ])
-                task = torch._C._current_graph_task_id()
+                task = torch_compat.current_graph_task_id()
                 log.params.append((log.next_seq(), full, module_name, grad.dtype, grad.numel(), stats, task))
 
         return hook

@@ -74,9 +74,8 @@ class DoctorReport:
         margins = sorted(
             (m for m in doc.margins.values() if m.module_type not in containers), key=lambda m: (-m.risk, m.module)
         )
+        from ampkit._internal.dtypes import dtype_name
         from ampkit.levels.fp8 import layers as fp8_layers
-
-        from ._record import dtype_name
 
         return DoctorReport(
             steps=len(points),

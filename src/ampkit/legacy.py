@@ -6,12 +6,13 @@ things still name the old paths:
 * pickles: a model saved whole with ``torch.save(model)`` names its hooks' classes by
   module path (``ampkit.model.CastInputs``, ``ampkit.fp8.Float8Linear``,
   ``ampkit.convert._Fp32Island``, ...). ``torch.load``'s weights-only unpickler finds
-  them through the old names :mod:`ampkit._safe_globals` registers; the full unpickler
+  them through the old names :mod:`ampkit.safe_globals` registers; the full unpickler
   imports the old module path, which :class:`LegacyFinder` answers with today's module;
-* imports: ``ampkit.compat.apex`` (the documented drop-in for ``from apex import amp``)
+* imports: ``ampkit.compat.apex`` (the documented drop-in for ``from apex import amp``),
+  ``ampkit.fp8`` (the public fp8 module, ``ampkit.fp8.layers()``)
   and ``ampkit.bench`` keep working as import paths.
 
-Importing an old path other than those two warns once (``DeprecationWarning``) and
+Importing an old path other than those three warns once (``DeprecationWarning``) and
 gives today's module object itself, so a class loaded through it is today's class.
 """
 
@@ -32,7 +33,7 @@ LEGACY_MODULES: dict[str, str] = {
     "ampkit.model": "ampkit.levels.model_cast",
     "ampkit.grads": "ampkit.trainer.grad_hooks",
     "ampkit.fp8": "ampkit.levels.fp8",
-    "ampkit.convert": "ampkit.inference.conversion",
+    "ampkit.convert": "ampkit.inference.conversion",  # the package: it exports every class 0.2 pickled there
     "ampkit.levels": "ampkit.levels.setup",  # ampkit.levels is today's package; see below
     "ampkit.distributed": "ampkit.distributed.core",  # likewise
     "ampkit.compat": "ampkit.tools.compat",
@@ -43,7 +44,7 @@ LEGACY_MODULES: dict[str, str] = {
 #: classes 0.2 pickled there): the finder never sees them.
 _SAME_NAME = frozenset({"ampkit.levels", "ampkit.distributed"})
 #: Old paths kept as supported import paths: no warning.
-_SUPPORTED = ("ampkit.compat", "ampkit.bench")
+_SUPPORTED = ("ampkit.compat", "ampkit.bench", "ampkit.fp8")
 #: Old paths that are also the names of functions in ``ampkit`` (``ampkit.convert``):
 #: put into ``sys.modules`` up front, so importing them never rebinds the function.
 _SHADOWED = ("ampkit.convert",)

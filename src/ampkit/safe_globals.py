@@ -49,18 +49,11 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
     # initialize(..., fp8=...): the switched class and its scale state
     "ampkit.levels.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
     # convert(): boundary hooks and the report kept as model.ampkit_report
-    "ampkit.inference.conversion": (
-        "_BoundaryInputs",
-        "_BoundaryOutputs",
-        "_IslandEnter",
-        "_IslandExit",
-        "_Fp32Island",
-        "ConversionReport",
-        "ModuleDecision",
-        "FoldRecord",
-        "Budget",
-        "OutputError",
+    "ampkit.inference.conversion.hooks": (
+        "_BoundaryInputs", "_BoundaryOutputs", "_IslandEnter", "_IslandExit", "_Fp32Island",
     ),
+    "ampkit.inference.conversion.report": ("ConversionReport", "ModuleDecision", "FoldRecord"),
+    "ampkit.inference.conversion.measure": ("Budget", "OutputError"),
     # apex's O2 state-dict hook (registered when ampkit.compat.apex is imported)
     "ampkit.tools.compat.apex": ("Fp32StateDict",),
 }
@@ -69,11 +62,19 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
 ON_THEIR_IMPORT = frozenset({"ampkit.tools.compat.apex"})
 
 
-def _legacy_names(module_name: str) -> list[str]:
-    """The module paths under which ampkit 0.2 pickled the classes of ``module_name``."""
-    from ._legacy import LEGACY_MODULES
+def _legacy_names(cls: type) -> list[str]:
+    """The paths under which ampkit 0.2 pickled ``cls``: ``<old>.<qualname>`` for each
+    0.2 module path whose module today is ``cls``'s own, or a package above it that
+    exports ``cls`` (``ampkit.convert`` is the ``ampkit.inference.conversion`` package,
+    its classes live in the package's modules)."""
+    from .legacy import LEGACY_MODULES
 
-    return [old for old, new in LEGACY_MODULES.items() if new == module_name]
+    out = []
+    for old, new in LEGACY_MODULES.items():
+        inside = cls.__module__.startswith(new + ".")
+        if new == cls.__module__ or inside and getattr(importlib.import_module(new), cls.__qualname__, None) is cls:
+            out.append(f"{old}.{cls.__qualname__}")
+    return out
 
 
 def safe_classes(modules: Iterable[str] | None = None) -> list[type]:
@@ -90,9 +91,9 @@ def safe_classes(modules: Iterable[str] | None = None) -> list[type]:
 def register(modules: Iterable[str] | None = None) -> None:
     """Add the classes of ``modules`` (see :func:`safe_classes`) to ``torch.load``'s
     weights-only allowlist (idempotent), under their module paths of today and of 0.2
-    (:data:`ampkit._legacy.LEGACY_MODULES`: files written by 0.2 name those)."""
+    (:data:`ampkit.legacy.LEGACY_MODULES`: files written by 0.2 name those)."""
     classes = safe_classes(modules)
     entries: list = list(classes)
     for cls in classes:
-        entries.extend((cls, f"{old}.{cls.__qualname__}") for old in _legacy_names(cls.__module__))
+        entries.extend((cls, name) for name in _legacy_names(cls))
     torch.serialization.add_safe_globals(entries)

@@ -1,0 +1,530 @@
+"""Every place ampkit relies on torch internals, behind one small name each.
+
+Each function or constant here states what ampkit assumes of torch and what breaks if
+a torch release changes it; ``tests/test_torch_compat.py`` checks each assumption
+against the installed torch, so a release that breaks one fails a test named for it
+instead of a casting or training test far away. Code elsewhere in ampkit reaches
+torch's private modules, attributes and ops only through this module (the process-wide
+patches of ``ampkit run`` stay with the launcher).
+
+Functions that touch torch.compile's internals (dynamo) import them lazily and only
+when dynamo is already loaded: importing ampkit never imports dynamo.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = [
+    "TENSOR_BASE",
+    "TorchDispatchMode",
+    "add_graph_marker",
+    "amp_unscale_and_check_",
+    "autocast_device_index",
+    "autograd_engine",
+    "can_reinstall_global_forward_hooks",
+    "compiled_code_entries",
+    "compiled_frames_ok",
+    "compiled_function_inner",
+    "compiled_module_inner",
+    "current_autograd_node",
+    "current_graph_task_id",
+    "current_trace_tx",
+    "destroy_library",
+    "dynamo_compile_lock",
+    "dynamo_loaded",
+    "exclude_dispatch_keys",
+    "autocast_keyset",
+    "forward_hook_dicts",
+    "forward_pre_hooks_of",
+    "forward_pre_hooks_with_kwargs",
+    "foreach_copy_",
+    "foreach_mul_",
+    "global_autocast_enabled_in_guard",
+    "guard_attr_equals",
+    "guards_name",
+    "has_composite_implicit_kernel",
+    "is_dataparallel_replica",
+    "is_parallel_apply_worker",
+    "ModuleHookDicts",
+    "cpp_compiler_available",
+    "mark_trace_constant",
+    "module_hook_dicts",
+    "overload_name",
+    "overload_schema",
+    "parallel_apply_worker_module",
+    "raw_op",
+    "composite_implicit_call",
+    "reinstall_global_forward_hooks",
+    "remove_global_forward_hooks",
+    "reset_compiled_code",
+    "run_outside_dynamo",
+    "scaled_mm",
+    "skip_code_in_dynamo",
+    "WRAPPER_PATH_PARTS",
+    "own_parameters",
+    "replace_buffer",
+    "replace_child",
+    "submodules_of",
+    "swap_module_class",
+    "tensor_is_view",
+    "tensor_version",
+    "tree_flatten",
+    "tree_map",
+    "torch_function_mode_active",
+]
+
+# ---------------------------------------------------------------------------
+# Tensors, ops and the dispatcher
+# ---------------------------------------------------------------------------
+TENSOR_BASE: type = torch._C.TensorBase
+"""The C base class of ``torch.Tensor``: methods defined in C (``Tensor.add``) have it as
+their ``__objclass__``. If renamed, op names given as tensor methods stop resolving
+(:func:`ampkit.canonical_op` of ``torch.Tensor.add``)."""
+
+TorchDispatchMode = TorchDispatchMode
+"""``torch.utils._python_dispatch.TorchDispatchMode``: ``ampkit.explain`` and the
+diagnosis checker record aten ops below autograd and autocast with it. If it moves,
+those two cannot import."""
+
+
+tree_flatten = tree_flatten
+"""``torch.utils._pytree.tree_flatten``: the leaves of nested lists, tuples and dicts
+(as torch itself flattens op arguments); used to find the tensors of a dispatched op."""
+
+tree_map = tree_map
+"""``torch.utils._pytree.tree_map``: ``fn`` applied to every leaf of a nested structure."""
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``: the counter torch bumps on every in-place change of ``t``'s data.
+    The cast cache and the master-weight/grad bookkeeping compare it to tell a tensor
+    changed; if it stopped counting, stale casts or grads would be reused."""
+    return t._version
+
+
+def tensor_is_view(t: torch.Tensor) -> bool:
+    """``t._is_view()``: whether ``t`` shares another tensor's storage as a view. The
+    cast cache never caches views (their base may change them); if gone, the cache
+    cannot tell."""
+    return t._is_view()
+
+
+def autocast_keyset() -> Any:
+    """The dispatch key set of the CPU and CUDA ``Autocast*`` keys
+    (``torch._C.DispatchKeySet``). ampkit's kernels run the op with these keys excluded,
+    as torch's own autocast kernels do; if the keys are renamed the kernels would recurse
+    into themselves."""
+    keys = torch._C.DispatchKey
+    return torch._C.DispatchKeySet(keys.AutocastCPU).add(keys.AutocastCUDA)
+
+
+exclude_dispatch_keys: Callable[[Any], Any] = torch._C._ExcludeDispatchKeyGuard
+"""``torch._C._ExcludeDispatchKeyGuard(keyset)``: a context manager under which the
+dispatcher skips ``keyset`` for this thread. Used by every ampkit kernel around the
+op it forwards to (see :func:`autocast_keyset`)."""
+
+
+def overload_schema(overload: Any) -> Any:
+    """``OpOverload._schema``: the op's ``torch._C.FunctionSchema`` (arguments with
+    ``.type`` and ``.is_out``, ``.is_mutable``). ampkit picks the overloads to put kernels
+    on, and the checker tells in-place ops, from it."""
+    return overload._schema
+
+
+def overload_name(overload: Any) -> str:
+    """``OpOverload._overloadname``: ``"default"``, ``"Tensor"``, ``"Scalar"``, ... (the
+    part after the dot of ``aten::pow.Tensor``). ``torch.library.Library.impl`` is given
+    ``base.name`` with it; if renamed, kernels cannot be registered per overload."""
+    return overload._overloadname
+
+
+def raw_op(overload: Any) -> Callable[..., Any]:
+    """``OpOverload._op``: the C++ callable behind ``OpOverload.__call__``, skipping its
+    Python layer (a kernel runs on every call of its op). If gone, kernels would call
+    the overload itself, slower but the same."""
+    return overload._op
+
+
+def composite_implicit_call(overload: Any) -> Callable[..., Any]:
+    """A callable running ``overload``'s ``CompositeImplicitAutograd`` kernel
+    (``OpOverload._op_dk(DispatchKey.CompositeImplicitAutograd, ...)``): a kernel with
+    nothing to cast decomposes the op as torch's autocast fallthrough would, so the ops
+    inside (einsum's bmm) still meet autocast."""
+    return functools.partial(overload._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def has_composite_implicit_kernel(overload: Any) -> bool:
+    """Whether ``overload`` has a ``CompositeImplicitAutograd`` kernel
+    (``torch._C._dispatch_has_kernel_for_dispatch_key``); False for an overload the
+    dispatcher does not know by name (``einsum.sublist``)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
+
+
+def destroy_library(lib: torch.library.Library) -> None:
+    """``Library._destroy()``: removes the kernels ``lib`` registered, so torch's own
+    are back (``ampkit.reset``). If gone, kernels stay until the process ends (they
+    then do what torch's own do outside an ampkit scope)."""
+    lib._destroy()
+
+
+def torch_function_mode_active() -> bool:
+    """``torch._C._is_torch_function_mode_enabled()``: whether a ``TorchFunctionMode``
+    is on this thread's stack (``torch.export`` records autocast through one). A scope
+    then enters a real ``torch.autocast`` so the mode sees it."""
+    return torch._C._is_torch_function_mode_enabled()
+
+
+def autocast_device_index(device_type: str) -> int:
+    """The position of ``device_type`` in the ``enabled`` list of the autocast state
+    that dynamo's global-state guard prints (``torch._C._autocast_supported_devices()``
+    order)."""
+    return torch._C._autocast_supported_devices().index(device_type)
+
+
+# private ops with no public name (the fused kernels torch's own AMP and optimizers use)
+foreach_copy_: Callable[..., Any] = torch._foreach_copy_
+"""``torch._foreach_copy_(dst, src)``: copies lists of tensors in one kernel."""
+
+foreach_mul_: Callable[..., Any] = torch._foreach_mul_
+"""``torch._foreach_mul_(tensors, scalar)``: scales lists of tensors in one kernel."""
+
+amp_unscale_and_check_: Callable[..., Any] = torch._amp_foreach_non_finite_check_and_unscale_
+"""``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``:
+multiplies grads by ``inv_scale`` in place and sets ``found_inf`` to 1.0 if any is
+inf/NaN (what ``torch.amp.GradScaler.unscale_`` runs)."""
+
+
+def cpp_compiler_available() -> bool:
+    """Whether inductor finds a C++ compiler here (``torch._inductor.cpp_builder``);
+    False if that module moved or no compiler is found."""
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: no compiled update kernels
+        return False
+
+
+def scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch._scaled_mm``: the fp8 matmul of ``ampkit``'s fp8 level (a private op; its
+    layouts and arguments have changed between releases)."""
+    return torch._scaled_mm(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------
+def autograd_engine() -> Any:
+    """``torch.autograd.Variable._execution_engine``: the engine whose
+    ``queue_callback`` runs a function when the current backward pass ends."""
+    return torch.autograd.Variable._execution_engine
+
+
+def current_graph_task_id() -> int:
+    """``torch._C._current_graph_task_id()``: the id of the backward pass running in
+    this thread, -1 outside one (a forward run inside backward is a recomputation)."""
+    return torch._C._current_graph_task_id()
+
+
+def current_autograd_node() -> Any:
+    """``torch._C._current_autograd_node()``: the autograd node being executed in this
+    thread's backward, None outside one."""
+    return torch._C._current_autograd_node()
+
+
+# ---------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------
+def forward_hook_dicts() -> tuple[dict[int, Any], dict[int, Any], dict[int, bool] | None]:
+    """torch's global forward hook dicts: ``(pre hooks, hooks, always-called flags)``
+    of ``torch.nn.modules.module`` (``_global_forward_pre_hooks``,
+    ``_global_forward_hooks``, ``_global_forward_hooks_always_called``; the last None on
+    a torch without ``always_call``). ``nn.Module.__call__`` consults them on every
+    call; the casting engine's module rules live in them."""
+    reg = nn.modules.module
+    return (
+        reg._global_forward_pre_hooks,
+        reg._global_forward_hooks,
+        getattr(reg, "_global_forward_hooks_always_called", None),
+    )
+
+
+def can_reinstall_global_forward_hooks() -> bool:
+    """Whether hooks can be put back under their old ids (:func:`reinstall_global_forward_hooks`)."""
+    return forward_hook_dicts()[2] is not None
+
+
+def reinstall_global_forward_hooks(pre_id: int, pre: Callable[..., Any], post_id: int, post: Callable[..., Any]) -> None:
+    """Put a global forward pre hook and an always-called forward hook back under the ids
+    they were first registered with. torch.compile guards compiled code on the global
+    hook dicts' keys and values, so the same functions under the same keys keep code
+    compiled under one scope valid under the next."""
+    pres, posts, always = forward_hook_dicts()
+    pres[pre_id] = pre
+    posts[post_id] = post
+    if always is not None:
+        always[post_id] = True
+
+
+def remove_global_forward_hooks(pre_id: int, post_id: int) -> None:
+    """Remove the hooks :func:`reinstall_global_forward_hooks` put in (or that
+    ``register_module_forward_*hook`` returned those ids for)."""
+    pres, posts, always = forward_hook_dicts()
+    pres.pop(pre_id, None)
+    posts.pop(post_id, None)
+    if always is not None:
+        always.pop(post_id, None)
+
+
+class ModuleHookDicts(NamedTuple):
+    """A module's own hook dicts (hook id -> hook, or id -> flag), as ``nn.Module``
+    stores them: ``_forward_pre_hooks``, ``_forward_pre_hooks_with_kwargs``,
+    ``_forward_hooks``, ``_forward_hooks_with_kwargs``, ``_forward_hooks_always_called``.
+    Hooks ampkit put on a model are found (and removed, also on a copy or an unpickled
+    model, whose handles are gone) through them."""
+
+    pre: dict[int, Any]
+    pre_with_kwargs: dict[int, bool]
+    post: dict[int, Any]
+    post_with_kwargs: dict[int, bool]
+    post_always_called: dict[int, bool]
+
+
+def module_hook_dicts(module: nn.Module) -> ModuleHookDicts:
+    """``module``'s hook dicts (:class:`ModuleHookDicts`)."""
+    return ModuleHookDicts(
+        module._forward_pre_hooks,
+        module._forward_pre_hooks_with_kwargs,
+        module._forward_hooks,
+        module._forward_hooks_with_kwargs,
+        module._forward_hooks_always_called,
+    )
+
+
+def forward_pre_hooks_of(module: nn.Module) -> dict[int, Any]:
+    """``module._forward_pre_hooks`` (hook id -> hook), in registration order."""
+    return module._forward_pre_hooks
+
+
+def forward_pre_hooks_with_kwargs(module: nn.Module) -> dict[int, bool]:
+    """``module._forward_pre_hooks_with_kwargs``: ids of pre hooks registered with
+    ``with_kwargs=True``; a hook moved to another module must keep its entry."""
+    return module._forward_pre_hooks_with_kwargs
+
+
+def submodules_of(module: nn.Module) -> list[nn.Module | None]:
+    """``module``'s direct children as stored (``module._modules.values()``, None for a
+    child set to None): read without building ``named_children``'s generator."""
+    return list(module._modules.values())
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module._parameters``: its own parameters by name, None for one set to None
+    (``named_parameters(recurse=False)`` skips those)."""
+    return module._parameters
+
+
+def replace_buffer(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put ``tensor`` in place of ``module``'s buffer ``name`` (``module._buffers[name]``),
+    keeping whether it is persistent (saved in the state_dict)."""
+    module._buffers[name] = tensor
+
+
+def replace_child(module: nn.Module, name: str, child: nn.Module) -> None:
+    """Put ``child`` in place of ``module``'s submodule ``name`` (``module._modules[name]``),
+    in the same position of the module's children."""
+    module._modules[name] = child
+
+
+WRAPPER_PATH_PARTS: tuple[str, ...] = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""The attribute names wrappers insert in qualified module names: ``torch.compile``'s
+``OptimizedModule``, FSDP1's ``FullyShardedDataParallel``, ``checkpoint_wrapper``.
+Name rules drop them, so ``block._orig_mod.norm`` matches a rule for ``block.norm``."""
+
+
+def compiled_module_inner(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(model)`` wrapper (``OptimizedModule``) wraps
+    (``._orig_mod``), or None if ``module`` is no such wrapper. Module rules and name
+    rules are written against the inner model."""
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        return module._orig_mod
+    return None
+
+
+def compiled_function_inner(fn: Any) -> Any:
+    """The function a ``torch.compile(fn)`` wrapper wraps (``_torchdynamo_orig_callable``),
+    or None if ``fn`` is no such wrapper."""
+    return getattr(fn, "_torchdynamo_orig_callable", None)
+
+
+def swap_module_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Change ``module``'s class in place (``module.__class__ = cls``): parameters,
+    buffers, hooks and state_dict keys stay, only methods change. ``cls`` must be a
+    subclass of (or the base of) ``type(module)`` with no ``__slots__`` of its own."""
+    module.__class__ = cls
+
+
+# ---------------------------------------------------------------------------
+# nn.DataParallel replica threads
+# ---------------------------------------------------------------------------
+def is_parallel_apply_worker(thread: threading.Thread | None = None) -> bool:
+    """Whether ``thread`` (default: this one) runs ``torch.nn.parallel.parallel_apply``'s
+    worker: its target is the nested ``_worker`` function, found among
+    ``parallel_apply``'s code constants."""
+    thread = thread or threading.current_thread()
+    apply_module = sys.modules.get("torch.nn.parallel.parallel_apply")
+    worker_code = getattr(getattr(thread, "_target", None), "__code__", None)
+    apply_code = getattr(getattr(apply_module, "parallel_apply", None), "__code__", None)
+    return worker_code is not None and apply_code is not None and any(c is worker_code for c in apply_code.co_consts)
+
+
+def parallel_apply_worker_module(thread: threading.Thread | None = None) -> nn.Module | None:
+    """The module a ``parallel_apply`` worker thread runs: its ``_worker(i, module,
+    input, ...)`` arguments are the thread's ``_args``."""
+    args = getattr(thread or threading.current_thread(), "_args", ())
+    return args[1] if len(args) > 1 and isinstance(args[1], nn.Module) else None
+
+
+def is_dataparallel_replica(module: nn.Module) -> bool:
+    """``module._is_replica``: set on the copies ``torch.nn.parallel.replicate`` makes
+    (which share the original's hook dicts: ``replicate`` copies ``__dict__``)."""
+    return bool(getattr(module, "_is_replica", False))
+
+
+# ---------------------------------------------------------------------------
+# torch.compile (dynamo)
+# ---------------------------------------------------------------------------
+def mark_trace_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make dynamo run ``fn`` at trace time and put its result in the graph as a constant
+    (what ``torch._dynamo.assume_constant_result`` sets: ``fn._dynamo_marked_constant``),
+    without importing dynamo. If dynamo stopped reading the attribute, it would trace
+    into ``fn``: its bookkeeping would graph-break or be recorded."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def run_outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so dynamo never traces it (``torch._compile._disable_dynamo``, which
+    imports dynamo only when first called): called in traced code it runs eagerly at a
+    graph break."""
+    return torch._compile._disable_dynamo(fn)
+
+
+def dynamo_loaded() -> bool:
+    """Whether torch.compile's frame evaluation has been imported in this process."""
+    return "torch._dynamo.eval_frame" in sys.modules
+
+
+def current_trace_tx() -> Any:
+    """The instruction translator of the frame dynamo is tracing in this thread
+    (``torch._dynamo.symbolic_convert.tls.current_tx``), or None. Has ``.output`` (the
+    graph being built) and ``.import_source(module_name)``."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    return getattr(getattr(convert, "tls", None), "current_tx", None)
+
+
+def guard_attr_equals(tx: Any, module_name: str, *attrs: str) -> None:
+    """Make dynamo guard the code ``tx`` traces on ``module_name.attr1.attr2...`` being
+    equal to its value now (``install_guard`` of an ``AttrSource`` chain on
+    ``tx.import_source``, ``GuardBuilder.EQUALS_MATCH``): the code is compiled again
+    when that value changes. Raises if dynamo's guard API changed."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource
+
+    source = tx.import_source(module_name)
+    for attr in attrs:
+        source = AttrSource(source, attr)
+    install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
+
+
+def add_graph_marker(output: Any, target: Any, arg: str) -> bool:
+    """Add a ``call_function`` node ``target(arg)`` to the graph dynamo is building
+    (``output``: ``tx.output``) unless one is there; False once tracing has ended
+    (``output.should_exit``). The node's argument becomes part of the key torch.compile's
+    caches (AOTAutograd's) store the graph under. Raises if dynamo's tracer changed."""
+    if getattr(output, "should_exit", True):
+        return False
+    tracer = output.root_tracer
+    if any(n.args == (arg,) for n in tracer.graph.find_nodes(op="call_function", target=target)):
+        return True
+    tracer.create_proxy("call_function", target, (arg,), {}).node.meta["example_value"] = None
+    return True
+
+
+def skip_code_in_dynamo(code: Any) -> None:
+    """Tell dynamo never to compile ``code``'s frames nor what they call
+    (``set_code_exec_strategy`` with ``FrameAction.SKIP``). Raises if the API changed."""
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def compiled_frames_ok() -> bool:
+    """Whether dynamo has compiled any frame in this process
+    (``torch._dynamo.utils.counters["frames"]["ok"]``); False if dynamo is not loaded."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and bool(utils.counters["frames"].get("ok"))
+
+
+def dynamo_compile_lock() -> Any:
+    """``torch._dynamo.convert_frame.compile_lock``: held while dynamo compiles a frame;
+    hold it to read or reset its code cache."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
+def reset_compiled_code(code: Any) -> None:
+    """Drop the compiled code dynamo keeps for ``code`` (compiled anew on its next call;
+    ``torch._C._dynamo.eval_frame.reset_code``)."""
+    from torch._C._dynamo.eval_frame import reset_code as _reset_code
+
+    _reset_code(code)
+
+
+def compiled_code_entries() -> Iterator[tuple[Any, list[list[str]]]]:
+    """Each code object dynamo compiled, with the guard code of each of its cache
+    entries (``input_codes.seen``, ``_debug_get_cache_entry_list``,
+    ``entry.guard_manager.code_parts``). Raises if dynamo's cache layout changed."""
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for ref in list(input_codes.seen):
+        code = ref()
+        if code is not None:
+            yield code, [list(entry.guard_manager.code_parts) for entry in _debug_get_cache_entry_list(code)]
+
+
+_GLOBAL_STATE = "___check_global_state() against "
+
+
+def global_autocast_enabled_in_guard(parts: list[str], device_type: str) -> bool | None:
+    """From one cache entry's guard code: whether it was compiled with autocast on
+    ``device_type`` enabled (dynamo's global-state guard prints the state as JSON after
+    ``___check_global_state() against``), or None if the entry has no such guard."""
+    states = [json.loads(p[p.index(_GLOBAL_STATE) + len(_GLOBAL_STATE):]) for p in parts if _GLOBAL_STATE in p]
+    if not states:
+        return None
+    return bool(states[0]["autocast_state"]["enabled"][autocast_device_index(device_type)])
+
+
+def guards_name(parts: list[str], text: str) -> bool:
+    """Whether one cache entry's guard code mentions ``text`` (``"_state.compile_key"``:
+    the entry is guarded on ampkit's scopes)."""
+    return any(text in part for part in parts)

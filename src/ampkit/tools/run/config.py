@@ -1,0 +1,78 @@
+"""What ``ampkit run`` is asked to apply (:class:`RunConfig`) and how a run stops
+early (:class:`RunRefused`, :class:`ScriptError`, and the two BaseExceptions that carry
+a refusal or the step limit out of the script)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ampkit.errors import AmpError
+
+__all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
+
+
+#: Levels ``ampkit run`` applies; ``fp32`` only observes (the ``--compare`` reference).
+LEVELS = ("fp32", "O1", "O2", "O2K")
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RunRefused(AmpError):
+    """``ampkit run`` cannot apply the requested precision exactly to this script (e.g.
+    fp16 loss scaling for a manual ``p.data`` update): the run stops, one line, exit 2."""
+
+
+class ScriptError(AmpError):
+    """The script cannot be run (no such file, not a file): one line, exit 2."""
+
+
+class _Refusal(BaseException):
+    """Carries a :class:`RunRefused` out of the script (a BaseException, so a script's
+    ``except Exception`` around its loop cannot swallow it)."""
+
+    def __init__(self, error: RunRefused) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _StopScript(BaseException):
+    """Raised after the step that reaches ``max_steps`` or the time budget: ends the
+    script cleanly (a BaseException, so the script's ``except Exception`` lets it pass)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What :func:`run_script` applies.
+
+    Attributes:
+        level: ``"O1"`` (default; casting inside module forwards, fp32 weights),
+            ``"O2"`` (16-bit models with fp32 masters), ``"O2K"`` (bf16 models with
+            compensated updates) or ``"fp32"`` (nothing applied, observation only).
+        dtype: ``"bf16"`` (default) or ``"fp16"``; O2K is bf16 only.
+        max_steps: end the script after this many iterations (None: run it whole).
+        time_budget: end the script at the first iteration after this many seconds.
+    """
+
+    level: str = "O1"
+    dtype: str = "bf16"
+    max_steps: int | None = None
+    time_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise AmpError(f"unknown level {self.level!r}; choose one of {', '.join(LEVELS)}.")
+        if self.dtype not in _DTYPES:
+            raise AmpError(f"unknown dtype {self.dtype!r}; choose bf16 or fp16.")
+        if self.level == "O2K" and self.dtype != "bf16":
+            raise AmpError("O2K keeps bf16 weights with compensated updates: it is bf16 only; use --dtype bf16 or O2.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise AmpError(f"max_steps must be at least 1, got {self.max_steps}.")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise AmpError(f"time_budget must be a positive number of seconds, got {self.time_budget}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,285 @@
+"""The package's architecture, checked: the layers contract (import-linter) holds and
+catches a violating import, and no subpackage reaches into another's private names.
+
+Subpackages: ``_internal``, ``casting``, ``scaling``, ``trainer``, ``levels``,
+``distributed``, ``inference`` and ``tools`` (its own subpackages count as one). The
+package root files (``__init__.py``, ``errors.py``, ``legacy.py``, ``safe_globals.py``)
+are outside the rule. ``_internal``'s module name is underscored, but its public names
+are shared by design."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "ampkit"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+SUBPACKAGES = frozenset(
+    {"_internal", "casting", "scaling", "trainer", "levels", "distributed", "inference", "tools"}
+)
+#: Private names that are part of a public API on purpose: apex's own spelling
+#: (``from apex.amp import _amp_state``), which the drop-in answers as apex does.
+ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
+CONTRACT = "layers: tools > inference : levels : distributed > trainer > scaling > casting > _internal"
+
+needs_import_linter = pytest.mark.skipif(
+    not LINT_IMPORTS.exists(),
+    reason="import-linter is not installed (no lint-imports next to this Python)",
+)
+
+
+# ---------------------------------------------------------------------------
+# 1. the layers contract
+# ---------------------------------------------------------------------------
+def _lint_imports(config: Path, cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--no-logo", str(config)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+    )
+
+
+@needs_import_linter
+def test_layers_contract_is_kept():
+    result = _lint_imports(ROOT / "pyproject.toml", ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@needs_import_linter
+def test_layers_contract_catches_an_import_upwards(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src / "ampkit", ignore=shutil.ignore_patterns("__pycache__"))
+    policy = src / "ampkit" / "casting" / "policy.py"
+    policy.write_text(policy.read_text() + "\n\nimport ampkit.tools.run  # noqa: E402,F401\n")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    # The copy must be the package analysed: it comes first on the path, and the check
+    # below proves it was read (the real tree has no such import).
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('ampkit').origin)"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True, timeout=60,
+    )
+    assert Path(probe.stdout.strip()).resolve() == (src / "ampkit" / "__init__.py").resolve(), probe.stderr
+
+    result = _lint_imports(tmp_path / "pyproject.toml", tmp_path, pythonpath=src)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert f"{CONTRACT} BROKEN" in " ".join(out.split()), out
+    assert "- ampkit.casting.policy -> ampkit.tools" in out, out
+
+
+# ---------------------------------------------------------------------------
+# 2./3. no underscored names of another subpackage
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class Use:
+    """One use of a private name: where (file:line), what, and the module defining it."""
+
+    file: str
+    line: int
+    name: str
+    defined_in: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} {self.name} (of {self.defined_in})"
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _is_module(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[0] != "ampkit":
+        return False
+    path = SRC.joinpath(*parts[1:])
+    return (path.with_suffix(".py")).is_file() or (path / "__init__.py").is_file()
+
+
+def _subpackage(dotted: str) -> str | None:
+    """The subpackage a dotted ampkit name lies in (None: the root files, not ampkit)."""
+    parts = dotted.split(".")
+    if parts[0] != "ampkit" or len(parts) < 2 or parts[1] not in SUBPACKAGES:
+        return None
+    return parts[1]
+
+
+def _module_of(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _private_part(dotted: str) -> tuple[str, str] | None:
+    """The first private component of a dotted ampkit name, after its subpackage (or
+    after ``ampkit`` for the root files), as (name up to it, module defining it)."""
+    parts = dotted.split(".")
+    if parts[0] != "ampkit":
+        return None
+    start = 2 if len(parts) > 1 and parts[1] in SUBPACKAGES else 1
+    for i in range(start, len(parts)):
+        if _private(parts[i]):
+            owner = ".".join(parts[:i])
+            while owner.count(".") and not _is_module(owner):
+                owner = owner.rsplit(".", 1)[0]
+            return ".".join(parts[: i + 1]), owner
+    return None
+
+
+def _private_uses(path: Path, own: str | None, shown: str) -> list[Use]:
+    """Uses, in ``path``, of private ampkit names of subpackages other than ``own``
+    (``own`` None: of every subpackage and the root files)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_of(path) if path.is_relative_to(SRC) else ""
+    if package and path.name != "__init__.py":
+        package = package.rsplit(".", 1)[0]
+    aliases: dict[str, str] = {}  # local name -> ampkit module it is bound to
+    found: set[Use] = set()
+
+    def check(dotted: str, line: int) -> None:
+        hit = _private_part(dotted)
+        if hit is None:
+            return
+        name, owner = hit
+        if name in ALLOWED:
+            return
+        if own is not None and _subpackage(name) in (own, None):
+            return
+        found.add(Use(shown, line, name, owner))
+
+    def resolve(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = package.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] != "ampkit":
+                    continue
+                check(a.name, node.lineno)
+                if a.asname:
+                    aliases[a.asname] = a.name
+                else:
+                    aliases["ampkit"] = "ampkit"
+        elif isinstance(node, ast.ImportFrom):
+            module = resolve(node)
+            if module.split(".")[0] != "ampkit":
+                continue
+            check(module, node.lineno)
+            for a in node.names:
+                if a.name == "*":
+                    continue
+                check(f"{module}.{a.name}", node.lineno)
+                if _is_module(f"{module}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{module}.{a.name}"
+
+    def dotted(node: ast.expr) -> str | None:
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return None if base is None else f"{base}.{node.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Load, ast.Store, ast.Del)):
+            full = dotted(node)
+            if full is not None:
+                check(full, node.lineno)
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            # setattr(module, "_name", ...), getattr(...), monkeypatch.setattr(module, "_name", ...)
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            target, attr = node.args[0], node.args[1]
+            if fname in ("setattr", "getattr", "delattr", "hasattr") and isinstance(attr, ast.Constant) \
+                    and isinstance(attr.value, str):
+                base = dotted(target)
+                if base is not None:
+                    check(f"{base}.{attr.value}", node.lineno)
+    return sorted(found)
+
+
+def _report(uses: list[Use]) -> str:
+    by_owner: dict[str, list[Use]] = {}
+    for u in uses:
+        by_owner.setdefault(u.defined_in, []).append(u)
+    lines = [f"{len(uses)} uses of private names:"]
+    for owner in sorted(by_owner):
+        lines.append(f"  defined in {owner}:")
+        lines += [f"    {u.file}:{u.line} {u.name}" for u in by_owner[owner]]
+    return "\n".join(lines)
+
+
+def _src_uses() -> list[Use]:
+    uses: list[Use] = []
+    for path in sorted(SRC.rglob("*.py")):
+        own = _subpackage(_module_of(path))
+        if own is None:  # a package root file: outside the rule
+            continue
+        uses += _private_uses(path, own, str(path.relative_to(ROOT)))
+    return uses
+
+
+def _test_uses() -> list[Use]:
+    uses: list[Use] = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        uses += _private_uses(path, None, str(path.relative_to(ROOT)))
+    return uses
+
+
+def test_the_walk_sees_each_kind_of_private_use(tmp_path):
+    """The checker itself: each form of reaching a private name is found, the allowed
+    ones are not."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import ampkit\n"
+        "import ampkit.casting._threads\n"
+        "from ampkit.casting.engine import _unwrap, autocast\n"
+        "from ampkit.trainer import managed as step\n"
+        "from ampkit._internal.dtypes import LOW_PRECISION, __all__\n"
+        "from ampkit._internal import registry as _reset\n"
+        "step._STATE\n"
+        "ampkit.levels.model_cast._HANDLES\n"
+        "setattr(step, '_x', 1)\n"
+        "step.__name__\n"
+    )
+    names = [u.name for u in _private_uses(sample, None, "sample.py")]
+    assert names == [
+        "ampkit.casting._threads",
+        "ampkit.casting.engine._unwrap",
+        "ampkit.trainer.managed._STATE",
+        "ampkit.levels.model_cast._HANDLES",
+        "ampkit.trainer.managed._x",
+    ], names
+    # the same uses from inside casting/: only those of other subpackages count
+    names = [u.name for u in _private_uses(sample, "casting", "sample.py")]
+    assert names == [
+        "ampkit.trainer.managed._STATE",
+        "ampkit.levels.model_cast._HANDLES",
+        "ampkit.trainer.managed._x",
+    ], names
+
+
+def test_no_subpackage_uses_private_names_of_another():
+    uses = _src_uses()
+    assert not uses, _report(uses)
+
+
+def test_tests_use_no_private_ampkit_names():
+    uses = _test_uses()
+    assert not uses, _report(uses)

@@ -1,0 +1,469 @@
+"""Each torch internal ampkit relies on (ampkit._internal.torch_compat), checked against
+the installed torch: a release that breaks one fails the test named for it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit._internal import torch_compat as tc
+
+aten = torch.ops.aten
+
+
+# --- tensors, ops, the dispatcher ----------------------------------------------------
+def test_tensor_methods_have_the_c_tensor_base_as_objclass():
+    assert issubclass(torch.Tensor, tc.TENSOR_BASE)
+    assert issubclass(torch.Tensor.add.__objclass__, tc.TENSOR_BASE)
+
+
+def test_torch_dispatch_mode_sees_the_aten_ops_that_ran():
+    seen = []
+
+    class Record(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    a = torch.ones(2, 2)
+    with Record():
+        torch.mm(a, a)
+    assert "aten::mm" in [f.name() for f in seen]  # by name: torch may rebuild overload objects
+
+
+def test_tensor_version_counts_in_place_changes_and_views_are_told():
+    t = torch.zeros(3)
+    before = tc.tensor_version(t)
+    t.add_(1)
+    assert tc.tensor_version(t) == before + 1
+    t[0] = 5  # an in-place write through indexing counts too
+    assert tc.tensor_version(t) == before + 2
+    assert tc.tensor_is_view(t[1:]) and not tc.tensor_is_view(t)
+
+
+def test_excluding_the_autocast_keys_runs_an_op_in_its_inputs_dtype():
+    a = torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(a, a).dtype is torch.bfloat16
+        with tc.exclude_dispatch_keys(tc.autocast_keyset()):
+            assert torch.mm(a, a).dtype is torch.float32
+
+
+def test_overload_schema_and_name():
+    assert tc.overload_name(aten.mm.default) == "default"
+    assert tc.overload_name(aten.pow.Tensor_Scalar) == "Tensor_Scalar"
+    assert any(arg.is_out for arg in tc.overload_schema(aten.mm.out).arguments)
+    assert not any(arg.is_out for arg in tc.overload_schema(aten.mm.default).arguments)
+    assert any("Tensor" in str(arg.type) for arg in tc.overload_schema(aten.mm.default).arguments)
+    assert tc.overload_schema(aten.add_.Tensor).is_mutable
+    assert not tc.overload_schema(aten.add.Tensor).is_mutable
+
+
+def test_raw_op_computes_the_op():
+    a = torch.randn(3, 3)
+    torch.testing.assert_close(tc.raw_op(aten.mm.default)(a, a), a @ a)
+
+
+def test_composite_implicit_kernels_are_found_and_decompose_under_autocast():
+    assert tc.has_composite_implicit_kernel(aten.einsum.default)
+    assert not tc.has_composite_implicit_kernel(aten.mm.default)
+    assert tc.has_composite_implicit_kernel(aten.einsum.sublist) in (True, False)  # never raises
+    a = torch.randn(2, 2)
+    decompose = tc.composite_implicit_call(aten.einsum.default)
+    with torch.autocast("cpu", dtype=torch.bfloat16), tc.exclude_dispatch_keys(tc.autocast_keyset()):
+        # the ops einsum decomposes to (bmm) meet autocast again, below the excluded key
+        out = decompose("ij,jk->ik", [a, a])
+    torch.testing.assert_close(out.float(), a @ a, atol=0.05, rtol=0.05)
+
+
+def test_a_kernel_on_the_autocast_key_runs_and_goes_with_its_library():
+    calls = []
+
+    def kernel(x):
+        calls.append(x.dtype)
+        with tc.exclude_dispatch_keys(tc.autocast_keyset()):
+            return tc.raw_op(aten.relu.default)(x)
+
+    lib = torch.library.Library("aten", "IMPL")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("relu", kernel, "AutocastCPU")
+    x = torch.randn(4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.relu(x)
+        assert calls == [torch.float32]
+    finally:
+        tc.destroy_library(lib)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.relu(x)
+    assert calls == [torch.float32]  # torch's own kernel is back
+
+
+def test_torch_function_mode_is_detected():
+    from torch.overrides import TorchFunctionMode
+
+    assert not tc.torch_function_mode_active()
+    with TorchFunctionMode():
+        assert tc.torch_function_mode_active()
+
+
+def test_cpu_has_an_autocast_device_index():
+    assert isinstance(tc.autocast_device_index("cpu"), int)
+
+
+def test_private_foreach_and_amp_ops():
+    dst, src = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.full((3,), 2.0)]
+    tc.foreach_copy_(dst, src)
+    assert [d.tolist() for d in dst] == [[1, 1], [2, 2, 2]]
+    tc.foreach_mul_(dst, 0.5)
+    assert [d.tolist() for d in dst] == [[0.5, 0.5], [1, 1, 1]]
+    found, inv = torch.zeros(()), torch.full((), 0.5)
+    grads = [torch.ones(2), torch.full((2,), 4.0)]
+    tc.amp_unscale_and_check_(grads, found, inv)
+    assert found.item() == 0.0 and grads[1].tolist() == [2.0, 2.0]
+    tc.amp_unscale_and_check_([torch.tensor([float("inf")])], found, inv)
+    assert found.item() == 1.0
+
+
+def test_scaled_mm_is_there():
+    assert callable(torch._scaled_mm)
+    if not torch.cuda.is_available():
+        pytest.skip("fp8 matmul runs on CUDA")
+    a = torch.randn(16, 16, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(16, 16, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    out = tc.scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    torch.testing.assert_close(out, a.float() @ b.float(), atol=0.5, rtol=0.1)
+
+
+# --- autograd ----------------------------------------------------------------------
+def test_graph_task_node_and_engine_callbacks_inside_backward():
+    assert tc.current_graph_task_id() == -1
+    assert tc.current_autograd_node() is None
+    seen: dict[str, object] = {}
+    ended = []
+
+    def hook(grad):
+        seen["task"] = tc.current_graph_task_id()
+        seen["node"] = tc.current_autograd_node()
+        tc.autograd_engine().queue_callback(lambda: ended.append(tc.current_graph_task_id()))
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    assert seen["task"] != -1 and seen["node"] is not None
+    assert len(ended) == 1  # ran once, when the backward pass ended
+
+
+# --- modules -------------------------------------------------------------------------
+def test_global_forward_hook_dicts_are_consulted_by_module_call():
+    calls = []
+
+    def pre(module, args):
+        calls.append("pre")
+
+    def post(module, args, output):
+        calls.append("post")
+
+    reg = nn.modules.module
+    handle_pre = reg.register_module_forward_pre_hook(pre)
+    handle_post = reg.register_module_forward_hook(post, always_call=True)
+    pre_id, post_id = handle_pre.id, handle_post.id
+    pres, posts, always = tc.forward_hook_dicts()
+    assert pres[pre_id] is pre and posts[post_id] is post
+    assert tc.can_reinstall_global_forward_hooks() and always[post_id]
+    lin = nn.Linear(2, 2)
+    try:
+        lin(torch.ones(1, 2))
+        assert calls == ["pre", "post"]
+        tc.remove_global_forward_hooks(pre_id, post_id)
+        lin(torch.ones(1, 2))
+        assert calls == ["pre", "post"]  # gone: module calls take the path without them
+        tc.reinstall_global_forward_hooks(pre_id, pre, post_id, post)
+        with pytest.raises(RuntimeError):
+            lin(torch.ones(1, 3))  # a forward that raises still runs the always-called hook
+        assert calls == ["pre", "post", "pre", "post"]
+    finally:
+        tc.remove_global_forward_hooks(pre_id, post_id)
+    assert pre_id not in pres and post_id not in posts and post_id not in always
+
+
+def test_module_hook_dicts_hold_the_registered_hooks():
+    lin = nn.Linear(2, 2)
+    calls = []
+    h1 = lin.register_forward_pre_hook(lambda m, a, k: calls.append("pre") or None, with_kwargs=True)
+    h2 = lin.register_forward_hook(lambda m, a, o: calls.append("post"), always_call=True)
+    dicts = tc.module_hook_dicts(lin)
+    assert h1.id in dicts.pre and dicts.pre_with_kwargs.get(h1.id)
+    assert h2.id in dicts.post and dicts.post_always_called.get(h2.id)
+    assert tc.forward_pre_hooks_of(lin) is dicts.pre
+    assert tc.forward_pre_hooks_with_kwargs(lin) is dicts.pre_with_kwargs
+    lin(torch.ones(1, 2))
+    assert calls == ["pre", "post"]
+    del dicts.pre[h1.id], dicts.post[h2.id]
+    dicts.pre_with_kwargs.pop(h1.id)
+    dicts.post_always_called.pop(h2.id)
+    lin(torch.ones(1, 2))
+    assert calls == ["pre", "post"]
+
+
+def test_submodules_of_lists_direct_children():
+    a, b = nn.Linear(1, 1), nn.ReLU()
+    seq = nn.Sequential(a, nn.Sequential(b))
+    children = tc.submodules_of(seq)
+    assert children[0] is a and isinstance(children[1], nn.Sequential) and len(children) == 2
+
+
+def test_compiled_wrappers_expose_what_they_wrap():
+    model = nn.Linear(2, 2)
+    assert tc.compiled_module_inner(torch.compile(model)) is model
+    assert tc.compiled_module_inner(model) is None
+
+    def fn(x):
+        return x + 1
+
+    assert tc.compiled_function_inner(torch.compile(fn)) is fn
+    assert tc.compiled_function_inner(fn) is None
+
+
+def test_class_swap_of_linear_keeps_parameters_and_state_dict_keys():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    lin = nn.Linear(3, 2)
+    params = {n: p for n, p in lin.named_parameters()}
+    keys = list(lin.state_dict())
+    x = torch.randn(1, 3)
+    ref = lin(x)
+    tc.swap_module_class(lin, Doubled)
+    assert type(lin) is Doubled
+    assert {n: p for n, p in lin.named_parameters()} == params
+    assert all(p is params[n] for n, p in lin.named_parameters())
+    assert list(lin.state_dict()) == keys
+    torch.testing.assert_close(lin(x), ref * 2)
+    tc.swap_module_class(lin, nn.Linear)
+    torch.testing.assert_close(lin(x), ref)
+
+
+# --- parallel_apply replica threads --------------------------------------------------
+def test_parallel_apply_workers_are_recognised(monkeypatch):
+    from torch.nn.parallel import parallel_apply
+
+    acc = torch.accelerator
+    monkeypatch.setattr(acc, "is_available", lambda: True)
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+    monkeypatch.setattr(acc, "current_stream", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(acc, "device_index", lambda *a, **k: contextlib.nullcontext())
+    found = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            found.append((tc.is_parallel_apply_worker(), tc.parallel_apply_worker_module()))
+            return x
+
+    mods = [Probe(), Probe()]
+    parallel_apply(mods, [(torch.ones(1),), (torch.ones(1),)], devices=[-1, -1])
+    assert sorted(id(m) for _, m in found) == sorted(id(m) for m in mods)
+    assert all(worker for worker, _ in found)
+    assert not tc.is_parallel_apply_worker() and tc.parallel_apply_worker_module() is None
+    other = threading.Thread(target=lambda: found.append((tc.is_parallel_apply_worker(), None)))
+    other.start()
+    other.join()
+    assert found[-1][0] is False
+
+
+def test_replicate_marks_replicas_that_share_hook_dicts():
+    replica = nn.Linear(2, 2)
+    assert not tc.is_dataparallel_replica(replica)
+    if not torch.cuda.is_available():
+        pytest.skip("torch.nn.parallel.replicate needs a CUDA device")
+    from torch.nn.parallel import replicate
+
+    model = nn.Linear(2, 2).cuda()
+    (copy,) = replicate(model, [0])
+    assert tc.is_dataparallel_replica(copy)
+    assert tc.forward_pre_hooks_of(copy) is tc.forward_pre_hooks_of(model)
+
+
+# --- torch.compile (dynamo) ----------------------------------------------------------
+class _Counting:
+    """A torch.compile backend that counts compiles and keeps the graphs."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm.graph)
+        return gm.forward
+
+
+@pytest.fixture
+def dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
+def test_a_marked_constant_runs_at_trace_time_only(dynamo):
+    runs = []
+
+    def decide():
+        runs.append(1)
+        return 3
+
+    tc.mark_trace_constant(decide)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x):
+        return x * decide()
+
+    assert f(torch.ones(1)).item() == 3 and f(torch.ones(1)).item() == 3
+    assert len(runs) == 1
+
+
+def test_run_outside_dynamo_runs_eagerly_at_a_graph_break(dynamo):
+    runs = []
+    eager = tc.run_outside_dynamo(lambda: runs.append(torch.compiler.is_compiling()))
+
+    @torch.compile(backend="eager")
+    def f(x):
+        eager()
+        return x + 1
+
+    f(torch.ones(1))
+    f(torch.ones(1))
+    assert runs == [False, False]
+
+
+class _Key:
+    value = "a"
+
+
+KEY = _Key()
+
+
+def test_the_trace_tx_guards_on_a_module_attribute_and_marks_the_graph(dynamo):
+    from ampkit.casting import engine  # defines the marker op ampkit uses
+
+    marker = torch.ops.ampkit.casting_decisions.default
+    seen = []
+
+    def at_trace():
+        tx = tc.current_trace_tx()
+        seen.append(tx is not None)
+        tc.guard_attr_equals(tx, __name__, "KEY", "value")
+        assert tc.add_graph_marker(tx.output, marker, f"key={KEY.value}")
+        assert tc.add_graph_marker(tx.output, marker, f"key={KEY.value}")  # once per graph
+        return 0
+
+    tc.mark_trace_constant(at_trace)
+    backend = _Counting()
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def f(x):
+        return x + at_trace()
+
+    assert tc.current_trace_tx() is None
+    f(torch.ones(1))
+    f(torch.ones(1))
+    assert seen == [True] and len(backend.graphs) == 1
+    KEY.value = "b"
+    try:
+        f(torch.ones(1))
+    finally:
+        KEY.value = "a"
+    assert len(backend.graphs) == 2  # the guard saw the attribute change
+    marks = [[n.args for n in g.nodes if n.target is marker] for g in backend.graphs]
+    assert marks == [[("key=a",)], [("key=b",)]]
+    assert engine.GRAPH_MARKER is marker
+
+
+def test_skipped_code_is_never_compiled(dynamo):
+    backend = _Counting()
+
+    def f(x):
+        return x * 2
+
+    tc.skip_code_in_dynamo(f.__code__)
+    assert tc.dynamo_loaded()
+    torch.compile(f, backend=backend)(torch.ones(1))
+    assert backend.graphs == []
+
+
+def test_compiled_code_cache_is_readable_and_resettable(dynamo):
+    backend = _Counting()
+
+    def f(x):
+        return x + 1
+
+    cf = torch.compile(f, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cf(torch.ones(1))
+    assert tc.compiled_frames_ok()
+    entries = dict(tc.compiled_code_entries())[f.__code__]
+    assert len(entries) == 1
+    assert tc.global_autocast_enabled_in_guard(entries[0], "cpu") is True
+    assert not tc.guards_name(entries[0], "_state.compile_key")
+    cf(torch.ones(1))  # autocast off: the global-state guard fails, compiled again
+    entries = dict(tc.compiled_code_entries())[f.__code__]
+    assert sorted(tc.global_autocast_enabled_in_guard(p, "cpu") for p in entries) == [False, True]
+    lock = tc.dynamo_compile_lock()
+    with lock:
+        tc.reset_compiled_code(f.__code__)
+    assert dict(tc.compiled_code_entries()).get(f.__code__, []) == []
+    n = len(backend.graphs)
+    cf(torch.ones(1))
+    assert len(backend.graphs) == n + 1
+
+
+def test_cpp_compiler_probe_answers():
+    assert tc.cpp_compiler_available() in (True, False)
+
+
+def test_pytree_helpers():
+    leaves, _ = tc.tree_flatten({"a": [1, (2, 3)], "b": 4})
+    assert sorted(leaves) == [1, 2, 3, 4]
+    assert tc.tree_map(lambda v: v * 2, [1, (2,)]) == [2, (4,)]
+
+
+def test_own_parameters_buffers_and_children_are_replaced_in_place():
+    bn = nn.BatchNorm1d(2)
+    assert set(tc.own_parameters(bn)) == {"weight", "bias"}
+    lin = nn.Linear(2, 2, bias=False)
+    assert tc.own_parameters(lin)["bias"] is None  # kept as None, unlike named_parameters
+    keys = list(bn.state_dict())
+    half = bn.running_mean.half()
+    tc.replace_buffer(bn, "running_mean", half)
+    assert bn.running_mean is half and list(bn.state_dict()) == keys
+    seq = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    new = nn.Tanh()
+    tc.replace_child(seq, "0", new)
+    assert seq[0] is new and list(dict(seq.named_children())) == ["0", "1"]
+
+
+def test_wrappers_insert_the_path_parts_name_rules_drop():
+    from torch.utils.checkpoint import checkpoint  # noqa: F401 - the wrapper's module
+
+    inner = nn.Sequential(nn.Linear(1, 1))
+    outer = nn.Sequential()
+    outer.add_module("block", torch.compile(inner))
+    names = [n for n, _ in outer.named_modules()]
+    assert "block._orig_mod" in names and "_orig_mod" in tc.WRAPPER_PATH_PARTS
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = nn.Sequential()
+    wrapped.add_module("block", checkpoint_wrapper(nn.Linear(1, 1)))
+    assert "block._checkpoint_wrapped_module" in [n for n, _ in wrapped.named_modules()]
+    assert "_checkpoint_wrapped_module" in tc.WRAPPER_PATH_PARTS
