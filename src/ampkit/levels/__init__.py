@@ -8,8 +8,7 @@ each other's checks)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampkit._internal.lazy import lazy_exports
 
 _EXPORTS = {
     "OptLevel": "setup", "OPT_LEVELS": "setup", "initialize": "setup", "master_params": "setup",
@@ -19,13 +18,4 @@ _EXPORTS = {
     "Fp8Recipe": "fp8",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

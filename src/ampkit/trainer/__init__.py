@@ -9,8 +9,7 @@ of the package does not import the rest."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampkit._internal.lazy import lazy_exports
 
 _EXPORTS = {
     "ManagedOptimizer": "api", "StepStats": "api", "init_trainer": "api", "scale_loss": "api",
@@ -21,13 +20,4 @@ _EXPORTS = {
     "remove_global_extension": "extensions", "StepStage": "step_grads",
 }
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
