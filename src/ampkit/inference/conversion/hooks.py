@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit.levels import model_cast
 from ampkit.levels.model_cast import CastInputs, CastOutputs, cast_tensors
 
@@ -145,7 +146,7 @@ def _fp32_copy(model: nn.Module) -> nn.Module:
                 p.data = p.data.float()
         for name, b in m.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != torch.float32:
-                m._buffers[name] = b.float()
+                torch_compat.replace_buffer(m, name, b.float())
     ref.eval()
     if hasattr(ref, "ampkit_report"):
         del ref.ampkit_report
@@ -162,7 +163,7 @@ def dequantized(model: nn.Module) -> nn.Module:
 def iter_boundary_modules(model: nn.Module) -> Iterator[tuple[str, torch.dtype]]:
     """(name, dtype) of each module of a converted model that casts its inputs."""
     for name, m in model.named_modules():
-        for fn in m._forward_pre_hooks.values():
+        for fn in torch_compat.forward_pre_hooks_of(m).values():
             if isinstance(fn, _BoundaryInputs):
                 yield name, fn.dtype
             elif isinstance(fn, _IslandEnter):

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import LOW_PRECISION
 from ampkit.casting.policy import Policy
 from ampkit.levels.model_cast import is_norm_layer
@@ -150,7 +151,7 @@ def _build(ref: nn.Module, plan: _Plan, output_dtype: torch.dtype | None) -> nn.
                 p.data = p.data.to(d)
         for bname, b in m.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != d:
-                m._buffers[bname] = b.to(d)
+                torch_compat.replace_buffer(m, bname, b.to(d))
     for name, m in names.items():
         d = plan.dtype[name]
         parent = _parent(name)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit._internal.where import SKIPPED_PATHS
 from ampkit.casting.engine import module_hooks
 from ampkit.levels.model_cast import EntryCasts, OpCastingEnter, cast_tensors
@@ -224,5 +225,5 @@ def _has_own_scope(module: nn.Module) -> bool:
     submodule of it entered directly (its entry point's EntryCasts)."""
     return any(
         isinstance(h, OpCastingEnter) or isinstance(h, EntryCasts) and h.device_type is not None
-        for h in module._forward_pre_hooks.values()
+        for h in torch_compat.forward_pre_hooks_of(module).values()
     )
