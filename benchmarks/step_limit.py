@@ -94,8 +94,12 @@ class _Arm:
     """One arm on one workload: model, optimizer and a step function."""
 
     def __init__(self, workload: str, arm: str, phase: str, device: str = "cpu") -> None:
-        from ampkit.tools.bench.recipes import AmpkitLevel, make_recipe
-        from ampkit.tools.bench.workloads import make_workload
+        try:
+            from ampkit.tools.bench.recipes import AmpkitLevel, make_recipe
+            from ampkit.tools.bench.workloads import make_workload
+        except ModuleNotFoundError:  # a --baseline tree of ampkit 0.2 (flat layout)
+            from ampkit.bench.recipes import AmpkitLevel, make_recipe  # type: ignore[no-redef]
+            from ampkit.bench.workloads import make_workload  # type: ignore[no-redef]
 
         self.device = torch.device(device)
         self.workload = make_workload(workload, "full", self.device)

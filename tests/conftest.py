@@ -42,7 +42,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 
 @pytest.fixture(autouse=True)
-def _clean_ampkit_state():
+def _clean_ampkit_state(_torch_autocast_switches_restored):  # noqa: ARG001 (fixture order)
     """Undo any process-wide ampkit state a test left behind (amp.init, sessions)."""
     yield
     import ampkit
@@ -50,3 +50,21 @@ def _clean_ampkit_state():
     reset = getattr(ampkit, "reset", None)
     if reset is not None:
         reset()
+
+
+@pytest.fixture(autouse=True)
+def _torch_autocast_switches_restored(request):
+    """torch's thread-local autocast switches as each test found them: a test that
+    leaves the autocast weight cache off (or autocast on) would change what the next
+    test in the same worker measures. Checked after ampkit.reset() (``_clean_ampkit_state``
+    depends on this fixture, so it tears down first); restored with a warning naming the test."""
+    before = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    yield
+    after = (torch.is_autocast_cache_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    if after != before:
+        import warnings
+
+        torch.set_autocast_cache_enabled(before[0])
+        torch.set_autocast_enabled("cpu", before[1])
+        torch.set_autocast_dtype("cpu", before[2])
+        warnings.warn(f"{request.node.nodeid} left torch's autocast switches changed: {before} -> {after}", stacklevel=1)
