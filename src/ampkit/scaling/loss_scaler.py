@@ -56,9 +56,6 @@ __all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_
 
 _LOG = logging.getLogger("ampkit")
 
-#: The old private name of :func:`ampkit._internal.dist.is_rank_zero`, still imported
-#: by ``ampkit.trainer.stats``.
-_is_rank_zero = is_rank_zero
 
 _STATE_KEYS = (
     "scale",
@@ -580,7 +577,6 @@ class LossScaler:
 
         return apply
 
-    _prepare_load = prepare_load  # the name of ampkit 0.2
 
     def new_like(self, name: str | None = None) -> LossScaler:
         """A fresh scaler with this one's configuration and its initial state."""
