@@ -50,6 +50,12 @@ def _clean_ampkit_state(_torch_autocast_switches_restored):  # noqa: ARG001 (fix
     reset = getattr(ampkit, "reset", None)
     if reset is not None:
         reset()
+    # Under pytest-xdist a worker always has more than one thread (execnet's), so reset
+    # keeps ampkit's kernels; the next test must find torch.autocast's own kernels, as in
+    # a single-threaded process (no other thread of a worker runs torch ops between tests).
+    release = getattr(getattr(ampkit, "casting", None), "release_kernels", None)
+    if release is not None:
+        release()
 
 
 @pytest.fixture(autouse=True)

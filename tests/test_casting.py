@@ -736,3 +736,47 @@ def test_first_scopes_of_a_process_leave_every_random_generator_as_they_found_it
         opt.step()
         amp.reset()
     assert _same_states(before, _observable_rng_states())
+
+
+def test_kernels_kept_with_other_threads_alive_differ_only_in_the_cast_cache_until_released():
+    """reset() keeps ampkit's kernels while another thread lives; plain torch.autocast then
+    gets torch's dtypes and values but a fresh cast at each use (the documented
+    difference), and release_kernels() gives torch's own kernels (and cache) back."""
+    import threading
+
+    from ampkit.casting import release_kernels
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(2, 4)
+        with amp.autocast(amp.Policy(fp32_ops=["mm"]), "cpu"):
+            assert (torch.mm(x, w)).dtype == torch.float32
+        amp.reset()
+
+        def twice() -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.autocast("cpu", dtype=BF16):
+                y1 = torch.mm(x, w)
+                with torch.no_grad():
+                    w.mul_(2)
+                y2 = torch.mm(x, w)
+            with torch.no_grad():
+                w.div_(2)
+            return y1, y2
+
+        y1, y2 = twice()  # kept kernel: torch's dtype, the in-place update is seen
+        assert y1.dtype == y2.dtype == BF16
+        assert torch.equal(y1, torch.mm(x.bfloat16(), w.bfloat16()))
+        assert torch.equal(y2, 2 * y1)
+        with amp.autocast(device_type="cpu"):
+            with pytest.raises(amp.StateError, match="scope"):
+                release_kernels()
+        release_kernels()
+        y1, y2 = twice()  # torch's own kernel: its cache keeps the first cast
+        assert torch.equal(y1, y2)
+    finally:
+        stop.set()
+        other.join()

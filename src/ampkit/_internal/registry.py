@@ -31,6 +31,8 @@ def reset() -> None:
     ``init_trainer``/``initialize`` (released: their own ``step`` comes back) and the
     state of the opt levels; ``reset`` from any thread drops them all. ampkit's
     registered kernels and global module hooks are removed by a ``reset`` only in a
-    process's one thread with no scope open (they are inert outside ampkit scopes)."""
+    process's one thread with no scope open; with other threads alive,
+    :func:`ampkit.casting.release_kernels` removes them when you know those threads run
+    no torch ops (see there how kept kernels differ from torch's own)."""
     for fn in reversed(_RESETTERS):
         fn()

@@ -6,7 +6,15 @@ scaling, optimizers or how weights are stored."""
 
 from __future__ import annotations
 
-from .engine import active_scopes, autocast, checkpoint_context, current_policy, init, is_active
+from .engine import (
+    active_scopes,
+    autocast,
+    checkpoint_context,
+    current_policy,
+    init,
+    is_active,
+    release_kernels,
+)
 from .explanation import ExplainError, ExplainReport, explain
 from .policy import Policy, canonical_op, default_policy
 
@@ -23,4 +31,5 @@ __all__ = [
     "explain",
     "init",
     "is_active",
+    "release_kernels",
 ]

@@ -18,7 +18,7 @@ from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import default_device_type, default_dtype
 from ampkit._internal.where import user_stacklevel
-from ampkit.errors import PolicyError
+from ampkit.errors import PolicyError, StateError
 
 from ._function_mode import _PythonOpMode
 from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
@@ -422,3 +422,31 @@ def _reset_engine() -> None:
     if threading.active_count() == 1 and not _state.scopes:
         kernel_registry.clear()
         module_hooks.remove()
+
+
+def release_kernels() -> None:
+    """Remove ampkit's dispatcher kernels and global module hooks now, so that plain
+    ``torch.autocast`` runs torch's own kernels again.
+
+    :func:`ampkit.reset` does this by itself when it runs in a process's only thread.
+    With other threads alive it keeps them (removing a kernel while another thread
+    dispatches through it crashes that thread): while kept, they do what torch's own
+    kernels do outside ampkit scopes -- the same dtype per op and the same values --
+    except that they cast an fp32 weight at each use instead of once per
+    ``torch.autocast`` region (torch's cast cache): a weight used twice in one forward
+    may then get a gradient that differs in its last bits from torch's. Call this after
+    :func:`ampkit.reset` when the other threads (a logger, a data-loading thread, a test
+    runner's) run no torch ops at that moment. The next ampkit scope registers what it
+    needs again.
+
+    Raises:
+        StateError: an ampkit scope (``ampkit.autocast``/``ampkit.init``) is open in
+            this thread: leave it (or call :func:`ampkit.reset`) first.
+    """
+    if _state.scopes:
+        raise StateError(
+            f"ampkit.casting.release_kernels(): {len(_state.scopes)} ampkit scope(s) are open "
+            "in this thread and run through the kernels; leave them (or call ampkit.reset()) first"
+        )
+    kernel_registry.clear()
+    module_hooks.remove()

@@ -42,6 +42,7 @@ from ampkit._internal.dtypes import (
     default_dtype,
 )
 from ampkit._internal.validate import require_choice, require_optimizer
+from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, check_device_type
 from ampkit.distributed.core import (
@@ -490,7 +491,9 @@ def initialize(
 
     Args:
         models: an ``nn.Module`` or a list of them, in fp32, already on their device.
-        optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference).
+        optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference). A
+            framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+            ``LightningOptimizer``) stands for the optimizer it holds, which is set up.
         opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
             the table in :mod:`ampkit.levels`.
         device_type: ``"cpu"``, ``"cuda"``, ...: the device type the models are on,
@@ -569,7 +572,8 @@ def initialize(
         opt_list: list[torch.optim.Optimizer] = []
         one_opt = False
     else:
-        opt_list, one_opt = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        # a framework's wrapper (AcceleratedOptimizer, LightningOptimizer): its optimizer
+        opt_list, one_opt = _as_list(unwrap_optimizers(optimizers), torch.optim.Optimizer, "optimizers")
     policy = overrides.pop("policy", None)
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
@@ -666,7 +670,7 @@ def initialize(
 
         register_extra_state("fp8", fp8_plan.state_dict, fp8_plan.load_state_dict, fp8_plan.check_state_dict)
     out_models: Any = model_list[0] if one_model else model_list
-    out_opts: Any = None if optimizers is None else (opt_list[0] if one_opt else opt_list)
+    out_opts: Any = None if optimizers is None else (optimizers if one_opt else list(optimizers))
     return out_models, out_opts
 
 

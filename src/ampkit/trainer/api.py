@@ -84,6 +84,7 @@ from typing import Any, TypeVar
 import torch
 
 from ampkit._internal.validate import is_count, is_real
+from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting.engine import current_policy
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
@@ -176,7 +177,9 @@ def init_trainer(
 
     Args:
         optimizer_or_list: a ``torch.optim.Optimizer`` or a list/tuple of them. Optimizers
-            passed together share one scaler per loss id.
+            passed together share one scaler per loss id. A framework's wrapper
+            (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)
+            stands for the optimizer it holds, which is the one set up.
         scaler: ``None`` (the default, following the compute dtype: a static scale of
             1 when it is bf16 -- bf16 parameters in the optimizer, or ``amp.init``
             casting in bf16 -- since bf16 has fp32's range; otherwise a dynamic
@@ -213,7 +216,7 @@ def init_trainer(
     Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
     grads. Registers into the current AMP session (``ampkit.state_dict()``).
     """
-    optimizers = _as_list(optimizer_or_list)
+    optimizers = _as_list(unwrap_optimizers(optimizer_or_list))  # a framework's wrapper: its optimizer
     if not optimizers:
         raise StateError("init_trainer: got no optimizer.")
     if not is_count(num_losses) or num_losses < 1:

@@ -1,0 +1,367 @@
+"""ampkit with Hugging Face Accelerate: set up before ``accelerator.prepare``, scaled backward.
+
+Accelerate's own loop, with two calls changed::
+
+    import ampkit.integrations.accelerate as amp_accelerate
+
+    accelerator = Accelerator()                    # mixed_precision="no" (the default)
+    model, optimizer, loader, scheduler = amp_accelerate.prepare(
+        accelerator, model, optimizer, loader, scheduler, opt_level="O2"
+    )
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        amp_accelerate.backward(accelerator, loss, optimizer)   # was accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)     # real grads, every level
+        optimizer.step()                                         # skips itself on inf/NaN
+        scheduler.step()                                         # held on skipped steps
+
+:func:`prepare` runs, in this order: the models moved to ``accelerator.device`` (where
+Accelerate would move them), :func:`ampkit.initialize` on the raw models and optimizers
+(any level, bf16 or fp16, fp8 recipes), ``accelerator.prepare`` on everything, and
+:func:`ampkit.distributed.register_ddp` on each model Accelerate wrapped in
+``DistributedDataParallel``. It returns what ``accelerator.prepare`` returns. It also
+
+- reports ampkit's skipped steps through Accelerate's own signal: the prepared
+  ``AcceleratedOptimizer``'s ``step_was_skipped`` (and so
+  ``accelerator.optimizer_step_was_skipped``) is True after a step ampkit skipped, so
+  the schedulers Accelerate prepared (``AcceleratedScheduler``) are not stepped then;
+- registers ampkit's state (loss scales, step counters, O2's fp32 masters, O2K's
+  compensation, fp8 scales) with ``accelerator.register_for_checkpointing``, so
+  ``accelerator.save_state`` / ``load_state`` resume bitwise (``checkpoint=False`` leaves
+  that to you: save :func:`ampkit.state_dict` yourself).
+
+:func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`. Every
+ampkit call (``amp.step_skipped``, ``amp.stats``, ``amp.unscale``, ``amp.master_params``)
+takes the prepared ``AcceleratedOptimizer`` in place of the optimizer it wraps.
+
+Refused, with an :class:`AccelerateSetupError` saying what to do: an Accelerator with
+a ``mixed_precision`` of its own (``"fp16"``, ``"bf16"``, ``"fp8"``: its autocast and
+GradScaler would run on top of ampkit's), and DeepSpeed, FSDP, Megatron-LM and XLA,
+which shard or cast the model themselves. Supported: one process and DDP (Accelerate's
+``MULTI_CPU``/``MULTI_GPU``/... types).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.distributed import register_ddp
+from ampkit.errors import AmpError, StateError
+from ampkit.levels.fp8 import Fp8Recipe
+from ampkit.levels.setup import initialize
+from ampkit.trainer.api import managed_state, scale_loss
+from ampkit.trainer.extensions import AfterStep
+from ampkit.trainer.session import load_state_dict, state_dict
+
+from . import require
+
+_accelerate = require("accelerate", "accelerate")
+_optimizer_module = require("accelerate.optimizer", "accelerate")
+_utils = require("accelerate.utils", "accelerate")
+
+AcceleratedOptimizer = _optimizer_module.AcceleratedOptimizer
+DistributedType = _utils.DistributedType
+
+__all__ = ["AccelerateSetupError", "AmpkitCheckpointState", "backward", "check_accelerator", "prepare"]
+
+
+class AccelerateSetupError(AmpError, ValueError):
+    """An Accelerator, or objects given to :func:`prepare`, that ampkit cannot set up."""
+
+
+#: The distributed types whose models Accelerate wraps in DistributedDataParallel (or
+#: not at all): ampkit sets the models up before the wrap and registers the DDP.
+_SUPPORTED = frozenset(
+    getattr(DistributedType, name)
+    for name in (
+        "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU",
+        "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA", "MULTI_NEURON",
+    )
+    if hasattr(DistributedType, name)
+)  # fmt: skip
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Raise :class:`AccelerateSetupError` unless ``accelerator`` is an
+    ``accelerate.Accelerator`` that ampkit can run under: ``mixed_precision="no"`` (its
+    default) and a single process or DDP."""
+    if not isinstance(accelerator, _accelerate.Accelerator):
+        raise AccelerateSetupError(
+            f"expected an accelerate.Accelerator, got {type(accelerator).__name__}; pass the "
+            "Accelerator the training loop uses."
+        )
+    mixed = accelerator.mixed_precision
+    if mixed != "no":
+        raise AccelerateSetupError(
+            f"this Accelerator has mixed_precision={mixed!r}: Accelerate would run its own "
+            "autocast (and, for fp16, its GradScaler) on top of ampkit's casting and loss "
+            "scaling. Build it with Accelerator(mixed_precision='no') (the default; also "
+            "check ACCELERATE_MIXED_PRECISION and the mixed_precision of `accelerate "
+            "config`/`accelerate launch`) and choose the precision here: "
+            "prepare(accelerator, ..., opt_level='O2', dtype=torch.bfloat16)."
+        )
+    kind = accelerator.distributed_type
+    if kind not in _SUPPORTED:
+        raise AccelerateSetupError(
+            f"ampkit's Accelerate integration runs in one process or under DDP; this "
+            f"Accelerator uses {kind}, which shards or casts the model itself. Use that "
+            "backend's own mixed precision (FSDP's MixedPrecision policy, DeepSpeed's "
+            "bf16/fp16 config) instead of ampkit, or train with DDP."
+        )
+
+
+class AmpkitCheckpointState:
+    """ampkit's session state as an object Accelerate checkpoints
+    (``accelerator.register_for_checkpointing``): ``state_dict()`` is
+    :func:`ampkit.state_dict`, ``load_state_dict(sd)`` is :func:`ampkit.load_state_dict`.
+    Accelerate loads registered objects after the models and optimizers, so O2's fp32
+    masters come back exactly after the 16-bit model weights were loaded."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        load_state_dict(sd)
+
+
+class _Prepared:
+    """What :func:`prepare` did for one Accelerator: the optimizers it set up (weakly)
+    and whether ampkit's state is registered for its checkpoints."""
+
+    def __init__(self) -> None:
+        self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self.checkpointed = False
+
+    def session_alive(self) -> bool:
+        """Whether an optimizer set up by an earlier call is still managed (the
+        session it joined was not ended by ``ampkit.reset`` or another initialize)."""
+        for ref in self.optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            try:
+                managed_state(opt)
+            except StateError:
+                continue
+            return True
+        return False
+
+
+# Module state: what prepare did per Accelerator (weak keys: no Accelerator kept alive).
+_PREPARED: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
+
+
+def _placements(accelerator: Any, objects: Sequence[Any], device_placement: Sequence[bool] | None) -> list[bool]:
+    if device_placement is None:
+        return [bool(accelerator.device_placement)] * len(objects)
+    if not isinstance(device_placement, (list, tuple)) or len(device_placement) != len(objects):
+        raise AccelerateSetupError(
+            f"device_placement must be a list of {len(objects)} bools (one per object "
+            f"passed), got {device_placement!r}."
+        )
+    return [bool(accelerator.device_placement) if d is None else bool(d) for d in device_placement]
+
+
+def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    for obj in (*models, *optimizers):
+        if isinstance(obj, AcceleratedOptimizer) or getattr(obj, "_is_accelerate_prepared", False):
+            raise AccelerateSetupError(
+                f"this {type(obj).__name__} was already prepared by accelerator.prepare; "
+                "pass the model and optimizer as built to ampkit's prepare, which calls "
+                "accelerator.prepare itself after setting them up."
+            )
+        if isinstance(obj, nn.parallel.DistributedDataParallel):
+            raise AccelerateSetupError(
+                "the model is already wrapped in DistributedDataParallel; pass the plain "
+                "model: Accelerate wraps it in prepare, after ampkit set it up."
+            )
+    if optimizers and not models:
+        raise AccelerateSetupError(
+            "prepare got optimizer(s) but no model; pass the model(s) with their "
+            "optimizer(s) in one prepare call (ampkit casts the models and builds the "
+            "optimizers' masters together)."
+        )
+
+
+def _report_skips(wrapper: Any) -> None:
+    """Make ``wrapper.step_was_skipped`` (an ``AcceleratedOptimizer``) report ampkit's
+    decision after each step of the optimizer it wraps.
+
+    Accelerate's ``step_was_skipped`` property reads the wrapper's ``_is_overflow``,
+    which only its own GradScaler path sets; an extension on the managed optimizer sets
+    it after every step, taken or skipped. Checked here: where the property does not
+    follow that attribute, a warning says to use ``ampkit.step_skipped`` instead."""
+    if not _skip_flag_works(wrapper):
+        warnings.warn(
+            "ampkit: this accelerate version's AcceleratedOptimizer.step_was_skipped does not "
+            "follow _is_overflow; accelerator.optimizer_step_was_skipped will not see "
+            "ampkit's skipped steps and prepared schedulers step on them. Use "
+            "`if not ampkit.step_skipped(optimizer): scheduler.step()` instead.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    ref = weakref.ref(wrapper)
+
+    def note(skipped: bool) -> None:
+        w = ref()
+        if w is not None:
+            w._is_overflow = bool(skipped)
+
+    managed_state(wrapper).add_extension(AfterStep(note))
+
+
+def _skip_flag_works(wrapper: Any) -> bool:
+    if "_is_overflow" not in wrapper.__dict__:
+        return False
+    before = wrapper._is_overflow
+    try:
+        wrapper._is_overflow = True
+        on = wrapper.step_was_skipped is True
+        wrapper._is_overflow = False
+        off = wrapper.step_was_skipped is False
+    finally:
+        wrapper._is_overflow = before
+    return on and off
+
+
+def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel Accelerate made of a model (under ``torch.compile``'s
+    wrapper too), or None."""
+    ddp_cls = nn.parallel.DistributedDataParallel
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, ddp_cls):
+            return candidate
+    return None
+
+
+def prepare(
+    accelerator: Any,
+    *objects: Any,
+    opt_level: str = "O1",
+    dtype: torch.dtype | None = None,
+    fp8: Fp8Recipe | bool | None = None,
+    device_placement: Sequence[bool] | None = None,
+    checkpoint: bool = True,
+    **overrides: Any,
+) -> Any:
+    """Set up ampkit for the models and optimizers among ``objects``, then
+    ``accelerator.prepare(*objects)``; returns what that returns (one object, or a tuple in
+    the order given).
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` built with ``mixed_precision="no"``
+            (the default), in one process or under DDP (see :func:`check_accelerator`).
+        *objects: what ``accelerator.prepare`` takes: models (``nn.Module``, fp32, not yet
+            prepared), optimizers (``torch.optim.Optimizer`` over those models'
+            parameters), DataLoaders, LR schedulers. All models and optimizers are set
+            up by one :func:`ampkit.initialize` call (optimizers given together share one
+            loss scaler per loss id).
+        opt_level (str) ["O1"]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"`` (see
+            :func:`ampkit.initialize`).
+        dtype (torch.dtype | None) [None]: compute dtype, ``torch.bfloat16`` or
+            ``torch.float16``; None: the level's default for the device (bf16 on CPU,
+            fp16 on CUDA; always bf16 for O2K).
+        fp8 (Fp8Recipe | bool | None) [None]: fp8 matmuls for the linears the recipe
+            chooses (any level but O0); see :func:`ampkit.initialize`.
+        device_placement (list of bool | None) [None]: as for ``accelerator.prepare``;
+            models placed there are moved to ``accelerator.device`` *before* ampkit sets
+            them up (so casting and masters live where the model trains).
+        checkpoint (bool) [True]: register ampkit's state with
+            ``accelerator.register_for_checkpointing`` (once per Accelerator), so
+            ``save_state``/``load_state`` carry it. False: save
+            :func:`ampkit.state_dict` yourself.
+        **overrides: more settings of :func:`ampkit.initialize` (``loss_scale``,
+            ``keep_fp32``, ``compensation``, ``master_weights``, ``model_grads``, ...),
+            passed to it as they are; an unknown one raises :class:`ampkit.AmpError`.
+
+    The first call for an Accelerator starts a fresh ampkit session (like
+    :func:`ampkit.initialize`); a later call for the same Accelerator adds its models and
+    optimizers to that session (``initialize(..., fresh=False)``, which takes no ``fp8``).
+
+    Raises:
+        AccelerateSetupError: an Accelerator with its own ``mixed_precision``, a
+            sharding backend, objects already prepared, optimizers without models.
+        AmpError: what :func:`ampkit.initialize` refuses (before anything changed).
+    """
+    check_accelerator(accelerator)
+    if not isinstance(checkpoint, bool):
+        raise AccelerateSetupError(f"checkpoint must be True or False, got {checkpoint!r}.")
+    placements = _placements(accelerator, objects, device_placement)
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    _check_objects(models, optimizers)
+    record = _PREPARED.get(accelerator)
+    if models:
+        for obj, place in zip(objects, placements):
+            if isinstance(obj, nn.Module) and place and getattr(obj, "hf_device_map", None) is None:
+                obj.to(accelerator.device)
+        fresh = record is None or not record.session_alive()
+        initialize(
+            models[0] if len(models) == 1 else models,
+            None if not optimizers else (optimizers[0] if len(optimizers) == 1 else optimizers),
+            opt_level,
+            fp8=fp8,
+            fresh=fresh,
+            dtype=dtype,
+            **overrides,
+        )
+        if record is None or fresh:
+            checkpointed = record.checkpointed if record is not None else False
+            record = _PREPARED[accelerator] = _Prepared()
+            record.checkpointed = checkpointed
+        record.optimizers.extend(weakref.ref(o) for o in optimizers)
+    result = accelerator.prepare(*objects, device_placement=list(placements) if device_placement is not None else None)
+    if not models:
+        return result
+    prepared = result if isinstance(result, tuple) else (result,)
+    for out in prepared:
+        if isinstance(out, AcceleratedOptimizer) and any(out.optimizer is o for o in optimizers):
+            _report_skips(out)
+        ddp = _ddp_of(out) if isinstance(out, nn.Module) else None
+        if ddp is not None and any(ddp.module is m for m in models):
+            register_ddp(ddp)
+    if checkpoint and record is not None and not record.checkpointed:
+        accelerator.register_for_checkpointing(AmpkitCheckpointState())
+        record.checkpointed = True
+    return result
+
+
+def backward(
+    accelerator: Any,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    *,
+    loss_id: int = 0,
+    retain_graph: bool = False,
+) -> None:
+    """``accelerator.backward(loss)`` with ampkit's loss scale: ``accelerator.backward``
+    on ``loss * S`` inside :func:`ampkit.scale_loss` (``S``: the scale of ``loss_id``'s
+    scaler, 1 for bf16 unless ``loss_scale="dynamic"``). Accelerate still divides the
+    loss by its ``gradient_accumulation_steps``; ampkit's gradient path unscales the
+    grads when backward ends, so ``accelerator.clip_grad_norm_`` sees real ones.
+
+    Args:
+        accelerator: the Accelerator of :func:`prepare` (``mixed_precision="no"``).
+        loss: the loss, a floating-point tensor.
+        optimizer: the optimizer(s) the loss trains, as prepared (an
+            ``AcceleratedOptimizer``) or as built; several must share a scaler (be set
+            up by one :func:`prepare` call).
+        loss_id (int) [0]: which loss scaler (``num_losses`` passed to :func:`prepare`).
+        retain_graph (bool) [False]: keep the graph for another backward.
+    """
+    check_accelerator(accelerator)
+    if not isinstance(retain_graph, bool):
+        raise AccelerateSetupError(f"retain_graph must be True or False, got {retain_graph!r}.")
+    with scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+        if retain_graph:
+            accelerator.backward(scaled, retain_graph=True)
+        else:
+            accelerator.backward(scaled)
