@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "ampkit"
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 SUBPACKAGES = frozenset(
-    {"_internal", "casting", "scaling", "trainer", "levels", "distributed", "inference", "tools"}
+    {"_internal", "casting", "scaling", "trainer", "levels", "distributed", "inference", "integrations", "tools"}
 )
 #: Private names that are part of a public API on purpose: apex's own spelling
 #: (``from apex.amp import _amp_state``), which the drop-in answers as apex does.
 ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
-CONTRACT = "layers: tools > inference : levels : distributed > trainer > scaling > casting > _internal"
+CONTRACT = "layers: tools > integrations > inference : levels : distributed > trainer > scaling > casting > _internal"
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),

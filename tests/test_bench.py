@@ -27,9 +27,7 @@ from ampkit.tools.cli.main import main
 
 MIXED = [p for p in PRECISIONS if p not in ("fp32", "bf16")]  # bf16: the floor, no promise
 # Tiny runs train for 30-40 steps: a mixed run may differ from fp32 by a few
-# borderline test images (CNN: 360 of them) or characters; the full-size bench
-# is where the 1% criterion applies.
-CNN_ACCURACY_TOLERANCE = 0.05
+# borderline characters; the full-size bench is where the 1% criterion applies.
 LM_ACCURACY_TOLERANCE = 0.03
 LM_LOSS_RTOL = 0.05
 
@@ -42,10 +40,11 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, str]
     out = tmp_path_factory.mktemp("bench-out")
     capture = tmp_path_factory.mktemp("capture") / "stdout.txt"
     # In a subprocess: the command as a user runs it, output captured for the table check.
+    # One workload (the character LM: the quickest where bf16 is emulated, ~50 s on one
+    # core of an AVX2 CPU; the CNN's convolutions take twice that): the CLI end to end,
+    # every precision in its own process. The wide MLP trains in a test below.
     cmd = [sys.executable, "-m", "ampkit", "bench", "--quick", "--size", "tiny", "--device", "cpu",
-           "--out", str(out), "--no-progress"]
-    # ~2 minutes on 2 idle cores (3 workloads x 6 precisions, one process each); a CPU
-    # without native bf16 and other load on the machine can take several times that.
+           "--workload", "lm", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
     capture.write_text(proc.stdout + proc.stderr)
     return proc.returncode, out, proc.stdout + "\n" + proc.stderr
@@ -70,7 +69,7 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
     _, out, output = bench_run
     results = json.loads((out / "results.json").read_text())
     assert results["device"] == "cpu" and results["dtype"] == "bf16"
-    assert set(results["workloads"]) == {"cnn", "lm", "wide"}
+    assert set(results["workloads"]) == {"lm"}
     for name, wl in results["workloads"].items():
         assert list(wl["precisions"]) == list(PRECISIONS), name
         for p, entry in wl["precisions"].items():
@@ -94,16 +93,11 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
 def test_bench_mixed_accuracy_within_tolerance_of_fp32(bench_run: tuple[int, Path, str]) -> None:
     _, out, _ = bench_run
     results = json.loads((out / "results.json").read_text())
-    cnn = results["workloads"]["cnn"]["precisions"]
     lm = results["workloads"]["lm"]["precisions"]
-    wide = results["workloads"]["wide"]["precisions"]
-    assert cnn["fp32"]["accuracy"] > 0.8  # the tiny CNN really learns the digits
-    assert wide["fp32"]["accuracy"] > 0.8  # so does the tiny MLP
+    assert lm["fp32"]["accuracy"] > 0.2  # well above chance over ~100 characters
     for p in MIXED:
-        if cnn[p]["status"] != "ok":
+        if lm[p]["status"] != "ok":
             continue
-        assert abs(cnn[p]["accuracy"] - cnn["fp32"]["accuracy"]) <= CNN_ACCURACY_TOLERANCE, p
-        assert abs(wide[p]["accuracy"] - wide["fp32"]["accuracy"]) <= CNN_ACCURACY_TOLERANCE, p
         assert abs(lm[p]["accuracy"] - lm["fp32"]["accuracy"]) <= LM_ACCURACY_TOLERANCE, p
         assert lm[p]["eval_loss"] == pytest.approx(lm["fp32"]["eval_loss"], rel=LM_LOSS_RTOL), p
         assert lm[p]["bits_per_char"] == pytest.approx(lm[p]["eval_loss"] / math.log(2))

@@ -376,12 +376,12 @@ def test_command_line_passes_exit_codes_through():
 @pytest.mark.slow
 def test_compare_prints_curves_side_by_side_and_writes_png(tmp_path):
     png = tmp_path / "cmp.png"
-    proc = _cli("--compare", "--steps", "40", "--png", str(png), str(SCRIPTS / "classifier.py"))
+    proc = _cli("--compare", "--steps", "20", "--png", str(png), str(SCRIPTS / "classifier.py"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"loss at {_site('classifier.py', 'loss.backward()')}" in proc.stdout
     assert "fp32 vs O1 bf16" in proc.stdout
-    # ten windows of four losses each, the last one calls 37-40, for both runs
-    rows = [line for line in proc.stdout.splitlines() if line.split("│")[1:2] and line.split("│")[1].strip() == "37-40"]
+    # ten windows of two losses each, the last one calls 19-20, for both runs
+    rows = [line for line in proc.stdout.splitlines() if line.split("│")[1:2] and line.split("│")[1].strip() == "19-20"]
     assert len(rows) == 1 and len(rows[0].split("│")) == 6, proc.stdout
     assert png.stat().st_size > 10_000
 

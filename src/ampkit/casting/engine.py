@@ -355,5 +355,5 @@ from ._function_mode import _PythonOpMode as _PythonOpMode  # noqa: E402
 from ._module_rules import model_name as model_name  # noqa: E402
 from ._module_rules import module_hooks as module_hooks  # noqa: E402
 from ._module_rules import unwrap_module as unwrap_module  # noqa: E402
-from ._scopes import autocast, checkpoint_context, init, release_kernels  # noqa: E402
+from ._scopes import autocast, checkpoint_context, init  # noqa: E402
 from ._scopes import open_scope as open_scope  # noqa: E402

@@ -66,6 +66,7 @@ _accelerate = require("accelerate", "accelerate")
 _optimizer_module = require("accelerate.optimizer", "accelerate")
 _utils = require("accelerate.utils", "accelerate")
 
+Accelerator = _accelerate.Accelerator
 AcceleratedOptimizer = _optimizer_module.AcceleratedOptimizer
 DistributedType = _utils.DistributedType
 
@@ -92,7 +93,7 @@ def check_accelerator(accelerator: Any) -> None:
     """Raise :class:`AccelerateSetupError` unless ``accelerator`` is an
     ``accelerate.Accelerator`` that ampkit can run under: ``mixed_precision="no"`` (its
     default) and a single process or DDP."""
-    if not isinstance(accelerator, _accelerate.Accelerator):
+    if not isinstance(accelerator, Accelerator):
         raise AccelerateSetupError(
             f"expected an accelerate.Accelerator, got {type(accelerator).__name__}; pass the "
             "Accelerator the training loop uses."
@@ -243,7 +244,7 @@ def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
 
 
 def prepare(
-    accelerator: Any,
+    accelerator: Accelerator,
     *objects: Any,
     opt_level: str = "O1",
     dtype: torch.dtype | None = None,
@@ -335,7 +336,7 @@ def prepare(
 
 
 def backward(
-    accelerator: Any,
+    accelerator: Accelerator,
     loss: torch.Tensor,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
