@@ -357,3 +357,4 @@ from ._module_rules import module_hooks as module_hooks  # noqa: E402
 from ._module_rules import unwrap_module as unwrap_module  # noqa: E402
 from ._scopes import autocast, checkpoint_context, init  # noqa: E402
 from ._scopes import open_scope as open_scope  # noqa: E402
+from ._scopes import release_kernels as release_kernels  # noqa: E402
