@@ -1,0 +1,714 @@
+"""ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install 'ampkit[hf]'``).
+
+::
+
+    from ampkit.integrations.hf import AmpkitTrainer, AmpkitTrainingArguments
+
+    args = AmpkitTrainingArguments(output_dir="out", amp_level="O2")   # not bf16=True
+    trainer = AmpkitTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    trainer.save_model("final")     # fp32 weights, config dtype float32
+
+:class:`AmpkitTrainer` is ``transformers.Trainer`` with :class:`AmpkitTrainerMixin`;
+put the mixin first to add the same to another Trainer subclass
+(``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``, arguments
+:class:`AmpkitSeq2SeqTrainingArguments`). What the mixin does, each through a method
+or hook of the Trainer:
+
+- ``create_optimizer``: the optimizer the Trainer builds (or was given) and
+  ``trainer.model`` go through :func:`ampkit.initialize` at ``amp_level`` before
+  Accelerate wraps them (the raw ``torch.optim.Optimizer``, never the
+  ``AcceleratedOptimizer``).
+- ``autocast_smart_context_manager`` (the scope HF's ``compute_loss_context_manager``
+  enters around ``compute_loss`` in training and ``prediction_step`` in evaluation):
+  an :class:`ampkit.autocast` scope at O1, so casting covers the forward and the loss
+  only, never process-wide; O2/O3/O2K models run their own casting.
+- ``training_step``: the Trainer's ``accelerator.backward(loss)`` runs inside
+  :func:`ampkit.scale_loss` (the loss HF logs stays unscaled).
+- skipped steps: after every optimizer step the ``AcceleratedOptimizer`` reports
+  :func:`ampkit.step_skipped` as its own ``step_was_skipped`` (Accelerate's overflow
+  flag), so ``accelerator.optimizer_step_was_skipped`` is True on a skipped step and
+  HF does not step its LR scheduler (a :class:`AmpkitSkipSignal` callback).
+- ``max_grad_norm``: clipping runs on :func:`ampkit.master_params` (the fp32 masters
+  under O2) after :func:`ampkit.unscale`: real gradients at every level, summed over
+  ``gradient_accumulation_steps`` micro-batches.
+- checkpoints: ``ampkit.pt`` (:data:`AMPKIT_NAME`) beside ``optimizer.pt`` holds
+  :func:`ampkit.state_dict` (loss scalers, step counters, fp32 masters, compensation,
+  fp8 state); ``resume_from_checkpoint`` and ``load_best_model_at_end`` load it back,
+  so a resumed run continues bit for bit.
+- ``save_model`` (checkpoints included) writes the fp32 weights the run trained
+  (:func:`fp32_state_dict`: the masters under O2, weight + compensation under O2K) with
+  ``"dtype": "float32"`` in ``config.json``, so ``from_pretrained`` loads them back as
+  trained; ``amp_save_weights="converted"`` makes ``save_model`` write the
+  :func:`ampkit.convert` inference model instead (checkpoints stay fp32).
+
+Not supported (refused with :class:`HfIntegrationError` naming the alternative):
+HF's own ``bf16``/``fp16``/``*_full_eval`` and Accelerate's ``mixed_precision``
+(they would cast on top of ampkit), DeepSpeed, FSDP and SageMaker model parallelism
+(they own the optimizer and the weights' dtype), LOMO optimizers (they update inside
+backward). ``torch.distributed`` data
+parallelism (DDP) is set up as :mod:`ampkit.distributed` asks: ``initialize`` before
+the wrap, :func:`ampkit.distributed.register_ddp` after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.casting.engine import autocast
+from ampkit.distributed import register_ddp
+from ampkit.errors import AmpError
+from ampkit.inference.conversion import convert, fp32_weights
+from ampkit.levels.fp8 import Fp8Recipe
+from ampkit.levels.setup import initialize, master_params
+from ampkit.trainer.api import scale_loss, step_skipped, unscale
+from ampkit.trainer.session import load_state_dict as load_amp_state_dict
+from ampkit.trainer.session import state_dict as amp_state_dict
+
+from . import require
+
+transformers = require("transformers", "hf")
+accelerate = require("accelerate", "hf")
+
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from transformers import (  # noqa: E402
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
+
+__all__ = [
+    "AMPKIT_NAME",
+    "AmpkitArguments",
+    "AmpkitSeq2SeqTrainingArguments",
+    "AmpkitSkipSignal",
+    "AmpkitTrainer",
+    "AmpkitTrainerMixin",
+    "AmpkitTrainingArguments",
+    "HfIntegrationError",
+    "check_arguments",
+    "fp32_state_dict",
+]
+
+#: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
+AMPKIT_NAME = "ampkit.pt"
+_FORMAT = "ampkit.integrations.hf/1"
+
+LEVELS = ("O0", "O1", "O2", "O3", "O2K")
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+SAVE_WEIGHTS = ("fp32", "converted")
+
+
+class HfIntegrationError(AmpError, ValueError):
+    """The Trainer or its arguments are set up in a way ampkit's integration cannot
+    run (HF's own mixed precision turned on too, an unknown level, DeepSpeed, ...), or
+    a checkpoint does not fit the run. The message says what to change."""
+
+
+# --- arguments --------------------------------------------------------------------------
+
+
+def _dtype_of(value: str | None) -> torch.dtype | None:
+    return None if value is None else _DTYPES[value]
+
+
+def check_arguments(args: TrainingArguments) -> None:
+    """Raise :class:`HfIntegrationError` unless ``args`` can run under ampkit: its
+    ``amp_*`` fields (defaults where a plain ``TrainingArguments`` has none) are valid
+    and none of HF's own mixed-precision switches is on."""
+    level = getattr(args, "amp_level", "O1")
+    dtype = getattr(args, "amp_dtype", None)
+    fp8 = getattr(args, "amp_fp8", False)
+    save = getattr(args, "amp_save_weights", "fp32")
+    if not isinstance(level, str) or level.upper() not in LEVELS:
+        raise HfIntegrationError(
+            f"amp_level={level!r} is not an ampkit opt level; choose one of {', '.join(LEVELS)} "
+            "(O1 casting in forward, O2 16-bit model with fp32 masters, O2K bf16 model with "
+            "compensated updates, O3 pure 16-bit, O0 fp32 with inf/NaN steps skipped)."
+        )
+    if dtype is not None and dtype not in _DTYPES:
+        raise HfIntegrationError(
+            f"amp_dtype={dtype!r} is not a 16-bit dtype ampkit computes in; use 'bfloat16', "
+            "'float16', or None for the device's default (bf16 on CPU, fp16 on CUDA)."
+        )
+    if level.upper() == "O2K" and _dtype_of(dtype) == torch.float16:
+        raise HfIntegrationError(
+            "amp_level='O2K' keeps bf16 weights with compensated updates, so it is bf16 only; "
+            "drop amp_dtype='float16', or use amp_level='O2' (fp32 masters) for fp16."
+        )
+    if level.upper() == "O0" and dtype is not None:
+        raise HfIntegrationError(
+            f"amp_level='O0' trains in fp32, so amp_dtype={dtype!r} has no effect; drop it or "
+            "choose a mixed-precision level (O1, O2, O2K, O3)."
+        )
+    if not isinstance(fp8, bool):
+        raise HfIntegrationError(f"amp_fp8 must be True or False, got {fp8!r}.")
+    if fp8 and level.upper() == "O0":
+        raise HfIntegrationError(
+            "amp_fp8=True computes linears in fp8 on top of a mixed-precision level; O0 is fp32. "
+            "Use amp_level='O1' or 'O2' with amp_fp8=True."
+        )
+    if save not in SAVE_WEIGHTS:
+        raise HfIntegrationError(
+            f"amp_save_weights={save!r}; choose 'fp32' (the trained fp32 weights, loadable "
+            "with from_pretrained as trained) or 'converted' (ampkit.convert's 16-bit "
+            "inference model)."
+        )
+    hf_own = [name for name in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, name, False)]
+    if hf_own:
+        what = ", ".join(f"{name}=True" for name in hf_own)
+        raise HfIntegrationError(
+            f"{what} turns on HF's own mixed precision (Accelerate's autocast and GradScaler, or "
+            "a model cast in place for evaluation) on top of ampkit's "
+            f"amp_level={level!r}: the model would be cast twice and HF's path does not skip "
+            f"inf/NaN steps. Drop {what}; choose the dtype with amp_dtype='bfloat16' or "
+            "'float16' (ampkit's casting covers evaluation too)."
+        )
+    optim = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+    if optim in ("lomo", "adalomo"):
+        raise HfIntegrationError(
+            f"optim={optim!r} updates the weights inside backward, where ampkit cannot check "
+            "the gradients or skip a step; use an optimizer that steps after backward "
+            "(e.g. optim='adamw_torch')."
+        )
+    mixed = getattr(args, "mixed_precision", "no")
+    if mixed not in (None, "no"):
+        raise HfIntegrationError(
+            f"Accelerate's mixed_precision is {mixed!r} (from ACCELERATE_MIXED_PRECISION, e.g. "
+            "`accelerate launch --mixed_precision`): it would cast on top of ampkit. Launch "
+            "with --mixed_precision no and choose the dtype with amp_dtype."
+        )
+
+
+@dataclasses.dataclass
+class AmpkitArguments:
+    """ampkit's fields for a ``TrainingArguments`` dataclass; combine it with one,
+    mixin first (``class MyArgs(AmpkitArguments, TrainingArguments)``). The fields
+    parse from the command line with ``HfArgumentParser`` like HF's own.
+
+    Attributes:
+        amp_level (str) ["O1"]: ampkit's opt level: ``"O0"``, ``"O1"``, ``"O2"``,
+            ``"O3"`` or ``"O2K"`` (see :func:`ampkit.initialize`).
+        amp_dtype (str | None) [None]: ``"bfloat16"`` or ``"float16"`` (``"bf16"``,
+            ``"fp16"`` too); None: the device's default (bf16 on CPU, fp16 on CUDA;
+            O2K is always bf16).
+        amp_fp8 (bool) [False]: compute the linears of :class:`ampkit.Fp8Recipe`'s
+            default choice in fp8 (any level but O0).
+        amp_save_weights (str) ["fp32"]: what ``trainer.save_model()`` writes: the
+            trained fp32 weights (``config.json`` dtype float32) or ``"converted"``,
+            the :func:`ampkit.convert` inference model (16-bit weights, norm layers
+            fp32, config dtype the 16-bit one). Checkpoints always hold fp32 weights.
+
+    Validation (:class:`HfIntegrationError`) runs in ``__post_init__``, after HF's own:
+    HF's ``bf16``/``fp16``/``bf16_full_eval``/``fp16_full_eval`` are refused (HF's
+    mixed precision would cast on top of ampkit's).
+    """
+
+    amp_level: str = dataclasses.field(
+        default="O1", metadata={"help": "ampkit opt level: O0, O1, O2, O3 or O2K"}
+    )
+    amp_dtype: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "16-bit compute dtype: bfloat16 or float16 (default: the device's)"},
+    )
+    amp_fp8: bool = dataclasses.field(
+        default=False, metadata={"help": "compute linears in fp8 (ampkit.Fp8Recipe)"}
+    )
+    amp_save_weights: str = dataclasses.field(
+        default="fp32",
+        metadata={"help": "what save_model writes: fp32 (trained weights) or converted"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the TrainingArguments class it is combined with
+        if isinstance(self.amp_level, str):
+            self.amp_level = self.amp_level.upper()
+        check_arguments(self)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class AmpkitTrainingArguments(AmpkitArguments, TrainingArguments):
+    """``transformers.TrainingArguments`` with ampkit's fields (:class:`AmpkitArguments`):
+    ``amp_level`` ("O1"), ``amp_dtype`` (None), ``amp_fp8`` (False),
+    ``amp_save_weights`` ("fp32"). Leave ``bf16``/``fp16`` False."""
+
+
+@dataclasses.dataclass
+class AmpkitSeq2SeqTrainingArguments(AmpkitArguments, Seq2SeqTrainingArguments):
+    """``transformers.Seq2SeqTrainingArguments`` with ampkit's fields (see
+    :class:`AmpkitTrainingArguments`)."""
+
+
+# --- weights ----------------------------------------------------------------------------
+
+
+def _raw_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside Accelerate's (or another framework's)
+    wrappers that hold it as ``.optimizer``."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AcceleratedOptimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or seen > 8:
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the model's names of the parameters in ``param_groups`` order
+    (HF groups parameters by weight decay, not in ``model.parameters()`` order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        missing = [i for i, p in enumerate(group["params"]) if id(p) not in names]
+        if missing:
+            raise HfIntegrationError(
+                f"param group {g} of the optimizer holds {len(missing)} tensor(s) that are not "
+                "parameters of trainer.model; build the optimizer over model.parameters()."
+            )
+        out.append([names[id(p)] for p in group["params"]])
+    return out
+
+
+def _training_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": model.state_dict(), "amp": amp_state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def fp32_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    param_names: list[list[str]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every floating tensor in fp32 and each weight the
+    best fp32 value the run holds: its fp32 master (O2), weight + compensation summed
+    in fp32 (O2K), the weight widened otherwise (exact). Tied weights (GPT-2's
+    ``lm_head.weight`` and ``wte.weight``) stay one tensor, so ``save_pretrained``
+    keeps one copy.
+
+    Args:
+        model: the trained model (``trainer.model``), set up by :func:`ampkit.initialize`
+            or in fp32.
+        optimizer: the raw ``torch.optim.Optimizer`` the current ampkit session manages
+            (an ``AcceleratedOptimizer`` is unwrapped); None: the model's own weights,
+            widened to fp32.
+        param_names: per param group, the names of the parameters in the optimizer's
+            order (see :func:`ampkit.fp32_weights`); needed when the optimizer was not
+            built over ``model.parameters()`` in order and its masters have replaced
+            the model's parameters in ``param_groups``.
+
+    Returns:
+        ``{name: tensor}``: fp32 floating tensors (integer buffers unchanged), ready for
+        ``model.save_pretrained(dir, state_dict=...)`` or ``load_state_dict``.
+    """
+    if optimizer is None:
+        fp32 = fp32_weights(model, model.state_dict())
+    else:
+        raw = _raw_optimizer(optimizer)
+        fp32 = fp32_weights(
+            model, _training_checkpoint(model, raw), None if param_names is None else [param_names]
+        )
+    # tied entries share one tensor again (state_dict lists each tie under every name)
+    by_tensor: dict[int, torch.Tensor] = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if name in fp32:
+            by_tensor.setdefault(id(t), fp32[name])
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        out[name] = by_tensor.get(id(t), fp32[name])
+    return out
+
+
+def _write_config_dtype(model: Any, output_dir: str, dtype: torch.dtype) -> None:
+    """Rewrite ``config.json`` in ``output_dir`` with ``dtype`` (``save_pretrained``
+    writes the dtype of the model's first parameter, bf16 for an O2 model whose saved
+    weights are fp32); the model's in-memory config keeps what HF set."""
+    config = getattr(model, "config", None)
+    if config is None or not os.path.isfile(os.path.join(output_dir, "config.json")):
+        return
+    before = config.dtype
+    config.dtype = str(dtype).split(".")[1]
+    try:
+        config.save_pretrained(output_dir)
+    finally:
+        config.dtype = before
+
+
+# --- the skip signal --------------------------------------------------------------------
+
+
+class AmpkitSkipSignal(TrainerCallback):
+    """After each optimizer step, tells Accelerate whether ampkit skipped it: the
+    ``AcceleratedOptimizer``'s ``step_was_skipped`` (which HF reads through
+    ``accelerator.optimizer_step_was_skipped`` before stepping its LR scheduler) is set
+    to :func:`ampkit.step_skipped` of the optimizer inside. Added by
+    :class:`AmpkitTrainerMixin` when it sets ampkit up; keep it in the callbacks."""
+
+    def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        _report_skip(kwargs.get("optimizer"))
+
+
+def _report_skip(optimizer: Any) -> bool | None:
+    """Set ``optimizer``'s (an ``AcceleratedOptimizer``) skip flag to ampkit's verdict on
+    the step just taken; returns that verdict (None when ampkit does not manage it)."""
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        return None
+    raw = _raw_optimizer(optimizer)
+    try:
+        skipped = step_skipped(raw)
+    except AmpError:
+        return None  # not an optimizer of the current ampkit session
+    optimizer._is_overflow = skipped  # the flag Accelerate's own GradScaler path sets
+    if optimizer.step_was_skipped is not skipped:
+        raise HfIntegrationError(
+            f"accelerate {accelerate.__version__}'s AcceleratedOptimizer no longer reports its "
+            "skip flag through _is_overflow, so HF would step its LR scheduler on steps ampkit "
+            "skipped; use the accelerate version ampkit[hf] pins."
+        )
+    return skipped
+
+
+# --- the trainer ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Setup:
+    """What the mixin set up: the raw optimizer, the level, where names come from."""
+
+    optimizer: torch.optim.Optimizer
+    model: weakref.ref[nn.Module]
+    level: str
+    dtype: torch.dtype | None  # None at O0
+    device_type: str
+    param_names: list[list[str]]
+
+
+class AmpkitTrainerMixin:
+    """ampkit's mixed precision for a ``transformers.Trainer`` subclass; list it first:
+    ``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``. Reads ``amp_level``,
+    ``amp_dtype``, ``amp_fp8`` and ``amp_save_weights`` from ``self.args``
+    (:class:`AmpkitArguments`; a plain ``TrainingArguments`` gets their defaults: O1,
+    the device's dtype). See the module docstring for what each overridden method does.
+
+    After ``train()`` has set ampkit up, :attr:`amp_optimizer` is the raw optimizer
+    ampkit manages: pass it to :func:`ampkit.stats`, :func:`ampkit.master_params`,
+    :func:`ampkit.step_skipped`.
+    """
+
+    _ampkit: _Setup | None = None
+
+    # -- arguments and setup ---------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's accelerator, then the checks: arguments valid, no DeepSpeed, FSDP or
+        SageMaker model parallelism (each owns the weights' dtype and the optimizer)."""
+        check_arguments(self.args)
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        refused = [
+            name
+            for name, on in (
+                ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
+                ("FSDP", getattr(self, "is_fsdp_enabled", False)),
+                ("SageMaker model parallelism", is_sagemaker_mp_enabled()),
+            )
+            if on
+        ]
+        if refused:
+            raise HfIntegrationError(
+                f"{refused[0]} keeps its own copy of the weights and optimizer (and casts "
+                "them itself), so ampkit cannot set them up; use its own mixed precision "
+                "with a plain Trainer, or DDP (no DeepSpeed/FSDP config) with ampkit."
+            )
+
+    @property
+    def amp_level(self) -> str:
+        """The ampkit opt level of this trainer (``args.amp_level``, upper case)."""
+        return str(getattr(self.args, "amp_level", "O1")).upper()
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The 16-bit compute dtype (None at O0): ``args.amp_dtype``, else bf16 at O2K,
+        else the device's default (bf16 on CPU, fp16 on CUDA)."""
+        if self.amp_level == "O0":
+            return None
+        chosen = _dtype_of(getattr(self.args, "amp_dtype", None))
+        if chosen is not None:
+            return chosen
+        if self.amp_level == "O2K":
+            return torch.bfloat16
+        return torch.float16 if self.args.device.type == "cuda" else torch.bfloat16
+
+    @property
+    def amp_optimizer(self) -> torch.optim.Optimizer | None:
+        """The raw ``torch.optim.Optimizer`` ampkit manages (None before ``train()``)."""
+        return None if self._ampkit is None else self._ampkit.optimizer
+
+    def amp_fp8_recipe(self) -> Fp8Recipe | None:
+        """The fp8 recipe passed to :func:`ampkit.initialize`: the default
+        :class:`ampkit.Fp8Recipe` when ``args.amp_fp8`` is True, else None. Override it
+        in a subclass for another recipe (e.g. ``Fp8Recipe(min_features=256)``)."""
+        return Fp8Recipe() if getattr(self.args, "amp_fp8", False) else None
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """HF's optimizer (built from the arguments, or the one given to the Trainer),
+        then :func:`ampkit.initialize` of ``trainer.model`` and that optimizer at
+        ``amp_level``, before Accelerate wraps either. Called again with the same
+        optimizer (a second ``train()``), it keeps the setup."""
+        optimizer = super().create_optimizer(model)  # type: ignore[misc]
+        raw = _raw_optimizer(optimizer)
+        if not isinstance(raw, torch.optim.Optimizer):
+            raise HfIntegrationError(
+                f"the Trainer's optimizer is a {type(optimizer).__name__} holding no "
+                "torch.optim.Optimizer; ampkit manages torch optimizers only."
+            )
+        if self._ampkit is not None and self._ampkit.optimizer is raw:
+            return optimizer
+        self._setup_ampkit(raw)
+        return optimizer
+
+    def _setup_ampkit(self, raw: torch.optim.Optimizer) -> None:
+        model = self.model
+        if not isinstance(model, nn.Module):
+            raise HfIntegrationError("the Trainer has no model to set up; pass model= or model_init=.")
+        names = _param_names(model, raw)
+        level, dtype = self.amp_level, self.amp_dtype
+        overrides: dict[str, Any] = {}
+        if dtype is not None:
+            overrides["dtype"] = dtype
+        if level == "O1":
+            # casting only inside compute_loss (autocast_smart_context_manager), not process-wide
+            overrides["op_casting"] = False
+        initialize(model, raw, level, fp8=self.amp_fp8_recipe(), **overrides)
+        device_type = next((t.device.type for t in model.parameters()), self.args.device.type)
+        self._ampkit = _Setup(raw, weakref.ref(model), level, dtype, device_type, names)
+        if not any(isinstance(cb, AmpkitSkipSignal) for cb in self.callback_handler.callbacks):
+            self.add_callback(AmpkitSkipSignal())
+        if not any(isinstance(cb, _RegisterDDP) for cb in self.callback_handler.callbacks):
+            self.add_callback(_RegisterDDP(self))
+
+    # -- forward, backward, clipping -------------------------------------------------------
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> AbstractContextManager[Any]:
+        """The scope HF enters around ``compute_loss`` (training and ``prediction_step``):
+        :class:`ampkit.autocast` in ``amp_dtype`` at O1; nothing at other levels (O2,
+        O3, O2K models cast their own forward; O0 is fp32)."""
+        if self.amp_level != "O1":
+            return nullcontext()
+        device_type = self._ampkit.device_type if self._ampkit is not None else self.args.device.type
+        return autocast(
+            device_type=device_type, dtype=self.amp_dtype, cache_enabled=cache_enabled is not False
+        )
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """HF's training step with its ``accelerator.backward(loss)`` inside
+        :func:`ampkit.scale_loss`."""
+        with self._scaled_backward():
+            return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+
+    @contextmanager
+    def _scaled_backward(self) -> Iterator[None]:
+        setup = self._ampkit
+        if setup is None:
+            yield
+            return
+        accelerator = self.accelerator
+        had_own = "backward" in vars(accelerator)
+        backward = accelerator.backward
+
+        def scaled_backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            with scale_loss(loss, setup.optimizer) as scaled:
+                backward(scaled, **kwargs)
+
+        accelerator.backward = scaled_backward
+        try:
+            yield
+        finally:
+            if had_own:
+                accelerator.backward = backward
+            else:
+                del accelerator.backward
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """``max_grad_norm`` clipping on the parameters the optimizer steps (the fp32
+        masters under O2), unscaled first: the norm of the real gradients."""
+        setup = self._ampkit
+        if setup is None:
+            return super()._clip_grad_norm(model)  # type: ignore[misc]
+        unscale(setup.optimizer)
+        params = [p for p in master_params(setup.optimizer) if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The gradient norm HF logs: with ``max_grad_norm=0`` (no clipping), the norm of
+        the real gradients of the parameters the optimizer steps."""
+        setup = self._ampkit
+        if setup is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+        unscale(setup.optimizer)
+        grads = [p.grad for p in master_params(setup.optimizer) if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """HF's scaler file (none under ampkit), then :data:`AMPKIT_NAME`."""
+        super()._save_scaler(output_dir)  # type: ignore[misc]
+        setup = self._ampkit
+        if setup is None or not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self._ampkit_state(setup), os.path.join(output_dir, AMPKIT_NAME))
+
+    def _ampkit_state(self, setup: _Setup) -> dict[str, Any]:
+        model = self._setup_model(setup)
+        fp32 = fp32_state_dict(model, setup.optimizer, setup.param_names)
+        # 16-bit weights stepped as they are (O2K, O3) that the checkpoint's fp32 weights
+        # do not round back to (O2K: weight + compensation can round to the weight's
+        # neighbour on a tie); weights with an fp32 master (O2) come back from the master
+        stepped = {id(p) for p in master_params(setup.optimizer)}
+        masters_of_model = {id(p) for p in model.parameters()} - stepped
+        exact = {
+            name: t.detach().clone()
+            for name, t in model.state_dict(keep_vars=True).items()
+            if t.is_floating_point()
+            and t.dtype != torch.float32
+            and id(t) not in masters_of_model
+            and not torch.equal(fp32[name].to(t.dtype), t.detach())
+        }
+        return {
+            "format": _FORMAT,
+            "level": setup.level,
+            "dtype": None if setup.dtype is None else str(setup.dtype).split(".")[1],
+            "amp": amp_state_dict(),
+            "weights16": exact,
+        }
+
+    def _setup_model(self, setup: _Setup) -> nn.Module:
+        model = setup.model()
+        if model is None:
+            raise HfIntegrationError("the model ampkit was set up with is gone; call train() again.")
+        return model
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """HF's scaler file, then :data:`AMPKIT_NAME` (after the optimizer state)."""
+        super()._load_scaler(checkpoint)  # type: ignore[misc]
+        if checkpoint is not None:
+            self._load_ampkit(checkpoint)
+
+    def _load_ampkit(self, checkpoint: str) -> None:
+        setup = self._ampkit
+        if setup is None:
+            return
+        path = os.path.join(checkpoint, AMPKIT_NAME)
+        if not os.path.isfile(path):
+            warnings.warn(
+                f"ampkit: {checkpoint} holds no {AMPKIT_NAME} (saved without ampkit?): the "
+                f"loss scale and step counters start afresh, {setup.level}'s fp32 state from "
+                "the checkpoint's weights.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        saved = torch.load(path, map_location=self.args.device, weights_only=True)
+        if not isinstance(saved, Mapping) or saved.get("format") != _FORMAT:
+            raise HfIntegrationError(f"{path} is not an ampkit checkpoint of this integration ({_FORMAT}).")
+        dtype = None if setup.dtype is None else str(setup.dtype).split(".")[1]
+        if saved.get("level") != setup.level or saved.get("dtype") != dtype:
+            raise HfIntegrationError(
+                f"{path} was saved at amp_level={saved.get('level')!r}, amp_dtype="
+                f"{saved.get('dtype')!r}; this run is set up at amp_level={setup.level!r}, "
+                f"amp_dtype={dtype!r}. Resume with the arguments the checkpoint was trained with."
+            )
+        model = self._setup_model(setup)
+        weights16 = saved.get("weights16", {})
+        state = model.state_dict(keep_vars=True)
+        unknown = sorted(set(weights16) - set(state))
+        if unknown:
+            raise HfIntegrationError(f"{path} holds weights the model does not have: {unknown[:5]}.")
+        with torch.no_grad():
+            for name, value in weights16.items():
+                state[name].copy_(value)
+        load_amp_state_dict(saved["amp"])
+
+    def _load_best_model(self) -> None:
+        """HF loads the best checkpoint's weights; ampkit's state (masters, scale) too."""
+        super()._load_best_model()  # type: ignore[misc]
+        best = self.state.best_model_checkpoint
+        if best is not None and self._ampkit is not None:
+            self._load_ampkit(best)
+
+    # -- saving the model ------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """HF's ``save_model``, writing ``args.amp_save_weights``: the trained fp32
+        weights with ``config.json`` dtype float32 (default, and always for the
+        checkpoints HF saves with ``_internal_call=True``), or the :func:`ampkit.convert`
+        inference model (``"converted"``)."""
+        self._ampkit_save_mode = "fp32" if _internal_call else getattr(self.args, "amp_save_weights", "fp32")
+        try:
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        finally:
+            self._ampkit_save_mode = "fp32"
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        setup = self._ampkit
+        if setup is None or state_dict is not None:
+            super()._save(output_dir, state_dict)  # type: ignore[misc]
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        model = self._setup_model(setup)
+        if getattr(self, "_ampkit_save_mode", "fp32") == "converted":
+            converted = convert(
+                model,
+                dtype=setup.dtype,
+                checkpoint=_training_checkpoint(model, setup.optimizer),
+                param_names=[setup.param_names],
+            )
+            weights = converted.state_dict()
+            dtype = next((p.dtype for p in converted.parameters() if p.is_floating_point()), torch.float32)
+        else:
+            weights, dtype = fp32_state_dict(model, setup.optimizer, setup.param_names), torch.float32
+        super()._save(output_dir, weights)  # type: ignore[misc]
+        if self.args.should_save:
+            _write_config_dtype(model, output_dir, dtype)
+
+
+class _RegisterDDP(TrainerCallback):
+    """At ``on_train_begin`` (after Accelerate has wrapped the model): a
+    ``DistributedDataParallel`` model is announced with
+    :func:`ampkit.distributed.register_ddp` (rank 0's O2 masters broadcast, the skip
+    agreement told which grads DDP reduces)."""
+
+    def __init__(self, trainer: AmpkitTrainerMixin) -> None:
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        wrapped = getattr(trainer, "model_wrapped", None)
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            register_ddp(wrapped)
+
+
+class AmpkitTrainer(AmpkitTrainerMixin, Trainer):
+    """``transformers.Trainer`` trained with ampkit (:class:`AmpkitTrainerMixin`);
+    takes HF's arguments, with :class:`AmpkitTrainingArguments` as ``args``."""
