@@ -780,3 +780,26 @@ def test_kernels_kept_with_other_threads_alive_differ_only_in_the_cast_cache_unt
     finally:
         stop.set()
         other.join()
+
+
+def _big_exponent(x, e, **kwargs):
+    return isinstance(e, (int, float)) and abs(e) > 4
+
+
+def test_a_policy_pickles_and_comes_back_equal_and_validated():
+    import pickle
+
+    policy = amp.Policy(
+        dtype=torch.float16, fp32_ops=[torch.mm, "softmax"], lower_ops=[torch.pow],
+        conditional_fp32_ops=[(torch.pow, _big_exponent)],
+        module_rules={nn.LayerNorm: torch.float32, "head.*": torch.bfloat16},
+    )
+    back = pickle.loads(pickle.dumps(policy))
+    assert back == policy and back.categories() == policy.categories()
+    assert dict(back.module_rules) == dict(policy.module_rules)
+    a = torch.randn(4, 4)
+    with amp.autocast(back, "cpu"):
+        assert torch.mm(a, a).dtype == torch.float32
+        assert torch.matmul(a, a).dtype == torch.float16
+    with pytest.raises(Exception, match="lambda|local"):
+        pickle.dumps(amp.Policy(conditional_fp32_ops=[(torch.pow, lambda x, e, **k: True)]))

@@ -112,7 +112,8 @@ def _import_dotted(path: str) -> Any:
 
 
 def canonical_op(spec: OpSpec) -> str:
-    """The name ampkit matches an op by (cached; see :func:`_canonical_op`)."""
+    """The name ampkit matches op ``spec`` by: an aten op name, an op overload or a
+    Python function, as policies accept them (cached)."""
     try:
         return _canonical_cached(spec)
     except TypeError:  # unhashable spec
@@ -310,6 +311,17 @@ class Policy:
         rules = {_check_module_key(k): _check_module_dtype(v, k) for k, v in self.module_rules.items()}
         object.__setattr__(self, "module_rules", MappingProxyType(rules))
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its constructor's arguments (``module_rules`` as a plain dict), so a
+        policy travels to spawned processes (``mp.spawn``, Lightning's ``ddp_spawn``) and
+        is validated again where it is rebuilt. Ops and predicates must be picklable
+        themselves (torch functions and module-level functions are; lambdas are not)."""
+        return (
+            _rebuild_policy,
+            (self.dtype, self.lower_ops, self.fp32_ops, self.promote_ops,
+             self.conditional_fp32_ops, dict(self.module_rules)),
+        )
+
     # -- views -------------------------------------------------------------
     def categories(self) -> dict[str, str]:
         """``{canonical op name: "lower" | "fp32" | "promote"}`` for the listed ops."""
@@ -375,8 +387,8 @@ class Policy:
         )
 
     def module_dtype(self, module: nn.Module, name: str | None) -> torch.dtype | None:
-        """The dtype a module rule pins ``module`` to, or None. Name globs win over
-        classes; among classes the most specific (nearest in the MRO) wins."""
+        """The dtype a module rule pins ``module`` (called ``name``, its qualified name
+        in the model, None if unknown) to, or None. Name globs win over classes; among classes the most specific (nearest in the MRO) wins."""
         if not self.module_rules:
             return None
         if name is not None:
@@ -430,4 +442,16 @@ def default_policy(device_type: str = "cpu", dtype: torch.dtype | None = None) -
     )
 
 
-
+def _rebuild_policy(
+    dtype: torch.dtype,
+    lower_ops: tuple[OpSpec, ...],
+    fp32_ops: tuple[OpSpec, ...],
+    promote_ops: tuple[OpSpec, ...],
+    conditional_fp32_ops: tuple[tuple[OpSpec, Predicate], ...],
+    module_rules: dict[ModuleKey, torch.dtype],
+) -> Policy:
+    """Unpickle a :class:`Policy` (see ``Policy.__reduce__``)."""
+    return Policy(
+        dtype=dtype, lower_ops=lower_ops, fp32_ops=fp32_ops, promote_ops=promote_ops,
+        conditional_fp32_ops=conditional_fp32_ops, module_rules=module_rules,
+    )
