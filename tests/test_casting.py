@@ -803,3 +803,37 @@ def test_a_policy_pickles_and_comes_back_equal_and_validated():
         assert torch.matmul(a, a).dtype == torch.float16
     with pytest.raises(Exception, match="lambda|local"):
         pickle.dumps(amp.Policy(conditional_fp32_ops=[(torch.pow, lambda x, e, **k: True)]))
+
+
+def test_a_kernel_registered_over_ampkits_is_found_and_replaced_with_a_warning():
+    """Another registration on the same op and key (a library's own autocast kernel)
+    wins the dispatch; ampkit.init and explain register ampkit's again and say so."""
+    import warnings
+
+    from ampkit._internal import torch_compat as tc
+    from ampkit.casting.engine import kernel_registry
+
+    a = torch.randn(4, 4).bfloat16()
+    with amp.autocast(amp.Policy(fp32_ops=[torch.relu]), "cpu"):
+        assert torch.relu(a).dtype == FP32
+    assert kernel_registry.verify() == []  # nothing lost: nothing to do
+
+    def foreign(x):
+        with tc.exclude_dispatch_keys(tc.autocast_keyset()):
+            return tc.raw_op(torch.ops.aten.relu.default)(x)
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("relu", foreign, "AutocastCPU")
+        with amp.autocast(amp.Policy(fp32_ops=[torch.relu]), "cpu"):
+            assert torch.relu(a).dtype == BF16  # the other kernel ran: the policy did not apply
+        with pytest.warns(RuntimeWarning, match="aten::relu on AutocastCPU had been replaced"):
+            amp.init(policy=amp.Policy(fp32_ops=[torch.relu]), device_type="cpu")
+        assert torch.relu(a).dtype == FP32
+        assert "engine.py" in tc.kernel_site("aten::relu", "AutocastCPU")
+    finally:
+        amp.reset()
+        amp.casting.release_kernels()
+        tc.destroy_library(lib)

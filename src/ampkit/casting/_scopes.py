@@ -395,6 +395,7 @@ def init(
         _stop_global()
     scope = autocast(base, device, cache_enabled=cache_enabled)
     scope.__enter__()
+    kernel_registry.verify()  # a kernel registered over ampkit's since would silently win
     _state.global_scope = scope
     logger.info("ampkit: casting on for %s in %s", device, base.dtype)
     return base

@@ -43,7 +43,8 @@ def top_frame(device_type: str) -> _Frame | None:
 
 
 def is_active(device_type: str | None = None) -> bool:
-    """Whether an enabled ampkit scope (or ``ampkit.init``) is active in this thread."""
+    """Whether an enabled ampkit scope (or ``ampkit.init``) is active in this thread
+    (for ``device_type`` when given, else the innermost scope of any device type)."""
     if device_type is not None:
         top = top_frame(device_type)
         return top is not None and top.enabled
@@ -299,6 +300,58 @@ class _KernelRegistry:
 
     def registered(self, device_type: str) -> frozenset[str]:
         return self._done.get(device_type, frozenset())
+
+    def verify(self) -> list[str]:
+        """Register again every ampkit kernel that no longer runs: a later registration on
+        the same op and key (another library's kernel, a C++ extension imported after
+        ampkit) replaces ampkit's, and removing that one leaves torch's, not ampkit's --
+        either way ampkit's policy would silently stop applying to the op. Warns once
+        per op naming what took its place; returns the ``"aten::op"`` names fixed.
+        Called where a session starts (:func:`ampkit.init`) and by
+        :func:`ampkit.explain`; it reads the dispatcher's table (~0.1 ms per op)."""
+        lost: list[tuple[str, str, str | None]] = []
+        for device_type, names in list(self._done.items()):
+            key = AUTOCAST_KEYS[device_type]
+            for base in names:
+                overloads = _overloads(base)
+                if not overloads:
+                    continue
+                site = torch_compat.kernel_site(f"aten::{base}", key) if _has_default(overloads) else _first_site(base, overloads, key)
+                if site is None or _ENGINE_FILE not in site:
+                    lost.append((device_type, base, site))
+        if not lost:
+            return []
+        with self._lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for device_type, base, _ in lost:
+                self._libs[(device_type, base)] = _register(device_type, base)
+        fixed = []
+        for device_type, base, site in lost:
+            fixed.append(f"aten::{base}")
+            if (device_type, base) not in _WARNED_LOST:
+                _WARNED_LOST.add((device_type, base))
+                warnings.warn(
+                    f"ampkit: its kernel for aten::{base} on {AUTOCAST_KEYS[device_type]} had been "
+                    f"{'removed' if site is None else 'replaced by one ' + site}; ampkit registered "
+                    "it again so its policy applies to the op. If another library needs its own "
+                    "kernel there, the two cannot both be active.",
+                    RuntimeWarning, stacklevel=2,
+                )
+        for device_type in {d for d, _, _ in lost}:
+            _drop_compiled_code(device_type)
+        return fixed
+
+
+_ENGINE_FILE = __file__
+_WARNED_LOST: set[tuple[str, str]] = set()
+
+
+def _has_default(overloads: list[Any]) -> bool:
+    return any(torch_compat.overload_name(o) == "default" for o in overloads)
+
+
+def _first_site(base: str, overloads: list[Any], key: str) -> str | None:
+    return torch_compat.kernel_site(f"aten::{base}.{torch_compat.overload_name(overloads[0])}", key)
 
 
 def _register(device_type: str, base: str) -> torch.library.Library:

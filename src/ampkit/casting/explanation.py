@@ -48,8 +48,9 @@ class CastRecord:
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
-    """One aten op call: its name, the dtypes of its tensor inputs and outputs, and
-    the casts that were inserted for it (those recorded since the previous op)."""
+    """One aten op call: its name (``op``), the dtypes of its tensor inputs and outputs
+    (``input_dtypes``, ``output_dtypes``), and the ``casts`` that were inserted for it
+    (those recorded since the previous op)."""
 
     op: str
     input_dtypes: tuple[torch.dtype, ...]
@@ -68,7 +69,10 @@ class OpRecord:
 @dataclasses.dataclass
 class ExplainReport:
     """What :func:`explain` recorded. ``records`` holds every non-view aten op in call
-    order; ``totals`` counts ops by the floating dtype they produced and the casts."""
+    order; ``trailing_casts`` the casts recorded after the last op; ``note`` is set when
+    the call given was torch.compile'd (what was run instead, and why); ``fp8`` holds
+    each fp8 matmul (:class:`ampkit.fp8.Fp8MatmulRecord`). ``totals`` counts ops by the
+    floating dtype they produced and the casts."""
 
     records: list[OpRecord]
     trailing_casts: list[CastRecord]
@@ -253,6 +257,7 @@ def explain(
     scope = casting.autocast(policy, device_type) if use_scope else None
     if scope is not None:
         scope.__enter__()
+    casting.kernel_registry.verify()  # report the dtypes ampkit's kernels give, not another's
     try:  # records reported by the levels above (fp8 matmuls) while the model runs
         with recorder, observe.collector() as fp8_records:
             fn_or_module(*inputs, **kwargs)
