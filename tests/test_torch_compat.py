@@ -467,3 +467,19 @@ def test_wrappers_insert_the_path_parts_name_rules_drop():
     wrapped.add_module("block", checkpoint_wrapper(nn.Linear(1, 1)))
     assert "block._checkpoint_wrapped_module" in [n for n, _ in wrapped.named_modules()]
     assert "_checkpoint_wrapped_module" in tc.WRAPPER_PATH_PARTS
+
+
+def test_kernel_site_names_where_the_kernel_of_a_key_was_registered():
+    assert "autocast_mode.cpp" in tc.kernel_site("aten::mm", "AutocastCPU")  # torch's own
+    assert tc.kernel_site("aten::relu", "AutocastCPU") is None  # the key's fallthrough
+    lib = torch.library.Library("aten", "IMPL")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("relu", lambda x: x, "AutocastCPU")
+    try:
+        assert __file__ in tc.kernel_site("aten::relu", "AutocastCPU")
+    finally:
+        tc.destroy_library(lib)
+    assert tc.kernel_site("aten::relu", "AutocastCPU") is None
