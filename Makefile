@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 
-.PHONY: test test-fast lint bench bench-quick gpu-check clean
+.PHONY: test test-fast lint bench bench-quick docs bench-docs gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,17 @@ bench: $(VENV)/.installed
 bench-quick: $(VENV)/.installed
 	$(VENV)/bin/ampkit bench --quick
 
+# The documentation site: warnings are errors, references to ampkit's API must resolve.
+docs: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
+
+# Record every benchmark's short docs run (one thread, docs/benchmarks/data/) and write
+# the benchmark pages from it; `$(PY) benchmarks/docs_pages.py --render` only writes the pages.
+bench-docs: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) benchmarks/docs_pages.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info docs/_build docs/reference/generated
 
 # On a machine with a CUDA GPU: the cuda-marked tests, ampkit bench, step_limit and fp8
 # benchmarks at GPU sizes; one JSON + markdown summary in gpu-check-out/. Refuses without a GPU.

@@ -530,7 +530,8 @@ def _fsdp_recipe(level_name: str) -> str:
 
 
 def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool) -> None:
-    """Refuse distributed wrappers that an opt level cannot work under (called by
+    """Refuse distributed wrappers of ``models`` that an opt level (``level_name``;
+    ``casts_model``: whether it casts the model's weights) cannot work under (called by
     :func:`ampkit.initialize` before it touches anything).
 
     A level that casts the model (O2, O3, O2K) needs the plain model: wrap it in DDP
@@ -575,8 +576,9 @@ def _install_fsdp_guard(model: nn.Module, level_name: str) -> None:
 
 
 class FSDPGuard:
-    """Forward pre-hook of a model whose weights an opt level cast: refuse to run once
-    ``fully_shard`` replaced its parameters. A plain object (picklable, copyable)."""
+    """Forward pre-hook of a model whose weights an opt level (``level_name``, named in
+    the error) cast: refuse to run once ``fully_shard`` replaced its parameters. A plain
+    object (picklable, copyable)."""
 
     def __init__(self, level_name: str) -> None:
         self.level_name = level_name
@@ -599,7 +601,8 @@ def _is_fsdp2_root(module: nn.Module) -> bool:
 
 def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm layer of ``model`` by ``torch.nn.SyncBatchNorm`` (batch
-    statistics computed over all ranks) and return the model (a new object if ``model``
+    statistics computed over the ranks of ``process_group``, default None: all ranks)
+    and return the model (a new object if ``model``
     itself is a BatchNorm layer).
 
     The new layers keep the same ``Parameter`` and buffer objects (so optimizers and

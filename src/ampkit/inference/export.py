@@ -166,6 +166,7 @@ def export_program(
     """``torch.export.export`` of ``model`` (e.g. from :func:`ampkit.convert`) in eval
     mode on ``example_inputs`` (a tensor or a tuple of positional inputs).
 
+    ``strict`` is ``torch.export.export``'s (default False: non-strict tracing).
     With ``dynamic_batch`` (default) dimension 0 of every tensor input is left to
     torch to make dynamic (``Dim.AUTO``; give an example batch of at least 2). The
     cast hooks of a converted model become ``_to_copy`` nodes of the graph; weights
@@ -312,7 +313,7 @@ def export_onnx(
             converted model takes them). Non-tensor arguments are baked in.
         path: the ``.onnx`` file to write.
         precision: ``"compute"``, ``"storage"`` or ``"auto"`` (see
-            :mod:`ampkit.inference.export`; auto: compute for fp16 weights, storage for bf16).
+            ``ampkit.inference.export``; auto: compute for fp16 weights, storage for bf16).
         exporter: ``"dynamo"`` (torch.onnx.export(dynamo=True)), ``"torchscript"``,
             or ``"auto"``: dynamo, falling back to TorchScript when dynamo fails.
         dynamic_batch: make dimension 0 of inputs (and outputs) dynamic. Default True.

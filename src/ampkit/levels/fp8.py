@@ -34,12 +34,12 @@ under DDP and are not reduced. Scales and histories are saved by ``amp.state_dic
 (bitwise resume). Only training forwards (grad enabled) and their backward advance the
 state: evaluation under ``no_grad`` and ``ampkit.explain`` use it as it is (and call no
 collective), and a forward recomputed by activation checkpointing reuses the scales of
-its first pass (see :data:`Mode`).
+its first pass (the modes ``"train"``, ``"frozen"`` and ``"replay"``).
 
 Under ``torch.compile`` each converted linear is one custom op (``ampkit::fp8_linear``
 and its backward) that runs this module's eager code at run time: compiled fp8 computes
 bitwise what eager fp8 computes, scale state included, with no graph break (see the
-comment above :func:`_fp8_linear_op` for why).
+comment above ``_fp8_linear_op`` in ``ampkit/levels/fp8.py`` for why).
 
 Implemented directly on ``torch._scaled_mm`` rather than on ``torchao.float8``:
 torchao 0.15 runs on CPU but has no delayed scaling any more (only dynamic scaling),
@@ -156,7 +156,7 @@ class Fp8Recipe:
         amax_compute_algo: ``"max"`` (default; max of the history) or
             ``"most_recent"`` (the latest entry) (delayed).
         margin: scale down by ``2**margin`` for headroom (default 0): an int in
-            ``[0, MAX_MARGIN]`` (6, derived by :func:`_max_margin`: beyond it fp32
+            ``[0, MAX_MARGIN]`` (6, derived by ``_max_margin``: beyond it fp32
             cannot represent the scale of every finite abs-max); from ``WARN_MARGIN``
             (4) on it warns once (small values of heavy-tailed tensors lose precision).
         power_of_2_scales: round each scale down to a power of two (default False), so
@@ -860,9 +860,10 @@ class Fp8Training:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8LayerInfo:
-    """One fp8 linear as reports show it: its qualified name, ``(out, in)`` shape,
-    recipe, forward calls seen, and per role (input, weight, grad_output) the last
-    scale, the last abs-max and the casts that saturated. Rowwise recipes keep no
+    """One fp8 linear as reports show it: its qualified ``name``, ``(out, in)``
+    ``shape``, ``recipe``, forward ``calls`` seen, and per role (input, weight,
+    grad_output) the last scale (``scales``), the last abs-max (``amax``) and the casts
+    that saturated (``saturated``). Rowwise recipes keep no
     per-tensor scale (their entries stay 1.0 / 0.0; ``explain`` shows their ranges)."""
 
     name: str
@@ -948,9 +949,11 @@ def layers() -> list[Fp8LayerInfo]:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8MatmulRecord:
-    """One fp8 matmul: the layer, which of its matmuls (``"forward"``, ``"grad_input"``,
-    ``"grad_weight"``), the operands' fp8 dtypes, their scales' range (``1/scale``,
-    what dequantizes; one value for tensorwise) and the output dtype."""
+    """One fp8 matmul: the layer (``module``), which of its matmuls (``matmul``:
+    ``"forward"``, ``"grad_input"``, ``"grad_weight"``), the operands' fp8 dtypes
+    (``a_dtype``, ``b_dtype``), their scales' range (``a_scale``, ``b_scale``:
+    ``1/scale``, what dequantizes; one value for tensorwise) and the output dtype
+    (``out_dtype``)."""
 
     module: str
     matmul: str
@@ -987,7 +990,7 @@ class observe(_observe_mod.collector):
     """``with observe() as records:`` collects an :class:`Fp8MatmulRecord` per fp8 matmul
     run in this thread; scale state is left unchanged meanwhile (a diagnostic run does
     not advance delayed-scaling histories). Records of other kinds reported in the same
-    block (:mod:`ampkit._internal.observe`) are left out."""
+    block (``ampkit._internal.observe``) are left out."""
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)

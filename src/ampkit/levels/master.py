@@ -215,7 +215,7 @@ class MasterWeights:
         ]
 
     def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        """The fp32 master of a model parameter, or None if it has none."""
+        """The fp32 master of model parameter ``param``, or None if it has none."""
         self.refresh()
         return self._masters.get(id(param))
 
@@ -387,8 +387,9 @@ class MasterWeights:
         link.show(None)
 
     def settle_raw(self, model_p: torch.Tensor) -> bool:
-        """Before backward adds into 16-bit grads held for DDP to reduce: if either side
-        was cleared since, clear both. Returns whether grads are still held."""
+        """Before backward adds into the 16-bit grad of ``model_p`` held for DDP to
+        reduce: if either side was cleared since, clear both. Returns whether grads are
+        still held."""
         master = self._masters.get(id(model_p))
         if master is None:
             return False
@@ -401,7 +402,8 @@ class MasterWeights:
         return True
 
     def reconcile(self, model_params: Iterable[torch.Tensor]) -> None:
-        """Merge changes made through the model's 16-bit grads into the masters'."""
+        """Merge changes made through the model's 16-bit grads (of ``model_params``)
+        into the masters'."""
         with torch.no_grad():
             for model_p in model_params:
                 master = self._masters.get(id(model_p))
@@ -432,8 +434,8 @@ class MasterWeights:
                 link.keep(g)
 
     def hide(self, model_params: Iterable[torch.Tensor]) -> None:
-        """Take the 16-bit copies off the model while the optimizer steps (:meth:`show`
-        brings them back). On devices outside ``KEEP_ASIDE_DEVICES`` they are freed, so
+        """Take the 16-bit copies of ``model_params`` off the model while the optimizer
+        steps (:meth:`show` brings them back). On devices outside ``KEEP_ASIDE_DEVICES`` they are freed, so
         no 16-bit gradient sits beside the fp32 one at the step's peak. On CPU a copy
         that still shows its master's grad (reconciled, unchanged since) is kept aside
         and put back as it is: without a caching allocator every fresh large tensor

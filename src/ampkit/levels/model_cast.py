@@ -591,8 +591,9 @@ def cast_model(
     Args:
         model: an fp32 (or already cast) module.
         dtype: the storage and compute dtype of every cast parameter.
-        keep_norm_fp32: keep every normalization layer (:data:`NORM_LAYER_TYPES`,
-            ``extra_fp32_types`` and hand-written ones, see :func:`looks_like_norm`) in
+        keep_norm_fp32: keep every normalization layer (``ampkit.levels.model_cast.NORM_LAYER_TYPES``,
+            ``extra_fp32_types`` and hand-written ones: a class named ``*Norm*`` holding
+            only vector parameters) in
             fp32, with hooks that run it on fp32 inputs and hand its output back in
             ``dtype``. Default True.
         cast_outputs: dtype the model's fp16/bf16 outputs are cast to (default

@@ -10,7 +10,7 @@ and loss scaling, on top of ampkit's scoped pieces.
   the 16-bit weights; scale 1.
 - ``O2K``: bf16 weights except norm layers (fp32), no master copy; the optimizer's
   updates are applied with Kahan compensation (``compensation="stochastic"`` for
-  stochastic rounding), see :mod:`ampkit.levels.compensated`; scale 1. Always bf16.
+  stochastic rounding), see :class:`ampkit.CompensatedUpdates`; scale 1. Always bf16.
 
 [*] with ``dtype=torch.float16``. bf16 has fp32's exponent range, so gradients do
 not underflow and the default scale is a static 1 for every level when the compute
@@ -20,7 +20,7 @@ are not finite (``ampkit.step_skipped``).
 
 ``initialize`` starts afresh: like :func:`ampkit.reset` it ends the previous AMP
 session and any process-wide casting, then sets up the chosen level. Models are
-cast in place and get input/output cast hooks (:mod:`ampkit.levels.model_cast`), never a new
+cast in place and get input/output cast hooks (:func:`ampkit.cast_model`), never a new
 ``forward``, so they can be wrapped by ``DistributedDataParallel`` afterwards.
 """
 
@@ -94,10 +94,12 @@ class OptLevel:
         cast_model_outputs: dtype a cast model's 16-bit outputs are cast to
             (default fp32; None keeps them 16-bit).
         fast_kernels: step param groups left at ``foreach=None, fused=None`` with
-            torch's fused (else foreach) kernel (see :mod:`ampkit.trainer.fused_step`);
+            torch's fused (else foreach) kernel (see ``fast_kernels`` of :func:`ampkit.init_trainer`);
             default True except at O0, which runs the script's fp32 bit for bit.
         model_grads: ``"copy"`` or ``"view"``: how a model with fp32 masters shows
             its grads (see :class:`ampkit.levels.master.MasterWeights`).
+        keep_fp32: module classes and qualified-name globs kept in fp32 like norm
+            layers in a cast model (O2/O3/O2K), each with its whole subtree.
     """
 
     name: str

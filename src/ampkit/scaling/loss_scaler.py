@@ -446,7 +446,9 @@ class LossScaler:
         return {device: self.inv_scale_tensor(device) for device, _ in groups}
 
     def update(self, found_inf: bool) -> None:
-        """Feed one step's event to the state machine (see the module docstring).
+        """Feed one step's event to the state machine (see the module docstring):
+        ``found_inf``, whether the step's gradients held an inf/NaN (the host value of
+        :meth:`unscale_`'s flag).
 
         Raises :class:`~ampkit.NumericsError` when an overflow would back off from
         ``min_scale`` or when more than ``max_consecutive_skips`` overflows happened in
@@ -500,8 +502,8 @@ class LossScaler:
             )
 
     def set_scale(self, value: float) -> None:
-        """Set ``S`` by hand (rounded to fp32; clamped to [min_scale, max_scale] when
-        dynamic). Counters and the growth tracker are kept."""
+        """Set ``S`` to ``value`` by hand (rounded to fp32; clamped to [min_scale,
+        max_scale] when dynamic). Counters and the growth tracker are kept."""
         value = check_scale(value, f"{self.name}: set_scale")
         if self.dynamic:
             value = min(max(value, self.min_scale), self.max_scale)
@@ -579,7 +581,8 @@ class LossScaler:
 
 
     def new_like(self, name: str | None = None) -> LossScaler:
-        """A fresh scaler with this one's configuration and its initial state."""
+        """A fresh scaler with this one's configuration and its initial state, called
+        ``name`` (default: this scaler's name)."""
         return LossScaler(
             init_scale=self.init_scale,
             growth_factor=self.growth_factor,

@@ -200,12 +200,12 @@ def init_trainer(
         fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
             both unset (torch's defaults) step with torch's fastest kernel for the same
             optimizer: ``fused=True`` for Adam, AdamW, SGD and Adagrad, else
-            ``foreach=True`` (see :mod:`ampkit.trainer.fused_step`); re-applied after
+            ``foreach=True`` (see ``ampkit.trainer.fused_step``); re-applied after
             ``optimizer.load_state_dict``. Results may differ from the per-parameter
             loop in the last bits. False leaves the optimizer exactly as built.
         doctor (bool | None) [None]: watch these optimizers with the process-wide
             :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
-            registered as ``"doctor"`` (:func:`ampkit.trainer.extensions.register_attacher`;
+            registered as ``"doctor"`` (``ampkit.trainer.extensions.register_attacher``;
             ``ampkit.tools.diagnosis`` registers it when imported, a
             :class:`~ampkit.StateError` if it is not); ``None``: on when the environment
             variable it registers (``AMPKIT_DOCTOR``) is ``1``. Off installs nothing.
@@ -293,6 +293,14 @@ def scale_loss(
     """Context manager yielding ``loss * S`` (S: the scale of ``loss_id``'s scaler, an
     fp32 0-dim tensor) for you to call ``backward()`` on; a list of losses yields a list.
 
+    Args:
+        loss_or_losses: the loss, a floating-point tensor, or a list of them (a list
+            of scaled losses is yielded).
+        optimizer_or_list: the optimizer (or a list of optimizers) set up by
+            :func:`init_trainer` or :func:`ampkit.initialize` whose parameters the loss
+            reaches.
+        loss_id (int) [0]: which of the optimizer's ``num_losses`` scalers scales it.
+
     Nothing happens at exit: grads stay scaled until ``ampkit.unscale`` or the
     optimizer's ``step()``, so several backward passes (gradient accumulation, DDP
     ``no_sync``) accumulate normally. All optimizers given must share ``loss_id``'s
@@ -369,8 +377,9 @@ def _tell_scale_loss(
 
 
 def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
-    """Unscale the optimizer's grads now (in place, and check them for inf/NaN), e.g.
-    before clipping. Idempotent until the next ``step()``; no host sync."""
+    """Unscale the grads of ``optimizer_or_list`` (an optimizer set up by
+    :func:`init_trainer`, or a list of them) now, in place, and check them for
+    inf/NaN, e.g. before clipping. Idempotent until the next ``step()``; no host sync."""
     states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
     for state in states:
         state._unscale()

@@ -41,7 +41,8 @@ class ModuleDecision:
 
 @dataclasses.dataclass
 class FoldRecord:
-    """One BatchNorm considered for folding.
+    """One BatchNorm (``norm``) considered for folding into the layer before it
+    (``layer``); ``folded`` says whether it was, ``reason`` why not.
 
     ``weight_error_folded`` and ``weight_error_plain`` are the relative rounding
     errors (``||round(w) - w|| / ||w||`` over weight and bias) of the folded and of

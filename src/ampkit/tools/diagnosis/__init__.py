@@ -93,7 +93,8 @@ def doctor(
         log: log findings on the ``ampkit.doctor`` logger, rank 0 only (default True).
 
     Raises :class:`~ampkit.StateError` for an optimizer ampkit does not manage, an
-    option of the wrong type or range, or a keyword that is no option.
+    option of the wrong type or range, or a keyword that is no option (``**unknown``
+    is there only to name it in that error).
     ``ampkit.doctor.current()`` is the process-wide doctor that
     ``init_trainer(..., doctor=True)`` and ``AMPKIT_DOCTOR=1`` start.
     """

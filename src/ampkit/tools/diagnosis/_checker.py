@@ -44,8 +44,9 @@ _HIST_BINS = 320
 
 @dataclasses.dataclass(frozen=True)
 class TensorStats:
-    """Range of one tensor: dtype, shape, the largest and the smallest non-zero
-    finite magnitude, and how many elements are inf/NaN."""
+    """Range of one tensor: ``dtype``, ``shape``, the largest and the smallest
+    non-zero finite magnitude (``abs_max``, ``abs_min``), and how many elements are
+    inf/NaN (``nonfinite``)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -126,7 +126,8 @@ class Finding:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Finding:
-        """The inverse of :meth:`to_dict` (another rank's finding)."""
+        """The inverse of :meth:`to_dict`: the finding ``d`` describes (another rank's
+        finding)."""
 
         def num(x: Any) -> float | None:
             return float(x) if isinstance(x, str) else x
@@ -146,6 +147,7 @@ class Finding:
         return Finding(**kw)
 
     def to_dict(self) -> dict[str, Any]:
+        """This finding as plain JSON types (what :meth:`from_dict` reads back)."""
         d = dataclasses.asdict(self)
         d["inputs"] = [s.to_dict() | {"abs_max": _num(s.abs_max), "abs_min": _num(s.abs_min)} for s in self.inputs]
         d["outputs"] = [s.to_dict() | {"abs_max": _num(s.abs_max), "abs_min": _num(s.abs_min)} for s in self.outputs]
@@ -158,7 +160,9 @@ class Finding:
 
 @dataclasses.dataclass
 class StepPoint:
-    """One optimizer step as the doctor saw it."""
+    """One optimizer step as the doctor saw it: the ``optimizer`` (its index), the
+    ``step``, the loss ``scale``, whether it was ``skipped``, the ``loss`` and the
+    ``grad_norm`` of the grads backward produced (unscaled; None when not measured)."""
 
     optimizer: int
     step: int
@@ -181,7 +185,13 @@ class ModuleMargin:
     smallest normal (fp16: 6.1e-5) at the loss scale: subnormal, with fewer bits, and
     flushed to zero below 2**-24; ``zeros``: the fraction of exact zeros (flushed values
     and true zeros, e.g. of dead ReLU units, look alike here: the op-level check tells
-    them apart by recomputing in fp32); ``risk`` = max(act/limit, grad/limit, underflow)."""
+    them apart by recomputing in fp32); ``risk`` = max(act/limit, grad/limit, underflow).
+    Also: the module's qualified name (``module``), class (``module_type``) and compute
+    ``dtype``; ``act_limit``/``grad_limit`` (the ``*_limit`` above);
+    ``nonfinite_steps``: the steps in which its outputs, the gradients at them or its
+    parameters' gradients held inf/NaN;
+    ``steps``: the steps seen; ``act_history``: ``(step, act_abs_max)`` of the last 64
+    checked steps."""
 
     module: str
     module_type: str
@@ -206,7 +216,8 @@ class ModuleMargin:
 
     @staticmethod
     def headroom(value: float, limit: float) -> float:
-        """Binary orders of magnitude left below the limit (inf when nothing seen)."""
+        """Binary orders of magnitude ``value`` is below ``limit`` (inf when nothing
+        seen)."""
         if value <= 0 or math.isinf(limit):
             return math.inf
         return math.log2(limit / value)
@@ -236,8 +247,8 @@ def limit_of(dtype: torch.dtype) -> float:
 
 @dataclasses.dataclass
 class Misuse:
-    """A training-loop mistake the doctor saw: ``kind``, the step, and a message that
-    says what to change."""
+    """A training-loop mistake the doctor saw: ``kind``, the ``step``, a ``message``
+    that says what to change, and ``details`` (the figures the message is built from)."""
 
     kind: str
     step: int

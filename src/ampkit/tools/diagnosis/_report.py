@@ -133,7 +133,8 @@ class DoctorReport:
 
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> str:
         """The report as JSON; also written to ``path`` when given
-        (:class:`~ampkit.OutputPathError` when it cannot be)."""
+        (:class:`~ampkit.OutputPathError` when it cannot be). ``kwargs`` go to
+        :func:`json.dumps` (``indent`` defaults to 2)."""
         target = None if path is None else output_path(path, "the doctor's JSON report")
         text = json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
         if target is not None:
