@@ -66,13 +66,20 @@ def test_a_whole_model_written_by_0_2_loads_and_computes_as_it_did(name, expecte
 @pytest.mark.parametrize("level", ["O2", "O2K"])
 def test_a_0_2_checkpoint_resumes_bitwise_as_the_same_run_continues_today(level, tmp_path):
     """0.2's checkpoint of 3 steps, loaded into fresh objects and stepped twice, equals
-    today's uninterrupted 5 steps of the same run (same process, so CPU-independent)."""
+    today's uninterrupted 5 steps of the same run.
+
+    CPU-dependent, and said so: the file was written on the CPU that made the fixtures;
+    O2K's update is compiled code whose rounding follows the vector ISA, so today's 3 steps
+    reproduce the file bit for bit only on a CPU of the same kind. Where they do not,
+    the test still asserts what holds everywhere: the loaded state is the file's bit for
+    bit, and resuming is deterministic (two resumes continue identically)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("v0_2_make_fixtures", HERE / "make_fixtures.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     dtype = torch.float16 if level == "O2" else torch.bfloat16
+    ckpt = torch.load(HERE / f"checkpoint-{level}.pt")  # weights_only=True
 
     def more(m, opt, seed=4):
         g = torch.Generator().manual_seed(seed)
@@ -84,24 +91,41 @@ def test_a_0_2_checkpoint_resumes_bitwise_as_the_same_run_continues_today(level,
             opt.zero_grad()
         return [p.detach().clone() for p in amp.master_params(opt)]
 
-    try:
-        m, opt = make.trained(level, steps=3, dtype=dtype)
-        today = more(m, opt)
-        amp.reset()
-        ckpt = torch.load(HERE / f"checkpoint-{level}.pt")  # weights_only=True
+    def resume():
+        # read anew: torch's Optimizer.load_state_dict keeps the given state tensors
+        # (they are updated in place by the steps that follow)
+        ckpt = torch.load(HERE / f"checkpoint-{level}.pt")
         m = make.mlp()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         m, opt = amp.initialize(m, opt, opt_level=level, dtype=dtype)
         m.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         amp.load_state_dict(ckpt["amp"])
-        resumed = more(m, opt)
+        loaded = {k: v.clone() for k, v in m.state_dict().items()}
+        return loaded, more(m, opt)
+
+    try:
+        m, opt = make.trained(level, steps=3, dtype=dtype)
+        same_cpu_kind = all(torch.equal(v, ckpt["model"][k]) for k, v in m.state_dict().items())
+        today = more(m, opt)
+        amp.reset()
+        loaded, resumed = resume()
+        amp.reset()
+        _, again = resume()
     finally:
         amp.reset()
-    assert len(today) == len(resumed) == 8
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in loaded.items())
+    assert len(today) == len(resumed) == len(again) == 8
+    for a, b in zip(resumed, again):
+        assert torch.equal(a, b)
+    if level == "O2":  # no compiled update: every CPU reproduces the file
+        assert same_cpu_kind
+    if not same_cpu_kind:
+        return  # this CPU's kernels round the 3 steps differently from the fixture's CPU
     for a, b in zip(today, resumed):
         assert a.dtype == b.dtype and (a.dtype == torch.float32 or level == "O2K")
         assert torch.equal(a, b)
+
 
 
 def _fresh(code: str) -> str:
