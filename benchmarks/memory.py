@@ -6,7 +6,7 @@ bench``); it counts tensor bytes with the same code as ``ampkit bench``
 every allocation and free) and adds the process's RSS.
 
 The workloads are ``ampkit bench``'s (``cnn``, ``lm``, ``wide``; their ``quick`` size
-with --quick, else ``full``), each on its example batch.
+with --quick, ``--size tiny`` for the test suite, else ``full``), each on its example batch.
 
 Each (workload, mode) runs in its own process, so one measurement cannot inherit
 another's allocations. In the worker: build the fp32 model and AdamW, set the mode
@@ -65,18 +65,18 @@ MIB = 2.0**20
 # --- workloads: ampkit bench's, built once per process ---------------------------------------
 
 
-_WORKLOADS: dict[tuple[str, bool], Any] = {}
+_WORKLOADS: dict[tuple[str, str], Any] = {}
 
 
-def _workload(name: str, quick: bool) -> Any:
-    """``ampkit bench``'s workload ``name`` (``quick`` size with --quick, else ``full``),
+def _workload(name: str, size: str) -> Any:
+    """``ampkit bench``'s workload ``name`` at ``size`` (``full``, ``quick`` or ``tiny``),
     loaded once per process: its dataset is resident before the baseline RSS is read,
     so the step figures leave it out (as ``ampkit bench`` does)."""
-    key = (name, quick)
+    key = (name, size)
     if key not in _WORKLOADS:
         from ampkit.tools.bench.workloads import make_workload
 
-        _WORKLOADS[key] = make_workload(name, "quick" if quick else "full")
+        _WORKLOADS[key] = make_workload(name, size)
     return _WORKLOADS[key]
 
 
@@ -117,7 +117,7 @@ def _peak() -> float:
     return kib / 1024.0
 
 
-def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..., float]]:
+def _setup(workload: str, mode: str, size: str) -> tuple[Any, Any, Callable[..., float]]:
     """Build the workload in fp32, set ``mode`` up; return (model, optimizer, step).
     ``step(measure)`` trains one step; with a dict for ``measure`` it also records the
     exact tensor bytes of ``optimizer.step()`` in it."""
@@ -126,7 +126,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
     import ampkit
     from ampkit.tools.bench.memory import PeakMeter, storage_ptrs
 
-    wl = _workload(workload, quick)
+    wl = _workload(workload, size)
     torch.manual_seed(0)
     model = wl.build_model()
     example = wl.example_batch()
@@ -173,7 +173,7 @@ def _setup(workload: str, mode: str, quick: bool) -> tuple[Any, Any, Callable[..
     return model, opt, step
 
 
-def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
+def worker(workload: str, mode: str, size: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -183,13 +183,13 @@ def worker(workload: str, mode: str, quick: bool) -> dict[str, Any]:
     # A throwaway pass first: it loads every kernel the step uses (code pages and
     # one-time buffers count as RSS), then its tensors are freed. What is resident
     # after that is the baseline the step is measured against.
-    model, opt, step = _setup(workload, mode, quick)
+    model, opt, step = _setup(workload, mode, size)
     step()
     del model, opt, step
     ampkit.reset()
     gc.collect()
     bare = _rss()
-    model, opt, step = _setup(workload, mode, quick)
+    model, opt, step = _setup(workload, mode, size)
     for _ in range(2):
         step()
     gc.collect()
@@ -223,9 +223,9 @@ def _plain(loss: Any) -> Iterator[Any]:
 # --- the driver ------------------------------------------------------------------------
 
 
-def _run(workload: str, mode: str, quick: bool) -> dict[str, Any]:
+def _run(workload: str, mode: str, size: str) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, __file__, "--worker", workload, mode] + (["--quick"] if quick else [])
+    cmd = [sys.executable, __file__, "--worker", workload, mode, "--size", size]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{workload}/{mode} failed:\n{proc.stderr[-3000:]}")
@@ -289,20 +289,23 @@ def _table(rows: list[dict[str, Any]], markdown: bool = False) -> tuple[str, lis
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (smoke run): --size quick")
+    parser.add_argument("--size", choices=("full", "quick", "tiny"), default=None,
+                        help="workload size (default: full; quick with --quick)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    size = args.size or ("quick" if args.quick else "full")
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.quick)))
+        print(json.dumps(worker(args.worker[0], args.worker[1], size)))
         return 0
     rows = []
     for workload in args.workloads.split(","):
         for mode in args.modes.split(","):
-            rows.append(_run(workload, mode, args.quick))
+            rows.append(_run(workload, mode, size))
             print(f"  measured {workload}/{mode}", file=sys.stderr, flush=True)
     table, checks = _table(rows, args.markdown)
     print(table)

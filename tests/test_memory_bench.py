@@ -1,4 +1,4 @@
-"""benchmarks/memory.py runs (quick sizes) and counts parameter+optimizer bytes exactly."""
+"""benchmarks/memory.py runs (tiny sizes) and counts parameter+optimizer bytes exactly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
 def test_memory_benchmark_quick_run(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workloads", "cnn", "--modes", "O0,O2,O2K",
+        [sys.executable, str(SCRIPT), "--size", "tiny", "--workloads", "cnn", "--modes", "O0,O2,O2K",
          "--json", str(out)],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
@@ -42,7 +42,7 @@ def test_exact_step_bytes_per_parameter_on_the_wide_workload(tmp_path):
     (bf16 weight, compensation, grad and two moments, one in-place pass) 10."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workloads", "wide", "--modes", "O1,O2K", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--size", "tiny", "--workloads", "wide", "--modes", "O1,O2K", "--json", str(out)],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
