@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples
 	$(VENV)/bin/lint-imports
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile  # one test file per worker, both cores
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile --durations=25  # one test file per worker, both cores; the 25 slowest listed
 
 test-fast: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not slow and not distributed"
