@@ -21,7 +21,7 @@ from ampkit.trainer.api import stats, unscale
 from ._settings import Settings, device_type_of, lightning_precision_name
 from .schedulers import HeldScheduler
 
-__all__ = ["PluginCore", "STATE_FORMAT", "MirrorRequiresGrad", "hold", "managed", "unwrap"]
+__all__ = ["PluginCore", "plugin_core", "STATE_FORMAT", "MirrorRequiresGrad", "hold", "managed", "unwrap"]
 
 #: ``state_dict()["format"]`` of the plugins' state (in a Lightning checkpoint under
 #: ``"AmpkitPrecision"``; in a Fabric checkpoint under the key the plugin is saved as).
@@ -52,6 +52,29 @@ def hold(config: Any) -> Any:
     if getattr(config, "interval", None) != "step" or isinstance(config.scheduler, HeldScheduler):
         return config
     return dataclasses.replace(config, scheduler=HeldScheduler(config.scheduler))
+
+
+def plugin_core(
+    owner: str,
+    opt_level: str,
+    dtype: torch.dtype | None,
+    fp8: Any,
+    loss_scale: Any,
+    policy: Any,
+    options: Mapping[str, Any] | None,
+) -> PluginCore:
+    """The :class:`PluginCore` of a plugin built with these arguments (checked now)."""
+    return PluginCore(
+        Settings(
+            opt_level=opt_level,
+            dtype=dtype,
+            fp8=fp8,
+            loss_scale=loss_scale,
+            policy=policy,
+            options=dict(options) if isinstance(options, Mapping) else ({} if options is None else options),
+            owner=owner,
+        )
+    )
 
 
 class PluginCore:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.dtypes import default_device_type
 from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
@@ -40,10 +41,6 @@ def device_type_of(module: nn.Module) -> str:
     for t in (*module.parameters(), *module.buffers()):
         return t.device.type
     return "cpu"
-
-
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +79,7 @@ class Settings:
             raise AmpError(f"{self.owner}(fp8=...) takes an ampkit.Fp8Recipe, True or None, got {self.fp8!r}.")
         if isinstance(self.opt_level, str) and self.opt_level.upper() == "O0" and self.fp8 not in (None, False):
             raise AmpError(f"{self.owner}: fp8 needs a level that computes in 16 bits (O1, O2, O2K, O3), not O0.")
-        level = self.level(_default_device_type())
+        level = self.level(default_device_type())
         if self.policy is not None and not (level.op_casting or level.model_op_casting):
             raise AmpError(
                 f"{self.owner}(policy=...): a policy sets what op-level casting does, which "

@@ -17,8 +17,7 @@ from ampkit.levels import OptLevel
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.trainer.api import scale_loss
 
-from ._core import PluginCore, unwrap
-from ._settings import Settings
+from ._core import plugin_core, unwrap
 from .schedulers import HeldScheduler
 
 require("lightning", "lightning")
@@ -68,17 +67,7 @@ class AmpkitFabricPrecision(FabricPrecision):
         policy: Policy | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._core = PluginCore(
-            Settings(
-                opt_level=opt_level,
-                dtype=dtype,
-                fp8=fp8,
-                loss_scale=loss_scale,
-                policy=policy,
-                options=dict(options) if isinstance(options, Mapping) else ({} if options is None else options),
-                owner=type(self).__name__,
-            )
-        )
+        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options)
         self.precision = self._core.precision  # type: ignore[assignment]
 
     @property

@@ -17,8 +17,8 @@ from ampkit.levels import OptLevel
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.trainer.api import scale_loss
 
-from ._core import PluginCore, hold, unwrap
-from ._settings import Settings, device_type_of
+from ._core import hold, plugin_core, unwrap
+from ._settings import device_type_of
 
 require("lightning", "lightning")
 
@@ -102,17 +102,7 @@ class AmpkitPrecision(Precision):
         policy: Policy | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._core = PluginCore(
-            Settings(
-                opt_level=opt_level,
-                dtype=dtype,
-                fp8=fp8,
-                loss_scale=loss_scale,
-                policy=policy,
-                options=dict(options) if isinstance(options, Mapping) else ({} if options is None else options),
-                owner=type(self).__name__,
-            )
-        )
+        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options)
         #: Lightning's name of what is computed ("bf16-mixed", "16-mixed", "bf16-true", ...)
         self.precision = self._core.precision  # type: ignore[assignment]
 
