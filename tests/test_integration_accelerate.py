@@ -183,6 +183,16 @@ def test_lightning_optimizer_is_unwrapped():
     assert all(m.dtype == torch.float32 for m in amp.master_params(wrapper))
 
 
+def test_fabric_optimizer_is_unwrapped():
+    """Fabric's wrapper swaps its class too (an isinstance check lets it through)."""
+    wrappers = pytest.importorskip("lightning.fabric.wrappers")
+    model, raw, _ = build()
+    wrapper = wrappers._FabricOptimizer(raw, strategy=object())
+    assert isinstance(wrapper, torch.optim.Optimizer) and unwrap_optimizer(wrapper) is raw
+    _, out = amp.initialize(model, wrapper, "O2")
+    assert out is wrapper and managed_state(wrapper).optimizer is raw
+
+
 # --- training against Accelerate's fp32 loop ----------------------------------------------------
 
 

@@ -2,10 +2,10 @@
 
 Frameworks hand the training loop a wrapper around the ``torch.optim.Optimizer`` the
 script built: Accelerate's ``AcceleratedOptimizer`` holds it as ``.optimizer``,
-Lightning's ``LightningOptimizer`` as ``._optimizer``. Both wrappers are themselves
-``torch.optim.Optimizer`` instances (``AcceleratedOptimizer`` subclasses it without
-running its ``__init__``; ``LightningOptimizer`` swaps its class for a subclass of the
-wrapped optimizer's), so an ``isinstance`` check lets them through and ampkit would set
+Lightning's ``LightningOptimizer`` and Fabric's ``_FabricOptimizer`` as ``._optimizer``.
+These wrappers are themselves ``torch.optim.Optimizer`` instances
+(``AcceleratedOptimizer`` subclasses it without running its ``__init__``; the two
+Lightning wrappers swap their class for a subclass of the wrapped optimizer's), so an ``isinstance`` check lets them through and ampkit would set
 up the wrapper instead of the optimizer that steps. :func:`unwrap_optimizer` follows the
 known wrappers down to the optimizer they hold.
 
@@ -29,6 +29,7 @@ KNOWN_WRAPPERS: list[tuple[str, str, str]] = [
     ("accelerate.optimizer", "AcceleratedOptimizer", "optimizer"),
     ("lightning.pytorch.core.optimizer", "LightningOptimizer", "_optimizer"),
     ("pytorch_lightning.core.optimizer", "LightningOptimizer", "_optimizer"),
+    ("lightning.fabric.wrappers", "_FabricOptimizer", "_optimizer"),
 ]
 
 #: How many wrappers deep :func:`unwrap_optimizer` follows at most.

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.wrappers import unwrap_optimizer
 from ampkit.errors import StateError
 from ampkit.levels import OptLevel, master_weights_of
 from ampkit.levels.setup import master_params
@@ -30,10 +31,9 @@ STATE_FORMAT = "ampkit.lightning/1"
 
 def unwrap(optimizer: Any) -> Any:
     """The ``torch.optim.Optimizer`` behind Lightning's ``LightningOptimizer`` or Fabric's
-    ``_FabricOptimizer`` (both expose it as ``.optimizer``); others as they are."""
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+    ``_FabricOptimizer`` (both pass ``isinstance(x, torch.optim.Optimizer)``: they swap
+    their class); others as they are (:func:`ampkit._internal.wrappers.unwrap_optimizer`)."""
+    return unwrap_optimizer(optimizer)
 
 
 def managed(optimizer: Any) -> bool:
