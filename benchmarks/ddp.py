@@ -15,6 +15,12 @@ Configurations run interleaved in blocks inside the same processes, so machine n
 hits them alike. On a machine with GPUs each process takes one GPU and NCCL; on CPU,
 gloo with one thread per process (two processes need two free cores).
 
+``--json FILE`` also writes the machine (CPU or GPU, the CPU's 16-bit flags, torch,
+date, command), the settings and per level ``one_proc_ms``, ``n_procs_ms``,
+``n_over_one``, ``samples_per_s_one_proc``, ``samples_per_s_n_procs``,
+``n_procs_agree_ms`` and the all-reduces ampkit added per step
+(``collectives_registered``, ``collectives_unregistered``) with their ``targets``.
+
     python benchmarks/ddp.py [--nproc 2] [--steps 40] [--levels O0,O1,O2,O3,O2K] [--workload wide --size tiny]
 """
 
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, WORKLOADS, make_workload
 
 LEVELS = ("off", "O0", "O1", "O2", "O3", "O2K")
@@ -49,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default="wide", choices=sorted(WORKLOADS), help="the ampkit bench workload")
     p.add_argument("--size", default="tiny", choices=SIZES, help="its size (batch per process included)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="default: bf16 on CPU, fp16 on CUDA")
+    p.add_argument("--json", metavar="FILE", help="also write the machine, the settings and the table's rows to FILE")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -208,21 +216,37 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(head)
     print("-" * len(head))
+    rows = []
     for level, r1 in one["results"].items():
         rn = many["results"][level]
         t1, tn = r1["registered"]["ms"], rn["registered"]["ms"]
-        agree = rn.get("always", {}).get("ms")
-        agree_ms = "-" if agree is None else f"{agree:.2f}"
-        coll = "-" if level == "off" else f"{rn['registered']['collectives']} reg / {rn['unregistered']['collectives']} unreg"
+        off = level == "off"
+        row = {"level": level, "one_proc_ms": t1, "n_procs_ms": tn, "n_over_one": tn / t1,
+               "samples_per_s_one_proc": 1000 * batch / t1, "samples_per_s_n_procs": 1000 * n * batch / tn,
+               "n_procs_agree_ms": rn.get("always", {}).get("ms"),
+               "collectives_registered": None if off else rn["registered"]["collectives"],
+               "collectives_unregistered": None if off else rn["unregistered"]["collectives"]}  # fmt: skip
+        rows.append(row)
+        agree_ms = "-" if row["n_procs_agree_ms"] is None else f"{row['n_procs_agree_ms']:.2f}"
+        coll = "-" if off else f"{row['collectives_registered']} reg / {row['collectives_unregistered']} unreg"
         print(
-            f"{level:6} {t1:10.2f} {tn:11.2f} {tn / t1:7.2f} {1000 * batch / t1:13.0f} "
-            f"{1000 * n * batch / tn:13.0f} {agree_ms:>13} {coll:>17}"
+            f"{level:6} {t1:10.2f} {tn:11.2f} {row['n_over_one']:7.2f} {row['samples_per_s_one_proc']:13.0f} "
+            f"{row['samples_per_s_n_procs']:13.0f} {agree_ms:>13} {coll:>17}"
         )
     print(
         "collectives/step: all-reduces ampkit adds to a step, with the DDP model registered "
         "(register_ddp; target 0) and not registered (ranks could disagree; target 1). "
         f"'{n}p agree ms': the {n}-process step with set_sync(opt, 'always')."
     )
+    if args.json:
+        settings = {"nproc": n, "workload": args.workload, "size": args.size, "device": many["device"],
+                    "dtype": many["dtype"].removeprefix("torch."), "batch_per_process": batch, "steps": args.steps,
+                    "warmup": args.warmup, "blocks": args.blocks, "levels": args.levels.split(","),
+                    "threads_per_process": 1, "wall_s": wall}  # fmt: skip
+        targets = {"collectives_registered": 0, "collectives_unregistered": 1}
+        write_record(args.json, {"settings": settings, "rows": rows, "targets": targets},
+                     device=many["device"], threads=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 between checks), and a step under the op-level check.
 
 Each workload (``ampkit bench``'s, from :func:`ampkit.bench.make_workload`, on its
-example batch) trains with ``init_trainer`` (under ``amp.autocast``
-in ``--dtype`` bf16/fp16, or plain fp32 -- the default, as this CPU has no native bf16); the three modes run interleaved in one process (round-robin blocks,
-medians), each on its own copy of the model. "off" runs with no doctor in the process
-(the doctor of the "on" block is stopped before it: nothing is installed); "on" is a
-running doctor whose op-level check never fires (``max_checks=0``); "check" is a step
-whose forward and backward run under the op-level checker (``doctor.diagnose``).
+example batch) trains with ``init_trainer`` (under ``amp.autocast`` in ``--dtype``
+bf16/fp16, or in plain fp32, the default); the three modes run interleaved in one
+process (round-robin blocks, medians), each on its own copy of the model. "off" runs
+with no doctor in the process (the doctor of the "on" block is stopped before it:
+nothing is installed); "on" is a running doctor whose op-level check never fires
+(``max_checks=0``); "check" is a step whose forward and backward run under the
+op-level checker (``doctor.diagnose``).
+
+``--json FILE`` also writes the machine (CPU, its 16-bit flags, torch, date, command),
+the settings and per workload ``off_ms``, ``on_ms``, ``check_ms``, ``on_over_off``
+and ``check_over_off``.
 
     python benchmarks/doctor_overhead.py [--workloads cnn,lm] [--size full] [--dtype fp32] [--rounds 4] [--steps 3]
 """
@@ -24,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 import ampkit as amp
+from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, make_workload
 from ampkit.tools.diagnosis import Doctor
 
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds")
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and the table's rows to FILE")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -113,10 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     head = f"{'workload':12s} {'off ms':>9s} {'on ms':>9s} {'on / off':>9s} {'check ms':>9s} {'check / off':>12s}"
     print(head)
     print("-" * len(head))
+    rows = []
     for name in args.workloads.split(","):
         res = measure(name.strip(), args.size, args.rounds, args.steps, DTYPES[args.dtype])
         off, on, chk = res["off"], res["on"], res["check"]
-        print(f"{name:12s} {off * 1e3:9.1f} {on * 1e3:9.1f} {on / off:9.2f} {chk * 1e3:9.1f} {chk / off:12.2f}")
+        row = {"workload": name, "off_ms": off * 1e3, "on_ms": on * 1e3, "on_over_off": on / off,
+               "check_ms": chk * 1e3, "check_over_off": chk / off}  # fmt: skip
+        rows.append(row)
+        print(f"{name:12s} {row['off_ms']:9.1f} {row['on_ms']:9.1f} {row['on_over_off']:9.2f} {row['check_ms']:9.1f} "
+              f"{row['check_over_off']:12.2f}")  # fmt: skip
+    if args.json:
+        settings = {"dtype": args.dtype, "size": args.size, "threads": torch.get_num_threads(), "rounds": args.rounds,
+                    "steps": args.steps}  # fmt: skip
+        write_record(args.json, {"settings": settings, "rows": rows})
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

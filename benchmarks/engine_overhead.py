@@ -19,6 +19,12 @@ a call of an op a policy overrides (a Python kernel). A step's overhead is about
 (module calls x the first) + the second + (overridden op calls x the third); on a
 machine whose 16-bit kernels are slow (no native bf16) the step ratios below are
 dominated by compute and noise, and these figures say more.
+
+``--json FILE`` also writes the machine (CPU, its 16-bit flags, torch, date, command),
+the settings and the table's rows: per workload ``fp32_ms``, ``autocast_ms``,
+``default_ms``, ``custom_ms`` and the ratios ``autocast_over_fp32``,
+``default_over_autocast``, ``custom_over_autocast``; with ``--micro``, per event
+``torch_autocast_us``, ``ampkit_us``, ``added_us``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
+from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, make_workload
 
 CUSTOM = amp.Policy(
@@ -95,8 +102,9 @@ def bench(name: str, size: str, rounds: int, steps: int, device: str, dtype: tor
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def micro(rounds: int, dtype: torch.dtype) -> None:
-    """Microseconds per event, ampkit vs torch.autocast, medians of interleaved rounds."""
+def micro(rounds: int, dtype: torch.dtype) -> list[dict[str, float | str]]:
+    """Microseconds per event, ampkit vs torch.autocast, medians of interleaved rounds;
+    prints the table and returns its rows."""
     torch.manual_seed(0)
     tiny = nn.Sequential(*[nn.Identity() for _ in range(64)])  # 65 module calls, no compute
     x = torch.randn(8, 8)
@@ -132,6 +140,7 @@ def micro(rounds: int, dtype: torch.dtype) -> None:
                                       in_scope(lambda: amp.autocast(over, "cpu"), calls(lambda: F.softmax(x, -1), 20))),
     }
     print(f"{'event':<26} {'torch.autocast us':>18} {'ampkit us':>10} {'added us':>9}")
+    rows: list[dict[str, float | str]] = []
     for name, (n_calls, native, ours) in cases.items():
         t_native, t_ours = [], []
         for _ in range(rounds):
@@ -142,7 +151,10 @@ def micro(rounds: int, dtype: torch.dtype) -> None:
             t_ours.append(per_call(ours, 200) / n_calls)
         a, b = statistics.median(t_native), statistics.median(t_ours)
         print(f"{name:<26} {a:>18.2f} {b:>10.2f} {b - a:>9.2f}", flush=True)
+        rows.append({"event": name, "calls_per_run": n_calls, "torch_autocast_us": a, "ampkit_us": b,
+                     "added_us": b - a})  # fmt: skip
     amp.reset()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,16 +169,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro", action="store_true", help="per-event engine costs (CPU) instead of steps")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu: this process's CPU time (steady when other processes load the machine)")
+    p.add_argument("--json", metavar="FILE", help="also write the machine, the settings and the table's rows to FILE")
     args = p.parse_args(argv)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
     dtype = dtype or (torch.float16 if args.device == "cuda" else torch.bfloat16)
+    settings = {"device": "cpu" if args.micro else args.device, "dtype": str(dtype).removeprefix("torch."),
+                "threads": args.threads, "rounds": args.rounds, "clock": args.clock}
     if args.micro:
         print(f"device=cpu dtype={dtype} torch={torch.__version__} rounds={args.rounds}, median per event "
               f"({args.clock} clock)")
-        micro(args.rounds, dtype)
+        rows = micro(args.rounds, dtype)
+        if args.json:
+            write_record(args.json, {"measurement": "micro", "settings": settings, "rows": rows}, threads=args.threads)
+            print(f"wrote {args.json}")
         return
     print(f"device={args.device} dtype={dtype} threads={args.threads} torch={torch.__version__} "
           f"rounds={args.rounds}x{args.steps} steps, median step time ({args.clock} clock)")
@@ -174,12 +192,23 @@ def main(argv: list[str] | None = None) -> None:
              f"{'autocast/fp32':>14} {'default/autocast':>17} {'custom/autocast':>16}"
     print(header)
     print("-" * len(header))
+    rows = []
     for name in args.workloads.split(","):
         r = bench(name, args.size, args.rounds, args.steps, args.device, dtype)
         ac = r["torch.autocast"]
-        print(f"{name:<12} {r['fp32'] * 1e3:>9.1f} {ac * 1e3:>12.1f} {r['ampkit default'] * 1e3:>11.1f} "
-              f"{r['ampkit custom'] * 1e3:>10.1f} {ac / r['fp32']:>14.2f} "
-              f"{r['ampkit default'] / ac:>17.3f} {r['ampkit custom'] / ac:>16.3f}", flush=True)
+        row = {"workload": name, "fp32_ms": r["fp32"] * 1e3, "autocast_ms": ac * 1e3,
+               "default_ms": r["ampkit default"] * 1e3, "custom_ms": r["ampkit custom"] * 1e3,
+               "autocast_over_fp32": ac / r["fp32"], "default_over_autocast": r["ampkit default"] / ac,
+               "custom_over_autocast": r["ampkit custom"] / ac}  # fmt: skip
+        rows.append(row)
+        print(f"{name:<12} {row['fp32_ms']:>9.1f} {row['autocast_ms']:>12.1f} {row['default_ms']:>11.1f} "
+              f"{row['custom_ms']:>10.1f} {row['autocast_over_fp32']:>14.2f} "
+              f"{row['default_over_autocast']:>17.3f} {row['custom_over_autocast']:>16.3f}", flush=True)
+    if args.json:
+        settings.update(size=args.size, steps=args.steps)
+        write_record(args.json, {"measurement": "steps", "settings": settings, "rows": rows},
+                     device=args.device, threads=args.threads)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

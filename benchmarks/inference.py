@@ -12,6 +12,12 @@ same runtime, error vs fp32 on held-out data, and the task metric.
 Rows: ``fp32`` (the checkpoint's fp32 weights: O2 masters), ``bf16``/``fp16`` (the
 converted model), runtime PyTorch or onnxruntime (``storage``: bf16 weights in the file,
 fp32 compute; ``compute``: fp16 ops).
+
+``--json FILE`` also writes the machine (CPU, its 16-bit flags, torch, date, command),
+the settings and per workload its training run and rows: ``size_mib``,
+``ms_per_batch``, ``items_per_s``, ``speedup_vs_fp32``, ``rel_error``,
+``top1_agreement`` and the task metric (``accuracy`` for the CNN, ``bits_per_char``
+for the LM).
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from ampkit.tools.bench.inference import (
     interleaved_latency,
     markdown,
     render,
+    speedups,
     train_checkpoint,
 )
+from ampkit.tools.bench.machine import write_record
 
 
 def _logits_in_chunks(fn, x, chunk):
@@ -44,15 +52,18 @@ def _logits_in_chunks(fn, x, chunk):
 
 
 def _metric(name, logits, target):
+    """The task metric as the table prints it, and as a named figure for the JSON."""
     if name == "cnn":
-        return f"acc {(logits.argmax(-1) == target).float().mean().item():.2%}"
+        acc = (logits.argmax(-1) == target).float().mean().item()
+        return f"acc {acc:.2%}", {"accuracy": acc}
     bpc = F.cross_entropy(logits.flatten(0, -2), target.flatten()).item() / math.log(2)
-    return f"{bpc:.4f} bits/char"
+    return f"{bpc:.4f} bits/char", {"bits_per_char": bpc}
 
 
 def bench_workload(name, args, tmp):
     t0 = time.time()
-    _, ckpt, wl = train_checkpoint(name, args.amp, steps=args.steps or (40 if name == "cnn" else 60))
+    steps = args.steps or (40 if name == "cnn" else 60)
+    _, ckpt, wl = train_checkpoint(name, args.amp, steps=steps)
     train_s = time.time() - t0
     fp32 = load_fp32_checkpoint(wl.build_model(), ckpt).eval()
     if name == "cnn":
@@ -94,19 +105,32 @@ def bench_workload(name, args, tmp):
         ("bf16", "onnxruntime storage"): _logits_in_chunks(lambda b: run_onnx(sessions["bf16"], b)[0], x_all, chunk),
         ("fp16", "onnxruntime compute"): _logits_in_chunks(lambda b: run_onnx(sessions["fp16"], b)[0], x_all, chunk),
     }
-    rows = []
+    rows, metrics = [], []
     for key, ms in times.items():
         model, runtime = key
         err = output_error([ref], [outputs[key]])
+        text, figure = _metric(name, outputs[key], target)
         rows.append(LatencyRow(
             model=model, runtime=runtime, weight_bytes=sizes[key], ms=ms, batch=int(batch.shape[0]),
-            rel_error=err.rel_error, top1=err.top1_agreement, metric=_metric(name, outputs[key], target),
+            rel_error=err.rel_error, top1=err.top1_agreement, metric=text,
         ))
+        metrics.append(figure)
     title = f"{name}: {wl.description}; trained {train_s:.0f} s at {args.amp}; batch {batch.shape[0]}"
-    return title, rows
+    result = {"workload": name, "description": wl.description, "opt_level": args.amp, "train_steps": steps,
+              "train_s": train_s, "batch": int(batch.shape[0]), "title": title,
+              "rows": [_row_record(r, speed, figure) for r, speed, figure in zip(rows, speedups(rows), metrics)]}  # fmt: skip
+    return title, rows, result
 
 
-def main():
+def _row_record(row: LatencyRow, speedup: float | None, metric: dict[str, float]) -> dict:
+    """One table row as named figures (units in the names)."""
+    return {"model": row.model, "runtime": row.runtime, "weight_bytes": row.weight_bytes,
+            "size_mib": row.weight_bytes / 2**20, "ms_per_batch": row.ms, "batch": row.batch,
+            "items_per_s": row.per_second, "speedup_vs_fp32": speedup, "rel_error": row.rel_error,
+            "top1_agreement": row.top1, **metric, "metric": row.metric}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("cnn", "lm", "all"), default="all")
     p.add_argument("--amp", default="O2", help="opt level of the training run (default O2)")
@@ -115,20 +139,28 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
-    args = p.parse_args()
+    p.add_argument("--json", metavar="FILE", help="also write the machine, the settings and every table's rows to FILE")
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="ampkit.convert: this CPU has no")
     names = ("cnn", "lm") if args.workload == "all" else (args.workload,)
+    bf16_instructions = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"bf16 instructions: {torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()}, "
-          f"{args.threads} thread(s)")
+          f"bf16 instructions: {bf16_instructions}, {args.threads} thread(s)")
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            title, rows = bench_workload(name, args, tmp)
+            title, rows, result = bench_workload(name, args, tmp)
+            results.append(result)
             render(rows, title=title)
             if args.markdown:
                 print(title)
                 print(markdown(rows))
+    if args.json:
+        settings = {"opt_level": args.amp, "batch": args.batch, "rounds": args.rounds, "threads": args.threads,
+                    "bf16_instructions": bf16_instructions}  # fmt: skip
+        write_record(args.json, {"settings": settings, "workloads": results}, threads=args.threads)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ the same batches for ``--steps`` steps with AdamW; the table gives the mean trai
 loss of the last 20 steps and the fp32-computed loss on held-out batches, and both
 relative to fp32.
 
+``--json FILE`` also writes the machine (CPU, its 16-bit flags, torch, date, command),
+the settings and both tables' rows: ``speed`` (per model ``forward_backward_ms``,
+``vs_o2_without_scope``) and ``accuracy`` (per mode ``train_loss``, ``eval_loss`` and
+their relative changes against fp32, ``train_change_vs_fp32`` and
+``eval_change_vs_fp32``: 0.01 is 1% higher).
+
     python benchmarks/o2_op_casting.py [--size tiny] [--steps 120] [--rounds 6] [--threads 1]
 """
 
@@ -27,6 +33,7 @@ import torch
 
 import ampkit as amp
 from ampkit.levels.model_cast import add_op_casting, cast_model
+from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, Workload, make_workload
 
 BF16 = torch.bfloat16
@@ -104,14 +111,15 @@ def train(wl: Workload, mode: str, steps: int) -> tuple[float, float]:
     return statistics.mean(losses[-20:]), held_out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--per-block", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--size", default="tiny", choices=SIZES, help="the lm workload's size")
-    args = parser.parse_args()
+    parser.add_argument("--json", metavar="FILE", help="also write the machine, the settings and both tables' rows to FILE")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     wl = make_workload("lm", args.size)
     print(f"lm {args.size}: {wl.description}")
@@ -119,14 +127,25 @@ def main() -> None:
     times = speed(wl, args.rounds, args.per_block)
     ref = times["O2 without the scope"]
     print("forward+backward, lm, bf16 (median ms, ratio to O2 without the scope)")
-    for name, ms in times.items():
-        print(f"  {name:24s} {ms:8.2f} ms  {ms / ref:5.3f}x")
+    speed_rows = [{"mode": name, "forward_backward_ms": ms, "vs_o2_without_scope": ms / ref} for name, ms in times.items()]
+    for row in speed_rows:
+        print(f"  {row['mode']:24s} {row['forward_backward_ms']:8.2f} ms  {row['vs_o2_without_scope']:5.3f}x")
 
     results = {mode: train(wl, mode, args.steps) for mode in ("fp32", "O2", "O2-noscope", "O3")}
     f_train, f_eval = results["fp32"]
     print(f"\naccuracy after {args.steps} AdamW steps (train: mean of the last 20; eval: held-out, fp32)")
-    for mode, (tr, ev) in results.items():
-        print(f"  {mode:12s} train {tr:.4f} ({tr / f_train - 1:+.2%})   eval {ev:.4f} ({ev / f_eval - 1:+.2%})")
+    accuracy_rows = [{"mode": mode, "train_loss": tr, "train_change_vs_fp32": tr / f_train - 1, "eval_loss": ev,
+                      "eval_change_vs_fp32": ev / f_eval - 1} for mode, (tr, ev) in results.items()]  # fmt: skip
+    for row in accuracy_rows:
+        print(f"  {row['mode']:12s} train {row['train_loss']:.4f} ({row['train_change_vs_fp32']:+.2%})   "
+              f"eval {row['eval_loss']:.4f} ({row['eval_change_vs_fp32']:+.2%})")
+    if args.json:
+        settings = {"workload": "lm", "size": args.size, "description": wl.description, "dtype": "bf16",
+                    "threads": args.threads, "rounds": args.rounds, "per_block": args.per_block,
+                    "train_steps": args.steps}  # fmt: skip
+        write_record(args.json, {"settings": settings, "speed": speed_rows, "accuracy": accuracy_rows},
+                     threads=args.threads)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

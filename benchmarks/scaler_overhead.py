@@ -10,7 +10,9 @@ depend on the compute dtype: it touches the fp32 grads):
 
 Implementations run interleaved (round-robin blocks) in one process so machine noise
 hits them alike; the table gives medians and ratios. Target: ampkit no slower than
-torch.amp.GradScaler.
+torch.amp.GradScaler. ``--json FILE`` also writes the machine (CPU, its 16-bit flags,
+torch, date, command), the settings and both tables' rows (``median_us`` /
+``median_ms``, ``vs_no_scaler``, ``vs_torch_grad_scaler``).
 
     python benchmarks/scaler_overhead.py [--workload lm] [--size full] [--steps 24] [--rounds 4] [--threads 1]
 """
@@ -22,10 +24,12 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import ampkit as amp
+from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, WORKLOADS, make_workload
 
 
@@ -155,19 +159,34 @@ def full_step(make_model, batch, loss_fn, rounds: int, steps: int) -> dict[str, 
     return result
 
 
-def print_table(title: str, medians: dict[str, float], unit: float, unit_name: str, subtract_plain: bool) -> None:
+def table(name: str, title: str, medians: dict[str, float], unit: float, unit_name: str,
+          subtract_plain: bool) -> dict[str, Any]:
+    """One result set: per implementation its median step time in ``unit_name`` and its
+    ratios to "no scaler" and to torch.amp.GradScaler (None where the reference is 0)."""
     plain = medians["no scaler"]
     ref = medians["torch.amp.GradScaler"]
     ref_cost = ref - plain if subtract_plain else ref
-    print(f"\n{title}")
+    rows = []
+    for impl, value in medians.items():
+        cost = value - plain if subtract_plain else value
+        rows.append({
+            "implementation": impl,
+            f"median_{unit_name}": value / unit,
+            "vs_no_scaler": value / plain if plain > 0 else float("nan"),
+            "vs_torch_grad_scaler": cost / ref_cost if ref_cost > 0 else float("nan"),
+        })  # fmt: skip
+    return {"name": name, "title": title, "unit": unit_name, "rows": rows}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    unit_name = result["unit"]
+    print(f"\n{result['title']}")
     head = f"{'':24s} {('median ' + unit_name):>12s} {'vs no scaler':>13s} {'vs torch GradScaler':>20s}"
     print(head)
     print("-" * len(head))
-    for name, value in medians.items():
-        cost = value - plain if subtract_plain else value
-        vs_plain = value / plain if plain > 0 else float("nan")
-        vs_torch = cost / ref_cost if ref_cost > 0 else float("nan")
-        print(f"{name:24s} {value / unit:12.1f} {vs_plain:12.3f}x {vs_torch:19.3f}x")
+    for row in result["rows"]:
+        print(f"{row['implementation']:24s} {row['median_' + unit_name]:12.1f} {row['vs_no_scaler']:12.3f}x "
+              f"{row['vs_torch_grad_scaler']:19.3f}x")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=24, help="timed full training steps per implementation")
     parser.add_argument("--rounds", type=int, default=4, help="interleaving rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the machine, the settings and both tables' rows to FILE")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -190,12 +211,19 @@ def main(argv: list[str] | None = None) -> None:
           f"fp32, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
 
     only = scaler_only(model, batch, wl.loss, args.rounds, args.steps)
-    print_table("scaler only (unscale + check + skip decision + update), per step;"
-                " 'vs torch' compares the scaler cost", only, 1e-6, "us", subtract_plain=False)
+    tables = [table("scaler_only", "scaler only (unscale + check + skip decision + update), per step;"
+                    " 'vs torch' compares the scaler cost", only, 1e-6, "us", subtract_plain=False)]
+    print_table(tables[0])
     full = full_step(wl.build_model, batch, wl.loss, args.rounds, args.steps)
-    print_table("full training step (forward + backward + scaler + AdamW); ratios of step"
-                " times (the scaler's ~0.2 ms is within this machine's noise)", full, 1e-3, "ms",
-                subtract_plain=False)
+    tables.append(table("full_step", "full training step (forward + backward + scaler + AdamW); ratios of step"
+                        " times (the scaler's ~0.2 ms is within this machine's noise)", full, 1e-3, "ms",
+                        subtract_plain=False))
+    print_table(tables[1])
+    if args.json:
+        settings = {"workload": wl.name, "size": args.size, "compute_dtype": "fp32", "threads": torch.get_num_threads(),
+                    "rounds": args.rounds, "steps": args.steps, "param_tensors": n_tensors, "params": n_params}
+        write_record(args.json, {"settings": settings, "tables": tables})
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

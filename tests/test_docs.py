@@ -181,6 +181,47 @@ def test_docstrings_mention_every_parameter() -> None:
     )
 
 
+# --- (1) the troubleshooting page names every error -----------------------------------------
+
+TROUBLESHOOTING = DOCS / "guides" / "troubleshooting.md"
+
+
+def amp_errors() -> list[type]:
+    """Every :class:`ampkit.AmpError` subclass (and AmpError itself) defined once ampkit
+    and all of its modules are imported; the modules of ``ampkit.integrations`` only
+    where their framework imports."""
+    import pkgutil
+
+    for info in pkgutil.walk_packages(ampkit.__path__, "ampkit."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError:
+            if not info.name.startswith("ampkit.integrations."):
+                raise
+    found: list[type] = [ampkit.AmpError]
+    todo = [ampkit.AmpError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
+
+
+def test_troubleshooting_page_names_every_error() -> None:
+    """Each AmpError subclass has a section (a heading naming it) on the troubleshooting
+    page: when it is raised, a real message, what to do."""
+    errors = amp_errors()
+    assert len(errors) > 10, errors  # the walk found the subpackages' errors too
+    headings = [line for line in TROUBLESHOOTING.read_text().splitlines() if line.startswith("#")]
+    missing = [f"{e.__module__}.{e.__qualname__}" for e in errors
+               if not any(f"`{e.__name__}`" in h for h in headings)]  # fmt: skip
+    assert not missing, (
+        f"AmpError subclasses with no section on {TROUBLESHOOTING.relative_to(ROOT)}: {missing}; add "
+        "a '## `Name`' section saying when it is raised, a real message and what to do"
+    )
+
+
 # --- (2) every Python code block on a page runs ---------------------------------------------
 
 PYTHON = {"python", "py", "python3", "pycon"}
@@ -263,6 +304,7 @@ for b in blocks:
         test = doctest.DocTestParser().get_doctest(b["code"], ns, where, page, b["line"] - 1)
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         runner.run(test, clear_globs=False)
+        ns.update(test.globs)  # a DocTest runs on a copy of the names: later blocks see its own
         if runner.failures:
             sys.exit(f"the pycon block at {where} printed something else (above)")
     else:

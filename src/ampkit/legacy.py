@@ -12,8 +12,11 @@ things still name the old paths:
   ``ampkit.fp8`` (the public fp8 module, ``ampkit.fp8.layers()``)
   and ``ampkit.bench`` keep working as import paths.
 
-Importing an old path other than those three warns once (``DeprecationWarning``) and
-gives today's module object itself, so a class loaded through it is today's class.
+Importing one of the other old paths that is no name of today's (``ampkit.model``,
+``ampkit.grads``) warns once (``DeprecationWarning``); ``ampkit.convert``,
+``ampkit.levels`` and ``ampkit.distributed`` are today's names too and import without
+one. Each gives today's module object itself, so a class loaded through it is today's
+class.
 """
 
 from __future__ import annotations

@@ -13,16 +13,21 @@ The seed API::
         if not ampkit.step_skipped(opt):           # or init_trainer(opt, schedulers=[sched])
             sched.step()
 
-How a step runs. ``scale_loss`` multiplies the loss by its loss scaler's scale ``S`` and
-leaves the gradients alone afterwards: several backward passes (gradient accumulation,
-DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()`` (after
-``init_trainer``, an instance attribute wrapping the optimizer's own ``step``):
+How a step runs. ``scale_loss`` multiplies the loss by its loss scaler's scale ``S``.
+The gradients are made real during backward (:mod:`ampkit.trainer.grad_hooks`): when a
+backward pass ends, the gradients it produced are multiplied by ``1/S`` and checked for
+inf/NaN, one fused kernel per (device, dtype), which leaves a found-inf flag (no host
+sync); several backward passes (gradient accumulation, DDP ``no_sync``) accumulate real
+gradients. ``optimizer.step()`` (after ``init_trainer``, an instance attribute wrapping
+the optimizer's own ``step``):
 
 1. runs the ``before_check`` of its extensions (once per step; see
    :mod:`ampkit.trainer.extensions`),
-2. unscales the grads of the params in ``optimizer.param_groups`` by ``1/S`` and checks
-   them for inf/NaN, one fused kernel per (device, dtype) -- unless ``ampkit.unscale``
-   already did this step,
+2. completes the step's check -- unless ``ampkit.unscale`` already did this step: the
+   flags the backward passes left, plus one fused check of the grads of the params in
+   ``optimizer.param_groups`` that changed since (edited, assigned, or produced with a
+   scale of 1, which the hooks leave alone) and the unscale of grads without hooks
+   (FSDP2's sharded parameters),
 3. reads the found-inf flag(s) with one host sync (in a multi-process run, after one
    all-reduce that makes every rank reach the same decision when they could disagree;
    see :mod:`ampkit.distributed`),
@@ -33,14 +38,16 @@ DDP ``no_sync``) simply accumulate scaled gradients in place. ``optimizer.step()
 5. feeds the event to the loss scaler(s), which may raise :class:`~ampkit.NumericsError`.
 
 Several losses (``num_losses > 1``): each ``loss_id`` has its own :class:`LossScaler`.
-When one step mixes loss ids, ``scale_loss`` for a new loss id first rescales the grads
-already accumulated from ``S_old`` to ``S_new`` in place, checking them for inf/NaN in
-the same fused pass, so each loss's overflow is known separately without moving grads
-aside. The step is skipped if any loss's grads overflowed. Each scaler updates on its own
-events only: an overflow found in loss ``k``'s grads backs off scaler ``k``; clean grads
-count as a clean step for it; if an earlier loss already overflowed in the same step, the
-grads of later losses are necessarily non-finite too, so their scalers are left unchanged
-for that step (their event is unknown).
+When one step mixes loss ids, each loss's backward passes leave found-inf flags of their
+own loss id, so each loss's overflow is known separately; grads without hooks, which
+still carry the scale, are rescaled from ``S_old`` to ``S_new`` in place when a
+``scale_loss`` for a new loss id starts, checked in the same fused pass (the rule is
+:mod:`ampkit.trainer.decision`'s). The step is skipped if any loss's grads overflowed.
+Each scaler updates on its own events only: an overflow found in loss ``k``'s grads
+backs off scaler ``k``; clean grads count as a clean step for it; if an earlier loss
+already overflowed in the same step, the grads of later losses are necessarily
+non-finite too, so their scalers are left unchanged for that step (their event is
+unknown).
 
 Several optimizers in one ``init_trainer`` call share one scaler per ``loss_id`` (one
 backward fills all their grads with the same scale); the scaler updates once all the
@@ -301,10 +308,11 @@ def scale_loss(
             reaches.
         loss_id (int) [0]: which of the optimizer's ``num_losses`` scalers scales it.
 
-    Nothing happens at exit: grads stay scaled until ``ampkit.unscale`` or the
-    optimizer's ``step()``, so several backward passes (gradient accumulation, DDP
-    ``no_sync``) accumulate normally. All optimizers given must share ``loss_id``'s
-    scaler (pass them to one ``init_trainer`` call).
+    Nothing happens at exit: ampkit's gradient hooks unscale the grads as each backward
+    pass ends (grads without hooks, FSDP2's sharded ones, at the step), so the grads your
+    code reads after the block are real and several backward passes (gradient
+    accumulation, DDP ``no_sync``) accumulate normally. All optimizers given must share
+    ``loss_id``'s scaler (pass them to one ``init_trainer`` call).
 
     An abandoned iteration does not leak into the next: when a ``scale_loss`` finds
     that the grads of a step begun earlier were dropped (``optimizer.zero_grad()`` after
@@ -377,9 +385,13 @@ def _tell_scale_loss(
 
 
 def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
-    """Unscale the grads of ``optimizer_or_list`` (an optimizer set up by
-    :func:`init_trainer`, or a list of them) now, in place, and check them for
-    inf/NaN, e.g. before clipping. Idempotent until the next ``step()``; no host sync."""
+    """Complete this step's inf/NaN check of the grads of ``optimizer_or_list`` (an
+    optimizer set up by :func:`init_trainer`, or a list of them) now, as ``step()``
+    would: the grads are real already (ampkit's hooks unscale them as backward produces
+    them; grads without hooks, FSDP2's sharded ones, are unscaled here), so clipping
+    needs no ``unscale`` first; scripts written for one keep working. Grads changed
+    afterwards are checked again at ``step()``. Idempotent until the next ``step()``;
+    no host sync."""
     states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
     for state in states:
         state._unscale()

@@ -108,7 +108,7 @@ def convert(
     output_dtype: torch.dtype | None = torch.float32,
 ) -> nn.Module:
     """An inference copy of ``model`` with 16-bit weights and casts only at dtype
-    boundaries (see :mod:`ampkit.convert`). ``model`` itself is not changed.
+    boundaries (see ``ampkit.inference.conversion``). ``model`` itself is not changed.
 
     Args:
         model: the trained module: fp32 (O0/O1), or cast in place by

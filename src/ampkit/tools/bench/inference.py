@@ -27,6 +27,7 @@ __all__ = [
     "digits_calib",
     "digits_cnn",
     "interleaved_latency",
+    "speedups",
     "train_checkpoint",
 ]
 
@@ -143,23 +144,31 @@ class LatencyRow:
         return self.batch * 1e3 / self.ms if self.ms > 0 else float("nan")
 
 
-def table_rows(rows: Sequence[LatencyRow]) -> tuple[list[str], list[list[str]]]:
-    """Column headers and formatted cells; speedups against the fp32 row of the
-    same runtime (its first word: "onnxruntime storage" compares with "onnxruntime")."""
+def speedups(rows: Sequence[LatencyRow]) -> list[float | None]:
+    """Each row's speedup against the fp32 row of the same runtime (its first word:
+    "onnxruntime storage" compares with "onnxruntime"); ``None`` where there is none."""
     base = {r.runtime.split()[0]: r.ms for r in rows if r.model == "fp32"}
+    out: list[float | None] = []
+    for r in rows:
+        ref = base.get(r.runtime.split()[0])
+        out.append(ref / r.ms if ref else None)
+    return out
+
+
+def table_rows(rows: Sequence[LatencyRow]) -> tuple[list[str], list[list[str]]]:
+    """Column headers and formatted cells; speedups as :func:`speedups` gives them."""
     headers = ["model", "runtime", "size MiB", "ms/batch", "items/s", "speedup", "rel error", "top-1 agree"]
     if any(r.metric for r in rows):
         headers.append("metric")
     cells = []
-    for r in rows:
-        speed = base.get(r.runtime.split()[0])
+    for r, speed in zip(rows, speedups(rows)):
         line = [
             r.model,
             r.runtime,
             f"{r.weight_bytes / 2**20:.3f}",
             f"{r.ms:.2f}",
             f"{r.per_second:,.0f}",
-            f"{speed / r.ms:.2f}x" if speed else "-",
+            f"{speed:.2f}x" if speed is not None else "-",
             "-" if r.rel_error is None else f"{r.rel_error:.2e}",
             "-" if r.top1 is None else f"{r.top1:.2%}",
         ]

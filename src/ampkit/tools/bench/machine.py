@@ -5,20 +5,24 @@ matmul 65-115x slower than fp32, one with ``avx512_bf16``/``amx_bf16`` about 5x
 faster. :func:`machine_info` names the CPU (or GPU), the instruction-set flags that
 decide bf16/fp16 speed, the ATen kernel level torch dispatches to, torch and Python
 versions, the date and the command line, so that a table generated from a script's
-JSON can say where it comes from.
+JSON can say where it comes from. :func:`write_record` writes a script's ``--json``
+file: that record first, then the script's figures.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import math
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["SPEED_FLAGS", "cpu_flags", "device_name", "machine_info"]
+__all__ = ["SPEED_FLAGS", "cpu_flags", "device_name", "machine_info", "write_record"]
 
 # The /proc/cpuinfo flags that decide how fast 16-bit math runs on an x86-64 CPU.
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
@@ -67,3 +71,27 @@ def machine_info(device: str = "cpu", threads: int | None = None) -> dict[str, A
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "",
     }
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every non-finite float made ``None`` (JSON has no NaN or inf)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_record(
+    path: str | Path, figures: Mapping[str, Any], device: str = "cpu", threads: int | None = None
+) -> dict[str, Any]:
+    """Write a benchmark's ``--json`` file and return what was written: ``{"machine":
+    machine_info(device, threads), **figures}`` (the machine record holds the date and
+    the command line), indented JSON. ``figures`` holds plain JSON types; a NaN or
+    infinite float (a ratio to a zero time) is written as ``null``. ``device``
+    defaults to ``"cpu"``; ``threads`` to torch's intra-op threads."""
+    record = {"machine": machine_info(device, threads), **_plain(figures)}
+    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    return record

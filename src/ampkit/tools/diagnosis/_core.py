@@ -73,7 +73,7 @@ class Doctor:
     """Watches the steps of ampkit-managed optimizers and says where non-finite values
     and underflows come from, how close each module runs to its dtype's limits, what
     to change, and which training-loop mistakes it saw. Create it with
-    :func:`ampkit.doctor`; see :mod:`ampkit.doctor` for what it costs.
+    :func:`ampkit.doctor`; ``ampkit.tools.diagnosis`` says what it costs.
 
     Args:
         optimizers: managed optimizers to watch (``None``: every optimizer managed in
