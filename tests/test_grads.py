@@ -166,25 +166,30 @@ def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads():
         bf16_sum = bf16_sum + g
     assert not torch.equal(bf16_sum.float(), fp32_sum)  # bf16 accumulation loses bits
     freed = []
-    # A hook registered after ampkit's on the same parameter: the 16-bit grad is gone
-    # as soon as it was accumulated (moved into the fp32 master).
+    # A hook registered after ampkit's on the same parameter: the first micro-batch's
+    # grad is held on the model (master_grads="on_demand": it is the whole gradient so
+    # far, and the master has no fp32 grad yet); from the second backward on the sum
+    # runs in fp32 and each 16-bit grad is gone as soon as it was accumulated.
     weight.register_post_accumulate_grad_hook(lambda p: freed.append(p.grad is None))
     for i in range(64):
         with amp.scale_loss(_loss(model, i) / 64, opt) as s:
             s.backward()
-    assert freed == [True] * 64
+        if i == 0:
+            assert amp.levels.master_weights_of(opt).is_placeholder(master)
+            assert torch.equal(weight.grad, singles[0])
+    assert freed == [False] + [True] * 63
     assert torch.equal(master.grad, fp32_sum)
     # Between backward passes the model shows the sum rounded once to bf16.
     assert torch.equal(weight.grad, fp32_sum.to(BF16))
 
 
 def test_o2_step_runs_without_a_16_bit_grad_beside_the_fp32_one():
-    """AdamW under O2: while the optimizer steps, the model holds no 16-bit grad (bf16
-    weight + fp32 master, grad and two moments: 18 bytes per parameter); before and
-    after the step the model's params show the real grads."""
+    """AdamW under O2 with master_grads="always": while the optimizer steps, the model
+    holds no 16-bit grad (bf16 weight + fp32 master, grad and two moments: 18 bytes per
+    parameter); before and after the step the model's params show the real grads."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = amp.initialize(model, opt, opt_level="O2")
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads="always")
     at_step = []
     opt.register_step_pre_hook(
         lambda o, a, k: at_step.extend(p.grad for p in model.parameters() if p.dtype == BF16)
@@ -197,6 +202,36 @@ def test_o2_step_runs_without_a_16_bit_grad_beside_the_fp32_one():
     assert at_step and all(g is None for g in at_step)
     for p, before in shown:  # read after step(), before zero_grad: the step's grads
         assert torch.equal(p.grad, before) and torch.equal(p.grad, masters.master_of(p).grad.to(BF16))
+
+
+def test_o2_on_demand_step_runs_without_any_fp32_grad():
+    """AdamW under O2 (master_grads="on_demand", the default): no master ever gets an
+    fp32 grad; at the step the model holds the grads backward produced (bf16 weight and
+    grad + fp32 master and two moments: 16 bytes per parameter, fp32 training's count),
+    and after it still shows them; the masters moved as AdamW on fp32 grads moves them."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    masters = amp.levels.master_weights_of(opt)
+    pairs = [(p, masters._masters[id(p)]) for p in model.parameters() if p.dtype == BF16]
+    at_step = []
+    opt.register_step_pre_hook(lambda o, a, k: at_step.extend(m.grad for _, m in pairs))
+    with amp.scale_loss(_loss(model, 0), opt) as s:
+        s.backward()
+    assert all(masters.is_placeholder(m) for _, m in pairs)  # zero-strided: no memory
+    produced = [p.grad for p, _ in pairs]
+    assert all(g is not None and g.dtype == BF16 for g in produced)
+    reference = [(m.detach().clone(), p.grad.float()) for p, m in pairs]
+    opt.step()
+    assert at_step and all(g is None for g in at_step)
+    assert all(p.grad is g for (p, _), g in zip(pairs, produced))
+    for (p, m), (start, grad) in zip(pairs, reference):
+        q = torch.nn.Parameter(start.clone())
+        q.grad = grad
+        torch.optim.AdamW([q], lr=1e-3, foreach=False).step()
+        assert masters.is_placeholder(m)
+        torch.testing.assert_close(m.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), m.detach().to(BF16))  # written by the same pass
 
 
 # --- what user code sees between backward and step ------------------------------------------
@@ -264,10 +299,10 @@ def test_quick_start_with_fp16_and_dynamic_scale_clips_real_grads():
     assert _close(got, ref, 0.02)
 
 
-def _o2_after_one_backward() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _o2_after_one_backward(master_grads: str = "on_demand") -> tuple[nn.Module, torch.optim.Optimizer]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2")
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads=master_grads)
     with amp.scale_loss(_loss(model, 0), opt) as s:
         s.backward()
     return model, opt
@@ -310,11 +345,30 @@ def test_o2_inf_written_into_a_model_grad_skips_the_step_bitwise():
 
 
 def test_o2_edits_through_both_sides_that_disagree_raise():
-    model, opt = _o2_after_one_backward()
+    """With fp32 grads made at backward (master_grads="always") an edit through the
+    model and another through the masters since are two versions of one gradient."""
+    model, opt = _o2_after_one_backward("always")
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
     with pytest.raises(AmpError, match="both through the model"):
         opt.step()
+
+
+def test_o2_on_demand_edits_through_the_model_then_the_masters_compose():
+    """master_grads="on_demand": the held grad is the model's until master_params asks
+    for the fp32 one, which is then derived from the edited grad; the second clip acts
+    on the first one's result, as two clips of one fp32 gradient would."""
+    model, opt = _o2_after_one_backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    clipped = [p.grad.float() for p in model.parameters() if p.dtype == BF16]
+    masters = [m for m in amp.master_params(opt) if amp.levels.master_weights_of(opt).model_param_of(m) is not None]
+    assert all(torch.equal(m.grad, c) for m, c in zip(masters, clipped))
+    norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+    assert float(norm) <= 0.01 * (1 + 1e-2)  # already clipped: nothing more to do
+    start = [m.detach().clone() for m in masters]
+    opt.step()
+    for m, s0, c in zip(masters, start, clipped):
+        torch.testing.assert_close(m.detach(), s0 - 0.1 * c)
 
 
 def test_autograd_grad_of_a_scaled_loss_stays_scaled_and_leaves_grads_alone():

@@ -37,8 +37,12 @@ def _loss(model: nn.Module, i: int) -> torch.Tensor:
 
 
 def _setup(mode: str, **kw):
+    """O2 with ``model_grads=mode``; copies with fp32 grads made as backward produces
+    them (``master_grads="always"``, what views imply), so the two differ only in how
+    the model shows its grads."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kw.setdefault("master_grads", "always")
     return amp.initialize(model, opt, opt_level="O2", model_grads=mode, **kw)
 
 

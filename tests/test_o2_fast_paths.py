@@ -148,11 +148,11 @@ class _HalvingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _train(idiom: str, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
+def _train(idiom: str, steps: int = 3, master_grads: str = "always") -> tuple[list[torch.Tensor], dict]:
     model = _model()
     cls = _HalvingAdamW if idiom == "optimizer edits grads in place" else torch.optim.AdamW
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2")
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads=master_grads)
     big = model[0].weight
     seen: list[torch.Tensor] = []
     for i in range(steps):
@@ -269,7 +269,7 @@ def test_o2_on_cpu_the_grad_copies_come_back_after_the_step_as_they_were():
     the master grads; where the step changed a master grad, a fresh copy shows it."""
     model = _model()
     opt = _HalvingAdamW(model.parameters())
-    model, opt = amp.initialize(model, opt, opt_level="O2")
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads="always")
     at_step = []
     opt.register_step_pre_hook(lambda o, a, k: at_step.extend(p.grad for p in model.parameters()))
     _backward(model, opt, 0)
@@ -282,7 +282,7 @@ def test_o2_on_cpu_the_grad_copies_come_back_after_the_step_as_they_were():
         assert torch.equal(p.grad, mw.master_of(p).grad.to(BF16))
     model2 = _model()
     opt = torch.optim.AdamW(model2.parameters())
-    model2, opt = amp.initialize(model2, opt, opt_level="O2")
+    model2, opt = amp.initialize(model2, opt, opt_level="O2", master_grads="always")
     _backward(model2, opt, 0)
     before = [p.grad for p in model2.parameters()]
     values = [g.clone() for g in before]
@@ -305,7 +305,7 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
-    model, opt = amp.initialize(model, opt, opt_level="O2")
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads="always")
     weight = model[0].weight
     refs = []
     alive = []

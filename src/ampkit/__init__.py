@@ -23,7 +23,7 @@ from ampkit.errors import (
     StateError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AmpError",

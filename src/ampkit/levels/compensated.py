@@ -80,6 +80,7 @@ from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.managed import managed_state
 
 from . import update_kernels as _kernels
+from .one_pass import adam_scalars, rule_for, sgd_scalars
 from .update_kernels import Kernel, flat, same_layout
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
@@ -193,34 +194,6 @@ _BF = torch.bfloat16
 _ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
 _SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
 SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
-
-
-def _scalar(x: Any) -> float | None:
-    """A hyperparameter as a float, or None if it is not a plain number."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if torch.is_tensor(x) and x.numel() == 1 and not x.requires_grad and x.device.type == "cpu":
-        return float(x.item())
-    return None
-
-
-def _rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
-    """Which dedicated update computes this group's step ("adam", "sgd"), or None."""
-    if group.get("differentiable") or group.get("capturable"):
-        return None
-    cls = type(optimizer)
-    if cls in (torch.optim.Adam, torch.optim.AdamW):
-        betas = group.get("betas", ())
-        if group.get("amsgrad") or len(betas) != 2:
-            return None
-        values = [group.get("lr"), betas[0], betas[1], group.get("eps"), group.get("weight_decay")]
-        return "adam" if all(_scalar(v) is not None for v in values) else None
-    if cls is torch.optim.SGD:
-        values = [group.get("lr"), group.get("momentum"), group.get("dampening"), group.get("weight_decay")]
-        return "sgd" if all(_scalar(v) is not None for v in values) else None
-    return None
 
 
 _STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -396,7 +369,7 @@ class CompensatedUpdates:
             return []
         plan = []
         for group in optimizer.param_groups:
-            rule = _rule_for(optimizer, group)
+            rule = rule_for(optimizer, group)
             if rule is None:
                 continue
             params = [p for p in group["params"] if self._fits(optimizer, p, rule)]
@@ -442,55 +415,19 @@ class CompensatedUpdates:
 
     def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
               gs: list, run: dict) -> None:
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        lr, eps, wd = _scalar(group["lr"]), _scalar(group["eps"]), _scalar(group["weight_decay"])
-        assert lr is not None and eps is not None and wd is not None and beta1 is not None and beta2 is not None
-        decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
-        by_step: dict[float, list[int]] = {}
-        for i, p in enumerate(params):
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            by_step.setdefault(float(state["step"]), []).append(i)
-        sign = -1.0 if group.get("maximize") else 1.0
-        for step, idx in by_step.items():
-            bc1 = 1 - beta1**step
-            bc2 = 1 - beta2**step
-            scalars = torch.tensor(
-                [1 - beta1, beta2, 1 - beta2, eps, lr / bc1, bc2**0.5,
-                 1 - lr * wd if decoupled else 1.0, 0.0 if decoupled else wd, sign],
-                dtype=torch.float32,
-            )  # fmt: skip
+        for idx, scalars in adam_scalars(optimizer, group, params):
             ms = [flat(optimizer.state[params[i]]["exp_avg"]) for i in idx]
             vs = [flat(optimizer.state[params[i]]["exp_avg_sq"]) for i in idx]
             _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
 
     def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
              gs: list, run: dict) -> None:
-        lr, momentum = _scalar(group["lr"]), _scalar(group["momentum"])
-        dampening, wd = _scalar(group["dampening"]), _scalar(group["weight_decay"])
-        assert lr is not None and momentum is not None and dampening is not None and wd is not None
-        sign = -1.0 if group.get("maximize") else 1.0
-        if momentum == 0:
-            SGD_PLAIN([ws, cs, gs], torch.tensor([lr, wd, sign], dtype=torch.float32), **run)
+        plan = sgd_scalars(optimizer, group, params)
+        if isinstance(plan, torch.Tensor):
+            SGD_PLAIN([ws, cs, gs], plan, **run)
             return
-        first: list[int] = []
-        later: list[int] = []
-        for i, p in enumerate(params):
-            state = optimizer.state[p]
-            if state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                first.append(i)
-            else:
-                later.append(i)
-        for idx, decay, gain in ((first, 0.0, 1.0), (later, momentum, 1 - dampening)):
-            if not idx:
-                continue
+        for idx, scalars in plan:
             bufs = [flat(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
-            scalars = torch.tensor([lr, wd, decay, gain, sign, momentum], dtype=torch.float32)
             _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
                  nesterov=bool(group.get("nesterov")), **run)
 

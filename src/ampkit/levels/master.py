@@ -7,7 +7,12 @@ under ampkit's trainer (hooks installed by :mod:`ampkit.trainer.grad_hooks`):
 1. backward produces each 16-bit gradient (times the loss scale); as soon as it is
    accumulated, a hook moves it into the master's fp32 ``.grad`` -- unscaled and
    checked for inf/NaN in fp32, summed in fp32 over micro-batches -- and frees it
-   (:meth:`MasterWeights.absorb`);
+   (:meth:`MasterWeights.absorb`). With ``master_grads="on_demand"`` (the default) a
+   grad that is its step's whole gradient at a scale of 1 on CPU is only checked and
+   stays on the model (*held*; the master gets a placeholder grad), the step reads it
+   in one pass (:mod:`ampkit.levels.one_pass`) and the fp32 grad is derived only when
+   something needs it (see :class:`MasterWeights`); steps 2-4 then concern the other
+   grads;
 2. when the backward pass ends, each model parameter gets a 16-bit copy of its
    master's gradient (:meth:`MasterWeights.show`), so code that reads or edits
    ``model.parameters()`` grads (``clip_grad_norm_``, logging, hand edits) sees the
@@ -97,6 +102,15 @@ KEEP_ASIDE_DEVICES: tuple[str, ...] = ("cpu",)
 #: the fp32 grad holds bf16 values exactly, a bf16 view of its high halves (no memory).
 MODEL_GRADS: tuple[str, ...] = ("copy", "view")
 
+#: When a master's fp32 grad exists (``MasterWeights(master_grads=...)``): ``"on_demand"``,
+#: only once something needs it (see :class:`MasterWeights`); ``"always"``, from the
+#: moment backward produces each grad.
+MASTER_GRADS: tuple[str, ...] = ("on_demand", "always")
+
+#: Device types where ``master_grads="on_demand"`` holds grads in 16 bits (measured on
+#: CPU; elsewhere every grad gets its fp32 copy as with ``"always"``).
+ON_DEMAND_DEVICES: tuple[str, ...] = ("cpu",)
+
 
 class MasterWeights:
     """fp32 master copies of an optimizer's 16-bit parameters.
@@ -122,6 +136,22 @@ class MasterWeights:
             the view is strided (stride 2 in its last dim: not ``is_contiguous()``),
             and after fp32-side edits it shows the fp32 grad truncated to bf16. Any
             other grad is shown as a copy.
+        master_grads: ``"on_demand"`` (default) or ``"always"``. With
+            ``"on_demand"``, a 16-bit grad that is the whole gradient of its step (the
+            first backward into the parameter since its grads were cleared, loss scale
+            1, outside DDP, dense, on ``ON_DEMAND_DEVICES``) stays on the model
+            parameter as backward produced it and the master's ``.grad`` stays None
+            (*held*): the step reads the 16-bit grad directly
+            (:mod:`ampkit.levels.one_pass`; no fp32 grad is ever allocated for
+            Adam, AdamW and SGD), and the fp32 grad, its exact widening, is derived
+            the moment anything else needs it: a second backward into the parameter
+            (accumulation then runs in fp32), :func:`ampkit.master_params`,
+            :meth:`pairs`, :meth:`master_of`, reading ``optimizer.param_groups`` from
+            code outside ampkit and ``torch.optim`` (e.g. ``clip_grad_norm_`` over
+            them), an unscale by a ``torch.amp.GradScaler``, or a step of an optimizer
+            without a one-pass kernel. ``"always"``: the fp32 grad is made as each
+            grad is produced. ``model_grads="view"`` needs the fp32 grads, so it
+            implies ``"always"``.
 
     After construction ``optimizer.param_groups`` holds the masters in place of
     those parameters, and any optimizer state held for a parameter is moved to
@@ -134,11 +164,14 @@ class MasterWeights:
         params: Iterable[nn.Parameter] | None = None,
         *,
         model_grads: str = "copy",
+        master_grads: str = "on_demand",
     ) -> None:
         require_optimizer(optimizer, "MasterWeights")
         require_choice(model_grads, MODEL_GRADS, "model_grads")
+        require_choice(master_grads, MASTER_GRADS, "master_grads")
         self.optimizer = optimizer
         self.model_grads = model_grads
+        self.master_grads = master_grads
         self._model_of: dict[int, nn.Parameter] = {}  # id(master) -> model param
         self._masters: dict[int, nn.Parameter] = {}  # id(model param) -> master
         self._layout: tuple[int, ...] = ()
@@ -174,6 +207,9 @@ class MasterWeights:
                 elif id(p) not in wanted:
                     continue
                 params[i] = self._make_master(p)
+        for group in self.optimizer.param_groups:
+            if self._model_of and type(group["params"]) is list:
+                group["params"] = _MasterList(group["params"], self)
         self._layout = self._current_layout()
 
     def _make_master(self, p: nn.Parameter) -> nn.Parameter:
@@ -205,7 +241,13 @@ class MasterWeights:
 
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """(model parameter, fp32 master) for every mastered parameter, in
-        ``param_groups`` order."""
+        ``param_groups`` order. Held grads (``master_grads="on_demand"``) get their
+        fp32 copies first: the masters' ``.grad`` are what the step will use."""
+        self.materialize()
+        return self._pairs()
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """:meth:`pairs` without deriving held grads (ampkit's own bookkeeping)."""
         self.refresh()
         return [
             (self._model_of[id(p)], p)
@@ -215,9 +257,13 @@ class MasterWeights:
         ]
 
     def master_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        """The fp32 master of model parameter ``param``, or None if it has none."""
+        """The fp32 master of model parameter ``param``, or None if it has none (with
+        its fp32 grad derived if it was held)."""
         self.refresh()
-        return self._masters.get(id(param))
+        master = self._masters.get(id(param))
+        if master is not None:
+            self._materialize_one(param, master)
+        return master
 
     def model_param_of(self, master: nn.Parameter) -> nn.Parameter | None:
         """The model parameter a master stands for, or None."""
@@ -225,8 +271,8 @@ class MasterWeights:
 
     def params(self) -> Iterator[nn.Parameter]:
         """Every parameter the optimizer steps (masters and fp32 model params), in
-        ``param_groups`` order: what to clip."""
-        self.refresh()
+        ``param_groups`` order: what to clip (held grads derived first)."""
+        self.materialize()
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
@@ -243,7 +289,7 @@ class MasterWeights:
         grad. A master whose model param got no grad keeps its own."""
         self.refresh()
         with torch.no_grad():
-            for model_p, master in self.pairs():
+            for model_p, master in self._pairs():
                 g = model_p.grad
                 if g is None:
                     continue
@@ -253,21 +299,25 @@ class MasterWeights:
                     master.grad.add_(g)
                 model_p.grad = None
 
-    def publish(self) -> None:
-        """Round every master into its model parameter (after a real step)."""
-        pairs = self.pairs()
+    def publish(self, skip: set[int] | None = None) -> None:
+        """Round every master (but those whose ``id`` is in ``skip``: written by the
+        one-pass step already) into its model parameter (after a real step)."""
+        pairs = self._pairs()
+        if skip:
+            pairs = [(m, p) for m, p in pairs if id(p) not in skip]
         if not pairs:
             return
         with torch.no_grad():
             torch_compat.foreach_copy_([m for m, _ in pairs], [p for _, p in pairs])
-        self._published = {id(p): torch_compat.tensor_version(p) for _, p in pairs}
+        for _, p in pairs:
+            self._published[id(p)] = torch_compat.tensor_version(p)
 
     def publish_changed(self) -> None:
         """Round into the model the masters changed since the last publish (by anything
         but the managed step: an optimizer wrapper that steps its base optimizer itself,
         hand edits). Cheap when none changed: version counters only."""
         changed = [
-            (m, p) for m, p in self.pairs() if self._published.get(id(p)) != torch_compat.tensor_version(p)
+            (m, p) for m, p in self._pairs() if self._published.get(id(p)) != torch_compat.tensor_version(p)
         ]
         if changed:
             with torch.no_grad():
@@ -282,9 +332,9 @@ class MasterWeights:
         still round to their model weight keep their low bits. ``initialize`` calls
         this from a load-state-dict hook on the model."""
         if params is None:
-            pairs = self.pairs()
+            pairs = self._pairs()
         else:
-            pairs = [(p, m) for p in params if (m := self.master_of(p)) is not None]
+            pairs = [(p, m) for p in params if (m := self._masters.get(id(p))) is not None]
         with torch.no_grad():
             for model_p, master in pairs:
                 if not _rounds_to(model_p, master):
@@ -329,6 +379,17 @@ class MasterWeights:
         if g is None:
             return
         if keep and master.grad is None and g.layout == torch.strided and g.grad_fn is None and g.dtype != torch.float32:
+            if self.master_grads == "on_demand" and self.model_grads == "copy" and g.device.type in ON_DEMAND_DEVICES:
+                # The whole gradient, in 16 bits: it stays on the model (held), checked;
+                # the fp32 grad is its exact widening, derived only when needed.
+                with torch.no_grad():
+                    if unscale is not None:
+                        unscale([g])
+                model_p.grad = g
+                link.show(g)
+                link.keep(None)
+                link.hold(master)
+                return
             view = self.model_grads == "view" and g.dtype == torch.bfloat16 and g.dim() > 0 and g.is_contiguous()
             if view or g.device.type in KEEP_ASIDE_DEVICES:
                 with torch.no_grad():
@@ -359,6 +420,8 @@ class MasterWeights:
         when the master has none), to be read and edited as the model's own."""
         with torch.no_grad():
             for model_p, master, link in self._linked(model_params):
+                if link.held and self._still_held(model_p, master, link):
+                    continue  # the model's grad is the gradient
                 if link.viewable and model_p.grad is None and link.holds(master.grad):
                     model_p.grad = _high_halves(master.grad)  # shares the fp32 grad's memory
                     link.show(model_p.grad)
@@ -382,6 +445,8 @@ class MasterWeights:
         if master is None:
             return
         link = self._link(model_p)
+        if link.held and self._still_held(model_p, master, link, zeroed_clears=True):
+            self._materialize_one(model_p, master)  # a second backward: the sum runs in fp32
         self._reconcile_one(model_p, master, link)
         model_p.grad = None
         link.show(None)
@@ -448,6 +513,8 @@ class MasterWeights:
                 continue
             g = model_p.grad
             link = self._link(model_p)
+            if link.held and self._still_held(model_p, master, link):
+                continue  # the step reads it
             # a grad view (model_grads="view") costs nothing: show() makes it again
             keep = (
                 g is not None
@@ -462,6 +529,8 @@ class MasterWeights:
                 link.aside = g
 
     def _reconcile_one(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
+        if link.held and self._still_held(model_p, master, link):
+            return  # held: the model's grad (edited or not) is the gradient
         cur = model_p.grad
         g = master.grad
         if link.viewing:
@@ -520,10 +589,118 @@ class MasterWeights:
         (``optimizer.zero_grad()``): a view would keep that fp32 memory alive."""
         if self.model_grads != "view":
             return
-        for model_p, master in self.pairs():
+        for model_p, master in self._pairs():
             link = self._links.get(id(model_p))
             if link is not None and link.viewing and not link.holds(master.grad):
                 self._reconcile_one(model_p, master, link)
+
+    # -- held grads (master_grads="on_demand") ------------------------------------------
+
+    def held(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(master, model parameter)`` for every held grad (the model's 16-bit grad is
+        the gradient; the master's ``.grad`` is a placeholder), in ``param_groups``
+        order, after applying what was done to either side since (clearing or zeroing
+        through the optimizer or the model, a grad set on the master)."""
+        out = []
+        for model_p, master in self._pairs():
+            link = self._links.get(id(model_p))
+            if link is not None and link.held and self._still_held(model_p, master, link):
+                out.append((master, model_p))
+        return out
+
+    def is_placeholder(self, master: torch.Tensor) -> bool:
+        """Whether ``master.grad`` is the placeholder of a held grad (no values of its
+        own: a zero-strided fp32 zero)."""
+        model_p = self._model_of.get(id(master))
+        link = self._links.get(id(model_p)) if model_p is not None else None
+        return link is not None and link.held and link.placeholder is not None and master.grad is link.placeholder
+
+    def _still_held(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link, zeroed_clears: bool = False) -> bool:
+        """Apply to a held grad what was done to either side since it was held, and
+        return whether it is still held. The master's ``.grad`` is a placeholder while
+        held, so that clearing through the optimizer shows: set to None
+        (``zero_grad()``) clears the model's grad too; zeroed in place
+        (``zero_grad(set_to_none=False)``) zeroes it (or, with ``zeroed_clears``, before
+        a backward adds into it, clears both); cleared through the model clears the
+        placeholder; any other grad set on the master ends the hold (it is merged
+        like an edit: :meth:`_reconcile_one`)."""
+        g = master.grad
+        holder = link.placeholder
+        cur = model_p.grad
+        if g is None or cur is None:  # cleared through either side
+            self._release(model_p, master, link)
+            return False
+        if g is not holder:  # a grad set on the master itself
+            link.held = False
+            link.placeholder = None
+            return False
+        zeroed = torch_compat.tensor_version(holder) != link.placeholder_version
+        if zeroed_clears and (zeroed or (link.zeroed and link.is_shown(cur)
+                                         and torch_compat.tensor_version(cur) == link._shown_version)):
+            self._release(model_p, master, link)  # the backward's grad is the whole gradient
+            return False
+        if zeroed:  # zeroed in place
+            with torch.no_grad():
+                cur.zero_()
+            link.show(cur)
+            link.held = True
+            link.placeholder = holder
+            link.placeholder_version = torch_compat.tensor_version(holder)
+            link.zeroed = True
+        return True
+
+    def _release(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
+        model_p.grad = None
+        master.grad = None
+        link.show(None)
+        link.keep(None)
+
+    def materialize_except(self, skip: set[int]) -> None:
+        """:meth:`materialize` for the held grads of masters whose ``id`` is not in ``skip``."""
+        for master, model_p in self.held():
+            if id(master) not in skip:
+                self._materialize_one(model_p, master)
+
+    def materialize(self) -> None:
+        """Give every held grad its fp32 copy on the master (the exact widening of the
+        model's 16-bit grad, with any edits made to it since): from then on the two
+        grads are linked as under ``master_grads="always"``."""
+        for master, model_p in self.held():
+            self._materialize_one(model_p, master)
+
+    def _materialize_one(self, model_p: torch.Tensor, master: nn.Parameter) -> None:
+        link = self._links.get(id(model_p))
+        if link is None or not link.held or not self._still_held(model_p, master, link):
+            return
+        cur = model_p.grad
+        with torch.no_grad():
+            master.grad = cur.detach().to(torch.float32)
+        link.show(cur)
+        link.keep(master.grad)
+
+    def lift(self, pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Take the placeholders off the masters of ``pairs`` (``(master, model
+        parameter)``, as :meth:`held` gives them): the optimizer's own step then skips
+        them (no ``.grad``); :meth:`restore` puts them back. Returns what to restore."""
+        lifted = []
+        for master, _ in pairs:
+            g = master.grad
+            master.grad = None
+            lifted.append((master, g))
+        return lifted
+
+    def restore(self, lifted: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Undo :meth:`lift` (after the optimizer's step): ``lifted`` is what it returned."""
+        for master, g in lifted:
+            if master.grad is None:
+                master.grad = g
+
+    def consumed(self, pairs: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """The one-pass step updated these ``(master, model parameter)`` pairs and wrote
+        the model weights: they count as published. Their grads stay held (the model
+        keeps showing the grad the step used, as torch leaves grads after a step)."""
+        for master, _ in pairs:
+            self._published[id(master)] = torch_compat.tensor_version(master)
 
     # -- checkpoints -----------------------------------------------------------------
 
@@ -610,6 +787,45 @@ class MasterWeights:
             require_tensor(t, f"saved master weight at group {gi}, index {pi}", StateError, torch.float32,
                            finite=True, hint=CORRUPT_CHECKPOINT)
         return saved
+
+
+class _MasterList(list):
+    """A param group's ``"params"`` list under O2: iterating or indexing it from code
+    outside ampkit and ``torch.optim`` (a user's loop over ``optimizer.param_groups``,
+    ``clip_grad_norm_`` over them) first derives the held grads' fp32 copies
+    (:meth:`MasterWeights.materialize`), so such code reads the masters' real grads.
+    Pickles and copies as a plain list."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, items: Iterable[Any], owner: MasterWeights) -> None:
+        super().__init__(items)
+        self._owner = weakref.ref(owner)
+
+    def _reader(self) -> None:
+        if torch.compiler.is_compiling():  # traced code (a compiled optimizer step): bookkeeping
+            return
+        name = sys._getframe(2).f_globals.get("__name__", "")
+        if name.startswith(_QUIET_READERS) or name in ("ampkit", "torch.optim"):
+            return
+        owner = self._owner()
+        if owner is not None:
+            owner.materialize()
+
+    def __iter__(self) -> Iterator[Any]:
+        self._reader()
+        return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:
+        self._reader()
+        return super().__getitem__(index)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (list, (list(super().__iter__()),))
+
+
+# Modules whose reads of the params lists are bookkeeping, not gradient reads.
+_QUIET_READERS = ("ampkit.", "torch.optim.")
 
 
 class _BackwardParams:
@@ -722,7 +938,10 @@ class _Link:
     the model parameter's ``.grad`` (a 16-bit copy) and the master's ``.grad``, each
     with its version, held weakly (a cleared grad is freed)."""
 
-    __slots__ = ("_shown", "_shown_version", "_kept", "_kept_version", "aside", "viewable", "viewing")
+    __slots__ = (
+        "_shown", "_shown_version", "_kept", "_kept_version", "aside", "viewable", "viewing", "held",
+        "placeholder", "placeholder_version", "zeroed",
+    )
 
     def __init__(self) -> None:
         self._shown: weakref.ref | None = None
@@ -736,12 +955,30 @@ class _Link:
         # give the model a view of it), and the model's shown grad is such a view.
         self.viewable = False
         self.viewing = False
+        # master_grads="on_demand": the model's grad is the gradient; the master's .grad
+        # is `placeholder` (a zero-strided fp32 zero, no memory), whose clearing or
+        # zeroing (version) tells that the optimizer's zero_grad ran.
+        self.held = False
+        self.placeholder: torch.Tensor | None = None
+        self.placeholder_version = 0
+        self.zeroed = False  # the held grad was zeroed in place through the optimizer
 
     def show(self, t: torch.Tensor | None) -> None:
         self._shown = None if t is None else weakref.ref(t)
         self._shown_version = 0 if t is None else torch_compat.tensor_version(t)
         self.aside = None
         self.viewing = False
+        self.held = False
+        self.placeholder = None
+        self.zeroed = False
+
+    def hold(self, master: nn.Parameter) -> None:
+        """Hold the gradient the model shows: the master gets a placeholder grad."""
+        holder = torch.zeros((), dtype=master.dtype, device=master.device).expand_as(master)
+        master.grad = holder
+        self.held = True
+        self.placeholder = holder
+        self.placeholder_version = torch_compat.tensor_version(holder)
 
     def holds(self, g: torch.Tensor | None) -> bool:
         """Whether ``g`` is the fp32 grad last kept (any version)."""

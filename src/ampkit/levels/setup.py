@@ -56,9 +56,10 @@ from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
 from ampkit.trainer.managed import resolve_optimizer
 
 from . import fp8 as _fp8
+from . import one_pass
 from .compensated import CompensatedUpdates
 from .fp8 import Fp8Recipe
-from .master import MODEL_GRADS, MasterWeights
+from .master import MASTER_GRADS, MODEL_GRADS, MasterWeights
 from .model_cast import (
     add_op_casting,
     cast_model,
@@ -98,6 +99,8 @@ class OptLevel:
             default True except at O0, which runs the script's fp32 bit for bit.
         model_grads: ``"copy"`` or ``"view"``: how a model with fp32 masters shows
             its grads (see :class:`ampkit.levels.master.MasterWeights`).
+        master_grads: ``"on_demand"`` or ``"always"``: when a master's fp32 grad is
+            made (see :class:`ampkit.levels.master.MasterWeights`).
         keep_fp32: module classes and qualified-name globs kept in fp32 like norm
             layers in a cast model (O2/O3/O2K), each with its whole subtree.
     """
@@ -118,6 +121,7 @@ class OptLevel:
     keep_fp32: tuple[type[nn.Module] | str, ...] = ()
     model_op_casting: bool = False
     model_grads: str = "copy"
+    master_grads: str = "on_demand"
 
 
 #: The base settings of each level; ``dtype`` and the loss scale are filled per device.
@@ -145,6 +149,7 @@ _OVERRIDES = (
     "keep_fp32",
     "model_op_casting",
     "model_grads",
+    "master_grads",
     "policy",
 )
 
@@ -264,6 +269,19 @@ def resolve_opt_level(
             f"is a bf16 number; the model is stored in {cast}. Use dtype=torch.bfloat16, "
             "or model_grads='copy'."
         )
+    # views of the fp32 grads need the fp32 grads
+    master_grads = ov.get("master_grads", "always" if model_grads == "view" else "on_demand")
+    require_choice(master_grads, MASTER_GRADS, "master_grads")
+    if model_grads == "view" and master_grads != "always":
+        raise AmpError(
+            "model_grads='view' shows each grad as a view of its fp32 grad, which "
+            "master_grads='on_demand' does not make until needed: use one of the two."
+        )
+    if "master_grads" in ov and not master:
+        raise AmpError(
+            f"master_grads={master_grads!r} sets when the fp32 grads of master weights are "
+            f"made; {name} has no master weights (use O2)."
+        )
     return OptLevel(
         name=name,
         dtype=dtype,
@@ -282,6 +300,7 @@ def resolve_opt_level(
         keep_fp32=keep_fp32,
         model_op_casting=bool(model_op_casting),
         model_grads=model_grads,
+        master_grads=master_grads,
     )
 
 
@@ -549,6 +568,14 @@ def initialize(
               memory for the model's grads (AdamW: 18 bytes per parameter at the step
               instead of 20), edits through them made in bf16 precision, grads strided
               (not ``is_contiguous()``). See :class:`ampkit.levels.master.MasterWeights`.
+            - ``master_grads``: when the fp32 grads of the masters are made (O2):
+              ``"on_demand"`` (default): a grad that is its step's whole gradient (one
+              backward, loss scale 1, outside DDP, on CPU) stays in 16 bits on the
+              model and Adam, AdamW and SGD step it in one pass
+              (:mod:`ampkit.levels.one_pass`: 16 bytes per parameter at an AdamW step,
+              as fp32 training), the fp32 grad derived only when something asks for it
+              (:func:`ampkit.master_params`, a second backward, code reading
+              ``optimizer.param_groups``); ``"always"``: as each grad is produced.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -632,7 +659,8 @@ def initialize(
             for i, opt in enumerate(opt_list):
                 if masters[i] is None:
                     mw = MasterWeights(
-                        opt, [p for p in to_cast if p.dtype == torch.float32], model_grads=level.model_grads
+                        opt, [p for p in to_cast if p.dtype == torch.float32], model_grads=level.model_grads,
+                        master_grads=level.master_grads,
                     )
                     opt.__dict__[_MASTERS_ATTR] = mw
                     masters[i] = mw
@@ -704,17 +732,59 @@ def _attach_trainer(
 
 
 class _MasterStep(StepExtension):
-    """fp32 master weights (O2) on a managed step: the masters are copied back into the
-    model after every taken step; saved as ``"master_weights"`` with the optimizer."""
+    """fp32 master weights (O2) on a managed step. Right before the optimizer's own
+    step, the masters whose grads are held in 16 bits (``master_grads="on_demand"``)
+    are stepped in one pass where :mod:`ampkit.levels.one_pass` has a kernel for their
+    param group (their placeholder grads are taken off for the optimizer's step, which
+    then skips them, and put back after it); the other held grads get their fp32
+    copies for the optimizer. After every taken step
+    the masters not written by the one pass are copied back into the model. Saved as
+    ``"master_weights"`` with the optimizer."""
 
     state_name = "master_weights"
 
     def __init__(self, masters: MasterWeights) -> None:
         self.masters = masters
+        self._written: set[int] = set()
+        self._lifted: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def before_update(self, args: tuple, kwargs: dict) -> None:
+        self._written = set()
+        mw = self.masters
+        held = mw.held()
+        if not held:
+            return
+        if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
+            mw.materialize()
+            return
+        opt = mw.optimizer
+        model_of = {id(m): p for m, p in held}
+        written: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for group in opt.param_groups:
+            rule = one_pass.rule_for(opt, group)
+            if rule is None:
+                continue
+            items = []
+            for master in list.__iter__(group["params"]):  # bookkeeping: no grads derived
+                model_p = model_of.get(id(master))
+                if model_p is not None and one_pass.fits(opt, rule, master, model_p, model_p.grad):
+                    items.append((master, model_p, model_p.grad))
+            one_pass.step_params(opt, group, rule, items)
+            written.extend((m, p) for m, p, _ in items)
+        self._written = {id(m) for m, _ in written}
+        mw.consumed(written)
+        if len(written) < len(held):
+            mw.materialize_except(self._written)
+        self._lifted = mw.lift(written)
+
+    def after_update(self) -> None:
+        self.masters.restore(self._lifted)
+        self._lifted = []
 
     def after_step(self, skipped: bool) -> None:
         if not skipped:
-            self.masters.publish()
+            self.masters.publish(skip=self._written)
+        self._written = set()
 
     def state_dict(self) -> Any:
         return self.masters.state_dict()

@@ -228,6 +228,13 @@ class GradPath:
             watch_ddp(model, masters)
         self._reinstall()
 
+    def held_params(self) -> list[nn.Parameter]:
+        """The model parameters whose 16-bit grad is held as the gradient of their
+        master (O2, ``master_grads="on_demand"``): the step checks and reads these."""
+        if self.masters is None:
+            return []
+        return [model_p for _, model_p in self.masters.held()]
+
     def _reinstall(self) -> None:
         for rec in list(self._params.values()):
             self._unhook(rec)
@@ -304,6 +311,8 @@ class GradPath:
         if not self._active:
             return
         self.finish(absorb_raw=True)
+        if self.masters is not None:
+            self.masters.materialize()  # no hooks from now on: the masters hold the grads
         self._active = False
         for rec in self._params.values():
             self._unhook(rec)
@@ -398,6 +407,8 @@ class GradPath:
             assert self.masters is not None
             self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0)
             self._mark_checked(rec.stepped, loss_id)
+            if self.masters.is_placeholder(rec.stepped):  # held on the model (master_grads="on_demand")
+                self._mark_checked(rec.param, loss_id)
             return
         if scale != 1.0:
             rec.scale, rec.loss_id = scale, loss_id
@@ -523,9 +534,10 @@ class GradPath:
         """Those of ``params`` whose grad changed since the hooks (or the last call)
         checked it; they count as checked from now on (the caller checks them)."""
         out = []
+        masters = self.masters
         for p in params:
             g = p.grad
-            if g is None:
+            if g is None or (masters is not None and masters.is_placeholder(p)):
                 continue
             seen = self._checked.get(id(p))
             if seen is None or seen[0]() is not g or seen[1] != torch_compat.tensor_version(g):
@@ -548,6 +560,8 @@ class GradPath:
         GradScaler's ``unscale_``): finish pending work and, O2, merge the model's grad
         edits into the masters, so the unscale acts on the grads the step will use."""
         self.finish(absorb_raw=True)
+        if self.masters is not None:
+            self.masters.materialize()  # it unscales the masters' grads
         self.reconcile()
 
     def after_outside_unscale(self) -> None:

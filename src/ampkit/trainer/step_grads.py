@@ -192,7 +192,7 @@ class StepGrads:
             if found is not None:
                 flags.append(found)
             path.unchecked(raw)  # checked just now
-        unchecked = path.unchecked(params)
+        unchecked = path.unchecked(params + path.held_params())
         if unchecked:
             found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
             if found is not None:
