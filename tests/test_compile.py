@@ -315,7 +315,11 @@ LEVELS = ["O0", "O1", "O2", "O3", "O2K", "init"]
 ])
 def test_compiled_models_train_as_eager_at_every_level(make, backend):
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32})
-    for level, policy in [*((lv, None) for lv in LEVELS), ("O1", custom)]:
+    # Under inductor the levels whose compiled graphs differ in what ampkit decides
+    # (op-level casting, a cast model with fp32 norms, the process-wide init, a custom
+    # policy); O0 (fp32), O3 (all 16-bit) and O2K (O2's forward) add compile time only.
+    levels = LEVELS if backend == FAST else ["O1", "O2", "init"]
+    for level, policy in [*((lv, None) for lv in levels), ("O1", custom)]:
         eager, want = _train(make, level, compiled=False, policy=policy)
         comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
         assert got == want, (level, policy)  # each layer's output dtype, op for op
