@@ -140,7 +140,9 @@ class MasterWeights:
             ``"on_demand"``, a 16-bit grad that is the whole gradient of its step (the
             first backward into the parameter since its grads were cleared, loss scale
             1, outside DDP, dense, on ``ON_DEMAND_DEVICES``) stays on the model
-            parameter as backward produced it and the master's ``.grad`` stays None
+            parameter as backward produced it and the master's ``.grad`` is a
+            placeholder (a zero-strided fp32 zero, no memory; :meth:`is_placeholder`),
+            through which clearing or zeroing by the optimizer's ``zero_grad`` shows
             (*held*): the step reads the 16-bit grad directly
             (:mod:`ampkit.levels.one_pass`; no fp32 grad is ever allocated for
             Adam, AdamW and SGD), and the fp32 grad, its exact widening, is derived

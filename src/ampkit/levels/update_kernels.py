@@ -83,9 +83,10 @@ class Kernel:
         example_dtypes: dtypes of the tensor arguments, for the compile probe.
         exact: whether the compiled kernel must match the op-by-op one bit for bit
             (default True: kernels that compute rounding errors need it). With False
-            the probe allows a relative difference of 4 fp32 ulps (1 in the 16-bit
-            outputs): ATen's vectorized ``sqrt`` is not correctly rounded on every CPU
-            (e.g. AVX-512), while the compiled one is.
+            the probe allows 4 fp32 ulps (1 ulp in 16-bit outputs) of the larger of
+            each element and the output's largest magnitude: ATen's vectorized
+            ``sqrt`` is not correctly rounded on every CPU (e.g. AVX-512), while the
+            compiled one is.
     """
 
     def __init__(
