@@ -57,6 +57,7 @@ before" measured side by side.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import statistics
 import sys
@@ -158,7 +159,22 @@ class _GradientsFor(torch.autograd.Function):
         return (None, *[g * out.to(g.dtype) for g in ctx.grads])
 
 
-def _worker(conn: Any, src: str | None = None) -> None:
+def _hold_freed_memory() -> bool:
+    """This tree's ``hold_freed_memory``, loaded from its file so that a baseline
+    worker still imports the baseline's ampkit afterwards."""
+    package = importlib.util.find_spec("ampkit")
+    assert package is not None and package.submodule_search_locations
+    path = f"{list(package.submodule_search_locations)[0]}/tools/bench/allocator.py"
+    spec = importlib.util.spec_from_file_location("_step_limit_allocator", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return bool(module.hold_freed_memory())
+
+
+def _worker(conn: Any, src: str | None = None, hold_memory: bool = True) -> None:
+    if hold_memory:
+        _hold_freed_memory()
     if src is not None:
         sys.path.insert(0, src)
     torch.set_num_threads(1)
@@ -297,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps per arm per round (default: 2 wide, 5 others)")
     parser.add_argument("--baseline", help="an older ampkit source tree: adds its O1/O2/O2K arms")
     parser.add_argument("--json", help="also write machine, per-arm times, ratios and checks to this file")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc at its defaults in the arms' processes (default: "
+                             "freed memory stays in each process, so no arm pays page faults for "
+                             "memory an earlier step gave back)")  # fmt: skip
     args = parser.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
@@ -311,14 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         phases = ["full", "update"] if native else ["update"]
     else:
         phases = ["full", "update"] if args.phase == "both" else [args.phase]
+    from ampkit.tools.bench.allocator import hold_freed_memory
     from ampkit.tools.bench.machine import machine_info
     from ampkit.tools.bench.workloads import make_workload
 
+    if not args.system_malloc:
+        hold_freed_memory()  # the arms do the same; so the record names their setting
     machine = machine_info(args.device, threads=1)
     print(
         f"torch {torch.__version__}, {machine['device_name']} ({', '.join(machine['cpu_flags']) or 'no listed flags'}), "
         f"CPU capability {machine['cpu_capability']}, 1 thread per arm; bf16 matmul / fp32 "
         f"matmul = {ratio:.1f}x" + ("" if native else " (no native bf16: full-step phase skipped unless asked)")
+        + f"; allocator {machine['malloc']['allocator']}, freed memory {machine['malloc']['freed_memory']}"
     )
     ctx = mp.get_context("spawn")
     pool: dict[str, Any] = {}
@@ -328,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             parent, child = ctx.Pipe()
             src = args.baseline if arm.endswith("@base") else None
-            proc = ctx.Process(target=_worker, args=(child, src), daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, src, not args.system_malloc), daemon=True)
             proc.start()
             child.close()
             pool[arm] = (parent, proc)

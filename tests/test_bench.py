@@ -69,6 +69,12 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
     _, out, output = bench_run
     results = json.loads((out / "results.json").read_text())
     assert results["device"] == "cpu" and results["dtype"] == "bf16"
+    from ampkit.tools.bench.allocator import allocator_info
+
+    # The workers kept freed memory where the allocator is glibc's (the default).
+    expected = "held" if allocator_info()["freed_memory"] == "returned to the OS" else allocator_info()["freed_memory"]
+    assert results["allocator"]["freed_memory"] == expected
+    assert "Allocator:" in output
     assert set(results["workloads"]) == {"lm"}
     for name, wl in results["workloads"].items():
         assert list(wl["precisions"]) == list(PRECISIONS), name
@@ -82,6 +88,8 @@ def test_bench_results_json_has_every_precision_with_positive_figures(
             assert 0 < entry["accuracy"] <= 1
             assert entry["skipped_steps"] >= 0
             assert entry["nonfinite_losses"] == 0
+            faults = entry["page_faults_per_step"]
+            assert faults is None or faults >= 0, (name, p, faults)
         assert wl["precisions"]["fp32"]["speedup"] == pytest.approx(1.0)
         # Training made progress: final loss well under the first step's.
         fp32 = wl["precisions"]["fp32"]

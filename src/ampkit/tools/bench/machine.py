@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .allocator import allocator_info
+
 __all__ = ["SPEED_FLAGS", "cpu_flags", "device_name", "machine_info", "write_record"]
 
 # The /proc/cpuinfo flags that decide how fast 16-bit math runs on an x86-64 CPU.
@@ -56,7 +58,8 @@ def machine_info(device: str = "cpu", threads: int | None = None) -> dict[str, A
     """The record a benchmark's JSON starts with (plain JSON types only):
     ``device``, ``device_name``, ``cpu_flags``, ``cpu_capability`` (the ATen kernel
     level, e.g. ``"AVX512"``), ``threads`` (torch's intra-op threads unless given),
-    ``torch``, ``python``, ``platform``, ``date_utc`` (ISO 8601, seconds) and
+    ``malloc`` (:func:`~ampkit.tools.bench.allocator.allocator_info`: whether freed
+    memory stays in the process), ``torch``, ``python``, ``platform``, ``date_utc`` (ISO 8601, seconds) and
     ``command`` (this process's command line)."""
     return {
         "device": device,
@@ -65,6 +68,7 @@ def machine_info(device: str = "cpu", threads: int | None = None) -> dict[str, A
         "cpu_flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads() if threads is None else threads,
+        "malloc": allocator_info(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

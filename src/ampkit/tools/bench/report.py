@@ -15,7 +15,7 @@ from typing import Any
 
 from ampkit._internal.tree import map_leaves
 
-__all__ = ["render_tables", "write_json", "write_plot", "fmt_precision_row"]
+__all__ = ["render_tables", "write_json", "write_plot", "fmt_precision_row", "allocator_note"]
 
 DASH = "—"
 
@@ -111,10 +111,27 @@ def render_tables(results: dict[str, Any], console: Any = None) -> None:
         "and mem vs fp32: ratios to fp32 in this run; time vs bf16: median step time over "
         "the pure-bf16 run's (the speed limit of a 16-bit step); train loss: mean of the last 10% of "
         "steps; eval loss/acc: held-out data after training; skipped: steps skipped for "
-        f"inf/NaN gradients. {results['memory_method']}.",
+        f"inf/NaN gradients. {results['memory_method']}. {allocator_note(results)}",
         style="dim",
         highlight=False,
     )
+
+
+def allocator_note(results: dict[str, Any]) -> str:
+    """The sentence under the tables on the training processes' C allocator."""
+    info = results.get("allocator") or {}
+    name, freed = info.get("allocator", "unknown allocator"), info.get("freed_memory", "unknown")
+    if freed == "held":
+        return (
+            f"Allocator: {name}, freed memory kept in each process (no step pays page faults "
+            "for memory an earlier step gave back; --system-malloc for glibc's defaults)."
+        )
+    if freed == "returned to the OS":
+        return (
+            f"Allocator: {name} at its defaults (--system-malloc): step times include page "
+            "faults for memory given back to the OS, which vary from process to process."
+        )
+    return f"Allocator: {name} ({freed})."
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

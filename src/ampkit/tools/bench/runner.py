@@ -52,7 +52,12 @@ class BenchError(Exception):
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Settings of one ``ampkit bench`` run (the CLI's options)."""
+    """Settings of one ``ampkit bench`` run (the CLI's options).
+
+    ``hold_freed_memory`` (default True): each worker calls
+    :func:`ampkit.tools.bench.allocator.hold_freed_memory` as it starts, so that no
+    precision's step time includes page faults for memory glibc handed back to the
+    OS after an earlier step (``--system-malloc`` turns it off)."""
 
     workloads: tuple[str, ...] = tuple(WORKLOADS)
     precisions: tuple[str, ...] = PRECISIONS
@@ -63,6 +68,7 @@ class BenchConfig:
     seed: int = 0
     threads: int = 1
     block: int | None = None
+    hold_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         # one worker per precision: a name given twice would drive it twice per round
@@ -117,11 +123,14 @@ def resolve_device(device: str) -> str:
 class _Worker:
     """Parent-side handle of one precision's worker process."""
 
-    def __init__(self, ctx: Any, precision: str, threads: int) -> None:
+    def __init__(self, ctx: Any, precision: str, threads: int, hold_memory: bool) -> None:
         self.precision = precision
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=worker_main, args=(child, threads), name=f"ampkit-bench-{precision}", daemon=True
+            target=worker_main,
+            args=(child, threads, hold_memory),
+            name=f"ampkit-bench-{precision}",
+            daemon=True,
         )
         # The worker's memory step runs torch.profiler, whose kineto logs each start
         # and stop on stderr: quiet in the child (a spawned child takes the parent's
@@ -163,12 +172,12 @@ class _Worker:
 
 
 @contextmanager
-def _workers(precisions: tuple[str, ...], threads: int) -> Iterator[dict[str, _Worker]]:
+def _workers(precisions: tuple[str, ...], threads: int, hold_memory: bool) -> Iterator[dict[str, _Worker]]:
     ctx = mp.get_context("spawn")
     pool: dict[str, _Worker] = {}
     try:
         for p in precisions:
-            pool[p] = _Worker(ctx, p, threads)
+            pool[p] = _Worker(ctx, p, threads, hold_memory)
         yield pool
     finally:
         for w in pool.values():
@@ -200,6 +209,8 @@ def summarize_precision(blocks: list[dict[str, Any]], result: dict[str, Any]) ->
     tail = losses[-max(1, len(losses) // 10) :]
     final_loss = statistics.fmean(tail) if tail and all(math.isfinite(v) for v in tail) else None
     known_scales = [s for s in scales if s is not None]
+    faults = [b["page_faults"] / b["steps"] for b in blocks if b["steps"] and b.get("page_faults") is not None]
+    timed_faults = faults[1:] if len(faults) > 1 else faults
     return {
         "status": "ok",
         "steps": len(losses),
@@ -207,6 +218,7 @@ def summarize_precision(blocks: list[dict[str, Any]], result: dict[str, Any]) ->
         "step_ms_mean": statistics.fmean(timed) if timed else None,
         "step_ms_min": min(timed) if timed else None,
         "block_ms": block_ms,
+        "page_faults_per_step": statistics.median(timed_faults) if timed_faults else None,
         "final_train_loss": final_loss,
         "nonfinite_losses": sum(not math.isfinite(v) for v in losses),
         "skipped_steps": skipped,
@@ -291,6 +303,7 @@ def _run_workload(
     ordered = {p: entries[p] for p in config.precisions}
     _add_ratios(ordered)
     return {
+        "allocator": info.get("allocator"),
         "description": info.get("description", ""),
         "config": info.get("config", {}),
         "steps": steps,
@@ -335,8 +348,11 @@ def run_bench(
         "started_utc": started.isoformat(timespec="seconds"),
         "workloads": {},
     }
-    with _workers(config.precisions, config.threads) as pool:
+    with _workers(config.precisions, config.threads, config.hold_freed_memory) as pool:
         for name in config.workloads:
             results["workloads"][name] = _run_workload(name, config, pool, progress, announce)
+            allocator = results["workloads"][name].pop("allocator", None)
+            if allocator and "allocator" not in results:
+                results["allocator"] = allocator
     results["wall_seconds"] = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
     return results

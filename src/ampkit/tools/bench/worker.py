@@ -27,6 +27,7 @@ import torch
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME
 
+from .allocator import allocator_info, hold_freed_memory, minor_page_faults
 from .memory import MIB, PeakMeter, SavedActivations, live_tensor_bytes, storage_ptrs
 from .recipes import Recipe, RecipeUnavailable, make_recipe
 from .workloads import make_workload
@@ -74,7 +75,11 @@ class TrainingRun:
 
     def info(self) -> dict[str, Any]:
         """What the parent shows before training starts."""
-        return {"description": self.workload.description, "config": self.workload.config()}
+        return {
+            "description": self.workload.description,
+            "config": self.workload.config(),
+            "allocator": allocator_info(),
+        }
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -92,11 +97,13 @@ class TrainingRun:
         return loss.detach(), skipped
 
     def train(self, n: int) -> dict[str, Any]:
-        """Run ``n`` steps; return their losses, skips, loss scales and wall time."""
+        """Run ``n`` steps; return their losses, skips, loss scales, wall time and the
+        minor page faults the process took meanwhile (None where not counted)."""
         losses: list[torch.Tensor] = []
         skipped: list[bool] = []
         scales: list[float | None] = []
         self._sync()
+        faults = minor_page_faults()
         start = time.perf_counter()
         for _ in range(n):
             loss, was_skipped = self._step()
@@ -106,8 +113,16 @@ class TrainingRun:
             self.step_count += 1
         self._sync()
         seconds = time.perf_counter() - start
+        after = minor_page_faults()
         values = torch.stack(losses).float().tolist() if losses else []
-        return {"losses": values, "skipped": skipped, "scales": scales, "seconds": seconds, "steps": n}
+        return {
+            "losses": values,
+            "skipped": skipped,
+            "scales": scales,
+            "seconds": seconds,
+            "steps": n,
+            "page_faults": None if faults is None or after is None else after - faults,
+        }
 
     def finish(self) -> dict[str, Any]:
         """Held-out metrics and memory figures after training."""
@@ -160,8 +175,11 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def worker_main(conn: Connection, threads: int) -> None:
-    """Entry point of a worker process: serve commands until ``("close",)``."""
+def worker_main(conn: Connection, threads: int, hold_memory: bool = True) -> None:
+    """Entry point of a worker process: serve commands until ``("close",)``.
+    ``hold_memory``: keep freed memory in the process (:func:`hold_freed_memory`)."""
+    if hold_memory:
+        hold_freed_memory()
     torch.set_num_threads(threads)
     # The parent prints its own note once for fp16 on CPU; one per worker is noise.
     warnings.filterwarnings("ignore", message=r".*float16 on CPU.*", category=UserWarning)

@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of weights and batch order (default: 0)")
     bench.add_argument("--threads", type=positive_int, default=1,
                        help="torch CPU threads per training process (default: 1)")
+    bench.add_argument("--system-malloc", action="store_true",
+                       help="leave glibc's malloc at its defaults in the training processes: freed "
+                            "blocks go back to the OS and are faulted in again by later steps, by an "
+                            "amount that varies from process to process (default: freed memory is "
+                            "kept in each process, so step times compare the precisions)")
     # Internal knobs (tests, experiments): model size preset and interleaving block.
     bench.add_argument("--size", choices=("full", "quick", "tiny"), default=None, help=argparse.SUPPRESS)
     bench.add_argument("--block", type=positive_int, default=None, help=argparse.SUPPRESS)
@@ -112,7 +117,7 @@ def _check_out_dir(out: Path) -> Path:
     return out
 
 
-def _make_config(args: argparse.Namespace) -> Any:
+def bench_config(args: argparse.Namespace) -> Any:
     from ampkit.tools.bench.runner import BenchConfig, BenchError, resolve_device
 
     try:
@@ -128,6 +133,7 @@ def _make_config(args: argparse.Namespace) -> Any:
             seed=args.seed,
             threads=args.threads,
             block=args.block,
+            hold_freed_memory=not args.system_malloc,
         )
     except BenchError as exc:
         raise UsageError(f"{PROG} bench: {exc}") from None
@@ -135,7 +141,7 @@ def _make_config(args: argparse.Namespace) -> Any:
 
 def _bench(args: argparse.Namespace) -> int:
     _check_cli_extra()
-    config = _make_config(args)
+    config = bench_config(args)
     out = _check_out_dir(args.out)
 
     import torch
