@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from ._common import UsageError, positive_int
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "bench_config"]
 
 PROG = "ampkit"
 CLI_EXTRA = ("rich", "matplotlib", "sklearn")
@@ -118,6 +118,8 @@ def _check_out_dir(out: Path) -> Path:
 
 
 def bench_config(args: argparse.Namespace) -> Any:
+    """The :class:`~ampkit.tools.bench.runner.BenchConfig` of parsed ``ampkit bench``
+    arguments (the device resolved); a bad setting raises ``UsageError``."""
     from ampkit.tools.bench.runner import BenchConfig, BenchError, resolve_device
 
     try:
