@@ -254,3 +254,41 @@ def test_the_bitwise_checks_hold_under_each_cpu_kind(capability, tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=850)
     assert proc.returncode == 0 and "\n4 passed" in proc.stdout, f"under {seen}:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+
+
+_CACHED_RUN = """
+import sys, torch
+from torch import nn
+import ampkit as amp
+torch.set_num_threads(1)
+recipe = amp.Fp8Recipe(min_features=16, format="e4m3", granularity=sys.argv[1])
+def train(compiled):
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O1", fp8=recipe)
+    run = torch.compile(model) if compiled else model
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        opt.zero_grad()
+        run(x).float().pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+comp = train(True)   # first: its layers get the process's first handles, as in the other run
+eager = train(False)
+assert all(torch.equal(a, b) for a, b in zip(eager, comp)), "compiled fp8 differs from eager"
+print("same", sys.argv[1])
+"""
+
+
+def test_a_graph_cached_for_one_granularity_is_not_reused_for_another(tmp_path):
+    """Two scripts run one after the other share inductor's on-disk caches (on by default).
+    Their fp8 layers get the same handle numbers, so a graph compiled for tensorwise
+    scaling must not serve a rowwise layer of the same shapes: each run trains bitwise as
+    its eager twin, whichever ran first."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    for granularity in ("tensorwise", "rowwise", "tensorwise"):
+        proc = subprocess.run([sys.executable, "-c", _CACHED_RUN, granularity], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and f"same {granularity}" in proc.stdout, proc.stderr[-3000:]

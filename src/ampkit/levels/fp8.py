@@ -655,9 +655,16 @@ _MODES: tuple[Mode, ...] = ("train", "frozen", "replay")
 
 @torch.library.custom_op("ampkit::fp8_linear", mutates_args=())
 def _fp8_linear_op(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, handle: int, out_dtype: torch.dtype, grad: bool
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, handle: int, out_dtype: torch.dtype, grad: bool,
+    rowwise: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     state = _HANDLES[handle]
+    if rowwise != (state.recipe.granularity == "rowwise"):
+        raise AmpError(
+            f"fp8 layer {state.name!r}: a compiled graph was built for {'rowwise' if rowwise else 'tensorwise'} "
+            f"scaling but the layer's recipe is {state.recipe.granularity}; call torch._dynamo.reset() "
+            "after changing a layer's fp8 recipe"
+        )
     mode = _forward_mode(grad)
     with torch.autocast(x.device.type, enabled=False):
         y, saved = _forward(x, w, bias, state, out_dtype, mode)
@@ -671,9 +678,12 @@ def _fp8_linear_op(
 
 
 @_fp8_linear_op.register_fake
-def _(x, w, bias, handle, out_dtype, grad):  # type: ignore[no-untyped-def]
+def _(x, w, bias, handle, out_dtype, grad, rowwise):  # type: ignore[no-untyped-def]
+    # the output shapes follow the arguments alone: a compiled graph cached on disk (inductor's
+    # FX graph and AOT autograd caches) is reused by a later process whose same handle number
+    # may name a layer of another granularity; ``rowwise`` keeps those graphs apart
     y = x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype)
-    if _HANDLES[handle].recipe.granularity == "rowwise":
+    if rowwise:
         saved = tuple(x.new_empty(0) for _ in range(4))
     else:
         scalar = x.new_empty((), dtype=torch.float32)
@@ -704,8 +714,7 @@ def _(gy, x, w, xq, wq, xs, ws, mode, handle, x_dtype, w_dtype, b_dtype, need_x,
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, w, bias, handle, _, _ = inputs
-    rowwise = _HANDLES[handle].recipe.granularity == "rowwise"
+    x, w, bias, handle, _, _, rowwise = inputs
     ctx.handle = handle
     ctx.dtypes = (x.dtype, w.dtype, bias.dtype if bias is not None else None)
     ctx.save_for_backward(*((x, w) if rowwise else (None, None)), *output[1:])
@@ -715,7 +724,7 @@ def _backward_formula(ctx: Any, gy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     x, w, xq, wq, xs, ws, mode = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     gx, gw, gb = torch.ops.ampkit.fp8_linear_backward(gy, x, w, xq, wq, xs, ws, mode, ctx.handle, *ctx.dtypes, *need)
-    return (gx if need[0] else None, gw if need[1] else None, gb if need[2] else None, None, None, None)
+    return (gx if need[0] else None, gw if need[1] else None, gb if need[2] else None, None, None, None, None)
 
 
 _fp8_linear_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -745,7 +754,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
-        y = torch.ops.ampkit.fp8_linear(x2d, weight, bias, state.handle, out_dtype, torch.is_grad_enabled())[0]
+        rowwise = state.recipe.granularity == "rowwise"
+        y = torch.ops.ampkit.fp8_linear(x2d, weight, bias, state.handle, out_dtype, torch.is_grad_enabled(), rowwise)[0]
     else:
         with torch.autocast(x.device.type, enabled=False):
             y = _Fp8Matmul.apply(x2d, weight, bias, state, out_dtype, _forward_mode(torch.is_grad_enabled()))
