@@ -143,8 +143,11 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
 # --- the overflow check when nothing needs unscaling ------------------------------------
 
 #: Tensors from this size on are checked with a read-only min/max reduction; smaller
-#: ones with torch's fused check (which also writes them back, times 1).
-MINMAX_NUMEL = 1 << 15
+#: ones with torch's fused check (which also writes them back, times 1). The reduction
+#: and its flag cost a fixed ~25 us on CPU: measured per bf16 tensor, the fused check
+#: took 9 / 27 / 114 / 458 us at 32k / 128k / 512k / 2M elements, the reduction
+#: 30 / 41 / 96 / 294 us.
+MINMAX_NUMEL = 1 << 19
 
 
 def nonfinite_flag(
