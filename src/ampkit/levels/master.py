@@ -387,24 +387,27 @@ class MasterWeights:
         allocation less, for up to 2 bytes per parameter more during backward)."""
         g = model_p.grad
         master = self._masters[id(model_p)]
-        model_p.grad = None
         link = self._link(model_p)
-        link.show(None)
         link.viewable = False
+        fresh = (
+            g is not None and keep and master.grad is None and g.layout == torch.strided and g.grad_fn is None
+            and g.dtype != torch.float32
+        )
+        if fresh and self.master_grads == "on_demand" and self.model_grads == "copy" and g.device.type in ON_DEMAND_DEVICES:
+            # The whole gradient, in 16 bits: it stays on the model (held), checked;
+            # the fp32 grad is its exact widening, derived only when needed.
+            if unscale is not None:
+                with torch.no_grad():
+                    unscale([g])
+            link.show(g)
+            link.keep(None)
+            link.hold(master)
+            return
+        model_p.grad = None
+        link.show(None)
         if g is None:
             return
-        if keep and master.grad is None and g.layout == torch.strided and g.grad_fn is None and g.dtype != torch.float32:
-            if self.master_grads == "on_demand" and self.model_grads == "copy" and g.device.type in ON_DEMAND_DEVICES:
-                # The whole gradient, in 16 bits: it stays on the model (held), checked;
-                # the fp32 grad is its exact widening, derived only when needed.
-                with torch.no_grad():
-                    if unscale is not None:
-                        unscale([g])
-                model_p.grad = g
-                link.show(g)
-                link.keep(None)
-                link.hold(master)
-                return
+        if fresh:
             view = self.model_grads == "view" and g.dtype == torch.bfloat16 and g.dim() > 0 and g.is_contiguous()
             if view or g.device.type in KEEP_ASIDE_DEVICES:
                 with torch.no_grad():
@@ -460,6 +463,9 @@ class MasterWeights:
         if master is None:
             return
         link = self._link(model_p)
+        if link.held and master.grad is None:  # cleared through the optimizer: both sides go
+            self._release(model_p, master, link)
+            return
         if link.held and self._still_held(model_p, master, link, zeroed_clears=True):
             self._materialize_one(model_p, master)  # a second backward: the sum runs in fp32
         self._reconcile_one(model_p, master, link)
@@ -955,7 +961,7 @@ class _Link:
 
     __slots__ = (
         "_shown", "_shown_version", "_kept", "_kept_version", "aside", "viewable", "viewing", "held",
-        "placeholder", "placeholder_version", "zeroed",
+        "placeholder", "placeholder_version", "zeroed", "_holder",
     )
 
     def __init__(self) -> None:
@@ -977,6 +983,7 @@ class _Link:
         self.placeholder: torch.Tensor | None = None
         self.placeholder_version = 0
         self.zeroed = False  # the held grad was zeroed in place through the optimizer
+        self._holder: torch.Tensor | None = None  # the last placeholder, reused by hold()
 
     def show(self, t: torch.Tensor | None) -> None:
         self._shown = None if t is None else weakref.ref(t)
@@ -988,8 +995,11 @@ class _Link:
         self.zeroed = False
 
     def hold(self, master: nn.Parameter) -> None:
-        """Hold the gradient the model shows: the master gets a placeholder grad."""
-        holder = torch.zeros((), dtype=master.dtype, device=master.device).expand_as(master)
+        """Hold the gradient the model shows: the master gets a placeholder grad (the
+        last one again where it still fits: it has no memory to share)."""
+        holder = self._holder
+        if holder is None or holder.shape != master.shape or holder.device != master.device:
+            holder = self._holder = torch.zeros((), dtype=master.dtype, device=master.device).expand_as(master)
         master.grad = holder
         self.held = True
         self.placeholder = holder
