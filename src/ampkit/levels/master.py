@@ -38,11 +38,7 @@ under ampkit's trainer (hooks installed by :mod:`ampkit.trainer.grad_hooks`):
 
 The two copies of the weights stay one as well: before each step, model weights
 changed outside ampkit (``p.data.clamp_``, manual weight decay, ``copy_``) are taken
-into their masters (:meth:`MasterWeights.sync_from_model`, per tensor: a master whose
-model weight is no longer its rounding takes the weight; inside the one-pass kernels
-of :mod:`ampkit.levels.one_pass` per element, in the kernel's own read of the
-weight: only the changed elements take the weight, the others keep their low
-bits); masters changed outside the
+into their masters (:meth:`MasterWeights.sync_from_model`); masters changed outside the
 managed step (an optimizer wrapper stepping its base optimizer, e.g. SAM) are rounded
 into the model at its next forward (:meth:`MasterWeights.publish_changed`).
 
@@ -341,15 +337,6 @@ class MasterWeights:
             pairs = self._pairs()
         else:
             pairs = [(p, m) for p in params if (m := self._masters.get(id(p))) is not None]
-        self._sync(pairs)
-
-    def sync_except(self, skip: set[int]) -> None:
-        """:meth:`sync_from_model` for every master but those whose ``id`` is in ``skip``
-        (the one-pass step takes in their model weights' edits element by element, in
-        its own read of the weight: :mod:`ampkit.levels.one_pass`)."""
-        self._sync([(p, m) for p, m in self._pairs() if id(m) not in skip])
-
-    def _sync(self, pairs: Iterable[tuple[torch.Tensor, nn.Parameter]]) -> None:
         with torch.no_grad():
             for model_p, master in pairs:
                 if not _rounds_to(model_p, master):

@@ -50,26 +50,16 @@ from .update_kernels import Kernel, flat, same_layout
 __all__ = ["rule_for", "fits", "step_params", "scalar", "adam_scalars", "sgd_scalars"]
 
 
-def _taken_in(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The master the step starts from, element by element: ``p`` where the 16-bit model
-    weight ``w`` still holds ``p`` rounded, else ``w`` widened (an edit of the model's
-    weight outside ampkit -- ``.data`` arithmetic, ``load_state_dict`` into the model --
-    taken into the master, as :meth:`ampkit.levels.master.MasterWeights.sync_from_model`
-    does for a whole tensor, here within the step's one read of ``w``)."""
-    return torch.where(w == p.to(w.dtype), p, w.float())
-
-
 def _adam(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
     """Adam/AdamW on fp32 master ``p`` with 16-bit grad ``g``; fp32 moments ``m``, ``v``;
     16-bit model weight ``w`` set to ``p`` rounded. ``s``: 1-beta1, beta2, 1-beta2, eps,
     lr/bias_correction1, sqrt(bias_correction2), 1-lr*wd (decoupled decay; else 1),
     wd (L2 decay; else 0), -1 if maximize else 1."""
-    p0 = _taken_in(w, p)
-    gf = g.float() * s[8] + p0 * s[7]
+    gf = g.float() * s[8] + p * s[7]
     mf = m + (gf - m) * s[0]
     vf = v * s[1] + gf * gf * s[2]
     denom = vf.sqrt() / s[5] + s[3]
-    pf = p0 * s[6] - (mf / denom) * s[4]
+    pf = p * s[6] - (mf / denom) * s[4]
     p.copy_(pf)
     m.copy_(mf)
     v.copy_(vf)
@@ -79,11 +69,10 @@ def _adam(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v:
 def _sgd(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool) -> None:
     """SGD with momentum. ``s``: lr, wd, buffer decay (momentum; 0 on the first step),
     buffer gain (1-dampening; 1 on the first step), -1 if maximize else 1, momentum."""
-    p0 = _taken_in(w, p)
-    gf = g.float() * s[4] + p0 * s[1]
+    gf = g.float() * s[4] + p * s[1]
     bf = buf * s[2] + gf * s[3]
     update = gf + bf * s[5] if nesterov else bf
-    pf = p0 - update * s[0]
+    pf = p - update * s[0]
     p.copy_(pf)
     buf.copy_(bf)
     w.copy_(pf)
@@ -91,9 +80,8 @@ def _sgd(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, buf: torch.Tensor, s
 
 def _sgd_plain(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> None:
     """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
-    p0 = _taken_in(w, p)
-    gf = g.float() * s[2] + p0 * s[1]
-    pf = p0 - gf * s[0]
+    gf = g.float() * s[2] + p * s[1]
+    pf = p - gf * s[0]
     p.copy_(pf)
     w.copy_(pf)
 
@@ -107,14 +95,11 @@ def _kernel(rule: str, low: torch.dtype) -> Kernel:
     k = _KERNELS.get(key)
     if k is None:
         if rule == "adam":
-            k = Kernel("O2 Adam/AdamW", _adam, mutated=(0, 2, 3, 4), example_dtypes=(low, low, _F32, _F32, _F32),
-                       exact=False, rounded_from=(0, 2))
+            k = Kernel("O2 Adam/AdamW", _adam, mutated=(0, 2, 3, 4), example_dtypes=(low, low, _F32, _F32, _F32), exact=False)
         elif rule == "sgd":
-            k = Kernel("O2 SGD", _sgd, mutated=(0, 2, 3), example_dtypes=(low, low, _F32, _F32), exact=False,
-                       rounded_from=(0, 2))
+            k = Kernel("O2 SGD", _sgd, mutated=(0, 2, 3), example_dtypes=(low, low, _F32, _F32), exact=False)
         else:
-            k = Kernel("O2 SGD", _sgd_plain, mutated=(0, 2), example_dtypes=(low, low, _F32), exact=False,
-                       rounded_from=(0, 2))
+            k = Kernel("O2 SGD", _sgd_plain, mutated=(0, 2), example_dtypes=(low, low, _F32), exact=False)
         _KERNELS[key] = k
     return k
 

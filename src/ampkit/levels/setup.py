@@ -737,10 +737,7 @@ class _MasterStep(StepExtension):
     are stepped in one pass where :mod:`ampkit.levels.one_pass` has a kernel for their
     param group (their placeholder grads are taken off for the optimizer's step, which
     then skips them, and put back after it); the other held grads get their fp32
-    copies for the optimizer. Model weights edited outside ampkit are taken into
-    their masters here on a taken step: element by element inside the one-pass
-    kernels, per tensor (:meth:`MasterWeights.sync_from_model`) for the other
-    masters. After every taken step
+    copies for the optimizer. After every taken step
     the masters not written by the one pass are copied back into the model. Saved as
     ``"master_weights"`` with the optimizer."""
 
@@ -756,11 +753,9 @@ class _MasterStep(StepExtension):
         mw = self.masters
         held = mw.held()
         if not held:
-            mw.sync_from_model()
             return
         if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
             mw.materialize()
-            mw.sync_from_model()
             return
         opt = mw.optimizer
         model_of = {id(m): p for m, p in held}
@@ -780,7 +775,6 @@ class _MasterStep(StepExtension):
         mw.consumed(written)
         if len(written) < len(held):
             mw.materialize_except(self._written)
-        mw.sync_except(self._written)  # the one pass took in its weights' edits itself
         self._lifted = mw.lift(written)
 
     def after_update(self) -> None:

@@ -15,9 +15,7 @@ written with torch ops. It runs in one of two modes:
 
 Inductor keeps intermediates in fp32: a round trip ``x.to(bfloat16).float()``
 inside a kernel is folded away, so a kernel that needs a rounding error computes
-the rounding explicitly (see ``ampkit.levels.compensated``), and one that compares a
-16-bit tensor with an fp32 one rounded compiles with inductor's
-``emulate_precision_casts`` (``Kernel(rounded_from=...)``: the one-pass O2 steps). Before first use, the
+the rounding explicitly (see ``ampkit.levels.compensated``). Before first use, the
 compiled kernel is run on random data beside the eager function and must match
 it bit for bit; otherwise (and when compiling fails) the eager mode is used, with
 a warning.
@@ -47,8 +45,8 @@ __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 _LOG = logging.getLogger("ampkit")
 
 KernelMode = Literal["auto", "compiled", "eager"]
-# From this size on a tensor gets a call of its own: below it concatenating and copying
-# back cost less than a call's overhead (measured on CPU: AdamW over 20 tensors of
+# From this size on a tensor gets a call of its own: below it a call's overhead costs
+# more than concatenating and copying back (measured on CPU: AdamW over 20 tensors of
 # 16k-65k elements took 2.4 ms per step in own calls, 2.8-3.5 ms batched).
 DIRECT_NUMEL = 1 << 14
 # Small tensors are batched only when there are more than this many: below it the
@@ -92,14 +90,6 @@ class Kernel:
             each element and the output's largest magnitude: ATen's vectorized
             ``sqrt`` is not correctly rounded on every CPU (e.g. AVX-512), while the
             compiled one is.
-        rounded_from: ``(i, j)``: in ``fn``'s real use tensor argument ``i`` (16-bit)
-            mostly holds argument ``j`` (fp32) rounded to its dtype, and ``fn`` tests
-            that element by element (default None: no such pair). The compile probe
-            then starts argument ``i`` as argument ``j`` rounded, with every fifth
-            element one step off, so that both outcomes of the test are compared, and
-            the kernel compiles with inductor's ``emulate_precision_casts`` (without
-            it inductor drops a fused fp32-to-16-bit cast, and the test reads the fp32
-            value unrounded: nothing would ever compare equal).
     """
 
     def __init__(
@@ -109,11 +99,9 @@ class Kernel:
         mutated: Sequence[int],
         example_dtypes: Sequence[torch.dtype],
         exact: bool = True,
-        rounded_from: tuple[int, int] | None = None,
     ) -> None:
         self.name = name
         self.exact = exact
-        self.rounded_from = rounded_from
         self.fn = fn
         self.mutated = tuple(mutated)
         self.example_dtypes = tuple(example_dtypes)
@@ -128,8 +116,7 @@ class Kernel:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
             try:
-                options = {"emulate_precision_casts": True} if self.rounded_from is not None else None
-                compiled = torch.compile(self.fn, dynamic=True, fullgraph=True, options=options)
+                compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
                 # Probe on scratch tensors: a compiler failure must not surface halfway
                 # through a real step, and the compiled arithmetic must be the eager
                 # one bit for bit (no contraction into fused multiply-adds, which
@@ -137,11 +124,6 @@ class Kernel:
                 g = torch.Generator().manual_seed(0)
                 scalars = torch.rand(num_scalars, generator=g) * 0.5 + 0.25
                 probe = [(torch.randn(1031, generator=g) * 0.1).to(d) for d in self.example_dtypes]
-                if self.rounded_from is not None:
-                    i, j = self.rounded_from
-                    low = probe[j].to(probe[i].dtype)
-                    low[::5] = torch.nextafter(low[::5], torch.ones_like(low[::5]))
-                    probe[i] = low
                 expected = [t.clone() for t in probe]
                 compiled(*probe, scalars, **static)
                 self.fn(*expected, scalars, **static)

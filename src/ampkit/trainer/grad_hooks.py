@@ -576,18 +576,14 @@ class GradPath:
         followed, self._followed = self._followed, False
         return followed
 
-    def before_step(self, skip: bool) -> None:
-        """Right before the optimizer runs (taken or ``skip``-ped step), O2: the 16-bit
-        grad copies are freed so the step runs without them (:meth:`after_step` brings
-        them back), and on a skipped step the masters take in model weights changed
-        outside ampkit. A taken step leaves that to the master step extension
-        (``ampkit.levels.setup``), which folds it into the one-pass kernels' read of each
-        weight and syncs the other masters itself."""
+    def before_step(self) -> None:
+        """Right before the optimizer runs (taken or skipped step), O2: masters take in
+        model weights changed outside ampkit, and the 16-bit grad copies are freed so
+        the step runs without them (:meth:`after_step` brings them back)."""
         mw = self.masters
         if mw is not None:
             mw.hide(self._mastered())
-            if skip:
-                mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
+            mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
 
     def after_step(self) -> None:
         """After the step: the model's params show their (fp32) grads again, as 16-bit

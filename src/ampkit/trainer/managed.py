@@ -227,7 +227,7 @@ class ManagedOptimizer(StepGrads):
         if was_unscaled:
             self._check_edits()
         events, skip = self._resolve_step()
-        self.grad_path.before_step(skip)
+        self.grad_path.before_step()
         try:
             return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
         finally:
