@@ -380,8 +380,9 @@ def _misuse_advice(m: Any) -> Advice | None:
             "with amp.scale_loss(loss, optimizer) as scaled:   # loss: not yet scaled\n    scaled.backward()",
         ),
         "masters_out_of_sync": (
-            "sync_masters", "change O2 weights through the masters (or resync them)",
-            "ampkit.levels.master_weights_of(optimizer).sync_from_model()   # after editing model weights",
+            "sync_masters", "change O2 weights through their fp32 masters",
+            "with torch.no_grad():\n    for m in ampkit.master_params(optimizer):\n"
+            "        m.clamp_(-0.01, 0.01)   # the model gets them rounded at its next forward",
         ),
         "grad_hook_sees_scaled_grads": (
             "clip_after_backward", "clip after backward, not in a gradient hook",

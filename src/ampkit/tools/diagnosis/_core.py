@@ -613,9 +613,10 @@ class Doctor:
                 "masters_out_of_sync", state,
                 f"{len(stale)} O2 model weight(s) ({', '.join(stale[:3])}{'...' if len(stale) > 3 else ''}) "
                 "differ from their fp32 masters rounded: they were changed outside the optimizer "
-                "(p.data.copy_, a manual update) and the next step overwrites the change with the "
-                "masters. Change the weights through ampkit.master_params(optimizer), or call "
-                "ampkit.levels.master_weights_of(optimizer).sync_from_model() after changing the model.",
+                "(p.data.copy_, a manual update). The step takes each changed tensor into its "
+                "master whole, so those masters lose their low bits (the edit's result is kept in "
+                "16 bits only). To keep fp32 precision, change the masters instead: "
+                "ampkit.master_params(optimizer).",
                 params=stale,
             )
 
