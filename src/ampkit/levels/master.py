@@ -985,7 +985,7 @@ class _Link:
         """Hold the gradient the model shows: the master gets a placeholder grad (the
         last one again where it still fits: it has no memory to share)."""
         holder = self._holder
-        if holder is None or holder.shape != master.shape or holder.device != master.device:
+        if holder is None or holder.shape != master.shape or holder.dtype != master.dtype or holder.device != master.device:
             holder = self._holder = torch.zeros((), dtype=master.dtype, device=master.device).expand_as(master)
         master.grad = holder
         self.held = True

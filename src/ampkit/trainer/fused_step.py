@@ -153,10 +153,11 @@ MINMAX_NUMEL = 1 << 19
 def nonfinite_flag(
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
 ) -> torch.Tensor | None:
-    """Like ``scaling.unscale_and_check_(groups, 1.0)`` without writing the tensors:
-    a float32 0-dim tensor, 1.0 if any tensor holds inf/NaN, else 0.0 (``None`` for no
-    tensors); no host sync. ``torch.aminmax`` propagates NaN and shows +-inf, and reads
-    each element once where the fused check reads and writes it."""
+    """Like ``scaling.unscale_and_check_(groups, 1.0)``: a float32 0-dim tensor, 1.0 if
+    any tensor holds inf/NaN, else 0.0 (``None`` for no tensors); no host sync. Tensors
+    from ``MINMAX_NUMEL`` elements are only read (``torch.aminmax`` propagates NaN and
+    shows +-inf); smaller ones go through torch's fused check, which writes them back
+    times 1 (the same values; a NaN may come back with other bits)."""
     total: torch.Tensor | None = None
     for (device, _dtype), tensors in groups.items():
         small = [t for t in tensors if 0 < t.numel() < MINMAX_NUMEL]
