@@ -151,25 +151,42 @@ def test_fused_step_skips_bitwise_and_resumes_bitwise(cls, kw):
 # --- the read-only overflow check -------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [7, "large"])
-@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf"), "huge"])
 def test_nonfinite_flag_reads_without_writing(dtype, n, bad):
-    """Large tensors are only read (a min/max reduction); a small one goes through
+    """Large tensors are only read (a sum, or min/max); a small one goes through
     torch's fused check, which writes it back times 1 (the same values; in its scalar
-    loop, which these 7 elements take, a NaN's bits too)."""
-    from ampkit.trainer.fused_step import MINMAX_NUMEL, nonfinite_flag
+    loop, which these 7 elements take, a NaN's bits too). ``"huge"``: finite elements
+    at the dtype's maximum, whose sum overflows, are not an overflow."""
+    from ampkit.trainer.fused_step import READ_ONLY_NUMEL, nonfinite_flag
 
-    n = MINMAX_NUMEL + 101 if n == "large" else n
+    n = READ_ONLY_NUMEL + 101 if n == "large" else n
 
     g = torch.Generator().manual_seed(n)
     tensors = [torch.randn(n, generator=g).to(dtype), torch.randn(3, generator=g).to(dtype)]
-    if bad is not None:
+    if bad == "huge":
+        tensors[0][: n // 2] = torch.finfo(dtype).max
+    elif bad is not None:
         tensors[0][n // 2] = bad
     before = [t.clone() for t in tensors]
     flag = nonfinite_flag({(torch.device("cpu"), dtype): tensors})
-    assert flag.dtype == torch.float32 and flag.item() == (0.0 if bad is None else 1.0)
+    assert flag.dtype == torch.float32 and flag.item() == (0.0 if bad in (None, "huge") else 1.0)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
     for t, b in zip(tensors, before):
-        assert torch.equal(t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(t.view(bits), b.view(bits))
     assert nonfinite_flag({}) is None
+
+
+def test_nonfinite_flag_confirms_only_where_a_sum_overflowed():
+    """Of two large tensors, a finite one whose sum overflows and one holding a NaN,
+    the flag is set (by the NaN); with the NaN replaced by a finite value, it is not."""
+    from ampkit.trainer.fused_step import READ_ONLY_NUMEL, nonfinite_flag
+
+    huge = torch.full((READ_ONLY_NUMEL,), torch.finfo(torch.float32).max)
+    other = torch.zeros(READ_ONLY_NUMEL)
+    other[-1] = float("nan")
+    key = (torch.device("cpu"), torch.float32)
+    assert nonfinite_flag({key: [huge, other]}).item() == 1.0
+    other[-1] = 1.0
+    assert nonfinite_flag({key: [huge, other]}).item() == 0.0

@@ -58,8 +58,8 @@ Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`
 ``fused`` unset to torch's fastest kernel for the same optimizer (see
 :mod:`ampkit.trainer.fused_step`; ``fast_kernels=False`` opts out). Grads the step checks
 without unscaling them (scale 1, bf16's default, or edited since the end-of-backward
-unscale of :mod:`ampkit.trainer.grad_hooks`) are read once by a min/max reduction
-(:func:`ampkit.trainer.fused_step.nonfinite_flag`), not rewritten times 1. The skip decision
+unscale of :mod:`ampkit.trainer.grad_hooks`) are read once (on CPU a sum, confirmed by min/max where
+it is not finite; see :func:`ampkit.trainer.fused_step.nonfinite_flag`), not rewritten times 1. The skip decision
 stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
 and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
 

@@ -52,7 +52,7 @@ from ampkit._internal.dtypes import torch_class
 from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import group_grads
 
-from .fused_step import MINMAX_NUMEL, nonfinite_flag
+from .fused_step import READ_ONLY_NUMEL, nonfinite_flag
 
 if TYPE_CHECKING:
     from ampkit.levels.master import MasterWeights
@@ -342,13 +342,13 @@ class GradPath:
             found = flags.get(device)
             if found is None:
                 found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            if inv == 1.0:  # nothing to multiply: large tensors are only read (min/max)
-                large = [t for t in tensors if t.numel() >= MINMAX_NUMEL]
+            if inv == 1.0:  # nothing to multiply: large tensors are only read
+                large = [t for t in tensors if t.numel() >= READ_ONLY_NUMEL]
                 if large:
                     flag = nonfinite_flag({(device, tensors[0].dtype): large})
                     if flag is not None:
                         torch.maximum(found, flag, out=found)
-                    tensors = [t for t in tensors if t.numel() < MINMAX_NUMEL]
+                    tensors = [t for t in tensors if t.numel() < READ_ONLY_NUMEL]
                     if not tensors:
                         return
             inv_t = self._inv.get((device, inv))
