@@ -411,3 +411,59 @@ def test_o2_sparse_embedding_grads_move_into_fp32_masters():
     opt.step()
     assert not amp.step_skipped(opt)
     assert torch.allclose(master, ref.weight - 0.5 * ref.weight.grad.to_dense(), atol=1e-2)
+
+
+# --- optimizer.zero_grad() shows on the model at once -------------------------------------
+
+
+class _Boom(torch.autograd.Function):
+    """Identity forward; its backward raises (an exception halfway through backward)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+@pytest.mark.parametrize("level,overrides", [("O2", {}), ("O2", {"model_grads": "view"}), ("O2K", {}), ("O1", {})])
+def test_optimizer_zero_grad_clears_the_model_grads_at_once(level, overrides):
+    """Right after ``optimizer.zero_grad()`` the model's grads are None (zeros with
+    ``set_to_none=False``), as under torch, not the last backward's until the next
+    backward; after an exception inside backward too. The run's weights then equal a
+    twin's that never saw the dropped batches, bit for bit."""
+
+    def run(drops: bool) -> list[torch.Tensor]:
+        m = _model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m, opt = amp.initialize(m, opt, opt_level=level, **overrides)
+        dtype = m[0].weight.dtype
+        for i in range(4):
+            if drops:
+                _backward(m, opt, i, True)
+                assert any(p.grad is not None for p in m.parameters())
+                opt.zero_grad(set_to_none=False)
+                assert all(p.grad is None or not p.grad.any() for p in m.parameters())
+                _backward(m, opt, i, True)
+                opt.zero_grad()
+                assert all(p.grad is None for p in m.parameters())
+                x, _ = _batch(i)
+                out = m[3](_Boom.apply(m[2](m[1](m[0](x.to(dtype))))))
+                with pytest.raises(RuntimeError, match="boom"):
+                    with amp.scale_loss(out.float().square().mean(), opt) as scaled:
+                        scaled.backward()
+                opt.zero_grad()
+                assert all(p.grad is None for p in m.parameters())
+            _backward(m, opt, i, True)
+            assert all(p.grad is not None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+            assert all(p.grad is None for p in m.parameters())
+        out = [p.detach().clone() for p in m.parameters()] + [p.detach().clone() for p in amp.master_params(opt)]
+        amp.reset()
+        return out
+
+    twin, dropped = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(twin, dropped))

@@ -413,3 +413,51 @@ def test_options_are_checked():
         amp.initialize(model, opt, opt_level="O2", model_grads="view", master_grads="on_demand")
     with pytest.raises(amp.AmpError, match="master_grads"):
         MasterWeights(torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=1.0), master_grads="never")
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+@pytest.mark.parametrize("when", ["pre", "post"])
+def test_an_exception_inside_the_step_leaves_grads_and_weights_consistent(level, when):
+    """An optimizer hook raising inside ``step()`` (before torch's update, or after it
+    stepped the parameters it steps) propagates; afterwards every model weight is its
+    master rounded (O2), the grads of the failed step are back on the model, and the
+    run goes on: the next steps are taken and move every weight."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level)
+    fail = {"on": False}
+
+    def hook(*_):
+        if fail["on"]:
+            raise RuntimeError("hook failed")
+
+    (opt.register_step_pre_hook if when == "pre" else opt.register_step_post_hook)(hook)
+    for i in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(_loss(model, i), opt) as s:
+            s.backward()
+        opt.step()
+    opt.zero_grad()
+    with amp.scale_loss(_loss(model, 2), opt) as s:
+        s.backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="hook failed"):
+        opt.step()
+    fail["on"] = False
+    if level == "O2":
+        for p, m in zip(model.parameters(), amp.master_params(opt)):
+            assert torch.equal(p.detach(), m.detach().to(p.dtype))
+    if when == "pre":  # nothing was stepped by torch: the model still shows the grads
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    before = [p.detach().clone() for p in model.parameters()]
+    for i in range(3, 5):
+        opt.zero_grad()
+        with amp.scale_loss(_loss(model, i), opt) as s:
+            s.backward()
+        opt.step()
+        assert not amp.step_skipped(opt)
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    if level == "O2":
+        for p, m in zip(model.parameters(), amp.master_params(opt)):
+            assert torch.equal(p.detach(), m.detach().to(p.dtype))

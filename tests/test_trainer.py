@@ -732,11 +732,12 @@ def test_load_state_dict_into_a_different_setup_raises():
 
 def test_new_session_releases_and_starts_empty():
     opt = amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1))
-    assert "step" in opt.__dict__
+    assert "step" in opt.__dict__ and "zero_grad" in opt.__dict__
     assert len(amp_session.current_session().members) == 1
     fresh = amp_session.new_session()
     assert fresh is amp_session.current_session() and fresh.members == ()
     assert "step" not in opt.__dict__  # the optimizer's own step is back
+    assert "zero_grad" not in opt.__dict__
     with pytest.raises(StateError, match="not managed"):
         amp.stats(opt)
     amp.init_trainer(opt)  # can be managed again in the new session

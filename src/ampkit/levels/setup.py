@@ -781,6 +781,12 @@ class _MasterStep(StepExtension):
         self.masters.restore(self._lifted)
         self._lifted = []
 
+    def on_error(self) -> None:
+        # The optimizer raised mid-step: some masters may have moved; the model shows
+        # them (the one-pass ones wrote their weights already).
+        self.masters.publish(skip=self._written)
+        self._written = set()
+
     def after_step(self, skipped: bool) -> None:
         if not skipped:
             self.masters.publish(skip=self._written)

@@ -91,7 +91,14 @@ class StepExtension:
         (``kwargs["closure"]`` holds the closure of a closure step)."""
 
     def after_update(self) -> None:
-        """Right after the optimizer's own ``step`` of a taken step returned."""
+        """Right after the optimizer's own ``step`` of a taken step returned, or raised
+        (then :meth:`on_error` follows, and :meth:`after_step` does not run)."""
+
+    def on_error(self) -> None:
+        """The optimizer's own ``step`` (or a later extension's :meth:`before_update`)
+        raised, after this extension's :meth:`before_update` and :meth:`after_update`:
+        leave the parameters consistent with whatever was stepped (the exception then
+        propagates)."""
 
     def after_step(self, skipped: bool) -> None:
         """The step is over: taken (``skipped=False``, after :meth:`after_update`) or

@@ -209,6 +209,7 @@ class GradPath:
         self._model_of: dict[int, weakref.ref[nn.Module]] = {}
         # graph task -> records its backward touched, processed when the task ends.
         self._open: dict[int, list[_Param]] = {}
+        self._stepping = False  # between before_step and after_step
         # this step's inf/NaN flags from the hooks, per loss id and device
         self._found: dict[int, dict[torch.device, torch.Tensor]] = {}
         self._inv: dict[tuple[torch.device, float], torch.Tensor] = {}
@@ -551,6 +552,21 @@ class GradPath:
         if self.masters is not None:
             self.masters.reconcile(self._mastered())
 
+    def before_zero_grad(self) -> None:
+        """Before ``optimizer.zero_grad()`` (O2): the grads of a backward whose end was
+        not seen (an exception inside it) are taken in first, so that the zeroing
+        reaches them too."""
+        if self.masters is not None and self._open and not self._stepping:
+            self.finish()
+
+    def after_zero_grad(self) -> None:
+        """After ``optimizer.zero_grad()`` (O2): the model's grads show what it did to
+        the masters' (cleared: None; zeroed in place: zeros). Not while the step runs
+        (a closure's ``zero_grad``): the step's own merge handles that."""
+        if self.masters is None or self._stepping:
+            return
+        self.masters.reconcile(self._mastered())
+
     def _mastered(self) -> list[nn.Parameter]:
         """The model parameters whose grads are shown from a master (not held for DDP)."""
         return [r.param for r in self._params.values() if r.master is not None and r.scale is None]
@@ -581,6 +597,7 @@ class GradPath:
         model weights changed outside ampkit, and the 16-bit grad copies are freed so
         the step runs without them (:meth:`after_step` brings them back)."""
         mw = self.masters
+        self._stepping = True
         if mw is not None:
             mw.hide(self._mastered())
             mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
@@ -589,5 +606,6 @@ class GradPath:
         """After the step: the model's params show their (fp32) grads again, as 16-bit
         copies, for code that reads them after ``step()``."""
         mw = self.masters
+        self._stepping = False
         if mw is not None:
             mw.show(self._mastered())

@@ -106,7 +106,9 @@ class ManagedOptimizer(StepGrads):
         self._active = True
         StepGrads.__init__(self)
         self._previous_step: Any = _MISSING
+        self._previous_zero_grad: Any = _MISSING
         self._install_step()
+        self._install_zero_grad()
         # Hooks that make grads real as backward produces them (ampkit.trainer.grad_hooks).
         self.grad_path = GradPath(self)
         self.grad_path.refresh()
@@ -189,9 +191,33 @@ class ManagedOptimizer(StepGrads):
         self._step_function = step
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
 
+    def _install_zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` clears (or zeroes) the masters' grads under O2; the
+        wrapper then shows the same on the model's 16-bit grads at once, as torch's
+        own ``zero_grad`` would, instead of at the next backward or step (code that
+        reads ``model.parameters()`` grads in between would see the old gradient)."""
+        opt = self.optimizer
+        self._previous_zero_grad = opt.__dict__.get("zero_grad", _MISSING)
+        inner = opt.zero_grad
+        state = self
+
+        def zero_grad(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not state._active:
+                return inner(*args, **kwargs)
+            state.grad_path.before_zero_grad()
+            result = inner(*args, **kwargs)
+            state.grad_path.after_zero_grad()
+            return result
+
+        functools.update_wrapper(
+            zero_grad, type(opt).zero_grad, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
+        )
+        self._zero_grad_function = zero_grad
+        opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
+
     def release(self) -> None:
-        """Stop managing the optimizer: its previous ``step`` comes back (if something
-        wrapped ours since, ours stays but only forwards)."""
+        """Stop managing the optimizer: its previous ``step`` and ``zero_grad`` come back
+        (if something wrapped ours since, ours stays but only forwards)."""
         if not self._active:
             return
         self._active = False
@@ -199,12 +225,15 @@ class ManagedOptimizer(StepGrads):
         if self._kernel_hook is not None:
             self._kernel_hook.remove()
         opt = self.optimizer
-        current = opt.__dict__.get("step")
-        if getattr(current, "__func__", None) is self._step_function:
-            if self._previous_step is _MISSING:
-                del opt.__dict__["step"]
-            else:
-                opt.step = self._previous_step  # type: ignore[method-assign]
+        for name, ours, previous in (
+            ("step", self._step_function, self._previous_step),
+            ("zero_grad", self._zero_grad_function, self._previous_zero_grad),
+        ):
+            if getattr(opt.__dict__.get(name), "__func__", None) is ours:
+                if previous is _MISSING:
+                    del opt.__dict__[name]
+                else:
+                    setattr(opt, name, previous)
         if opt.__dict__.get(_ATTR) is self:
             del opt.__dict__[_ATTR]
         for slot in self._slots:
@@ -260,9 +289,21 @@ class ManagedOptimizer(StepGrads):
         if closure is not None:
             kwargs = {**kwargs, "closure": self._replay_closure(closure, loss)}
         extensions = tuple(self._extensions)
-        for ext in extensions:
-            ext.before_update(args, kwargs)
-        result = inner(*args, **kwargs)
+        started: list[StepExtension] = []
+        try:
+            for ext in extensions:
+                ext.before_update(args, kwargs)
+                started.append(ext)
+            result = inner(*args, **kwargs)
+        except BaseException:
+            # The step raised halfway (an optimizer hook, a param group it refuses, ...):
+            # what the extensions took off goes back, and each leaves the parameters
+            # consistent with what was stepped before the exception propagates.
+            for ext in started:
+                ext.after_update()
+            for ext in started:
+                ext.on_error()
+            raise
         for ext in extensions:
             ext.after_update()
         self._after_step(False)
