@@ -483,6 +483,25 @@ class MasterWeights:
                 if master is not None:
                     self._reconcile_one(model_p, master, self._link(model_p))
 
+    def after_zero_grad(self, model_params: Iterable[torch.Tensor]) -> None:
+        """``optimizer.zero_grad()`` just ran: the model's grads of ``model_params`` show
+        what it did to the masters' (a master's grad set to None clears the model's,
+        whatever was done to it since; one zeroed in place is merged by
+        :meth:`reconcile`)."""
+        with torch.no_grad():
+            for model_p in model_params:
+                master = self._masters.get(id(model_p))
+                if master is None:
+                    continue
+                if master.grad is None:
+                    if model_p.grad is not None:
+                        model_p.grad = None
+                        link = self._link(model_p)
+                        link.show(None)
+                        link.keep(None)
+                else:
+                    self._reconcile_one(model_p, master, self._link(model_p))
+
     def follow_masters(self, model_params: Iterable[torch.Tensor]) -> None:
         """The masters' grads of ``model_params`` were just changed in place by an
         operation that leaves version counters alone (the fused unscale a GradScaler

@@ -565,7 +565,7 @@ class GradPath:
         (a closure's ``zero_grad``): the step's own merge handles that."""
         if self.masters is None or self._stepping:
             return
-        self.masters.reconcile(self._mastered())
+        self.masters.after_zero_grad(self._mastered())
 
     def _mastered(self) -> list[nn.Parameter]:
         """The model parameters whose grads are shown from a master (not held for DDP)."""
