@@ -190,3 +190,16 @@ def test_nonfinite_flag_confirms_only_where_a_sum_overflowed():
     assert nonfinite_flag({key: [huge, other]}).item() == 1.0
     other[-1] = 1.0
     assert nonfinite_flag({key: [huge, other]}).item() == 0.0
+
+
+def test_nonfinite_flag_compiles_without_graph_breaks():
+    """Traced by torch.compile (inductor, fullgraph), the large-tensor check takes no
+    host sync and still finds a NaN."""
+    from ampkit.trainer.fused_step import READ_ONLY_NUMEL, nonfinite_flag
+
+    torch._dynamo.reset()
+    check = torch.compile(lambda t: nonfinite_flag({(t.device, t.dtype): [t]}), fullgraph=True)
+    t = torch.randn(READ_ONLY_NUMEL + 3)
+    assert check(t).item() == 0.0
+    t[7] = float("nan")
+    assert check(t).item() == 1.0

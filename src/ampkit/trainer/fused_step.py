@@ -167,8 +167,9 @@ def _read_only_flag(tensors: list[torch.Tensor], device: torch.device, dtype: to
     per tensor (a single read at memory speed, ~2x faster than ``aminmax``): a sum is
     inf/NaN whenever an element is; when one is, the exact ``aminmax`` test decides for
     those tensors (a finite sum overflow is not an overflow of the grads). The host sync
-    this needs is free on CPU; other devices and fp16 take ``aminmax`` directly."""
-    if device.type != "cpu" or dtype not in _SUM_DTYPES:
+    this needs is free on CPU; other devices, fp16 and code being traced by
+    ``torch.compile`` (no host sync there) take ``aminmax`` directly."""
+    if device.type != "cpu" or dtype not in _SUM_DTYPES or torch.compiler.is_compiling():
         return _extremes_flag(tensors)
     sums = torch.stack([t.sum() for t in tensors])
     finite = torch.isfinite(sums)
