@@ -373,6 +373,26 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
             r["check_error"] = str(err)
         res[f"changed_after_allreduce_{mode}"] = r
 
+    # 10. A micro-batch accumulated under no_sync, then dropped with the optimizer's
+    # zero_grad (set_to_none or not): the next step equals one that never saw it.
+    dropped: dict[str, list] = {}
+    for drop in ("none", "set_to_none", "zeros"):
+        model, opt, net = registered_o2("auto")
+        for step in range(2):
+            opt.zero_grad()
+            if drop != "none" and step == 1:
+                x, y = batch(rank, 50)
+                with net.no_sync():
+                    with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
+                        scaled.backward()
+                opt.zero_grad(set_to_none=drop == "set_to_none")
+            x, y = batch(rank, 60 + step)
+            with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        dropped[drop] = snapshot(ampkit.master_params(opt)) + snapshot(model.parameters())
+    res["dropped_no_sync"] = {k: bitwise_equal(v, dropped["none"]) for k, v in dropped.items()}
+
     # 8. A DDP model cannot be handed to initialize at a level that casts weights.
     wrapped = DDP(make_model(0))
     res["ddp_into_initialize"] = expect_error(

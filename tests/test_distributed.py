@@ -184,6 +184,15 @@ def test_no_sync_accumulation_then_synchronized_backward(ddp):
 
 
 @spawned
+def test_a_no_sync_micro_batch_dropped_by_zero_grad_does_not_reach_the_step(ddp):
+    """O2: 16-bit grads accumulated under no_sync (not yet in the masters) are cleared
+    or zeroed by optimizer.zero_grad() like every other grad; the step after is bitwise
+    the step of a run that never had them."""
+    for r in ddp:
+        assert r["dropped_no_sync"] == {"none": True, "set_to_none": True, "zeros": True}
+
+
+@spawned
 def test_stepping_on_no_sync_grads_agrees(ddp):
     """Every backward under no_sync (nothing all-reduced), the same data on both ranks:
     one collective per step; rank 1's inf makes both skip and the replicas stay equal.

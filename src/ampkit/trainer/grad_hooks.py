@@ -559,12 +559,22 @@ class GradPath:
         if self.masters is not None and self._open and not self._stepping:
             self.finish()
 
-    def after_zero_grad(self) -> None:
-        """After ``optimizer.zero_grad()`` (O2): the model's grads show what it did to
-        the masters' (cleared: None; zeroed in place: zeros). Not while the step runs
-        (a closure's ``zero_grad``): the step's own merge handles that."""
+    def after_zero_grad(self, set_to_none: bool) -> None:
+        """After ``optimizer.zero_grad(set_to_none)`` (O2): the model's grads show what it
+        did to the masters' (cleared: None; zeroed in place: zeros), and 16-bit grads
+        held for DDP to reduce (backward passes under ``no_sync``, which the masters
+        have not seen yet) are cleared or zeroed with them. Not while the step runs (a
+        closure's ``zero_grad``): the step's own merge handles that."""
         if self.masters is None or self._stepping:
             return
+        raw = [r for r in self._params.values() if r.master is not None and r.scale is not None]
+        with torch.no_grad():
+            for rec in raw:
+                if set_to_none or rec.param.grad is None:
+                    rec.param.grad = None
+                    rec.scale = rec.loss_id = None
+                else:
+                    rec.param.grad.zero_()
         self.masters.after_zero_grad(self._mastered())
 
     def _mastered(self) -> list[nn.Parameter]:

@@ -206,7 +206,8 @@ class ManagedOptimizer(StepGrads):
                 return inner(*args, **kwargs)
             state.grad_path.before_zero_grad()
             result = inner(*args, **kwargs)
-            state.grad_path.after_zero_grad()
+            set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+            state.grad_path.after_zero_grad(bool(set_to_none))
             return result
 
         functools.update_wrapper(
@@ -256,8 +257,8 @@ class ManagedOptimizer(StepGrads):
         if was_unscaled:
             self._check_edits()
         events, skip = self._resolve_step()
-        self.grad_path.before_step()
         try:
+            self.grad_path.before_step()
             return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
         finally:
             self.grad_path.after_step()
