@@ -518,6 +518,9 @@ def test_policy_errors_name_the_problem():
         amp.Policy(dtype=torch.float8_e4m3fn)
     with pytest.raises(amp.PolicyError, match="full precision"):
         amp.Policy(dtype=torch.float32)
+    with pytest.raises(amp.PolicyError, match=r"init\(policy=my_policy\)"):
+        amp.init(amp.Policy(fp32_ops=[F.gelu]))
+    assert not amp.is_active()  # nothing was turned on
     with pytest.raises(amp.PolicyError, match="cannot autocast|op lists"):
         amp.autocast(device_type="nosuchdevice")
     with pytest.raises(amp.PolicyError, match="single op"):

@@ -383,6 +383,11 @@ def init(
     previous one. Per thread, like ``torch.autocast``: see :func:`ampkit.reset` for
     what is per thread and what per process.
     """
+    if isinstance(dtype, Policy):
+        raise PolicyError(
+            "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
+            "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
+        )
     device = check_device_type(device_type or default_device_type())
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
