@@ -467,3 +467,50 @@ def test_optimizer_zero_grad_clears_the_model_grads_at_once(level, overrides):
 
     twin, dropped = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(twin, dropped))
+
+
+# --- inf/NaN written into a grad after backward, by any route -----------------------------
+
+
+@pytest.mark.parametrize(
+    "level,overrides",
+    [("O1", {}), ("O2", {}), ("O2", {"model_grads": "view"}), ("O2", {"master_grads": "always"}), ("O2K", {}),
+     ("O3", {})],
+)
+@pytest.mark.parametrize("route", ["index", "data", "data_mul_inf", "detach"])
+@pytest.mark.parametrize("layer", [0, 2])  # a small weight (fused check) and one of 1.2M elements (read-only sum)
+@pytest.mark.parametrize("bad_step", [0, 1])
+def test_a_nonfinite_grad_written_after_backward_skips_the_step(level, overrides, route, layer, bad_step):
+    """An inf/NaN put into a model grad between backward and step skips the step, with
+    weights and masters bitwise unchanged, whether written through the tensor (version
+    counter) or through ``.data`` (no version counter: at O2 the step reads the held
+    16-bit grad, or the fp32 grad a view shares, as it is then)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 2048), nn.Tanh(), nn.Linear(2048, 600))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, **overrides)
+    dtype = model[0].weight.dtype
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        if step == bad_step:  # before backward: master_params() would derive fp32 grads
+            weights = [p.detach().clone() for p in model.parameters()]
+            masters = [p.detach().clone() for p in amp.master_params(opt)]
+        opt.zero_grad()
+        with amp.scale_loss(model(x.to(dtype)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        if step == bad_step:
+            g = model[layer].weight.grad
+            if route == "index":
+                g[3, 3] = float("nan")
+            elif route == "data":
+                g.data[3, 3] = float("nan")
+            elif route == "data_mul_inf":
+                g.data.mul_(float("inf"))
+            else:
+                g.detach()[3, 3] = float("-inf")
+        opt.step()
+        assert amp.step_skipped(opt) == (step == bad_step)
+        if step == bad_step:
+            break
+    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))

@@ -43,7 +43,9 @@ managed step (an optimizer wrapper stepping its base optimizer, e.g. SAM) are ro
 into the model at its next forward (:meth:`MasterWeights.publish_changed`).
 
 Edits made through ``.data`` bypass the version counter: on the model's grads they
-are found by comparing values; on the masters' grads use in-place tensor ops (as
+are found by comparing values (a grad held on the model or shown as a view is the
+memory the step reads: it is checked for inf/NaN at the step, not when backward made
+it); on the masters' grads use in-place tensor ops (as
 ``torch.nn.utils`` does). The comparisons (16-bit copy against its fp32 source
 rounded, for grads and weights) read each element once; large bf16 tensors on CPU
 use a compiled kernel (:func:`ampkit.levels.update_kernels.rounds_to_bf16`, ~4-5x faster than
@@ -360,7 +362,7 @@ class MasterWeights:
 
     def absorb(
         self, model_p: torch.Tensor, unscale: Callable[[list[torch.Tensor]], None] | None, keep: bool = False
-    ) -> None:
+    ) -> bool:
         """Move ``model_p``'s 16-bit grad into its master's fp32 grad and free it.
         ``unscale`` multiplies (and checks) the fp32 copy in place before it is added;
         None leaves it as it is.
@@ -368,10 +370,16 @@ class MasterWeights:
         ``keep`` (the caller's promise that ``unscale`` multiplies by 1, i.e. only
         checks): where the master has no grad yet, the fp32 grad is the 16-bit one
         widened, exactly, so the 16-bit grad already is the copy :meth:`show` would
-        make when the backward pass ends. On ``KEEP_ASIDE_DEVICES`` (CPU) it is checked
-        in 16 bits, taken off ``model_p`` and kept aside until then (:meth:`show` puts it
-        back instead of allocating and rounding a copy: one pass and one page-faulted
-        allocation less, for up to 2 bytes per parameter more during backward)."""
+        make when the backward pass ends. On ``KEEP_ASIDE_DEVICES`` (CPU) it is taken
+        off ``model_p`` and kept aside until then (:meth:`show` puts it back instead of
+        allocating and rounding a copy: one pass and one page-faulted allocation less,
+        for up to 2 bytes per parameter more during backward).
+
+        Returns True when the grad was left unchecked for the step to check: with
+        ``keep``, a grad held on the model (``master_grads="on_demand"``) or shown as
+        a view of its fp32 grad (``model_grads="view"``). Both are the memory the step
+        reads, which user code may still change through ``.data`` (no version counter
+        tells): a check now could not vouch for it."""
         g = model_p.grad
         master = self._masters[id(model_p)]
         link = self._link(model_p)
@@ -381,24 +389,21 @@ class MasterWeights:
             and g.dtype != torch.float32
         )
         if fresh and self.master_grads == "on_demand" and self.model_grads == "copy" and g.device.type in ON_DEMAND_DEVICES:
-            # The whole gradient, in 16 bits: it stays on the model (held), checked;
-            # the fp32 grad is its exact widening, derived only when needed.
-            if unscale is not None:
-                with torch.no_grad():
-                    unscale([g])
+            # The whole gradient, in 16 bits: it stays on the model (held), checked by
+            # the step; the fp32 grad is its exact widening, derived only when needed.
             link.show(g)
             link.keep(None)
             link.hold(master)
-            return
+            return True
         model_p.grad = None
         link.show(None)
         if g is None:
-            return
+            return False
         if fresh:
             view = self.model_grads == "view" and g.dtype == torch.bfloat16 and g.dim() > 0 and g.is_contiguous()
             if view or g.device.type in KEEP_ASIDE_DEVICES:
                 with torch.no_grad():
-                    if unscale is not None:
+                    if unscale is not None and not view:
                         unscale([g])
                     master.grad = g.to(torch.float32)
                 link.keep(master.grad)
@@ -406,7 +411,7 @@ class MasterWeights:
                     link.viewable = True  # show() gives the model a view of it; g is freed
                 else:
                     link.aside = g
-                return
+                return view
         with torch.no_grad():
             g32 = g.detach().to(torch.float32, copy=True)
             del g
@@ -419,6 +424,7 @@ class MasterWeights:
             else:
                 master.grad.add_(g32)
         link.keep(master.grad)
+        return False
 
     def show(self, model_params: Iterable[torch.Tensor]) -> None:
         """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad

@@ -406,10 +406,9 @@ class GradPath:
                 rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
                 return
             assert self.masters is not None
-            self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0)
-            self._mark_checked(rec.stepped, loss_id)
-            if self.masters.is_placeholder(rec.stepped):  # held on the model (master_grads="on_demand")
-                self._mark_checked(rec.param, loss_id)
+            if not self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
+                self._mark_checked(rec.stepped, loss_id)
+            # else: held on the model or a view of the master's grad, checked by the step
             return
         if scale != 1.0:
             rec.scale, rec.loss_id = scale, loss_id
