@@ -514,3 +514,29 @@ def test_a_nonfinite_grad_written_after_backward_skips_the_step(level, overrides
             break
     assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
     assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
+
+
+@pytest.mark.parametrize("level,overrides", [("O1", {}), ("O2", {}), ("O2", {"model_grads": "view"}), ("O2K", {})])
+@pytest.mark.parametrize("where", ["loss0", "data0", "loss1", "data1"])
+def test_a_nonfinite_micro_batch_of_an_accumulated_step_skips_it(level, overrides, where):
+    """Two backward passes per step: a NaN loss, or a NaN written through ``.data`` into
+    the grads after the first or the second, skips the step (weights finite and
+    unchanged)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 2048), nn.Tanh(), nn.Linear(2048, 600))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, **overrides)
+    dtype = model[0].weight.dtype
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    for micro in range(2):
+        loss = model(x.to(dtype)).float().square().mean()
+        if where == f"loss{micro}":
+            loss = loss * float("nan")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if where == f"data{micro}":
+            model[2].weight.grad.data[1, 1] = float("nan")
+    opt.step()
+    assert amp.step_skipped(opt)
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
