@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ampkit.errors import AmpError
+
 
 def exit_code(value: Any) -> int:
     """The process exit code of ``SystemExit(value)``, as Python computes it: None is 0,
@@ -21,13 +23,19 @@ def exit_code(value: Any) -> int:
     return 1
 
 
-def check_script(path: str | Path, error: type[Exception]) -> Path:
-    """``path`` as a Path; raises ``error`` with a one-line message when it is no file."""
+class ScriptError(AmpError):
+    """The script ``ampkit run``/``ampkit doctor`` was given cannot be run (no such
+    file, not a file): one line for the user, exit 2."""
+
+
+def check_script(path: str | Path) -> Path:
+    """``path`` as a Path; raises :class:`ScriptError` with a one-line message when it
+    is no file."""
     script = Path(path)
     if not script.exists():
-        raise error(f"no such file: {str(script)!r}")
+        raise ScriptError(f"no such file: {str(script)!r}")
     if not script.is_file():
-        raise error(f"not a file: {str(script)!r} (pass a Python script)")
+        raise ScriptError(f"not a file: {str(script)!r} (pass a Python script)")
     return script
 
 

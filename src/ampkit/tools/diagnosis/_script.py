@@ -8,13 +8,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ampkit._internal.script import check_script, exit_code, script_argv
+from ampkit._internal.script import ScriptError, check_script, exit_code, script_argv
 
 from . import _core
 
-
-class ScriptError(Exception):
-    """The script cannot be run (not found, not a file): one line for the user."""
+__all__ = ["ScriptError", "run_script"]
 
 
 def run_script(path: str | Path, args: list[str]) -> tuple[int, list[Any]]:
@@ -26,7 +24,7 @@ def run_script(path: str | Path, args: list[str]) -> tuple[int, list[Any]]:
 
     ``sys.argv``, ``sys.path[0]`` and the environment variable are restored after, and
     the doctor is stopped (its hooks removed) when the script ends."""
-    script = check_script(path, ScriptError)
+    script = check_script(path)
     saved_env = os.environ.get(_core.ENV)
     os.environ[_core.ENV] = "1"
     _core._KEEP_FINISHED = True

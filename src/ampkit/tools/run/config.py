@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from ampkit._internal.script import ScriptError
 from ampkit.errors import AmpError
 
 __all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
@@ -23,10 +24,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class RunRefused(AmpError):
     """``ampkit run`` cannot apply the requested precision exactly to this script (e.g.
     fp16 loss scaling for a manual ``p.data`` update): the run stops, one line, exit 2."""
-
-
-class ScriptError(AmpError):
-    """The script cannot be run (no such file, not a file): one line, exit 2."""
 
 
 class _Refusal(BaseException):

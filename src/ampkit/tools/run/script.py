@@ -12,7 +12,7 @@ from typing import Any
 
 from ampkit._internal.script import check_script, exit_code, script_argv
 
-from .config import RunConfig, RunRefused, ScriptError, _Refusal, _StopScript
+from .config import RunConfig, RunRefused, _Refusal, _StopScript
 from .report import format_summary
 from .runner import _Runner
 
@@ -46,7 +46,7 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
     restored when the script ends, however it ends."""
     config = config or RunConfig()
     args = list(args or [])
-    script = check_script(path, ScriptError)
+    script = check_script(path)
     runner = _Runner(config)
     code = 0
     refused: RunRefused | None = None
