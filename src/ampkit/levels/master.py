@@ -495,18 +495,13 @@ class MasterWeights:
         whatever was done to it since; one zeroed in place is merged by
         :meth:`reconcile`)."""
         with torch.no_grad():
-            for model_p in model_params:
-                master = self._masters.get(id(model_p))
-                if master is None:
-                    continue
-                if master.grad is None:
-                    if model_p.grad is not None:
-                        model_p.grad = None
-                        link = self._link(model_p)
-                        link.show(None)
-                        link.keep(None)
-                else:
-                    self._reconcile_one(model_p, master, self._link(model_p))
+            for model_p, master, link in self._linked(model_params):
+                if master.grad is not None:
+                    self._reconcile_one(model_p, master, link)
+                elif model_p.grad is not None:
+                    model_p.grad = None
+                    link.show(None)
+                    link.keep(None)
 
     def follow_masters(self, model_params: Iterable[torch.Tensor]) -> None:
         """The masters' grads of ``model_params`` were just changed in place by an
