@@ -38,6 +38,11 @@ _SKIP = {
     "new_empty_strided", "_unsafe_view", "contiguous", "isfinite", "isinf", "isnan", "_amp_foreach_non_finite_check_and_unscale_",
     "_amp_update_scale_", "set_", "_has_compatible_shallow_copy_type", "resize_",
 }
+# Collectives (DDP's all-reduce, FSDP's gathers) move values between ranks and compute
+# none: an inf they bring in began on another rank, whose own checker names it. Their
+# outputs are not even final when the op returns (the work runs asynchronously), so
+# whether one looked non-finite here would depend on timing.
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 _HIST_OFFSET = 160  # frexp exponents of fp32 values lie in [-148, 129]
 _HIST_BINS = 320
 
@@ -140,7 +145,7 @@ class _CheckMode(_OfChecker, TorchDispatchMode):
             out = checker.run(func, name, args, kwargs)
             checker.cast_underflow(args, out)
             return out
-        if func.is_view or name in _SKIP:
+        if func.is_view or name in _SKIP or func.namespace in _COLLECTIVE_NAMESPACES:
             return func(*args, **kwargs)
         return checker.run(func, name, args, kwargs)
 
