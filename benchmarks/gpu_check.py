@@ -1,29 +1,38 @@
-"""One command for a machine with a CUDA GPU: every CUDA path ampkit has, run and measured.
+"""One command for a machine with a CUDA GPU: every CUDA path ampkit has, run and measured,
+offline, with the machine's own python (``PYTHONPATH=src``, no venv, nothing installed).
 
-Stages, one after another, each in its own process with its own time limit (the
-whole run is planned for under 8 minutes on one H200-class GPU):
+Stages, cheap and telling first, each in its own process with its own time limit (a
+stage that fails or times out does not stop the next); the default plan's limits sum to
+6 minutes on one H200-class GPU:
 
 ==============  ==========================================================================
 stage           what it runs
 ==============  ==========================================================================
+``smoke``       ``benchmarks/gpu_smoke.py``: every level x fp16/bf16 x AdamW/SGD on a small
+                transformer (trains as fp32 does, an inf gradient skipped bitwise,
+                ``amp.state_dict`` resumes bitwise), ``explain``, fp8 (current and delayed
+                scaling), ``torch.compile`` at O1 and O2
 ``tests``       ``pytest -m cuda`` over tests/ (the suite's CUDA-marked tests)
-``bench-fp16``  ``ampkit bench --device cuda --dtype fp16`` on cnn, lm and wide with fp32,
-                torch-autocast, ampkit-O1/O2/O2K and bf16
-``bench-bf16``  the same with ``--dtype bf16``
-``step-limit``  ``benchmarks/step_limit.py --device cuda`` (both phases, every arm)
-``fp8``         ``benchmarks/fp8.py --device cuda`` at its GPU sizes (d_model 4096)
+``speed``       ``benchmarks/gpu_speed.py``: a GPT-2-small-class decoder under fp32,
+                torch.autocast fp16/bf16, ampkit O1 fp16/bf16, O2, O2K and pure bf16; a
+                channels_last conv net; step time, peak memory, host time, loss
+``fp8``         ``benchmarks/fp8.py --device cuda`` (d_model 4096): fp8 against bf16
 ==============  ==========================================================================
 
-Written into ``--out`` (default ``gpu-check-out``): each stage's own output files
-(junit XML, results.json + bench.png, JSON), the log of each stage, and
-``gpu-check.json`` + ``gpu-check.md``: the machine, every stage's command, exit code,
-seconds and its headline figures.
+Named with ``--stages`` only (not in the default plan): ``bench-fp16`` / ``bench-bf16``
+(``ampkit bench --device cuda``) and ``step-limit``.
 
-    make gpu-check                                 # or:
-    python benchmarks/gpu_check.py --out gpu-check-out
-    python benchmarks/gpu_check.py --dry-run       # the plan, on any machine
+Written into ``--out`` (default ``gpu-check-out``): each stage's own files, the log of
+each stage, and ``gpu-check.json`` + ``gpu-check.md``: the machine, every stage's
+command, exit code, seconds and its headline figures. ``--render JSON`` writes the docs
+page ``docs/benchmarks/gpu.md`` from such a ``gpu-check.json``.
 
-Without a CUDA GPU it says so in one line and exits 2 (``--dry-run`` works anywhere).
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --out gpu-check-out
+    python benchmarks/gpu_check.py --dry-run             # the plan, on any machine
+    python benchmarks/gpu_check.py --device cpu --out o  # the CPU stand-in: tiny sizes
+    python benchmarks/gpu_check.py --render gpu-check-out/gpu-check.json
+
+Without a CUDA GPU (and without ``--device cpu``) it says so in one line and exits 2.
 """
 
 from __future__ import annotations
@@ -53,20 +62,33 @@ class Stage:
     argv: tuple[str, ...]
     limit_s: int
     output: str  # file or folder under --out that holds the stage's figures
+    default: bool = True  # in the plan unless --stages names others
 
 
-def plan(out: Path, python: str = sys.executable) -> list[Stage]:
-    """The stages, in order, writing under ``out`` (time limits sum to 470 s)."""
-    bench = (python, "-m", "ampkit", "bench", "--device", "cuda", "--precisions", PRECISIONS)
+def plan(out: Path, python: str = sys.executable, device: str = "cuda") -> list[Stage]:
+    """Every stage, in order, writing under ``out``; the default ones first (their limits
+    sum to 360 s), then the optional ones. ``device="cpu"``: the CPU stand-in (tiny
+    sizes, the same scripts and files)."""
+    bench = (python, "-m", "ampkit", "bench", "--device", device, "--precisions", PRECISIONS)
+    cpu = device == "cpu"
+    smoke = (python, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--device", device, "--json", str(out / "smoke.json"))
+    speed = (python, str(ROOT / "benchmarks" / "gpu_speed.py"), "--device", device, "--json", str(out / "speed.json"))
+    fp8 = (python, str(ROOT / "benchmarks" / "fp8.py"), "--device", device, "--json", str(out / "fp8.json"))
+    if cpu:
+        smoke += ("--steps", "12", "--only", "train/O1/bf16,explain,fp8/current")
+        speed += ("--tiny", "--steps", "2", "--warmup", "1", "--arms", "fp32,autocast-bf16,ampkit-O1-bf16",
+                  "--conv-arms", "fp32")  # fmt: skip
+        fp8 += ("--d-model", "64", "--steps", "1", "--warmup", "1", "--modes", "bf16,fp8-current")
     return [
-        Stage("tests", (python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                        f"--junitxml={out / 'cuda-tests.xml'}", str(ROOT / "tests")), 150, "cuda-tests.xml"),  # fmt: skip
-        Stage("bench-fp16", (*bench, "--dtype", "fp16", "--out", str(out / "bench-fp16")), 80, "bench-fp16"),
-        Stage("bench-bf16", (*bench, "--dtype", "bf16", "--out", str(out / "bench-bf16")), 80, "bench-bf16"),
-        Stage("step-limit", (python, str(ROOT / "benchmarks" / "step_limit.py"), "--device", "cuda", "--phase", "both",
-                             "--rounds", "3", "--json", str(out / "step_limit.json")), 100, "step_limit.json"),  # fmt: skip
-        Stage("fp8", (python, str(ROOT / "benchmarks" / "fp8.py"), "--device", "cuda",
-                      "--json", str(out / "fp8.json")), 60, "fp8.json"),  # fmt: skip
+        Stage("smoke", smoke, 90, "smoke.json"),
+        Stage("tests", (python, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                        f"--junitxml={out / 'cuda-tests.xml'}", str(ROOT / "tests")), 100, "cuda-tests.xml"),  # fmt: skip
+        Stage("speed", speed, 120, "speed.json"),
+        Stage("fp8", fp8, 50, "fp8.json"),
+        Stage("bench-fp16", (*bench, "--dtype", "fp16", "--out", str(out / "bench-fp16")), 80, "bench-fp16", False),
+        Stage("bench-bf16", (*bench, "--dtype", "bf16", "--out", str(out / "bench-bf16")), 80, "bench-bf16", False),
+        Stage("step-limit", (python, str(ROOT / "benchmarks" / "step_limit.py"), "--device", device, "--phase", "both",
+                             "--rounds", "3", "--json", str(out / "step_limit.json")), 100, "step_limit.json", False),  # fmt: skip
     ]
 
 
@@ -87,6 +109,19 @@ def run_stage(stage: Stage, out: Path) -> dict[str, Any]:
 def headline(name: str, out: Path) -> dict[str, Any]:
     """The figures a stage's own files hold (empty where it wrote none)."""
     try:
+        if name == "smoke":
+            record = json.loads((out / "smoke.json").read_text())
+            bad = {c["name"]: c.get("problems", []) for c in record["cases"] if c["status"] in ("failed", "error")}
+            refused = {c["name"]: c.get("problems", []) for c in record["cases"] if c["status"] == "refused"}
+            return {"counts": record["counts"], "not_passed": bad, "refused": refused}
+        if name == "speed":
+            record = json.loads((out / "speed.json").read_text())
+            keys = ("step_ms", "host_ms", "peak_mib", "speedup_vs_fp32", "memory_vs_fp32", "tail_loss", "first_step_s")
+            return {
+                "size": record["size"], "params": record["params"],
+                **{sec: {arm: {k: r.get(k) for k in keys} for arm, r in record[sec].items()} for sec in ("lm", "conv")},
+                "checks": record["checks"], "errors": record["errors"],
+            }  # fmt: skip
         if name == "tests":
             root = ET.parse(out / "cuda-tests.xml").getroot()
             suite = root if root.tag == "testsuite" else root.find("testsuite")
@@ -132,36 +167,130 @@ def summary_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def docs_page(record: dict[str, Any], source: str) -> str:
+    """``docs/benchmarks/gpu.md``: the machine, each stage's outcome, and the speed,
+    memory and smoke figures, all read from one ``gpu-check.json``."""
+    m = record["machine"]
+    stages = {s["name"]: s for s in record["stages"]}
+    lines = [
+        f"<!-- generated by benchmarks/gpu_check.py --render from {source}: do not edit -->",
+        "",
+        "# GPU check",
+        "",
+        f"Recorded on **{m.get('device_name')}**, torch {m.get('torch')}, CUDA {record.get('cuda_version')}, "
+        f"{m.get('date_utc')}, with the machine's own python (no venv):",
+        "",
+        "```bash",
+        "PYTHONPATH=src python3 benchmarks/gpu_check.py --out gpu-check-out",
+        "```",
+        "",
+        "| stage | outcome | seconds |",
+        "|---|---|---:|",
+    ]
+    for s in record["stages"]:
+        outcome = "timed out" if s["timed_out"] else ("passed" if s["exit_code"] == 0 else f"exit {s['exit_code']}")
+        lines.append(f"| {s['name']} | {outcome} | {s['seconds']} |")
+    speed = stages.get("speed", {}).get("figures") or {}
+    if speed.get("lm"):
+        size = speed["size"]
+        lines += [
+            "",
+            "## Speed and memory: GPT-2-small-class decoder",
+            "",
+            f"{speed['params'] / 1e6:.0f}M parameters ({size['layers']} blocks, d_model {size['d_model']}, "
+            f"vocabulary {size['vocab']}), sequence {size['seq']}, batch {size['batch']}; AdamW. Step: median of the "
+            "timed steps (CUDA events: forward, backward, optimizer); host: Python time of a step up to the return "
+            "of `optimizer.step()`, queue drained first; loss: mean of the last 3 steps.",
+            "",
+            "| arm | step ms | × fp32 speed | host ms | peak MiB | × fp32 memory | loss | first step s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for arm, r in speed["lm"].items():
+            lines.append(f"| {arm} | {_fmt(r['step_ms'])} | {_fmt(r.get('speedup_vs_fp32'))} | {_fmt(r['host_ms'])} | "
+                         f"{_fmt(r['peak_mib'], 0)} | {_fmt(r.get('memory_vs_fp32'))} | {_fmt(r['tail_loss'], 4)} | "
+                         f"{_fmt(r['first_step_s'])} |")  # fmt: skip
+        if speed.get("conv"):
+            lines += ["", f"Conv net, channels_last, batch {size['conv_batch']} at {size['conv_hw']}×{size['conv_hw']}:",
+                      "", "| arm | step ms | × fp32 speed | peak MiB |", "|---|---:|---:|---:|"]  # fmt: skip
+            for arm, r in speed["conv"].items():
+                lines.append(f"| {arm} | {_fmt(r['step_ms'])} | {_fmt(r.get('speedup_vs_fp32'))} | {_fmt(r['peak_mib'], 0)} |")
+        lines += ["", "| check | value | met |", "|---|---:|---|"]
+        lines += [f"| {c['name']} | {c['value']} | {'yes' if c['ok'] else '**no**'} |" for c in speed.get("checks", [])]
+        for arm, err in (speed.get("errors") or {}).items():
+            lines.append(f"\n{arm} failed: `{err[:300]}`")
+    fp8 = stages.get("fp8", {}).get("figures") or {}
+    if fp8:
+        lines += ["", "## fp8 against bf16 (`benchmarks/fp8.py`, d_model 4096)", "",
+                  "| mode | step s | × first mode | peak MiB |", "|---|---:|---:|---:|"]  # fmt: skip
+        for mode, r in fp8.items():
+            lines.append(f"| {mode} | {_fmt(r.get('step_s'), 4)} | {_fmt(r.get('vs_first'))} | {_fmt(r.get('peak_mib'), 0)} |")
+    smoke = stages.get("smoke", {}).get("figures") or {}
+    if smoke:
+        c = smoke["counts"]
+        lines += ["", "## Smoke: every level, fp16 and bf16, AdamW and SGD", "",
+                  f"{c['passed']} cases passed, {c['failed']} failed, {c['error']} raised, {c['refused']} refused "
+                  "with an `AmpError` (by design):", ""]  # fmt: skip
+        for name, problems in {**smoke.get("not_passed", {}), **smoke.get("refused", {})}.items():
+            lines.append(f"- `{name}`: {'; '.join(problems)[:400]}")
+    tests = stages.get("tests", {}).get("figures") or {}
+    if tests:
+        lines += ["", "## CUDA-marked tests", "",
+                  f"{tests['tests']} tests: {tests['failures']} failed, {tests['errors']} errors, "
+                  f"{tests['skipped']} skipped."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu-check-out", help="folder for every output (default gpu-check-out)")
     parser.add_argument("--stages", default=None, help="comma-separated subset of the stages (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit, on any machine")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda (default); cpu: the CPU stand-in, tiny sizes, to check the check itself")
+    parser.add_argument("--render", metavar="JSON", default=None,
+                        help="write docs/benchmarks/gpu.md from this gpu-check.json and exit")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    stages = plan(out)
+    if args.render:
+        record = json.loads(Path(args.render).read_text())
+        page = ROOT / "docs" / "benchmarks" / "gpu.md"
+        page.write_text(docs_page(record, Path(args.render).name))
+        print(f"gpu-check: wrote {page}")
+        return 0
+    stages = plan(out, device=args.device)
     if args.stages:
         wanted = args.stages.split(",")
         unknown = sorted(set(wanted) - {s.name for s in stages})
         if unknown:
             parser.error(f"unknown stage(s) {unknown}; choose from {', '.join(s.name for s in stages)}")
         stages = [s for s in stages if s.name in wanted]
+    else:
+        stages = [s for s in stages if s.default]
     if args.dry_run:
         for s in stages:
             print(f"{s.name} (limit {s.limit_s} s): {' '.join(s.argv)}")
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is False); "
-              "run it where one is, or see the plan with --dry-run", file=sys.stderr)  # fmt: skip
+              "run it where one is, see the plan with --dry-run, or run the CPU stand-in with --device cpu",
+              file=sys.stderr)  # fmt: skip
         return 2
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     from ampkit.tools.bench.machine import machine_info
 
-    record: dict[str, Any] = {"machine": machine_info("cuda"), "cuda_version": torch.version.cuda, "stages": []}
+    record: dict[str, Any] = {"machine": machine_info(args.device), "cuda_version": torch.version.cuda, "stages": []}
     for stage in stages:
         print(f"gpu-check: {stage.name} (limit {stage.limit_s} s) ...", flush=True)
         result = run_stage(stage, out)

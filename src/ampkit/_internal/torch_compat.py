@@ -13,6 +13,7 @@ when dynamo is already loaded: importing ampkit never imports dynamo.
 
 from __future__ import annotations
 
+import _ctypes
 import functools
 import json
 import sys
@@ -82,6 +83,8 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "torch_function_mode_active",
+    "traced_frame_code",
+    "traced_object",
 ]
 
 # ---------------------------------------------------------------------------
@@ -452,6 +455,22 @@ def current_trace_tx() -> Any:
     graph being built) and ``.import_source(module_name)``."""
     convert = sys.modules.get("torch._dynamo.symbolic_convert")
     return getattr(getattr(convert, "tls", None), "current_tx", None)
+
+
+def traced_object(object_id: int) -> Any:
+    """The object whose ``id()`` traced code passed to a function dynamo runs at trace
+    time (:func:`mark_trace_constant`). Such a function gets constants only: dynamo
+    before 2.12 refuses a module as its argument (``AsPythonConstantNotImplementedError``),
+    while ``id(module)`` is a constant on every release, guarded on the module's identity.
+    Valid only while dynamo traces the call, which keeps the object alive."""
+    return _ctypes.PyObj_FromPtr(object_id)
+
+
+def traced_frame_code() -> Any:
+    """The code object of the frame dynamo is compiling in this thread, as its own frame
+    (``tls.current_tx.f_code``: the root translator's, not that of a function it inlines),
+    or None when dynamo is not tracing."""
+    return getattr(current_trace_tx(), "f_code", None)
 
 
 def guard_attr_equals(tx: Any, module_name: str, *attrs: str) -> None:

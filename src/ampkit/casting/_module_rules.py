@@ -174,7 +174,8 @@ class _ModuleHooks:
 # dynamo runs at trace time for the module's rule, and change the autocast state with
 # the calls dynamo records in the graph.
 def _compiled_pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    rule = _trace_rule_enter(module, _state.compile_key)  # the key's value becomes a guard
+    # the key's value becomes a guard; the module goes by id (dynamo guards its identity)
+    rule = _trace_rule_enter(id(module), _state.compile_key)
     if rule is None:
         return None
     device_type, dtype = rule
@@ -187,7 +188,7 @@ def _compiled_pre(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] |
 
 
 def _compiled_post(module: nn.Module) -> None:
-    restore = _trace_rule_exit(module, _state.compile_key)
+    restore = _trace_rule_exit(id(module), _state.compile_key)
     if restore is not None:
         device_type, enabled, dtype = restore
         torch.set_autocast_enabled(device_type, enabled)
@@ -222,7 +223,8 @@ def _compiled_root(module: nn.Module) -> nn.Module:
     return module
 
 
-def _trace_rule_enter(module: nn.Module, key: str) -> tuple[str, torch.dtype] | None:
+def _trace_rule_enter(module_id: int, key: str) -> tuple[str, torch.dtype] | None:
+    module = torch_compat.traced_object(module_id)
     frame = _state.scopes[-1] if _state.scopes else None
     if frame is None or frame.policy is None or not frame.policy.module_rules or not frame.rules:
         return None
@@ -247,8 +249,8 @@ def _trace_rule_enter(module: nn.Module, key: str) -> tuple[str, torch.dtype] | 
     return device_type, dtype
 
 
-def _trace_rule_exit(module: nn.Module, key: str) -> tuple[str, bool, torch.dtype] | None:
-    return _trace.__dict__.setdefault("restore", {}).pop(id(module), None)
+def _trace_rule_exit(module_id: int, key: str) -> tuple[str, bool, torch.dtype] | None:
+    return _trace.__dict__.setdefault("restore", {}).pop(module_id, None)
 
 
 # dynamo runs these at trace time and puts their results in the graph as constants

@@ -300,8 +300,14 @@ class OpCastingEnter:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_dynamo_compiling():
-            _compiled_enter(module, self.dtype, self.device_type, self.enabled)
+            if _traced_alone_enter():
+                _enter_outside_dynamo(self, module)
+            else:
+                _compiled_enter(self.dtype, self.device_type, self.enabled)
             return
+        self._enter(module)
+
+    def _enter(self, module: nn.Module) -> None:
         scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module), self.enabled)
         stack = getattr(_SCOPES, "stack", None)
         if stack is None:
@@ -322,12 +328,39 @@ class OpCastingExit:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
-            _compiled_exit(module)
+            if _traced_alone_exit():
+                _exit_outside_dynamo(module)
+            else:
+                _compiled_exit()
             return
-        stack = getattr(_SCOPES, "stack", None)
-        if stack and stack[-1][0] is module:
-            _, scope = stack.pop()
-            scope.__exit__(None, None, None)
+        _exit_scope(module)
+
+
+def _exit_scope(module: nn.Module) -> None:
+    stack = getattr(_SCOPES, "stack", None)
+    if stack and stack[-1][0] is module:
+        _, scope = stack.pop()
+        scope.__exit__(None, None, None)
+
+
+# ``torch.compile(module)`` runs the module's hooks outside its graph (always so while
+# global module hooks exist), and dynamo then compiles each hook as a frame of its own: a
+# graph that only switched autocast on would leave the switch to no graph that undoes
+# it (AOTAutograd refuses such graphs). A hook traced as its own frame therefore opens
+# or closes its scope eagerly, at a graph break, as in eager mode; inlined into a traced
+# module call (a compiled function calling the model) it switches in the graph.
+def _traced_alone_enter() -> bool:
+    return torch_compat.traced_frame_code() is OpCastingEnter.__call__.__code__
+
+
+def _traced_alone_exit() -> bool:
+    return torch_compat.traced_frame_code() is OpCastingExit.__call__.__code__
+
+
+torch_compat.mark_trace_constant(_traced_alone_enter)
+torch_compat.mark_trace_constant(_traced_alone_exit)
+_enter_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, module: hook._enter(module))
+_exit_outside_dynamo = torch_compat.run_outside_dynamo(_exit_scope)
 
 
 # Per thread: the calls in flight of cast models and of their entry points (EntryCasts):
@@ -446,36 +479,33 @@ def _set_entry_scope(model: nn.Module, device_type: str | None, policy: Any = No
 
 # Inside code torch.compile traces, the scope is torch's own autocast state, switched
 # with calls dynamo records in the graph (the default lists: a custom policy's changes
-# apply to eager calls only); what to restore is taken at trace time, per module.
-def _compiled_enter(module: nn.Module, dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
-    _trace_save(module, device_type)
+# apply to eager calls only); what to restore is taken at trace time, on a stack per
+# thread (module calls nest, so their scopes close in the reverse order they opened).
+# The trace-time functions take constants only: dynamo before 2.12 refuses a module as
+# an argument of a function it runs at trace time.
+def _compiled_enter(dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
+    _trace_save(device_type)
     torch.set_autocast_enabled(device_type, enabled)
     if enabled:
         torch.set_autocast_dtype(device_type, dtype)
 
 
-def _compiled_exit(module: nn.Module) -> None:
-    restore = _trace_restore(module)
+def _compiled_exit() -> None:
+    restore = _trace_restore()
     if restore is not None:
         device_type, enabled, dtype = restore
         torch.set_autocast_enabled(device_type, enabled)
         torch.set_autocast_dtype(device_type, dtype)
 
 
-def _trace_save(module: nn.Module, device_type: str) -> None:
-    saved = _SCOPES.__dict__.setdefault("traced", {})
-    state = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    saved.setdefault(id(module), []).append(state)  # a stack: a module may open two scopes
+def _trace_save(device_type: str) -> None:
+    stack = _SCOPES.__dict__.setdefault("traced", [])
+    stack.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
 
 
-def _trace_restore(module: nn.Module) -> tuple[str, bool, torch.dtype] | None:
-    stack = _SCOPES.__dict__.setdefault("traced", {}).get(id(module))
-    if not stack:
-        return None
-    state = stack.pop()
-    if not stack:
-        del _SCOPES.__dict__["traced"][id(module)]
-    return state
+def _trace_restore() -> tuple[str, bool, torch.dtype] | None:
+    stack = _SCOPES.__dict__.setdefault("traced", [])
+    return stack.pop() if stack else None
 
 
 # run by dynamo at trace time, their results constants in the graph

@@ -108,6 +108,15 @@ class WatchDDP:
     deep-copies (a copy is not watched: the registry is keyed by the module)."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_dynamo_compiling() and _watch_traced_alone():
+            # torch.compile(module) runs hooks outside its graph and dynamo compiles this
+            # one as a frame of its own: bookkeeping only, so it runs eagerly (dynamo
+            # would compile the version reads once per parameter, up to its limit)
+            _watch_outside_dynamo(self, module)
+            return
+        self._watch(module)
+
+    def _watch(self, module: nn.Module) -> None:
         masters = _WATCHED.get(module)
         if masters is None:
             return
@@ -124,6 +133,14 @@ class WatchDDP:
             _DDP_SYNC.pop(module, None)
         else:
             _DDP_SYNC[module] = bool(ddp.require_backward_grad_sync)
+
+
+def _watch_traced_alone() -> bool:
+    return torch_compat.traced_frame_code() is WatchDDP.__call__.__code__
+
+
+torch_compat.mark_trace_constant(_watch_traced_alone)
+_watch_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, module: hook._watch(module))
 
 
 def watch_ddp(model: nn.Module, masters: MasterWeights) -> None:
