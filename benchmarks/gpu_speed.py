@@ -57,6 +57,8 @@ from torch import nn
 import ampkit as amp
 
 FP16, BF16 = torch.float16, torch.bfloat16
+USED_TOKENS = 256
+LR = 1e-3
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,14 @@ def conv_net() -> nn.Module:
 
 
 def lm_batches(s: Size, n: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A learnable stream: each sequence steps through the vocabulary by its own stride."""
+    """A learnable stream: each sequence steps through the first ``USED_TOKENS`` tokens
+    by its own stride (the loss falls within a few steps, so levels can be told apart)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
-        start = torch.randint(0, s.vocab, (s.batch, 1), generator=g)
+        start = torch.randint(0, USED_TOKENS, (s.batch, 1), generator=g)
         stride = torch.randint(1, 8, (s.batch, 1), generator=g)
-        seq = (start + stride * torch.arange(s.seq + 1)) % s.vocab
+        seq = (start + stride * torch.arange(s.seq + 1)) % USED_TOKENS
         out.append((seq[:, :-1].to(device), seq[:, 1:].to(device)))
     return out
 
@@ -172,7 +175,7 @@ def make_arm(name: str, model: nn.Module, device: str) -> tuple[nn.Module, torch
     if name == "pure-bf16":
         model = model.to(BF16)
     if name.startswith("ampkit-"):
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         level = name.split("-")[1]
         kw: dict[str, Any] = {}
         if level == "O1":
@@ -189,7 +192,7 @@ def make_arm(name: str, model: nn.Module, device: str) -> tuple[nn.Module, torch
             return loss.detach()
 
         return model, opt, step
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
     dtype = {"autocast-fp16": FP16, "autocast-bf16": BF16}.get(name)
     scaler = torch.amp.GradScaler(device) if dtype is FP16 else None
 
@@ -219,7 +222,7 @@ def conv_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def run_arm(name: str, build: Callable[[], nn.Module], data: list[tuple[torch.Tensor, torch.Tensor]],
-            loss_fn: Callable[..., torch.Tensor], device: str, warmup: int) -> dict[str, Any]:  # fmt: skip
+            loss_fn: Callable[..., torch.Tensor], device: str, warmup: int, profile: bool = False) -> dict[str, Any]:  # fmt: skip
     amp.reset()
     gc.collect()
     if device == "cuda":
@@ -238,6 +241,8 @@ def run_arm(name: str, build: Callable[[], nn.Module], data: list[tuple[torch.Te
         losses.append(float(loss))
         if i == 0:
             first_s = time.perf_counter() - t0
+    if profile:
+        result_profile = profile_steps(step, data[:2], loss_fn, device)
     timed, timed_host = times[warmup:], host[warmup:]
     skipped = amp.stats(opt).skipped if name.startswith("ampkit-") else None
     result = {
@@ -251,9 +256,39 @@ def run_arm(name: str, build: Callable[[], nn.Module], data: list[tuple[torch.Te
         "tail_loss": sum(losses[-3:]) / len(losses[-3:]),
         "skipped_steps": skipped,
     }
+    if profile:
+        result["profile"] = result_profile
     del model, opt, step
     amp.reset()
     return result
+
+
+SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def profile_steps(step: Callable[..., Any], data: list[tuple[torch.Tensor, torch.Tensor]],
+                  loss_fn: Callable[..., torch.Tensor], device: str) -> dict[str, Any]:  # fmt: skip
+    """torch.profiler over ``len(data)`` further steps: the 25 ops with the most CPU time
+    of their own, and how often each host-synchronizing call ran (per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for x, y in data:
+            step(x, y, loss_fn, lambda: None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    n = len(data)
+    return {
+        "top_self_cpu": [{"op": e.key, "calls_per_step": e.count / n, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / n}
+                         for e in top],  # fmt: skip
+        "sync_calls_per_step": {e.key: e.count / n for e in events if e.key in SYNC_OPS},
+        "kernel_launches_per_step": sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                            "cudaLaunchKernelExC")) / n,  # fmt: skip
+    }
 
 
 LM_ARMS = ("fp32", "autocast-fp16", "autocast-bf16", "ampkit-O1-fp16", "ampkit-O1-bf16", "ampkit-O2", "ampkit-O2K",
@@ -291,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps per arm (default 3)")
     parser.add_argument("--arms", default=",".join(LM_ARMS), help="decoder arms, comma-separated")
     parser.add_argument("--conv-arms", default=",".join(CONV_ARMS), help="conv net arms ('' for none)")
+    parser.add_argument("--profile", default="", help="decoder arms to profile over 2 extra steps, comma-separated")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -322,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 ("conv", args.conv_arms, build_conv, conv_data, conv_loss)):  # fmt: skip
         for name in [a for a in arms.split(",") if a]:
             try:
-                r = run_arm(name, build, data, loss_fn, device, args.warmup)
+                r = run_arm(name, build, data, loss_fn, device, args.warmup,
+                            profile=section == "lm" and name in args.profile.split(","))  # fmt: skip
             except Exception as e:  # noqa: BLE001 (every arm runs; the error is recorded)
                 record["errors"][f"{section}/{name}"] = f"{type(e).__name__}: {str(e)[:1000]}"
                 print(f"{section:>4} {name:<16} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -483,3 +483,41 @@ def test_kernel_site_names_where_the_kernel_of_a_key_was_registered():
     finally:
         tc.destroy_library(lib)
     assert tc.kernel_site("aten::relu", "AutocastCPU") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_the_composite_unscale_and_check_computes_what_the_fused_kernel_does(dtype, bad):
+    """CUDA's fused kernel has no bf16 (NotImplementedError at the first O3/O2K bf16 step
+    on an H200): those grads take the foreach composite. It must flag exactly what the
+    fused kernel flags and leave the same values, inf/NaN in their places."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(700, generator=g).to(dtype)]
+    if bad is not None:
+        grads[1][3] = bad
+    fused, composite = [t.clone() for t in grads], [t.clone() for t in grads]
+    found_f, found_c, inv = torch.zeros(()), torch.zeros(()), torch.full((), 0.25)
+    torch._amp_foreach_non_finite_check_and_unscale_(fused, found_f, inv)
+    tc.unscale_and_check_composite_(composite, found_c, inv)
+    assert found_c.item() == found_f.item() == (0.0 if bad is None else 1.0)
+    for a, b in zip(fused, composite):
+        assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    found_c.fill_(1.0)  # a flag already set stays set
+    tc.unscale_and_check_composite_([torch.ones(3, dtype=dtype)], found_c, inv)
+    assert found_c.item() == 1.0
+
+
+def test_unscale_and_check_sends_dtypes_the_device_kernel_lacks_to_the_composite(monkeypatch):
+    """A device whose kernel lacks a dtype (CUDA and bf16, stood in for here by taking
+    bf16 off the CPU's list): mixed lists are split, both halves checked and unscaled."""
+    monkeypatch.setitem(tc.FUSED_CHECK_DTYPES, "cpu", frozenset({torch.float32}))
+    called = []
+    real = tc.unscale_and_check_composite_
+    monkeypatch.setattr(tc, "unscale_and_check_composite_", lambda *a: (called.append(a[0]), real(*a)))
+    grads = [torch.full((4,), 2.0), torch.full((4,), 2.0, dtype=torch.bfloat16)]
+    grads[1][0] = float("inf")
+    found = torch.zeros(())
+    tc.amp_unscale_and_check_(grads, found, torch.full((), 0.5))
+    assert found.item() == 1.0 and len(called) == 1 and called[0][0].dtype == torch.bfloat16
+    assert torch.equal(grads[0], torch.ones(4)) and grads[1][1:].eq(1).all()

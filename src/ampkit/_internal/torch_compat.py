@@ -31,6 +31,8 @@ __all__ = [
     "TorchDispatchMode",
     "add_graph_marker",
     "amp_unscale_and_check_",
+    "FUSED_CHECK_DTYPES",
+    "unscale_and_check_composite_",
     "autocast_device_index",
     "autograd_engine",
     "can_reinstall_global_forward_hooks",
@@ -221,10 +223,42 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 """``torch._foreach_mul_(tensors, scalar)``: scales lists of tensors in one kernel."""
 
-amp_unscale_and_check_: Callable[..., Any] = torch._amp_foreach_non_finite_check_and_unscale_
-"""``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``:
-multiplies grads by ``inv_scale`` in place and sets ``found_inf`` to 1.0 if any is
-inf/NaN (what ``torch.amp.GradScaler.unscale_`` runs)."""
+#: dtypes torch's fused unscale-and-check kernel takes, per device type (the CUDA kernel
+#: dispatches float, double and half only: bf16 grads raise NotImplementedError there)
+FUSED_CHECK_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "cpu": frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16}),
+}
+_FUSED_CHECK_DEFAULT = frozenset({torch.float32, torch.float64, torch.float16})
+
+
+def amp_unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``
+    (what ``torch.amp.GradScaler.unscale_`` runs): sets ``found_inf`` (fp32, 0-dim) to
+    1.0 if any of ``grads`` holds inf/NaN, then multiplies them by ``inv_scale`` in place.
+    Grads of a dtype the device's kernel lacks (bf16 on CUDA) take
+    :func:`unscale_and_check_composite_`, which computes the same without a host sync."""
+    if not grads:
+        return
+    fused_dtypes = FUSED_CHECK_DTYPES.get(grads[0].device.type, _FUSED_CHECK_DEFAULT)
+    fused = [g for g in grads if g.dtype in fused_dtypes]
+    if len(fused) == len(grads):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return
+    if fused:
+        torch._amp_foreach_non_finite_check_and_unscale_(fused, found_inf, inv_scale)
+    unscale_and_check_composite_([g for g in grads if g.dtype not in fused_dtypes], found_inf, inv_scale)
+
+
+def unscale_and_check_composite_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """The fused unscale-and-check from foreach kernels, for any dtype: the L1 norm of
+    each grad (fp32 accumulation) is inf or NaN when the grad holds an inf or a NaN, so
+    ``found_inf`` becomes the maximum of itself and "the sum of the norms is not finite";
+    then the grads are multiplied by ``inv_scale``. A sum of finite grads beyond fp32's
+    range (about 3.4e38) also counts as non-finite: such a step is skipped."""
+    norms = torch._foreach_norm(grads, 1)
+    bad = torch.logical_not(torch.isfinite(torch.stack(norms).float().sum())).to(found_inf.dtype)
+    torch.maximum(found_inf, bad.to(found_inf.device), out=found_inf)
+    torch._foreach_mul_(grads, inv_scale.to(grads[0].device))
 
 
 def cpp_compiler_available() -> bool:
