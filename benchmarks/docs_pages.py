@@ -298,13 +298,9 @@ def render_fp8(result: dict[str, Any]) -> str:
 
 
 def render_gpu_check(result: dict[str, Any]) -> str:
-    rows = [[s["name"], f"`{s['command']}`", "timed out" if s.get("timed_out") else str(s.get("exit_code")),
-             _cell(s.get("seconds"), ".0f")] for s in result.get("stages", [])]  # fmt: skip
-    out = [f"CUDA {result.get('cuda_version')}.\n\n", md_table(["stage", "command", "exit code", "seconds"], rows, "lllr"), "\n"]
-    for s in result.get("stages", []):
-        if s.get("figures"):
-            out.append(f"### {s['name']}\n\n```json\n{json.dumps(s['figures'], indent=1)}\n```\n\n")
-    return "".join(out)
+    import gpu_check  # beside this script
+
+    return gpu_check.docs_body(result)
 
 
 def _threads(n: Any) -> str:

@@ -24,7 +24,8 @@ recorded as ``refused`` with the message, not as a failure.
     PYTHONPATH=src python3 benchmarks/gpu_smoke.py --device cuda --json smoke.json
     python benchmarks/gpu_smoke.py --device cpu --steps 4 --only train/O1   # a CPU stand-in
 
-Exit code 0 when every case passed or was refused, 1 otherwise.
+Cases listed in ``KNOWN`` fail for a stated reason and are recorded as ``known``.
+Exit code 0 when every case passed, was refused or is known, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -285,12 +286,24 @@ def case_compile(level: str, device: str, steps: int) -> dict[str, Any]:
             "compiled_last": runs["compiled"][-1]}  # fmt: skip
 
 
+#: cases that fail for a known reason, reported as ``known`` (the exit code ignores them)
+KNOWN = {
+    "train/O3/fp16/AdamW": "pure fp16 Adam: exp_avg_sq underflows to 0 and the step divides by eps=1e-8, "
+    "the weights overflow at the first step (O2 keeps fp32 masters for this)",
+    "train/O3/bf16/AdamW": "pure bf16 updates without masters or compensation lose the small ones "
+    "(O2K compensates them)",
+}
+
+
 def cases(device: str, steps: int) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
+    """Every case, O2K's training last: its first step compiles the update kernels
+    (about a minute on a cold cache), so a stage that runs out of time loses least."""
     out: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    compensated = []
     for level in LEVELS:
         for dname, dtype in DTYPES.items():
             for opt_name in OPTIMIZERS:
-                out.append((f"train/{level}/{dname}/{opt_name}",
+                (compensated if level == "O2K" else out).append((f"train/{level}/{dname}/{opt_name}",
                             lambda lv=level, dt=dtype, o=opt_name: case_train(lv, dt, o, device, steps)))  # fmt: skip
     for dname, dtype in DTYPES.items():
         out.append((f"explain/{dname}", lambda dt=dtype: case_explain(dt, device)))
@@ -298,14 +311,16 @@ def cases(device: str, steps: int) -> list[tuple[str, Callable[[], dict[str, Any
         out.append((f"fp8/{scaling}", lambda s=scaling: case_fp8(s, device, steps)))
     for level in ("O1", "O2"):
         out.append((f"compile/{level}", lambda lv=level: case_compile(lv, device, min(steps, 10))))
-    return out
+    return out + compensated
 
 
 def run_case(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     start = time.monotonic()
     try:
         result = fn()
-        status = "passed" if result.pop("ok") else "failed"
+        status = "passed" if result.pop("ok") else "known" if name in KNOWN else "failed"
+        if status == "known":
+            result["known_because"] = KNOWN[name]
     except amp.AmpError as e:
         result, status = {"problems": [f"{type(e).__name__}: {e}"]}, "refused"
     except Exception as e:  # noqa: BLE001 (every case runs; the error is recorded)
@@ -323,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated name prefixes of the cases to run")
     parser.add_argument("--json", default=None, help="write every case's result to this file")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{parser.prog}: --device cuda needs a CUDA GPU, and torch sees none here", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     if args.steps < 6:
         parser.error("--steps must be at least 6 (the resume check takes 3 + 3 steps)")
@@ -336,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         problems = "; ".join(r.get("problems", []))
         print(f"{r['status']:>7}  {r['seconds']:6.2f}s  {name}  {problems}", flush=True)
-    counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "error", "refused")}
+    counts = {s: sum(r["status"] == s for r in results) for s in ("passed", "failed", "error", "refused", "known")}
     print(" ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     if args.json:
         record = {"device": args.device, "torch": torch.__version__, "steps": args.steps, "counts": counts,

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="", help="decoder arms to profile over 2 extra steps, comma-separated")
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{parser.prog}: --device cuda needs a CUDA GPU, and torch sees none here", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     size = TINY_SIZE if args.tiny or args.device != "cuda" else CUDA_SIZE
     device = args.device

@@ -40,12 +40,16 @@ def test_without_a_gpu_it_refuses_in_one_line_with_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()  # nothing written
 
 
-def test_the_plan_covers_every_stage_within_eight_minutes(tmp_path):
+def test_the_default_plan_runs_the_cheap_stages_first_within_its_budget(tmp_path):
     gpu_check = _module()
     stages = gpu_check.plan(tmp_path)
-    assert [s.name for s in stages] == ["tests", "bench-fp16", "bench-bf16", "step-limit", "fp8"]
-    assert sum(s.limit_s for s in stages) <= 8 * 60
+    default = [s for s in stages if s.default]
+    assert [s.name for s in default] == ["smoke", "tests", "speed", "fp8"]
+    assert sum(s.limit_s for s in default) <= 375
+    assert [s.name for s in stages if not s.default] == ["bench-fp16", "bench-bf16", "step-limit"]
     assert all("cuda" in s.argv for s in stages)
+    (speed,) = [s for s in stages if s.name == "speed"]
+    assert "--profile" in speed.argv
     for dtype in ("fp16", "bf16"):
         (bench,) = [s for s in stages if s.name == f"bench-{dtype}"]
         assert bench.argv[bench.argv.index("--dtype") + 1] == dtype
@@ -53,7 +57,7 @@ def test_the_plan_covers_every_stage_within_eight_minutes(tmp_path):
             "fp32", "torch-autocast", "ampkit-O1", "ampkit-O2", "ampkit-O2K", "bf16"}  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", ["bench-fp16", "step-limit", "fp8"])
+@pytest.mark.parametrize("stage", ["smoke", "speed", "bench-fp16", "step-limit", "fp8"])
 def test_each_stage_command_is_accepted_by_its_script(tmp_path, stage):
     """On a CPU-only machine each command fails with its script's own "no CUDA GPU"
     line: proof that every option the plan passes exists."""
@@ -63,6 +67,29 @@ def test_each_stage_command_is_accepted_by_its_script(tmp_path, stage):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unrecognized arguments" not in proc.stderr and "invalid choice" not in proc.stderr
     assert "CUDA GPU" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_cpu_stand_in_runs_the_stages_and_the_docs_page_is_written_from_its_json(tmp_path):
+    """``--device cpu``: the same scripts at tiny sizes write the same files; the page
+    generated from the record shows each stage, the speed table with every arm run, the
+    checks and the smoke cases, from the figures in the JSON."""
+    out = tmp_path / "o"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "smoke,speed", "--out", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((out / "gpu-check.json").read_text())
+    assert [s["name"] for s in record["stages"]] == ["smoke", "speed"]
+    smoke = record["stages"][0]["figures"]
+    assert smoke["counts"]["passed"] >= 3 and smoke["counts"]["failed"] == smoke["counts"]["error"] == 0
+    speed = record["stages"][1]["figures"]
+    assert set(speed["lm"]) == {"fp32", "autocast-bf16", "ampkit-O1-bf16"} and set(speed["conv"]) == {"fp32"}
+    page = _module().docs_page(record, "gpu-check.json")
+    assert "| smoke | passed |" in page and "| speed | passed |" in page
+    step = speed["lm"]["ampkit-O1-bf16"]["step_ms"]
+    assert f"| ampkit-O1-bf16 | {step:.2f} |" in page
+    assert "ampkit-O1-bf16 loss within 1% of fp32" in page
+    assert f"{smoke['counts']['passed']} cases passed" in page
 
 
 def test_summary_is_built_from_the_stage_files(tmp_path):

@@ -587,7 +587,11 @@ def test_initialize_again_reuses_state_and_stacks_nothing(level):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", [
+    pytest.param(lv, marks=pytest.mark.xfail(strict=True, reason=(
+        "O3 is pure fp16 on CUDA: AdamW's exp_avg_sq underflows to 0 in fp16 and the first "
+        "step divides by eps=1e-8, so the weights overflow (seen on an H200); not yet warned about")))
+    if lv == "O3" else lv for lv in LEVELS])  # fmt: skip
 def test_cuda_levels_train_skip_and_resume(level):
     def run(steps: int, start: int, ckpt: bytes | None):
         torch.manual_seed(0)
