@@ -43,7 +43,8 @@ bench-docs: $(VENV)/.installed
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info docs/_build docs/reference/generated
 
-# On a machine with a CUDA GPU: the cuda-marked tests, ampkit bench, step_limit and fp8
-# benchmarks at GPU sizes; one JSON + markdown summary in gpu-check-out/. Refuses without a GPU.
-gpu-check: $(VENV)/.installed
-	$(PY) benchmarks/gpu_check.py --out gpu-check-out
+# On a machine with a CUDA GPU, offline, with the machine's own python and torch (no venv):
+# every level's smoke test, the cuda-marked tests, speed and memory, fp8; one JSON +
+# markdown summary in gpu-check-out/ (about 6 minutes on an H200). Refuses without a GPU.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out gpu-check-out
