@@ -92,10 +92,32 @@ def run_mode(mode: str, base: nn.Module, args: argparse.Namespace, device: torch
             torch.cuda.synchronize()
             peak = max(peak, (torch.cuda.max_memory_allocated() - before) / MIB)
         times.append(time.perf_counter() - t0)
+    profile = _profile(step, args.warmup + args.steps, cuda) if args.profile else None
     amp.reset()
     gc.collect()
-    return {"mode": mode, "layers": converted, "step_s": statistics.median(times), "loss": loss,
-            "peak_mib": peak, "saved_mib": saved, "state_mib": state}
+    row = {"mode": mode, "layers": converted, "step_s": statistics.median(times), "loss": loss,
+           "peak_mib": peak, "saved_mib": saved, "state_mib": state}  # fmt: skip
+    if profile is not None:
+        row["profile"] = profile
+    return row
+
+
+def _profile(step: Any, first: int, cuda: bool) -> list[dict[str, Any]]:
+    """The 15 ops with the most device time of their own (CPU time without a GPU) over 2
+    more steps, per step: where an fp8 step spends its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            step(first + i)
+    def own(e: Any) -> float:
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(prof.key_averages(), key=own, reverse=True)[:15]
+    return [{"op": e.key, "calls_per_step": e.count / 2, "self_ms_per_step": own(e) / 1e3 / 2} for e in events]
 
 
 def main() -> None:
@@ -110,6 +132,7 @@ def main() -> None:
     parser.add_argument("--level", default="O1", choices=["O1", "O2"])
     parser.add_argument("--modes", default="bf16,fp8-current,fp8-delayed")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: shared machines)")
+    parser.add_argument("--profile", action="store_true", help="profile 2 more steps per mode (top 15 ops, into --json)")
     parser.add_argument("--json", help="also write the machine, the settings and the rows to this file")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -74,7 +74,7 @@ def plan(out: Path, python: str = sys.executable, device: str = "cuda") -> list[
     smoke = (python, str(ROOT / "benchmarks" / "gpu_smoke.py"), "--device", device, "--json", str(out / "smoke.json"))
     speed = (python, str(ROOT / "benchmarks" / "gpu_speed.py"), "--device", device, "--json", str(out / "speed.json"),
              "--profile", "ampkit-O1-fp16,ampkit-O2")  # fmt: skip
-    fp8 = (python, str(ROOT / "benchmarks" / "fp8.py"), "--device", device, "--json", str(out / "fp8.json"))
+    fp8 = (python, str(ROOT / "benchmarks" / "fp8.py"), "--device", device, "--json", str(out / "fp8.json"), "--profile")
     if cpu:
         smoke += ("--steps", "12", "--only", "train/O1/bf16,explain,fp8/current")
         speed += ("--tiny", "--steps", "2", "--warmup", "1", "--arms", "fp32,autocast-bf16,ampkit-O1-bf16",

@@ -369,3 +369,31 @@ def test_adamw_with_bf16_moments_matches_fp32(kernel):
     print(f"AdamW final loss: fp32 {fp32:.5f}  kahan ({kernel}) {kahan:.5f}  plain bf16 {plain:.5f}")
     assert abs(kahan - fp32) <= 0.01 * fp32
     assert plain > 1.5 * fp32
+
+
+def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypatch, caplog):
+    """The first compiled step can take a minute (inductor's cache cold): it says what it
+    is doing, once per process and device type, not once per kernel; the probe runs on
+    the device the kernel will run on (a CPU probe of a CUDA kernel compiled twice)."""
+    from ampkit.levels import compensated, update_kernels
+
+    monkeypatch.setattr(update_kernels, "_ANNOUNCED", set())
+    probed = []
+
+    def fake_compile(fn, **kwargs):
+        def run(*args, **kw):
+            probed.append(args[0].device.type)
+            return fn(*args, **kw)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    def halve_(a: torch.Tensor, scalars: torch.Tensor) -> None:
+        a.mul_(0.5)
+
+    kernels = [compensated.Kernel(name, halve_, (0,), (torch.float32,)) for name in ("a", "b")]
+    with caplog.at_level("WARNING", logger="ampkit"):
+        for k in kernels:
+            assert k._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu")) is not None
+    announced = [r for r in caplog.records if "compiling the optimizer update kernels for cpu" in r.getMessage()]
+    assert len(announced) == 1 and probed == ["cpu", "cpu"]

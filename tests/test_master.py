@@ -266,3 +266,55 @@ def test_optimizer_zero_grad_drops_an_iteration_abandoned_after_unscale(model_gr
     dropped = _trained_o2(model_grads, abort_first=True, edit=edit, set_to_none=set_to_none)
     clean = _trained_o2(model_grads, abort_first=False, edit=edit)
     assert all(torch.equal(a, b) for a, b in zip(dropped, clean))
+
+
+def _o2_run_with_data_edits(edit: bool) -> tuple[list[float], list[torch.Tensor]]:
+    """fp16 O2, AdamW, 4 steps; with ``edit``: a grad edited through ``.data`` after the
+    second backward and a weight through ``.data`` before the third step (neither bumps a
+    version counter: only a comparison of values sees them)."""
+    import ampkit as amp
+
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(4):
+        x = torch.randn(16, 8, generator=g)
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if edit and i == 1:
+            model[0].weight.grad.data[0, :3] = 0.5
+        if edit and i == 2:
+            model[2].weight.data[0, 0] += 1.0
+        opt.step()
+        losses.append(loss.item())
+    params = [p.detach().clone() for p in model.parameters()]
+    amp.reset()
+    return losses, params
+
+
+def test_comparisons_made_ahead_on_the_device_decide_as_one_by_one(monkeypatch):
+    """Off the CPU, O2 compares every 16-bit grad and weight with its master in one
+    device pass and one host sync (one ``torch.equal`` each made an H200 wait 200 times
+    a step). Made ahead here on the CPU too: ``.data`` edits of grads and weights are
+    seen exactly as the one-by-one comparisons see them (bitwise the same run), with no
+    ``torch.equal`` left in the step."""
+    from ampkit.levels import master
+
+    one_by_one = _o2_run_with_data_edits(edit=True)
+    unedited = _o2_run_with_data_edits(edit=False)
+    assert not all(torch.equal(a, b) for a, b in zip(one_by_one[1], unedited[1]))  # the edits count
+    monkeypatch.setattr(master, "COMPARED_ONE_BY_ONE", frozenset())
+    calls = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: (calls.append(1), real_equal(a, b))[1])
+    ahead = _o2_run_with_data_edits(edit=True)
+    monkeypatch.setattr(torch, "equal", real_equal)
+    assert ahead[0] == one_by_one[0]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ahead[1], one_by_one[1]))
+    assert calls == []

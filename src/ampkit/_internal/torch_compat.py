@@ -85,6 +85,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "torch_function_mode_active",
+    "skip_traced_frame",
     "traced_frame_code",
     "traced_object",
 ]
@@ -489,6 +490,15 @@ def current_trace_tx() -> Any:
     graph being built) and ``.import_source(module_name)``."""
     convert = sys.modules.get("torch._dynamo.symbolic_convert")
     return getattr(getattr(convert, "tls", None), "current_tx", None)
+
+
+def skip_traced_frame(reason: str) -> None:
+    """Called at trace time (from a function dynamo runs then): dynamo abandons the frame
+    it is compiling and runs it eagerly (``torch._dynamo.exc.SkipFrame``; no graph, no
+    graph break)."""
+    from torch._dynamo.exc import SkipFrame
+
+    raise SkipFrame(reason)
 
 
 def traced_object(object_id: int) -> Any:

@@ -300,12 +300,13 @@ class OpCastingEnter:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_dynamo_compiling():
-            if _traced_alone_enter():
-                _enter_outside_dynamo(self, module)
-            else:
-                _compiled_enter(self.dtype, self.device_type, self.enabled)
+            _traced_alone_enter()  # skips this frame if dynamo compiles the hook alone
+            _compiled_enter(self.dtype, self.device_type, self.enabled)
             return
-        self._enter(module)
+        if torch_compat.dynamo_loaded():  # what it calls must not become frames dynamo compiles
+            _enter_outside_dynamo(self, module)
+        else:
+            self._enter(module)
 
     def _enter(self, module: nn.Module) -> None:
         scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module), self.enabled)
@@ -328,12 +329,13 @@ class OpCastingExit:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
-            if _traced_alone_exit():
-                _exit_outside_dynamo(module)
-            else:
-                _compiled_exit()
+            _traced_alone_exit()  # skips this frame if dynamo compiles the hook alone
+            _compiled_exit()
             return
-        _exit_scope(module)
+        if torch_compat.dynamo_loaded():
+            _exit_outside_dynamo(module)
+        else:
+            _exit_scope(module)
 
 
 def _exit_scope(module: nn.Module) -> None:
@@ -346,15 +348,22 @@ def _exit_scope(module: nn.Module) -> None:
 # ``torch.compile(module)`` runs the module's hooks outside its graph (always so while
 # global module hooks exist), and dynamo then compiles each hook as a frame of its own: a
 # graph that only switched autocast on would leave the switch to no graph that undoes
-# it (AOTAutograd refuses such graphs). A hook traced as its own frame therefore opens
-# or closes its scope eagerly, at a graph break, as in eager mode; inlined into a traced
-# module call (a compiled function calling the model) it switches in the graph.
+# it (AOTAutograd refuses such graphs). A hook traced as its own frame is therefore left
+# to run eagerly (dynamo skips the frame: no graph, no graph break), opening or closing
+# its scope as in eager mode; inlined into a traced module call (a compiled function
+# calling the model) it switches in the graph.
+def _skip_if_traced_alone(code: Any) -> bool:
+    if torch_compat.traced_frame_code() is code:
+        torch_compat.skip_traced_frame("ampkit's scope hook runs eagerly when compiled as a frame of its own")
+    return False
+
+
 def _traced_alone_enter() -> bool:
-    return torch_compat.traced_frame_code() is OpCastingEnter.__call__.__code__
+    return _skip_if_traced_alone(OpCastingEnter.__call__.__code__)
 
 
 def _traced_alone_exit() -> bool:
-    return torch_compat.traced_frame_code() is OpCastingExit.__call__.__code__
+    return _skip_if_traced_alone(OpCastingExit.__call__.__code__)
 
 
 torch_compat.mark_trace_constant(_traced_alone_enter)
@@ -401,7 +410,13 @@ class EntryCasts:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if torch.compiler.is_dynamo_compiling():
+            _traced_alone_entry()  # skips this frame if dynamo compiles the hook alone
             return None
+        if torch_compat.dynamo_loaded():  # what it calls must not become frames dynamo compiles
+            return _entry_outside_dynamo(self, module, args, kwargs)
+        return self._enter(module, args, kwargs)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         stack = _entry_stack()
         if self.top or stack:
             stack.append((module, None))
@@ -427,7 +442,13 @@ class EntryExit:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():
+            _traced_alone_entry_exit()  # skips this frame if dynamo compiles the hook alone
             return None
+        if torch_compat.dynamo_loaded():
+            return _entry_exit_outside_dynamo(self, module, output)
+        return self._exit(module, output)
+
+    def _exit(self, module: nn.Module, output: Any) -> Any:
         stack = _entry_stack()
         if not stack or stack[-1][0] is not module:
             return None
@@ -442,6 +463,20 @@ class EntryExit:
 
     def __repr__(self) -> str:
         return f"EntryExit({self.cast_outputs})"
+
+
+def _traced_alone_entry() -> bool:
+    return _skip_if_traced_alone(EntryCasts.__call__.__code__)
+
+
+def _traced_alone_entry_exit() -> bool:
+    return _skip_if_traced_alone(EntryExit.__call__.__code__)
+
+
+torch_compat.mark_trace_constant(_traced_alone_entry)
+torch_compat.mark_trace_constant(_traced_alone_entry_exit)
+_entry_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, *a: hook._enter(*a))
+_entry_exit_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, *a: hook._exit(*a))
 
 
 def _entry_points(model: nn.Module, kept_ids: set[int]) -> list[nn.Module]:

@@ -43,6 +43,8 @@ from ampkit._internal import torch_compat
 __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 
 _LOG = logging.getLogger("ampkit")
+# Kernel registry: the device types whose compiling has been announced in this process.
+_ANNOUNCED: set[str] = set()
 
 KernelMode = Literal["auto", "compiled", "eager"]
 # From this size on a tensor gets a call of its own: below it a call's overhead costs
@@ -107,23 +109,32 @@ class Kernel:
         self.example_dtypes = tuple(example_dtypes)
         self._compiled: dict[tuple, Callable[..., None] | None] = {}
 
-    def _compiled_fn(self, static: dict, num_scalars: int) -> Callable[..., None] | None:
-        key = tuple(sorted(static.items()))
+    def _compiled_fn(self, static: dict, num_scalars: int, device: torch.device, scalars_device: torch.device,
+                     ) -> Callable[..., None] | None:  # fmt: skip
+        key = (device.type, scalars_device.type, *sorted(static.items()))
         if key in self._compiled:
             return self._compiled[key]
         with _lock:
             if key in self._compiled:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
+            if device.type not in _ANNOUNCED:  # once per device type and process
+                _ANNOUNCED.add(device.type)
+                _LOG.warning(
+                    "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first "
+                    "step of this process; up to a minute while inductor's on-disk cache is cold, seconds "
+                    "once it is warm).", device.type
+                )
             try:
                 compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-                # Probe on scratch tensors: a compiler failure must not surface halfway
-                # through a real step, and the compiled arithmetic must be the eager
-                # one bit for bit (no contraction into fused multiply-adds, which
-                # would break the exact rounding-error computations).
+                # Probe on scratch tensors on the device the kernel will run on (a probe
+                # elsewhere would compile a second kernel): a compiler failure must not
+                # surface halfway through a real step, and the compiled arithmetic must
+                # be the eager one bit for bit (no contraction into fused multiply-adds,
+                # which would break the exact rounding-error computations).
                 g = torch.Generator().manual_seed(0)
-                scalars = torch.rand(num_scalars, generator=g) * 0.5 + 0.25
-                probe = [(torch.randn(1031, generator=g) * 0.1).to(d) for d in self.example_dtypes]
+                scalars = (torch.rand(num_scalars, generator=g) * 0.5 + 0.25).to(scalars_device)
+                probe = [(torch.randn(1031, generator=g) * 0.1).to(device, d) for d in self.example_dtypes]
                 expected = [t.clone() for t in probe]
                 compiled(*probe, scalars, **static)
                 self.fn(*expected, scalars, **static)
@@ -155,7 +166,7 @@ class Kernel:
             return
         run: Callable[..., None] | None = None
         if mode == "compiled":
-            run = self._compiled_fn(static, scalars.numel())
+            run = self._compiled_fn(static, scalars.numel(), tensors[0][0].device, scalars.device)
         count = len(tensors[0])
         small: list[int] = []
         for i in range(count):

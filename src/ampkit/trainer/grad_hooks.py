@@ -108,10 +108,12 @@ class WatchDDP:
     deep-copies (a copy is not watched: the registry is keyed by the module)."""
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_dynamo_compiling() and _watch_traced_alone():
+        if torch.compiler.is_dynamo_compiling():
             # torch.compile(module) runs hooks outside its graph and dynamo compiles this
-            # one as a frame of its own: bookkeeping only, so it runs eagerly (dynamo
-            # would compile the version reads once per parameter, up to its limit)
+            # one as a frame of its own: bookkeeping only, so the frame is skipped and
+            # runs eagerly (dynamo would compile the version reads once per parameter)
+            _watch_traced_alone()
+        elif torch_compat.dynamo_loaded():  # what it calls must not become frames dynamo compiles
             _watch_outside_dynamo(self, module)
             return
         self._watch(module)
@@ -136,7 +138,9 @@ class WatchDDP:
 
 
 def _watch_traced_alone() -> bool:
-    return torch_compat.traced_frame_code() is WatchDDP.__call__.__code__
+    if torch_compat.traced_frame_code() is WatchDDP.__call__.__code__:
+        torch_compat.skip_traced_frame("ampkit's master-watch hook runs eagerly when compiled as a frame of its own")
+    return False
 
 
 torch_compat.mark_trace_constant(_watch_traced_alone)
