@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         data = ROOT / "docs" / "benchmarks" / "data" / "gpu_check.json"
         entry = {"benchmark": "gpu_check", "script": "gpu_check.py", "command": record["machine"].get("command", ""),
                  "machine": record["machine"], "wall_seconds": sum(s["seconds"] for s in record["stages"]),
-                 "kind": "gpu", "result": record}  # fmt: skip
+                 "kind": "json", "result": record}  # fmt: skip
         data.write_text(json.dumps(entry, indent=1) + "\n")
         sys.path.insert(0, str(ROOT / "benchmarks"))
         import docs_pages

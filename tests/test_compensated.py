@@ -377,7 +377,7 @@ def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypa
     the device the kernel will run on (a CPU probe of a CUDA kernel compiled twice)."""
     from ampkit.levels import compensated, update_kernels
 
-    monkeypatch.setattr(update_kernels, "_ANNOUNCED", set())
+    monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
     probed = []
 
     def fake_compile(fn, **kwargs):

@@ -43,8 +43,9 @@ from ampkit._internal import torch_compat
 __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 
 _LOG = logging.getLogger("ampkit")
-# Kernel registry: the device types whose compiling has been announced in this process.
-_ANNOUNCED: set[str] = set()
+# Kernel registry: the device types whose kernel compiling has been announced in this
+# process (one message each: the first compiled step can take a minute).
+ANNOUNCED_DEVICES: set[str] = set()
 
 KernelMode = Literal["auto", "compiled", "eager"]
 # From this size on a tensor gets a call of its own: below it a call's overhead costs
@@ -118,8 +119,8 @@ class Kernel:
             if key in self._compiled:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
-            if device.type not in _ANNOUNCED:  # once per device type and process
-                _ANNOUNCED.add(device.type)
+            if device.type not in ANNOUNCED_DEVICES:  # once per device type and process
+                ANNOUNCED_DEVICES.add(device.type)
                 _LOG.warning(
                     "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first "
                     "step of this process; up to a minute while inductor's on-disk cache is cold, seconds "
