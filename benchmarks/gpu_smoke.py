@@ -289,7 +289,7 @@ def case_compile(level: str, device: str, steps: int) -> dict[str, Any]:
 #: cases that fail for a known reason, reported as ``known`` (the exit code ignores them)
 KNOWN = {
     "train/O3/fp16/AdamW": "pure fp16 Adam: exp_avg_sq underflows to 0 and the step divides by eps=1e-8, "
-    "the weights overflow at the first step (O2 keeps fp32 masters for this)",
+    "the weights overflow at the first step (initialize warns; O2 keeps fp32 masters for this)",
     "train/O3/bf16/AdamW": "pure bf16 updates without masters or compensation lose the small ones "
     "(O2K compensates them)",
 }

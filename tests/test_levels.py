@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -590,7 +591,7 @@ def test_initialize_again_reuses_state_and_stacks_nothing(level):
 @pytest.mark.parametrize("level", [
     pytest.param(lv, marks=pytest.mark.xfail(strict=True, reason=(
         "O3 is pure fp16 on CUDA: AdamW's exp_avg_sq underflows to 0 in fp16 and the first "
-        "step divides by eps=1e-8, so the weights overflow (seen on an H200); not yet warned about")))
+        "step divides by eps=1e-8, so the weights overflow (seen on an H200); initialize warns about it")))
     if lv == "O3" else lv for lv in LEVELS])  # fmt: skip
 def test_cuda_levels_train_skip_and_resume(level):
     def run(steps: int, start: int, ckpt: bytes | None):
@@ -959,3 +960,37 @@ def test_initialize_fresh_false_adds_to_the_session_and_refuses_what_it_cannot_a
             loss.backward()
         opt.step()
         assert ampkit.stats(opt).steps == 1
+
+
+def _o3_fp16_first_step(opt_cls):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = ampkit.initialize(model, opt, opt_level="O3", dtype=torch.float16)
+    x = torch.randn(16, 8) * 0.1
+    with ampkit.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    ampkit.reset()
+    return [str(w.message) for w in caught if "second moment" in str(w.message)], finite
+
+
+def test_o3_fp16_with_an_adam_like_optimizer_is_warned_about_before_it_overflows():
+    """Pure fp16 AdamW: its exp_avg_sq underflows and eps=1e-8 rounds to 0 in fp16, so
+    the first step's weights are inf/NaN. initialize says so first; SGD, O2 (fp32 state)
+    and bf16 (fp32's exponent range) are not warned about."""
+    warned, finite = _o3_fp16_first_step(torch.optim.AdamW)
+    assert len(warned) == 1 and "AdamW" in warned[0] and "O2" in warned[0]
+    assert not finite  # what the warning announces does happen
+    warned, finite = _o3_fp16_first_step(torch.optim.SGD)
+    assert warned == [] and finite
+    for level, dtype in (("O2", torch.float16), ("O3", torch.bfloat16)):
+        model = nn.Linear(4, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ampkit.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level, dtype=dtype)
+        assert not [w for w in caught if "second moment" in str(w.message)], level
+        ampkit.reset()

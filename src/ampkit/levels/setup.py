@@ -27,6 +27,7 @@ cast in place and get input/output cast hooks (:func:`ampkit.cast_model`), never
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -464,6 +465,34 @@ def _make_scaler(level: OptLevel) -> LossScaler:
     return LossScaler(init_scale=float(level.loss_scale), dynamic=False)
 
 
+#: optimizers whose second-moment state (``exp_avg_sq``) is kept in the parameters'
+#: dtype and divides the update: in fp16 it underflows (a squared gradient below fp16's
+#: smallest subnormal, about 6e-8, times ``1 - beta2`` is 0) and ``eps`` (1e-8) rounds to 0
+ADAM_FAMILY: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+    torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta,
+)  # fmt: skip
+
+
+def _warn_fp16_adam_state(level: OptLevel, opt_list: Sequence[torch.optim.Optimizer]) -> None:
+    """O3 (pure 16 bits, no masters, no compensation) in fp16 with an Adam-like optimizer:
+    its state is fp16, the second moment of typical gradients (below about 1e-2) is 0,
+    and the first update divides by ~0, so the weights overflow at once (seen with AdamW
+    on an H200 and on the CPU). Said before anything runs, once per call."""
+    if level.cast_model_type is not torch.float16 or level.master_weights or level.compensation is not None:
+        return
+    adams = sorted({type(opt).__name__ for opt in opt_list if isinstance(opt, ADAM_FAMILY)})
+    if adams:
+        warnings.warn(
+            f"ampkit: {level.name} keeps {', '.join(adams)}'s state in float16, where the second moment of "
+            "gradients below about 1e-2 underflows to 0 and eps=1e-8 rounds to 0: the first step divides by "
+            "zero and the weights become inf/NaN. Use O2 (fp32 master weights and state) or "
+            "dtype=torch.bfloat16; O3 in fp16 suits SGD.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _check_fp32(
     models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], level: OptLevel
 ) -> None:
@@ -633,6 +662,7 @@ def initialize(
                 "LBFGS mixes all parameters in one update and calls a closure many times "
                 f"per step; {level.name}'s compensated updates need a per-parameter optimizer."
             )
+    _warn_fp16_adam_state(level, opt_list)
     scaler = _make_scaler(level)
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
