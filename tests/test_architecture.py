@@ -1,5 +1,6 @@
 """The package's architecture, checked: the layers contract (import-linter) holds and
-catches a violating import, and no subpackage reaches into another's private names.
+catches a violating import, no subpackage reaches into another's private names, and
+torch's private names are reached only through ``_internal/torch_compat.py``.
 
 Subpackages: ``_internal``, ``casting``, ``scaling``, ``trainer``, ``levels``,
 ``distributed``, ``inference`` and ``tools`` (its own subpackages count as one). The
@@ -283,3 +284,98 @@ def test_no_subpackage_uses_private_names_of_another():
 def test_tests_use_no_private_ampkit_names():
     uses = _test_uses()
     assert not uses, _report(uses)
+
+
+# --- the torch boundary -------------------------------------------------------------------
+#: Private names ampkit may reach outside ``_internal/torch_compat.py``, each with why:
+#: Python's own privates, the frameworks' (one integration module each), and the launcher
+#: of ``ampkit run`` (its process-wide patches live with it by design).
+BOUNDARY_ALLOWED: dict[str, str] = {
+    "_getframe": "sys._getframe: Python's frame access (warning locations, the launcher)",
+    "_fields": "a namedtuple's field names (Python)",
+    "_is_overflow": "Accelerate's and HF Trainer's skip flag, set by integrations/accelerate.py and hf.py",
+    "_is_accelerate_prepared": "Accelerate's marker on prepared models (integrations/accelerate.py)",
+    "_wrap_closure": "Lightning's Precision hook (integrations/lightning/precision.py)",
+}
+BOUNDARY_MODULE = SRC / "_internal" / "torch_compat.py"
+
+
+def _own_names(paths: list[Path]) -> set[str]:
+    """Names ampkit defines itself: functions, classes, module-level and local names,
+    arguments, and attributes set on ``self``/``cls``."""
+    own: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):  # fmt: skip
+                own.add(node.attr)
+    return own
+
+
+def _other_private(name: str) -> bool:
+    """A private name of another library: one leading underscore or more, not a dunder."""
+    return name.startswith("_") and not name.endswith("__")
+
+
+def torch_private_uses(path: Path, own: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each private name of another library ``path`` reaches: an
+    attribute (``x._name``, ``getattr(x, "_name")``) ampkit does not define itself, an
+    import from a private torch module or of a private torch name."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and _other_private(node.attr) and node.attr not in own:
+            uses.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _other_private(node.args[1].value) and node.args[1].value not in own):  # fmt: skip
+            uses.append((node.lineno, node.args[1].value))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]
+            uses += [(node.lineno, f"{node.module}.{p}") for p in parts if _other_private(p)][:1]
+        elif isinstance(node, ast.Import):
+            uses += [(node.lineno, a.name) for a in node.names
+                     if a.name.split(".")[0] == "torch" and any(_other_private(p) for p in a.name.split("."))]  # fmt: skip
+    return uses
+
+
+def _boundary_violations(paths: list[Path], own: set[str]) -> list[str]:
+    found = []
+    for path in paths:
+        if path == BOUNDARY_MODULE:
+            continue
+        for line, name in torch_private_uses(path, own):
+            if name.split(".")[-1] not in BOUNDARY_ALLOWED:
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                found.append(f"{where}:{line} {name}")
+    return found
+
+
+def test_torch_private_names_are_reached_only_through_torch_compat():
+    """Every private name of torch (``torch._*``, private modules, private attributes of
+    torch's objects) is used in ``_internal/torch_compat.py`` alone, where each one is
+    documented and tested per release; ``BOUNDARY_ALLOWED`` lists the few others."""
+    paths = sorted(SRC.rglob("*.py"))
+    found = _boundary_violations(paths, _own_names(paths))
+    assert not found, "private names used outside _internal/torch_compat.py:\n" + "\n".join(found)
+
+
+def test_the_boundary_check_catches_a_planted_private_use(tmp_path):
+    paths = sorted(SRC.rglob("*.py"))
+    own = _own_names(paths)
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import torch\nfrom torch.optim.optimizer import _get_fused_kernels_supported_devices\n"
+        "import torch._dynamo\n"
+        "def f(opt, t):\n    opt._opt_called = True\n    return t._values(), getattr(t, '_backward_hooks', None)\n"
+    )
+    uses = {name for _, name in torch_private_uses(planted, own)}
+    assert uses == {"torch.optim.optimizer._get_fused_kernels_supported_devices", "torch._dynamo", "_opt_called",
+                    "_values", "_backward_hooks"}  # fmt: skip
+    assert len(_boundary_violations([*paths, planted], own)) == 5

@@ -521,3 +521,48 @@ def test_unscale_and_check_sends_dtypes_the_device_kernel_lacks_to_the_composite
     tc.amp_unscale_and_check_(grads, found, torch.full((), 0.5))
     assert found.item() == 1.0 and len(called) == 1 and called[0][0].dtype == torch.bfloat16
     assert torch.equal(grads[0], torch.ones(4)) and grads[1][1:].eq(1).all()
+
+
+def test_private_base_classes_are_the_bases_of_torchs_layers():
+    assert all(issubclass(c, tc.BATCH_NORM_BASE) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm))
+    assert all(issubclass(c, tc.INSTANCE_NORM_BASE) for c in (nn.InstanceNorm1d, nn.InstanceNorm3d))
+    assert issubclass(nn.ConvTranspose2d, tc.CONV_TRANSPOSE_BASE) and not issubclass(nn.Conv2d, tc.CONV_TRANSPOSE_BASE)
+
+
+def test_sparse_values_and_tensor_hooks():
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 3.0]), (4,)).coalesce()
+    assert torch.equal(tc.sparse_values(t), torch.tensor([1.0, 3.0]))
+    p = nn.Parameter(torch.zeros(2))
+    assert tc.tensor_hooks_of(p) == {}
+    p.register_hook(lambda g: g)
+    assert len(tc.tensor_hooks_of(p)) == 1
+
+
+def test_optimizer_and_scheduler_markers_are_the_ones_torch_reads():
+    """``_opt_called`` silences the scheduler's "step before optimizer.step()" warning;
+    ``_wrapped_by_lr_sched`` is what a scheduler leaves on the step it wrapped; fused
+    kernels run on CUDA; ``_step_supports_amp_scaling`` is what GradScaler checks."""
+    import warnings
+
+    assert "cuda" in tc.fused_optimizer_devices()
+    p = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    assert tc.step_wrapped_by_lr_scheduler(opt.step)
+    tc.mark_optimizer_stepped(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()  # no "lr_scheduler.step() before optimizer.step()" warning
+    def step():
+        return None
+    assert not tc.step_wrapped_by_lr_scheduler(step)
+    tc.mark_step_wrapped_by_lr_scheduler(step)
+    assert tc.step_wrapped_by_lr_scheduler(step)
+    tc.mark_step_supports_amp_scaling(opt)
+    assert getattr(opt, "_step_supports_amp_scaling", False) is True
+
+
+def test_no_ddp_module_is_active_outside_a_ddp_forward_and_the_cpu_answers_for_16_bits():
+    assert tc.active_ddp_module() is None
+    for dtype in (torch.bfloat16, torch.float16):
+        assert tc.cpu_has_native_16bit(dtype) in (True, False, None)

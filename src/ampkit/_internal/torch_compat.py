@@ -88,6 +88,18 @@ __all__ = [
     "skip_traced_frame",
     "traced_frame_code",
     "traced_object",
+    "BATCH_NORM_BASE",
+    "INSTANCE_NORM_BASE",
+    "CONV_TRANSPOSE_BASE",
+    "sparse_values",
+    "tensor_hooks_of",
+    "fused_optimizer_devices",
+    "mark_step_supports_amp_scaling",
+    "mark_optimizer_stepped",
+    "step_wrapped_by_lr_scheduler",
+    "mark_step_wrapped_by_lr_scheduler",
+    "active_ddp_module",
+    "cpu_has_native_16bit",
 ]
 
 # ---------------------------------------------------------------------------
@@ -607,3 +619,80 @@ def guards_name(parts: list[str], text: str) -> bool:
     """Whether one cache entry's guard code mentions ``text`` (``"_state.compile_key"``:
     the entry is guarded on ampkit's scopes)."""
     return any(text in part for part in parts)
+
+
+# ---------------------------------------------------------------------------
+# Private classes and attributes of torch's modules, optimizers and schedulers
+# ---------------------------------------------------------------------------
+BATCH_NORM_BASE: type = nn.modules.batchnorm._BatchNorm
+"""``nn.modules.batchnorm._BatchNorm``: the base of BatchNorm1d/2d/3d and SyncBatchNorm
+(norm layers kept fp32, SyncBN conversion, BN folding)."""
+
+INSTANCE_NORM_BASE: type = nn.modules.instancenorm._InstanceNorm
+"""``nn.modules.instancenorm._InstanceNorm``: the base of InstanceNorm1d/2d/3d."""
+
+CONV_TRANSPOSE_BASE: type = nn.modules.conv._ConvTransposeNd
+"""``nn.modules.conv._ConvTransposeNd``: the base of ConvTranspose1d/2d/3d (their weight
+is laid out ``(in, out, ...)``, which BN folding must know)."""
+
+
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """``t._values()``: the stored values of a sparse COO tensor (no copy; coalesce
+    first for unique indices)."""
+    return t._values()
+
+
+def tensor_hooks_of(t: torch.Tensor) -> dict[int, Any]:
+    """``t._backward_hooks``: the hooks ``Tensor.register_hook`` added (empty if none)."""
+    return getattr(t, "_backward_hooks", None) or {}
+
+
+def fused_optimizer_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels run on
+    (``torch.optim.optimizer._get_fused_kernels_supported_devices``)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return list(_get_fused_kernels_supported_devices())
+
+
+def mark_step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Set ``optimizer._step_supports_amp_scaling``: its ``step`` takes ``grad_scale``
+    and ``found_inf`` (what fused optimizers declare to ``torch.amp.GradScaler``)."""
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Set ``optimizer._opt_called``: LR schedulers read it to warn about a scheduler
+    stepped before its optimizer."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def step_wrapped_by_lr_scheduler(step: Any) -> bool:
+    """Whether an LR scheduler wrapped this ``optimizer.step`` (its ``_wrapped_by_lr_sched``
+    marker: a scheduler created before wraps the step once and sets it)."""
+    return hasattr(step, "_wrapped_by_lr_sched")
+
+
+def mark_step_wrapped_by_lr_scheduler(step: Any) -> None:
+    """Set the ``_wrapped_by_lr_sched`` marker on a step function that replaces one an
+    LR scheduler wrapped, so the scheduler does not wrap it again."""
+    step._wrapped_by_lr_sched = True
+
+
+def active_ddp_module() -> nn.Module | None:
+    """The DistributedDataParallel whose forward is running in this thread
+    (``DistributedDataParallel._get_active_ddp_module()``), or None."""
+    return nn.parallel.DistributedDataParallel._get_active_ddp_module()
+
+
+def cpu_has_native_16bit(dtype: torch.dtype) -> bool | None:
+    """Whether the CPU computes ``dtype`` (bf16: AVX-512-bf16 or AMX tiles; fp16:
+    AMX-FP16) natively (``torch.cpu._is_avx512_bf16_supported`` and friends), or None
+    when this torch cannot tell."""
+    cpu = torch.cpu
+    try:
+        if dtype == torch.bfloat16:
+            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+        return bool(cpu._is_amx_fp16_supported())
+    except AttributeError:
+        return None

@@ -624,7 +624,7 @@ def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Mo
 
 
 def _convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if isinstance(module, torch_compat.BATCH_NORM_BASE):
         new = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
         _move_cast_hooks(module, new)
         return new

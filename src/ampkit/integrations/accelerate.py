@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8 import Fp8Recipe
@@ -237,7 +238,7 @@ def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
     """The DistributedDataParallel Accelerate made of a model (under ``torch.compile``'s
     wrapper too), or None."""
     ddp_cls = nn.parallel.DistributedDataParallel
-    for candidate in (model, getattr(model, "_orig_mod", None)):
+    for candidate in (model, torch_compat.compiled_module_inner(model)):
         if isinstance(candidate, ddp_cls):
             return candidate
     return None

@@ -420,7 +420,7 @@ class MasterWeights:
             if g32.is_sparse:  # nn.Embedding(sparse=True): duplicates summed in fp32
                 g32 = g32.coalesce()
             if unscale is not None:
-                unscale([g32._values() if g32.is_sparse else g32])
+                unscale([torch_compat.sparse_values(g32) if g32.is_sparse else g32])
             if master.grad is None:
                 master.grad = g32
             else:
@@ -981,7 +981,7 @@ rounds_to = _rounds_to  # the public name, for other subpackages and tests
 
 def _cleared(t: torch.Tensor | None) -> bool:
     if t is not None and t.is_sparse:
-        t = t.coalesce()._values()
+        t = torch_compat.sparse_values(t.coalesce())
     return t is None or not bool(t.any())
 
 

@@ -69,8 +69,8 @@ __all__ = [
 NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
     t
     for t in (
-        nn.modules.batchnorm._BatchNorm,
-        nn.modules.instancenorm._InstanceNorm,
+        torch_compat.BATCH_NORM_BASE,
+        torch_compat.INSTANCE_NORM_BASE,
         nn.LayerNorm,
         nn.GroupNorm,
         getattr(nn, "RMSNorm", None),
@@ -204,7 +204,7 @@ def _takes_low_precision_input(module: nn.Module) -> bool:
     kernels), GroupNorm on CPU. LayerNorm is not among them: its CPU kernel
     accumulates the weight grads of a bf16 input in bf16 (4% off on a 64x16x256
     input), so it gets an fp32 input, as do RMSNorm and LocalResponseNorm."""
-    if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):
+    if isinstance(module, (torch_compat.BATCH_NORM_BASE, torch_compat.INSTANCE_NORM_BASE)):
         return True
     if isinstance(module, nn.GroupNorm):
         devices = {t.device.type for t in module.parameters()} or {"cpu"}

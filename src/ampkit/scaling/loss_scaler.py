@@ -211,7 +211,7 @@ def group_grads(
         if grad.is_sparse:
             if grad.dtype == torch.float16:
                 p.grad = grad = grad.coalesce()
-            grad = grad._values()
+            grad = torch_compat.sparse_values(grad)
         if grad.is_complex():
             # Unscale and check the real and imaginary parts in place, as floats.
             grad = torch.view_as_real(grad)

@@ -59,9 +59,7 @@ _PROBE_SKIP = ("params", "fused", "foreach", "differentiable", "capturable")
 
 
 def _fused_devices() -> list[str]:
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return list(_get_fused_kernels_supported_devices())
+    return torch_compat.fused_optimizer_devices()
 
 
 def _fused_fits(optimizer: torch.optim.Optimizer, group: dict) -> bool:
@@ -136,7 +134,7 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
         else:
             choices.append("as built")
     if optimizer.param_groups and all(bool(g.get("fused")) for g in optimizer.param_groups):
-        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        torch_compat.mark_step_supports_amp_scaling(optimizer)
     return choices
 
 

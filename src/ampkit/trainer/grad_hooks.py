@@ -129,8 +129,7 @@ class WatchDDP:
                 mw.drop_stale_views()
         if not torch.is_grad_enabled():
             return
-        ddp_cls = nn.parallel.DistributedDataParallel
-        ddp = ddp_cls._get_active_ddp_module()
+        ddp = torch_compat.active_ddp_module()
         if ddp is None:
             _DDP_SYNC.pop(module, None)
         else:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ampkit._internal import torch_compat
 from ampkit._internal.validate import MAX_COUNT, is_count, require_flag
 from ampkit.errors import NumericsError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
@@ -184,10 +185,10 @@ class ManagedOptimizer(StepGrads):
         functools.update_wrapper(
             step, type(opt).step, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()
         )
-        if hasattr(inner, "_wrapped_by_lr_sched"):
+        if torch_compat.step_wrapped_by_lr_scheduler(inner):
             # A scheduler created before us wrapped `step`; keep its marker. We set
             # `_opt_called` ourselves on every call, so the marker stays truthful.
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            torch_compat.mark_step_wrapped_by_lr_scheduler(step)
         self._step_function = step
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
 

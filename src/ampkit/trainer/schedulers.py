@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ampkit._internal import torch_compat
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import StateError
 
@@ -37,7 +38,7 @@ _LR = torch.optim.lr_scheduler
 def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
     """Set torch's ``_opt_called`` marker: ``optimizer.step()`` was called (also when
     ampkit skipped it), so LR schedulers stepped next do not warn."""
-    optimizer._opt_called = True  # type: ignore[attr-defined]
+    torch_compat.mark_optimizer_stepped(optimizer)
 
 
 def check_schedulers(schedulers: Any, optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ampkit._internal import torch_compat
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import group_grads, to_fp32, unscale_and_check_
@@ -111,7 +112,7 @@ class StepGrads:
         for p in params:
             g = p.grad
             if g is not None:
-                grads[id(g)] = g._values() if g.is_sparse else g
+                grads[id(g)] = torch_compat.sparse_values(g) if g.is_sparse else g
         return list(grads.values())
 
     def _start_fresh_step(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ampkit._internal import registry as _reset
+from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import LOW_PRECISION
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
@@ -48,13 +49,8 @@ _reset.on_reset(_WARNED.clear)  # like the engine's fp16-on-CPU warning: once pe
 def _cpu_computes_fast(dtype: torch.dtype) -> bool:
     """Whether this CPU has instructions for ``dtype`` matmuls (AVX512-BF16 or AMX for
     bf16, AMX-FP16 for fp16); True when torch cannot tell."""
-    cpu = torch.cpu
-    try:
-        if dtype == torch.bfloat16:
-            return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
-        return bool(cpu._is_amx_fp16_supported())
-    except AttributeError:
-        return True
+    native = torch_compat.cpu_has_native_16bit(dtype)
+    return True if native is None else native
 
 
 def _warn_slow_cpu(dtype: torch.dtype) -> None:

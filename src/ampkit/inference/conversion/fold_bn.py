@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
+
 from .measure import _dtype_name
 from .report import FoldRecord
 
@@ -34,7 +36,7 @@ def _fold_pairs(model: nn.Module) -> list[tuple[str, str]]:
             calls[node.target] = calls.get(node.target, 0) + 1
     pairs = []
     for node in graph.nodes:
-        if node.op != "call_module" or not isinstance(modules.get(node.target), nn.modules.batchnorm._BatchNorm):
+        if node.op != "call_module" or not isinstance(modules.get(node.target), torch_compat.BATCH_NORM_BASE):
             continue
         if len(node.args) != 1 or node.kwargs:
             continue
@@ -55,19 +57,19 @@ def _sequential_pairs(model: nn.Module) -> list[tuple[str, str]]:
             continue
         items = list(m.named_children())
         for (a, la), (b, lb) in zip(items, items[1:]):
-            if isinstance(la, _FOLDABLE) and isinstance(lb, nn.modules.batchnorm._BatchNorm):
+            if isinstance(la, _FOLDABLE) and isinstance(lb, torch_compat.BATCH_NORM_BASE):
                 join = f"{prefix}." if prefix else ""
                 pairs.append((f"{join}{a}", f"{join}{b}"))
     return pairs
 
 
-def _folded_weights(layer: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _folded_weights(layer: nn.Module, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The folded (weight, bias) in fp64, or None if the pair cannot be folded
     (no running statistics, channel counts that differ, grouped transposed conv)."""
     if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
         return None
     w = layer.weight.detach().double()
-    transposed = isinstance(layer, nn.modules.conv._ConvTransposeNd)
+    transposed = isinstance(layer, torch_compat.CONV_TRANSPOSE_BASE)
     if transposed and layer.groups != 1:
         return None
     out_dim = 1 if transposed else 0

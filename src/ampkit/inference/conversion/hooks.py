@@ -117,14 +117,12 @@ def _is_ampkit_cast_hook(fn: Any) -> bool:
 
 def _drop_hooks(module: nn.Module, predicate: Any) -> None:
     """Remove the forward (pre-)hooks of ``module`` for which ``predicate(fn)``."""
-    for hooks, extra in (
-        (module._forward_pre_hooks, ("_forward_pre_hooks_with_kwargs",)),
-        (module._forward_hooks, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
-    ):
+    d = torch_compat.module_hook_dicts(module)
+    for hooks, extra in ((d.pre, (d.pre_with_kwargs,)), (d.post, (d.post_with_kwargs, d.post_always_called))):
         for key in [k for k, fn in hooks.items() if predicate(fn)]:
             del hooks[key]
-            for attr in extra:
-                getattr(module, attr, {}).pop(key, None)
+            for flags in extra:
+                flags.pop(key, None)
 
 
 def _fp32_copy(model: nn.Module) -> nn.Module:

@@ -248,7 +248,7 @@ class Recorder:
     def user_grad_hooks(self, p: torch.Tensor) -> int:
         """How many gradient hooks (``Tensor.register_hook``) other than the
         recorder's own are on parameter ``p``."""
-        hooks = getattr(p, "_backward_hooks", None) or {}
+        hooks = torch_compat.tensor_hooks_of(p)
         return sum(1 for h in hooks.values() if id(h) not in self._own_hooks)
 
     # --- the hooks ---------------------------------------------------------------------
