@@ -566,3 +566,46 @@ def test_no_ddp_module_is_active_outside_a_ddp_forward_and_the_cpu_answers_for_1
     assert tc.active_ddp_module() is None
     for dtype in (torch.bfloat16, torch.float16):
         assert tc.cpu_has_native_16bit(dtype) in (True, False, None)
+
+
+def test_the_release_constant_and_what_is_branched_on_it():
+    assert tc.release_of("2.11.0+cu130") == (2, 11) and tc.release_of("2.16.0a0+git1234") == (2, 16)
+    assert tc.TORCH_RELEASE == tc.release_of(torch.__version__)
+    assert tc.GRAPH_AUTOCAST_SWITCHES == (tc.TORCH_RELEASE >= (2, 12))
+    assert tc.tracing_for_compile() is False  # eager
+    seen = []
+
+    @torch.compile(backend="eager")
+    def f(x):
+        seen.append(tc.tracing_for_compile())  # dynamo runs this at trace time
+        return x + 1
+
+    f(torch.ones(2))
+    assert seen and all(seen)
+
+
+def test_a_torch_that_cannot_switch_autocast_in_a_graph_is_warned_about_once(monkeypatch, caplog):
+    """Before 2.12, dynamo graph-breaks on torch.set_autocast_*: a cast model traced
+    inside a compiled function then switches its scope across graph breaks, and ampkit
+    says so once (here the older torch is stood in for by the flag)."""
+    import logging
+
+    import ampkit as amp
+
+    monkeypatch.setattr(tc, "GRAPH_AUTOCAST_SWITCHES", False)
+    tc.warn_no_graph_switches.cache_clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    model, _ = amp.initialize(model, None, opt_level="O2")
+
+    @torch.compile(backend="eager")
+    def run(x):
+        return model(x)
+
+    with caplog.at_level(logging.WARNING, logger="ampkit"):
+        run(torch.randn(3, 4))
+        run(torch.randn(3, 4))
+    said = [r for r in caplog.records if "cannot switch autocast inside a compiled graph" in r.getMessage()]
+    assert len(said) == 1
+    tc.warn_no_graph_switches.cache_clear()
+    amp.reset()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import _ctypes
 import functools
 import json
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -88,6 +89,11 @@ __all__ = [
     "skip_traced_frame",
     "traced_frame_code",
     "traced_object",
+    "tracing_for_compile",
+    "TORCH_RELEASE",
+    "release_of",
+    "GRAPH_AUTOCAST_SWITCHES",
+    "warn_no_graph_switches",
     "BATCH_NORM_BASE",
     "INSTANCE_NORM_BASE",
     "CONV_TRANSPOSE_BASE",
@@ -101,6 +107,35 @@ __all__ = [
     "active_ddp_module",
     "cpu_has_native_16bit",
 ]
+
+# ---------------------------------------------------------------------------
+# The running torch release: the one constant version branches test
+# ---------------------------------------------------------------------------
+def release_of(version: str) -> tuple[int, int]:
+    """``"2.11.0+cu130"`` -> ``(2, 11)``; ``"2.16.0a0+git1234"`` -> ``(2, 16)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_RELEASE: tuple[int, int] = release_of(torch.__version__)
+"""``(major, minor)`` of the running torch (``"2.11.0+cu130"`` -> ``(2, 11)``)."""
+
+GRAPH_AUTOCAST_SWITCHES: bool = TORCH_RELEASE >= (2, 12)
+"""Whether dynamo records ``torch.set_autocast_enabled``/``set_autocast_dtype`` in a graph
+(from torch 2.12; before, each call is a graph break and runs eagerly)."""
+
+@functools.cache  # once per process (``warn_no_graph_switches.cache_clear()`` re-arms it)
+def warn_no_graph_switches() -> None:
+    """Called at trace time where :data:`GRAPH_AUTOCAST_SWITCHES` is False: a module rule or
+    a cast model's scope inside compiled code is then applied across graph breaks, and its
+    layers may compute in other dtypes than in eager mode. Warns once per process."""
+    logging.getLogger("ampkit").warning(
+        "ampkit: torch %s cannot switch autocast inside a compiled graph (torch.compile of torch 2.12 "
+        "and newer can): module rules and cast models' scopes break the graph there, and their layers "
+        "may compute in other dtypes than in eager mode. Run such a model eagerly, or use torch >= 2.12.",
+        torch.__version__,
+    )
+
 
 # ---------------------------------------------------------------------------
 # Tensors, ops and the dispatcher
@@ -489,6 +524,19 @@ def run_outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     imports dynamo only when first called): called in traced code it runs eagerly at a
     graph break."""
     return torch._compile._disable_dynamo(fn)
+
+
+if TORCH_RELEASE >= (2, 12):
+    tracing_for_compile: Callable[[], bool] = torch.compiler.is_compiling
+else:
+
+    def tracing_for_compile() -> bool:
+        return torch.compiler.is_compiling() or current_trace_tx() is not None
+
+
+tracing_for_compile.__doc__ = """Whether this thread runs inside torch.compile's tracing (or its compiled code):
+``torch.compiler.is_compiling()``, which before torch 2.12 is False while dynamo runs an
+op's kernels on fake tensors, so there the thread's dynamo translator is asked too."""
 
 
 def dynamo_loaded() -> bool:

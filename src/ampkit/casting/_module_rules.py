@@ -244,9 +244,12 @@ def _trace_rule_enter(module_id: int, key: str) -> tuple[str, torch.dtype] | Non
             "use torch.compile(model), whose wrapper applies it", type(module).__name__, dtype
         )
         return None
+    if not torch_compat.GRAPH_AUTOCAST_SWITCHES:
+        torch_compat.warn_no_graph_switches()
     restore = _trace.__dict__.setdefault("restore", {})
     restore[id(module)] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     return device_type, dtype
+
 
 
 def _trace_rule_exit(module_id: int, key: str) -> tuple[str, bool, torch.dtype] | None:

@@ -84,6 +84,10 @@ def _overloads(base: str) -> list[Any]:
     return out
 
 
+# Engine state: the warning that the policy guard could not be added is given once.
+_guard_failed = False
+
+
 def _guard_compiled_code() -> None:
     """A kernel of ours runs while torch.compile traces (dynamo's fake run of an op, or
     AOTAutograd's): the graph's dtypes then depend on this thread's scopes, so make
@@ -98,7 +102,15 @@ def _guard_compiled_code() -> None:
         # the guard's source is this module's ``_state`` (tx.import_source(__name__))
         torch_compat.guard_attr_equals(tx, __name__, "_state", "compile_key")
     except Exception:  # noqa: BLE001 - another torch's internals: compile without the guard
-        logger.debug("ampkit: could not add the policy guard to compiled code", exc_info=True)
+        global _guard_failed
+        if not _guard_failed:
+            _guard_failed = True
+            logger.warning(
+                "ampkit: could not make torch.compile guard compiled code on the casting policy "
+                "(torch %s); code compiled under one policy may then run under another. Enter one "
+                "policy per compiled function, or call torch._dynamo.reset() after changing policies.",
+                torch.__version__, exc_info=True,
+            )
     _mark_graph(tx.output)
 
 
@@ -374,8 +386,10 @@ def _make_kernel(device_type: str, base: str, overload: Any) -> Callable[..., An
     get_dtype = torch.get_autocast_dtype
     exclude = torch_compat.exclude_dispatch_keys
 
+    tracing = torch_compat.tracing_for_compile
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if tracing():
             _guard_compiled_code()
         frames = _state.frames.get(device_type)
         frame = frames[-1] if frames else None

@@ -519,7 +519,7 @@ def _set_entry_scope(model: nn.Module, device_type: str | None, policy: Any = No
 # The trace-time functions take constants only: dynamo before 2.12 refuses a module as
 # an argument of a function it runs at trace time.
 def _compiled_enter(dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
-    _trace_save(device_type)
+    _trace_save(device_type)  # warns once where this torch cannot switch in the graph
     torch.set_autocast_enabled(device_type, enabled)
     if enabled:
         torch.set_autocast_dtype(device_type, dtype)
@@ -534,6 +534,8 @@ def _compiled_exit() -> None:
 
 
 def _trace_save(device_type: str) -> None:
+    if not torch_compat.GRAPH_AUTOCAST_SWITCHES:
+        torch_compat.warn_no_graph_switches()
     stack = _SCOPES.__dict__.setdefault("traced", [])
     stack.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
 
