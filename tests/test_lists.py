@@ -227,15 +227,66 @@ def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
         warnings.simplefilter("error")  # a release with a table: no warning
         assert lists.table_release("2.13.0+cu128") == (2, 13)
     assert lists.RELEASE == lists.torch_release(torch.__version__)  # the suite runs a torch with a table
-    assert lists.DEFAULT_LISTS is lists.TABLES[lists.RELEASE]
-    assert lists.BANNED_OPS is lists.BANNED_TABLES[lists.RELEASE]
+    assert lists.DEFAULT_LISTS is lists.TABLES[lists.RELEASE] and lists.DROPPED_OPS == ()
+    assert lists.BANNED_OPS == lists.BANNED_TABLES[lists.RELEASE]
 
 
-def test_an_unknown_torch_release_uses_the_newest_table_and_says_so():
+def test_an_unknown_torch_release_uses_the_nearest_older_table_and_says_so():
     from ampkit.casting import lists
 
-    newest = max(lists.TABLES)
-    with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.13 tables are used.*tests/test_lists\.py"):
-        assert lists.table_release("2.99.0") == newest
+    assert sorted(lists.TABLES) == [(2, 11), (2, 13), (2, 15)]
+    with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.15 tables are used.*tests/test_lists\.py"):
+        assert lists.table_release("2.99.0") == (2, 15)
+    with pytest.warns(UserWarning, match=r"so the 2\.13 tables are used"):
+        assert lists.table_release("2.14.1") == (2, 13)
+    with pytest.warns(UserWarning, match=r"so the 2\.11 tables are used"):
+        assert lists.table_release("2.8.0") == (2, 11)  # older than every table: the oldest
     with pytest.raises(amp.PolicyError, match="cannot read a torch release"):
         lists.torch_release("nightly")
+
+
+def test_the_release_tables_differ_from_2_13_as_their_torch_registers():
+    """2.11 and 2.15 are 2.13's tables with the differences their wheels register (each
+    run there by ``python -m ampkit.casting.lists.check``): 2.11's CUDA list lacks
+    rms_norm; 2.15 removed cholesky and qr and added linalg_matrix_sqrth (fp32)."""
+    from ampkit.casting import lists
+
+    t11, t13, t15 = (lists.TABLES[r] for r in ((2, 11), (2, 13), (2, 15)))
+    assert t11["cpu"] is t13["cpu"]
+    assert "rms_norm" in t13["cuda"]["fp32"] and "rms_norm" not in t11["cuda"]["fp32"]
+    assert {"cholesky", "qr"} <= set(t13["cpu"]["fp32"]) and not {"cholesky", "qr"} & set(t15["cpu"]["fp32"])
+    assert "linalg_matrix_sqrth" in t15["cpu"]["fp32"] and "linalg_matrix_sqrth" in t15["cuda"]["fp32"]
+    for device in ("cpu", "cuda"):
+        assert t11[device]["lower"] == t13[device]["lower"] == t15[device]["lower"]
+        assert t11[device]["promote"] == t13[device]["promote"] == t15[device]["promote"]
+
+
+def test_the_check_reports_no_difference_for_the_running_torch(capsys):
+    from ampkit.casting import lists
+    from ampkit.casting.lists import check
+
+    assert check.main([]) == 0
+    assert "no difference" in capsys.readouterr().out
+    # against another release's table it names what differs (2.11's CUDA list lacks rms_norm)
+    lines = check.report((2, 13) if lists.RELEASE == (2, 11) else (2, 11))
+    assert any("rms_norm" in line for line in lines)
+
+
+def test_ops_a_newer_torch_removed_are_left_out_of_the_tables_it_borrows():
+    """torch 2.15 removed aten::cholesky, which the 2.13 CPU table lists: under 2.15 the
+    borrowed table leaves it out (said at import) instead of default_policy() raising
+    PolicyError. Stood in for here by a torch that lacks it."""
+    from ampkit.casting import lists
+
+    table = lists.TABLES[(2, 13)]
+    assert "cholesky" in table["cpu"]["fp32"]
+    kept, dropped = lists.without_missing_ops(table, has_op=lambda n: n != "cholesky" and lists.aten_has(n))
+    really_missing = {n for t in table.values() for names in t.values() for n in names if not lists.aten_has(n)}
+    assert set(dropped) == {"cholesky"} | really_missing  # under torch 2.15 also qr
+    assert "cholesky" not in kept["cpu"]["fp32"]
+    for device in table:
+        for category, names in table[device].items():
+            assert kept[device][category] == tuple(n for n in names if n not in dropped)
+    policy = amp.Policy(lower_ops=kept["cpu"]["lower"], fp32_ops=kept["cpu"]["fp32"], promote_ops=kept["cpu"]["promote"])
+    assert policy.categories()["mm"] == "lower" and "cholesky" not in policy.categories()
+    assert not lists.aten_has("no_such_op_anywhere") and lists.aten_has("mm")

@@ -97,6 +97,7 @@ __all__ = [
     "BATCH_NORM_BASE",
     "INSTANCE_NORM_BASE",
     "CONV_TRANSPOSE_BASE",
+    "dispatch_key_registrations",
     "sparse_values",
     "tensor_hooks_of",
     "fused_optimizer_devices",
@@ -682,6 +683,16 @@ INSTANCE_NORM_BASE: type = nn.modules.instancenorm._InstanceNorm
 CONV_TRANSPOSE_BASE: type = nn.modules.conv._ConvTransposeNd
 """``nn.modules.conv._ConvTransposeNd``: the base of ConvTranspose1d/2d/3d (their weight
 is laid out ``(in, out, ...)``, which BN folding must know)."""
+
+
+def dispatch_key_registrations(dispatch_key: str) -> set[str]:
+    """aten base names with a kernel on ``dispatch_key`` (``"AutocastCPU"``) in the
+    running torch (``torch._C._dispatch_get_registrations_for_dispatch_key``)."""
+    return {
+        r.split("::", 1)[1].split(".", 1)[0]
+        for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
+        if r.startswith("aten::")
+    }
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:
