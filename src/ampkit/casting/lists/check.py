@@ -19,13 +19,13 @@ import warnings
 
 import torch
 
+from ampkit._internal import torch_compat
+
 from . import AUTOCAST_KEYS, BANNED_TABLES, TABLES, table_release, torch_release
 
 
 def registered(dispatch_key: str) -> set[str]:
     """aten base names with a kernel on ``dispatch_key`` in the running torch."""
-    from ampkit._internal import torch_compat
-
     return torch_compat.dispatch_key_registrations(dispatch_key)
 
 
@@ -36,7 +36,7 @@ def probe_cpu_category(name: str) -> str | None:
     overload = getattr(op, "default", None)
     if overload is None:
         return None
-    tensor_args = [a for a in overload._schema.arguments if a.kwarg_only is False]
+    tensor_args = [a for a in torch_compat.overload_schema(overload).arguments if a.kwarg_only is False]
     if len(tensor_args) != 1 or "Tensor" not in str(tensor_args[0].type):
         return None
     x = torch.randn(4, 4)
