@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
+from ampkit._internal import torch_compat
 from ampkit.tools.bench.workloads import CharTransformer, DigitsCNN
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,14 @@ pytestmark = pytest.mark.slow
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FAST = "aot_eager"
 BACKENDS = pytest.mark.parametrize("backend", [FAST, "inductor"])
+#: Before torch 2.12 dynamo cannot record torch.set_autocast_* in a graph: module rules and
+#: cast models' scopes inside compiled code graph-break there (the tests below count
+#: graph breaks), and layers under a module rule may compute in other dtypes than eager
+#: (ampkit warns once). Strict: a torch that can switches them back to passing.
+NEEDS_GRAPH_SWITCHES = pytest.mark.xfail(
+    not torch_compat.GRAPH_AUTOCAST_SWITCHES, strict=True,
+    reason="dynamo before torch 2.12 graph-breaks on torch.set_autocast_*",
+)  # fmt: skip
 
 
 def _assert_same(got, want, backend):
@@ -113,6 +122,7 @@ def _run(fn, model, policy, x):
     return out, list(model.seen)
 
 
+@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 def test_every_policy_kind_compiles_to_the_eager_dtypes_and_switching_recompiles(backend):
     torch.manual_seed(0)
@@ -220,6 +230,7 @@ def test_compiled_function_without_modules_follows_the_policy(backend):
     _assert_same(got[0], fn(x)[0], backend)
 
 
+@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 def test_scope_entered_inside_compiled_code(backend):
     """``with amp.autocast(...)`` inside the compiled function: the scope is entered and
@@ -311,7 +322,7 @@ LEVELS = ["O0", "O1", "O2", "O3", "O2K", "init"]
 @pytest.mark.parametrize("make,backend", [
     pytest.param(_cnn, FAST, id="cnn-" + FAST),
     pytest.param(_cnn, "inductor", id="cnn-inductor"),
-    pytest.param(_transformer, "inductor", id="transformer-inductor"),
+    pytest.param(_transformer, "inductor", id="transformer-inductor", marks=NEEDS_GRAPH_SWITCHES),
 ])
 def test_compiled_models_train_as_eager_at_every_level(make, backend):
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32})
@@ -367,6 +378,7 @@ def test_inductor_default_policy_equals_compiled_torch_autocast_without_graph_br
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+@NEEDS_GRAPH_SWITCHES
 def test_inductor_custom_policy_trains_the_transformer_like_eager():
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32, "head": FP32})
     eager, want = _train(_transformer, "O1", compiled=False, policy=custom, steps=3)
@@ -474,6 +486,7 @@ class KeptBlock(nn.Module):
         return self.out(self.block(h))
 
 
+@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 @pytest.mark.parametrize("level", ["O2", "O2K"])
 def test_a_kept_fp32_block_computes_fp32_in_compiled_code_without_graph_breaks(level, backend):

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The torch version matrix, beside `make test` on the pinned torch (2.13): the oldest
+# supported release (2.11, the CUDA 13 images) and the newest (2.15), each the package
+# registry's wheel in a venv of its own, run the compatibility subset: the op tables
+# against that torch's registrations, the list, torch-boundary, architecture and compile
+# tests, and every level's training smoke on the CPU. One summary line per release at the
+# end; exit 1 if any release failed a check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RELEASES="${AMPKIT_TORCH_MATRIX:-2.11.0 2.15.0}"
+summary=()
+status=0
+for v in $RELEASES; do
+    venv=".venv-torch-$v"
+    start=$(date +%s)
+    if [ ! -f "$venv/.installed" ]; then
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        # the registry's CUDA wheel (it runs on the CPU); lift the machines' torch cap for this command
+        if ! PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$v" numpy pytest pytest-timeout \
+                hypothesis "import-linter>=2.17,<3"; then
+            echo "torch-matrix: torch $v could not be installed" >&2
+            summary+=("torch $v: NOT INSTALLED")
+            status=1
+            continue
+        fi
+        touch "$venv/.installed"
+    fi
+    export PYTHONPATH=src OMP_NUM_THREADS=1
+    ok=1
+    "$venv/bin/python" -m ampkit.casting.lists.check || ok=0
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
+        tests/test_architecture.py tests/test_compile.py || ok=0
+    "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "torch-matrix-$v.json" || ok=0
+    unset PYTHONPATH
+    took=$(( $(date +%s) - start ))
+    if [ "$ok" = 1 ]; then summary+=("torch $v: passed (${took} s)"); else summary+=("torch $v: FAILED (${took} s)"); status=1; fi
+done
+echo "torch-matrix:"
+printf '  %s\n' "${summary[@]}"
+exit $status
