@@ -117,3 +117,19 @@ def test_system_exit_true_is_exit_code_1(tmp_path, capsys):
     assert "exit code 1," in err and "exit code True" not in err
     code = main(["doctor", str(script)])
     assert code == 1 and type(code) is int
+
+
+def test_a_missing_framework_is_named_with_an_install_line_that_works_without_the_registry():
+    """ampkit is not on the package registry: ``pip install 'ampkit[lightning]'`` would
+    find nothing. The message names the extra's own requirements (from the installed
+    metadata) and the line for ampkit's clone."""
+    from ampkit._internal.install import extra_requirements
+    from ampkit.integrations import MissingFramework, require
+
+    with pytest.raises(MissingFramework) as caught:
+        require("no_such_framework_for_ampkit", "lightning")
+    message = str(caught.value)
+    assert "pip install -e '.[lightning]'" in message and "ampkit[lightning]" not in message
+    for requirement in extra_requirements("lightning"):  # empty only when ampkit is not installed
+        assert f"'{requirement}'" in message
+    assert any(r.startswith("lightning") for r in extra_requirements("lightning"))

@@ -106,7 +106,7 @@ def integration_page(module: str, title: str, extra: str) -> str:
     except ImportError as exc:
         return "".join(head) + (
             f"This module did not import where these pages were built ({exc}). "
-            f"Install its framework with `pip install 'ampkit[{extra}]'`.\n"
+            f"Install its framework with `pip install -e '.[{extra}]'`.\n"
         )
     names = list(getattr(mod, "__all__", ()))
     body = ["```{eval-rst}\n", f".. automodule:: {module}\n\n"]

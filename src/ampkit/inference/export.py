@@ -30,7 +30,7 @@ model it cannot capture (e.g. data-dependent Python control flow) falls back to 
 TorchScript exporter (``dynamo=False``, tracing, which bakes the branch taken for the
 example inputs into the graph), and the result says why.
 
-Needs the ``deploy`` extra (``pip install 'ampkit[deploy]'``: onnx, onnxruntime,
+Needs the ``deploy`` extra (``pip install -e '.[deploy]'``: onnx, onnxruntime,
 onnxscript); imported only when these functions run.
 """
 
@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal.install import install_hint
 from ampkit._internal.paths import output_path
 from ampkit._internal.tree import iter_tensors
 from ampkit.errors import AmpError
@@ -81,7 +82,7 @@ def _require(module: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise AmpError(
-            f"exporting to ONNX needs {module}: pip install 'ampkit[deploy]' "
+            f"exporting to ONNX needs {module}: {install_hint('deploy')} "
             "(onnx, onnxruntime, onnxscript)."
         ) from None
 

@@ -4,11 +4,11 @@ Each integration lives in its own module and imports its framework only when tha
 module is imported, so ``import ampkit`` still needs torch alone:
 
 - :mod:`ampkit.integrations.lightning`: a Lightning ``Precision`` plugin
-  (``pip install ampkit[lightning]``).
+  (``pip install -e '.[lightning]'``).
 - :mod:`ampkit.integrations.hf`: a Hugging Face ``Trainer`` subclass and mixin
-  (``pip install ampkit[hf]``).
+  (``pip install -e '.[hf]'``).
 - :mod:`ampkit.integrations.accelerate`: ampkit set up around ``accelerator.prepare``
-  (``pip install ampkit[accelerate]``).
+  (``pip install -e '.[accelerate]'``).
 
 A module whose framework is missing raises :class:`ampkit.integrations.MissingFramework`
 (an :class:`ampkit.AmpError`) naming the extra to install.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ampkit._internal.install import install_hint
 from ampkit.errors import AmpError
 
 __all__ = ["MissingFramework", "require"]
@@ -36,5 +37,5 @@ def require(module: str, extra: str) -> ModuleType:
     except ImportError as exc:
         raise MissingFramework(
             f"ampkit.integrations needs {module!r}, which is not installed ({exc}); "
-            f"install it with: pip install 'ampkit[{extra}]'"
+            f"install it with: {install_hint(extra)}"
         ) from exc

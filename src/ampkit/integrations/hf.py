@@ -1,4 +1,4 @@
-"""ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install 'ampkit[hf]'``).
+"""ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install -e '.[hf]'``).
 
 ::
 

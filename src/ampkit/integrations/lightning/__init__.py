@@ -1,4 +1,4 @@
-"""ampkit in PyTorch Lightning (``pip install 'ampkit[lightning]'``).
+"""ampkit in PyTorch Lightning (``pip install -e '.[lightning]'``).
 
 A ``Trainer`` precision plugin; the LightningModule is unchanged::
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ampkit._internal.install import install_hint
+
 __all__ = [
     "DigitsData",
     "TextData",
@@ -69,7 +71,7 @@ def load_digits(
         from sklearn.model_selection import train_test_split
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError(
-            "the digits workload needs scikit-learn: pip install 'ampkit[cli]'"
+            f"the digits workload needs scikit-learn: {install_hint('cli')}"
         ) from exc
 
     digits = _sk_load_digits()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION, dtype_name
+from ampkit._internal.install import install_hint
 from ampkit._internal.paths import unwritable_reason
 
 from ._common import UsageError, add_command, float_between, positive_int, writable
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if importlib.util.find_spec(m) is None]
         if missing:
             raise UsageError(
-                f"--onnx needs {', '.join(missing)}: pip install 'ampkit[deploy]'"
+                f"--onnx needs {', '.join(missing)}: {install_hint('deploy')}"
             )
     checkpoint = _load_file(args.checkpoint, "checkpoint")
     model = _model(args)

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.install import install_hint
+
 from ._common import UsageError, add_command, add_script_arguments, check_writable
 
 __all__ = ["add_parser", "run"]
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.json, "the JSON report", "ampkit doctor")
     check_writable(args.png, "the plot", "ampkit doctor")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("ampkit doctor: --png needs matplotlib; install the extra: pip install 'ampkit[cli]'")
+        raise UsageError(f"ampkit doctor: --png needs matplotlib; install the extra: {install_hint('cli')}")
     try:
         code, reports = run_script(args.script, list(args.args))
     except ScriptError as exc:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ampkit._internal.install import install_hint
+
 from ._common import UsageError, positive_int
 
 __all__ = ["main", "build_parser", "bench_config"]
@@ -97,7 +99,7 @@ def _check_cli_extra() -> None:
     if missing:
         names = ", ".join("scikit-learn" if m == "sklearn" else m for m in missing)
         raise UsageError(
-            f"{PROG} bench: missing {names}; install the command-line extra: pip install 'ampkit[cli]'"
+            f"{PROG} bench: missing {names}; install the command-line extra: {install_hint('cli')}"
         )
 
 

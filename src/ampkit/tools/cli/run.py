@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.install import install_hint
+
 from ._common import (
     UsageError,
     add_command,
@@ -120,7 +122,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
     if missing:
         raise UsageError(
             f"ampkit run --compare: missing {', '.join(missing)}; install the command-line extra: "
-            "pip install 'ampkit[cli]'"
+            f"{install_hint('cli')}"
         )
     png = args.png or PNG_DEFAULT
     check_writable(png, "the plot", "ampkit run")

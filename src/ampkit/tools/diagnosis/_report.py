@@ -289,7 +289,7 @@ class DoctorReport:
     def save_png(self, path: str | Path) -> Path:
         """Write a PNG: loss scale and skipped steps over time, and each module's
         activation and gradient abs-max against its dtype's limit. Needs matplotlib
-        (``pip install 'ampkit[cli]'``). Raises :class:`~ampkit.OutputPathError`
+        (``pip install -e '.[cli]'``). Raises :class:`~ampkit.OutputPathError`
         before drawing when ``path`` cannot be written."""
         path = output_path(path, "the doctor's plot")
         import matplotlib
