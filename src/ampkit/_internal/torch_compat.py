@@ -86,6 +86,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "torch_function_mode_active",
+    "skip_if_traced_alone",
     "skip_traced_frame",
     "traced_frame_code",
     "traced_object",
@@ -551,6 +552,15 @@ def current_trace_tx() -> Any:
     graph being built) and ``.import_source(module_name)``."""
     convert = sys.modules.get("torch._dynamo.symbolic_convert")
     return getattr(getattr(convert, "tls", None), "current_tx", None)
+
+
+def skip_if_traced_alone(code: Any, reason: str) -> bool:
+    """At trace time (from a function marked with :func:`mark_trace_constant`): if dynamo
+    is compiling ``code``'s frame as its own, not inlined into another frame, abandon it
+    (:func:`skip_traced_frame`) so it runs eagerly; else False."""
+    if traced_frame_code() is code:
+        skip_traced_frame(reason)
+    return False
 
 
 def skip_traced_frame(reason: str) -> None:

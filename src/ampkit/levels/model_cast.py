@@ -353,9 +353,7 @@ def _exit_scope(module: nn.Module) -> None:
 # its scope as in eager mode; inlined into a traced module call (a compiled function
 # calling the model) it switches in the graph.
 def _skip_if_traced_alone(code: Any) -> bool:
-    if torch_compat.traced_frame_code() is code:
-        torch_compat.skip_traced_frame("ampkit's scope hook runs eagerly when compiled as a frame of its own")
-    return False
+    return torch_compat.skip_if_traced_alone(code, "ampkit's scope hook runs eagerly when compiled as a frame of its own")
 
 
 def _traced_alone_enter() -> bool:

@@ -137,9 +137,9 @@ class WatchDDP:
 
 
 def _watch_traced_alone() -> bool:
-    if torch_compat.traced_frame_code() is WatchDDP.__call__.__code__:
-        torch_compat.skip_traced_frame("ampkit's master-watch hook runs eagerly when compiled as a frame of its own")
-    return False
+    return torch_compat.skip_if_traced_alone(
+        WatchDDP.__call__.__code__, "ampkit's master-watch hook runs eagerly when compiled as a frame of its own"
+    )
 
 
 torch_compat.mark_trace_constant(_watch_traced_alone)
