@@ -3,13 +3,13 @@
 Each opt level trains one of ``ampkit bench``'s workloads (``wide`` at size ``tiny`` by
 default: the parameter-heavy MLP, small enough for emulated bf16) under
 DistributedDataParallel with the workload's per-process batch (each rank its own: weak
-scaling, N processes see N times the samples per step). Per level and process count the table gives the median
-step time and samples/s; for N processes also the step time when the skip decision is
-all-reduced on every step (``set_sync(opt, "always")``), and how many all-reduces
-ampkit itself added per step:
-
-- "registered": ``register_ddp(DDP(model))``, grads all-reduced by DDP -> target 0;
-- "can disagree": the same DDP not registered (ampkit cannot tell) -> target 1.
+scaling, N processes see N times the samples per step). The DDP model is passed to
+``register_ddp``. Per level and process count the table gives the median step time and
+samples/s with the default ``set_sync(opt, "auto")``, which agrees on the skip decision
+with one all-reduce per step (a rank's grads can change after DDP's all-reduce, also
+through ``.data``, which only the values show); for N processes also the step time with
+``set_sync(opt, "never")`` (each rank decides alone: what the agreement costs), and how
+many all-reduces ampkit itself added per step: "auto" -> target 1, "never" -> target 0.
 
 Configurations run interleaved in blocks inside the same processes, so machine noise
 hits them alike. On a machine with GPUs each process takes one GPU and NCCL; on CPU,
@@ -18,8 +18,8 @@ gloo with one thread per process (two processes need two free cores).
 ``--json FILE`` also writes the machine (CPU or GPU, the CPU's 16-bit flags, torch,
 date, command), the settings and per level ``one_proc_ms``, ``n_procs_ms``,
 ``n_over_one``, ``samples_per_s_one_proc``, ``samples_per_s_n_procs``,
-``n_procs_agree_ms`` and the all-reduces ampkit added per step
-(``collectives_registered``, ``collectives_unregistered``) with their ``targets``.
+``n_procs_never_ms`` and the all-reduces ampkit added per step (``collectives_auto``,
+``collectives_never``) with their ``targets``.
 
     python benchmarks/ddp.py [--nproc 2] [--steps 40] [--levels O0,O1,O2,O3,O2K] [--workload wide --size tiny]
 """
@@ -104,7 +104,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     workload = make_workload(args.workload, args.size, device=device)
     x, y = (t.to(device) for t in workload.example_batch(seed=rank))  # each rank its own batch
 
-    def setup(level: str, register: bool, sync: str = "auto"):
+    def setup(level: str, sync: str = "auto"):
         amp.reset()
         torch.manual_seed(0)
         model = workload.build_model().to(device)
@@ -113,8 +113,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
             model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype)
         net = DDP(model, device_ids=[device.index] if cuda else None)
         if level != "off":
-            if register:
-                amp.distributed.register_ddp(net)
+            amp.distributed.register_ddp(net)
             amp.distributed.set_sync(opt, sync)
         return net, opt
 
@@ -137,15 +136,15 @@ def worker(args: argparse.Namespace, out: Path) -> None:
 
     # initialize() starts a new AMP session, so configurations cannot coexist: each block
     # sets one up afresh; blocks of every level and configuration alternate.
-    names = ["registered"] + (["always", "unregistered"] if world > 1 else [])
+    names = ["auto"] + (["never"] if world > 1 else [])
     levels = args.levels.split(",")
     times: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], list[int]] = {}
     per_block = max(1, args.steps // args.blocks)
     for _ in range(args.blocks):
         for level in levels:
-            for name in names if level != "off" else ["registered"]:
-                net, opt = setup(level, register=name != "unregistered", sync="always" if name == "always" else "auto")
+            for name in names if level != "off" else ["auto"]:
+                net, opt = setup(level, sync=name)
                 for _ in range(args.warmup):
                     step(net, opt, level, CountAllReduce())
                 for _ in range(per_block):
@@ -212,38 +211,38 @@ def main(argv: list[str] | None = None) -> None:
     )
     head = (
         f"{'level':6} {'1 proc ms':>10} {f'{n} procs ms':>11} {f'{n}p/1p':>7} {'samples/s 1p':>13} "
-        f"{f'samples/s {n}p':>13} {f'{n}p agree ms':>13} {'collectives/step':>17}"
+        f"{f'samples/s {n}p':>13} {f'{n}p never ms':>13} {'collectives/step':>17}"
     )
     print(head)
     print("-" * len(head))
     rows = []
     for level, r1 in one["results"].items():
         rn = many["results"][level]
-        t1, tn = r1["registered"]["ms"], rn["registered"]["ms"]
+        t1, tn = r1["auto"]["ms"], rn["auto"]["ms"]
         off = level == "off"
         row = {"level": level, "one_proc_ms": t1, "n_procs_ms": tn, "n_over_one": tn / t1,
                "samples_per_s_one_proc": 1000 * batch / t1, "samples_per_s_n_procs": 1000 * n * batch / tn,
-               "n_procs_agree_ms": rn.get("always", {}).get("ms"),
-               "collectives_registered": None if off else rn["registered"]["collectives"],
-               "collectives_unregistered": None if off else rn["unregistered"]["collectives"]}  # fmt: skip
+               "n_procs_never_ms": rn.get("never", {}).get("ms"),
+               "collectives_auto": None if off else rn["auto"]["collectives"],
+               "collectives_never": None if off else rn["never"]["collectives"]}  # fmt: skip
         rows.append(row)
-        agree_ms = "-" if row["n_procs_agree_ms"] is None else f"{row['n_procs_agree_ms']:.2f}"
-        coll = "-" if off else f"{row['collectives_registered']} reg / {row['collectives_unregistered']} unreg"
+        never_ms = "-" if row["n_procs_never_ms"] is None else f"{row['n_procs_never_ms']:.2f}"
+        coll = "-" if off else f"{row['collectives_auto']} auto / {row['collectives_never']} never"
         print(
             f"{level:6} {t1:10.2f} {tn:11.2f} {row['n_over_one']:7.2f} {row['samples_per_s_one_proc']:13.0f} "
-            f"{row['samples_per_s_n_procs']:13.0f} {agree_ms:>13} {coll:>17}"
+            f"{row['samples_per_s_n_procs']:13.0f} {never_ms:>13} {coll:>17}"
         )
     print(
-        "collectives/step: all-reduces ampkit adds to a step, with the DDP model registered "
-        "(register_ddp; target 0) and not registered (ranks could disagree; target 1). "
-        f"'{n}p agree ms': the {n}-process step with set_sync(opt, 'always')."
+        "collectives/step: all-reduces ampkit adds to a step with set_sync 'auto' (the default; "
+        "target 1: the skip decision agreed) and 'never' (target 0). "
+        f"'{n}p never ms': the {n}-process step with set_sync(opt, 'never'), each rank deciding alone."
     )
     if args.json:
         settings = {"nproc": n, "workload": args.workload, "size": args.size, "device": many["device"],
                     "dtype": many["dtype"].removeprefix("torch."), "batch_per_process": batch, "steps": args.steps,
                     "warmup": args.warmup, "blocks": args.blocks, "levels": args.levels.split(","),
                     "threads_per_process": 1, "wall_s": wall}  # fmt: skip
-        targets = {"collectives_registered": 0, "collectives_unregistered": 1}
+        targets = {"collectives_auto": 1, "collectives_never": 0}
         write_record(args.json, {"settings": settings, "rows": rows, "targets": targets},
                      device=many["device"], threads=1)
         print(f"wrote {args.json}")

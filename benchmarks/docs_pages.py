@@ -417,20 +417,20 @@ def render_ddp(result: dict[str, Any]) -> str:
     s, targets = result["settings"], result["targets"]
     n = s["nproc"]
     out = [f"DDP on {s['device']}, {s['dtype']}, `{s['workload']}` ({s['size']}), batch {s['batch_per_process']} per "
-           f"process, {s['threads_per_process']} thread per process; median of {s['steps']} steps in {s['blocks']} "
-           f"interleaved blocks. *{n}p agree*: the {n}-process step with `set_sync(opt, \"always\")`. "
-           "*Collectives*: the all-reduces ampkit adds to a step with the DDP model registered (`register_ddp`; "
-           f"target {targets['collectives_registered']}) and not registered (target "
-           f"{targets['collectives_unregistered']}).\n\n"]  # fmt: skip
+           f"process, {s['threads_per_process']} thread per process, the DDP model passed to `register_ddp`; median "
+           f"of {s['steps']} steps in {s['blocks']} interleaved blocks. *{n} procs*: the default "
+           f"`set_sync(opt, \"auto\")`, the skip decision agreed; *{n}p never*: `set_sync(opt, \"never\")`, each "
+           "rank deciding alone (what the agreement costs). *Collectives*: the all-reduces ampkit adds to a step "
+           f"with \"auto\" (target {targets['collectives_auto']}) and \"never\" (target "
+           f"{targets['collectives_never']}).\n\n"]  # fmt: skip
     rows = []
     for r in result["rows"]:
-        coll = "—" if r["collectives_registered"] is None else \
-            f"{r['collectives_registered']} / {r['collectives_unregistered']}"  # fmt: skip
+        coll = "—" if r["collectives_auto"] is None else f"{r['collectives_auto']} / {r['collectives_never']}"
         rows.append([r["level"], _cell(r["one_proc_ms"]), _cell(r["n_procs_ms"]), _cell(r["n_over_one"]),
                      _cell(r["samples_per_s_one_proc"], ".0f"), _cell(r["samples_per_s_n_procs"], ".0f"),
-                     _cell(r["n_procs_agree_ms"]), coll])  # fmt: skip
+                     _cell(r["n_procs_never_ms"]), coll])  # fmt: skip
     out.append(md_table(["level", "1 proc ms", f"{n} procs ms", f"{n}p / 1p", "samples/s 1p", f"samples/s {n}p",
-                         f"{n}p agree ms", "collectives registered / not"], rows))  # fmt: skip
+                         f"{n}p never ms", "collectives auto / never"], rows))  # fmt: skip
     return "".join(out) + "\n"
 
 

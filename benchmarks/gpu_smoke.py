@@ -288,8 +288,8 @@ def case_compile(level: str, device: str, steps: int) -> dict[str, Any]:
 
 #: cases that fail for a known reason, reported as ``known`` (the exit code ignores them)
 KNOWN = {
-    "train/O3/fp16/AdamW": "pure fp16 Adam: exp_avg_sq underflows to 0 and the step divides by eps=1e-8, "
-    "the weights overflow at the first step (initialize warns; O2 keeps fp32 masters for this)",
+    "train/O3/fp16/AdamW": "pure fp16 Adam with eps=1e-8 (0 in fp16): initialize refuses it, since the "
+    "step would divide by zero once exp_avg_sq underflows (O2 keeps fp32 masters and state for this)",
     "train/O3/bf16/AdamW": "pure bf16 updates without masters or compensation lose the small ones "
     "(O2K compensates them)",
 }
@@ -322,7 +322,9 @@ def run_case(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         if status == "known":
             result["known_because"] = KNOWN[name]
     except amp.AmpError as e:
-        result, status = {"problems": [f"{type(e).__name__}: {e}"]}, "refused"
+        result, status = {"problems": [f"{type(e).__name__}: {e}"]}, "known" if name in KNOWN else "refused"
+        if status == "known":
+            result["known_because"] = KNOWN[name]
     except Exception as e:  # noqa: BLE001 (every case runs; the error is recorded)
         result = {"problems": [f"{type(e).__name__}: {e}"], "traceback": traceback.format_exc()[-3000:]}
         status = "error"

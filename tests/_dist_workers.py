@@ -127,14 +127,19 @@ def batch(rank: int, step: int, same_on_all_ranks: bool = False) -> tuple[torch.
     return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
 
 
-def inject_inf_into_grads(params: Any) -> None:
-    """Put an inf into the first existing grad (in place, whatever its dtype)."""
+def inject_inf_into_grads(params: Any, route: str = "index") -> None:
+    """Put an inf into the first existing grad (in place, whatever its dtype), by
+    indexing (``route="index"``, a version counter sees it) or through ``.data``
+    (``"data"``: nothing but the values shows it)."""
     for p in params:
         grad = p.grad
         if grad is not None:
             if hasattr(grad, "to_local"):  # a DTensor shard: poison this rank's piece
                 grad = grad.to_local()
-            grad.view(-1)[0] = float("inf")
+            if route == "data":
+                grad.data.view(-1)[0] = float("inf")
+            else:
+                grad.view(-1)[0] = float("inf")
             return
     raise AssertionError("no grad to inject into")
 
@@ -163,6 +168,7 @@ def run_steps(
     inject: Callable[[int], bool] = lambda step: False,
     loss_inject: Callable[[int], bool] = lambda step: False,
     same_data: bool = False,
+    route: str = "index",
 ) -> dict[str, list]:
     """Plain DDP-style steps; per step: skipped, scale, ampkit all-reduces during step()."""
     import ampkit
@@ -178,7 +184,7 @@ def run_steps(
         with ampkit.scale_loss(loss, opt) as scaled:
             scaled.backward()
         if inject(step):
-            inject_inf_into_grads(_backward_params(opt))
+            inject_inf_into_grads(_backward_params(opt), route)
         with counter:
             opt.step()
         out["skipped"].append(ampkit.step_skipped(opt))
@@ -256,8 +262,8 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
     res["never"] = r
 
     # 3. Registered DDP, O2, ranks seeded differently (register_ddp broadcasts the
-    # masters): no agreement collective; an overflow in rank 1's backward is an
-    # overflow everywhere after DDP's all-reduce, so both skip anyway.
+    # masters): an overflow in rank 1's backward is an overflow everywhere after DDP's
+    # all-reduce; one agreement collective per step.
     model = make_model(100 + rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = ampkit.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
@@ -287,7 +293,7 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
 
     # 5. Gradient accumulation with no_sync, registered DDP, O2: an inf in rank 1's
     # grads during a no_sync micro-batch reaches every rank through the synchronized
-    # backward that ends the step; no agreement collective.
+    # backward that ends the step.
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = ampkit.initialize(model, opt, opt_level="O2", loss_scale="dynamic")
@@ -343,35 +349,28 @@ def job_ddp(rank: int, world: int, outdir: Path) -> dict:
     # the ranks must agree on which loss overflowed.
     res["multi_loss"] = _multi_loss(rank)
 
-    # 9. Registered DDP: ampkit trusts DDP's all-reduce and adds no collective, so grads
-    # changed on one rank only after the synchronized backward (rank 1 writes an inf at
-    # step 1) are decided on alone: with sync="auto" rank 1 skips, rank 0 steps, and the
-    # replicas split (the README's stated limit). ampkit warns on rank 1, nobody hangs:
-    # both ranks finish and check_ranks_agree reports the split on both. sync="always"
-    # keeps them together.
-    import warnings
-
-    for mode in ("auto", "always"):
+    # 9. Registered DDP, grads changed on one rank only after the synchronized backward
+    # (rank 1 writes an inf at step 1, by indexing or through .data, which no version
+    # counter sees): sync="auto" agrees on every step, so both ranks skip and stay
+    # bitwise equal; sync="never" is the control, where the replicas split and
+    # check_ranks_agree reports it on both ranks. Then amp.unscale and clipping.
+    for mode, route in (("auto", "index"), ("auto", "data"), ("never", "data")):
         model, opt, net = registered_o2(mode)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            r = run_steps(rank, net, opt, range(4), inject=lambda s: s == 1 and rank == 1)
-            # amp.unscale, then clipping: changes after ampkit's check do not count.
-            opt.zero_grad()
-            x, y = batch(rank, 9)
-            with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
-                scaled.backward()
-            ampkit.unscale(opt)
-            torch.nn.utils.clip_grad_norm_(ampkit.master_params(opt), 0.1)
-            opt.step()
-        r["warnings"] = [str(w.message) for w in caught if "changed after" in str(w.message)]
+        r = run_steps(rank, net, opt, range(4), inject=lambda s: s == 1 and rank == 1, route=route)
+        opt.zero_grad()
+        x, y = batch(rank, 9)
+        with ampkit.scale_loss(F.mse_loss(net(x), y), opt) as scaled:
+            scaled.backward()
+        ampkit.unscale(opt)
+        torch.nn.utils.clip_grad_norm_(ampkit.master_params(opt), 0.1)
+        opt.step()
         r["params"] = snapshot(model.parameters())
         r["check_error"] = None
         try:
             check_ranks_agree()
         except ampkit.DistributedError as err:
             r["check_error"] = str(err)
-        res[f"changed_after_allreduce_{mode}"] = r
+        res[f"changed_after_allreduce_{mode}_{route}"] = r
 
     # 10. A micro-batch accumulated under no_sync, then dropped with the optimizer's
     # zero_grad (set_to_none or not): the next step equals one that never saw it.

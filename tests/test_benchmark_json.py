@@ -227,15 +227,15 @@ def test_ddp_json_holds_the_printed_table_and_targets(tmp_path):
                                            "--levels", "off,O1"], tmp_path)  # fmt: skip
     s = record["settings"]
     assert (s["nproc"], s["workload"], s["levels"], s["device"], s["dtype"]) == (2, "wide", ["off", "O1"], "cpu", "bfloat16")
-    assert record["targets"] == {"collectives_registered": 0, "collectives_unregistered": 1}
+    assert record["targets"] == {"collectives_auto": 1, "collectives_never": 0}
     off, o1 = record["rows"]
     printed = _rows_by_first_word(stdout, ["off", "O1"])
-    for row, tail in ((off, ["-", "-"]), (o1, [f"{o1['n_procs_agree_ms']:.2f}", f"{o1['collectives_registered']}",
-                                              "reg", "/", f"{o1['collectives_unregistered']}", "unreg"])):  # fmt: skip
+    for row, tail in ((off, ["-", "-"]), (o1, [f"{o1['n_procs_never_ms']:.2f}", f"{o1['collectives_auto']}",
+                                              "auto", "/", f"{o1['collectives_never']}", "never"])):  # fmt: skip
         assert printed[row["level"]] == [
             f"{row['one_proc_ms']:.2f}", f"{row['n_procs_ms']:.2f}", f"{row['n_over_one']:.2f}",
             f"{row['samples_per_s_one_proc']:.0f}", f"{row['samples_per_s_n_procs']:.0f}", *tail]  # fmt: skip
         assert row["samples_per_s_n_procs"] == pytest.approx(1000 * 2 * s["batch_per_process"] / row["n_procs_ms"])
-    assert off["collectives_registered"] is None and off["n_procs_agree_ms"] is None
-    assert (o1["collectives_registered"], o1["collectives_unregistered"]) == (0, 1)  # what ampkit promises
-    renders("ddp", record, "O1", "0 / 1")
+    assert off["collectives_auto"] is None and off["n_procs_never_ms"] is None
+    assert (o1["collectives_auto"], o1["collectives_never"]) == (1, 0)  # what ampkit promises
+    renders("ddp", record, "O1", "1 / 0")

@@ -120,15 +120,15 @@ def test_without_agreement_the_ranks_split(ddp):
 
 
 @spawned
-def test_registered_ddp_needs_no_collective_and_masters_agree(ddp):
-    """register_ddp: grads come all-reduced, so no agreement collective; an overflow in
-    rank 1's backward reaches rank 0 through DDP's all-reduce. The ranks were seeded
-    differently: register_ddp broadcast the O2 masters, which stay bitwise equal."""
+def test_registered_ddp_agrees_every_step_and_masters_agree(ddp):
+    """register_ddp: an overflow in rank 1's backward reaches rank 0 through DDP's
+    all-reduce; the skip decision is agreed (one collective a step). The ranks were
+    seeded differently: register_ddp broadcast the O2 masters, which stay bitwise equal."""
     r0, r1 = ddp[0]["registered_o2"], ddp[1]["registered_o2"]
     for r in (r0, r1):
         assert r["skipped"] == [False, False, True, False, False, False]
-        assert r["collectives"] == [0] * 6
-        assert r["plan"] == "the grads come from a synchronized backward of registered DDP models"
+        assert r["collectives"] == [1] * 6
+        assert r["plan"].startswith("the ranks' grads can differ at the step")
         assert r["norm_dtypes"] == ["torch.float32"] * 4 + ["torch.int64"]  # BatchNorm stays fp32
         assert r["always"]["collectives"] == [1, 1]  # sync="always" on the same setup
     assert r0["scale"] == r1["scale"]
@@ -139,27 +139,32 @@ def test_registered_ddp_needs_no_collective_and_masters_agree(ddp):
 
 
 @spawned
-def test_registered_ddp_grads_changed_on_one_rank_after_the_all_reduce(ddp):
-    """The documented limit of registered DDP: no collective, so an inf written into rank
-    1's grads after the synchronized backward skips on rank 1 only (sync='auto'); rank 1
-    warns, both ranks finish, check_ranks_agree reports the split on both. With
-    sync='always' both skip and stay bitwise equal. Clipping after amp.unscale (after
-    ampkit's check) does not warn."""
-    a0, a1 = ddp[0]["changed_after_allreduce_auto"], ddp[1]["changed_after_allreduce_auto"]
-    assert a0["skipped"] == [False, False, False, False]
-    assert a1["skipped"] == [False, True, False, False]
-    assert a0["collectives"] == a1["collectives"] == [0] * 4
-    assert a0["warnings"] == [] and len(a1["warnings"]) == 1
-    assert "rank 1" in a1["warnings"][0] and "set_sync" in a1["warnings"][0]
-    assert not equal(a0["params"], a1["params"])
+@pytest.mark.parametrize("route", ["index", "data"])
+def test_registered_ddp_grads_changed_on_one_rank_after_the_all_reduce_skip_on_both(ddp, route):
+    """An inf written into rank 1's grads after DDP's all-reduce -- by indexing, or
+    through ``.data``, which changes no version counter -- skips the step on both ranks
+    (sync='auto' agrees on every step); the replicas stay bitwise equal and
+    check_ranks_agree finds nothing. Clipping after amp.unscale changes nothing of it."""
+    a0, a1 = ddp[0][f"changed_after_allreduce_auto_{route}"], ddp[1][f"changed_after_allreduce_auto_{route}"]
     for r in (a0, a1):
-        assert "differs from group rank 0's" in r["check_error"]
-    w0, w1 = ddp[0]["changed_after_allreduce_always"], ddp[1]["changed_after_allreduce_always"]
-    for r in (w0, w1):
         assert r["skipped"] == [False, True, False, False]
         assert r["collectives"] == [1] * 4
-        assert r["warnings"] == [] and r["check_error"] is None
-    assert equal(w0["params"], w1["params"])
+        assert r["check_error"] is None
+    assert a0["scale"] == a1["scale"]
+    assert equal(a0["params"], a1["params"])
+
+
+@spawned
+def test_sync_never_lets_a_one_rank_data_edit_split_the_replicas(ddp):
+    """The control: with sync='never' the same .data edit skips on rank 1 only, and
+    check_ranks_agree reports the split on both ranks."""
+    n0, n1 = ddp[0]["changed_after_allreduce_never_data"], ddp[1]["changed_after_allreduce_never_data"]
+    assert n0["skipped"] == [False, False, False, False]
+    assert n1["skipped"] == [False, True, False, False]
+    assert n0["collectives"] == n1["collectives"] == [0] * 4
+    assert not equal(n0["params"], n1["params"])
+    for r in (n0, n1):
+        assert "differs from group rank 0's" in r["check_error"]
 
 
 @spawned
@@ -173,12 +178,12 @@ def test_masters_that_differ_from_the_broadcast_model_raise_on_every_rank(ddp):
 @spawned
 def test_no_sync_accumulation_then_synchronized_backward(ddp):
     """Accumulation: an inf in rank 1's grads during a no_sync micro-batch is all-reduced
-    by the synchronized backward that ends the step; both skip without a collective."""
+    by the synchronized backward that ends the step; both skip."""
     r0, r1 = ddp[0]["accumulate"], ddp[1]["accumulate"]
     for r in (r0, r1):
         assert r["skipped"] == [False, False, True, False]
         assert r["scale"] == [65536.0, 65536.0, 32768.0, 32768.0]
-        assert r["collectives"] == [0, 0, 0, 0]
+        assert r["collectives"] == [1, 1, 1, 1]
     assert equal(r0["params"], r1["params"])
     assert equal(r0["masters"], r1["masters"])
 
@@ -212,17 +217,19 @@ def test_stepping_on_no_sync_grads_agrees(ddp):
 
 @spawned
 def test_collectives_per_step(ddp, fsdp):
-    """What the scaler adds per step: 0 with plain (registered) DDP, also with no_sync
-    accumulation ending in a synchronized backward, and under FSDP2 (torch reduces the
-    flag inside the unscale kernel); 1 when ranks can disagree."""
+    """What the scaler adds per step: one all-reduce of the step's flags under DDP,
+    registered or not, with or without no_sync (a rank can change its grads after
+    DDP's all-reduce, through .data unseen), and with per-rank losses; none under FSDP2
+    (torch reduces the flag inside the unscale kernel) or with sync='never'."""
     for rank in (0, 1):
         d, f = ddp[rank], fsdp[rank]
-        assert set(d["registered_o2"]["collectives"]) == {0}
-        assert set(d["accumulate"]["collectives"]) == {0}
+        assert set(d["registered_o2"]["collectives"]) == {1}
+        assert set(d["accumulate"]["collectives"]) == {1}
         assert set(f["O1"]["collectives"]) == {0}
         assert set(d["no_sync_step_auto"]["collectives"]) == {1}
         assert set(d["level_O2"]["collectives"]) == {1}  # DDP not registered
         assert set(d["multi_loss"]["collectives"]) == {1}  # no DDP, per-rank losses
+        assert set(d["changed_after_allreduce_never_data"]["collectives"]) == {0}
 
 
 @spawned

@@ -516,7 +516,11 @@ def test_a_nonfinite_grad_written_after_backward_skips_the_step(level, overrides
     assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
 
 
-@pytest.mark.parametrize("level,overrides", [("O1", {}), ("O2", {}), ("O2", {"model_grads": "view"}), ("O2K", {})])
+@pytest.mark.parametrize(
+    "level,overrides",
+    [("O1", {}), ("O2", {}), ("O2", {"model_grads": "view"}), ("O2K", {}),
+     ("O1", {"dtype": torch.float16}), ("O2", {"dtype": torch.float16})],
+)
 @pytest.mark.parametrize("where", ["loss0", "data0", "loss1", "data1"])
 def test_a_nonfinite_micro_batch_of_an_accumulated_step_skips_it(level, overrides, where):
     """Two backward passes per step: a NaN loss, or a NaN written through ``.data`` into
@@ -540,3 +544,67 @@ def test_a_nonfinite_micro_batch_of_an_accumulated_step_skips_it(level, override
     opt.step()
     assert amp.step_skipped(opt)
     assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+_FP16_SETUPS = {
+    "init": None,
+    "O1": {},
+    "O2": {},
+    "O2-always": {"master_grads": "always"},
+    "O3-SGD": {},
+    "O1-fp8": {"fp8": "delayed"},
+}
+
+
+@pytest.mark.parametrize("setup", list(_FP16_SETUPS))
+@pytest.mark.parametrize("route", ["data", "data_div_0", "index", "after_unscale_data"])
+@pytest.mark.parametrize("layer", ["linear", "norm"])  # at O2 the norm is kept fp32, stepped as it is
+def test_fp16_dynamic_scale_skips_a_nonfinite_grad_written_after_backward(setup, route, layer):
+    """fp16 with a dynamic loss scale (CUDA's default): the end of backward unscales the
+    grads, and an inf/NaN written into one afterwards -- through ``.data``, which no
+    version counter sees, or by indexing, or through ``.data`` after ``ampkit.unscale``
+    -- skips the step: weights (and masters) bitwise unchanged, the scale backed off
+    (kept after ``unscale``: that edit is no overflow of the loss scale)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 8))
+    opt_cls = torch.optim.SGD if setup == "O3-SGD" else torch.optim.AdamW
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    overrides = _FP16_SETUPS[setup]
+    if overrides is None:
+        amp.init(dtype=torch.float16)
+        amp.init_trainer(opt)
+    else:
+        overrides = dict(overrides)
+        if "fp8" in overrides:
+            overrides["fp8"] = amp.Fp8Recipe(scaling=overrides["fp8"], min_features=16)
+        level = setup.split("-")[0]
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.float16, **overrides)
+    dtype = model[0].weight.dtype
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        if step == 1:
+            weights = [p.detach().clone() for p in model.parameters()]
+            masters = [p.detach().clone() for p in amp.master_params(opt)]
+            scale = amp.stats(opt).scales[0]
+        opt.zero_grad()
+        with amp.scale_loss(model(x.to(dtype)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        if step == 1:
+            g = model[0 if layer == "linear" else 1].weight.grad
+            if route == "data":
+                g.data[0] = float("nan")
+            elif route == "data_div_0":
+                g.data.div_(0)
+            elif route == "index":
+                g[0] = float("inf")
+            else:
+                amp.unscale(opt)
+                g.data[0] = float("inf")
+        opt.step()
+        assert amp.step_skipped(opt) == (step == 1), (setup, route, layer, step)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
+    # an edit after ampkit.unscale blames no loss scaler (the unscaled grads were finite);
+    # O3's scale is static (1.0, as apex's)
+    backs_off = route != "after_unscale_data" and setup != "O3-SGD"
+    assert (amp.stats(opt).scales[0] < scale) if backs_off else (amp.stats(opt).scales[0] == scale)

@@ -367,10 +367,92 @@ def test_two_prepare_calls_share_one_session(tmp_path):
     assert len(amp.state_dict()["trainers"]) == 2
     assert amp.stats(g_opt).steps == 0 and amp.stats(d_opt).steps == 0
     acc.save_state(str(tmp_path / "ckpt"))
-    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("custom_checkpoint_*.pkl"))
-    assert saved == ["custom_checkpoint_0.pkl"]
-    ampkit_state = torch.load(tmp_path / "ckpt" / saved[0], weights_only=False)
+    assert not list((tmp_path / "ckpt").glob("custom_checkpoint_*.pkl"))  # nothing Accelerate unpickles fully
+    ampkit_state = torch.load(tmp_path / "ckpt" / amp_accelerate.STATE_NAME, weights_only=True)
     assert len(ampkit_state["trainers"]) == 2
+
+
+# --- untrusted checkpoint folders ----------------------------------------------------------------
+
+
+class _Payload:
+    """A pickle that writes a marker file when unpickled (what a planted file could do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def _saved_checkpoint(tmp_path: Path) -> tuple[Accelerator, nn.Module, torch.optim.Optimizer, Path]:
+    """An O2 run saved after two steps, then trained one more step (so a load must change
+    the model back): the Accelerator, model, optimizer and the folder."""
+    acc = _accelerator()
+    model, opt, _ = amp_accelerate.prepare(acc, *build(), opt_level="O2")
+    x, y = data()
+    for step in range(3):
+        if step == 2:
+            acc.save_state(str(tmp_path / "ckpt"))
+        opt.zero_grad()
+        amp_accelerate.backward(acc, nn.functional.mse_loss(model(x[:32]).float(), y[:32]), opt)
+        opt.step()
+    return acc, model, opt, tmp_path / "ckpt"
+
+
+def _everything(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return _snapshot(model, opt) + [torch.tensor(amp.stats(opt).scales + (amp.stats(opt).steps,))]
+
+
+def test_a_planted_custom_checkpoint_pickle_is_never_unpickled(tmp_path):
+    """ampkit registers nothing with register_for_checkpointing (Accelerate loads those
+    files with weights_only=False): a custom_checkpoint_0.pkl carrying a payload in
+    the folder is not run by load_state."""
+    acc, model, opt, folder = _saved_checkpoint(tmp_path)
+    marker = tmp_path / "payload_ran"
+    torch.save(_Payload(marker), folder / "custom_checkpoint_0.pkl")
+    with pytest.raises(RuntimeError, match="custom checkpoints"):  # Accelerate counts, unpickles nothing
+        acc.load_state(str(folder))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("corruption", ["payload", "truncated", "empty", "not_a_state", "nan_master", "missing_entry"])
+def test_a_bad_ampkit_state_file_is_refused_before_anything_is_loaded(tmp_path, corruption):
+    """load_state reads and validates ampkit's file before Accelerate loads the models:
+    a file with a pickle payload (never run), truncated, empty, not ampkit's, with a
+    NaN fp32 master or an entry deleted raises AccelerateCheckpointError and leaves the
+    model, masters, optimizer state and loss scale as they were."""
+    acc, model, opt, folder = _saved_checkpoint(tmp_path)
+    path = folder / amp_accelerate.STATE_NAME
+    marker = tmp_path / "payload_ran"
+    good = torch.load(path, weights_only=True)
+    if corruption == "payload":
+        torch.save({"format": good["format"], "x": _Payload(marker)}, path)
+    elif corruption == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif corruption == "empty":
+        path.write_bytes(b"")
+    elif corruption == "not_a_state":
+        torch.save({"weights": torch.zeros(3)}, path)
+    elif corruption == "nan_master":
+        good["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"][0][2].view(-1)[0] = float("nan")
+        torch.save(good, path)
+    else:
+        del good["trainers"][0]["optimizers"][0]["extra"]
+        torch.save(good, path)
+    before = _everything(model, opt)
+    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=amp_accelerate.STATE_NAME):
+        acc.load_state(str(folder))
+    assert not marker.exists()
+    after = _everything(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_checkpoint_without_ampkit_state_warns(tmp_path):
+    acc, model, opt, folder = _saved_checkpoint(tmp_path)
+    (folder / amp_accelerate.STATE_NAME).unlink()
+    with pytest.warns(UserWarning, match=f"holds no {amp_accelerate.STATE_NAME}.*not exact"):
+        acc.load_state(str(folder))
 
 
 # --- resume through accelerator.save_state / load_state ---------------------------------------------
@@ -464,14 +546,13 @@ def test_ddp_two_processes(ddp_results, opt_level):
     run0, run1 = r0[opt_level]["train"], r1[opt_level]["train"]
     assert abs(_mean_last(run0["losses"]) - ref) / ref < 0.01
     assert run0["params"] == run1["params"] and run0["masters"] == run1["masters"]  # replicas
-    assert run0["agree"] == [False] * 30  # registered DDP, synced grads: no extra collective
-    for case in ("nan", "edit"):  # a NaN in rank 1's batch; a NaN written on rank 1 only
+    assert run0["agree"] == [True] * 30  # the skip decision agreed on every step
+    for case in ("nan", "edit"):  # a NaN in rank 1's batch; a NaN written through .data on rank 1 only
         a, b = r0[opt_level][case], r1[opt_level][case]
         assert a["skipped"] == b["skipped"] == [False, False, False, True, False, False], case
         assert a["stats"] == b["stats"] == [6, 1] and a["finite"] and b["finite"]
         assert a["params"] == b["params"] and a["masters"] == b["masters"], case
         assert a["lr"] == b["lr"] == r0[opt_level]["nan"]["lr"]
-    assert r0[opt_level]["edit"]["agree"] == [True] * 6  # set_sync(AcceleratedOptimizer, "always")
     fp32_nan = r0["fp32"]["nan"]
     assert not fp32_nan["finite"] and fp32_nan["skipped"] == [False] * 6  # Accelerate alone
     assert a["lr"] > fp32_nan["lr"]  # the skipped step held the scheduler

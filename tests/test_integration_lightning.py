@@ -506,8 +506,8 @@ def test_ddp_two_processes_o1_and_o2(tmp_path):
         # both ranks ended with the same weights, and the same fp32 masters (O2), bit for bit
         assert _all_equal(a["weights"], b["weights"]) and _all_equal(a["masters"], b["masters"])
         assert a["steps"] == 30 and a["skipped"] == 0
-        # registered with ampkit: no found-inf all-reduce needed, DDP's sums are the same everywhere
-        assert a["sync_plan"][0] is False, a["sync_plan"]
+        # the skip decision is agreed over the ranks (a rank's grads can change after DDP's sums)
+        assert a["sync_plan"][0] is True, a["sync_plan"]
         rel = abs(a["loss"] - ref) / ref
         assert rel < 0.01, (level, a["loss"], ref)
         print(f"FIGURE DDP {level}: held-out loss {a['loss']:.5f} vs DDP fp32 {ref:.5f} ({rel:.3%})")

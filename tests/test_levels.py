@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 import ampkit
 from ampkit.errors import AmpError
-from ampkit.levels.setup import resolve_opt_level
+from ampkit.levels.setup import is_managed, resolve_opt_level
 
 LEVELS = ["O0", "O1", "O2", "O3", "O2K"]
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -590,8 +592,8 @@ def test_initialize_again_reuses_state_and_stacks_nothing(level):
 @pytest.mark.cuda
 @pytest.mark.parametrize("level", [
     pytest.param(lv, marks=pytest.mark.xfail(strict=True, reason=(
-        "O3 is pure fp16 on CUDA: AdamW's exp_avg_sq underflows to 0 in fp16 and the first "
-        "step divides by eps=1e-8, so the weights overflow (seen on an H200); initialize warns about it")))
+        "O3 is pure fp16 on CUDA: AdamW's eps=1e-8 is 0 in fp16 and the first step divided by "
+        "zero (seen on an H200); initialize refuses it now, naming eps")))
     if lv == "O3" else lv for lv in LEVELS])  # fmt: skip
 def test_cuda_levels_train_skip_and_resume(level):
     def run(steps: int, start: int, ckpt: bytes | None):
@@ -962,30 +964,56 @@ def test_initialize_fresh_false_adds_to_the_session_and_refuses_what_it_cannot_a
         assert ampkit.stats(opt).steps == 1
 
 
-def _o3_fp16_first_step(opt_cls):
+def _o3_fp16_steps(opt: Callable[[Any], torch.optim.Optimizer], steps: int = 5) -> tuple[list[str], bool]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    opt = opt_cls(model.parameters(), lr=1e-3)
+    optimizer = opt(model.parameters())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, opt = ampkit.initialize(model, opt, opt_level="O3", dtype=torch.float16)
+        model, optimizer = ampkit.initialize(model, optimizer, opt_level="O3", dtype=torch.float16)
     x = torch.randn(16, 8) * 0.1
-    with ampkit.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with ampkit.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     ampkit.reset()
     return [str(w.message) for w in caught if "second moment" in str(w.message)], finite
 
 
-def test_o3_fp16_with_an_adam_like_optimizer_is_warned_about_before_it_overflows():
-    """Pure fp16 AdamW: its exp_avg_sq underflows and eps=1e-8 rounds to 0 in fp16, so
-    the first step's weights are inf/NaN. initialize says so first; SGD, O2 (fp32 state)
-    and bf16 (fp32's exponent range) are not warned about."""
-    warned, finite = _o3_fp16_first_step(torch.optim.AdamW)
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop, torch.optim.Adagrad])
+def test_o3_fp16_with_an_eps_that_is_zero_in_fp16_is_refused_before_anything_changes(opt_cls):
+    """Pure fp16 AdamW with eps=1e-8 (0 in fp16) writes inf/NaN into every weight at the
+    first clean step. initialize refuses it, naming eps and the ways out, and changes
+    nothing (the model stays fp32, the optimizer unmanaged)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = opt_cls([{"params": model[0].parameters(), "eps": 1e-3}, {"params": model[2].parameters(), "eps": 1e-8}])
+    with pytest.raises(AmpError, match=r"eps=1e-08 \(param group 1\) is 0.*O2.*bfloat16.*eps >= 1e-4"):
+        ampkit.initialize(model, opt, opt_level="O3", dtype=torch.float16)
+    assert all(p.dtype == torch.float32 and torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert not is_managed(opt)
+    # what the refusal prevents does happen: the same step in torch alone
+    model.half()
+    opt = opt_cls(model.parameters(), eps=1e-8)
+    (model(torch.randn(16, 8).half() * 0.1).float().pow(2).mean() * 1024).backward()
+    for p in model.parameters():
+        p.grad.div_(1024)
+        p.grad[0] = 0.0  # a zero gradient element: its second moment is exactly 0
+    opt.step()
+    assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_o3_fp16_with_a_normal_eps_is_warned_about_and_stays_finite():
+    """eps >= fp16's smallest normal number keeps the steps finite; initialize still
+    warns that small updates are lost. SGD, O2 (fp32 state) and bf16 (fp32's exponent
+    range) are not warned about."""
+    warned, finite = _o3_fp16_steps(lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-4))
     assert len(warned) == 1 and "AdamW" in warned[0] and "O2" in warned[0]
-    assert not finite  # what the warning announces does happen
-    warned, finite = _o3_fp16_first_step(torch.optim.SGD)
+    assert finite
+    warned, finite = _o3_fp16_steps(lambda ps: torch.optim.SGD(ps, lr=1e-3))
     assert warned == [] and finite
     for level, dtype in (("O2", torch.float16), ("O3", torch.bfloat16)):
         model = nn.Linear(4, 4)

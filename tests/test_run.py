@@ -227,6 +227,31 @@ def test_objects_the_script_keeps_are_released(capsys, tmp_path):
     torch.testing.assert_close(model.weight.detach(), before - opt.param_groups[0]["lr"] * grad)
 
 
+def test_the_scripts_cyclic_garbage_is_freed_before_the_run_returns(capsys, tmp_path):
+    """A model in a reference cycle (DDP's are) is freed when the script ends, not at
+    the interpreter's teardown: freed there under torchrun, after the process group's
+    threads were gone, both ranks aborted with SIGABRT after a successful run."""
+    import builtins
+
+    script = tmp_path / "cycle.py"
+    script.write_text(
+        "import builtins, weakref, torch\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "model.me = [model]  # a cycle, as DDP's reducer and hooks make\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.randn(3, 4)).sum().backward()\n"
+        "opt.step()\n"
+        "builtins._ampkit_test_ref = weakref.ref(model)\n"
+    )
+    try:
+        assert main(["run", str(script)]) == 0
+        ref = builtins._ampkit_test_ref
+    finally:
+        builtins.__dict__.pop("_ampkit_test_ref", None)
+    capsys.readouterr()
+    assert ref() is None
+
+
 def test_skipped_step_holds_the_scheduler(capsys, tmp_path, monkeypatch):
     """An inf loss in one micro-batch: that optimizer step is skipped and the LR schedule
     advances only on real steps (StepLR halves every 20: 39 real steps of 40 leave it at

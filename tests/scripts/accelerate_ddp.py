@@ -11,12 +11,11 @@ wrap, so ``register_ddp`` must broadcast them too):
 - ``train``: 30 steps; the mean loss over both ranks of the last 10 steps, and a hash of
   the parameters (and of O2's fp32 masters) to compare across ranks;
 - ``nan``: 6 steps with a NaN in rank 1's batch at step 3: DDP's all-reduce spreads the
-  NaN gradients to both ranks, and each skips that step by itself (the registered DDP
-  tells ampkit the grads are alike: no extra collective);
-- ``edit``: 6 steps with a NaN written into one gradient on rank 1 only, after the
-  backward at step 3 (after DDP's all-reduce: only rank 1 sees it), under
-  ``ampkit.distributed.set_sync(optimizer, "always")`` given the AcceleratedOptimizer:
-  the ranks agree on the skip through one all-reduce of the overflow flag.
+  NaN gradients to both ranks, and both skip that step;
+- ``edit``: 6 steps with a NaN written through ``.data`` into one gradient on rank 1
+  only, after the backward at step 3 (after DDP's all-reduce: only rank 1 sees it, and
+  no version counter tells): the ranks agree on the skip through ampkit's one
+  all-reduce of the overflow flags per step (the default ``set_sync``).
 
 Each records ``accelerator.optimizer_step_was_skipped`` after every step.
 
@@ -56,8 +55,6 @@ def run(accelerator: Accelerator, level: str, steps: int, nan_at: int | None = N
         model, opt, sched = accelerator.prepare(model, opt, sched)
     else:
         model, opt, sched = amp_accelerate.prepare(accelerator, model, opt, sched, opt_level=level)
-        if how == "edit":
-            amp.distributed.set_sync(opt, "always")
     plans = []
     assert isinstance(model, nn.parallel.DistributedDataParallel)
     gen = torch.Generator().manual_seed(rank)
@@ -75,7 +72,7 @@ def run(accelerator: Accelerator, level: str, steps: int, nan_at: int | None = N
         else:
             amp_accelerate.backward(accelerator, loss, opt)
         if step == nan_at and rank == 1 and how == "edit":
-            model.module[0].weight.grad[0, 0] = float("nan")
+            model.module[0].weight.grad.data[0, 0] = float("nan")
         if level != "fp32":
             plans.append(amp.distributed.sync_plan(opt).agree)
         opt.step()

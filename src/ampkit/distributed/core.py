@@ -2,19 +2,19 @@
 
 The problem. A managed optimizer skips its step when its gradients hold inf/NaN and
 its loss scaler backs off. If one rank skips and another steps, the replicas stop
-being replicas, silently. Whether that can happen depends on where the gradients
-come from when ``optimizer.step()`` checks them:
+being replicas, silently. Whether ranks can decide differently depends on the
+gradients each rank holds when ``optimizer.step()`` checks them:
 
-- plain ``DistributedDataParallel``, last backward synchronized: every rank holds the
-  same all-reduced gradients (an inf on one rank is an inf in the sum everywhere), so
-  every rank reaches the same decision alone. No collective is needed.
 - FSDP2 (``fully_shard``): gradients are ``DTensor`` shards, and torch's fused
-  unscale kernel already all-reduces the found-inf flag (MAX) over the device mesh
-  inside the unscale call. Again no collective is needed.
-- anything else: stepping on gradients accumulated under ``no_sync``, parameters
-  outside DDP, per-rank losses, gradients modified per rank after the all-reduce,
-  CPU-offloaded copies, several loss ids checked between backward passes. Ranks may
-  disagree, so the found-inf flags are all-reduced (MAX).
+  unscale kernel all-reduces the found-inf flag (MAX) over the device mesh inside the
+  unscale call. No collective of ampkit's is needed.
+- everything else, plain ``DistributedDataParallel`` included. DDP leaves the same
+  all-reduced gradients on every rank, but code between backward and the step can
+  change them on one rank only: per-rank noise or masks, a write through ``.data``
+  (``p.grad.data[i] = x`` changes no version counter, so nothing but the values tells),
+  stepping on gradients accumulated under ``no_sync``, parameters outside DDP, per-rank
+  losses, several loss ids checked between backward passes. So the found-inf flags are
+  all-reduced (MAX).
 
 How the agreement runs. At step time the trainer already holds one found-inf flag per
 segment of the step (one per loss id switch, each from the fused unscale+check pass
@@ -28,21 +28,19 @@ so the scales stay equal. Ranks that scaled different loss ids in one step get a
 
 When ampkit agrees (:func:`set_sync`, per optimizer):
 
-- ``"auto"`` (default): agree unless ampkit can tell the gradients are already
-  identical on every rank: all gradients are DTensors, or every parameter the
-  optimizer trains belongs to a DDP model announced with :func:`register_ddp` whose
-  last forward pass with grad enabled was synchronized (not under ``no_sync``) and the
-  step checked its grads once (one loss id). When unsure, it agrees: one all-reduce
-  of a few floats per step.
-- ``"always"``: agree on every step (world size > 1).
-- ``"never"``: each rank decides alone. Only for setups where you know better.
+- ``"auto"`` (default): on every step of more than one rank, unless all gradients are
+  DTensors (FSDP2, agreed inside torch's unscale). One all-reduce of a few floats per
+  step, which also carries the step's one host read.
+- ``"always"``: on every step (world size > 1), DTensor gradients included.
+- ``"never"``: each rank decides alone. Only where no code changes the gradients on
+  some ranks between backward and the step.
 
 How it plugs in. :data:`AGREEMENT` implements :class:`ampkit.trainer.decision.StepAgreement`;
 importing this module installs it as the trainer's default agreement
 (:func:`ampkit.trainer.extensions.set_default_agreement`), which ``ampkit.init_trainer``
-hands to every managed optimizer (``ManagedOptimizer.agreement``),
-whose step calls it before checking the grads and before reading the flags; the skip
-rule itself is :func:`ampkit.trainer.decision.decide`, the same for one process and many.
+hands to every managed optimizer (``ManagedOptimizer.agreement``), whose step calls it
+before reading the flags; the skip rule itself is :func:`ampkit.trainer.decision.decide`,
+the same for one process and many.
 
 Nothing happens in a single process, or before ``torch.distributed`` is initialized.
 :func:`sync_plan` says what the next step will do and why.
@@ -59,11 +57,9 @@ FSDP2 casts sharded weights itself through ``MixedPrecisionPolicy``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import itertools
-import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -73,9 +69,8 @@ from torch import nn
 
 from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import torch_class
-from ampkit._internal.tree import iter_tensors, map_leaves
+from ampkit._internal.tree import map_leaves
 from ampkit._internal.validate import require_choice
-from ampkit._internal.where import user_stacklevel
 from ampkit.errors import DistributedError
 from ampkit.levels import model_cast as _model
 from ampkit.trainer import extensions as _extensions
@@ -108,10 +103,6 @@ class _Settings:
     sync: SyncMode = "auto"
     group: Any = None  # process group; None: the default (world) group
     masters_checked: bool = False
-    # This step's grads differ from what a registered DDP model's reducer left (seen
-    # before ampkit touched them); warned about once per optimizer.
-    changed_after_reduce: bool = False
-    warned_changed: bool = False
 
 
 # Module state: per-optimizer sync settings (weak keys), set by set_sync.
@@ -146,8 +137,9 @@ def set_sync(
         optimizer_or_list: optimizer(s) managed by :func:`ampkit.init_trainer` or
             :func:`ampkit.initialize` (set it after those: a new ``initialize`` starts
             from the defaults).
-        sync: ``"auto"`` (default: agree unless the grads are known to be identical on
-            every rank), ``"always"`` or ``"never"``; see the module docs.
+        sync: ``"auto"`` (default: agree on every multi-rank step unless the grads are
+            FSDP2's DTensors, which torch agrees on), ``"always"`` or ``"never"``; see
+            the module docs.
         group: the process group to agree over (default: the world).
     """
     require_choice(sync, _MODES, "set_sync: sync", DistributedError)
@@ -161,115 +153,28 @@ def set_sync(
 # --- DDP models announced by the user ----------------------------------------------------
 
 
-class _DDPRecord:
-    """What ampkit knows about one registered DDP model: the ids of the parameters
-    whose grads it all-reduces, whether its last forward with grad enabled will be (or
-    was) followed by a synchronized backward, and each grad as the reducer left it.
-
-    The last is taken at the very end of the backward pass, after DDP's reducer wrote
-    the all-reduced grads: a hook on the forward's outputs queues an autograd callback
-    when backward reaches them, which queues the snapshot behind the reducer's own
-    callback (callbacks queued while callbacks run go to the end of the line)."""
-
-    def __init__(self, ddp: nn.Module) -> None:
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-        self.params = [
-            p for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored
-        ]
-        self.param_ids = frozenset(id(p) for p in self.params)
-        self.group_size = dist.get_world_size(ddp.process_group)
-        self.synced: bool | None = None  # None: no forward seen since registration
-        # id(param) -> (its grad, weakly; the grad's version) after the last backward.
-        self.reduced: dict[int, tuple[Any, int]] | None = None
-        self._armed = False
-        self._hooks = contextlib.ExitStack()  # closing it removes the hooks
-        self._hooks.callback(ddp.register_forward_pre_hook(self._on_forward).remove)
-        self._hooks.callback(ddp.register_forward_hook(self._after_forward).remove)
-
-    def remove(self) -> None:
-        self._hooks.close()
-
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
-            # The decision DDP itself takes in this forward for the following backward.
-            self.synced = bool(module.require_backward_grad_sync)
-
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        self._armed = True
-        for t in iter_tensors(output, mapping=dict):
-            if t.requires_grad:
-                t.register_hook(self._on_backward)
-
-    def _on_backward(self, grad: torch.Tensor) -> None:
-        if self._armed:
-            self._armed = False
-            engine = torch_compat.autograd_engine()
-            engine.queue_callback(lambda: engine.queue_callback(self._snapshot))
-
-    def _snapshot(self) -> None:
-        self.reduced = {
-            id(p): (None, -1) if p.grad is None else (weakref.ref(p.grad), torch_compat.tensor_version(p.grad))
-            for p in self.params
-        }
-
-    def resnapshot(self, params: Iterable[torch.Tensor]) -> None:
-        """``params``' grads as ampkit's gradient path left them after this backward
-        (unscaled, or moved into fp32 masters): ampkit's own work is no change."""
-        if self.reduced is None:
-            return
-        for p in params:
-            if id(p) in self.reduced:
-                self.reduced[id(p)] = (None, -1) if p.grad is None else (weakref.ref(p.grad), torch_compat.tensor_version(p.grad))
-
-    def changed(self, params: Iterable[torch.Tensor]) -> bool:
-        """Whether the grad of any of ``params`` (those of this model) was replaced or
-        modified in place since the reducer finished."""
-        if self.reduced is None:
-            return False
-        for p in params:
-            seen = self.reduced.get(id(p))
-            if seen is None:
-                continue
-            ref, version = seen
-            grad = None if ref is None else ref()
-            if p.grad is not grad or (grad is not None and torch_compat.tensor_version(grad) != version):
-                return True
-        return False
-
-
-# Module state: DDP models registered by the user, process-wide like the process group
-# (weak keys: no model kept alive).
-_DDPS: weakref.WeakKeyDictionary[nn.Module, _DDPRecord] = weakref.WeakKeyDictionary()
-
-
 def register_ddp(ddp_model: nn.Module) -> nn.Module:
-    """Tell ampkit that ``ddp_model`` (a ``DistributedDataParallel``) all-reduces the
-    grads of its parameters, and return it. Call it on every rank, right after wrapping::
+    """Broadcast the fp32 master weights (O2) of ``ddp_model``'s parameters from its
+    group's first rank, as DDP's constructor does with the model's own weights, and
+    return the model. Call it on every rank, right after wrapping::
 
         model, opt = ampkit.initialize(model, opt, opt_level="O2")
         model = ampkit.distributed.register_ddp(DDP(model))
 
-    Effects: steps whose grads all come from a synchronized backward of registered
-    DDP models skip the found-inf all-reduce (``sync="auto"``); a forward under
-    ``no_sync`` brings it back for the step that follows, unless a synchronized
-    forward/backward comes after it. It also broadcasts the fp32 master weights (O2)
-    of the DDP's parameters from the group's first rank, as DDP's constructor does with
-    the model's own weights, so masters built from differently seeded models agree.
-    """
+    Masters built from differently seeded models then agree; without it (and without
+    the same seed on every rank) the first step raises :class:`~ampkit.DistributedError`.
+    The skip decision is agreed over the ranks either way (:func:`set_sync`)."""
     ddp_cls = nn.parallel.DistributedDataParallel
     if not isinstance(ddp_model, ddp_cls):
         raise DistributedError(
             f"register_ddp expects a torch.nn.parallel.DistributedDataParallel, got "
             f"{type(ddp_model).__name__}; wrap the model first: register_ddp(DDP(model))."
         )
-    old = _DDPS.pop(ddp_model, None)
-    if old is not None:
-        old.remove()
-    record = _DDPRecord(ddp_model)
-    _DDPS[ddp_model] = record
-    _broadcast_masters(record.param_ids, ddp_model.process_group)
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
+    param_ids = frozenset(
+        id(p) for name, p in ddp_model.module.named_parameters() if p.requires_grad and name not in ignored
+    )
+    _broadcast_masters(param_ids, ddp_model.process_group)
     return ddp_model
 
 
@@ -334,10 +239,9 @@ def _plan(state: _step.ManagedOptimizer, num_segments: int) -> SyncPlan:
     if s.sync == "always":
         return SyncPlan(True, "sync='always'")
     # Only what every rank sees alike decides (a rank that all-reduces while another
-    # does not would hang): the sync mode, the kind of grads, the loss ids of the step,
-    # the registered DDP models and their no_sync state -- never this rank's values.
-    # The grads are on the params in param_groups or, before an O2 step moved them into
-    # the masters, on the model's params.
+    # does not would hang): the sync mode and the kind of grads, never this rank's
+    # values. The grads are on the params in param_groups or, before an O2 step moved
+    # them into the masters, on the model's params.
     backward = state.backward_params
     grads = [
         p.grad
@@ -351,25 +255,11 @@ def _plan(state: _step.ManagedOptimizer, num_segments: int) -> SyncPlan:
         )
     if num_segments > 1:
         return SyncPlan(True, "several loss ids were checked between backward passes this step")
-    return _ddp_plan(state, dist.get_world_size(s.group))
-
-
-def _ddp_plan(state: _step.ManagedOptimizer, group_size: int) -> SyncPlan:
-    if not _DDPS:
-        return SyncPlan(True, "no DDP model registered (ampkit.distributed.register_ddp)")
-    backward = state.backward_params
-    params = backward if backward is not None else state.grad_params()
-    records = [r for r in _DDPS.values() if r.group_size == group_size]
-    for p in params:
-        if not p.requires_grad:
-            continue
-        owner = next((r for r in records if id(p) in r.param_ids), None)
-        if owner is None:
-            return SyncPlan(True, "a parameter is outside every registered DDP model")
-        if owner.synced is not True:
-            why = "ran under no_sync" if owner.synced is False else "is unknown (no forward seen)"
-            return SyncPlan(True, f"the last forward of a registered DDP model {why}")
-    return SyncPlan(False, "the grads come from a synchronized backward of registered DDP models")
+    return SyncPlan(
+        True,
+        "the ranks' grads can differ at the step (changed on one rank after DDP's all-reduce, "
+        "also through .data, which only the values show; no_sync; per-rank losses)",
+    )
 
 
 class _Agreement:
@@ -406,16 +296,6 @@ def _comm_device(group: Any, like: torch.device) -> torch.device:
     return like  # e.g. "cpu:gloo,cuda:nccl": the flags' own device is supported
 
 
-def _before_check(state: _step.ManagedOptimizer) -> None:
-    """The trainer's hook, called once per step with the grads as backward left them:
-    note whether they changed since a registered DDP model's reducer wrote them."""
-    if not _DDPS or not (dist.is_available() and dist.is_initialized()):
-        return
-    backward = state.backward_params
-    params = list(backward if backward is not None else state.grad_params())
-    _settings(state).changed_after_reduce = any(r.changed(params) for r in list(_DDPS.values()))
-
-
 def _agreement_for(
     state: _step.ManagedOptimizer, segments: Sequence[tuple[int | None, torch.Tensor | None]]
 ) -> _Agreement | None:
@@ -425,16 +305,10 @@ def _agreement_for(
     s = _settings(state)
     if dist.get_world_size(s.group) < 2:
         return None
-    changed, s.changed_after_reduce = s.changed_after_reduce, False
     if not _plan(state, len(segments)).agree:
-        if changed and not s.warned_changed:
-            s.warned_changed = True
-            warnings.warn(
-                _CHANGED_AFTER_REDUCE.format(rank=dist.get_rank()), UserWarning, stacklevel=user_stacklevel()
-            )
         return None
     # The masters check rides on the collective, so that a mismatch on one rank raises
-    # on every rank. Without one (registered DDP), register_ddp broadcast the masters.
+    # on every rank.
     first_step_error: str | None | bool = False
     if not s.masters_checked:
         s.masters_checked = True
@@ -442,16 +316,6 @@ def _agreement_for(
             first_step_error = _masters_mismatch(state)
     like = next((f.device for _, f in segments if f is not None), torch.device("cpu"))
     return _Agreement(s.group, like, first_step_error)
-
-
-_CHANGED_AFTER_REDUCE = (
-    "ampkit: on rank {rank}, gradients changed after DistributedDataParallel all-reduced "
-    "them (written in place or replaced between backward and the step). With a registered "
-    "DDP model ampkit does not all-reduce the overflow flag, trusting that every rank holds "
-    "the same grads; if this change is not the same on every rank, the ranks may skip "
-    "different steps and the replicas split. Call "
-    "ampkit.distributed.set_sync(optimizer, 'always') to agree on every step."
-)
 
 
 _MASTERS_FIX = (
@@ -486,15 +350,10 @@ def _masters_mismatch(state: _step.ManagedOptimizer) -> str | None:
 class _DistributedAgreement:
     """ampkit's :class:`~ampkit.trainer.decision.StepAgreement`: how a managed step joins
     the other ranks (given to every managed optimizer by ``init_trainer``). Stateless:
-    what it needs lives in the DDP records and the per-optimizer settings above."""
+    what it needs lives in the per-optimizer settings above."""
 
-    # The module functions themselves (no forwarding frame: these run on every step).
-    before_check = staticmethod(_before_check)
+    # The module function itself (no forwarding frame: it runs on every step).
     agreement = staticmethod(_agreement_for)
-
-    def grads_settled(self, params: list[torch.Tensor]) -> None:
-        for record in list(_DDPS.values()):
-            record.resnapshot(params)
 
 
 #: The agreement every managed optimizer uses (see :class:`_DistributedAgreement`):

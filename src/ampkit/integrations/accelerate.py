@@ -26,10 +26,15 @@ Accelerate would move them), :func:`ampkit.initialize` on the raw models and opt
   ``AcceleratedOptimizer``'s ``step_was_skipped`` (and so
   ``accelerator.optimizer_step_was_skipped``) is True after a step ampkit skipped, so
   the schedulers Accelerate prepared (``AcceleratedScheduler``) are not stepped then;
-- registers ampkit's state (loss scales, step counters, O2's fp32 masters, O2K's
-  compensation, fp8 scales) with ``accelerator.register_for_checkpointing``, so
-  ``accelerator.save_state`` / ``load_state`` resume bitwise (``checkpoint=False`` leaves
-  that to you: save :func:`ampkit.state_dict` yourself).
+- makes ``accelerator.save_state`` / ``load_state`` carry ampkit's state (loss scales,
+  step counters, O2's fp32 masters, O2K's compensation, fp8 scales), so a resume is
+  bitwise: ``save_state`` writes it as :data:`STATE_NAME` in the checkpoint folder (its
+  save pre-hook), ``load_state`` reads that file with ``torch.load(weights_only=True)``
+  and validates it against the session before Accelerate loads anything (its load
+  pre-hook), and loads it after the models and optimizers. Not through
+  ``register_for_checkpointing``: Accelerate unpickles registered objects' files fully
+  (``weights_only=False``), so a planted ``custom_checkpoint_0.pkl`` could run code.
+  ``checkpoint=False`` leaves that to you: save :func:`ampkit.state_dict` yourself.
 
 :func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`. Every
 ampkit call (``amp.step_skipped``, ``amp.stats``, ``amp.unscale``, ``amp.master_params``)
@@ -44,9 +49,12 @@ which shard or cast the model themselves. Supported: one process and DDP (Accele
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,9 +67,10 @@ from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.levels.setup import initialize
 from ampkit.trainer.api import managed_state, scale_loss
 from ampkit.trainer.extensions import AfterStep
-from ampkit.trainer.session import load_state_dict, state_dict
+from ampkit.trainer.session import prepare_load_state_dict, state_dict
 
 from . import require
+from ._files import read_checkpoint_file
 
 _accelerate = require("accelerate", "accelerate")
 _optimizer_module = require("accelerate.optimizer", "accelerate")
@@ -71,11 +80,19 @@ Accelerator = _accelerate.Accelerator
 AcceleratedOptimizer = _optimizer_module.AcceleratedOptimizer
 DistributedType = _utils.DistributedType
 
-__all__ = ["AccelerateSetupError", "AmpkitCheckpointState", "backward", "check_accelerator", "prepare"]
+__all__ = ["STATE_NAME", "AccelerateSetupError", "AccelerateCheckpointError", "backward", "check_accelerator", "prepare"]
+
+#: The file ``accelerator.save_state`` writes ampkit's state to, in the checkpoint folder.
+STATE_NAME = "ampkit_state.pt"
 
 
 class AccelerateSetupError(AmpError, ValueError):
     """An Accelerator, or objects given to :func:`prepare`, that ampkit cannot set up."""
+
+
+class AccelerateCheckpointError(AmpError, ValueError):
+    """``accelerator.load_state`` found ampkit's state in the checkpoint folder unreadable
+    or not matching this run; raised before Accelerate loaded anything."""
 
 
 #: The distributed types whose models Accelerate wraps in DistributedDataParallel (or
@@ -119,18 +136,80 @@ def check_accelerator(accelerator: Any) -> None:
         )
 
 
-class AmpkitCheckpointState:
-    """ampkit's session state as an object Accelerate checkpoints
-    (``accelerator.register_for_checkpointing``): ``state_dict()`` is
-    :func:`ampkit.state_dict`, ``load_state_dict(sd)`` is :func:`ampkit.load_state_dict`.
-    Accelerate loads registered objects after the models and optimizers, so O2's fp32
-    masters come back exactly after the 16-bit model weights were loaded."""
+def _save_hook(accelerator: Any) -> Any:
+    """Accelerate's save pre-hook (``hook(models, weights, output_dir)``): ampkit's state
+    into ``output_dir/STATE_NAME``, written by the process that writes the models."""
+    ref = weakref.ref(accelerator)
 
-    def state_dict(self) -> dict[str, Any]:
-        return state_dict()
+    def hook(models: Any, weights: Any, output_dir: str) -> None:
+        acc = ref()
+        if acc is None:
+            return
+        each_node = bool(getattr(acc.project_configuration, "save_on_each_node", False))
+        if acc.is_local_main_process if each_node else acc.is_main_process:
+            torch.save(state_dict(), os.path.join(output_dir, STATE_NAME))
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        load_state_dict(sd)
+    return hook
+
+
+def _load_hook(record: _Prepared) -> Any:
+    """Accelerate's load pre-hook (``hook(models, input_dir)``): read and validate the
+    whole of ampkit's state before Accelerate loads the models; keep its loader for
+    after the models and optimizers are loaded."""
+    rec = weakref.ref(record)
+
+    def hook(models: Any, input_dir: str) -> None:
+        record = rec()
+        if record is None:
+            return
+        record.pending = None
+        path = os.path.join(input_dir, STATE_NAME)
+        if not os.path.isfile(path):
+            legacy = sorted(f for f in os.listdir(input_dir) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f))
+            warnings.warn(
+                f"ampkit: {input_dir} holds no {STATE_NAME} (saved without ampkit's state, or with "
+                "checkpoint=False): the loss scale and step counters start afresh, fp32 master weights "
+                "and compensation from the loaded weights, so the resume is not exact."
+                + (
+                    f" It holds {', '.join(legacy)}: ampkit 0.3 saved its state as custom_checkpoint_0.pkl, "
+                    "which Accelerate unpickles fully (it can run code). If that file is ampkit's and you "
+                    f"trust it, rename it to {STATE_NAME}: ampkit reads it as weights only."
+                    if legacy else ""
+                ),
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        saved = read_checkpoint_file(path, AccelerateCheckpointError)
+        try:
+            record.pending = prepare_load_state_dict(saved)
+        except AmpError as exc:
+            raise AccelerateCheckpointError(f"{path}: {exc}") from None
+
+    return hook
+
+
+def _load_after(accelerator: Any, record: _Prepared) -> None:
+    """Make ``accelerator.load_state`` load ampkit's state (validated by the pre-hook)
+    after Accelerate loaded the models and optimizers, so O2's exact fp32 masters are
+    what the 16-bit weights' reload leaves."""
+    original = accelerator.load_state
+    rec = weakref.ref(record)
+
+    @functools.wraps(original)
+    def load_state(*args: Any, **kwargs: Any) -> Any:
+        record = rec()
+        try:
+            result = original(*args, **kwargs)
+            pending = record.pending if record is not None else None
+            if pending is not None:
+                pending()
+            return result
+        finally:
+            if record is not None:
+                record.pending = None
+
+    accelerator.load_state = load_state
 
 
 class _Prepared:
@@ -140,6 +219,8 @@ class _Prepared:
     def __init__(self) -> None:
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.checkpointed = False
+        # the loader of the ampkit state load_state's pre-hook validated, until applied
+        self.pending: Callable[[], None] | None = None
 
     def session_alive(self) -> bool:
         """Whether an optimizer set up by an earlier call is still managed (the
@@ -276,10 +357,9 @@ def prepare(
         device_placement (list of bool | None) [None]: as for ``accelerator.prepare``;
             models placed there are moved to ``accelerator.device`` *before* ampkit sets
             them up (so casting and masters live where the model trains).
-        checkpoint (bool) [True]: register ampkit's state with
-            ``accelerator.register_for_checkpointing`` (once per Accelerator), so
-            ``save_state``/``load_state`` carry it. False: save
-            :func:`ampkit.state_dict` yourself.
+        checkpoint (bool) [True]: make ``save_state``/``load_state`` carry ampkit's
+            state as :data:`STATE_NAME` (once per Accelerator; see the module docs).
+            False: save :func:`ampkit.state_dict` yourself.
         **overrides: more settings of :func:`ampkit.initialize` (``loss_scale``,
             ``keep_fp32``, ``compensation``, ``master_weights``, ``model_grads``, ...),
             passed to it as they are; an unknown one raises :class:`ampkit.AmpError`.
@@ -315,10 +395,10 @@ def prepare(
             dtype=dtype,
             **overrides,
         )
-        if record is None or fresh:
-            checkpointed = record.checkpointed if record is not None else False
+        if record is None:
             record = _PREPARED[accelerator] = _Prepared()
-            record.checkpointed = checkpointed
+        elif fresh:
+            record.optimizers = []
         record.optimizers.extend(weakref.ref(o) for o in optimizers)
     result = accelerator.prepare(*objects, device_placement=list(placements) if device_placement is not None else None)
     if not models:
@@ -331,7 +411,9 @@ def prepare(
         if ddp is not None and any(ddp.module is m for m in models):
             register_ddp(ddp)
     if checkpoint and record is not None and not record.checkpointed:
-        accelerator.register_for_checkpointing(AmpkitCheckpointState())
+        accelerator.register_save_state_pre_hook(_save_hook(accelerator))
+        accelerator.register_load_state_pre_hook(_load_hook(record))
+        _load_after(accelerator, record)
         record.checkpointed = True
     return result
 

@@ -474,20 +474,45 @@ ADAM_FAMILY: tuple[type[torch.optim.Optimizer], ...] = (
 )  # fmt: skip
 
 
-def _warn_fp16_adam_state(level: OptLevel, opt_list: Sequence[torch.optim.Optimizer]) -> None:
+# eps added to the square root of the second moment: below float16's smallest normal
+# number (6.1e-5) it cannot keep m/(sqrt(v)+eps) finite once v underflows to 0.
+_EPS_IN_DENOMINATOR: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
+    torch.optim.Adagrad, torch.optim.RMSprop,
+)  # fmt: skip
+
+
+def _check_fp16_adam_state(level: OptLevel, opt_list: Sequence[torch.optim.Optimizer]) -> None:
     """O3 (pure 16 bits, no masters, no compensation) in fp16 with an Adam-like optimizer:
-    its state is fp16, the second moment of typical gradients (below about 1e-2) is 0,
-    and the first update divides by ~0, so the weights overflow at once (seen with AdamW
-    on an H200 and on the CPU). Said before anything runs, once per call."""
+    its state is fp16, where the second moment of typical gradients (below about 1e-2)
+    underflows to 0. An ``eps`` below fp16's smallest normal number (6.1e-5; the default
+    1e-8 is 0 in fp16) then divides by ~0 and writes inf/NaN into the weights at the
+    first step (seen with AdamW on an H200 and on the CPU): refused, naming ``eps``.
+    With a larger ``eps`` the steps stay finite but small updates are lost: warned.
+    Said before anything runs, once per call."""
     if level.cast_model_type is not torch.float16 or level.master_weights or level.compensation is not None:
         return
+    tiny = torch.finfo(torch.float16).tiny
+    for i, opt in enumerate(opt_list):
+        if not isinstance(opt, _EPS_IN_DENOMINATOR):
+            continue
+        for j, group in enumerate(opt.param_groups):
+            eps = group.get("eps")
+            if isinstance(eps, (int, float)) and eps < tiny:
+                in_fp16 = float(torch.tensor(eps, dtype=torch.float16))
+                raise AmpError(
+                    f"{level.name} with dtype=torch.float16 keeps optimizer {i}'s ({type(opt).__name__}) state "
+                    f"and arithmetic in float16, where its eps={eps:g} (param group {j}) is {in_fp16:g}: "
+                    "once the second moment of a small gradient underflows to 0, the step divides by "
+                    "(almost) zero and writes inf/NaN into the weights. Use O2 (fp32 master weights and "
+                    "state), dtype=torch.bfloat16, or eps >= 1e-4 in every param group."
+                )
     adams = sorted({type(opt).__name__ for opt in opt_list if isinstance(opt, ADAM_FAMILY)})
     if adams:
         warnings.warn(
             f"ampkit: {level.name} keeps {', '.join(adams)}'s state in float16, where the second moment of "
-            "gradients below about 1e-2 underflows to 0 and eps=1e-8 rounds to 0: the first step divides by "
-            "zero and the weights become inf/NaN. Use O2 (fp32 master weights and state) or "
-            "dtype=torch.bfloat16; O3 in fp16 suits SGD.",
+            "gradients below about 1e-2 underflows to 0, so their updates are lost or jump by lr*grad/eps. "
+            "Use O2 (fp32 master weights and state) or dtype=torch.bfloat16; O3 in fp16 suits SGD.",
             UserWarning,
             stacklevel=3,
         )
@@ -662,7 +687,7 @@ def initialize(
                 "LBFGS mixes all parameters in one update and calls a closure many times "
                 f"per step; {level.name}'s compensated updates need a per-parameter optimizer."
             )
-    _warn_fp16_adam_state(level, opt_list)
+    _check_fp16_adam_state(level, opt_list)
     scaler = _make_scaler(level)
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)

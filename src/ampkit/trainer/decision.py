@@ -53,20 +53,13 @@ class StepAgreement(Protocol):
     """How a multi-process layer joins every managed step (``ampkit.distributed``
     implements it; :func:`ampkit.init_trainer` gives each managed optimizer one).
 
-    - ``before_check(state)``: once per step, before ampkit first touches the grads
-      (before the extensions' ``before_check``), with the grads as backward left them.
     - ``agreement(state, segments)``: once per step, before the flags are read: None
-      when this rank decides alone, else the :class:`Agreement` to run.
-    - ``grads_settled(params)``: after ampkit's gradient hooks finished their work on
-      the grads of ``params`` at the end of a backward pass (their unscaling is no
-      change made by the user).
+      when this rank decides alone, else the :class:`Agreement` to run. Whether to
+      agree may depend only on what every rank sees alike (a rank that all-reduces
+      while another does not would hang), never on this rank's values.
     """
 
-    def before_check(self, state: object) -> None: ...
-
     def agreement(self, state: object, segments: Sequence[Segment]) -> Agreement | None: ...
-
-    def grads_settled(self, params: list[torch.Tensor]) -> None: ...
 
 
 def _codes(segments: Sequence[tuple[int | None, Any]], num_losses: int, maximum: Callable[[Any, Any], Any], absent: Any) -> list[Any]:

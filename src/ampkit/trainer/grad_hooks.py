@@ -18,10 +18,10 @@ layers under O2). With a scale ``S != 1`` the pre-hook multiplies a gradient the
 parameter already holds by ``S`` (exact for the power-of-two scales loss scalers use), so
 backward adds ``S*g`` onto ``S*previous``. When the backward pass ends -- in an autograd
 final callback queued behind DistributedDataParallel's, so DDP has all-reduced the sums
--- the gradients it touched are multiplied by ``1/S`` and checked for inf/NaN in one fused
-pass per (device, dtype). That is the unscale pass ``step()`` used to run, moved to the
-end of each backward; gradient accumulation pays one more pass per micro-batch (the
-rescale) and gets real gradients between micro-batches. Under DDP's ``no_sync`` the
+-- the gradients it touched are multiplied by ``1/S`` in one fused pass per (device,
+dtype): the unscale pass ``step()`` used to run, moved to the end of each backward;
+gradient accumulation pays one more pass per micro-batch (the rescale) and gets real
+gradients between micro-batches. Under DDP's ``no_sync`` the
 local sums stay in ``p.grad`` as DDP requires, so the synchronized backward reduces the
 whole sum. With ``S == 1`` (bf16) the hooks do nothing.
 
@@ -33,9 +33,15 @@ clearing through either side are merged before the step. Under DDP (seen by a fo
 pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until DDP has reduced
 them, and move into the masters after the synchronized backward.
 
-The overflow check. Gradients checked by the hooks are remembered (tensor and version);
-at ``unscale``/``step`` only gradients changed since then (edited, assigned, produced
-with ``S == 1``) are checked, in one fused pass.
+The overflow check reads the memory the optimizer steps, when the step (or
+``ampkit.unscale``) closes the grads: code may have changed a gradient between backward
+and the step through ``.data`` (``p.grad.data[i] = x``, ``p.grad.data.div_(...)``), which
+changes no version counter, so a check made at the end of backward cannot vouch for it.
+The end-of-pass work on parameters stepped as they are therefore only multiplies by
+``1/S``, and the step reads those grads once, in one fused read-only pass per (device,
+dtype). A master's fp32 grad, which user code reaches only through
+``ampkit.master_params``, is checked as backward moves it in (tensor and version
+remembered) and read again only when it was replaced or changed in place.
 """
 
 from __future__ import annotations
@@ -476,17 +482,11 @@ class GradPath:
         touched = self._open.pop(task, None)
         if touched:
             self._process(touched, absorb_raw=False)
-            # The grads this pass's end-of-pass processing changed (unscaled in place,
-            # moved into masters): a multi-process layer records them as the grads DDP's
-            # reducer left, so ampkit's own work is not taken for a change after it.
-            state = self._state()
-            agreement = state.agreement if state is not None else None
-            if agreement is not None:
-                agreement.grads_settled([r.param for r in touched])
 
     def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
-        """Unscale and check the scaled grads of ``touched`` (fused, per loss id, device
-        and dtype), move reduced 16-bit grads into masters, show mirrors."""
+        """Unscale the scaled grads of ``touched`` (fused, per device and dtype; checked
+        by the step), move reduced 16-bit grads into masters (checked as they move),
+        show mirrors."""
         by_loss: dict[tuple[int | None, float], list[_Param]] = {}
         shown: list[nn.Parameter] = []
         seen: set[int] = set()
@@ -505,17 +505,17 @@ class GradPath:
                 shown.append(rec.param)
             elif rec.scale is not None:
                 by_loss.setdefault((rec.loss_id, rec.scale), []).append(rec)
-        for (loss_id, scale), recs in by_loss.items():
+        for (_, scale), recs in by_loss.items():
+            # Multiplied only: these grads are the memory the optimizer steps, which code
+            # can still change through ``.data`` before the step (no version counter
+            # tells), so the step reads them for inf/NaN then (``unchecked``), once.
             params = [r.param for r in recs if r.param.grad is not None]
-            unscale = self._unscaler(loss_id, scale)
-            if unscale is not None:
+            if params and scale != 1.0:
                 with torch.no_grad():
                     for grads in group_grads(params).values():
-                        unscale(grads)
+                        torch_compat.foreach_mul_(grads, 1.0 / scale)
             for r in recs:
                 r.scale = None
-            for p in params:
-                self._mark_checked(p, loss_id)
         if shown and self.masters is not None:
             self.masters.show(shown)
 
@@ -551,8 +551,11 @@ class GradPath:
         return [p for p in params if id(p) in self._unhooked and p.grad is not None]
 
     def unchecked(self, params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
-        """Those of ``params`` whose grad changed since the hooks (or the last call)
-        checked it; they count as checked from now on (the caller checks them)."""
+        """Those of ``params`` whose grad the caller must check for inf/NaN now: every
+        grad no check at backward vouches for (the stepped memory the hooks only
+        multiplied, grads produced at a scale of 1, held 16-bit grads), and a master's
+        fp32 grad checked when backward moved it in only if it was replaced or changed
+        in place since (those count as checked again from now on)."""
         out = []
         masters = self.masters
         for p in params:
@@ -560,7 +563,9 @@ class GradPath:
             if g is None or (masters is not None and masters.is_placeholder(p)):
                 continue
             seen = self._checked.get(id(p))
-            if seen is None or seen[0]() is not g or seen[1] != torch_compat.tensor_version(g):
+            if seen is None:  # no check at backward vouches for it: read at every close
+                out.append(p)
+            elif seen[0]() is not g or seen[1] != torch_compat.tensor_version(g):
                 out.append(p)
                 self._checked[id(p)] = (weakref.ref(g), torch_compat.tensor_version(g))
         return out

@@ -157,6 +157,13 @@ class Session:
         extra state (fp32 masters, compensation buffers) -- is validated before anything
         is loaded; a rejected one raises an :class:`~ampkit.AmpError` (``StateError`` or
         ``ScalerError``) and leaves every trainer as it was."""
+        self.prepare_load(state_dict)()
+
+    def prepare_load(self, state_dict: Any) -> Callable[[], None]:
+        """Validate a :meth:`state_dict` completely, changing nothing (raises as
+        :meth:`load_state_dict` does), and return the function that loads it: callers
+        that load more than ampkit's state (an integration's checkpoint) validate
+        everything first and apply afterwards."""
         fmt = state_dict.get("format") if isinstance(state_dict, Mapping) else None
         if type(fmt) is not str or fmt != _FORMAT:
             raise StateError(
@@ -179,9 +186,13 @@ class Session:
             for i, (member, sd) in enumerate(zip(self._members, trainers))
         ]
         self._extra.check_values(extra, "session")
-        for load in loads:
-            load()
-        self._extra.load(extra)
+
+        def apply() -> None:
+            for load in loads:
+                load()
+            self._extra.load(extra)
+
+        return apply
 
     def close(self) -> None:
         """Release every trainer (optimizers get their own ``step`` back)."""
@@ -227,6 +238,12 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Load :func:`state_dict` output into the current session, which must be set up
     the same way as the one that saved it."""
     _current.load_state_dict(state_dict)
+
+
+def prepare_load_state_dict(state_dict: Any) -> Callable[[], None]:
+    """Validate :func:`state_dict` output against the current session, changing
+    nothing, and return the function that loads it (:meth:`Session.prepare_load`)."""
+    return _current.prepare_load(state_dict)
 
 
 _reset.on_reset(new_session)

@@ -206,13 +206,11 @@ class StepGrads:
         return total
 
     def _unscale(self) -> None:
-        """The agreement's and the extensions' ``before_check``, then close this step's
-        pending grads: their inf/NaN flag (no sync). The grads are unscaled already
+        """The extensions' ``before_check``, then close this step's pending grads: their
+        inf/NaN flag (no sync). The grads are unscaled already
         (:mod:`ampkit.trainer.grad_hooks`). Idempotent within a step."""
         if self._unscaled:
             return
-        if self.agreement is not None:
-            self.agreement.before_check(self)
         for ext in tuple(self._extensions):
             ext.before_check()
         path = self.grad_path

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import runpy
 import time
 import traceback
@@ -73,7 +74,15 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
     if refused is not None:
         raise refused
     wall = time.perf_counter() - start
-    return RunResult(code, runner.report(code, str(script), args, wall))
+    result = RunResult(code, runner.report(code, str(script), args, wall))
+    # The script's objects die now, while torch's runtime is whole, as they do when
+    # python runs the script itself. Left to the interpreter's teardown, a DDP
+    # model's reference cycles were freed after the process group's threads were
+    # gone, and torchrun's ranks aborted ("terminate called without an active
+    # exception", SIGABRT) after a run that had succeeded.
+    del runner
+    gc.collect()
+    return result
 
 
 def _print_script_traceback(exc: BaseException, script: str) -> None:
