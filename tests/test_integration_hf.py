@@ -260,6 +260,75 @@ def test_checkpoint_of_another_level_is_refused(tmp_path):
         other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
 
 
+class _Payload:
+    """A pickle that writes a marker file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+@pytest.fixture(scope="module")
+def o2k_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("o2k")
+    _trainer(folder, steps=2, amp_level="O2K", save_strategy="steps", save_steps=2, logging_steps=100).train()
+    return folder / "checkpoint-2"
+
+
+@pytest.mark.parametrize(
+    "corruption", ["payload", "truncated", "empty", "nan_weight", "wrong_shape", "wrong_dtype", "no_amp", "nan_state"]
+)
+def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path, o2k_checkpoint, corruption):
+    """ampkit.pt is read weights-only and validated whole -- its 16-bit weights (dtype,
+    shape, finite) -- before HF loads the checkpoint's weights: a malicious (never run),
+    truncated, empty or inconsistent file raises HfIntegrationError naming the file, and
+    the model holds its own weights. A state that does not fit ampkit's session is
+    refused before any of it (or of the 16-bit weights) is applied."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(o2k_checkpoint, folder)
+    path = folder / AMPKIT_NAME
+    marker = tmp_path / "payload_ran"
+    saved = torch.load(path, weights_only=True)
+    trainer = _trainer(tmp_path / "b", steps=4, amp_level="O2K", save_strategy="steps", save_steps=2, logging_steps=100)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    name = "transformer.h.0.mlp.c_fc.weight"
+    if corruption == "payload":
+        torch.save({**saved, "amp": _Payload(marker)}, path)
+    elif corruption == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif corruption == "empty":
+        path.write_bytes(b"")
+    elif corruption == "no_amp":
+        del saved["amp"]
+        torch.save(saved, path)
+    elif corruption == "nan_state":
+        saved["amp"]["trainers"][0]["optimizers"][0]["steps"] = "many"
+        torch.save(saved, path)
+    else:
+        value = torch.zeros(before[name].shape, dtype=torch.bfloat16)
+        if corruption == "nan_weight":
+            value[0, 0] = float("nan")
+        elif corruption == "wrong_shape":
+            value = value[:3]
+        else:
+            value = value.float()
+        saved["weights16"] = {name: value}
+        torch.save(saved, path)
+    with pytest.raises(HfIntegrationError, match=AMPKIT_NAME):
+        trainer.train(resume_from_checkpoint=str(folder))
+    assert not marker.exists()
+    if corruption == "nan_state":
+        # ampkit's state is checked against the session ampkit sets up with the optimizer,
+        # after HF loaded the checkpoint's own files: refused with nothing of ampkit's applied
+        assert amp.stats(trainer.amp_optimizer).steps == 0
+        return
+    after = trainer.model.state_dict()
+    # ampkit's setup cast the model (O2K: bf16 weights, fp32 norms); nothing was loaded
+    assert all(torch.equal(after[k], v.to(after[k].dtype)) for k, v in before.items())
+
+
 # ---------------------------------------------------------------------------
 # skipped steps
 # ---------------------------------------------------------------------------

@@ -57,7 +57,7 @@ import dataclasses
 import os
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -71,10 +71,11 @@ from ampkit.inference.conversion import convert, fp32_weights
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.levels.setup import initialize, master_params
 from ampkit.trainer.api import scale_loss, step_skipped, unscale
-from ampkit.trainer.session import load_state_dict as load_amp_state_dict
+from ampkit.trainer.session import prepare_load_state_dict
 from ampkit.trainer.session import state_dict as amp_state_dict
 
 from . import require
+from ._files import read_checkpoint_file
 
 transformers = require("transformers", "hf")
 accelerate = require("accelerate", "hf")
@@ -609,53 +610,96 @@ class AmpkitTrainerMixin:
             raise HfIntegrationError("the model ampkit was set up with is gone; call train() again.")
         return model
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """HF loads the checkpoint's model weights. ampkit's file is read (weights only)
+        and checked first -- readable, whole, of this run's level and dtype, its 16-bit
+        weights known, shaped as the model's and finite -- so a bad :data:`AMPKIT_NAME`
+        refuses the resume before any weight changed. It is checked against ampkit's
+        session (set up afterwards, with the optimizer) and applied at ``_load_scaler``."""
+        self._ampkit_pending = (resume_from_checkpoint, self._read_ampkit_file(resume_from_checkpoint))
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+
     def _load_scaler(self, checkpoint: str | None) -> None:
         """HF's scaler file, then :data:`AMPKIT_NAME` (after the optimizer state)."""
         super()._load_scaler(checkpoint)  # type: ignore[misc]
-        if checkpoint is not None:
-            self._load_ampkit(checkpoint)
-
-    def _load_ampkit(self, checkpoint: str) -> None:
-        setup = self._ampkit
-        if setup is None:
+        if checkpoint is None or self._ampkit is None:
             return
+        pending = getattr(self, "_ampkit_pending", None)
+        self._ampkit_pending = None
+        if pending is not None and pending[0] == checkpoint:
+            saved = pending[1]
+        else:
+            saved = self._read_ampkit_file(checkpoint)
+        if saved is not None:
+            self._prepare_ampkit_load(checkpoint, saved)()
+
+    def _read_ampkit_file(self, checkpoint: str) -> dict[str, Any] | None:
+        """``checkpoint``'s :data:`AMPKIT_NAME`, read with ``torch.load(weights_only=True)``
+        and checked without ampkit's session: this integration's format, every entry
+        present, this run's ``amp_level``/``amp_dtype``, 16-bit weights the model has
+        (same shape, finite). None, with a warning, when the checkpoint has no such
+        file. Raises :class:`HfIntegrationError`; changes nothing."""
         path = os.path.join(checkpoint, AMPKIT_NAME)
         if not os.path.isfile(path):
             warnings.warn(
                 f"ampkit: {checkpoint} holds no {AMPKIT_NAME} (saved without ampkit?): the "
-                f"loss scale and step counters start afresh, {setup.level}'s fp32 state from "
-                "the checkpoint's weights.",
+                f"loss scale and step counters start afresh, {self.amp_level}'s fp32 state from "
+                "the checkpoint's weights, so the resume is not exact.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            return
-        saved = torch.load(path, map_location=self.args.device, weights_only=True)
+            return None
+        saved = read_checkpoint_file(path, HfIntegrationError, map_location=self.args.device)
         if not isinstance(saved, Mapping) or saved.get("format") != _FORMAT:
             raise HfIntegrationError(f"{path} is not an ampkit checkpoint of this integration ({_FORMAT}).")
-        dtype = None if setup.dtype is None else str(setup.dtype).split(".")[1]
-        if saved.get("level") != setup.level or saved.get("dtype") != dtype:
+        missing = sorted({"level", "dtype", "amp", "weights16"} - set(saved))
+        if missing:
+            raise HfIntegrationError(f"{path} lacks {missing}: not a whole ampkit checkpoint (truncated or edited).")
+        dtype = None if self.amp_dtype is None else str(self.amp_dtype).split(".")[1]
+        if saved.get("level") != self.amp_level or saved.get("dtype") != dtype:
             raise HfIntegrationError(
                 f"{path} was saved at amp_level={saved.get('level')!r}, amp_dtype="
-                f"{saved.get('dtype')!r}; this run is set up at amp_level={setup.level!r}, "
+                f"{saved.get('dtype')!r}; this run is set up at amp_level={self.amp_level!r}, "
                 f"amp_dtype={dtype!r}. Resume with the arguments the checkpoint was trained with."
             )
-        model = self._setup_model(setup)
-        weights16 = saved.get("weights16", {})
-        state = model.state_dict(keep_vars=True)
-        unknown = sorted(set(weights16) - set(state))
-        if unknown:
-            raise HfIntegrationError(f"{path} holds weights the model does not have: {unknown[:5]}.")
-        with torch.no_grad():
-            for name, value in weights16.items():
-                state[name].copy_(value)
-        load_amp_state_dict(saved["amp"])
+        if not isinstance(self.model, nn.Module):
+            raise HfIntegrationError("the Trainer has no model to resume; pass model= or model_init=.")
+        _check_weights16(path, saved["weights16"], self.model.state_dict(keep_vars=True), self.amp_dtype)
+        return dict(saved)
+
+    def _prepare_ampkit_load(self, checkpoint: str, saved: dict[str, Any]) -> Callable[[], None]:
+        """Check a read :data:`AMPKIT_NAME` against ampkit's session (the set-up model's
+        dtypes, the masters, scalers and counters), changing nothing, and return what
+        loads it: its exact 16-bit weights into the model, then ampkit's state."""
+        path = os.path.join(checkpoint, AMPKIT_NAME)
+        setup = self._ampkit
+        assert setup is not None
+        state = self._setup_model(setup).state_dict(keep_vars=True)
+        weights16 = _check_weights16(path, saved["weights16"], state, None)
+        try:
+            load_amp = prepare_load_state_dict(saved["amp"])
+        except AmpError as exc:
+            raise HfIntegrationError(f"{path}: {exc}") from None
+
+        def apply() -> None:
+            with torch.no_grad():
+                for name, value in weights16.items():
+                    state[name].copy_(value)
+            load_amp()
+
+        return apply
 
     def _load_best_model(self) -> None:
-        """HF loads the best checkpoint's weights; ampkit's state (masters, scale) too."""
-        super()._load_best_model()  # type: ignore[misc]
+        """HF loads the best checkpoint's weights; ampkit's state (masters, scale) too,
+        read and checked whole before HF changes the model."""
         best = self.state.best_model_checkpoint
+        apply = None
         if best is not None and self._ampkit is not None:
-            self._load_ampkit(best)
+            saved = self._read_ampkit_file(best)
+            apply = None if saved is None else self._prepare_ampkit_load(best, saved)
+        super()._load_best_model()  # type: ignore[misc]
+        if apply is not None:
+            apply()
 
     # -- saving the model ------------------------------------------------------------------
 
@@ -691,6 +735,29 @@ class AmpkitTrainerMixin:
         super()._save(output_dir, weights)  # type: ignore[misc]
         if self.args.should_save:
             _write_config_dtype(model, output_dir, dtype)
+
+
+def _check_weights16(
+    path: str, weights16: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's exact 16-bit weights, each checked against the model's tensor of
+    that name: known, same shape, finite (a training step never writes inf/NaN: ampkit
+    skips those steps), and of the model's dtype -- or, before ampkit cast the model
+    (``dtype`` given), of ``dtype``."""
+    if not isinstance(weights16, Mapping):
+        raise HfIntegrationError(f"{path}: 'weights16' is {type(weights16).__name__}, not a dict of tensors.")
+    unknown = sorted(str(k) for k in weights16 if k not in state)
+    if unknown:
+        raise HfIntegrationError(f"{path} holds weights the model does not have: {unknown[:5]}.")
+    for name, value in weights16.items():
+        target = state[name]
+        want = dtype if dtype is not None else target.dtype
+        if not isinstance(value, torch.Tensor) or value.dtype != want or value.shape != target.shape:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise HfIntegrationError(f"{path}: weight {name!r} is {got} where the model has {want} {tuple(target.shape)}.")
+        if not bool(torch.isfinite(value).all()):
+            raise HfIntegrationError(f"{path}: weight {name!r} holds inf/NaN, which no training step writes.")
+    return dict(weights16)
 
 
 class _RegisterDDP(TrainerCallback):

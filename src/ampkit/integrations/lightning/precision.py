@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
@@ -226,6 +227,21 @@ class AmpkitPrecision(Precision):
         optimizers' state). Outside ``fit`` (no optimizers) there is nothing to restore:
         the model's weights come from the checkpoint's ``state_dict``."""
         self._core.load_state_dict(state_dict, type(self).__name__)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning passes the whole checkpoint first: one saved without this plugin's
+        entry (another precision, or none) resumes a ``fit`` with a fresh loss scale and
+        counters and fp32 state rebuilt from the 16-bit weights -- warned, as the HF and
+        Accelerate integrations warn."""
+        if self._core.optimizers and type(self).__qualname__ not in checkpoint:
+            warnings.warn(
+                f"ampkit: the checkpoint holds no {type(self).__qualname__} entry (saved without "
+                "ampkit, or with another precision): the loss scale and step counters start afresh, "
+                f"{self._core.level.name}'s fp32 master weights and compensation from the loaded "
+                "weights, so the resume is not exact.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def teardown(self) -> None:
         """The session stays (``trainer.save_checkpoint`` after ``fit`` saves it); a new
