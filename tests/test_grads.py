@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampkit as amp
 from ampkit.errors import AmpError
@@ -191,14 +192,18 @@ def test_o2_step_runs_without_a_16_bit_grad_beside_the_fp32_one():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, opt_level="O2", master_grads="always")
     at_step = []
-    opt.register_step_pre_hook(
+    # a global optimizer hook runs inside the optimizer's own step, after ampkit's work
+    handle = register_optimizer_step_pre_hook(
         lambda o, a, k: at_step.extend(p.grad for p in model.parameters() if p.dtype == BF16)
     )
     with amp.scale_loss(_loss(model, 0), opt) as s:
         s.backward()
     masters = amp.levels.master_weights_of(opt)
     shown = [(p, p.grad.clone()) for p in model.parameters() if p.dtype == BF16]
-    opt.step()
+    try:
+        opt.step()
+    finally:
+        handle.remove()
     assert at_step and all(g is None for g in at_step)
     for p, before in shown:  # read after step(), before zero_grad: the step's grads
         assert torch.equal(p.grad, before) and torch.equal(p.grad, masters.master_of(p).grad.to(BF16))
@@ -215,14 +220,18 @@ def test_o2_on_demand_step_runs_without_any_fp32_grad():
     masters = amp.levels.master_weights_of(opt)
     pairs = [(p, masters._masters[id(p)]) for p in model.parameters() if p.dtype == BF16]
     at_step = []
-    opt.register_step_pre_hook(lambda o, a, k: at_step.extend(m.grad for _, m in pairs))
+    # a global optimizer hook runs inside the optimizer's own step, after ampkit's work
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: at_step.extend(m.grad for _, m in pairs))
     with amp.scale_loss(_loss(model, 0), opt) as s:
         s.backward()
     assert all(masters.is_placeholder(m) for _, m in pairs)  # zero-strided: no memory
     produced = [p.grad for p, _ in pairs]
     assert all(g is not None and g.dtype == BF16 for g in produced)
     reference = [(m.detach().clone(), p.grad.float()) for p, m in pairs]
-    opt.step()
+    try:
+        opt.step()
+    finally:
+        handle.remove()
     assert at_step and all(g is None for g in at_step)
     assert all(p.grad is g for (p, _), g in zip(pairs, produced))
     for (p, m), (start, grad) in zip(pairs, reference):

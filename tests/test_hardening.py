@@ -628,6 +628,7 @@ _BAD_BY_KEY: dict[str, list[Any]] = {
     "calls": _COUNT_BAD,
     "initialized": [True, False, *_FLAG_BAD],  # a flip contradicts the counters
     "recipe": ["e4m3 current tensorwise", "", None, 3],
+    "num_buffers": [0, 99, *_COUNT_BAD],  # must count the buffer entries present
 }
 _POSITION_BAD = [99, -1, "0", None, 1.5, True]  # group / index inside a [group, index, tensor] entry
 
@@ -845,9 +846,10 @@ def test_malformed_master_and_compensation_states_are_refused(data):
         train_step(model, opt, 1)
         cached = _CACHE[kind] = (amp.trainer.current_session(), model, opt, target, sd)
     _, model, opt, target, sd = cached
-    # Compensation buffers may be absent (they start at zero), apex's growth counter too.
-    optional = frozenset({"device_generators", "unskipped"})
-    mutations = _mutations(sd, optional, keep_lists=frozenset({"buffers"}))
+    # apex's growth counter may be absent, and 0.3's compensation state had no count of
+    # its buffers (a buffer entry deleted is refused: the count no longer matches).
+    optional = frozenset({"device_generators", "unskipped", "num_buffers"})
+    mutations = _mutations(sd, optional, keep_lists=frozenset())
     if kind == "kahan":
         mutations.append((("buffers",), "repeat_last", None))  # a buffer given twice
     mutation = data.draw(st.sampled_from(mutations))
@@ -1056,8 +1058,8 @@ def test_corrupted_checkpoints_are_refused_whole_or_train_as_saved(data):
     with everything as it was, or it loads a state that trains exactly as the saved one."""
     level = data.draw(st.sampled_from(sorted(_LEVELS)))
     model, opt, ck, reference = _level_setup(level)
-    optional = frozenset({"device_generators"})
-    mutation = data.draw(st.sampled_from(_mutations(ck["amp"], optional, keep_lists=frozenset({"buffers"}))))
+    optional = frozenset({"device_generators", "num_buffers"})
+    mutation = data.draw(st.sampled_from(_mutations(ck["amp"], optional, keep_lists=frozenset())))
     broken = _apply(ck["amp"], mutation)
     _load_model_and_optimizer(model, opt, ck)
     before = snapshot([model], [opt])
@@ -1288,3 +1290,61 @@ def test_bad_policies_raise_policy_errors_and_keep_casting(field, data, how):
     assert amp.current_policy() is policy and amp.is_active()
     with amp.autocast(enabled=False):
         pass
+
+
+# --- partial states and magnitudes no training writes ------------------------------------------
+
+
+def _o2k_kahan_state() -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    amp.reset()
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2K", compensation="kahan")
+    train_step(model, opt, 0)
+    return model, opt, copy.deepcopy(amp.state_dict())
+
+
+def _comp(sd: dict) -> dict:
+    return sd["trainers"][0]["optimizers"][0]["extra"]["compensation"]
+
+
+@pytest.mark.parametrize("corruption", ["deleted_entry", "absurd_value"])
+def test_o2k_compensation_state_is_refused_whole(corruption):
+    """An O2K checkpoint with one compensation buffer entry deleted (it was loaded in
+    part), or a finite compensation no rounding leaves behind (3e38: the next output is
+    non-finite), is refused with nothing changed."""
+    model, opt, sd = _o2k_kahan_state()
+    comp = _comp(sd)
+    assert comp["num_buffers"] == len(comp["buffers"]) > 1
+    if corruption == "deleted_entry":
+        del comp["buffers"][0]
+    else:
+        comp["buffers"][0][2].view(-1)[0] = 3e38
+    train_step(model, opt, 1)
+    before = (snapshot([model], [opt]), freeze(amp.state_dict()))
+    with pytest.raises(StateError, match="num_buffers|no training step writes"):
+        amp.load_state_dict(sd)
+    assert (snapshot([model], [opt]), freeze(amp.state_dict())) == before
+
+
+def test_a_0_3_compensation_state_without_a_count_still_loads():
+    model, opt, sd = _o2k_kahan_state()
+    del _comp(sd)["num_buffers"]
+    amp.load_state_dict(sd)
+    assert freeze(_comp(amp.state_dict())["buffers"]) == freeze(_comp(sd)["buffers"])
+
+
+def test_fp16_masters_beyond_fp16_range_are_refused():
+    """A master that would round to inf in its fp16 model weight is no state training
+    leaves (the step that made it would have been skipped)."""
+    amp.reset()
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16)
+    train_step(model, opt, 0)
+    sd = copy.deepcopy(amp.state_dict())
+    sd["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"][0][2].view(-1)[0] = 1e5
+    before = snapshot([model], [opt])
+    with pytest.raises(StateError, match="beyond"):
+        amp.load_state_dict(sd)
+    assert snapshot([model], [opt]) == before

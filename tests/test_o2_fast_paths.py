@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampkit as amp
 from ampkit.levels import update_kernels as _kernels
@@ -264,17 +265,23 @@ def test_o2_model_grad_after_backward_is_the_produced_grad_unrounded():
 
 
 def test_o2_on_cpu_the_grad_copies_come_back_after_the_step_as_they_were():
-    """Taken off the model while the optimizer steps (a step pre-hook sees none), the
-    same 16-bit tensors come back after it (no new allocation on CPU) and still show
-    the master grads; where the step changed a master grad, a fresh copy shows it."""
+    """Taken off the model while the optimizer steps (a global optimizer pre-hook, which
+    runs inside the optimizer's own step, sees none), the same 16-bit tensors come back
+    after it (no new allocation on CPU) and still show the master grads; where the step
+    changed a master grad, a fresh copy shows it."""
     model = _model()
     opt = _HalvingAdamW(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level="O2", master_grads="always")
     at_step = []
-    opt.register_step_pre_hook(lambda o, a, k: at_step.extend(p.grad for p in model.parameters()))
+    handle = register_optimizer_step_pre_hook(
+        lambda o, a, k: at_step.extend(p.grad for p in model.parameters()) if o is opt else None
+    )
     _backward(model, opt, 0)
     before = [p.grad for p in model.parameters()]
-    opt.step()
+    try:
+        opt.step()
+    finally:
+        handle.remove()
     assert at_step and all(g is None for g in at_step)
     mw = amp.levels.master_weights_of(opt)
     for p, g in zip(model.parameters(), before):

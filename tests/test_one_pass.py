@@ -461,3 +461,111 @@ def test_an_exception_inside_the_step_leaves_grads_and_weights_consistent(level,
     if level == "O2":
         for p, m in zip(model.parameters(), amp.master_params(opt)):
             assert torch.equal(p.detach(), m.detach().to(p.dtype))
+
+
+# --- torch's step hooks and closure optimizers --------------------------------------------
+
+
+def _hooked_step(setup: str, hook_kind: str) -> dict:
+    """One step with a step hook registered on the optimizer, fp32 or O2 (one-pass or
+    copy path): what the step changed and what the hooks saw."""
+    amp.reset()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    if setup != "fp32":
+        model, opt = amp.initialize(model, opt, opt_level="O2", master_grads=setup)
+    seen: list[float] = []
+    if hook_kind == "zero model grads":
+        opt.register_step_pre_hook(lambda o, a, k: [p.grad.zero_() for p in model.parameters()] and None)
+    elif hook_kind == "zero optimizer grads":
+        opt.register_step_pre_hook(lambda o, a, k: [p.grad.zero_() for g in o.param_groups for p in g["params"]] and None)
+    elif hook_kind == "clip":
+        opt.register_step_pre_hook(lambda o, a, k: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) and None)
+    elif hook_kind == "post reads grads":
+        opt.register_step_post_hook(
+            lambda o, a, k: seen.append(float(torch.stack([p.grad.float().norm() for p in model.parameters()]).norm()))
+        )
+    elif hook_kind == "nan":
+        opt.register_step_pre_hook(lambda o, a, k: model[0].weight.grad.data.view(-1)[:1].fill_(float("nan")) and None)
+    elif hook_kind == "raises":
+        def refuse(o, a, k):
+            raise RuntimeError("refused by the hook")
+
+        opt.register_step_pre_hook(refuse)
+    loss = _loss(model, 0)
+    if setup == "fp32":
+        loss.backward()
+    else:
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+    stepped = list(amp.master_params(opt)) if setup != "fp32" else list(model.parameters())
+    before = [p.detach().float().clone() for p in stepped]
+    weights = [p.detach().clone() for p in model.parameters()]
+    raised = None
+    try:
+        opt.step()
+    except RuntimeError as err:
+        raised = str(err)
+    update = max(float((p.detach().float() - b).abs().max()) for p, b in zip(stepped, before))
+    out = {"update": update, "seen": seen, "raised": raised, "state": len(opt.state),
+           "weights_same": all(torch.equal(w, p.detach()) for w, p in zip(weights, model.parameters()))}  # fmt: skip
+    if setup != "fp32":
+        out["steps"], out["skipped"] = amp.stats(opt).steps, amp.step_skipped(opt)
+    return out
+
+
+@pytest.mark.parametrize(
+    "hook_kind", ["zero model grads", "zero optimizer grads", "clip", "post reads grads", "nan", "raises"]
+)
+@pytest.mark.parametrize("setup", ["on_demand", "always"])
+def test_step_hooks_run_where_torch_runs_them(setup, hook_kind):
+    """The pre-hooks of a taken step run before ampkit updates anything: zeroing the
+    grads (on the model or the optimizer's params) gives a zero update, clipping
+    shrinks it as in fp32, a NaN written through ``.data`` is checked and skips the
+    step; a post-hook sees the grads the step used (their norm as in fp32, to bf16
+    precision); a raising pre-hook leaves weights, masters, moments and counters as
+    they were."""
+    ref, got = _hooked_step("fp32", hook_kind), _hooked_step(setup, hook_kind)
+    if hook_kind.startswith("zero"):
+        assert ref["update"] == 0.0 and got["update"] == 0.0
+    elif hook_kind == "clip":
+        assert got["update"] == pytest.approx(ref["update"], rel=0.05) and got["update"] < 0.011
+    elif hook_kind == "post reads grads":
+        assert len(got["seen"]) == 1 and got["seen"][0] == pytest.approx(ref["seen"][0], rel=1e-2)
+    elif hook_kind == "nan":
+        assert got["skipped"] and got["update"] == 0.0 and got["weights_same"] and got["steps"] == 1
+    else:
+        assert ref["raised"] == got["raised"] == "refused by the hook"
+        assert got["update"] == 0.0 and got["weights_same"] and got["state"] == 0 and got["steps"] == 0
+
+
+def _lbfgs_losses(master_grads: str) -> tuple[list[float], list[torch.Tensor]]:
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_grads=master_grads)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    y = x[:, :1].sin()
+    losses = []
+    for _ in range(6):
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x.to(BF16)).float(), y)
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+            return loss
+
+        losses.append(float(opt.step(closure).detach()))
+    return losses, [m.detach().clone() for m in amp.master_params(opt)]
+
+
+def test_lbfgs_reevaluations_step_fresh_fp32_grads():
+    """LBFGS calls the closure several times inside one step: each re-evaluation's grads
+    reach the fp32 masters it reads, so the default O2 tracks master_grads='always'
+    (it stalled at 1.5e-1 where both go below 1e-2)."""
+    held, held_masters = _lbfgs_losses("on_demand")
+    always, always_masters = _lbfgs_losses("always")
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(held, always)), (held, always)
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(held_masters, always_masters))
+    assert held[-1] < 0.01 < held[0]

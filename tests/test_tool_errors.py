@@ -133,3 +133,85 @@ def test_a_missing_framework_is_named_with_an_install_line_that_works_without_th
     for requirement in extra_requirements("lightning"):  # empty only when ampkit is not installed
         assert f"'{requirement}'" in message
     assert any(r.startswith("lightning") for r in extra_requirements("lightning"))
+
+
+# --- outputs never replace inputs; numbers are bounded; I/O errors are one line -----------
+
+
+@pytest.mark.parametrize("command", [["run", "--report"], ["doctor", "--json"], ["doctor", "--png"]])
+def test_an_output_that_is_the_script_is_refused_and_the_script_kept(command, tmp_path, capsys):
+    script, marker = tmp_path / "s.py", tmp_path / "ran.txt"
+    script.write_text(SCRIPT)
+    _one_line_exit_2([*command, str(script), str(script), str(marker)], capsys, "would overwrite the input")
+    assert script.read_text() == SCRIPT and not marker.exists()
+    # the same file under another name (a relative path) is the same input
+    _one_line_exit_2([*command, str(tmp_path / "." / "s.py"), str(script), str(marker)], capsys, "would overwrite")
+
+
+def test_compare_png_that_is_the_script_or_the_report_is_refused(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    _one_line_exit_2(["run", "--compare", "--png", str(script), str(script), "x"], capsys, "would overwrite the input")
+    _one_line_exit_2(["run", "--compare", "--report", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.json"),
+                      str(script), "x"], capsys, "would overwrite the input")  # fmt: skip
+    assert script.read_text() == SCRIPT
+
+
+@pytest.mark.parametrize("flag", ["--onnx", "--program"])
+def test_convert_outputs_that_are_the_checkpoint_are_refused(flag, tmp_path, capsys):
+    ckpt = tmp_path / "model.pt"
+    torch.save({"weight": torch.zeros(2)}, ckpt)
+    before = ckpt.read_bytes()
+    _one_line_exit_2(["convert", str(ckpt), "--model", "m:f", "--calib", "m:c", flag, str(ckpt)], capsys,
+                     "would overwrite the input")  # fmt: skip
+    assert ckpt.read_bytes() == before
+    calib = tmp_path / "calib.pt"
+    torch.save([torch.zeros(2)], calib)
+    _one_line_exit_2(["convert", str(ckpt), "--model", "m:f", "--calib", str(calib), flag, str(calib)], capsys,
+                     "would overwrite the input")  # fmt: skip
+    _one_line_exit_2(["convert", str(ckpt), "--model", "m:f", "--calib", "m:c", "--onnx", str(tmp_path / "o"),
+                      "--program", str(tmp_path / "o")], capsys, "would overwrite the input")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["convert", "c.pt", "--model", "m:f", "--calib", "m:c", "--threads", "100000"], "--threads: must be between 1"),
+        (["convert", "c.pt", "--model", "m:f", "--calib", "m:c", "--threads", "0"], "--threads: must be between 1"),
+        (["convert", "c.pt", "--model", "m:f", "--calib", "m:c", "--budget", "inf"], "--budget: must be a finite"),
+        (["convert", "c.pt", "--model", "m:f", "--calib", "m:c", "--budget", "nan"], "--budget: must be a finite"),
+        (["bench", "--seed", "-1"], "--seed: must be between 0 and 4294967295"),
+        (["bench", "--threads", "100000"], "--threads: must be between 1"),
+        (["run", "--time", "inf", "s.py"], "--time: must be between"),
+    ],
+)
+def test_numeric_options_are_bounded(argv, needle, capsys):
+    _one_line_exit_2(argv, capsys, needle)
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line(tmp_path, capsys):
+    """/dev/full passes every check made before the run (it exists and is writable) and
+    fails the write: one line, exit 2, no traceback; the script did run."""
+    script, marker = tmp_path / "s.py", tmp_path / "ran.txt"
+    script.write_text(SCRIPT)
+    code = main(["run", "--report", "/dev/full", str(script), str(marker)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "ampkit run: cannot write the JSON report to '/dev/full' (No space left on device)"
+    )
+    assert marker.read_text() == "ran"
+
+
+def test_a_script_that_closes_stderr_keeps_its_exit_code(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "closes.py"
+    script.write_text("import sys\nsys.stderr.close()\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "ampkit", "run", str(script)], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

@@ -562,6 +562,34 @@ def test_optimizer_and_scheduler_markers_are_the_ones_torch_reads():
     assert getattr(opt, "_step_supports_amp_scaling", False) is True
 
 
+def test_step_hooks_are_the_dicts_torchs_step_wrapper_runs():
+    """The optimizer's own step hooks are listed in order, and suspending them makes
+    ``optimizer.step`` run none of them (torch's ``profile_hook_step`` reads those
+    dicts); hooks come back afterwards, and one registered meanwhile is kept."""
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = torch.optim.SGD([p], lr=0.1)
+    calls: list[str] = []
+    first = opt.register_step_pre_hook(lambda o, a, k: calls.append("pre1"))
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre2"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    pre, post = tc.optimizer_step_hooks(opt)
+    assert len(pre) == 2 and len(post) == 1
+    opt.step()
+    assert calls == ["pre1", "pre2", "post"]
+    calls.clear()
+    with tc.instance_step_hooks_suspended(opt):
+        opt.step()
+        opt.register_step_post_hook(lambda o, a, k: calls.append("late"))
+    assert calls == []
+    opt.step()
+    assert calls == ["pre1", "pre2", "post", "late"]
+    first.remove()  # handles made before the suspension still remove their hook
+    calls.clear()
+    opt.step()
+    assert calls == ["pre2", "post", "late"]
+
+
 def test_no_ddp_module_is_active_outside_a_ddp_forward_and_the_cpu_answers_for_16_bits():
     assert tc.active_ddp_module() is None
     for dtype in (torch.bfloat16, torch.float16):

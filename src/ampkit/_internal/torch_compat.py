@@ -14,6 +14,7 @@ when dynamo is already loaded: importing ampkit never imports dynamo.
 from __future__ import annotations
 
 import _ctypes
+import contextlib
 import functools
 import json
 import logging
@@ -106,6 +107,8 @@ __all__ = [
     "mark_optimizer_stepped",
     "step_wrapped_by_lr_scheduler",
     "mark_step_wrapped_by_lr_scheduler",
+    "optimizer_step_hooks",
+    "instance_step_hooks_suspended",
     "active_ddp_module",
     "cpu_has_native_16bit",
 ]
@@ -734,6 +737,42 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Set ``optimizer._opt_called``: LR schedulers read it to warn about a scheduler
     stepped before its optimizer."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+    """The step pre- and post-hooks registered on ``optimizer`` itself
+    (``register_step_pre_hook``/``register_step_post_hook``), in registration order:
+    ``optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``, the dicts
+    torch's ``Optimizer.profile_hook_step`` wrapper of every ``step`` reads at each call.
+    If torch renames them, a managed step would run these hooks twice or not at all."""
+    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    post = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    return (list(pre.values()) if pre else [], list(post.values()) if post else [])
+
+
+@contextlib.contextmanager
+def instance_step_hooks_suspended(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, calling ``optimizer.step`` runs none of the step hooks
+    registered on the optimizer itself (the caller ran them at their own place); they
+    come back afterwards, hooks registered meanwhile included. Global optimizer hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not suspended:
+    they are process-wide, and other threads may be stepping."""
+    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    saved = [optimizer.__dict__.get(name) for name in names]
+    if not any(saved):
+        yield
+        return
+    for name, hooks in zip(names, saved):
+        if hooks is not None:
+            optimizer.__dict__[name] = type(hooks)()
+    try:
+        yield
+    finally:
+        for name, hooks in zip(names, saved):
+            if hooks is not None:
+                added = optimizer.__dict__[name]
+                hooks.update(added)  # registered while suspended: kept
+                optimizer.__dict__[name] = hooks
 
 
 def step_wrapped_by_lr_scheduler(step: Any) -> bool:

@@ -110,11 +110,13 @@ def require_tensor(
     low: float | None = None,
     positive: bool = False,
     hint: str = "",
+    max_abs: float | None = None,
 ) -> torch.Tensor:
     """``value`` if it is a dense tensor with data (not sparse, not on the meta device)
     of exactly ``dtype`` and, when given, ``shape``, whose elements are all finite
-    (``finite``), >= ``low`` and > 0 (``positive``); else ``error`` naming ``what``,
-    saying what was found, and ending with ``hint`` (what to do)."""
+    (``finite``), >= ``low``, > 0 (``positive``) and at most ``max_abs`` in magnitude;
+    else ``error`` naming ``what``, saying what was found, and ending with ``hint``
+    (what to do)."""
     tail = f" {hint}" if hint else ""
     wanted = f"a tensor of {dtype}"
     if shape is not None:
@@ -133,6 +135,8 @@ def require_tensor(
         checks.append((data < low, f"value(s) below {low}"))
     if positive:
         checks.append((data <= 0, "value(s) <= 0"))
+    if max_abs is not None:
+        checks.append((data.abs() > max_abs, f"value(s) beyond +-{max_abs:g}, which no training step writes"))
     for bad, kind in checks:
         count = int(bad.sum())
         if count:

@@ -525,6 +525,7 @@ class CompensatedUpdates:
             "format": _STATE_FORMAT,
             "method": self.method,
             "buffers": entries,
+            "num_buffers": len(entries),  # a deleted entry is then a refused state, not a partial one
             "generator": self._generator.get_state(),
             "device_generators": {
                 str(d): g.get_state() for d, g in self._device_generators.items()
@@ -558,7 +559,7 @@ class CompensatedUpdates:
                 f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
             )
         require_fields(state, ("format", "method", "buffers", "generator"), "compensation state", StateError,
-                       optional=("device_generators",), source="CompensatedUpdates.state_dict()")
+                       optional=("device_generators", "num_buffers"), source="CompensatedUpdates.state_dict()")
         if state["method"] != self.method:
             raise StateError(
                 f"the checkpoint used compensation {state['method']!r}, this run "
@@ -567,6 +568,12 @@ class CompensatedUpdates:
         entries = state["buffers"]
         if not isinstance(entries, (list, tuple)):
             raise StateError(f"compensation state: 'buffers' must be a list, got {entries!r:.80}.")
+        count = state.get("num_buffers", len(entries))  # absent in 0.3's checkpoints
+        if type(count) is not int or count != len(entries):
+            raise StateError(
+                f"compensation state: 'num_buffers' is {count!r} but {len(entries)} buffer entries are "
+                f"present: the state is incomplete or edited. {CORRUPT_CHECKPOINT}"
+            )
         groups = self.optimizer.param_groups
         buffers: list[tuple[nn.Parameter, torch.Tensor]] = []
         seen: set[tuple[int, int]] = set()
@@ -595,8 +602,11 @@ class CompensatedUpdates:
                     f"shape {tuple(t.shape)}; the parameter there is {p.dtype} "
                     f"{tuple(p.shape)}: the model does not match the checkpoint."
                 )
+            # a compensation is the low part a rounding lost: at most half an ulp of its
+            # weight, and no weight of this dtype has an ulp above eps * max
+            info = torch.finfo(p.dtype)
             require_tensor(t, f"compensation buffer at group {gi}, index {pi}", StateError, p.dtype,
-                           finite=True, hint=CORRUPT_CHECKPOINT)
+                           finite=True, hint=CORRUPT_CHECKPOINT, max_abs=info.eps * info.max)
             seen.add((gi, pi))
             buffers.append((p, t.detach().to(device=p.device, copy=True)))
         generator = _checked_generator_state(state["generator"], "cpu")

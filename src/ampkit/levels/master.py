@@ -813,8 +813,10 @@ class MasterWeights:
                     f"shape {tuple(t.shape)}; the optimizer's is float32 {tuple(master.shape)}: "
                     "the model does not match the checkpoint (masters are saved in fp32)."
                 )
+            # a master beyond its 16-bit weight's range would round to inf in the model
+            model_dtype = self._model_of[id(master)].dtype
             require_tensor(t, f"saved master weight at group {gi}, index {pi}", StateError, torch.float32,
-                           finite=True, hint=CORRUPT_CHECKPOINT)
+                           finite=True, hint=CORRUPT_CHECKPOINT, max_abs=torch.finfo(model_dtype).max)
         return saved
 
 

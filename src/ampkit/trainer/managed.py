@@ -257,12 +257,44 @@ class ManagedOptimizer(StepGrads):
         self._unscale()
         if was_unscaled:
             self._check_edits()
+        if closure is not None and self.grad_path.masters is not None:
+            self.grad_path.masters.materialize()  # a closure optimizer reads the masters' grads itself
         events, skip = self._resolve_step()
+        # The optimizer's own step hooks run where torch runs them relative to the update,
+        # for steps that are taken (a skipped step calls no hook, as with
+        # torch.amp.GradScaler): pre-hooks before anything is updated -- what they do to
+        # the grads (on the model or the optimizer's params) is what the step uses, and
+        # is checked again; one that raises leaves everything as it was --, post-hooks
+        # after the step, with the grads shown as the step used them.
+        pre_hooks, post_hooks = torch_compat.optimizer_step_hooks(opt) if not skip else ([], [])
+        if pre_hooks:
+            args, kwargs = _run_pre_hooks(opt, pre_hooks, args, kwargs)
+            skip = self._recheck_after_hooks()
         try:
             self.grad_path.before_step()
-            return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
+            with torch_compat.instance_step_hooks_suspended(opt):
+                out = self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
         finally:
             self.grad_path.after_step()
+        if not skip:
+            if closure is not None:
+                kwargs = {**kwargs, "closure": closure}
+            for hook in post_hooks:
+                hook(opt, args, kwargs)
+        return out
+
+    def _recheck_after_hooks(self) -> bool:
+        """After the step's pre-hooks: the grads they may have changed (merged into the
+        masters under O2) are read for inf/NaN again, agreed across ranks as the
+        step's own check is; True when the step must be skipped after all (blaming no
+        loss scaler: the hook made the grads non-finite)."""
+        self.grad_path.reconcile()
+        found = self._close(None)
+        if found is None:
+            return False
+        self._segments = [(None, found)]
+        _, skip = self._resolve_step()
+        return skip
 
     def _take_or_skip(
         self,
@@ -359,6 +391,11 @@ class ManagedOptimizer(StepGrads):
             with torch.enable_grad():
                 loss = closure()
             self._unscale()
+            masters = self.grad_path.masters
+            if masters is not None:
+                # The optimizer reads its (fp32 master) params' grads right after this
+                # call: held 16-bit grads (master_grads="on_demand") become fp32 ones now.
+                masters.materialize()
             events, overflow = self._resolve_step()
             self._report(events)
             if overflow:
@@ -562,6 +599,20 @@ def last_skipped(optimizer: torch.optim.Optimizer) -> bool | None:
     if state is not None and state._active:
         return state.last_skipped
     return found.get(_GRADSCALER_ATTR)
+
+
+def _run_pre_hooks(
+    opt: torch.optim.Optimizer, hooks: list[Callable[..., Any]], args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """Run the optimizer's step pre-hooks as torch's step wrapper does: each may return
+    ``(new_args, new_kwargs)``."""
+    for hook in hooks:
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+            args, kwargs = result
+    return args, kwargs
 
 
 def _pop_closure(args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, tuple, dict]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,54 @@ def unwritable(path: Path | None, what: str, prog: str) -> str | None:
     return f"{prog}: cannot write {what} to {str(path)!r} ({reason})"
 
 
-def check_writable(path: Path | None, what: str, prog: str) -> None:
-    """Raise :class:`UsageError` with :func:`unwritable`'s line if ``path`` cannot be written."""
+def check_writable(path: Path | None, what: str, prog: str, inputs: Iterable[Path | str | None] = ()) -> None:
+    """Raise :class:`UsageError` with :func:`unwritable`'s line if ``path`` cannot be
+    written, or one naming the input it would overwrite if ``path`` is one of
+    ``inputs`` (the script, the checkpoint: an output never replaces an input)."""
     error = unwritable(path, what, prog)
     if error is not None:
         raise UsageError(error)
+    if path is None:
+        return
+    for source in inputs:
+        if source is not None and _same_file(Path(path), Path(source)):
+            raise UsageError(f"{prog}: {what} would overwrite the input {str(source)!r}; choose another path")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def write_output(path: Path, write: Callable[[Path], Any], what: str, prog: str) -> None:
+    """``write(path)``, an OS error (a full disk, ``/dev/full``, a folder gone since the
+    check) turned into :class:`UsageError`'s one line."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise UsageError(f"{prog}: cannot write {what} to {str(path)!r} ({exc.strerror or exc})") from None
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    return parse
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: CPU threads, 1 to this machine's CPU count (more oversubscribes,
+    and torch.set_num_threads crashes on absurd values)."""
+    return int_between(1, max(1, os.cpu_count() or 1))(text)
 
 
 def positive_int(text: str) -> int:
@@ -72,8 +117,9 @@ def float_between(low: float, high: float) -> Callable[[str], float]:
             v = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not low <= v <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {v}")
+        if not math.isfinite(v) or not low <= v <= high:
+            bounds = f"between {low:g} and {high:g}" if math.isfinite(high) else f"a finite number >= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
         return v
 
     return parse

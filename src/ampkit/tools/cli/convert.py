@@ -24,9 +24,16 @@ from typing import Any
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION, dtype_name
 from ampkit._internal.install import install_hint
-from ampkit._internal.paths import unwritable_reason
 
-from ._common import UsageError, add_command, float_between, positive_int, writable
+from ._common import (
+    UsageError,
+    add_command,
+    check_writable,
+    float_between,
+    positive_int,
+    thread_count,
+    write_output,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -63,7 +70,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also save a torch.export program of the converted model")
     p.add_argument("--rounds", type=positive_int, default=15,
                    help="timing rounds, interleaved across the models (default: 15)")
-    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads (default: 1)")
+    p.add_argument("--threads", type=thread_count, default=1, help="CPU threads, 1 to the CPU count (default: 1)")
     return p
 
 
@@ -145,9 +152,13 @@ def _model(args: argparse.Namespace) -> Any:
     return model
 
 
-def _check_out(path: Path | None, flag: str) -> None:
-    if path is not None and not writable(path):
-        raise UsageError(f"{flag}: cannot write {str(path)!r} ({unwritable_reason(path)})")
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--onnx`` and ``--program`` can be written, are not an input (the checkpoint,
+    a ``--calib`` file) and not each other."""
+    calib = Path(args.calib) if args.calib.endswith(".pt") else None
+    inputs = [args.checkpoint, calib]
+    check_writable(args.onnx, "the ONNX model", "--onnx", inputs)
+    check_writable(args.program, "the program", "--program", [*inputs, args.onnx])
 
 
 # --- the command -----------------------------------------------------------------------
@@ -155,9 +166,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``ampkit convert``; returns the exit code (raises UsageError for bad input)."""
     import torch
 
+    _check_outputs(args)
     torch.set_num_threads(args.threads)
-    _check_out(args.onnx, "--onnx")
-    _check_out(args.program, "--program")
     if args.onnx is not None:
         missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if importlib.util.find_spec(m) is None]
         if missing:
@@ -219,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         program = amp.export_program(converted, example)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's pt2 writer chatters about weight groups
-            torch.export.save(program, str(args.program))
+            write_output(args.program, lambda path: torch.export.save(program, str(path)), "the program", "--program")
         print(f"wrote {args.program} (torch.export program)")
     if args.onnx is not None:
         from ampkit.inference.export import onnx_output_error, onnx_session

@@ -15,7 +15,7 @@ from typing import Any
 
 from ampkit._internal.install import install_hint
 
-from ._common import UsageError, add_command, add_script_arguments, check_writable
+from ._common import UsageError, add_command, add_script_arguments, check_writable, write_output
 
 __all__ = ["add_parser", "run"]
 
@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     UsageError for bad input)."""
     from ampkit.tools.diagnosis._script import ScriptError, run_script
 
-    check_writable(args.json, "the JSON report", "ampkit doctor")
-    check_writable(args.png, "the plot", "ampkit doctor")
+    check_writable(args.json, "the JSON report", "ampkit doctor", [args.script])
+    check_writable(args.png, "the plot", "ampkit doctor", [args.script, args.json])
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"ampkit doctor: --png needs matplotlib; install the extra: {install_hint('cli')}")
     try:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         report.print()
     last = reports[-1]
     if args.json is not None:
-        last.to_json(args.json)
+        write_output(args.json, last.to_json, "the JSON report", "ampkit doctor")
     if args.png is not None:
-        last.save_png(args.png)
+        write_output(args.png, last.save_png, "the plot", "ampkit doctor")
     return code

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from ampkit._internal.install import install_hint
 
-from ._common import UsageError, positive_int
+from ._common import UsageError, int_between, positive_int, thread_count
 
 __all__ = ["main", "build_parser", "bench_config"]
 
@@ -70,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated subset of: {', '.join(PRECISIONS)} (default: all)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"),
                        help="folder for results.json and bench.png (default: bench-out)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of weights and batch order (default: 0)")
-    bench.add_argument("--threads", type=positive_int, default=1,
-                       help="torch CPU threads per training process (default: 1)")
+    bench.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0,
+                       help="seed of weights and batch order, 0 to 2**32-1 (default: 0)")
+    bench.add_argument("--threads", type=thread_count, default=1,
+                       help="torch CPU threads per training process, 1 to the CPU count (default: 1)")
     bench.add_argument("--system-malloc", action="store_true",
                        help="leave glibc's malloc at its defaults in the training processes: freed "
                             "blocks go back to the OS and are faulted in again by later steps, by an "

@@ -29,6 +29,7 @@ from ._common import (
     check_writable,
     float_between,
     positive_int,
+    write_output,
 )
 
 __all__ = ["add_parser", "run"]
@@ -81,7 +82,7 @@ def _config(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Run ``ampkit run``; returns the exit code (raises UsageError for bad input)."""
     config = _config(args)
-    check_writable(args.report, "the JSON report", "ampkit run")
+    check_writable(args.report, "the JSON report", "ampkit run", [args.script])
     if not Path(args.script).is_file():
         what = "no such file" if not Path(args.script).exists() else "not a file"
         raise UsageError(f"ampkit run: {what}: {args.script!r}")
@@ -95,12 +96,28 @@ def run(args: argparse.Namespace) -> int:
         result = run_script(args.script, list(args.args), config)
     except (ScriptError, RunRefused) as err:
         raise UsageError(f"ampkit run: {err}") from None
-    sys.stdout.flush()
+    _flush(sys.stdout)
     if is_rank_zero():
-        print(result.summary(), file=sys.stderr)
+        _print_summary(result.summary())
         if args.report is not None:
-            write_report(result.report, args.report)
+            write_output(args.report, lambda path: write_report(result.report, path), "the JSON report", "ampkit run")
     return result.code
+
+
+def _flush(stream: Any) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError):  # the script closed it
+        pass
+
+
+def _print_summary(text: str) -> None:
+    """The exit summary on stderr; a script that closed (or broke) stderr keeps its own
+    exit code: the summary is lost, not the run's outcome."""
+    try:
+        print(text, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
 
 
 # ---------------------------------------------------------------------------------
@@ -125,7 +142,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
             f"{install_hint('cli')}"
         )
     png = args.png or PNG_DEFAULT
-    check_writable(png, "the plot", "ampkit run")
+    check_writable(png, "the plot", "ampkit run", [args.script, args.report])
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -144,10 +161,11 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
             report["last_line"] = _last_line(stdout)
             reports.append(report)
     render_compare(reports[0], reports[1], label)
-    write_compare_png(reports[0], reports[1], label, png)
+    write_output(png, lambda path: write_compare_png(reports[0], reports[1], label, path), "the plot", "ampkit run")
     print(f"wrote {png}")
     if args.report is not None:
-        args.report.write_text(json.dumps({"fp32": reports[0], label: reports[1]}, indent=1) + "\n")
+        text = json.dumps({"fp32": reports[0], label: reports[1]}, indent=1) + "\n"
+        write_output(args.report, lambda path: path.write_text(text), "the JSON report", "ampkit run")
     return 0
 
 
