@@ -549,3 +549,31 @@ def test_summary_says_who_cast_the_model_calls_ampkit_did_not():
     line = next(line for line in text.splitlines() if "model calls" in line)
     assert "30 model calls, 0 cast by ampkit, 28 under the script's own torch.autocast, 2 kept fp32" in line
     assert "model's own casting" not in line
+
+
+def test_an_optimizer_built_in_another_thread_refuses_the_run(capsys, tmp_path):
+    """Casting is per thread and ampkit run sets up the script's main thread: a script
+    whose threads build and step their own optimizers (left unmanaged, their NaN steps
+    taken) is refused in one line, exit 2, instead of a summary that lists one
+    optimizer and exits 0; the threads stop quietly, no traceback."""
+    script = tmp_path / "threaded.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from torch import nn\n"
+        "def train(seed):\n"
+        "    torch.manual_seed(seed)\n"
+        "    m = nn.Linear(4, 2)\n"
+        "    o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "    for _ in range(5):\n"
+        "        o.zero_grad(); m(torch.randn(8, 4)).square().mean().backward(); o.step()\n"
+        "threads = [threading.Thread(target=train, args=(i,), name=f'worker-{i}') for i in range(3)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "train(9)\n"
+    )
+    assert main(["run", str(script)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "not in the script's main thread" in lines[0] and "worker-" in lines[0], err
+    assert "Traceback" not in err
+    assert getattr(threading.excepthook, "__qualname__", "") != "_Runner._thread_excepthook"  # restored

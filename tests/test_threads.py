@@ -384,3 +384,32 @@ def test_the_thread_running_the_wrapper_is_the_caller_while_another_thread_has_s
         t.join()
     assert tanh_dtype == BF16  # this thread's lower_ops, not the other thread's fp32_ops
     assert out.dtype == FP32 and torch.equal(out, want)
+
+
+def test_release_kernels_refuses_while_another_thread_has_a_scope_open():
+    """Releasing the kernels while another thread is inside an ampkit scope would run
+    that scope's ops with torch's own kernels (fp32-list ops in bf16) or crash it: the
+    release is refused, naming the thread, and succeeds once the thread has left."""
+    from ampkit.casting import release_kernels
+    from ampkit.errors import StateError
+
+    inside, leave = threading.Event(), threading.Event()
+    dtypes: list[torch.dtype] = []
+
+    def worker() -> None:
+        with amp.autocast(dtype=torch.bfloat16):
+            inside.set()
+            leave.wait(30)
+            dtypes.append(F.softmax(torch.randn(4, 4), -1).dtype)  # an fp32-list op, still ampkit's
+
+    t = threading.Thread(target=worker, name="scoped-worker")
+    t.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(StateError, match="other thread.*scoped-worker"):
+            release_kernels()
+    finally:
+        leave.set()
+        t.join(30)
+    assert dtypes == [torch.float32]
+    release_kernels()  # the thread left its scope: nothing in the way

@@ -23,6 +23,7 @@ from ampkit.errors import PolicyError, StateError
 from ._function_mode import _PythonOpMode
 from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
+from ._threads import _THREADS
 from .engine import _skip_kernel_frames, _state, kernel_registry
 from .policy import Policy, check_compute_dtype, check_device_type
 
@@ -447,12 +448,23 @@ def release_kernels() -> None:
 
     Raises:
         StateError: an ampkit scope (``ampkit.autocast``/``ampkit.init``) is open in
-            this thread: leave it (or call :func:`ampkit.reset`) first.
+            this thread, or in another live thread (its ops would run with torch's
+            kernels mid-scope, in the wrong dtypes, or crash): leave them (or call
+            :func:`ampkit.reset`, and let the other threads finish their scopes) first.
     """
     if _state.scopes:
         raise StateError(
             f"ampkit.casting.release_kernels(): {len(_state.scopes)} ampkit scope(s) are open "
             "in this thread and run through the kernels; leave them (or call ampkit.reset()) first"
+        )
+    me = threading.get_ident()
+    alive = {t.ident: t.name for t in threading.enumerate()}
+    busy = sorted(alive[tid] for tid, rec in list(_THREADS.items()) if tid != me and tid in alive and rec.scopes)
+    if busy:
+        raise StateError(
+            f"ampkit.casting.release_kernels(): ampkit scopes are open in {len(busy)} other thread(s) "
+            f"({', '.join(busy[:4])}), whose ops run through the kernels now; release them once those "
+            "threads have left their scopes (joined, or past their ampkit.autocast blocks)"
         )
     kernel_registry.clear()
     module_hooks.remove()

@@ -58,10 +58,17 @@ class _Runner:
         self._managing = False
         self._scalers: list[weakref.ref] = []
         self._before: list[weakref.ref] = []  # GradScalers alive before the script ran
+        self._main = threading.get_ident()  # the thread that runs the script
+        self._excepthook = threading.excepthook
+        # an optimizer built in another thread: the run stops with this (see _on_optimizer)
+        self.refused: RunRefused | None = None
 
     # --- install / remove ------------------------------------------------------------
     def install(self) -> None:
+        self._main = threading.get_ident()
         self._before = [weakref.ref(s) for s in _grad_scalers()]
+        self._excepthook = threading.excepthook
+        threading.excepthook = self._thread_excepthook
         self._patches.install()
         if self.forward is not None:
             self.forward.install()
@@ -70,6 +77,8 @@ class _Runner:
 
     def remove(self) -> None:
         """Undo everything :meth:`install` and the management did (ampkit.reset)."""
+        if threading.excepthook == self._thread_excepthook:
+            threading.excepthook = self._excepthook
         self._patches.remove()
         if self.forward is not None:
             self.forward.remove()
@@ -77,6 +86,13 @@ class _Runner:
             self.schedulers.remove()
         self.optimizers.collect_stats()
         _reset.reset()  # releases every managed optimizer (their own step() back), casting off
+
+    def _thread_excepthook(self, args: Any) -> None:
+        """A script thread stopped by a refusal ends quietly: the run reports it once,
+        as one line, when the script ends."""
+        if isinstance(args.exc_value, _Refusal):
+            return
+        self._excepthook(args)
 
     # --- optimizers ---------------------------------------------------------------------
     def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -92,6 +108,18 @@ class _Runner:
         opts.supersede(record)
         if not self.apply:
             return
+        if threading.get_ident() != self._main:
+            # Casting is per thread (ampkit's scopes, as torch's autocast state): the
+            # script's main thread is the one ampkit run sets up. An optimizer another
+            # thread builds would train unmanaged next to the managed ones.
+            self.refused = RunRefused(
+                f"the {record.kind} built at {record.site} was built in thread "
+                f"{threading.current_thread().name!r}, not in the script's main thread: ampkit run "
+                "sets up the main thread's training only (casting is per thread). Train in the main "
+                "thread, or set ampkit up in that thread yourself (ampkit.init/init_trainer or "
+                "ampkit.initialize) and run the script with python."
+            )
+            raise _Refusal(self.refused)
         self._managing = True
         try:
             opts.manage(record)
@@ -176,6 +204,8 @@ class _Runner:
             self._in_backward.active = False
 
     def _backward(self, orig: Callable[..., Any], tensors: Any, args: tuple, kwargs: dict) -> Any:
+        if self.refused is not None:  # refused in another thread: the script stops here too
+            raise _Refusal(self.refused)
         self.backwards += 1
         if self.forward is not None:
             self.forward.pending.clear()

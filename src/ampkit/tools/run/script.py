@@ -71,6 +71,8 @@ def run_script(path: str | Path, args: list[str] | None = None, config: RunConfi
         code = 1
     finally:
         runner.remove()
+    if refused is None:
+        refused = runner.refused  # refused in another thread of the script
     if refused is not None:
         raise refused
     wall = time.perf_counter() - start
