@@ -252,6 +252,31 @@ def test_overflow_in_one_optimizers_grads_skips_every_optimizer_of_scale_loss():
     assert run(ampkit) == (False, False)
 
 
+def test_an_overflow_carried_in_from_an_earlier_loss_skips_only_its_own_optimizer():
+    """apex checks each backward's own new grads: loss 0 overflows opt0's grads, then
+    loss 1 (finite) reaches opt0 and opt1 in one scale_loss call. opt0 skips (its grads
+    hold loss 0's inf), opt1 steps (loss 1 left its grads finite); loss 0's scaler backs
+    off, loss 1's keeps its scale (its event is masked in opt0, clean in opt1). apex's
+    test_3models2losses2optimizers expects exactly this."""
+    torch.manual_seed(0)
+    m0, m1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1), torch.optim.SGD(m1.parameters(), lr=0.1)
+    [m0, m1], [o0, o1] = amp.initialize([m0, m1], [o0, o1], opt_level="O1", num_losses=2, loss_scale="dynamic")
+    x = torch.randn(2, 4)
+    before = [p.detach().clone() for p in [*m0.parameters(), *m1.parameters()]]
+    with amp.scale_loss(m0(x).float().sum() * float("inf"), o0, loss_id=0) as scaled:
+        scaled.backward()
+    with amp.scale_loss((m0(x) + m1(x)).float().sum(), [o0, o1], loss_id=1) as scaled:
+        scaled.backward()
+    o0.step()
+    o1.step()
+    after = [p.detach() for p in [*m0.parameters(), *m1.parameters()]]
+    assert ampkit.step_skipped(o0) and not ampkit.step_skipped(o1)
+    assert all(torch.equal(b, a) for b, a in zip(before[:2], after[:2]))
+    assert all(not torch.equal(b, a) for b, a in zip(before[2:], after[2:]))
+    assert ampkit.stats(o0).scales == (2.0**15, 2.0**16)
+
+
 @pytest.mark.parametrize("opt_level", ["O2", "O3"])
 def test_cast_levels_state_dict_is_fp32_through_compat_and_16_bit_natively(opt_level, tmp_path):
     model = _model()

@@ -24,9 +24,11 @@ What maps to what:
   ops cannot be registered (ampkit does not patch modules): decorate them with
   ``amp.half_function``/``float_function``/``promote_function`` instead.
 - ``amp.disable_casts()`` -> ``ampkit.autocast(enabled=False)``.
-- ``scale_loss(loss, [opt_a, opt_b])``: an overflow in the grads of any of them skips
-  the step of every optimizer passed, as apex did (ampkit's own ``scale_loss`` skips only
-  the optimizers whose grads overflowed; the shared loss scaler backs off once either way).
+- ``scale_loss(loss, [opt_a, opt_b])``: an overflow in the grads this call's backward
+  left in any of them skips the step of every optimizer passed, as apex did; grads
+  already non-finite from an earlier loss skip only their own optimizer. (ampkit's own
+  ``scale_loss`` skips only the optimizers whose grads overflowed; the shared loss
+  scaler backs off once either way.)
 - Under a cast level (O2, O3) ``model.state_dict()`` holds fp32 tensors, as apex's
   O2 state-dict hook made it (the native API keeps the model's 16-bit dtypes).
 - ``cast_model_type=False`` at O2 keeps the model fp32: the optimizer steps the fp32
@@ -396,26 +398,51 @@ def scale_loss(
             "amp.initialize(model, optimizer, opt_level=...) first."
         )
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    before = _checked_so_far(opts)
     with ampkit.scale_loss(loss, optimizers, loss_id=loss_id) as scaled:
         yield scaled
     if not delay_unscale:
         # apex unscaled here, so code between this block and step() (clipping
         # amp.master_params or model.parameters()) sees true gradients.
         ampkit.unscale(opts)
-        _skip_together([optim.managed_state(opt) for opt in opts])
+        _skip_together([optim.managed_state(opt) for opt in opts], before)
 
 
-def _skip_together(states: list[Any]) -> None:
-    """apex: an overflow in any optimizer's grads skips every optimizer of the
-    ``scale_loss`` call. Each gets the others' inf/NaN flags as one more segment of its
-    step (no loss id: no scaler event of its own; no host sync)."""
+def _checked_so_far(opts: list[Any]) -> list[int]:
+    """How many checked segments each (managed) optimizer's step holds before a
+    ``scale_loss`` call: the ones after it are that call's."""
+    return [len(optim.managed_state(opt).segment_flags()) if _managed(opt) else 0 for opt in opts]
+
+
+def _skip_together(states: list[Any], before: list[int]) -> None:
+    """apex: an overflow in the grads one ``scale_loss`` call's backward left in any of
+    its optimizers skips every optimizer of the call. Each gets the others' inf/NaN
+    flags from this call (``before``: each one's segments before it) as one more
+    segment of its step (no loss id: no scaler event of its own; no host sync).
+
+    Grads already non-finite from an earlier loss of the step are that loss's overflow:
+    they skip their own optimizer (its earlier segment), not the other optimizers of a
+    later call -- apex checks each backward's own new grads, so a finite later loss
+    steps an optimizer that only it reached (apex's test_3models2losses2optimizers)."""
     if len(states) < 2:
         return
-    flags = [f for state in states for f in state.segment_flags()]
-    if not flags:
+    shares = []
+    for state, n in zip(states, before):
+        flags = state.segment_flags()
+        new, earlier = flags[n:], flags[:n]
+        if not new:
+            continue
+        share = new[0]
+        for f in new[1:]:
+            share = share + f.to(share.device, non_blocking=True)
+        if earlier:  # masked where an earlier loss already overflowed this optimizer's grads
+            carried = torch.stack([f.to(share.device, non_blocking=True) for f in earlier]).gt(0).any()
+            share = share * (~carried).to(share.dtype)
+        shares.append(share)
+    if not shares:
         return
-    total = flags[0]
-    for f in flags[1:]:
+    total = shares[0]
+    for f in shares[1:]:
         total = total + f.to(total.device, non_blocking=True)
     for state in states:
         state.add_segment(total)
@@ -652,10 +679,11 @@ class AmpHandle:
         for opt in opts:
             if not _managed(opt):
                 ampkit.init_trainer(opt, scaler=_scaler_for(self._loss_scale))
+        before = _checked_so_far(opts)
         with ampkit.scale_loss(loss, opts[0] if len(opts) == 1 else opts) as scaled:
             yield scaled
         ampkit.unscale(opts)
-        _skip_together([optim.managed_state(opt) for opt in opts])
+        _skip_together([optim.managed_state(opt) for opt in opts], before)
 
     def _clear_cache(self) -> None:
         self._cache.clear()
