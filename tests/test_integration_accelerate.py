@@ -441,8 +441,13 @@ def test_a_bad_ampkit_state_file_is_refused_before_anything_is_loaded(tmp_path, 
         del good["trainers"][0]["optimizers"][0]["extra"]
         torch.save(good, path)
     before = _everything(model, opt)
-    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=amp_accelerate.STATE_NAME):
+    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=amp_accelerate.STATE_NAME) as err:
         acc.load_state(str(folder))
+    if corruption == "empty":  # the message docs/guides/troubleshooting.md shows
+        assert str(err.value) == (
+            f"{path} is not a readable checkpoint file (EOFError: truncated or empty); it may be truncated "
+            "(an interrupted save) or another file. Resume from an earlier checkpoint."
+        )
     assert not marker.exists()
     after = _everything(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
