@@ -3,28 +3,40 @@
 # supported release (2.11, the CUDA 13 images) and the newest (2.15), each the package
 # registry's wheel in a venv of its own, run the compatibility subset: the op tables
 # against that torch's registrations, the list, torch-boundary, architecture and compile
-# tests, and every level's training smoke on the CPU. One summary line per release at the
-# end; exit 1 if any release failed a check.
+# tests, and every level's training smoke on the CPU. Each venv also holds one end of the
+# integrations' supported ranges (pyproject's extras): the oldest Lightning, transformers
+# and Accelerate beside torch 2.11, the newest beside 2.15, and runs the three
+# integration test files. One summary line per release at the end; exit 1 if any release
+# failed a check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RELEASES="${AMPKIT_TORCH_MATRIX:-2.11.0 2.15.0}"
+# the ends of the extras' ranges (keep in step with pyproject.toml)
+frameworks_for() {
+    case "$1" in
+        2.11.*) echo "lightning==2.5.0.post0 transformers==5.20.0 accelerate==1.12.0" ;;
+        *) echo "lightning==2.6.6 transformers==5.25.0 accelerate==1.16.0" ;;
+    esac
+}
 summary=()
 status=0
 for v in $RELEASES; do
     venv=".venv-torch-$v"
     start=$(date +%s)
-    if [ ! -f "$venv/.installed" ]; then
+    want="torch==$v $(frameworks_for "$v")"
+    if [ "$(cat "$venv/.installed" 2>/dev/null)" != "$want" ]; then
         rm -rf "$venv"
         python3 -m venv "$venv"
         # the registry's CUDA wheel (it runs on the CPU); lift the machines' torch cap for this command
+        # shellcheck disable=SC2046  # the framework pins are separate words
         if ! PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$v" numpy pytest pytest-timeout \
-                hypothesis "import-linter>=2.17,<3"; then
+                hypothesis "import-linter>=2.17,<3" rich matplotlib scikit-learn $(frameworks_for "$v"); then
             echo "torch-matrix: torch $v could not be installed" >&2
             summary+=("torch $v: NOT INSTALLED")
             status=1
             continue
         fi
-        touch "$venv/.installed"
+        echo "$want" > "$venv/.installed"
     fi
     export PYTHONPATH=src OMP_NUM_THREADS=1
     ok=1
@@ -32,6 +44,8 @@ for v in $RELEASES; do
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
         tests/test_architecture.py tests/test_compile.py || ok=0
     "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "torch-matrix-$v.json" || ok=0
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integration_hf.py \
+        tests/test_integration_accelerate.py tests/test_integration_lightning.py || ok=0
     unset PYTHONPATH
     took=$(( $(date +%s) - start ))
     if [ "$ok" = 1 ]; then summary+=("torch $v: passed (${took} s)"); else summary+=("torch $v: FAILED (${took} s)"); status=1; fi

@@ -628,3 +628,27 @@ def test_ddp_two_processes_keep_the_replicas_equal(tmp_path):
         assert torch.isfinite(torch.tensor([a["loss"], b["loss"]])).all()
     fc = "transformer.h.0.mlp.c_fc.weight"
     assert ranks[0]["O2"]["params"][fc].dtype == torch.bfloat16
+
+
+def test_the_trainer_privates_ampkit_overrides_are_checked_at_import():
+    """Every private Trainer method the mixin overrides exists in the installed
+    transformers with the parameters the override passes on; a release that renamed one
+    or changed its parameters is refused at import, naming it (an override of a method
+    that is gone would silently never run)."""
+    from ampkit.integrations import hf
+
+    hf.check_trainer_contract()  # the installed transformers
+    for name in hf.TRAINER_PRIVATES:
+        assert callable(getattr(Trainer, name))
+
+    class Renamed(Trainer):
+        _load_scaler = None  # as if transformers renamed it
+
+    class Reshaped(Trainer):
+        def _clip_grad_norm(self, parameters):  # as if its parameter changed
+            return None
+
+    with pytest.raises(HfIntegrationError, match=r"_load_scaler is gone.*pip install"):
+        hf.check_trainer_contract(Renamed)
+    with pytest.raises(HfIntegrationError, match=r"_clip_grad_norm\(parameters\) lacks model"):
+        hf.check_trainer_contract(Reshaped)

@@ -3,7 +3,7 @@
 ampkit is installed from its clone (``pip install -e .``) or a wheel built from it, not
 from the package registry, so ``pip install 'ampkit[lightning]'`` would find nothing:
 a message names the extra's own requirements, read from the installed package's metadata
-(``lightning~=2.6.6``), and the line for a clone.
+(``lightning>=2.5,<2.7``), and the line for a clone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def extra_requirements(extra: str) -> list[str]:
 
 
 def install_hint(extra: str) -> str:
-    """``"pip install 'lightning~=2.6.6' (ampkit's 'lightning' extra; from ampkit's clone:
+    """``"pip install 'lightning>=2.5,<2.7' (ampkit's 'lightning' extra; from ampkit's clone:
     pip install -e '.[lightning]')"``; without metadata, the clone's line alone."""
     clone = f"pip install -e '.[{extra}]' in ampkit's clone"
     reqs = extra_requirements(extra)

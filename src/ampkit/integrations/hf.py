@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
@@ -99,8 +100,25 @@ __all__ = [
     "AmpkitTrainingArguments",
     "HfIntegrationError",
     "check_arguments",
+    "check_trainer_contract",
     "fp32_state_dict",
 ]
+
+#: The private methods of ``transformers.Trainer`` :class:`AmpkitTrainerMixin` overrides,
+#: each with the parameters its override takes and passes on. transformers may rename
+#: or change them in any release; an override of a method that is gone would never run
+#: (checkpoints without ampkit's state, clipping of scaled grads), so the installed
+#: release is checked against this list when the module is imported
+#: (:func:`check_trainer_contract`).
+TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
+    "_save_scaler": ("output_dir",),
+    "_load_scaler": ("checkpoint",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_best_model": (),
+    "_save": ("output_dir", "state_dict"),
+}
 
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
@@ -779,3 +797,30 @@ class _RegisterDDP(TrainerCallback):
 class AmpkitTrainer(AmpkitTrainerMixin, Trainer):
     """``transformers.Trainer`` trained with ampkit (:class:`AmpkitTrainerMixin`);
     takes HF's arguments, with :class:`AmpkitTrainingArguments` as ``args``."""
+
+
+def check_trainer_contract(trainer_cls: type = Trainer) -> None:
+    """Raise :class:`HfIntegrationError` unless ``trainer_cls`` (default: the installed
+    ``transformers.Trainer``) has every private method of :data:`TRAINER_PRIVATES`, taking
+    (at least) the parameters listed there. Called when this module is imported."""
+    import inspect
+
+    problems = []
+    for name, params in TRAINER_PRIVATES.items():
+        method = getattr(trainer_cls, name, None)
+        if not callable(method):
+            problems.append(f"{name} is gone")
+            continue
+        found = list(inspect.signature(method).parameters)[1:]
+        missing = [p for p in params if p not in found]
+        if missing:
+            problems.append(f"{name}({', '.join(found)}) lacks {', '.join(missing)}")
+    if problems:
+        raise HfIntegrationError(
+            f"ampkit's HF integration overrides private methods of transformers.Trainer that "
+            f"transformers {transformers.__version__} changed: {'; '.join(problems)}. Install "
+            f"a release the integration is tested with: {install_hint('hf')}"
+        )
+
+
+check_trainer_contract()
