@@ -585,3 +585,18 @@ def test_ampkit_run_agrees_with_the_integration(opt_level, tmp_path, capsys, fp3
     assert run_losses == integration  # the same 60 losses, bitwise
     assert run_loss == float(f"{_mean_last(integration):.6f}")
     assert abs(run_loss - _mean_last(fp32_losses)) / _mean_last(fp32_losses) < 0.01
+
+
+def test_a_folder_saved_by_0_3_says_how_to_reuse_its_state_and_unpickles_nothing(tmp_path):
+    """0.3 saved ampkit's state as a registered custom_checkpoint_0.pkl. Loading such a
+    folder warns (naming the rename that lets ampkit read it weights-only); Accelerate
+    then refuses the unregistered file by counting, before unpickling anything."""
+    acc, model, opt, folder = _saved_checkpoint(tmp_path)
+    state = folder / amp_accelerate.STATE_NAME
+    marker = tmp_path / "payload_ran"
+    torch.save(_Payload(marker), folder / "custom_checkpoint_0.pkl")
+    state.unlink()
+    with pytest.warns(UserWarning, match=f"custom_checkpoint_0.pkl.*rename it to {amp_accelerate.STATE_NAME}"):
+        with pytest.raises(RuntimeError, match="custom checkpoints"):
+            acc.load_state(str(folder))
+    assert not marker.exists()
