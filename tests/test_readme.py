@@ -30,3 +30,20 @@ def test_readme_links_into_the_docs_resolve():
 def test_readme_snippet_runs(index, capsys):
     code = BLOCKS[index]
     exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
+
+
+def test_the_quick_start_prints_what_the_readme_shows(capsys):
+    """The quick start's output: the loss lines at the steps the README shows, falling
+    (first at least three times the last), and the stats line exactly (no step skipped,
+    scale 1); the README's numbers are this CPU kind's to the third decimal or near."""
+    shown = re.search(r"It prints .*?```text\n(.*?)```", TEXT, re.S)
+    assert shown, "the quick start's output block"
+    expected = shown.group(1).strip().splitlines()
+    exec(compile(BLOCKS[0], "README.md[quick start]", "exec"), {"__name__": "__readme__"})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == len(expected) and printed[-1] == expected[-1]
+    losses = [float(line.split()[-1]) for line in printed[:-1]]
+    assert [line.split()[1] for line in printed[:-1]] == [line.split()[1] for line in expected[:-1]]
+    assert losses[0] > 3 * losses[-1]
+    shown_losses = [float(line.split()[-1]) for line in expected[:-1]]
+    assert all(abs(a - b) <= 0.05 for a, b in zip(losses, shown_losses)), (printed, expected)
