@@ -17,6 +17,7 @@ from torch import nn
 from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import default_device_type, default_dtype
+from ampkit._internal.env import dtype_from_env
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import PolicyError, StateError
 
@@ -373,7 +374,8 @@ def init(
     Equivalent to entering ``ampkit.autocast(policy, device_type)`` and never leaving.
 
     Args:
-        dtype: compute dtype; default bf16 on CPU, fp16 on CUDA.
+        dtype: compute dtype; default: the policy's, else the ``AMPKIT_DTYPE``
+            environment variable (``bf16``/``fp16``) if set, else bf16 on CPU, fp16 on CUDA.
         device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` if available else ``"cpu"``.
         policy: a base policy (default: the device's defaults).
         cache_enabled: as in :class:`autocast`.
@@ -389,6 +391,8 @@ def init(
             "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
             "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
         )
+    if dtype is None and policy is None:  # an argument > the environment > the default
+        dtype = dtype_from_env()
     device = check_device_type(device_type or default_device_type())
     if policy is not None and not isinstance(policy, Policy):
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")

@@ -328,7 +328,7 @@ def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
 def prepare(
     accelerator: Accelerator,
     *objects: Any,
-    opt_level: str = "O1",
+    opt_level: str | None = None,
     dtype: torch.dtype | None = None,
     fp8: Fp8Recipe | bool | None = None,
     device_placement: Sequence[bool] | None = None,
@@ -347,11 +347,11 @@ def prepare(
             parameters), DataLoaders, LR schedulers. All models and optimizers are set
             up by one :func:`ampkit.initialize` call (optimizers given together share one
             loss scaler per loss id).
-        opt_level (str) ["O1"]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"`` (see
-            :func:`ampkit.initialize`).
+        opt_level (str | None) [None]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
+            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``.
         dtype (torch.dtype | None) [None]: compute dtype, ``torch.bfloat16`` or
-            ``torch.float16``; None: the level's default for the device (bf16 on CPU,
-            fp16 on CUDA; always bf16 for O2K).
+            ``torch.float16``; None: ``AMPKIT_DTYPE`` if set, else the level's default
+            for the device (bf16 on CPU, fp16 on CUDA; always bf16 for O2K).
         fp8 (Fp8Recipe | bool | None) [None]: fp8 matmuls for the linears the recipe
             chooses (any level but O0); see :func:`ampkit.initialize`.
         device_placement (list of bool | None) [None]: as for ``accelerator.prepare``;

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
 from ampkit.distributed import register_ddp
@@ -147,11 +148,21 @@ def _dtype_of(value: str | None) -> torch.dtype | None:
     return None if value is None else _DTYPES[value]
 
 
+def _level_of(args: Any) -> Any:
+    """``args.amp_level`` upper-cased; when unset (a plain ``TrainingArguments``, or None),
+    ``AMPKIT_LEVEL`` if set, else ``"O1"``. Anything else is returned as it is, for
+    :func:`check_arguments` to refuse."""
+    level = getattr(args, "amp_level", None)
+    if level is None:
+        return level_from_env("O1", LEVELS)
+    return level.upper() if isinstance(level, str) else level
+
+
 def check_arguments(args: TrainingArguments) -> None:
     """Raise :class:`HfIntegrationError` unless ``args`` can run under ampkit: its
     ``amp_*`` fields (defaults where a plain ``TrainingArguments`` has none) are valid
     and none of HF's own mixed-precision switches is on."""
-    level = getattr(args, "amp_level", "O1")
+    level = _level_of(args)
     dtype = getattr(args, "amp_dtype", None)
     fp8 = getattr(args, "amp_fp8", False)
     save = getattr(args, "amp_save_weights", "fp32")
@@ -239,12 +250,12 @@ class AmpkitArguments:
     mixed precision would cast on top of ampkit's).
     """
 
-    amp_level: str = dataclasses.field(
-        default="O1", metadata={"help": "ampkit opt level: O0, O1, O2, O3 or O2K"}
+    amp_level: str | None = dataclasses.field(
+        default=None, metadata={"help": "ampkit opt level: O0, O1, O2, O3 or O2K (default: $AMPKIT_LEVEL, else O1)"}
     )
     amp_dtype: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "16-bit compute dtype: bfloat16 or float16 (default: the device's)"},
+        metadata={"help": "16-bit compute dtype: bfloat16 or float16 (default: $AMPKIT_DTYPE, else the device's)"},
     )
     amp_fp8: bool = dataclasses.field(
         default=False, metadata={"help": "compute linears in fp8 (ampkit.Fp8Recipe)"}
@@ -256,15 +267,19 @@ class AmpkitArguments:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments class it is combined with
-        if isinstance(self.amp_level, str):
-            self.amp_level = self.amp_level.upper()
+        self.amp_level = _level_of(self)
+        if self.amp_dtype is None and self.amp_level != "O0":
+            env = dtype_from_env()  # an argument > the environment > the default
+            if env is not None:
+                self.amp_dtype = str(env).removeprefix("torch.")
         check_arguments(self)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass
 class AmpkitTrainingArguments(AmpkitArguments, TrainingArguments):
     """``transformers.TrainingArguments`` with ampkit's fields (:class:`AmpkitArguments`):
-    ``amp_level`` ("O1"), ``amp_dtype`` (None), ``amp_fp8`` (False),
+    ``amp_level`` (None: ``AMPKIT_LEVEL``, else "O1"), ``amp_dtype`` (None:
+    ``AMPKIT_DTYPE``, else the device's), ``amp_fp8`` (False),
     ``amp_save_weights`` ("fp32"). Leave ``bf16``/``fp16`` False."""
 
 
@@ -456,16 +471,18 @@ class AmpkitTrainerMixin:
 
     @property
     def amp_level(self) -> str:
-        """The ampkit opt level of this trainer (``args.amp_level``, upper case)."""
-        return str(getattr(self.args, "amp_level", "O1")).upper()
+        """The ampkit opt level of this trainer: ``args.amp_level`` (upper case), else
+        ``AMPKIT_LEVEL``, else ``"O1"``."""
+        return _level_of(self.args)
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
-        """The 16-bit compute dtype (None at O0): ``args.amp_dtype``, else bf16 at O2K,
-        else the device's default (bf16 on CPU, fp16 on CUDA)."""
+        """The 16-bit compute dtype (None at O0): ``args.amp_dtype``, else
+        ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default (bf16 on CPU, fp16
+        on CUDA)."""
         if self.amp_level == "O0":
             return None
-        chosen = _dtype_of(getattr(self.args, "amp_dtype", None))
+        chosen = _dtype_of(getattr(self.args, "amp_dtype", None)) or dtype_from_env()
         if chosen is not None:
             return chosen
         if self.amp_level == "O2K":

@@ -42,6 +42,7 @@ from ampkit._internal.dtypes import (
     default_device_type,
     default_dtype,
 )
+from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.validate import require_choice, require_optimizer
 from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting import engine as casting
@@ -555,7 +556,7 @@ def _has_master(p: nn.Parameter, optimizers: Sequence[torch.optim.Optimizer]) ->
 def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    opt_level: str = "O1",
+    opt_level: str | None = None,
     *,
     device_type: str | None = None,
     fp8: Fp8Recipe | bool | None = None,
@@ -569,8 +570,9 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer``, a list of them, or None (inference). A
             framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
             ``LightningOptimizer``) stands for the optimizer it holds, which is set up.
-        opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"``, ``"O3"`` or ``"O2K"``; see
-            the table in :mod:`ampkit.levels`.
+        opt_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``; see the table in
+            :mod:`ampkit.levels`. Default None: the ``AMPKIT_LEVEL`` environment
+            variable if set, else ``"O1"``.
         device_type: ``"cpu"``, ``"cuda"``, ...: the device type the models are on,
             which sets the default ``dtype`` and where op-level casting applies.
             Default None: taken from the models' tensors (models without any: the
@@ -592,7 +594,8 @@ def initialize(
             call's policy. ``fresh=False`` takes no ``fp8``.
         **overrides: change one setting of the level:
 
-            - ``dtype``: compute dtype; default bf16 on CPU, fp16 on CUDA.
+            - ``dtype``: compute dtype; default: the ``AMPKIT_DTYPE`` environment
+              variable (``bf16``/``fp16``) if set, else bf16 on CPU, fp16 on CUDA.
             - ``cast_model_type``: dtype to store the model in (None/False/fp32: fp32).
             - ``keep_norm_fp32``: keep normalization layers fp32 in a cast model.
             - ``master_weights``: fp32 master copies for a 16-bit model.
@@ -646,6 +649,12 @@ def initialize(
     """
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
+    if opt_level is None:  # an argument > the environment > the default
+        opt_level = level_from_env("O1", tuple(OPT_LEVELS))
+    if overrides.get("dtype") is None:
+        env_dtype = dtype_from_env()
+        if env_dtype is not None:
+            overrides["dtype"] = env_dtype
     if not isinstance(fresh, bool):
         raise AmpError(f"fresh must be True or False, got {fresh!r}.")
     if not fresh and fp8 not in (None, False):

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.wrappers import unwrap_optimizer
 from ampkit.errors import StateError
 from ampkit.levels import OptLevel, master_weights_of
-from ampkit.levels.setup import master_params
+from ampkit.levels.setup import OPT_LEVELS, master_params
 from ampkit.trainer import session
 from ampkit.trainer.api import stats, unscale
 
@@ -56,14 +57,20 @@ def hold(config: Any) -> Any:
 
 def plugin_core(
     owner: str,
-    opt_level: str,
+    opt_level: str | None,
     dtype: torch.dtype | None,
     fp8: Any,
     loss_scale: Any,
     policy: Any,
     options: Mapping[str, Any] | None,
 ) -> PluginCore:
-    """The :class:`PluginCore` of a plugin built with these arguments (checked now)."""
+    """The :class:`PluginCore` of a plugin built with these arguments (checked now);
+    ``opt_level``/``dtype`` left None take ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` if set, else
+    O1 and the level's default dtype."""
+    if opt_level is None:  # an argument > the environment > the default
+        opt_level = level_from_env("O1", tuple(OPT_LEVELS))
+    if dtype is None and opt_level.upper() != "O0":
+        dtype = dtype_from_env()
     return PluginCore(
         Settings(
             opt_level=opt_level,

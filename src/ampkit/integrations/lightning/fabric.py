@@ -59,7 +59,7 @@ class AmpkitFabricPrecision(FabricPrecision):
 
     def __init__(
         self,
-        opt_level: str = "O1",
+        opt_level: str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | bool | None = None,
         *,

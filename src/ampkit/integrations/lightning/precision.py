@@ -39,11 +39,11 @@ class AmpkitPrecision(Precision):
                           plugins=[AmpkitPrecision("O2")])
 
     Args:
-        opt_level (str) ["O1"]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"`` (see
-            :func:`ampkit.initialize`).
+        opt_level (str | None) [None]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
+            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``.
         dtype (torch.dtype | None) [None]: the compute dtype, ``torch.bfloat16`` or
-            ``torch.float16``; None: the level's default on the model's device (bf16 on
-            CPU, fp16 on CUDA; O2K is always bf16). fp16 on CPU is emulated (slow).
+            ``torch.float16``; None: ``AMPKIT_DTYPE`` if set, else the level's default on
+            the model's device (bf16 on CPU, fp16 on CUDA; O2K is always bf16). fp16 on CPU is emulated (slow).
         fp8 (ampkit.Fp8Recipe | bool | None) [None]: fp8 matmuls for the linears the
             recipe chooses (True: the default recipe), as ``ampkit.initialize(fp8=...)``.
         loss_scale (float | "dynamic" | None) [None]: ``"dynamic"`` or a static scale; None:
@@ -95,7 +95,7 @@ class AmpkitPrecision(Precision):
 
     def __init__(
         self,
-        opt_level: str = "O1",
+        opt_level: str | None = None,
         dtype: torch.dtype | None = None,
         fp8: Fp8Recipe | bool | None = None,
         *,

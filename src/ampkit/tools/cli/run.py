@@ -35,16 +35,18 @@ from ._common import (
 __all__ = ["add_parser", "run"]
 
 PNG_DEFAULT = Path("ampkit-compare.png")
+LEVELS = ("O1", "O2", "O2K", "fp32")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = add_command(sub, "run", "train an unmodified script in mixed precision (and --compare it with fp32)", __doc__)
-    parser.add_argument("--level", choices=("O1", "O2", "O2K", "fp32"), default="O1",
-                        help="O1: casting in forward passes, fp32 weights (default); O2: 16-bit models "
-                             "with fp32 master weights; O2K: bf16 models with compensated updates; "
-                             "fp32: nothing applied (the script as it is, observed)")
+    parser.add_argument("--level", choices=LEVELS, default=None,
+                        help="O1: casting in forward passes, fp32 weights (default: $AMPKIT_LEVEL, else O1); "
+                             "O2: 16-bit models with fp32 master weights; O2K: bf16 models with compensated "
+                             "updates; fp32: nothing applied (the script as it is, observed)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
-                        help="16-bit compute dtype (default: bf16; fp16 on a GPU without bf16)")
+                        help="16-bit compute dtype (default: $AMPKIT_DTYPE, else bf16; fp16 on a GPU "
+                             "without bf16)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="also write the summary as JSON (with the loss values)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
@@ -69,11 +71,18 @@ def _default_dtype() -> str:
 
 
 def _config(args: argparse.Namespace) -> Any:
+    """The run's settings: the options, else ``AMPKIT_LEVEL``/``AMPKIT_DTYPE``, else the
+    defaults (O1; bf16, or fp16 on a GPU without bf16)."""
+    import torch
+
+    from ampkit._internal.env import dtype_from_env, level_from_env
     from ampkit.errors import AmpError
     from ampkit.tools.run import RunConfig
 
-    dtype = args.dtype or _default_dtype()
     try:
+        args.level = args.level or level_from_env("O1", LEVELS)
+        env_dtype = None if args.dtype else dtype_from_env()
+        dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(env_dtype) or _default_dtype()
         return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time)
     except AmpError as err:
         raise UsageError(f"ampkit run: {err}") from None
