@@ -56,10 +56,10 @@ optimizers that received that loss's grads have stepped. Optimizers passed to se
 
 Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`` and
 ``fused`` unset to torch's fastest kernel for the same optimizer (see
-:mod:`ampkit.trainer.fused_step`; ``fast_kernels=False`` opts out). Grads the step checks
-without unscaling them (scale 1, bf16's default, or edited since the end-of-backward
-unscale of :mod:`ampkit.trainer.grad_hooks`) are read once (on CPU a sum, confirmed by min/max where
-it is not finite; see :func:`ampkit.trainer.fused_step.nonfinite_flag`), not rewritten times 1. The skip decision
+:mod:`ampkit.trainer.fused_step`; ``fast_kernels=False`` opts out). The step reads the
+grads it will use once for inf/NaN (the end of backward only unscales them; on CPU a sum
+per large tensor, confirmed by min/max where it is not finite; see
+:func:`ampkit.trainer.fused_step.nonfinite_flag`), without rewriting them. The skip decision
 stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
 and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
 
@@ -206,10 +206,12 @@ def init_trainer(
             epoch-level schedulers stay with the loop (a ReduceLROnPlateau here raises).
         fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
             both unset (torch's defaults) step with torch's fastest kernel for the same
-            optimizer: ``fused=True`` for Adam, AdamW, SGD and Adagrad, else
-            ``foreach=True`` (see ``ampkit.trainer.fused_step``); re-applied after
-            ``optimizer.load_state_dict``. Results may differ from the per-parameter
-            loop in the last bits. False leaves the optimizer exactly as built.
+            optimizer: ``fused=True`` for Adam, AdamW and Adagrad on fp32/fp64
+            parameters, else ``foreach=True`` (see ``ampkit.trainer.fused_step``);
+            re-applied after ``optimizer.load_state_dict``. The fused kernel's results
+            may differ from the per-parameter loop in the last bits, depending on the
+            CPU kind (AVX2: bitwise; AVX-512: ~0.15% of the elements of an AdamW step).
+            False leaves the optimizer exactly as built.
         doctor (bool | None) [None]: watch these optimizers with the process-wide
             :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
             registered as ``"doctor"`` (``ampkit.trainer.extensions.register_attacher``;
