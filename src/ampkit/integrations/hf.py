@@ -93,6 +93,7 @@ from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
 
 __all__ = [
     "AMPKIT_NAME",
+    "TRAINER_PRIVATES",
     "AmpkitArguments",
     "AmpkitSeq2SeqTrainingArguments",
     "AmpkitSkipSignal",
