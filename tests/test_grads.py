@@ -627,3 +627,53 @@ def test_fp16_dynamic_scale_skips_a_nonfinite_grad_written_after_backward(setup,
     # O3's scale is static (1.0, as apex's)
     backs_off = route != "after_unscale_data" and setup != "O3-SGD"
     assert (amp.stats(opt).scales[0] < scale) if backs_off else (amp.stats(opt).scales[0] == scale)
+
+
+_BF16_SETUPS = {
+    "init": None,
+    "O1": {},
+    "O2": {},
+    "O2-always": {"master_grads": "always"},
+    "O2-view": {"model_grads": "view"},
+    "O2K": {},
+    "O3": {},
+}
+
+
+@pytest.mark.parametrize("opt_name", list(_FP16_OPTIMIZERS))
+@pytest.mark.parametrize("setup", list(_BF16_SETUPS))
+@pytest.mark.parametrize("route", ["data", "data_div_0", "index"])
+def test_bf16_skips_a_nonfinite_grad_written_after_backward_with_every_optimizer(setup, route, opt_name):
+    """The bf16 half of the soak: every level x AdamW/Adam/SGD, an inf/NaN written into
+    a grad after backward (through ``.data`` or by indexing) skips the step, weights and
+    masters bitwise unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 8))
+    opt = _FP16_OPTIMIZERS[opt_name](model.parameters())
+    overrides = _BF16_SETUPS[setup]
+    if overrides is None:
+        amp.init(dtype=BF16)
+        amp.init_trainer(opt)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=setup.split("-")[0], dtype=BF16, **overrides)
+    dtype = model[0].weight.dtype
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        if step == 1:
+            weights = [p.detach().clone() for p in model.parameters()]
+            masters = [p.detach().clone() for p in amp.master_params(opt)]
+        opt.zero_grad()
+        with amp.scale_loss(model(x.to(dtype)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        if step == 1:
+            g = model[0].weight.grad
+            if route == "data":
+                g.data[0] = float("nan")
+            elif route == "data_div_0":
+                g.data.div_(0)
+            else:
+                g[0] = float("inf")
+        opt.step()
+        assert amp.step_skipped(opt) == (step == 1), (setup, route, opt_name, step)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
