@@ -519,12 +519,11 @@ def _hooked_step(setup: str, hook_kind: str) -> dict:
 )
 @pytest.mark.parametrize("setup", ["on_demand", "always"])
 def test_step_hooks_run_where_torch_runs_them(setup, hook_kind):
-    """The pre-hooks of a taken step run before ampkit updates anything: zeroing the
-    grads (on the model or the optimizer's params) gives a zero update, clipping
-    shrinks it as in fp32, a NaN written through ``.data`` is checked and skips the
-    step; a post-hook sees the grads the step used (their norm as in fp32, to bf16
-    precision); a raising pre-hook leaves weights, masters, moments and counters as
-    they were."""
+    """Pre-hooks run before ampkit checks or updates anything: zeroing the grads (on the
+    model or the optimizer's params) gives a zero update, clipping shrinks it as in
+    fp32, a NaN written through ``.data`` is checked and skips the step; a post-hook
+    sees the grads the step used (their norm as in fp32, to bf16 precision); a raising
+    pre-hook leaves weights, masters, moments and counters as they were."""
     ref, got = _hooked_step("fp32", hook_kind), _hooked_step(setup, hook_kind)
     if hook_kind.startswith("zero"):
         assert ref["update"] == 0.0 and got["update"] == 0.0

@@ -433,7 +433,8 @@ def _run_with_schedulers(make_before: bool, mode: str, skip_at=(0, 3, 4), steps=
     if sched is None:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     used_lrs = []
-    opt.register_step_pre_hook(lambda o, a, k: used_lrs.append(o.param_groups[0]["lr"]))
+    # a post-hook runs after taken steps only: the learning rates the updates used
+    opt.register_step_post_hook(lambda o, a, k: used_lrs.append(o.param_groups[0]["lr"]))
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         for i in range(steps):

@@ -248,6 +248,16 @@ class ManagedOptimizer(StepGrads):
             return inner(*args, **kwargs)
         if self.grad_path.masters is not None:
             self._refuse_unseen_torch_unscale()
+        # The optimizer's own step hooks keep torch's contract around ampkit's work:
+        # pre-hooks run first, on every call as torch runs them, before anything is
+        # checked or updated -- what they do to the grads (on the model or the
+        # optimizer's params) is what the check reads and the step uses, on every rank
+        # in the one agreed decision; one that raises leaves everything as it was.
+        # Post-hooks run after a taken step, with the grads shown as the step used them.
+        # Inside, the optimizer's step runs without them.
+        pre_hooks, post_hooks = torch_compat.optimizer_step_hooks(opt)
+        if pre_hooks:
+            args, kwargs = _run_pre_hooks(opt, pre_hooks, args, kwargs)
         closure, args, kwargs = _pop_closure(args, kwargs)
         loss = None
         if closure is not None:
@@ -260,41 +270,25 @@ class ManagedOptimizer(StepGrads):
         if closure is not None and self.grad_path.masters is not None:
             self.grad_path.masters.materialize()  # a closure optimizer reads the masters' grads itself
         events, skip = self._resolve_step()
-        # The optimizer's own step hooks run where torch runs them relative to the update,
-        # for steps that are taken (a skipped step calls no hook, as with
-        # torch.amp.GradScaler): pre-hooks before anything is updated -- what they do to
-        # the grads (on the model or the optimizer's params) is what the step uses, and
-        # is checked again; one that raises leaves everything as it was --, post-hooks
-        # after the step, with the grads shown as the step used them.
-        pre_hooks, post_hooks = torch_compat.optimizer_step_hooks(opt) if not skip else ([], [])
-        if pre_hooks:
-            args, kwargs = _run_pre_hooks(opt, pre_hooks, args, kwargs)
-            skip = self._recheck_after_hooks()
+        shown = False
+
+        def updated() -> None:
+            # right after the update, before the held schedulers step: the grads shown
+            # again (O2), then the post-hooks, as torch runs them inside step()
+            nonlocal shown
+            self.grad_path.after_step()
+            shown = True
+            hook_kwargs = kwargs if closure is None else {**kwargs, "closure": closure}
+            for hook in post_hooks:
+                hook(opt, args, hook_kwargs)
+
         try:
             self.grad_path.before_step()
             with torch_compat.instance_step_hooks_suspended(opt):
-                out = self._take_or_skip(inner, args, kwargs, closure, loss, events, skip)
+                return self._take_or_skip(inner, args, kwargs, closure, loss, events, skip, updated if post_hooks else None)
         finally:
-            self.grad_path.after_step()
-        if not skip:
-            if closure is not None:
-                kwargs = {**kwargs, "closure": closure}
-            for hook in post_hooks:
-                hook(opt, args, kwargs)
-        return out
-
-    def _recheck_after_hooks(self) -> bool:
-        """After the step's pre-hooks: the grads they may have changed (merged into the
-        masters under O2) are read for inf/NaN again, agreed across ranks as the
-        step's own check is; True when the step must be skipped after all (blaming no
-        loss scaler: the hook made the grads non-finite)."""
-        self.grad_path.reconcile()
-        found = self._close(None)
-        if found is None:
-            return False
-        self._segments = [(None, found)]
-        _, skip = self._resolve_step()
-        return skip
+            if not shown:
+                self.grad_path.after_step()
 
     def _take_or_skip(
         self,
@@ -305,6 +299,7 @@ class ManagedOptimizer(StepGrads):
         loss: Any,
         events: dict[int, bool | None],
         skip: bool,
+        updated: Callable[[], None] | None = None,
     ) -> Any:
         self.steps += 1
         report = self._slots[0].skips
@@ -340,6 +335,8 @@ class ManagedOptimizer(StepGrads):
             raise
         for ext in extensions:
             ext.after_update()
+        if updated is not None:
+            updated()
         self._after_step(False)
         return result
 
