@@ -40,16 +40,22 @@ for v in $RELEASES; do
     fi
     export PYTHONPATH=src OMP_NUM_THREADS=1
     ok=1
-    "$venv/bin/python" -m ampkit.casting.lists.check || ok=0
+    log="torch-matrix-$v"
+    "$venv/bin/python" -m ampkit.casting.lists.check 2>&1 | tee "$log-check.log" || ok=0
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
-        tests/test_architecture.py tests/test_compile.py || ok=0
-    "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "torch-matrix-$v.json" || ok=0
+        tests/test_architecture.py tests/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
+    "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "$log.json" || ok=0
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integration_hf.py \
-        tests/test_integration_accelerate.py tests/test_integration_lightning.py || ok=0
+        tests/test_integration_accelerate.py tests/test_integration_lightning.py 2>&1 | tee "$log-integrations.log" || ok=0
     unset PYTHONPATH
     took=$(( $(date +%s) - start ))
+    "$venv/bin/python" .ci/matrix_report.py record --release "$v" --summary torch-matrix-summary.json \
+        --check-log "$log-check.log" --subset-log "$log-subset.log" --smoke-json "$log.json" \
+        --integrations-log "$log-integrations.log" --seconds "$took" --ok "$ok" || status=1
     if [ "$ok" = 1 ]; then summary+=("torch $v: passed (${took} s)"); else summary+=("torch $v: FAILED (${took} s)"); status=1; fi
 done
 echo "torch-matrix:"
 printf '  %s\n' "${summary[@]}"
+# the supported-versions page of this run (docs/versions.md is a recorded copy)
+python3 .ci/matrix_report.py render torch-matrix-summary.json torch-matrix.md && cat torch-matrix.md
 exit $status

@@ -44,7 +44,7 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "benchmarks/data", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "benchmarks/data", "data", "Thumbs.db", ".DS_Store"]
 templates_path: list[str] = []
 
 myst_enable_extensions = ["colon_fence", "deflist"]
