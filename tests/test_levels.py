@@ -1022,3 +1022,58 @@ def test_o3_fp16_with_a_normal_eps_is_warned_about_and_stays_finite():
             ampkit.initialize(model, torch.optim.AdamW(model.parameters()), opt_level=level, dtype=dtype)
         assert not [w for w in caught if "second moment" in str(w.message)], level
         ampkit.reset()
+
+
+# --- non-reentrant activation checkpointing of a submodule, at the casting levels ------------
+
+
+class _CheckpointedParts(nn.Module):
+    """A checkpointed submodule chosen by ``where``: a block (linear, kept norm, gelu),
+    the kept norm alone, or the first layer (fed the model's input)."""
+
+    def __init__(self, where: str, context: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU())
+        self.out = nn.Linear(16, 2)
+        self.where = where
+        self.kwargs = {"context_fn": ampkit.checkpoint_context} if context else {}
+
+    def _ckpt(self, fn, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, x, use_reentrant=False, **self.kwargs)
+
+    def forward(self, x):
+        h = self._ckpt(self.inp, x) if self.where == "first" else self.inp(x)
+        if self.where == "norm":
+            h = self._ckpt(self.block[1], self.block[0](h))
+            h = self.block[2](h)
+        else:
+            h = self._ckpt(self.block, h) if self.where == "block" else self.block(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["plain", "checkpoint_context"])
+@pytest.mark.parametrize("where", ["block", "norm", "first"])
+@pytest.mark.parametrize("level", ["O2", "O2K", "O3"])
+def test_non_reentrant_checkpointing_of_a_submodule_recomputes_the_forwards_dtypes(level, where, context):
+    """torch's non-reentrant checkpoint compares the recomputation's saved tensors with
+    the forward's (CheckpointError on a dtype change): at every casting level a
+    checkpointed block, kept-fp32 norm or first layer trains, as the same model does
+    without checkpointing (to bf16's precision)."""
+    def run(checkpointed: bool) -> torch.Tensor:
+        ampkit.reset()
+        torch.manual_seed(0)
+        model = _CheckpointedParts(where if checkpointed else "none", context)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ampkit.initialize(model, opt, opt_level=level)
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            with ampkit.scale_loss(F.cross_entropy(model(x).float(), torch.tensor([0, 1, 0, 1])), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+    assert torch.allclose(run(True), run(False), rtol=0, atol=1e-2)
