@@ -799,8 +799,7 @@ def _check_weights16(
 class _RegisterDDP(TrainerCallback):
     """At ``on_train_begin`` (after Accelerate has wrapped the model): a
     ``DistributedDataParallel`` model is announced with
-    :func:`ampkit.distributed.register_ddp` (rank 0's O2 masters broadcast, the skip
-    agreement told which grads DDP reduces)."""
+    :func:`ampkit.distributed.register_ddp` (rank 0's O2 masters broadcast)."""
 
     def __init__(self, trainer: AmpkitTrainerMixin) -> None:
         self._trainer = weakref.ref(trainer)
