@@ -372,12 +372,16 @@ def test_adamw_with_bf16_moments_matches_fp32(kernel):
 
 
 def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypatch, caplog):
-    """The first compiled step can take a minute (inductor's cache cold): it says what it
-    is doing, once per process and device type, not once per kernel; the probe runs on
-    the device the kernel will run on (a CPU probe of a CUDA kernel compiled twice)."""
+    """The first compiled step can take a minute (inductor's cache cold): a compile still
+    running after ``ANNOUNCE_AFTER_S`` says what it is doing and where the cache is, once
+    per process and device type, not once per kernel; every compile is logged with its
+    duration when it ends (INFO, WARNING from ``SLOW_COMPILE_S``); the probe runs on the
+    device the kernel will run on (a CPU probe of a CUDA kernel compiled twice)."""
+    from ampkit._internal import torch_compat
     from ampkit.levels import compensated, update_kernels
 
     monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
+    monkeypatch.setattr(update_kernels, "ANNOUNCE_AFTER_S", 0.0)  # announce at once: no timer to race
     probed = []
 
     def fake_compile(fn, **kwargs):
@@ -392,8 +396,37 @@ def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypa
         a.mul_(0.5)
 
     kernels = [compensated.Kernel(name, halve_, (0,), (torch.float32,)) for name in ("a", "b")]
-    with caplog.at_level("WARNING", logger="ampkit"):
+    with caplog.at_level("INFO", logger="ampkit"):
         for k in kernels:
             assert k._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu")) is not None
     announced = [r for r in caplog.records if "compiling the optimizer update kernels for cpu" in r.getMessage()]
     assert len(announced) == 1 and probed == ["cpu", "cpu"]
+    assert torch_compat.inductor_cache_dir() in announced[0].getMessage()
+    done = [r for r in caplog.records if "update kernel for cpu in" in r.getMessage()]
+    assert [r.levelname for r in done] == ["INFO", "INFO"]  # instant: under SLOW_COMPILE_S
+    assert "compiled the a update kernel" in done[0].getMessage()
+    # a compile slower than SLOW_COMPILE_S is a WARNING
+    monkeypatch.setattr(update_kernels, "SLOW_COMPILE_S", 0.0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ampkit"):
+        compensated.Kernel("c", halve_, (0,), (torch.float32,))._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu"))
+    assert [r.levelname for r in caplog.records if "update kernel for cpu in" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_fast_compile_is_not_announced_before_it_ends(monkeypatch, caplog):
+    """With the default delay a compile that ends at once (a warm cache) says nothing
+    beforehand: only its INFO line with the duration."""
+    from ampkit.levels import compensated, update_kernels
+
+    monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+    def halve_(a: torch.Tensor, scalars: torch.Tensor) -> None:
+        a.mul_(0.5)
+
+    with caplog.at_level("INFO", logger="ampkit"):
+        compensated.Kernel("d", halve_, (0,), (torch.float32,))._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("compiling the optimizer update kernels" in m for m in messages)
+    assert any("compiled the d update kernel for cpu in" in m for m in messages)
+    assert update_kernels.ANNOUNCED_DEVICES == set()

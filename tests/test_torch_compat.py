@@ -562,6 +562,11 @@ def test_optimizer_and_scheduler_markers_are_the_ones_torch_reads():
     assert getattr(opt, "_step_supports_amp_scaling", False) is True
 
 
+def test_the_inductor_cache_dir_is_a_path_inductor_uses(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert tc.inductor_cache_dir() == str(tmp_path / "cache")
+
+
 def test_step_hooks_are_the_dicts_torchs_step_wrapper_runs():
     """The optimizer's own step hooks are listed in order, and suspending them makes
     ``optimizer.step`` run none of them (torch's ``profile_hook_step`` reads those

@@ -109,6 +109,7 @@ __all__ = [
     "mark_step_wrapped_by_lr_scheduler",
     "optimizer_step_hooks",
     "instance_step_hooks_suspended",
+    "inductor_cache_dir",
     "active_ddp_module",
     "cpu_has_native_16bit",
 ]
@@ -737,6 +738,18 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Set ``optimizer._opt_called``: LR schedulers read it to warn about a scheduler
     stepped before its optimizer."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its on-disk cache of compiled kernels
+    (``torch._inductor.runtime.cache_dir_utils.cache_dir()``: ``TORCHINDUCTOR_CACHE_DIR``,
+    else a folder under the temp dir); named in ampkit's compile messages. "unknown" if
+    torch moved it."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return "unknown"
+    return str(cache_dir())
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -46,6 +47,11 @@ _LOG = logging.getLogger("ampkit")
 # Kernel registry: the device types whose kernel compiling has been announced in this
 # process (one message each: the first compiled step can take a minute).
 ANNOUNCED_DEVICES: set[str] = set()
+#: A compile still running after this many seconds is announced (at WARNING, once per
+#: device type and process); every compile is logged when it ends, with its duration
+#: (INFO; WARNING from ``SLOW_COMPILE_S``).
+ANNOUNCE_AFTER_S = 2.0
+SLOW_COMPILE_S = 5.0
 
 KernelMode = Literal["auto", "compiled", "eager"]
 # From this size on a tensor gets a call of its own: below it a call's overhead costs
@@ -56,6 +62,33 @@ DIRECT_NUMEL = 1 << 14
 # per-call overhead is small and batching's copies would cost memory for nothing.
 BATCH_MIN_COUNT = 8
 _lock = threading.Lock()
+
+
+def _announce_later(device_type: str) -> threading.Timer | None:
+    """Announce, once per device type and process, a compile still running after
+    ``ANNOUNCE_AFTER_S`` (at once when that is 0): the first compiled step can take a
+    minute on a cold cache, and a silent minute looks like a hang. Returns the timer to
+    cancel when the compile ends (None when announced already or at once)."""
+    if device_type in ANNOUNCED_DEVICES:
+        return None
+
+    def announce() -> None:
+        if device_type in ANNOUNCED_DEVICES:
+            return
+        ANNOUNCED_DEVICES.add(device_type)
+        _LOG.warning(
+            "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first step of "
+            "this process; up to a minute while inductor's on-disk cache at %s is cold, seconds once it "
+            "is warm).", device_type, torch_compat.inductor_cache_dir()
+        )
+
+    if ANNOUNCE_AFTER_S <= 0:
+        announce()
+        return None
+    timer = threading.Timer(ANNOUNCE_AFTER_S, announce)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -119,13 +152,8 @@ class Kernel:
             if key in self._compiled:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
-            if device.type not in ANNOUNCED_DEVICES:  # once per device type and process
-                ANNOUNCED_DEVICES.add(device.type)
-                _LOG.warning(
-                    "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first "
-                    "step of this process; up to a minute while inductor's on-disk cache is cold, seconds "
-                    "once it is warm).", device.type
-                )
+            timer = _announce_later(device.type)
+            start = time.perf_counter()
             try:
                 compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
                 # Probe on scratch tensors on the device the kernel will run on (a probe
@@ -148,6 +176,17 @@ class Kernel:
                     "op-by-op version (same math, slower).", self.name, type(exc).__name__, exc
                 )
                 compiled = None
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            took = time.perf_counter() - start
+            if compiled is not None:
+                _LOG.log(
+                    logging.WARNING if took >= SLOW_COMPILE_S else logging.INFO,
+                    "ampkit: compiled the %s update kernel for %s in %.1f s (inductor's on-disk cache: %s; "
+                    "a later process with the same cache compiles it in seconds).",
+                    self.name, device.type, took, torch_compat.inductor_cache_dir(),
+                )
             self._compiled[key] = compiled
             return compiled
 
