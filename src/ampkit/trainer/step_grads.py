@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .grad_hooks import GradPath
     from .loss_slots import LossSlot
 
-__all__ = ["StepGrads", "StepStage"]
+__all__ = ["StepGrads", "StepStage", "sum_flags"]
 
 
 class StepStage(enum.Enum):
@@ -198,12 +198,7 @@ class StepGrads:
             found = nonfinite_flag(group_grads(unchecked))  # reads only: nothing to multiply
             if found is not None:
                 flags.append(found)
-        if not flags:
-            return None
-        total = flags[0]
-        for other in flags[1:]:
-            total = total + other.to(total.device, non_blocking=True)
-        return total
+        return sum_flags(flags) if flags else None
 
     def _unscale(self) -> None:
         """The extensions' ``before_check``, then close this step's pending grads: their
@@ -245,6 +240,15 @@ class StepGrads:
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
+
+
+def sum_flags(flags: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Found-inf flags (0-dim tensors, > 0 on inf/NaN; at least one) as one, on the
+    first one's device: > 0 when any is. No host sync."""
+    total = flags[0]
+    for other in flags[1:]:
+        total = total + other.to(total.device, non_blocking=True)
+    return total
 
 
 def _ratio(new: float, old: float) -> float:

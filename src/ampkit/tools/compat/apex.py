@@ -80,6 +80,7 @@ from ampkit.levels import setup as _levels
 from ampkit.levels.model_cast import cast_tensors
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
+from ampkit.trainer.step_grads import sum_flags
 
 __all__ = ["amp"]
 
@@ -432,18 +433,14 @@ def _skip_together(states: list[Any], before: list[int]) -> None:
         new, earlier = flags[n:], flags[:n]
         if not new:
             continue
-        share = new[0]
-        for f in new[1:]:
-            share = share + f.to(share.device, non_blocking=True)
+        share = sum_flags(new)
         if earlier:  # masked where an earlier loss already overflowed this optimizer's grads
-            carried = torch.stack([f.to(share.device, non_blocking=True) for f in earlier]).gt(0).any()
+            carried = sum_flags(earlier).to(share.device, non_blocking=True) > 0
             share = share * (~carried).to(share.dtype)
         shares.append(share)
     if not shares:
         return
-    total = shares[0]
-    for f in shares[1:]:
-        total = total + f.to(total.device, non_blocking=True)
+    total = sum_flags(shares)
     for state in states:
         state.add_segment(total)
 
