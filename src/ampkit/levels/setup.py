@@ -475,12 +475,10 @@ ADAM_FAMILY: tuple[type[torch.optim.Optimizer], ...] = (
 )  # fmt: skip
 
 
-# eps added to the square root of the second moment: below float16's smallest normal
-# number (6.1e-5) it cannot keep m/(sqrt(v)+eps) finite once v underflows to 0.
-_EPS_IN_DENOMINATOR: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax,
-    torch.optim.Adagrad, torch.optim.RMSprop,
-)  # fmt: skip
+# The Adam family but Adadelta, whose eps goes inside the square root: eps is added to
+# the square root of the second moment, and below float16's smallest normal number
+# (6.1e-5) it cannot keep m/(sqrt(v)+eps) finite once v underflows to 0.
+_EPS_IN_DENOMINATOR = tuple(c for c in ADAM_FAMILY if c is not torch.optim.Adadelta)
 
 
 def _check_fp16_adam_state(level: OptLevel, opt_list: Sequence[torch.optim.Optimizer]) -> None:

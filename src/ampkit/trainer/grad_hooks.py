@@ -487,7 +487,7 @@ class GradPath:
         """Unscale the scaled grads of ``touched`` (fused, per device and dtype; checked
         by the step), move reduced 16-bit grads into masters (checked as they move),
         show mirrors."""
-        by_loss: dict[tuple[int | None, float], list[_Param]] = {}
+        by_scale: dict[float, list[_Param]] = {}
         shown: list[nn.Parameter] = []
         seen: set[int] = set()
         for rec in touched:
@@ -504,8 +504,8 @@ class GradPath:
                     rec.scale = None
                 shown.append(rec.param)
             elif rec.scale is not None:
-                by_loss.setdefault((rec.loss_id, rec.scale), []).append(rec)
-        for (_, scale), recs in by_loss.items():
+                by_scale.setdefault(rec.scale, []).append(rec)
+        for scale, recs in by_scale.items():
             # Multiplied only: these grads are the memory the optimizer steps, which code
             # can still change through ``.data`` before the step (no version counter
             # tells), so the step reads them for inf/NaN then (``unchecked``), once.

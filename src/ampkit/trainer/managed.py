@@ -267,8 +267,6 @@ class ManagedOptimizer(StepGrads):
         self._unscale()
         if was_unscaled:
             self._check_edits()
-        if closure is not None and self.grad_path.masters is not None:
-            self.grad_path.masters.materialize()  # a closure optimizer reads the masters' grads itself
         events, skip = self._resolve_step()
         shown = False
 
