@@ -564,71 +564,6 @@ _FP16_SETUPS = {
     "O1-fp8": {"fp8": "delayed"},
 }
 
-
-_FP16_OPTIMIZERS = {
-    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01),
-    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
-}
-
-
-@pytest.mark.parametrize(
-    "setup,opt_name",
-    # O3 in fp16 with an Adam-like optimizer is refused at initialize (its eps)
-    [(s, o) for s in _FP16_SETUPS for o in _FP16_OPTIMIZERS if s != "O3-SGD" or o == "SGD"],
-)
-@pytest.mark.parametrize("route", ["data", "data_div_0", "index", "after_unscale_data"])
-@pytest.mark.parametrize("layer", ["linear", "norm"])  # at O2 the norm is kept fp32, stepped as it is
-def test_fp16_dynamic_scale_skips_a_nonfinite_grad_written_after_backward(setup, route, layer, opt_name):
-    """fp16 with a dynamic loss scale (CUDA's default): the end of backward unscales the
-    grads, and an inf/NaN written into one afterwards -- through ``.data``, which no
-    version counter sees, or by indexing, or through ``.data`` after ``ampkit.unscale``
-    -- skips the step: weights (and masters) bitwise unchanged, the scale backed off
-    (kept after ``unscale``: that edit is no overflow of the loss scale)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 8))
-    opt = _FP16_OPTIMIZERS[opt_name](model.parameters())
-    overrides = _FP16_SETUPS[setup]
-    if overrides is None:
-        amp.init(dtype=torch.float16)
-        amp.init_trainer(opt)
-    else:
-        overrides = dict(overrides)
-        if "fp8" in overrides:
-            overrides["fp8"] = amp.Fp8Recipe(scaling=overrides["fp8"], min_features=16)
-        level = setup.split("-")[0]
-        model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.float16, **overrides)
-    dtype = model[0].weight.dtype
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    for step in range(2):
-        if step == 1:
-            weights = [p.detach().clone() for p in model.parameters()]
-            masters = [p.detach().clone() for p in amp.master_params(opt)]
-            scale = amp.stats(opt).scales[0]
-        opt.zero_grad()
-        with amp.scale_loss(model(x.to(dtype)).float().square().mean(), opt) as scaled:
-            scaled.backward()
-        if step == 1:
-            g = model[0 if layer == "linear" else 1].weight.grad
-            if route == "data":
-                g.data[0] = float("nan")
-            elif route == "data_div_0":
-                g.data.div_(0)
-            elif route == "index":
-                g[0] = float("inf")
-            else:
-                amp.unscale(opt)
-                g.data[0] = float("inf")
-        opt.step()
-        assert amp.step_skipped(opt) == (step == 1), (setup, route, layer, step)
-    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
-    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
-    # an edit after ampkit.unscale blames no loss scaler (the unscaled grads were finite);
-    # O3's scale is static (1.0, as apex's)
-    backs_off = route != "after_unscale_data" and setup != "O3-SGD"
-    assert (amp.stats(opt).scales[0] < scale) if backs_off else (amp.stats(opt).scales[0] == scale)
-
-
 _BF16_SETUPS = {
     "init": None,
     "O1": {},
@@ -639,41 +574,82 @@ _BF16_SETUPS = {
     "O3": {},
 }
 
+_SOAK_OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01),
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+}
 
-@pytest.mark.parametrize("opt_name", list(_FP16_OPTIMIZERS))
+
+def _soak_run(setup: str, overrides: dict | None, dtype: torch.dtype, opt_name: str, route: str, layer: int) -> tuple:
+    """The soak's loop: ``setup`` (``"init"``: amp.init + init_trainer; else the level
+    before its first ``-``, with ``overrides``) in ``dtype``, two steps; after the second
+    backward an inf/NaN is written into ``model[layer].weight.grad`` by ``route``. Asserts
+    the second step alone is skipped, with weights and masters bitwise unchanged; returns
+    the optimizer and its loss scale before the second step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 8))
+    opt = _SOAK_OPTIMIZERS[opt_name](model.parameters())
+    if overrides is None:
+        amp.init(dtype=dtype)
+        amp.init_trainer(opt)
+    else:
+        overrides = dict(overrides)
+        if "fp8" in overrides:
+            overrides["fp8"] = amp.Fp8Recipe(scaling=overrides["fp8"], min_features=16)
+        model, opt = amp.initialize(model, opt, opt_level=setup.split("-")[0], dtype=dtype, **overrides)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(model[0].weight.dtype)
+    for step in range(2):
+        if step == 1:
+            weights = [p.detach().clone() for p in model.parameters()]
+            masters = [p.detach().clone() for p in amp.master_params(opt)]
+            scale = amp.stats(opt).scales[0]
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        if step == 1:
+            g = model[layer].weight.grad
+            if route == "data":
+                g.data[0] = float("nan")
+            elif route == "data_div_0":
+                g.data.div_(0)
+            elif route == "index":
+                g[0] = float("inf")
+            else:  # after_unscale_data
+                amp.unscale(opt)
+                g.data[0] = float("inf")
+        opt.step()
+        assert amp.step_skipped(opt) == (step == 1), (setup, route, opt_name, step)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
+    return opt, scale
+
+
+@pytest.mark.parametrize(
+    "setup,opt_name",
+    # O3 in fp16 with an Adam-like optimizer is refused at initialize (its eps)
+    [(s, o) for s in _FP16_SETUPS for o in _SOAK_OPTIMIZERS if s != "O3-SGD" or o == "SGD"],
+)
+@pytest.mark.parametrize("route", ["data", "data_div_0", "index", "after_unscale_data"])
+@pytest.mark.parametrize("layer", ["linear", "norm"])  # at O2 the norm is kept fp32, stepped as it is
+def test_fp16_dynamic_scale_skips_a_nonfinite_grad_written_after_backward(setup, route, layer, opt_name):
+    """fp16 with a dynamic loss scale (CUDA's default): the end of backward unscales the
+    grads, and an inf/NaN written into one afterwards -- through ``.data``, which no
+    version counter sees, or by indexing, or through ``.data`` after ``ampkit.unscale``
+    -- skips the step: weights (and masters) bitwise unchanged, the scale backed off
+    (kept after ``unscale``: that edit is no overflow of the loss scale)."""
+    opt, scale = _soak_run(setup, _FP16_SETUPS[setup], torch.float16, opt_name, route, 0 if layer == "linear" else 1)
+    # an edit after ampkit.unscale blames no loss scaler (the unscaled grads were finite);
+    # O3's scale is static (1.0, as apex's)
+    backs_off = route != "after_unscale_data" and setup != "O3-SGD"
+    assert (amp.stats(opt).scales[0] < scale) if backs_off else (amp.stats(opt).scales[0] == scale)
+
+
+@pytest.mark.parametrize("opt_name", list(_SOAK_OPTIMIZERS))
 @pytest.mark.parametrize("setup", list(_BF16_SETUPS))
 @pytest.mark.parametrize("route", ["data", "data_div_0", "index"])
 def test_bf16_skips_a_nonfinite_grad_written_after_backward_with_every_optimizer(setup, route, opt_name):
     """The bf16 half of the soak: every level x AdamW/Adam/SGD, an inf/NaN written into
     a grad after backward (through ``.data`` or by indexing) skips the step, weights and
     masters bitwise unchanged."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 8))
-    opt = _FP16_OPTIMIZERS[opt_name](model.parameters())
-    overrides = _BF16_SETUPS[setup]
-    if overrides is None:
-        amp.init(dtype=BF16)
-        amp.init_trainer(opt)
-    else:
-        model, opt = amp.initialize(model, opt, opt_level=setup.split("-")[0], dtype=BF16, **overrides)
-    dtype = model[0].weight.dtype
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    for step in range(2):
-        if step == 1:
-            weights = [p.detach().clone() for p in model.parameters()]
-            masters = [p.detach().clone() for p in amp.master_params(opt)]
-        opt.zero_grad()
-        with amp.scale_loss(model(x.to(dtype)).float().square().mean(), opt) as scaled:
-            scaled.backward()
-        if step == 1:
-            g = model[0].weight.grad
-            if route == "data":
-                g.data[0] = float("nan")
-            elif route == "data_div_0":
-                g.data.div_(0)
-            else:
-                g[0] = float("inf")
-        opt.step()
-        assert amp.step_skipped(opt) == (step == 1), (setup, route, opt_name, step)
-    assert all(torch.equal(a, p.detach()) for a, p in zip(weights, model.parameters()))
-    assert all(torch.equal(a, p.detach()) for a, p in zip(masters, amp.master_params(opt)))
+    _soak_run(setup, _BF16_SETUPS[setup], BF16, opt_name, route, 0)
