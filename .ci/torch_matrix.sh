@@ -41,7 +41,7 @@ for v in $RELEASES; do
     export PYTHONPATH=src OMP_NUM_THREADS=1
     ok=1
     log="torch-matrix-$v"
-    "$venv/bin/python" -m ampkit.casting.lists.check 2>&1 | tee "$log-check.log" || ok=0
+    "$venv/bin/python" -m ampkit.casting.lists.generate --check 2>&1 | tee "$log-check.log" || ok=0
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
         tests/test_architecture.py tests/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
     "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "$log.json" || ok=0

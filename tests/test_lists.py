@@ -234,8 +234,8 @@ def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
 def test_an_unknown_torch_release_uses_the_nearest_older_table_and_says_so():
     from ampkit.casting import lists
 
-    assert sorted(lists.TABLES) == [(2, 11), (2, 13), (2, 15)]
-    with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.15 tables are used.*tests/test_lists\.py"):
+    assert sorted(lists.TABLES) == sorted(lists.RELEASES) == [(2, 11), (2, 13), (2, 15)]
+    with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.15 tables are used.*generate --check"):
         assert lists.table_release("2.99.0") == (2, 15)
     with pytest.warns(UserWarning, match=r"so the 2\.13 tables are used"):
         assert lists.table_release("2.14.1") == (2, 13)
@@ -245,31 +245,104 @@ def test_an_unknown_torch_release_uses_the_nearest_older_table_and_says_so():
         lists.torch_release("nightly")
 
 
-def test_the_release_tables_differ_from_2_13_as_their_torch_registers():
-    """2.11 and 2.15 are 2.13's tables with the differences their wheels register (each
-    run there by ``python -m ampkit.casting.lists.check``): 2.11's CUDA list lacks
-    rms_norm; 2.15 removed cholesky and qr and added linalg_matrix_sqrth (fp32)."""
+def test_the_release_tables_differ_as_their_torch_registers():
+    """Each table was generated from its release's wheel (2.11.0+cu130, 2.13.0+cpu,
+    2.15.0+cu132): 2.11's CUDA list lacks rms_norm; 2.15 removed cholesky and qr and
+    added linalg_matrix_sqrth (fp32); only the CUDA wheels register cuDNN's RNN."""
     from ampkit.casting import lists
 
+    assert lists.TABLE_SOURCES == {(2, 11): "2.11.0+cu130", (2, 13): "2.13.0+cpu", (2, 15): "2.15.0+cu132"}
     t11, t13, t15 = (lists.TABLES[r] for r in ((2, 11), (2, 13), (2, 15)))
-    assert t11["cpu"] is t13["cpu"]
+    assert t11["cpu"] == t13["cpu"]
     assert "rms_norm" in t13["cuda"]["fp32"] and "rms_norm" not in t11["cuda"]["fp32"]
     assert {"cholesky", "qr"} <= set(t13["cpu"]["fp32"]) and not {"cholesky", "qr"} & set(t15["cpu"]["fp32"])
     assert "linalg_matrix_sqrth" in t15["cpu"]["fp32"] and "linalg_matrix_sqrth" in t15["cuda"]["fp32"]
+    assert "_cudnn_rnn" in t11["cuda"]["lower"] and "_cudnn_rnn" in t15["cuda"]["lower"]
+    assert ("_cudnn_rnn" in t13["cuda"]["lower"]) == torch.backends.cudnn.is_available()  # added where it exists
     for device in ("cpu", "cuda"):
-        assert t11[device]["lower"] == t13[device]["lower"] == t15[device]["lower"]
         assert t11[device]["promote"] == t13[device]["promote"] == t15[device]["promote"]
+        assert set(t11[device]["lower"]) - {"_cudnn_rnn"} == set(t13[device]["lower"]) - {"_cudnn_rnn"}
 
 
-def test_the_check_reports_no_difference_for_the_running_torch(capsys):
+@pytest.mark.fresh_process  # ampkit's own autocast kernels would be probed too
+def test_the_table_in_use_is_what_this_torch_derives(capsys):
+    """``generate --check`` derives the categories from the running torch's autocast
+    kernels and finds no difference from the checked-in table of this release; the module
+    the generator would write is the checked-in one, byte for byte (but for the torch
+    build it names)."""
     from ampkit.casting import lists
-    from ampkit.casting.lists import check
+    from ampkit.casting.lists import derive, generate
 
-    assert check.main([]) == 0
+    assert generate.main(["--check"]) == 0
     assert "no difference" in capsys.readouterr().out
+    derived = derive.derive()
+    assert not any(derived.unplaced.values()) and not any(derived.conflicts.values())
+    path = generate.TABLES_DIR / generate.file_name(lists.RELEASE)
+    written = generate.render(derived, lists.RELEASE).replace(torch.__version__, lists.TABLE_SOURCES[lists.RELEASE])
+    if not torch.backends.cudnn.is_available() or "_cudnn_rnn" in path.read_text():
+        assert written == path.read_text()
     # against another release's table it names what differs (2.11's CUDA list lacks rms_norm)
-    lines = check.report((2, 13) if lists.RELEASE == (2, 11) else (2, 11))
-    assert any("rms_norm" in line for line in lines)
+    other = (2, 13) if lists.RELEASE == (2, 11) else (2, 11)
+    lines = generate.differences(lists.TABLES[other], lists.BANNED_TABLES[other], derived)
+    assert any(line.startswith("cuda: rms_norm: table ") for line in lines), lines
+
+
+@pytest.mark.fresh_process
+def test_the_probe_reads_a_kernel_it_has_never_seen():
+    """A planted autocast kernel for ``aten::tanh`` (no autocast kernel in torch) that
+    casts its input to fp32 is derived as ``fp32``, and ``--check`` reports it; after the
+    kernel is gone, tanh is absent again."""
+    from ampkit._internal import torch_compat as tc
+    from ampkit.casting import lists
+    from ampkit.casting.lists import derive, generate
+
+    def fp32_tanh(x):
+        with tc.exclude_dispatch_keys(tc.autocast_keyset()):
+            return torch.ops.aten.tanh.default(x.float())
+
+    def lower_tanh(x):
+        with tc.exclude_dispatch_keys(tc.autocast_keyset()):
+            return torch.ops.aten.tanh.default(x.to(torch.get_autocast_dtype("cpu")))
+
+    for kernel, category in ((fp32_tanh, "fp32"), (lower_tanh, "lower")):
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            lib.impl("tanh", kernel, "AutocastCPU")
+            derived = derive.derive(("cpu",))
+            assert "tanh" in derived.lists["cpu"][category]
+            lines = generate.differences(lists.DEFAULT_LISTS, lists.BANNED_OPS, derived)
+            assert lines == [f"cpu: tanh: table absent, this torch {category}"]
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # what the probe read is what autocast does
+                out = torch.tanh(torch.ones(2, dtype=torch.bfloat16 if category == "fp32" else torch.float32))
+            assert out.dtype == (torch.float32 if category == "fp32" else torch.bfloat16)
+        finally:
+            tc.destroy_library(lib)
+    assert "tanh" not in {n for names in derive.derive(("cpu",)).lists["cpu"].values() for n in names}
+
+
+def test_generated_files_hold_sorted_disjoint_lists():
+    """The checked-in tables are the generator's output: sorted names, no name twice
+    within a device type, the three categories and the banned list for both."""
+    import json
+
+    from ampkit.casting import lists
+    from ampkit.casting.lists import generate
+
+    for release in lists.RELEASES:
+        data = json.loads((generate.TABLES_DIR / generate.file_name(release)).read_text())
+        assert data["release"] == f"{release[0]}.{release[1]}" and data["torch"].startswith(data["release"] + ".")
+        for device in ("cpu", "cuda"):
+            assert tuple(data[device]) == ("lower", "fp32", "promote")
+            names = [n for c in data[device].values() for n in c] + data["banned"][device]
+            assert len(names) == len(set(names)) and all(c == sorted(c) for c in data[device].values())
+            for name in data["by_hand"].get(device, []):
+                assert name in derive_placed(device)
+
+
+def derive_placed(device):
+    from ampkit.casting.lists.derive import PLACED_BY_HAND
+
+    return PLACED_BY_HAND.get(device, {})
 
 
 def test_ops_a_newer_torch_removed_are_left_out_of_the_tables_it_borrows():

@@ -63,6 +63,32 @@ def test_overload_schema_and_name():
     assert not tc.overload_schema(aten.add.Tensor).is_mutable
 
 
+def test_dispatch_key_overloads_and_the_schema_helpers():
+    overloads = tc.dispatch_key_overloads("AutocastCPU")
+    assert ("mm", "default") in overloads and overloads == sorted(overloads)
+    assert {base for base, _ in overloads} == tc.dispatch_key_registrations("AutocastCPU")
+    cuda = tc.dispatch_key_overloads("AutocastCUDA")  # registered in CPU-only builds too
+    assert ("softmax", "int") in cuda and ("mm", "default") in cuda
+    args = {a.name: a for a in tc.overload_schema(aten.softmax.int).arguments}
+    assert tc.is_optional_type(args["dtype"].type) and not tc.is_optional_type(args["self"].type)
+
+
+def test_wrapper_tensor_owns_no_memory_and_claims_any_device():
+    seen = []
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is tc.aten_to_copy:
+                return tc.wrapper_tensor(Spy, tuple(args[0].shape), kwargs["dtype"], args[0].device.type)
+            raise NotImplementedError
+
+    t = tc.wrapper_tensor(Spy, (2, 3), torch.bfloat16, "cuda")  # no GPU needed
+    assert t.device.type == "cuda" and t.dtype is torch.bfloat16 and t.shape == (2, 3)
+    assert t.float().dtype is torch.float32 and seen == [tc.aten_to_copy]
+
+
 def test_raw_op_computes_the_op():
     a = torch.randn(3, 3)
     torch.testing.assert_close(tc.raw_op(aten.mm.default)(a, a), a @ a)

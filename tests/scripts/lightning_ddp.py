@@ -91,3 +91,9 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # With gloo, torch sometimes aborts while tearing the process down ("terminate called
+    # without an active exception") after all work is done and written; leave without
+    # that teardown so the test sees the real exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -99,6 +99,10 @@ __all__ = [
     "BATCH_NORM_BASE",
     "INSTANCE_NORM_BASE",
     "CONV_TRANSPOSE_BASE",
+    "dispatch_key_overloads",
+    "wrapper_tensor",
+    "is_optional_type",
+    "aten_to_copy",
     "dispatch_key_registrations",
     "sparse_values",
     "tensor_hooks_of",
@@ -707,6 +711,38 @@ def dispatch_key_registrations(dispatch_key: str) -> set[str]:
         for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
         if r.startswith("aten::")
     }
+
+
+def dispatch_key_overloads(dispatch_key: str) -> list[tuple[str, str]]:
+    """``(base name, overload name)`` of each aten op overload with a kernel on
+    ``dispatch_key`` (``"AutocastCUDA"``), sorted; the overload name is ``"default"``
+    for an op registered without one
+    (``torch._C._dispatch_get_registrations_for_dispatch_key``)."""
+    out = set()
+    for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key):
+        if r.startswith("aten::"):
+            base, _, overload = r.split("::", 1)[1].partition(".")
+            out.add((base, overload or "default"))
+    return sorted(out)
+
+
+def wrapper_tensor(cls: type, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Any:
+    """A ``cls`` (a ``torch.Tensor`` subclass with ``__torch_dispatch__``) of ``shape``,
+    ``dtype`` and ``device`` that owns no memory (``torch.Tensor._make_wrapper_subclass``):
+    every op on it goes to ``cls.__torch_dispatch__``. Its device may be one this machine
+    lacks (``"cuda"`` without a GPU), which is how the op-table generator sees the CUDA
+    autocast kernels. If renamed, the tables can be neither generated nor derived."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+def is_optional_type(schema_type: Any) -> bool:
+    """Whether a schema argument's ``.type`` is ``Optional[...]`` (``torch._C.OptionalType``)."""
+    return isinstance(schema_type, torch._C.OptionalType)
+
+
+#: ``aten::_to_copy.default``: the op a dtype cast (``Tensor.to(dtype)``) dispatches as;
+#: an autocast kernel's input casts reach ``__torch_dispatch__`` as this op.
+aten_to_copy: Any = torch.ops.aten._to_copy.default
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,23 @@
-"""Default op categories, as data: one table per device type.
+"""Default op categories, as data: one table per torch release and device type.
 
 Each table maps a category to aten op names (base names; every overload of a base
-name shares its category). The tables reproduce what ``torch.autocast`` does on
-that device for one torch release (``aten/src/ATen/autocast_mode.cpp``), keyed by
-that release in :data:`TABLES` (torch 2.11, 2.13, 2.15). The tests check the table in use
-against the kernels registered on the ``Autocast<Device>`` dispatch keys of the
-installed torch, and op by op against ``torch.autocast``'s output dtypes.
+name shares its category) and reproduces what ``torch.autocast`` does on that device
+in that release. The tables are generated, not typed: ``python -m
+ampkit.casting.lists.generate`` reads them from the running torch's own autocast kernels
+(:mod:`.derive`) and writes ``tables/torch_<major>_<minor>.json``; :data:`TABLES` holds
+the releases in :data:`RELEASES`, and the one of the running torch is used. The tests
+check the table in use against the kernels registered on the ``Autocast<Device>``
+dispatch keys, against a fresh derivation, and op by op against ``torch.autocast``'s
+output dtypes.
 
 Under a torch release ampkit has no table for, the table of the newest older release
 is used (the oldest for an older torch), less the ops that torch lacks, and a warning
-at import says so (:func:`table_release`): a release that moved an op between
-categories would then make ``default_policy()`` differ from ``torch.autocast`` for
-that op. Adding a release: run ``python -m ampkit.casting.lists.check`` under it, add its
-table here, and run ``tests/test_lists.py``.
+at import says so and names the command that lists the differences (``python -m
+ampkit.casting.lists.generate --check``): a release that moved an op between categories
+would make ``default_policy()`` differ from ``torch.autocast`` for that op. (Deriving at
+import instead would take about half a second and print torch's own deprecation notices
+for the probed ops.) Adding a release: run the generator under it and add it to
+:data:`RELEASES`.
 
 Categories:
 
@@ -31,53 +36,61 @@ ampkit keeps one category.
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
 from ampkit.errors import PolicyError
 
-from . import cpu, cuda
+from .derive import AUTOCAST_KEYS, PLACED_BY_HAND
 
 CATEGORIES: tuple[str, ...] = ("lower", "fp32", "promote")
 
-def _edited(lists: Mapping[str, tuple[str, ...]], drop: tuple[str, ...] = (), **add: tuple[str, ...]) -> MappingProxyType:
-    """``lists`` (category -> names) less ``drop``, plus ``add[category]`` names."""
-    return MappingProxyType({c: tuple(n for n in names if n not in drop) + add.get(c, ()) for c, names in lists.items()})
+#: the releases with a generated table (``tables/torch_<major>_<minor>.json``)
+RELEASES: tuple[tuple[int, int], ...] = ((2, 11), (2, 13), (2, 15))
 
 
-# The CUDA builds of torch register an autocast kernel for cuDNN's RNN (a lower-precision
-# cast of its input and weights, torch's aten/src/ATen/cudnn/AutocastRNN.cpp); the CPU
-# builds do not have it.
-_CUDNN: tuple[str, ...] = ("_cudnn_rnn",) if torch.backends.cudnn.is_available() else ()
-_CUDA_213 = _edited(cuda.LISTS, lower=_CUDNN)
+_TABLES_DIR = Path(__file__).with_name("tables")
 
-#: torch release (major, minor) -> device type -> category -> tuple of aten base names.
-#: Each table reproduces ``torch.autocast`` of that release; the tests check the one
-#: in use against the installed torch (``tests/test_lists.py``), and
-#: ``python -m ampkit.casting.lists.check`` prints how a torch's registrations differ
-#: from a table. 2.13 is written out (``cpu.py``, ``cuda.py``); the others are 2.13's
-#: with the differences that check found on the PyPI wheels (2.11.0+cu130,
-#: 2.15.0+cu132): 2.11's CUDA list has no ``rms_norm``; 2.15 removed ``aten::cholesky``
-#: and ``aten::qr`` and added ``linalg_matrix_sqrth`` to both fp32 lists (probed against
-#: ``torch.autocast`` on CPU; on CUDA from the CPU probe and its registration, not run on
-#: a GPU).
-TABLES = MappingProxyType({
-    (2, 11): MappingProxyType({"cpu": cpu.LISTS, "cuda": _edited(_CUDA_213, drop=("rms_norm",))}),
-    (2, 13): MappingProxyType({"cpu": cpu.LISTS, "cuda": _CUDA_213}),
-    (2, 15): MappingProxyType({
-        "cpu": _edited(cpu.LISTS, drop=("cholesky", "qr"), fp32=("linalg_matrix_sqrth",)),
-        "cuda": _edited(_CUDA_213, fp32=("linalg_matrix_sqrth",)),
-    }),
-})  # fmt: skip
+
+def _path(release: tuple[int, int]) -> Path:
+    return _TABLES_DIR / f"torch_{release[0]}_{release[1]}.json"
+
+
+def _load(release: tuple[int, int]) -> tuple[MappingProxyType, MappingProxyType, str]:
+    """``(device type -> category -> names, device type -> banned names, torch version)``
+    of ``release``'s generated table file. A table written on a CPU-only build lacks the
+    CUDA kernels only CUDA builds register (cuDNN's RNN, :data:`.derive.PLACED_BY_HAND`);
+    under a torch with cuDNN they are added in their hand-placed category."""
+    data = json.loads(_path(release).read_text())
+    lists = {d: {c: tuple(data[d][c]) for c in CATEGORIES} for d in AUTOCAST_KEYS}
+    if torch.backends.cudnn.is_available():
+        for device, placed in PLACED_BY_HAND.items():
+            for name, (category, _) in placed.items():
+                if not any(name in names for names in lists[device].values()):
+                    lists[device][category] = tuple(sorted((*lists[device][category], name)))
+    tables = MappingProxyType({d: MappingProxyType(t) for d, t in lists.items()})
+    banned = MappingProxyType({d: tuple(data["banned"][d]) for d in AUTOCAST_KEYS})
+    return tables, banned, data["torch"]
+
+
+# the generator runs under a release before its table exists
+_LOADED = {release: _load(release) for release in RELEASES if _path(release).exists()}
+
+#: torch release (major, minor) -> device type -> category -> tuple of aten base names,
+#: generated from that release's wheel (:data:`TABLE_SOURCES` names the build)
+TABLES = MappingProxyType({release: loaded[0] for release, loaded in _LOADED.items()})
 
 #: torch release -> device type -> aten base names torch.autocast refuses to run (it raises)
-BANNED_TABLES = MappingProxyType({
-    release: MappingProxyType({"cpu": cpu.BANNED, "cuda": cuda.BANNED}) for release in TABLES
-})  # fmt: skip
+BANNED_TABLES = MappingProxyType({release: loaded[1] for release, loaded in _LOADED.items()})
+
+#: torch release -> the torch version its table was generated from ("2.11.0+cu130")
+TABLE_SOURCES = MappingProxyType({release: loaded[2] for release, loaded in _LOADED.items()})
 
 
 def torch_release(version: str) -> tuple[int, int]:
@@ -104,8 +117,8 @@ def table_release(version: str) -> tuple[int, int]:
         f"ampkit: its op tables are written for torch {known}; "
         f"this is torch {version}, so the {newest[0]}.{newest[1]} tables are used. "
         "default_policy() may differ from torch.autocast on ops this release moved; "
-        "install a torch ampkit has tables for, or run ampkit's tests/test_lists.py to see "
-        "which ops differ.",
+        "install a torch ampkit has tables for, or run `python -m ampkit.casting.lists.generate "
+        "--check` to list the ops that differ.",
         UserWarning,
         stacklevel=2,
     )
@@ -164,9 +177,6 @@ else:
 BANNED_OPS = MappingProxyType({d: tuple(n for n in names if not DROPPED_OPS or aten_has(n))
                                for d, names in BANNED_TABLES[RELEASE].items()})  # fmt: skip
 
-#: dispatch key that torch.autocast uses for each device type we have lists for
-AUTOCAST_KEYS = MappingProxyType({"cpu": "AutocastCPU", "cuda": "AutocastCUDA"})
-
 
 def native_categories(device_type: str) -> dict[str, str]:
     """``{aten base name: category}`` for ``device_type``'s default lists."""
@@ -185,7 +195,9 @@ __all__ = [
     "DEFAULT_LISTS",
     "DROPPED_OPS",
     "RELEASE",
+    "RELEASES",
     "TABLES",
+    "TABLE_SOURCES",
     "aten_has",
     "native_categories",
     "table_release",
