@@ -128,6 +128,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                "its page fills in once `--only ddp` is recorded."),
     ),
     Benchmark(
+        "first_step", "The first step of a process: cold and warmed compile caches", "first_step.py",
+        ("--size", "quick", "--json", "{json}"), timeout=900, record=False,
+        notes=("Its cold arms compile for about 10 s each, so the docs run does not record it;",
+               "its page fills in once `--only first_step` is recorded."),
+    ),
+    Benchmark(
         "gpu_check", "GPU check", "gpu_check.py",
         ("--out", "{out}"), result="gpu-check.json", timeout=900, record=False,
         notes=("It needs a CUDA GPU; its page fills in once `--only gpu_check` is recorded",
@@ -434,6 +440,16 @@ def render_ddp(result: dict[str, Any]) -> str:
     return "".join(out) + "\n"
 
 
+def render_first_step(result: dict[str, Any]) -> str:
+    out = [f"`{result['workload']}` ({result['size']}), 1 thread; each arm a fresh process. *Cold*: an empty "
+           "`TORCHINDUCTOR_CACHE_DIR`; *warm*: a cache that `ampkit warmup` (O2 and O2K, AdamW) filled first, in "
+           f"{result['warmup_s']:.1f} s. *vs fp32*: the first step's extra seconds over fp32's.\n\n"]  # fmt: skip
+    rows = [[r["level"], _cell(r["cold_first_s"]), f"{r['cold_over_fp32_s']:+.2f}", _cell(r["warm_first_s"]),
+             f"{r['warm_over_fp32_s']:+.2f}", _cell(r["later_step_s"], ".3f")] for r in result["rows"]]  # fmt: skip
+    out.append(md_table(["level", "cold first step s", "vs fp32", "warm first step s", "vs fp32", "later step s"], rows))
+    return "".join(out) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
     "ampkit-bench": render_ampkit_bench,
     "step_limit": render_step_limit,
@@ -447,6 +463,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "inference": render_inference,
     "compile": render_compile,
     "ddp": render_ddp,
+    "first_step": render_first_step,
 }
 
 

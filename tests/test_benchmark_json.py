@@ -239,3 +239,20 @@ def test_ddp_json_holds_the_printed_table_and_targets(tmp_path):
     assert off["collectives_auto"] is None and off["n_procs_never_ms"] is None
     assert (o1["collectives_auto"], o1["collectives_never"]) == (1, 0)  # what ampkit promises
     renders("ddp", record, "O1", "1 / 0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_first_step_json_holds_the_printed_table(tmp_path):
+    stdout, record = run_script("first_step.py", ["--size", "tiny"], tmp_path, timeout=800)
+    assert (record["workload"], record["size"]) == ("lm", "tiny") and record["warmup_s"] > 0
+    levels = [r["level"] for r in record["rows"]]
+    assert levels == ["fp32", "O1", "O2", "O2K"]
+    printed = _rows_by_first_word(stdout, levels)
+    fp32 = record["rows"][0]
+    for row in record["rows"]:
+        assert printed[row["level"]] == [
+            f"{row['cold_first_s']:.2f}", f"{row['cold_over_fp32_s']:+.2f}", f"{row['warm_first_s']:.2f}",
+            f"{row['warm_over_fp32_s']:+.2f}", f"{row['later_step_s']:.3f}"]  # fmt: skip
+        assert row["cold_over_fp32_s"] == pytest.approx(row["cold_first_s"] - fp32["cold_first_s"])
+    renders("first_step", record, "O2K", "warm first step s")

@@ -6,9 +6,10 @@ written with torch ops. It runs in one of two modes:
 ``"compiled"``
     ``torch.compile(fn, dynamic=True, fullgraph=True)``: Inductor fuses the whole
     function into one loop that reads each input once and writes each output in
-    place, with no full-size temporaries. One compilation per kernel and process
-    (a few seconds from Inductor's on-disk cache; ~30 s the very first time on a
-    machine, gcc compiling the C++); every tensor size reuses it.
+    place, with no full-size temporaries. One compilation per kernel, dtype combination
+    and process; every tensor size reuses it (``benchmarks/first_step.py``, 2-core
+    AVX-512 CPU: about 8 s on an empty Inductor cache, gcc compiling the C++; 2 s from
+    the on-disk cache, which ``ampkit warmup`` fills ahead of a job).
 ``"eager"``
     The same function run op by op on slices of at most ``chunk_numel`` elements,
     so its fp32 temporaries stay bounded. The fallback where compiling fails.

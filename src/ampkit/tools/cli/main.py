@@ -4,7 +4,8 @@ accuracy side by side; ``ampkit convert`` turns a training checkpoint into a 16-
 inference model (and ONNX) and reports size, speed and error against fp32; ``ampkit
 doctor script.py [args]`` runs a training script with :func:`ampkit.doctor` on and
 prints its report; ``ampkit run script.py [args]`` trains an unmodified script in mixed
-precision (``--compare``: side by side with fp32).
+precision (``--compare``: side by side with fp32); ``ampkit warmup`` compiles O2/O2K's
+update kernels into Inductor's on-disk cache ahead of a job.
 
 Exit codes: 0 success, 1 a precision failed while training, 2 bad input or
 environment (one line on stderr), 130 interrupted; ``ampkit doctor`` and ``ampkit run`` pass the
@@ -40,7 +41,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor`` and ``run``)."""
+    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor``, ``run``
+    and ``warmup``)."""
     from ampkit.tools.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
@@ -92,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .run import add_parser as add_run_parser
 
     add_run_parser(sub)
+    from .warmup import add_parser as add_warmup_parser
+
+    add_warmup_parser(sub)
     return parser
 
 
@@ -219,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .run import run as run_script
 
             return run_script(args)
+        if args.command == "warmup":
+            from .warmup import run as run_warmup
+
+            return run_warmup(args)
         return _bench(args)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)

@@ -1,0 +1,60 @@
+"""``ampkit warmup``: compile the O2/O2K optimizer update kernels into Inductor's on-disk
+cache (``TORCHINDUCTOR_CACHE_DIR``) ahead of a job, so that its first step loads them
+instead of compiling them (about 10 s on a cold cache, 2 s warm, measured on a 2-core
+CPU). Run it with the job's torch, cache folder and machine, e.g. in a container image's
+build step. Prints one line per configuration and the cache folder; ``--json`` also
+writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ._common import UsageError, add_command, check_writable, write_output
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from ampkit.tools.warmup import LEVELS, OPTIMIZERS
+
+    parser = add_command(sub, "warmup", "compile O2/O2K's update kernels into Inductor's cache ahead of a job", __doc__)
+    parser.add_argument("--level", action="append", choices=LEVELS, default=None,
+                        help="a level to warm, repeatable (default: both O2 and O2K)")
+    parser.add_argument("--optimizer", action="append", choices=tuple(OPTIMIZERS), default=None,
+                        help="an update rule to warm, repeatable (default: adamw; "
+                             + "; ".join(f"{k}: {v}" for k, v in OPTIMIZERS.items()) + ")")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                        help="16-bit dtype of the job (default: bf16; fp16 warms O2 only)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device type of the job (default: cpu)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    return parser  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ampkit warmup``; returns 0 (raises UsageError for bad input)."""
+    import torch
+
+    from ampkit.errors import AmpError
+    from ampkit.tools.warmup import cache_dir, warm
+
+    check_writable(args.json, "the JSON results", "ampkit warmup")
+    torch.set_num_threads(min(torch.get_num_threads(), 4))
+    levels = args.level or (["O2"] if args.dtype == "fp16" else ["O2", "O2K"])
+    try:
+        results = warm(levels, args.dtype, args.optimizer or ["adamw"], args.device)
+    except AmpError as err:
+        raise UsageError(f"ampkit warmup: {err}") from None
+    folder = cache_dir()
+    for r in results:
+        how = "compiled" if r.compiled else "nothing to compile: no C++ compiler, torch's kernels are used"
+        print(f"{r.level} {r.dtype} {r.optimizer} on {r.device}: {r.seconds:.1f} s ({how})")
+    print(f"Inductor's cache: {folder}")
+    if args.json is not None:
+        doc = {"cache_dir": folder, "results": [dataclasses.asdict(r) for r in results]}
+        write_output(args.json, lambda p: p.write_text(json.dumps(doc, indent=2)), "the JSON results", "ampkit warmup")
+    return 0

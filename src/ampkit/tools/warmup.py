@@ -1,0 +1,123 @@
+"""``ampkit warmup``: compile the optimizer update kernels into Inductor's on-disk cache
+ahead of a job, so that the job's first O2/O2K step loads them instead of compiling.
+
+O2 (master weights, one-pass update) and O2K (compensated bf16) step Adam, AdamW and
+SGD through kernels that ``torch.compile`` builds at the first step: about 10-40 s on a
+cold cache (gcc compiles the C++), seconds from a warm one. A kernel is compiled once per
+process for each update rule (Adam/AdamW, SGD with momentum, SGD with Nesterov momentum,
+plain SGD), 16-bit dtype and device type; parameter shapes and hyperparameter values do
+not matter. The cache is Inductor's (``TORCHINDUCTOR_CACHE_DIR``, default
+``/tmp/torchinductor_<user>``): warm up with the same variable, torch and machine as
+the job, e.g. in a container image's build step.
+
+Each warm-up trains one step of a small model (a 512x256 linear layer and a LayerNorm)
+through the real ``initialize`` path, in this process, then resets ampkit: run it in a
+process of its own (the command does), not inside a training script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ampkit._internal import torch_compat
+from ampkit.errors import AmpError
+
+__all__ = ["OPTIMIZERS", "LEVELS", "WarmResult", "warm"]
+
+#: the optimizer configurations with a kernel of their own
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW (also Adam: the same kernel)",
+    "sgd": "torch.optim.SGD with momentum",
+    "nesterov": "torch.optim.SGD with Nesterov momentum",
+    "sgd-plain": "torch.optim.SGD without momentum",
+}
+#: the levels whose step runs compiled update kernels
+LEVELS: tuple[str, ...] = ("O2", "O2K")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmResult:
+    """One warmed configuration: ``level``, ``dtype`` (``"bf16"``/``"fp16"``),
+    ``optimizer`` (a key of :data:`OPTIMIZERS`), ``device``, ``seconds`` (the step,
+    compiles included) and ``compiled`` (False where the kernels fell back to torch's
+    ops: no compiler; the step then has nothing to warm)."""
+
+    level: str
+    dtype: str
+    optimizer: str
+    device: str
+    seconds: float
+    compiled: bool
+
+
+def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if name == "nesterov":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True)
+    return torch.optim.SGD(params, lr=1e-2)
+
+
+def _one(level: str, dtype: torch.dtype, optimizer: str, device: str) -> bool:
+    """Train one step at ``level``; whether the step ran compiled kernels."""
+    import ampkit as amp
+    from ampkit.levels import update_kernels
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 256), nn.LayerNorm(256)).to(device)  # 131k weights: every kernel
+    opt = _optimizer(optimizer, list(model.parameters()))
+    try:
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype)
+        loss = model(torch.randn(8, 512, device=device)).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    finally:
+        amp.reset()
+    return update_kernels.resolve_mode("auto") == "compiled"
+
+
+def warm(
+    levels: Sequence[str] = LEVELS,
+    dtype: str = "bf16",
+    optimizers: Sequence[str] = ("adamw",),
+    device: str = "cpu",
+) -> list[WarmResult]:
+    """Compile the update kernels of ``levels`` (``"O2"``, ``"O2K"``) x ``optimizers``
+    (keys of :data:`OPTIMIZERS`) for ``dtype`` (``"bf16"`` default, or ``"fp16"``:
+    O2 only) on ``device`` (``"cpu"`` default, or ``"cuda"``) into Inductor's on-disk
+    cache. Sets ampkit up and resets it for each configuration: call it in a process of
+    its own. Raises :class:`ampkit.AmpError` for an unknown level, dtype, optimizer or
+    an unavailable device, before anything is compiled."""
+    bad = [x for x in levels if x not in LEVELS]
+    if bad or not levels:
+        raise AmpError(f"levels {list(levels)!r}: choose from {', '.join(LEVELS)} (the levels that compile kernels).")
+    bad = [x for x in optimizers if x not in OPTIMIZERS]
+    if bad or not optimizers:
+        raise AmpError(f"optimizers {list(optimizers)!r}: choose from {', '.join(OPTIMIZERS)}.")
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype not in dtypes:
+        raise AmpError(f"dtype {dtype!r}: choose bf16 or fp16.")
+    if dtype == "fp16" and "O2K" in levels:
+        raise AmpError("O2K computes in bf16 only; drop O2K or use --dtype bf16.")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise AmpError(f"device {device!r} is not available here; use cpu" + (" or cuda." if torch.cuda.is_available() else "."))
+    out = []
+    for level in levels:
+        for name in optimizers:
+            start = time.perf_counter()
+            compiled = _one(level, dtypes[dtype], name, device)
+            out.append(WarmResult(level, dtype, name, device, time.perf_counter() - start, compiled))
+    return out
+
+
+def cache_dir() -> str:
+    """Inductor's on-disk cache folder in this process."""
+    return torch_compat.inductor_cache_dir()
