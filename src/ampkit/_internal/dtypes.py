@@ -103,6 +103,13 @@ def cast_optimizer_state(state: Mapping[str, Any], dtype: torch.dtype) -> dict[s
     }
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard if it is a ``DTensor`` (FSDP2's sharded parameters, their
+    grads and optimizer state; ``DTensor.to_local()``, sharing its memory), else ``t``."""
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
 def torch_class(module: str, name: str) -> type | None:
     """``module.name`` (e.g. ``torch.distributed.fsdp``, ``FSDPModule``), or None when
     this torch build lacks it (no distributed support, an older torch). Cheap after the

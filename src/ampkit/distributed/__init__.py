@@ -1,9 +1,10 @@
 """DDP and FSDP under ampkit: one skip decision across ranks, the grad-sync plan,
-SyncBatchNorm conversion, and the checks that refuse wrappers a level cannot run
-under. ``ampkit.distributed`` is public: these names are its API."""
+FSDP2 sharding for every opt level (:func:`fully_shard`), SyncBatchNorm conversion, and
+the checks that refuse wrappers a level cannot run under. ``ampkit.distributed`` is public: these names are its API."""
 
 from __future__ import annotations
 
+from .fsdp import ShardPlan, fully_shard, shard_plan
 from .core import (
     FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
     SyncMode,
@@ -18,6 +19,9 @@ from .core import (
 
 __all__ = [
     "FSDPGuard",
+    "ShardPlan",
+    "fully_shard",
+    "shard_plan",
     "SyncMode",
     "SyncPlan",
     "check_models",

@@ -369,8 +369,10 @@ def _contains(model: nn.Module, cls: type | None) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
-def _is_fsdp2(model: nn.Module) -> bool:
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` or a module in it is an FSDP2 (``fully_shard``) module."""
     return _contains(model, torch_class("torch.distributed.fsdp", "FSDPModule"))
+
 
 
 def _is_fsdp1(model: nn.Module) -> bool:
@@ -379,12 +381,11 @@ def _is_fsdp1(model: nn.Module) -> bool:
 
 def _fsdp_recipe(level_name: str) -> str:
     return (
-        f"{level_name} casts the model's weights itself, which FSDP2 cannot follow (it owns "
-        "the sharded parameters). Let FSDP2 cast: fully_shard(module, mp_policy="
-        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) keeps "
-        "fp32 sharded weights (the masters of O2) and computes in bf16; then build the "
-        "optimizer and call ampkit.initialize(model, opt, opt_level='O0') for step skipping "
-        "(add loss_scale='dynamic' for fp16), or 'O1' for op-level casting on top."
+        f"{level_name} stores the weights in other dtypes, and FSDP2 owns the sharded parameters, "
+        "so the level must be part of the sharding: shard the fp32 model with "
+        f"ampkit.distributed.fully_shard(model, opt_level={level_name!r}) (FSDP2 with the level's "
+        "MixedPrecisionPolicy per module), then build the optimizer and call ampkit.initialize "
+        "with the same level."
     )
 
 
@@ -410,8 +411,12 @@ def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool
                 "ampkit.initialize on the plain model first, then wrap it: "
                 "model = ampkit.distributed.register_ddp(DDP(model))."
             )
-        if _is_fsdp2(model):
-            raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
+        if is_fsdp2(model):
+            from .fsdp import shard_plan
+
+            if shard_plan(model) is None:
+                raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
+            continue  # sharded for its level by ampkit.distributed.fully_shard (checked by initialize)
         if _is_fsdp1(model):
             raise DistributedError(
                 f"initialize got a FullyShardedDataParallel (FSDP1) model at {level_name}; "
@@ -419,7 +424,8 @@ def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool
                 "O0/O1 and FSDP2's MixedPrecisionPolicy, or DDP."
             )
     for model in models:
-        _install_fsdp_guard(model, level_name)
+        if not is_fsdp2(model):
+            _install_fsdp_guard(model, level_name)
 
 
 # Module state: the FSDP guard hook of each model a cast level prepared (weak keys).

@@ -67,7 +67,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampkit._internal.dtypes import LOW_PRECISION, cast_optimizer_state
+from ampkit._internal.dtypes import LOW_PRECISION, cast_optimizer_state, local_tensor
 from ampkit._internal.validate import (
     CORRUPT_CHECKPOINT,
     require_choice,
@@ -379,13 +379,15 @@ class CompensatedUpdates:
 
     def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
         g = p.grad
-        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or flat(p) is None:
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or flat(local_tensor(p.detach())) is None:
+            return False
+        if type(g) is not type(p.detach()):  # a sharded parameter with a full grad, or the reverse
             return False
         state = optimizer.state.get(p)
-        tensors = [p, g]
+        tensors = [local_tensor(p.detach()), local_tensor(g)]
         buf = self._buffers.get(id(p))
         if buf is not None:
-            tensors.append(buf)
+            tensors.append(local_tensor(buf))
         if state:
             if rule == "adam" and "step" not in state:
                 return False
@@ -395,7 +397,7 @@ class CompensatedUpdates:
                     continue
                 if not torch.is_tensor(v) or v.dtype != _BF:
                     return False
-                tensors.append(v)
+                tensors.append(local_tensor(v))
         return same_layout(tensors)
 
     def _step_dedicated(
@@ -404,9 +406,10 @@ class CompensatedUpdates:
         assert self.kernel != "generic"
         mode = _kernels.resolve_mode(self.kernel)
         run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
-        ws = [flat(p.detach()) for p in params]
-        cs = [flat(self._buffer_for(p, p.detach())) for p in params]
-        gs = [flat(p.grad) for p in params]  # type: ignore[arg-type]
+        # FSDP2's DTensor shards: the update is elementwise, so each rank steps its local shard
+        ws = [flat(local_tensor(p.detach())) for p in params]
+        cs = [flat(local_tensor(self._buffer_for(p, p.detach()))) for p in params]
+        gs = [flat(local_tensor(p.grad)) for p in params]  # type: ignore[arg-type]
         with torch.no_grad():
             if rule == "adam":
                 self._adam(optimizer, group, params, ws, cs, gs, run)
@@ -416,8 +419,8 @@ class CompensatedUpdates:
     def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
               gs: list, run: dict) -> None:
         for idx, scalars in adam_scalars(optimizer, group, params):
-            ms = [flat(optimizer.state[params[i]]["exp_avg"]) for i in idx]
-            vs = [flat(optimizer.state[params[i]]["exp_avg_sq"]) for i in idx]
+            ms = [flat(local_tensor(optimizer.state[params[i]]["exp_avg"])) for i in idx]
+            vs = [flat(local_tensor(optimizer.state[params[i]]["exp_avg_sq"])) for i in idx]
             _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
 
     def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
@@ -427,7 +430,7 @@ class CompensatedUpdates:
             SGD_PLAIN([ws, cs, gs], plan, **run)
             return
         for idx, scalars in plan:
-            bufs = [flat(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
+            bufs = [flat(local_tensor(optimizer.state[params[i]]["momentum_buffer"])) for i in idx]
             _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
                  nesterov=bool(group.get("nesterov")), **run)
 
@@ -605,8 +608,14 @@ class CompensatedUpdates:
             # a compensation is the low part a rounding lost: at most half an ulp of its
             # weight, and no weight of this dtype has an ulp above eps * max
             info = torch.finfo(p.dtype)
-            require_tensor(t, f"compensation buffer at group {gi}, index {pi}", StateError, p.dtype,
-                           finite=True, hint=CORRUPT_CHECKPOINT, max_abs=info.eps * info.max)
+            if local_tensor(t) is not t and (local_tensor(p) is p or (t.device_mesh, t.placements) != (
+                    p.device_mesh, p.placements)):  # fmt: skip
+                raise StateError(
+                    f"compensation buffer at group {gi}, index {pi} is sharded as {t.placements}; the "
+                    "parameter is not sharded that way: load it into the model it was saved from."
+                )
+            require_tensor(local_tensor(t), f"compensation buffer at group {gi}, index {pi}", StateError,
+                           p.dtype, finite=True, hint=CORRUPT_CHECKPOINT, max_abs=info.eps * info.max)
             seen.add((gi, pi))
             buffers.append((p, t.detach().to(device=p.device, copy=True)))
         generator = _checked_generator_state(state["generator"], "cpu")
@@ -630,7 +639,7 @@ class CompensatedUpdates:
         return _tensor_bytes(
             [p for g in self.optimizer.param_groups for p in g["params"]],
             self.optimizer,
-        ) + sum(b.numel() * b.element_size() for b in self._buffers.values())
+        ) + sum(local_tensor(b).numel() * b.element_size() for b in self._buffers.values())
 
 
 def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
@@ -647,11 +656,13 @@ def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
 
 
 def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    total = sum(p.numel() * p.element_size() for p in params)
+    """Bytes of ``params`` and ``optimizer``'s state tensors on this rank (a DTensor
+    counts its local shard)."""
+    total = sum(local_tensor(p.detach()).numel() * p.element_size() for p in params)
     for state in optimizer.state.values():
         for v in state.values():
             if torch.is_tensor(v):
-                total += v.numel() * v.element_size()
+                total += local_tensor(v).numel() * v.element_size()
     return total
 
 

@@ -48,6 +48,7 @@ from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, check_device_type
 from ampkit.distributed.core import (
+    is_fsdp2,
     check_models,  # refuses DDP/FSDP wrappers a level cannot run under
 )
 from ampkit.errors import AmpError, PolicyError, ScalerError, StateError
@@ -63,6 +64,7 @@ from .compensated import CompensatedUpdates
 from .fp8 import Fp8Recipe
 from .master import MASTER_GRADS, MODEL_GRADS, MasterWeights
 from .model_cast import (
+    add_fp32_scope,
     add_op_casting,
     cast_model,
     check_keep_fp32,
@@ -526,6 +528,8 @@ def _check_fp32(
     if level.cast_model_type is None:
         return
     for i, model in enumerate(models):
+        if is_fsdp2(model):  # ampkit.distributed.fully_shard stored it as the level does
+            continue
         recast = model in _CAST_MODELS
         for name, p in model.named_parameters():
             if not p.is_floating_point() or p.dtype == torch.float32:
@@ -712,7 +716,10 @@ def initialize(
         _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
     masters: list[MasterWeights | None] = [_masters_of(opt) for opt in opt_list]
-    if level.cast_model_type is not None:
+    sharded = level.cast_model_type is not None and any(is_fsdp2(m) for m in model_list)
+    if sharded:
+        _setup_sharded(model_list, level, device_type, policy)
+    elif level.cast_model_type is not None:
         # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
         if level.master_weights:
             to_cast = [
@@ -764,6 +771,27 @@ def initialize(
     out_models: Any = model_list[0] if one_model else model_list
     out_opts: Any = None if optimizers is None else (optimizers if one_opt else list(optimizers))
     return out_models, out_opts
+
+
+def _setup_sharded(model_list: list[nn.Module], level: OptLevel, device_type: str, policy: Policy | None) -> None:
+    """A cast level on models :func:`ampkit.distributed.fully_shard` sharded for it:
+    FSDP2 already stores the weights as the level does (O2: fp32 shards cast to 16 bits
+    by its ``MixedPrecisionPolicy``, the shards being the masters; O3/O2K: 16-bit
+    shards, kept modules fp32), so nothing is cast or copied here; O2/O2K add op-level
+    casting inside the model, with the kept modules computing in fp32."""
+    from ampkit.distributed.fsdp import check_plan
+
+    if len(model_list) != 1:
+        raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
+    (model,) = model_list
+    plan = check_plan(model, level.name, level.dtype, level.keep_fp32)
+    by_name = dict(model.named_modules())
+    if level.model_op_casting:
+        add_op_casting(model, level.dtype, device_type, policy)
+        for name in plan.kept:  # their matmuls stay fp32 too
+            add_fp32_scope(by_name[name], device_type)
+    else:
+        remove_op_casting(model)
 
 
 def _attach_trainer(

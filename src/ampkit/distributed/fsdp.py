@@ -1,0 +1,236 @@
+"""Every opt level under FSDP2: :func:`fully_shard` shards a model for a level, then
+``ampkit.initialize`` sets the level up on the sharded model.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) stays the owner of sharding, prefetch and
+collectives; ampkit owns the casting policy, the skip rule, loss scaling and its state.
+What each level stores and computes, per FSDP2 unit:
+
+===========  =====================  ==========================  ==============================
+level        sharded parameters     FSDP2 ``MixedPrecisionPolicy``  ampkit on top
+===========  =====================  ==========================  ==============================
+O0, O1       fp32                   none                        O1: op-level casting
+O2           fp32 (the masters)     ``param_dtype`` 16-bit,     op-level casting inside the
+                                    ``reduce_dtype`` fp32       model, fp32 outputs
+O3           16-bit                 none                        cast hooks of kept modules
+O2K          bf16                   none                        compensated updates on the
+                                                                local shards (the
+                                                                compensation sharded like the
+                                                                optimizer state)
+===========  =====================  ==========================  ==============================
+
+Modules a level keeps in fp32 (norm layers at O2/O2K, ``keep_fp32=``) become FSDP2 units
+of their own with fp32 parameters (``param_dtype=torch.float32`` at O2): FSDP2 gathers a
+unit's parameters as one buffer of one dtype. Every level then steps with ampkit's
+managed optimizer: the found-inf flag of DTensor grads is agreed over the mesh inside
+torch's unscale kernel, so every rank skips together and the scalers stay equal.
+
+Order: ``fully_shard`` (this function) -> build the optimizer on the sharded parameters
+-> ``ampkit.initialize(model, opt, opt_level=...)`` with the same level (and dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit._internal.dtypes import torch_class
+from ampkit._internal.env import dtype_from_env
+from ampkit.errors import DistributedError
+
+__all__ = ["ShardPlan", "fully_shard", "shard_plan"]
+
+LEVELS = ("O0", "O1", "O2", "O3", "O2K")
+_PLAN_ATTR = "_ampkit_shard_plan"
+
+UnitRule = type[nn.Module] | str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How :func:`fully_shard` sharded a model: ``level``, ``dtype`` (the 16-bit compute
+    dtype), ``units`` (qualified names of the FSDP2 units, root last: ``""``) and
+    ``kept`` (qualified names of the modules kept fp32, each a unit)."""
+
+    level: str
+    dtype: torch.dtype
+    units: tuple[str, ...]
+    kept: tuple[str, ...]
+    keep_fp32: tuple[UnitRule, ...]
+
+
+def shard_plan(model: nn.Module) -> ShardPlan | None:
+    """The :class:`ShardPlan` :func:`fully_shard` left on ``model`` (None if it did not
+    shard it)."""
+    return model.__dict__.get(_PLAN_ATTR)
+
+
+def _matches(module: nn.Module, name: str, rules: Sequence[UnitRule]) -> bool:
+    for rule in rules:
+        if isinstance(rule, str):
+            if fnmatch.fnmatchcase(name, rule):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
+
+
+def _default_units(model: nn.Module) -> list[str]:
+    """The children of every ``nn.ModuleList`` (transformer blocks, the usual FSDP2
+    units), outermost lists only."""
+    out: list[str] = []
+
+    def visit(module: nn.Module, name: str) -> None:
+        if isinstance(module, nn.ModuleList):
+            out.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(model, "")
+    return out
+
+
+def _check_rules(what: str, rules: Iterable[Any]) -> tuple[UnitRule, ...]:
+    out = tuple(rules)
+    for rule in out:
+        if not (isinstance(rule, str) or (isinstance(rule, type) and issubclass(rule, nn.Module))):
+            raise DistributedError(
+                f"{what} takes module classes or qualified-name globs (e.g. 'blocks.*'), got {rule!r}."
+            )
+    return out
+
+
+def fully_shard(
+    model: nn.Module,
+    *,
+    opt_level: str,
+    dtype: torch.dtype | None = None,
+    keep_fp32: Iterable[UnitRule] = (),
+    units: Iterable[UnitRule] | None = None,
+    mesh: Any = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 for ``opt_level`` and return it (the same object,
+    now an ``FSDPModule``); then build the optimizer on its parameters and call
+    ``ampkit.initialize(model, opt, opt_level=opt_level)``.
+
+    Args:
+        model: an fp32 model on its device (before any ``initialize``).
+        opt_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"`` (see the module
+            docstring for what each stores).
+        dtype: the 16-bit dtype (default: ``AMPKIT_DTYPE``, else bf16 on CPU and fp16 on
+            CUDA; O2K is bf16 only).
+        keep_fp32: module classes or qualified-name globs kept fp32 (O2/O3/O2K), on top
+            of the norm layers O2/O2K keep; each becomes an FSDP2 unit of its own.
+        units: module classes or qualified-name globs sharded as units of their own
+            (default: the children of every ``nn.ModuleList``); the root is always one.
+        mesh: the device mesh (default: FSDP2's, every rank of the default group).
+        reshard_after_forward: passed to FSDP2's ``fully_shard`` (default True).
+
+    Raises:
+        DistributedError: no ``torch.distributed.fsdp`` in this torch, an unknown level,
+            a dtype the level cannot use, a model that is already sharded or set up by
+            ``initialize``, or a ``keep_fp32``/``units`` glob that matches no module.
+    """
+    from ampkit.levels.model_cast import cast_model, check_keep_fp32, kept_fp32_modules
+
+    shard = torch_class("torch.distributed.fsdp", "fully_shard")
+    policy_cls = torch_class("torch.distributed.fsdp", "MixedPrecisionPolicy")
+    fsdp_module = torch_class("torch.distributed.fsdp", "FSDPModule")
+    if shard is None or policy_cls is None or fsdp_module is None:
+        raise DistributedError("this torch has no torch.distributed.fsdp.fully_shard (FSDP2); use DDP.")
+    if opt_level not in LEVELS:
+        raise DistributedError(f"opt_level must be one of {', '.join(LEVELS)}, got {opt_level!r}.")
+    if not isinstance(model, nn.Module):
+        raise DistributedError(f"fully_shard takes an nn.Module, got {type(model).__name__}.")
+    if any(isinstance(m, fsdp_module) for m in model.modules()):
+        raise DistributedError("this model is already sharded by fully_shard; pass the unsharded model.")
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        raise DistributedError(
+            "fully_shard(opt_level=...) takes an fp32 model (the level decides what is stored in "
+            "16 bits); this one has parameters in "
+            f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
+        )
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    dtype = dtype or dtype_from_env() or (torch.float16 if device_type == "cuda" else torch.bfloat16)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
+    if opt_level == "O2K" and dtype != torch.bfloat16:
+        raise DistributedError("O2K stores bf16 weights with compensation; use dtype=torch.bfloat16, or O2 for fp16.")
+    keep = _check_rules("keep_fp32", keep_fp32)
+    unit_rules = None if units is None else _check_rules("units", units)
+    if keep:
+        check_keep_fp32([model], [r for r in keep if isinstance(r, str)])
+    names = {id(m): n for n, m in model.named_modules()}
+    casts = opt_level in ("O2", "O3", "O2K")
+    kept = kept_fp32_modules(model, keep_norm_fp32=opt_level in ("O2", "O2K"), keep_fp32=keep) if casts else []
+    kept_ids = {id(m) for m in kept}
+    # the outermost kept modules are units; what is inside one stays in it
+    kept_roots = [m for m in kept if not any(names[id(m)].startswith(names[id(k)] + ".") for k in kept if k is not m
+                                               and names[id(k)])]  # fmt: skip
+    if unit_rules is None:
+        unit_names = _default_units(model)
+    else:
+        unit_names = [n for n, m in model.named_modules() if n and _matches(m, n, unit_rules)]
+        for rule in unit_rules:
+            if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names.values() if n):
+                raise DistributedError(f"units glob {rule!r} matches no module name of the model.")
+    by_name = dict(model.named_modules())
+    unit_modules = [by_name[n] for n in unit_names if id(by_name[n]) not in kept_ids]
+
+    if opt_level in ("O3", "O2K"):  # the sharded parameters themselves are 16-bit
+        cast_model(model, dtype, keep_norm_fp32=opt_level == "O2K", cast_outputs=torch.float32, keep_fp32=keep)
+    kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mesh is not None:
+        kw["mesh"] = mesh
+    # a kept unit computes in fp32 and hands its output back in the compute dtype, as O2's
+    # kept modules do (activations stay 16-bit between layers)
+    fp32_policy = policy_cls(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype)
+    low_policy = policy_cls(param_dtype=dtype, reduce_dtype=torch.float32)
+    root_policy = policy_cls(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # innermost first: kept modules, then the units, then the root
+    for module in kept_roots:
+        if any(True for _ in module.parameters()):
+            shard(module, mp_policy=fp32_policy if opt_level == "O2" else policy_cls(), **kw)
+    for module in sorted(unit_modules, key=lambda m: -names[id(m)].count(".")):
+        shard(module, **({"mp_policy": low_policy} if opt_level == "O2" else {}), **kw)
+    shard(model, **({"mp_policy": root_policy} if opt_level == "O2" else {}), **kw)
+    plan = ShardPlan(
+        level=opt_level,
+        dtype=dtype,
+        units=tuple(names[id(m)] for m in unit_modules) + ("",),
+        kept=tuple(names[id(m)] for m in kept_roots),
+        keep_fp32=keep,
+    )
+    model.__dict__[_PLAN_ATTR] = plan
+    return model
+
+
+def check_plan(model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any]) -> ShardPlan:
+    """The plan of an FSDP2 model ``initialize`` sets up at ``level_name``: refuse one
+    that :func:`fully_shard` did not shard for this level and dtype."""
+    plan = shard_plan(model)
+    if plan is None:
+        raise DistributedError(
+            f"initialize got a model sharded by torch's fully_shard at {level_name}, which casts the "
+            "weights; FSDP2 owns the sharded parameters, so the level must be part of the sharding. "
+            f"Shard with ampkit.distributed.fully_shard(model, opt_level={level_name!r}) instead (it "
+            "applies FSDP2 with the level's MixedPrecisionPolicy per module), then build the optimizer "
+            "and call initialize."
+        )
+    if plan.level != level_name or plan.dtype != dtype:
+        raise DistributedError(
+            f"this model was sharded by ampkit.distributed.fully_shard for {plan.level} in {plan.dtype}; "
+            f"initialize asked for {level_name} in {dtype}. Pass the same opt_level and dtype to both."
+        )
+    if tuple(keep_fp32) and tuple(keep_fp32) != plan.keep_fp32:
+        raise DistributedError(
+            "keep_fp32 differs between ampkit.distributed.fully_shard and initialize; give it to "
+            "fully_shard (it decides which modules are fp32 units) and leave it out of initialize."
+        )
+    return plan

@@ -1,0 +1,233 @@
+"""Worker processes for tests/test_fsdp.py: every opt level under FSDP2 on a gloo group
+of 2 (or 4) CPU processes, each rank on its own batches of a small causal transformer.
+
+Run by ``_dist_workers.launch(job, outdir, world_size, script=<this file>)`` as
+``python tests/_fsdp_workers.py JOB RANK WORLD PORT OUTDIR``; each rank saves what it saw
+(``rankN.pt``) for the test to compare across ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _dist_workers import bitwise_equal, snapshot  # noqa: E402
+
+VOCAB, D, SEQ, BATCH = 16, 32, 12, 8
+
+# setup name -> (level, dtype); "fp32" is FSDP2 alone, the reference
+SETUPS: dict[str, tuple[str | None, torch.dtype | None]] = {
+    "fp32": (None, None),
+    "O1": ("O1", torch.bfloat16),
+    "O2": ("O2", torch.bfloat16),
+    "O2K": ("O2K", torch.bfloat16),
+    "O3": ("O3", torch.bfloat16),
+    "O1-fp16": ("O1", torch.float16),
+    "O2-fp16": ("O2", torch.float16),
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sequences (next token = previous + 1) with 10% noise, per rank and step."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    seq = (start + torch.arange(SEQ + 1)) % VOCAB
+    noise = torch.rand(seq.shape, generator=g) < 0.1
+    seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=g), seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def build(setup: str, lr: float = 3e-3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model sharded for ``setup`` and its AdamW, set up by ampkit (not for fp32)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import ampkit
+
+    level, dtype = SETUPS[setup]
+    torch.manual_seed(0)
+    model = TinyLM()
+    if level is None:
+        for block in model.blocks:
+            torch_fully_shard(block)
+        torch_fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    ampkit.distributed.fully_shard(model, opt_level=level, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=dtype)
+    return model, opt
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, n: int, ampkit_on: bool,
+         inject: bool = False) -> float:  # fmt: skip
+    import ampkit
+
+    x, y = batch(rank, n)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+    if ampkit_on:
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    else:
+        loss.backward()
+    if inject:  # a NaN in this rank's shard of the first grad, after FSDP2's reduce-scatter
+        g = next(p.grad for p in model.parameters() if p.grad is not None)
+        g.to_local().view(-1)[0] = float("nan")
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def _local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's shards of the parameters, the optimizer state and ampkit's
+    compensation buffers."""
+    from ampkit.levels.setup import _COMPENSATED
+
+    out = [p.detach().to_local() for p in model.parameters()]
+    for state in opt.state.values():
+        out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+    comp = _COMPENSATED.get(opt)
+    if comp is not None:
+        out += [comp.buffer(p).to_local() for p in model.parameters() if comp.buffer(p) is not None]
+    return snapshot(out)
+
+
+def job_train(rank: int, world: int, outdir: Path) -> dict:
+    """Every setup trains 40 steps; losses, the full weights at the end, the local
+    bytes of parameters + optimizer state + ampkit's buffers."""
+    import ampkit
+
+    from ampkit.levels.setup import _COMPENSATED
+
+    res: dict[str, Any] = {}
+    for setup in SETUPS:
+        model, opt = build(setup)
+        on = SETUPS[setup][0] is not None
+        seen: dict[str, str] = {}
+
+        def spy(name: str, what: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, out: Any) -> None:
+                t = {"in": args[0], "out": out, "weight": getattr(module, "weight", None)}[what]
+                seen.setdefault(f"{name} {what}", str(t.dtype).removeprefix("torch."))
+            return hook
+
+        block = model.blocks[0]
+        hooks = [block.qkv.register_forward_hook(spy("qkv", "in")), block.qkv.register_forward_hook(spy("qkv", "weight")),
+                 block.ln1.register_forward_hook(spy("ln1", "out")), block.ln1.register_forward_hook(spy("ln1", "weight")),
+                 model.register_forward_hook(spy("model", "out"))]  # fmt: skip
+        dedicated: list[int] = []
+        comp = _COMPENSATED.get(opt)
+        if comp is not None:  # count the parameters the one-pass compensated update steps
+            real = comp._step_dedicated
+
+            def counting(optimizer: Any, group: dict, rule: str, params: list, real: Any = real) -> None:
+                dedicated.append(len(params))
+                real(optimizer, group, rule, params)
+
+            comp._step_dedicated = counting
+        losses = [step(model, opt, rank, n, on) for n in range(40)]
+        for h in hooks:
+            h.remove()
+        res[setup] = {
+            "losses": losses,
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "full": snapshot(p.full_tensor() for p in model.parameters()),
+            "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped) if on else None,
+            "seen": seen,
+            "compensated": None if comp is None else sum(comp.buffer(p) is not None for p in model.parameters()),
+            "dedicated": dedicated,
+        }
+        if on:
+            ampkit.reset()
+    return res
+
+
+def job_skip(rank: int, world: int, outdir: Path) -> dict:
+    """A NaN in rank 1's shard of one grad at step 3: every rank skips, its shards,
+    optimizer state and compensation stay bitwise, the scalers stay equal."""
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16"):
+        model, opt = build(setup)
+        skipped, scales, kept = [], [], None
+        for n in range(6):
+            before = _local_state(model, opt)
+            step(model, opt, rank, n, True, inject=(n == 3 and rank == 1))
+            skipped.append(ampkit.step_skipped(opt))
+            scales.append(ampkit.stats(opt).scales)
+            if n == 3:
+                kept = bitwise_equal(before, _local_state(model, opt))
+        res[setup] = {
+            "skipped": skipped,
+            "scales": scales,
+            "kept": kept,
+            "finite": all(bool(torch.isfinite(p.detach().to_local()).all()) for p in model.parameters()),
+        }
+        ampkit.reset()
+    return res
+
+
+JOBS: dict[str, Callable[[int, int, Path], dict]] = {"train": job_train, "skip": job_skip}
+
+
+def main(argv: list[str]) -> int:
+    job, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))  # fmt: skip
+    try:
+        torch.save(JOBS[job](rank, world, outdir), outdir / f"rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gloo may abort at interpreter teardown after all work is done
