@@ -128,6 +128,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                "its page fills in once `--only ddp` is recorded."),
     ),
     Benchmark(
+        "fsdp_memory", "Memory per rank under FSDP2", "fsdp_memory.py", ("--json", "{json}"), timeout=600,
+        record=False, notes=("Two processes need two free cores, so the docs run does not record it;",
+                             "its page fills in once `--only fsdp_memory` is recorded."),
+    ),
+    Benchmark(
         "first_step", "The first step of a process: cold and warmed compile caches", "first_step.py",
         ("--size", "quick", "--json", "{json}"), timeout=900, record=False,
         notes=("Its cold arms compile for about 10 s each, so the docs run does not record it;",
@@ -142,6 +147,35 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 )
 
 BY_NAME = {b.name: b for b in BENCHMARKS}
+
+#: The full runs, recorded with ``--full`` (tens of minutes): the figures worth
+#: publishing, one set per machine kind (:func:`machine_kind`) under ``data/full/``,
+#: shown on ``results.md`` and in the landing page's headline table.
+FULL: tuple[Benchmark, ...] = (
+    Benchmark("ampkit-bench", "ampkit bench, full run", None, ("bench", "--device", "cpu", "--no-progress", "--out", "{out}"),
+              result="results.json", files=("bench.png",), timeout=7200),  # fmt: skip
+    Benchmark("step_limit", "Step time against the bf16 speed limit, full run", "step_limit.py", ("--json", "{json}"),
+              timeout=7200),  # fmt: skip
+)
+FULL_DATA = DATA / "full"
+
+#: machine kind -> how the results page names it
+KINDS = {
+    "amx-bf16": "CPU with AMX (native bf16, matrix units)",
+    "avx512-bf16": "CPU with AVX-512-bf16 (native bf16)",
+    "avx2": "CPU with AVX2 only (bf16 emulated: slower than fp32)",
+}
+
+
+def machine_kind(machine: dict[str, Any]) -> str:
+    """``"amx-bf16"``, ``"avx512-bf16"`` or ``"avx2"``: what decides 16-bit speed on a
+    CPU (from the machine record's CPU flags)."""
+    flags = set(machine.get("cpu_flags") or [])
+    if "amx_bf16" in flags:
+        return "amx-bf16"
+    if "avx512_bf16" in flags:
+        return "avx512-bf16"
+    return "avx2"
 
 
 # --- recording ------------------------------------------------------------------------
@@ -166,8 +200,10 @@ def _use_this_checkout() -> None:
         sys.path.insert(0, src)
 
 
-def record(bench: Benchmark, data: Path = DATA) -> Path:
-    """Run ``bench``'s docs setting and write ``data/NAME.json`` (and its files)."""
+def record(bench: Benchmark, data: Path = DATA, stem: str | None = None) -> Path:
+    """Run ``bench``'s docs setting and write ``data/STEM.json`` (and its files; ``stem``
+    defaults to the benchmark's name)."""
+    stem = stem or bench.name
     _use_this_checkout()
     from ampkit.tools.bench.machine import machine_info
 
@@ -203,8 +239,8 @@ def record(bench: Benchmark, data: Path = DATA) -> Path:
             "result": result,
         }
         for name in bench.files:
-            shutil.copyfile(out / name, data / f"{bench.name}-{name}")
-    target = data / f"{bench.name}.json"
+            shutil.copyfile(out / name, data / f"{stem}-{name}")
+    target = data / f"{stem}.json"
     target.write_text(json.dumps(entry, indent=1, sort_keys=False) + "\n")
     print(f"docs_pages: wrote {target.relative_to(ROOT)} ({wall:.0f} s)", file=sys.stderr)
     return target
@@ -440,6 +476,17 @@ def render_ddp(result: dict[str, Any]) -> str:
     return "".join(out) + "\n"
 
 
+def render_fsdp_memory(result: dict[str, Any]) -> str:
+    out = [f"FSDP2 over {result['world']} gloo processes, a causal transformer (d_model {result['d_model']}, "
+           f"{result['layers']} layers, {result['params']:,} parameters), AdamW. Bytes per parameter of the whole "
+           "model held on one rank between steps (local shards: parameters, grads, optimizer state, ampkit's "
+           "compensation); *vs fsdp2-bf16*: against FSDP2's own `MixedPrecisionPolicy(bf16, fp32)`.\n\n"]  # fmt: skip
+    rows = [[r["arm"], _cell(r["params"]), _cell(r["grads"]), _cell(r["optimizer"]), _cell(r["ampkit"]),
+             _cell(r["total"]), f"{r['vs_fsdp2_bf16']:.2f}×"] for r in result["rows"]]  # fmt: skip
+    out.append(md_table(["arm", "params", "grads", "optimizer", "ampkit", "total B/param", "vs fsdp2-bf16"], rows))
+    return "".join(out) + "\n"
+
+
 def render_first_step(result: dict[str, Any]) -> str:
     out = [f"`{result['workload']}` ({result['size']}), 1 thread; each arm a fresh process. *Cold*: an empty "
            "`TORCHINDUCTOR_CACHE_DIR`; *warm*: a cache that `ampkit warmup` (O2 and O2K, AdamW) filled first, in "
@@ -464,6 +511,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "compile": render_compile,
     "ddp": render_ddp,
     "first_step": render_first_step,
+    "fsdp_memory": render_fsdp_memory,
 }
 
 
@@ -545,15 +593,107 @@ def render_index(data: Path = DATA) -> str:
         path = data / f"{b.name}.json"
         when = json.loads(path.read_text())["machine"]["date_utc"][:10] if path.exists() else "not recorded"
         rows.append([f"[{b.title}]({b.name}.md)", f"`{'ampkit bench' if b.script is None else 'benchmarks/' + b.script}`", when])
-    toc = "\n".join(b.name for b in BENCHMARKS)
+    toc = "\n".join(["results", *(b.name for b in BENCHMARKS)])
     return (
         HEADER.replace(" from docs/benchmarks/data/{name}.json", "")
         + "# Benchmarks\n\n"
-        "One page per benchmark script, each generated from the JSON the script writes, with "
+        "[Results per machine kind](results.md): the full runs, the figures worth quoting. Below, "
+        "one page per benchmark script, each generated from the JSON the script writes, with "
         "the machine, torch version, date and command of the run. `make bench-docs` records them again on the machine it runs on.\n\n"
         + md_table(["benchmark", "script", "recorded"], rows, "lll")
         + f"\n```{{toctree}}\n:hidden:\n\n{toc}\n```\n"
     )
+
+
+def _full_entries(data: Path) -> dict[str, dict[str, Any]]:
+    """machine kind -> benchmark name -> recorded full-run entry."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in KINDS:
+        for bench in FULL:
+            path = data / "full" / f"{kind}-{bench.name}.json"
+            if path.exists():
+                out.setdefault(kind, {})[bench.name] = json.loads(path.read_text())
+    return out
+
+
+HEADLINE_PRECISIONS = ("torch-autocast", "ampkit-O1", "ampkit-O2", "ampkit-O2K")
+
+
+def headline_rows(result: dict[str, Any]) -> list[list[str]]:
+    """One row per workload and precision of a full ``ampkit bench`` result: speed and
+    memory against fp32, time against torch.autocast, the metric beside fp32's."""
+    rows = []
+    for name, wl in result["workloads"].items():
+        precisions = wl["precisions"]
+        fp32, autocast = precisions.get("fp32", {}), precisions.get("torch-autocast", {})
+        lm = wl.get("metric") == "bits_per_char"
+        for label in HEADLINE_PRECISIONS:
+            e = precisions.get(label)
+            if not e or e.get("status") != "ok":
+                continue
+            metric = (f"{e.get('bits_per_char', float('nan')):.3f} bits/char (fp32 {fp32.get('bits_per_char', float('nan')):.3f})"
+                      if lm else f"{100 * e['accuracy']:.2f}% (fp32 {100 * fp32.get('accuracy', float('nan')):.2f}%)")  # fmt: skip
+            vs_autocast = autocast.get("step_ms") and e["step_ms"] / autocast["step_ms"]
+            rows.append([name, label.replace("ampkit-", "ampkit "), f"{e['speedup']:.2f}×",
+                         "—" if label == "torch-autocast" else f"{vs_autocast:.2f}×",
+                         f"{e['memory_vs_fp32']:.2f}×", metric])  # fmt: skip
+    return rows
+
+
+HEADLINE_HEADER = ["workload", "precision", "speed vs fp32", "time vs torch.autocast", "memory vs fp32", "accuracy"]
+
+
+def render_headline(data: Path = DATA) -> str:
+    """The landing page's numbers: the full ``ampkit bench`` of the first machine kind
+    recorded (AMX, then AVX-512-bf16, then AVX2), with its machine and command."""
+    entries = _full_entries(data)
+    kind = next((k for k in KINDS if "ampkit-bench" in entries.get(k, {})), None)
+    if kind is None:
+        return "No full run is recorded yet: `python benchmarks/docs_pages.py --full`.\n"
+    entry = entries[kind]["ampkit-bench"]
+    m = entry["machine"]
+    return (f"Measured by `{entry['command']}` ({entry['wall_seconds'] / 60:.0f} min) on {m.get('cpu_name')}, "
+            f"{KINDS[kind]}, {m.get('threads')} thread, torch {m.get('torch')}, {m.get('date_utc', '')[:10]}; "
+            "more machines and every column on [the results page](benchmarks/results.md).\n\n"
+            + md_table(HEADLINE_HEADER, headline_rows(entry["result"]), "llrrrl"))  # fmt: skip
+
+
+def render_results(data: Path = DATA) -> str:
+    """``results.md``: the full runs, one section per machine kind."""
+    entries = _full_entries(data)
+    out = [HEADER.replace(" from docs/benchmarks/data/{name}.json", " from docs/benchmarks/data/full/"),
+           "# Results per machine kind\n\n",
+           "Full runs (`python benchmarks/docs_pages.py --full`: `ampkit bench` with its defaults and "
+           "`benchmarks/step_limit.py` with its own), one section per kind of machine measured: on a CPU, "
+           "whether it computes bf16 natively decides what 16 bits can gain. Each figure is one run on "
+           "the machine named.\n\n"]  # fmt: skip
+    if not entries:
+        out.append("No full run is recorded yet.\n")
+    for kind, benches in entries.items():
+        out.append(f"## {KINDS[kind]}\n\n")
+        for bench in FULL:
+            entry = benches.get(bench.name)
+            if entry is None:
+                continue
+            out.append(f"### {bench.title}\n\n")
+            out.append(machine_lines(entry) + "\n")
+            if bench.name == "ampkit-bench":
+                out.append("Summary:\n\n" + md_table(HEADLINE_HEADER, headline_rows(entry["result"]), "llrrrl") + "\n")
+            out.append(RENDERERS[bench.name](entry["result"]).replace("### ", "#### "))
+            for name in bench.files:
+                image = data / "full" / f"{kind}-{bench.name}-{name}"
+                if image.exists():
+                    out.append(f"![{kind} {bench.name} {name}](data/full/{image.name})\n\n")
+    return "".join(out)
+
+
+HEADLINE_START, HEADLINE_END = "<!-- headline: generated by benchmarks/docs_pages.py -->", "<!-- headline end -->"
+
+
+def render_landing(text: str, data: Path = DATA) -> str:
+    """``docs/index.md`` with the block between the headline markers rewritten."""
+    start, end = text.index(HEADLINE_START) + len(HEADLINE_START), text.index(HEADLINE_END)
+    return text[:start] + "\n\n" + render_headline(data) + "\n" + text[end:]
 
 
 def render(data: Path = DATA, docs: Path = DOCS) -> dict[Path, str]:
@@ -561,6 +701,10 @@ def render(data: Path = DATA, docs: Path = DOCS) -> dict[Path, str]:
     _use_this_checkout()
     pages = {docs / f"{b.name}.md": render_page(b, data) for b in BENCHMARKS}
     pages[docs / "index.md"] = render_index(data)
+    pages[docs / "results.md"] = render_results(data)
+    landing = docs.parent / "index.md"
+    if landing.exists() and HEADLINE_START in landing.read_text():
+        pages[landing] = render_landing(landing.read_text(), data)
     return pages
 
 
@@ -575,8 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated benchmarks to record (default: every one recorded by default)")
     parser.add_argument("--render", action="store_true", help="only write the pages from the recorded data")
+    parser.add_argument("--full", action="store_true",
+                        help="record the full runs (ampkit bench, step_limit; tens of minutes) for this machine's kind")
     args = parser.parse_args(argv)
-    if not args.render:
+    if args.full:
+        _use_this_checkout()
+        from ampkit.tools.bench.machine import machine_info
+
+        kind = machine_kind(machine_info("cpu", threads=1))
+        for bench in FULL:
+            record(bench, FULL_DATA, stem=f"{kind}-{bench.name}")
+    elif not args.render:
         if args.only:
             names = [n.strip() for n in args.only.split(",") if n.strip()]
             unknown = [n for n in names if n not in BY_NAME]

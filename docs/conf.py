@@ -78,7 +78,8 @@ nitpick_ignore_regex = [
 # --- HTML ---
 html_theme = "furo"
 html_title = f"ampkit {release}"
-html_static_path: list[str] = []
+html_static_path: list[str] = ["_static"]
+html_css_files = ["ampkit.css"]  # code blocks wrap at narrow widths (1280 px and below)
 html_show_sourcelink = False
 
 # quotes and ellipses only: "--out" in prose and in the CLI page stays two hyphens

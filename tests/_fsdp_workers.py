@@ -120,12 +120,12 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, n: int, ampkit
 def _local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """This rank's shards of the parameters, the optimizer state and ampkit's
     compensation buffers."""
-    from ampkit.levels.setup import _COMPENSATED
+    from ampkit.levels.setup import compensation_of
 
     out = [p.detach().to_local() for p in model.parameters()]
     for state in opt.state.values():
         out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
-    comp = _COMPENSATED.get(opt)
+    comp = compensation_of(opt)
     if comp is not None:
         out += [comp.buffer(p).to_local() for p in model.parameters() if comp.buffer(p) is not None]
     return snapshot(out)
@@ -135,8 +135,7 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
     """Every setup trains 40 steps; losses, the full weights at the end, the local
     bytes of parameters + optimizer state + ampkit's buffers."""
     import ampkit
-
-    from ampkit.levels.setup import _COMPENSATED
+    from ampkit.levels.setup import compensation_of
 
     res: dict[str, Any] = {}
     for setup in SETUPS:
@@ -144,7 +143,7 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
         on = SETUPS[setup][0] is not None
         seen: dict[str, str] = {}
 
-        def spy(name: str, what: str) -> Callable[..., None]:
+        def spy(name: str, what: str, seen: dict = seen) -> Callable[..., None]:
             def hook(module: nn.Module, args: tuple, out: Any) -> None:
                 t = {"in": args[0], "out": out, "weight": getattr(module, "weight", None)}[what]
                 seen.setdefault(f"{name} {what}", str(t.dtype).removeprefix("torch."))
@@ -155,11 +154,12 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
                  block.ln1.register_forward_hook(spy("ln1", "out")), block.ln1.register_forward_hook(spy("ln1", "weight")),
                  model.register_forward_hook(spy("model", "out"))]  # fmt: skip
         dedicated: list[int] = []
-        comp = _COMPENSATED.get(opt)
+        comp = compensation_of(opt)
         if comp is not None:  # count the parameters the one-pass compensated update steps
             real = comp._step_dedicated
 
-            def counting(optimizer: Any, group: dict, rule: str, params: list, real: Any = real) -> None:
+            def counting(optimizer: Any, group: dict, rule: str, params: list, real: Any = real,
+                         dedicated: list = dedicated) -> None:  # fmt: skip
                 dedicated.append(len(params))
                 real(optimizer, group, rule, params)
 
@@ -207,7 +207,123 @@ def job_skip(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
-JOBS: dict[str, Callable[[int, int, Path], dict]] = {"train": job_train, "skip": job_skip}
+CKPT_SETUPS = ("O1-fp16", "O2", "O2K", "O3")
+N = 4  # the checkpoint is taken after N steps; runs go on to 2N
+
+
+def _dcp_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    import ampkit
+
+    ampkit.distributed.load_checkpoint(path, model, opt)
+
+
+def _amp_snapshot() -> list[torch.Tensor]:
+    """ampkit's state as AmpState saves it (every value a tensor), full tensors."""
+    import ampkit
+
+    out = ampkit.distributed.AmpState().state_dict()
+    return [v.full_tensor() if hasattr(v, "full_tensor") else v for _, v in sorted(out.items())]
+
+
+def job_dcp_save(rank: int, world: int, outdir: Path) -> dict:
+    """N steps, a DCP save (model, optimizer, ampkit), N more: the weights and ampkit's
+    state at N and at 2N (a skipped step at N + 1 on rank 1's NaN)."""
+
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in CKPT_SETUPS:
+        model, opt = build(setup)
+        for n in range(N):
+            step(model, opt, rank, n, True)
+        ampkit.distributed.save_checkpoint(outdir / setup, model, opt)
+        at_n = snapshot(p.full_tensor() for p in model.parameters())
+        amp_n = _amp_snapshot()
+        for n in range(N, 2 * N):
+            step(model, opt, rank, n, True, inject=(n == N + 1 and rank == 1))
+        res[setup] = {"at_n": at_n, "amp_n": amp_n, "at_2n": snapshot(p.full_tensor() for p in model.parameters()),
+                      "amp_2n": _amp_snapshot(), "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)}  # fmt: skip
+        ampkit.reset()
+    return res
+
+
+def job_dcp_resume(rank: int, world: int, outdir: Path) -> dict:
+    """Fresh processes (any world size): load the checkpoint of job_dcp_save, check the
+    weights are those at N, run steps N..2N on this world's ranks."""
+    import ampkit
+
+    src = Path(os.environ["AMPKIT_TEST_CKPT"])
+    res: dict[str, Any] = {}
+    for setup in CKPT_SETUPS:
+        model, opt = build(setup)
+        _dcp_load(model, opt, src / setup)
+        loaded = snapshot(p.full_tensor() for p in model.parameters())
+        amp_loaded = _amp_snapshot()
+        losses = [step(model, opt, rank, n, True, inject=(n == N + 1 and rank == 1 % world)) for n in range(N, 2 * N)]
+        res[setup] = {"loaded": loaded, "amp_loaded": amp_loaded, "losses": losses,
+                      "at_2n": snapshot(p.full_tensor() for p in model.parameters()), "amp_2n": _amp_snapshot(),
+                      "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)}  # fmt: skip
+        ampkit.reset()
+    return res
+
+
+def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
+    """Loading a checkpoint whose shard files are truncated, or whose ampkit entries hold
+    a NaN compensation, raises; ampkit's state (scaler, counters, compensation) is as
+    before the load."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    import ampkit
+    from ampkit.distributed.checkpoint import AmpState
+
+    class Poisoned(AmpState):
+        def state_dict(self) -> dict:
+            out = super().state_dict()
+            key = next(k for k in sorted(out) if "compensation/buffers" in k and k.endswith("/2"))
+            out[key].to_local().view(-1)[0] = float("nan")
+            return out
+
+    res: dict[str, Any] = {}
+    model, opt = build("O2K")
+    for n in range(2):
+        step(model, opt, rank, n, True)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ampkit.distributed.save_checkpoint(outdir / "good", model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "amp": Poisoned()}, checkpoint_id=str(outdir / "nan"))
+    poisoned_weight = {k: v.clone() for k, v in model_sd.items()}
+    if rank == 1:  # in one rank's shard only: every rank must refuse
+        poisoned_weight["head.weight"].to_local().view(-1)[0] = float("nan")
+    dcp.save({"model": poisoned_weight, "optim": optim_sd, "amp": AmpState()}, checkpoint_id=str(outdir / "nan_weight"))
+    if rank == 0:
+        shutil.copytree(outdir / "good", outdir / "truncated")
+        for f in (outdir / "truncated").glob("*.distcp"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    dist.barrier()
+    step(model, opt, rank, 2, True)  # the state differs from every checkpoint now
+    before = _amp_snapshot()
+    weights = snapshot(p.detach().to_local() for p in model.parameters())
+    for name in ("truncated", "nan", "nan_weight"):
+        try:
+            _dcp_load(model, opt, outdir / name)
+            res[name] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            res[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        res[f"{name}_kept"] = bitwise_equal(before, _amp_snapshot())
+        res[f"{name}_weights_kept"] = bitwise_equal(weights, snapshot(p.detach().to_local() for p in model.parameters()))
+    _dcp_load(model, opt, outdir / "good")  # a good one still loads
+    res["good_loaded"] = (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)
+    ampkit.reset()
+    return res
+
+
+JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
+    "dcp_corrupt": job_dcp_corrupt,
+}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

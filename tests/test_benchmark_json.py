@@ -256,3 +256,21 @@ def test_first_step_json_holds_the_printed_table(tmp_path):
             f"{row['warm_over_fp32_s']:+.2f}", f"{row['later_step_s']:.3f}"]  # fmt: skip
         assert row["cold_over_fp32_s"] == pytest.approx(row["cold_first_s"] - fp32["cold_first_s"])
     renders("first_step", record, "O2K", "warm first step s")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_fsdp_memory_json_holds_the_printed_table(tmp_path):
+    stdout, record = run_script("fsdp_memory.py", ["--d-model", "64", "--layers", "2"], tmp_path, timeout=500)
+    rows = {r["arm"]: r for r in record["rows"]}
+    assert list(rows) == ["fp32", "fsdp2-bf16", "O1", "O2", "O2K", "O3"] and record["world"] == 2
+    printed = _rows_by_first_word(stdout, list(rows))
+    for arm, r in rows.items():
+        assert printed[arm] == [f"{r[k]:.2f}" for k in ("params", "grads", "optimizer", "ampkit", "total")] + [
+            f"{r['vs_fsdp2_bf16']:.2f}x"]  # fmt: skip
+        assert r["total"] == pytest.approx(r["params"] + r["grads"] + r["optimizer"] + r["ampkit"])
+    # what the levels promise, per rank: O2K below FSDP2's own bf16 mixed precision
+    assert rows["O2K"]["total"] < rows["fsdp2-bf16"]["total"] and rows["O2K"]["ampkit"] > 0
+    assert rows["O2"]["total"] == pytest.approx(rows["fsdp2-bf16"]["total"], rel=0.01)
+    renders("fsdp_memory", record, "O2K", "vs fsdp2-bf16")

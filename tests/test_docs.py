@@ -354,7 +354,7 @@ def test_benchmark_pages_are_what_docs_pages_writes() -> None:
     assert not stale, f"stale benchmark pages {stale}: run python benchmarks/docs_pages.py --render"
     recorded = {p.stem for p in docs_pages.DATA.glob("*.json")}
     assert {b.name for b in docs_pages.BENCHMARKS if b.record} <= recorded, "run make bench-docs"
-    pages_on_disk = {p.stem for p in docs_pages.DOCS.glob("*.md")} - {"index"}
+    pages_on_disk = {p.stem for p in docs_pages.DOCS.glob("*.md")} - {"index", "results"}
     assert pages_on_disk == {b.name for b in docs_pages.BENCHMARKS}, "a page without a benchmark (or the reverse)"
 
 
@@ -420,3 +420,34 @@ def test_sphinx_build_passes_with_warnings_as_errors(tmp_path: Path) -> None:
     cli = (out / "reference" / "cli.html").read_text()
     for command in ("bench", "convert", "doctor", "run"):
         assert f"ampkit {command}" in cli, f"the CLI page has no 'ampkit {command}'"
+
+
+def test_every_guide_is_in_the_guides_reading_order() -> None:
+    toc = (DOCS / "guides" / "index.md").read_text().split("```{toctree}", 1)[1].split("```", 1)[0]
+    listed = [line.strip() for line in toc.splitlines()[1:] if line.strip() and not line.startswith(":")]
+    on_disk = sorted(p.stem for p in (DOCS / "guides").glob("*.md") if p.stem != "index")
+    assert sorted(listed) == on_disk and listed[0] == "getting-started"
+    assert "## Install" in (DOCS / "guides" / "getting-started.md").read_text().split("## Three lines")[0]
+
+
+def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path: Path) -> None:
+    """docs/index.md: the install lines, a runnable example whose printed loss is the
+    one the text states, the chooser naming each framework, and the headline table as
+    benchmarks/docs_pages.py writes it from the recorded full run."""
+    import docs_pages
+
+    text = (DOCS / "index.md").read_text()
+    assert "pip install -e ." in text.split("## Install")[1].split("##")[0]
+    chooser = text.split("## Which entry point?")[1].split("##")[0]
+    for name in ("Lightning", "HF Trainer", "Accelerate", "ampkit run", "amp.initialize"):
+        assert name in chooser, name
+    assert docs_pages.render_landing(text) == text, "run python benchmarks/docs_pages.py --render"
+    numbers = text.split(docs_pages.HEADLINE_START)[1].split(docs_pages.HEADLINE_END)[0]
+    assert "| workload | precision | speed vs fp32 |" in numbers and "ampkit O2K" in numbers
+    (block,) = [b for b in code_blocks(DOCS / "index.md") if b["lang"] in PYTHON]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, "-c", block["code"]], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120, check=True).stdout  # fmt: skip
+    first, last = (float(out.split(f"step {n}: loss ")[1].split()[0]) for n in (0, 59))
+    assert abs(first - 1.41) < 0.006 and abs(last - 0.18) < 0.01 and "steps=60, skipped=0" in out, out
+    assert "falling from 1.41 at step 0 to about 0.18 at step 59" in text

@@ -1,10 +1,10 @@
 """DDP and FSDP under ampkit: one skip decision across ranks, the grad-sync plan,
-FSDP2 sharding for every opt level (:func:`fully_shard`), SyncBatchNorm conversion, and
+FSDP2 sharding for every opt level (:func:`~ampkit.distributed.fully_shard`), SyncBatchNorm conversion, and
 the checks that refuse wrappers a level cannot run under. ``ampkit.distributed`` is public: these names are its API."""
 
 from __future__ import annotations
 
-from .fsdp import ShardPlan, fully_shard, shard_plan
+from .checkpoint import AmpState, load_checkpoint, save_checkpoint
 from .core import (
     FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
     SyncMode,
@@ -16,11 +16,15 @@ from .core import (
     set_sync,
     sync_plan,
 )
+from .fsdp import ShardPlan, fully_shard, shard_plan
 
 __all__ = [
+    "AmpState",
     "FSDPGuard",
     "ShardPlan",
     "fully_shard",
+    "load_checkpoint",
+    "save_checkpoint",
     "shard_plan",
     "SyncMode",
     "SyncPlan",

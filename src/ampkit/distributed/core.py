@@ -50,9 +50,10 @@ builds fp32 master weights from each rank's fp32 model *before* DDP broadcasts r
 weights into the model, so :func:`register_ddp` broadcasts the masters from rank 0 too;
 without it (and without identical seeds on every rank) the first step raises a
 :class:`~ampkit.DistributedError` instead of letting the masters drift apart. Under
-FSDP2, O0 and O1 work (``fully_shard`` first, then the optimizer, then ``initialize``);
-O2/O3/O2K, which cast the model's weights themselves, are refused with a recipe:
-FSDP2 casts sharded weights itself through ``MixedPrecisionPolicy``.
+FSDP2 every level runs: :func:`ampkit.distributed.fully_shard` shards the fp32 model for
+its level (``ampkit/distributed/fsdp.py``), then the optimizer, then ``initialize``; a
+model sharded by torch's own ``fully_shard`` runs at O0/O1, and O2/O3/O2K refuse it with
+that recipe.
 """
 
 from __future__ import annotations

@@ -5,24 +5,20 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) stays the owner of sharding, pref
 collectives; ampkit owns the casting policy, the skip rule, loss scaling and its state.
 What each level stores and computes, per FSDP2 unit:
 
-===========  =====================  ==========================  ==============================
-level        sharded parameters     FSDP2 ``MixedPrecisionPolicy``  ampkit on top
-===========  =====================  ==========================  ==============================
-O0, O1       fp32                   none                        O1: op-level casting
-O2           fp32 (the masters)     ``param_dtype`` 16-bit,     op-level casting inside the
-                                    ``reduce_dtype`` fp32       model, fp32 outputs
-O3           16-bit                 none                        cast hooks of kept modules
-O2K          bf16                   none                        compensated updates on the
-                                                                local shards (the
-                                                                compensation sharded like the
-                                                                optimizer state)
-===========  =====================  ==========================  ==============================
+- O0, O1: fp32 shards, no ``MixedPrecisionPolicy``; O1 adds op-level casting.
+- O2: fp32 shards (they are the masters), ``MixedPrecisionPolicy(param_dtype=<16-bit>,
+  reduce_dtype=float32)`` (fp32 outputs at the root), op-level casting inside the model.
+- O3: 16-bit shards, no policy; the kept modules' cast hooks.
+- O2K: bf16 shards, no policy; the compensated update steps each rank's local shards,
+  the compensation sharded like the optimizer state.
 
 Modules a level keeps in fp32 (norm layers at O2/O2K, ``keep_fp32=``) become FSDP2 units
 of their own with fp32 parameters (``param_dtype=torch.float32`` at O2): FSDP2 gathers a
 unit's parameters as one buffer of one dtype. Every level then steps with ampkit's
-managed optimizer: the found-inf flag of DTensor grads is agreed over the mesh inside
-torch's unscale kernel, so every rank skips together and the scalers stay equal.
+managed optimizer: the found-inf check of DTensor grads reduces over the mesh inside
+torch's DTensor ops (the fused unscale, or the read of scale-1 grads), so every rank skips
+together and the scalers stay equal (``tests/test_fsdp.py`` puts a NaN in one rank's
+shard at every level).
 
 Order: ``fully_shard`` (this function) -> build the optimizer on the sharded parameters
 -> ``ampkit.initialize(model, opt, opt_level=...)`` with the same level (and dtype).

@@ -284,6 +284,14 @@ class CompensatedUpdates:
                 if p.dtype in LOW_PRECISION:
                     yield gi, pi, p
 
+    def ensure_buffers(self) -> None:
+        """Give every 16-bit parameter its compensation buffer now (zeros: no
+        compensation yet), so that a checkpoint's layout does not depend on which
+        parameters have been stepped (:class:`ampkit.distributed.AmpState` loads into
+        the entries it finds)."""
+        for _, _, p in self._low_params():
+            self._buffer_for(p, p.detach())
+
     def buffer(self, param: nn.Parameter) -> torch.Tensor | None:
         """The Kahan compensation buffer of ``param`` (None before its first step
         or with another method)."""

@@ -48,8 +48,8 @@ from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, check_device_type
 from ampkit.distributed.core import (
-    is_fsdp2,
     check_models,  # refuses DDP/FSDP wrappers a level cannot run under
+    is_fsdp2,
 )
 from ampkit.errors import AmpError, PolicyError, ScalerError, StateError
 from ampkit.scaling.loss_scaler import LossScaler, check_scale
@@ -925,6 +925,11 @@ def _stepped_params(optimizer: torch.optim.Optimizer) -> Iterator[nn.Parameter]:
 def master_weights_of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
     """The :class:`~ampkit.levels.master.MasterWeights` of an optimizer set up by O2, or None."""
     return _masters_of(optimizer)
+
+
+def compensations() -> list[CompensatedUpdates]:
+    """The compensated updates of every optimizer O2K set up in this session."""
+    return list(_COMPENSATED.values())
 
 
 def compensation_of(optimizer: torch.optim.Optimizer) -> CompensatedUpdates | None:

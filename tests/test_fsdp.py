@@ -1,0 +1,124 @@
+"""Every opt level under FSDP2 (``ampkit.distributed.fully_shard`` + ``initialize``) on
+gloo CPU process groups: training within 1% of FSDP2's own fp32, the compute dtypes the
+level promises, one skip decision on every rank, DCP checkpoints that resume bitwise,
+reshard onto another world size and are refused whole when corrupt."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _dist_workers as workers  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+SCRIPT = Path(__file__).resolve().parent / "_fsdp_workers.py"
+LEVEL_SETUPS = ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16")
+
+
+def _launch(job: str, outdir: Path, world: int = 2, timeout: float = 400, **env: str) -> list[dict]:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return workers.launch(job, outdir, world_size=world, timeout=timeout, script=SCRIPT)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _launch("train", tmp_path_factory.mktemp("fsdp_train"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("fsdp_dcp")
+    return out, _launch("dcp_save", out)
+
+
+def _mean_last(losses: list[float]) -> float:
+    return sum(losses[-10:]) / 10
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("setup", LEVEL_SETUPS)
+def test_every_level_trains_within_1_percent_of_fsdp2_fp32(trained, setup):
+    r0, r1 = trained
+    ref = _mean_last(r0["fp32"]["losses"])
+    got = r0[setup]
+    assert abs(_mean_last(got["losses"]) - ref) / ref < 0.01, (setup, _mean_last(got["losses"]), ref)
+    assert got["losses"] == r1[setup]["losses"]  # the all-reduced mean: one run, two ranks
+    assert all(torch.equal(a, b) for a, b in zip(got["full"], r1[setup]["full"]))  # one model
+    assert got["stats"] == (40, 0)
+    assert not all(torch.equal(a, b) for a, b in zip(got["full"], r0["fp32"]["full"]))  # it did run in 16 bits
+
+
+@pytest.mark.timeout(500)
+def test_each_level_stores_and_computes_what_it_promises(trained):
+    """Sharded parameter dtypes, the dtypes a block's layers see, O2K's one-pass update
+    on every bf16 shard."""
+    seen = {s: trained[0][s]["seen"] for s in LEVEL_SETUPS}
+    stored = {s: trained[0][s]["param_dtypes"] for s in LEVEL_SETUPS}
+    assert stored["O1"] == stored["O2"] == ["torch.float32"]  # O2's shards are its fp32 masters
+    assert stored["O2K"] == ["torch.bfloat16", "torch.float32"] and stored["O3"] == ["torch.bfloat16"]
+    assert seen["O2"] == {"ln1 out": "bfloat16", "ln1 weight": "float32", "qkv in": "bfloat16",
+                          "qkv weight": "bfloat16", "model out": "float32"}  # fmt: skip
+    assert seen["O2-fp16"]["qkv weight"] == "float16" and seen["O2-fp16"]["ln1 weight"] == "float32"
+    assert seen["O2K"]["qkv weight"] == "bfloat16" and seen["O2K"]["ln1 weight"] == "float32"
+    assert seen["O3"]["ln1 weight"] == "bfloat16" and seen["O3"]["model out"] == "float32"
+    assert seen["O1"]["qkv weight"] == "float32" and seen["O1"]["model out"] == "bfloat16"  # op-level casting
+    o2k = trained[0]["O2K"]
+    assert o2k["compensated"] == 19 and o2k["dedicated"] == [19] * 40  # every bf16 shard, every step
+
+
+@pytest.mark.timeout(400)
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    r0, r1 = _launch("skip", tmp_path)
+    for setup in LEVEL_SETUPS:
+        a, b = r0[setup], r1[setup]
+        assert a["skipped"] == b["skipped"] == [False, False, False, True, False, False], setup
+        assert a["kept"] and b["kept"], setup  # shards, optimizer state, compensation: bitwise
+        assert a["scales"] == b["scales"] and a["finite"] and b["finite"], setup
+    assert r0["O2-fp16"]["scales"][3] == (32768.0,)  # fp16: the scale backed off, on both ranks
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 1, 4], ids=["same-world", "2-to-1", "2-to-4"])
+def test_dcp_checkpoints_resume_and_reshard(saved, tmp_path, world):
+    """Saved by 2 ranks after N steps; loaded in fresh processes: the weights and
+    ampkit's state are the saved ones; with 2 ranks the run continues bitwise to 2N (a
+    skipped step included); with 1 or 4 it trains on."""
+    src, before = saved
+    res = _launch("dcp_resume", tmp_path, world=world, timeout=550, AMPKIT_TEST_CKPT=str(src))
+    for setup, s in before[0].items():
+        r = res[0][setup]
+        assert all(torch.equal(a, b) for a, b in zip(s["at_n"], r["loaded"])), setup
+        assert len(s["amp_n"]) == len(r["amp_loaded"]) and all(
+            torch.equal(a, b) for a, b in zip(s["amp_n"], r["amp_loaded"])), setup  # fmt: skip
+        assert r["stats"] == (8, 1), setup
+        if world == 2:
+            assert all(torch.equal(a, b) for a, b in zip(s["at_2n"], r["at_2n"])), setup
+            assert all(torch.equal(a, b) for a, b in zip(s["amp_2n"], r["amp_2n"])), setup
+        else:
+            assert all(loss == loss and loss < 10 for loss in r["losses"]), setup
+            assert all(bool(torch.isfinite(t).all()) for t in r["at_2n"]), setup
+
+
+@pytest.mark.timeout(400)
+def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
+    for r in _launch("dcp_corrupt", tmp_path):
+        assert r["truncated"].startswith("CheckpointException")
+        assert r["nan"].startswith("StateError: compensation buffer")
+        assert r["nan_weight"].startswith("StateError: ")  # one rank's shard: every rank refuses
+        for name in ("truncated", "nan", "nan_weight"):
+            assert r[f"{name}_kept"] and r[f"{name}_weights_kept"], name
+        assert r["good_loaded"] == (2, 0)
