@@ -320,7 +320,32 @@ def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+def job_doctor(rank: int, world: int, outdir: Path) -> dict:
+    """fp16 O2 under FSDP2 with the doctor on: from step 2, rank 1's second block's first
+    MLP layer overflows fp16. Every rank skips those steps; rank 0's report names the
+    module and rank 1."""
+    import ampkit
+
+    model, opt = build("O2-fp16")
+    layer = model.blocks[1].mlp[0]
+
+    def blow_up(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * 1e6
+
+    with ampkit.doctor(opt, every=1) as doctor:
+        for n in range(4):
+            handle = layer.register_forward_hook(blow_up) if (rank == 1 and n >= 2) else None
+            step(model, opt, rank, n, True)
+            if handle is not None:
+                handle.remove()
+    doc = doctor.report().to_dict()
+    stats = (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)
+    ampkit.reset()
+    return {"report": doc, "stats": stats}
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "doctor": job_doctor,
     "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
     "dcp_corrupt": job_dcp_corrupt,
 }  # fmt: skip

@@ -644,3 +644,48 @@ def test_example_demo_report_and_fix(capsys):
     assert main(["doctor", str(demo), "--steps", "24", "--fix"]) == 0
     out = capsys.readouterr().out
     assert "24 steps, 0 skipped" in out and "Advice: none" in out
+
+
+# --- masks: -inf on purpose is no overflow -------------------------------------------------------
+class CausalAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(16, 48)
+        self.mlp = nn.Sequential(nn.Linear(16, 16))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a -inf mask inside (where)
+        return self.out(self.mlp(h)).mean(1)
+
+
+def test_a_causal_attention_mask_is_not_taken_for_the_overflow():
+    """The causal mask of scaled_dot_product_attention (``where(mask, 0, -inf)``, then
+    added to the scores) holds -inf by design: the op-level check names the layer that
+    really overflows, not the mask's ``where``."""
+    model = CausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with amp.doctor(opt, every=1) as doc:
+            for step in range(3):
+                hook = model.mlp[0].register_forward_hook(lambda m, a, out: out * 1e6) if step >= 1 else None
+                x, y = torch.randn(2, 6, 16, generator=g), torch.randn(2, 4, generator=g)
+                with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                opt.zero_grad()
+                if hook is not None:
+                    hook.remove()
+    report = doc.report()
+    amp.reset()
+    assert amp_skipped(report) == 2
+    assert [(f.module, f.op, f.kind) for f in report.findings] == [("mlp", "mul", "overflow")]
+
+
+def amp_skipped(report) -> int:
+    return report.to_dict()["skipped"]

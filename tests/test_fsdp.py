@@ -122,3 +122,17 @@ def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
         for name in ("truncated", "nan", "nan_weight"):
             assert r[f"{name}_kept"] and r[f"{name}_weights_kept"], name
         assert r["good_loaded"] == (2, 0)
+
+
+@pytest.mark.timeout(400)
+def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(tmp_path):
+    """fp16 O2 under FSDP2, rank 1's second block overflowing from step 3: both ranks
+    skip; each report names blocks.1.mlp and rank 1 (the module check and the op-level
+    check), and nothing else (no FSDP2 buffer, no attention mask, no grad that arrived
+    through the reduce-scatter)."""
+    for r in _launch("doctor", tmp_path):
+        assert r["stats"] == (4, 2)
+        events = [(e["step"], e["module"], e["ranks"]) for e in r["report"]["events"]]
+        assert events == [(3, "blocks.1.mlp", [1]), (4, "blocks.1.mlp", [1])]
+        findings = [(f["module"], f["op"], f["ranks"], f["kind"]) for f in r["report"]["findings"]]
+        assert findings == [("blocks.1.mlp", "mul", [1], "overflow")]

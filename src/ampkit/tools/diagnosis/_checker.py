@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ _SKIP = {
 # none: an inf they bring in began on another rank, whose own checker names it. Their
 # outputs are not even final when the op returns (the work runs asynchronously), so
 # whether one looked non-finite here would depend on timing.
-_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
+# Collectives, and FSDP2's own ops around them (``fsdp::all_gather_copy_in`` copies the
+# shards into a buffer torch.empty made: its "inputs" hold whatever that memory held).
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "fsdp"}
 _HIST_OFFSET = 160  # frexp exponents of fp32 values lie in [-148, 129]
 _HIST_BINS = 320
 
@@ -192,6 +195,8 @@ class OpChecker:
         self.origin: OpOrigin | None = None
         self.entered: Entered | None = None
         self.ops = 0
+        # tensors holding deliberate -inf (attention masks): id -> weak reference
+        self._masks: dict[int, weakref.ref] = {}
         self.track_underflow = track_underflow
         self.hist = torch.zeros(_HIST_BINS, dtype=torch.int64)
         # module -> [flushed, subnormal, nonzero-in-fp32] counts of 16-bit backward results
@@ -268,6 +273,10 @@ class OpChecker:
         try:
             outputs = _float_tensors(out)
             if searching and outputs and not _all_finite(outputs):
+                if self._is_mask(inputs, outputs):
+                    for t in outputs:
+                        self._masks[id(t)] = weakref.ref(t)
+                    return out
                 if inputs_finite is None:
                     inputs_finite = _all_finite(inputs)
                 self._record(func, name, args, kwargs, inputs, outputs, inputs_finite)
@@ -286,6 +295,22 @@ class OpChecker:
         finally:
             self.paused = False
         return out
+
+    def _is_mask(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+        """Whether the op's non-finite results are a deliberate mask (an attention mask's
+        -inf): every non-finite output value is -inf, and every input holding a
+        non-finite value is a constant (a 0-dim tensor: ``where(mask, 0, -inf)``) or a
+        mask itself. Overflows give NaN or +inf somewhere, or come from finite inputs."""
+        if not all(bool((torch.isfinite(t) | (t == float("-inf"))).all()) for t in outputs):
+            return False
+        nonfinite = [t for t in inputs if not _all_finite([t])]
+        if not nonfinite:
+            return False
+        for t in nonfinite:
+            ref = self._masks.get(id(t))
+            if t.dim() != 0 and (ref is None or ref() is not t):
+                return False
+        return True
 
     def _record(
         self, func: Any, name: str, args: tuple, kwargs: dict,

@@ -318,6 +318,17 @@ class Doctor:
         sharded parameters); without it, all."""
         if not self._running:
             return
+        checker = self._checker
+        paused = checker is not None and checker.paused
+        if checker is not None:
+            checker.paused = True  # the doctor's own reads are no ops of the step
+        try:
+            self._snapshot_scaled_grads(log, states)
+        finally:
+            if checker is not None:
+                checker.paused = paused
+
+    def _snapshot_scaled_grads(self, log: StepLog, states: list[Any]) -> None:
         with torch.no_grad():
             for state in states:
                 if state.scalers[0].scale == 1.0:
