@@ -35,6 +35,7 @@ SETUPS: dict[str, tuple[str | None, torch.dtype | None]] = {
     "O3": ("O3", torch.bfloat16),
     "O1-fp16": ("O1", torch.float16),
     "O2-fp16": ("O2", torch.float16),
+    "O2-fp8": ("O2", torch.bfloat16),  # + fp8 linears (delayed scaling)
 }
 
 
@@ -92,7 +93,8 @@ def build(setup: str, lr: float = 3e-3) -> tuple[nn.Module, torch.optim.Optimize
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     ampkit.distributed.fully_shard(model, opt_level=level, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=dtype)
+    fp8 = ampkit.Fp8Recipe(scaling="delayed", min_features=16) if setup.endswith("fp8") else None
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=dtype, fp8=fp8)
     return model, opt
 
 
@@ -167,6 +169,7 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
         losses = [step(model, opt, rank, n, on) for n in range(40)]
         for h in hooks:
             h.remove()
+        fp8_layers = [(i.name, i.calls, i.scales["weight"] != 1.0) for i in ampkit.fp8.layers()]
         res[setup] = {
             "losses": losses,
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -175,6 +178,7 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
             "seen": seen,
             "compensated": None if comp is None else sum(comp.buffer(p) is not None for p in model.parameters()),
             "dedicated": dedicated,
+            "fp8": fp8_layers,
         }
         if on:
             ampkit.reset()
@@ -187,7 +191,7 @@ def job_skip(rank: int, world: int, outdir: Path) -> dict:
     import ampkit
 
     res: dict[str, Any] = {}
-    for setup in ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16"):
+    for setup in ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16", "O2-fp8"):
         model, opt = build(setup)
         skipped, scales, kept = [], [], None
         for n in range(6):
@@ -207,7 +211,7 @@ def job_skip(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
-CKPT_SETUPS = ("O1-fp16", "O2", "O2K", "O3")
+CKPT_SETUPS = ("O1-fp16", "O2", "O2K", "O3", "O2-fp8")
 N = 4  # the checkpoint is taken after N steps; runs go on to 2N
 
 
@@ -344,7 +348,55 @@ def job_doctor(rank: int, world: int, outdir: Path) -> dict:
     return {"report": doc, "stats": stats}
 
 
+def job_refusals(rank: int, world: int, outdir: Path) -> dict:
+    """What FSDP2 cannot do is refused before anything changes: O2K's stochastic rounding
+    and optimizers without a one-pass update; torch's own fully_shard at O2; a level other
+    than the one the model was sharded for; and a DCP save while ampkit's state differs
+    between ranks (DCP would keep one rank's copy for all)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import ampkit
+
+    def sharded(level: str = "O2K") -> nn.Module:
+        torch.manual_seed(0)
+        return ampkit.distributed.fully_shard(TinyLM(), opt_level=level)
+
+    def refused(fn: Callable[[], Any]) -> str:
+        try:
+            fn()
+        except ampkit.AmpError as e:
+            return f"{type(e).__name__}: {e}"
+        return "accepted"
+
+    res: dict[str, Any] = {}
+    m = sharded()
+    res["stochastic"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O2K",
+                                                          compensation="stochastic"))  # fmt: skip
+    m = sharded()
+    res["rmsprop"] = refused(lambda: ampkit.initialize(m, torch.optim.RMSprop(m.parameters()), opt_level="O2K"))
+    m = sharded("O2")
+    res["other_level"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O3"))
+    torch.manual_seed(0)
+    m = TinyLM()
+    for block in m.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(m)
+    res["torch_sharded"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O2"))
+    res["fp32_only"] = refused(lambda: ampkit.distributed.fully_shard(TinyLM().bfloat16(), opt_level="O2"))
+    ampkit.reset()
+    model, opt = build("O2-fp16")
+    step(model, opt, rank, 0, True)
+    if rank == 1:  # ampkit's state now differs between the ranks
+        state = ampkit.state_dict()
+        state["trainers"][0]["scalers"][0]["scale"] = 1024.0
+        ampkit.load_state_dict(state)
+    res["differing_state"] = refused(lambda: ampkit.distributed.save_checkpoint(outdir / "ckpt", model, opt))
+    ampkit.reset()
+    return res
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "refusals": job_refusals,
     "doctor": job_doctor,
     "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
     "dcp_corrupt": job_dcp_corrupt,

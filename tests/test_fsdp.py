@@ -18,7 +18,7 @@ import _dist_workers as workers  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SCRIPT = Path(__file__).resolve().parent / "_fsdp_workers.py"
-LEVEL_SETUPS = ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16")
+LEVEL_SETUPS = ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16", "O2-fp8")
 
 
 def _launch(job: str, outdir: Path, world: int = 2, timeout: float = 400, **env: str) -> list[dict]:
@@ -78,6 +78,12 @@ def test_each_level_stores_and_computes_what_it_promises(trained):
     assert seen["O1"]["qkv weight"] == "float32" and seen["O1"]["model out"] == "bfloat16"  # op-level casting
     o2k = trained[0]["O2K"]
     assert o2k["compensated"] == 19 and o2k["dedicated"] == [19] * 40  # every bf16 shard, every step
+    # fp8 (delayed scaling) on the linears between the first and the last, every step
+    fp8 = trained[0]["O2-fp8"]["fp8"]
+    assert [name for name, _, _ in fp8] == ["blocks.0.proj", "blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.1.qkv",
+                                            "blocks.1.proj", "blocks.1.mlp.0", "blocks.1.mlp.2"]  # fmt: skip
+    assert all(calls == 40 and scaled for _, calls, scaled in fp8)
+    assert trained[0]["O2-fp8"]["fp8"] == trained[1]["O2-fp8"]["fp8"]
 
 
 @pytest.mark.timeout(400)
@@ -136,3 +142,14 @@ def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(tmp_path):
         assert events == [(3, "blocks.1.mlp", [1]), (4, "blocks.1.mlp", [1])]
         findings = [(f["module"], f["op"], f["ranks"], f["kind"]) for f in r["report"]["findings"]]
         assert findings == [("blocks.1.mlp", "mul", [1], "overflow")]
+
+
+@pytest.mark.timeout(400)
+def test_what_fsdp2_cannot_do_is_refused_before_anything_changes(tmp_path):
+    for r in _launch("refusals", tmp_path):
+        assert r["stochastic"].startswith("DistributedError: compensation='stochastic'")
+        assert r["rmsprop"].startswith("DistributedError: O2K under FSDP2 steps") and "RMSprop" in r["rmsprop"]
+        assert "sharded by ampkit.distributed.fully_shard for O2" in r["other_level"]
+        assert "ampkit.distributed.fully_shard(model, opt_level='O2')" in r["torch_sharded"]
+        assert "takes an fp32 model" in r["fp32_only"]
+        assert r["differing_state"].startswith("StateError: ampkit's state differs between ranks at ['trainers/0/scalers/0/scale']")

@@ -103,6 +103,38 @@ def _ensure_buffers() -> None:
         comp.ensure_buffers()
 
 
+def _checksum(t: torch.Tensor) -> int:
+    """An order-sensitive checksum of ``t``'s bytes (equal tensors give equal sums)."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(1, data.numel() + 1, dtype=torch.int64)
+    return int((data * weights).sum()) % (1 << 52) if data.numel() else 0  # exact in float64
+
+
+def _require_replicated(entries: dict[str, torch.Tensor]) -> None:
+    """Raise unless every entry that is no DTensor holds the same value on every rank:
+    DCP saves such an entry once and loads it on every rank, so a per-rank value would
+    come back as another rank's (two all-reduces of one checksum per entry)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    names = sorted(k for k, v in entries.items() if local_tensor(v) is v)
+    if not names:
+        return
+    sums = torch.tensor([_checksum(entries[k]) for k in names], dtype=torch.float64, device=_comm_device())
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    differ = [k for k, a, b in zip(names, low.tolist(), high.tolist()) if a != b]
+    if differ:
+        raise StateError(
+            f"ampkit's state differs between ranks at {differ[:4]}; a DCP checkpoint keeps one copy of "
+            "such values, so each rank would resume with another rank's. ampkit keeps them equal (every "
+            "step's decision is agreed), so a rank was given another state: load the same checkpoint "
+            "on every rank, or save ampkit.state_dict() per rank."
+        )
+
+
 class AmpState:
     """ampkit's session state as a DCP ``Stateful`` (see the module docstring). Build
     it after ``initialize``/``init_trainer``, on every rank; the session must be set up
@@ -133,6 +165,7 @@ class AmpState:
         _ensure_buffers()
         out: dict[str, torch.Tensor] = {}
         _flatten(session_state(), "", out)
+        _require_replicated(out)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,14 +261,19 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
     amp.apply()
 
 
+def _comm_device() -> torch.device:
+    """Where the default group's collectives take tensors (the current GPU for NCCL)."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over every rank of the default group (``flag`` alone without one)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    t = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

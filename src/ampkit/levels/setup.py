@@ -51,7 +51,7 @@ from ampkit.distributed.core import (
     check_models,  # refuses DDP/FSDP wrappers a level cannot run under
     is_fsdp2,
 )
-from ampkit.errors import AmpError, PolicyError, ScalerError, StateError
+from ampkit.errors import AmpError, DistributedError, PolicyError, ScalerError, StateError
 from ampkit.scaling.loss_scaler import LossScaler, check_scale
 from ampkit.trainer import api as optim
 from ampkit.trainer.extensions import StepExtension
@@ -703,6 +703,9 @@ def initialize(
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
     check_models(model_list, level.name, level.cast_model_type is not None)
+    shard_plan = None
+    if level.cast_model_type is not None and any(is_fsdp2(m) for m in model_list):
+        shard_plan = _check_sharded(model_list, opt_list, level)
     recipe = _fp8.check_level(level.name, fp8)
     fp8_plan = None
     if recipe is not None:
@@ -716,9 +719,8 @@ def initialize(
         _reset.reset()  # a new session: no leftovers of a previous initialize or init
 
     masters: list[MasterWeights | None] = [_masters_of(opt) for opt in opt_list]
-    sharded = level.cast_model_type is not None and any(is_fsdp2(m) for m in model_list)
-    if sharded:
-        _setup_sharded(model_list, level, device_type, policy)
+    if shard_plan is not None:
+        _setup_sharded(model_list[0], shard_plan, level, device_type, policy)
     elif level.cast_model_type is not None:
         # Masters first, from the fp32 weights: exact, and what a checkpoint restores.
         if level.master_weights:
@@ -773,18 +775,41 @@ def initialize(
     return out_models, out_opts
 
 
-def _setup_sharded(model_list: list[nn.Module], level: OptLevel, device_type: str, policy: Policy | None) -> None:
-    """A cast level on models :func:`ampkit.distributed.fully_shard` sharded for it:
-    FSDP2 already stores the weights as the level does (O2: fp32 shards cast to 16 bits
-    by its ``MixedPrecisionPolicy``, the shards being the masters; O3/O2K: 16-bit
-    shards, kept modules fp32), so nothing is cast or copied here; O2/O2K add op-level
-    casting inside the model, with the kept modules computing in fp32."""
+def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer], level: OptLevel) -> Any:
+    """Validate a cast level on models :func:`ampkit.distributed.fully_shard` sharded for
+    it (before anything is changed); returns the shard plan."""
     from ampkit.distributed.fsdp import check_plan
 
     if len(model_list) != 1:
         raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
-    (model,) = model_list
-    plan = check_plan(model, level.name, level.dtype, level.keep_fp32)
+    plan = check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
+    if level.compensation is not None:
+        # each rank steps its local shards with the one-pass update; the generic path (the
+        # optimizer on fp32 copies) and stochastic rounding's per-rank draws are not sharded
+        if level.compensation != "kahan":
+            raise DistributedError(
+                f"compensation={level.compensation!r} is not supported under FSDP2: each rank would draw "
+                "its own random numbers for its shard. Use the default compensation='kahan'."
+            )
+        for opt in opt_list:
+            for group in opt.param_groups:
+                if one_pass.rule_for(opt, group) is None:
+                    raise DistributedError(
+                        f"O2K under FSDP2 steps torch.optim.Adam, AdamW and SGD (plain numbers as "
+                        f"hyperparameters, no amsgrad) on each rank's shards; this {type(opt).__name__} "
+                        "param group is none of those. Use one of them, or O2 (fp32 shards as masters), "
+                        "which steps any optimizer."
+                    )
+    return plan
+
+
+def _setup_sharded(model: nn.Module, plan: Any, level: OptLevel, device_type: str, policy: Policy | None) -> None:
+    """A cast level on a model :func:`ampkit.distributed.fully_shard` sharded for it
+    (checked by :func:`_check_sharded`): FSDP2 already stores the weights as the level
+    does (O2: fp32 shards cast to 16 bits by its ``MixedPrecisionPolicy``, the shards
+    being the masters; O3/O2K: 16-bit shards, kept modules fp32), so nothing is cast or
+    copied here; O2/O2K add op-level casting inside the model, with the kept modules
+    computing in fp32."""
     by_name = dict(model.named_modules())
     if level.model_op_casting:
         add_op_casting(model, level.dtype, device_type, policy)
