@@ -233,8 +233,8 @@ def save_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
 
 
 def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a :func:`save_checkpoint` folder into ``model``, ``optimizer`` and ampkit's
-    session, on every rank; the world size may differ from the saving run's. Whole or
+    """Load the :func:`save_checkpoint` folder ``path`` into ``model``, ``optimizer`` and
+    ampkit's session, on every rank; the world size may differ from the saving run's. Whole or
     nothing: a file DCP cannot read (``CheckpointException``), a missing or mistyped
     entry, an invalid ampkit value or a non-finite model or optimizer value raises
     before anything is changed (:class:`ampkit.StateError` for the last three)."""

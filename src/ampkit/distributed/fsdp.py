@@ -49,8 +49,9 @@ UnitRule = type[nn.Module] | str
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
     """How :func:`fully_shard` sharded a model: ``level``, ``dtype`` (the 16-bit compute
-    dtype), ``units`` (qualified names of the FSDP2 units, root last: ``""``) and
-    ``kept`` (qualified names of the modules kept fp32, each a unit)."""
+    dtype), ``units`` (qualified names of the FSDP2 units, root last: ``""``), ``kept``
+    (qualified names of the modules kept fp32, each a unit) and ``keep_fp32`` (the
+    rules it was given)."""
 
     level: str
     dtype: torch.dtype
