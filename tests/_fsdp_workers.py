@@ -383,6 +383,25 @@ def job_refusals(rank: int, world: int, outdir: Path) -> dict:
     torch_fully_shard(m)
     res["torch_sharded"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O2"))
     res["fp32_only"] = refused(lambda: ampkit.distributed.fully_shard(TinyLM().bfloat16(), opt_level="O2"))
+    for level in ("O1", "O2"):  # an optimizer built before sharding would step stale tensors
+        m = TinyLM()
+        early = torch.optim.AdamW(m.parameters())
+        ampkit.distributed.fully_shard(m, opt_level=level)
+        res[f"opt_first_{level}"] = refused(lambda m=m, early=early, level=level: ampkit.initialize(
+            m, early, opt_level=level))  # fmt: skip
+    ampkit.reset()
+    # rank 0's ampkit.state_dict() file loaded on every rank: O2K's DTensor compensation is
+    # rank 0's shards; rank 1 refuses it (DCP checkpoints reshard)
+    model, opt = build("O2K")
+    step(model, opt, rank, 0, True)
+    if rank == 0:
+        torch.save(ampkit.state_dict(), outdir / "amp0.pt")
+    dist.barrier()
+    try:
+        loaded = torch.load(outdir / "amp0.pt", weights_only=True)
+        res["rank0_file"] = refused(lambda: ampkit.load_state_dict(loaded))
+    except Exception as e:  # noqa: BLE001 - what torch.load says about a DTensor, for the record
+        res["rank0_file"] = f"torch.load: {type(e).__name__}: {str(e)[:200]}"
     ampkit.reset()
     model, opt = build("O2-fp16")
     step(model, opt, rank, 0, True)

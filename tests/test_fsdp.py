@@ -146,10 +146,14 @@ def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_what_fsdp2_cannot_do_is_refused_before_anything_changes(tmp_path):
-    for r in _launch("refusals", tmp_path):
+    ranks = _launch("refusals", tmp_path)
+    assert ranks[0]["rank0_file"] == "accepted"  # rank 0's own ampkit.state_dict() file
+    assert ranks[1]["rank0_file"].startswith("StateError: this compensation state holds the FSDP2 shards of rank 0")
+    for r in ranks:
         assert r["stochastic"].startswith("DistributedError: compensation='stochastic'")
         assert r["rmsprop"].startswith("DistributedError: O2K under FSDP2 steps") and "RMSprop" in r["rmsprop"]
         assert "sharded by ampkit.distributed.fully_shard for O2" in r["other_level"]
         assert "ampkit.distributed.fully_shard(model, opt_level='O2')" in r["torch_sharded"]
         assert "takes an fp32 model" in r["fp32_only"]
+        assert "built before fully_shard" in r["opt_first_O1"] and "built before fully_shard" in r["opt_first_O2"]
         assert r["differing_state"].startswith("StateError: ampkit's state differs between ranks at ['trainers/0/scalers/0/scale']")

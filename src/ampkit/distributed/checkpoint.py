@@ -55,6 +55,8 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
             _flatten(value, f"{prefix}{_SEP}{i}", out)
     elif isinstance(obj, torch.Tensor):
         out[prefix] = obj.detach().clone()  # DCP loads into these: never the live buffers
+    elif prefix.endswith(f"{_SEP}shard_rank"):
+        return  # which rank's shards a per-rank file holds: DCP maps shards itself
     elif isinstance(obj, bool):
         out[prefix] = torch.tensor(obj)
     elif isinstance(obj, int):
@@ -72,7 +74,7 @@ def _rebuild(template: Any, prefix: str, values: dict[str, Any]) -> Any:
         return {k: _rebuild(v, f"{prefix}{_SEP}{k}" if prefix else str(k), values) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
         return type(template)(_rebuild(v, f"{prefix}{_SEP}{i}", values) for i, v in enumerate(template))
-    if template is None or isinstance(template, str):
+    if template is None or isinstance(template, str) or prefix.endswith(f"{_SEP}shard_rank"):
         return template
     value = values[prefix]
     if not isinstance(value, torch.Tensor):

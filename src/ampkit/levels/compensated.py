@@ -532,7 +532,7 @@ class CompensatedUpdates:
             for gi, pi, p in self._low_params()
             if id(p) in self._buffers
         ]
-        return {
+        out = {
             "format": _STATE_FORMAT,
             "method": self.method,
             "buffers": entries,
@@ -542,6 +542,10 @@ class CompensatedUpdates:
                 str(d): g.get_state() for d, g in self._device_generators.items()
             },
         }
+        if any(local_tensor(t) is not t for _, _, t in entries):
+            # FSDP2 shards: this rank's pieces only (a DCP checkpoint maps them to any rank)
+            out["shard_rank"] = _rank()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore buffers and generator saved by :meth:`state_dict`; the
@@ -570,7 +574,14 @@ class CompensatedUpdates:
                 f"{_STATE_FORMAT}: it was not written by CompensatedUpdates.state_dict()."
             )
         require_fields(state, ("format", "method", "buffers", "generator"), "compensation state", StateError,
-                       optional=("device_generators", "num_buffers"), source="CompensatedUpdates.state_dict()")
+                       optional=("device_generators", "num_buffers", "shard_rank"),
+                       source="CompensatedUpdates.state_dict()")  # fmt: skip
+        if "shard_rank" in state and state["shard_rank"] != _rank():
+            raise StateError(
+                f"this compensation state holds the FSDP2 shards of rank {state['shard_rank']!r}; this is "
+                f"rank {_rank()}. Load each rank's own ampkit.state_dict() file, or save and load with "
+                "ampkit.distributed.save_checkpoint / load_checkpoint (DCP), which reshards."
+            )
         if state["method"] != self.method:
             raise StateError(
                 f"the checkpoint used compensation {state['method']!r}, this run "
@@ -648,6 +659,13 @@ class CompensatedUpdates:
             [p for g in self.optimizer.param_groups for p in g["params"]],
             self.optimizer,
         ) + sum(local_tensor(b).numel() * b.element_size() for b in self._buffers.values())
+
+
+def _rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _checked_generator_state(state: Any, device: str) -> torch.Tensor:

@@ -704,8 +704,10 @@ def initialize(
         check_keep_fp32(model_list, level.keep_fp32)
     check_models(model_list, level.name, level.cast_model_type is not None)
     shard_plan = None
-    if level.cast_model_type is not None and any(is_fsdp2(m) for m in model_list):
-        shard_plan = _check_sharded(model_list, opt_list, level)
+    if any(is_fsdp2(m) for m in model_list):
+        _check_fsdp_optimizers(model_list, opt_list)
+        if level.cast_model_type is not None:
+            shard_plan = _check_sharded(model_list, opt_list, level)
     recipe = _fp8.check_level(level.name, fp8)
     fp8_plan = None
     if recipe is not None:
@@ -773,6 +775,21 @@ def initialize(
     out_models: Any = model_list[0] if one_model else model_list
     out_opts: Any = None if optimizers is None else (optimizers if one_opt else list(optimizers))
     return out_models, out_opts
+
+
+def _check_fsdp_optimizers(model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer]) -> None:
+    """Refuse an optimizer that holds none of an FSDP2 model's parameters: built before
+    ``fully_shard``, which replaced them with sharded ones, it would step tensors the model
+    no longer uses, and the model would never train."""
+    params = {id(p) for m in model_list for p in m.parameters()}
+    for opt in opt_list:
+        held = [p for g in opt.param_groups for p in g["params"]]
+        if held and not any(id(p) in params for p in held):
+            raise DistributedError(
+                f"this {type(opt).__name__} holds none of the sharded model's parameters: it was built "
+                "before fully_shard, which replaced them with DTensor shards. Build the optimizer after "
+                "fully_shard, on model.parameters()."
+            )
 
 
 def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer], level: OptLevel) -> Any:
