@@ -451,3 +451,57 @@ def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path
     first, last = (float(out.split(f"step {n}: loss ")[1].split()[0]) for n in (0, 59))
     assert abs(first - 1.41) < 0.006 and abs(last - 0.18) < 0.01 and "steps=60, skipped=0" in out, out
     assert "falling from 1.41 at step 0 to about 0.18 at step 59" in text
+
+
+CLAIM = re.compile(r"bitwise|within \d[\d.]*\s*%", re.I)
+TEST_REF = re.compile(r"tests/(test_\w+\.py)(?:::(\w+))?")
+HISTORY_PAGES = {"changelog.md", "earlier-measurements.md", "versions.md"}
+
+
+def _paragraphs(text: str) -> list[str]:
+    """The prose paragraphs of a Markdown page (code blocks left out), joined lines."""
+    out, cur, fence = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            continue
+        if line.strip():
+            cur.append(line.strip())
+        elif cur:
+            out.append(" ".join(cur))
+            cur = []
+    if cur:
+        out.append(" ".join(cur))
+    return out
+
+
+def _claim_pages() -> list[Path]:
+    return [p for p in pages() if "benchmarks" not in p.relative_to(DOCS).parts and p.name not in HISTORY_PAGES] + [
+        ROOT / "README.md"]  # fmt: skip
+
+
+def test_every_exactness_claim_names_the_test_or_benchmark_behind_it() -> None:
+    """A paragraph that says "bitwise" or "within x%" names the test (``tests/...``) or
+    the benchmark script (``benchmarks/...``) that checks it, in itself or in the
+    paragraph right after (a table's note); a named test exists."""
+    bad, refs = [], []
+    for page in _claim_pages():
+        paras = _paragraphs(page.read_text())
+        for i, para in enumerate(paras):
+            refs += TEST_REF.findall(para)
+            if not CLAIM.search(para):
+                continue
+            here = para + " " + (paras[i + 1] if i + 1 < len(paras) else "")
+            if not re.search(r"tests/|test_\w+|benchmarks/", here):
+                bad.append(f"{page.relative_to(ROOT)}: {para[:100]}")
+    assert not bad, "claims with no test named beside them:\n" + "\n".join(bad)
+    missing = []
+    for file, name in refs:
+        if "*" in file:
+            continue
+        path = ROOT / "tests" / file
+        if not path.exists() or (name and not re.search(rf"^def {name}\(", path.read_text(), re.M)):
+            missing.append(f"tests/{file}::{name}" if name else f"tests/{file}")
+    assert not missing, f"docs name tests that do not exist: {sorted(set(missing))}"
