@@ -414,7 +414,45 @@ def job_refusals(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+def job_accumulate(rank: int, world: int, outdir: Path) -> dict:
+    """Two micro-batches per step, the first without FSDP2's reduce-scatter
+    (``set_requires_gradient_sync(False)``): each level against FSDP2's fp32 run doing the
+    same, and a NaN loss in rank 1's unsynced micro-batch skips the step on both ranks."""
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in ("fp32", "O1", "O2", "O2K", "O2-fp16"):
+        model, opt = build(setup)
+        on = SETUPS[setup][0] is not None
+        losses, skipped = [], []
+        for n in range(20):
+            opt.zero_grad()
+            total = 0.0
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                x, y = batch(rank, 2 * n + micro)
+                loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1)) / 2
+                if on and n == 5 and micro == 0 and rank == 1:  # a NaN in the unsynced micro-batch
+                    loss = loss * float("nan")
+                if on:
+                    with ampkit.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+                total += loss.item()
+            if on or n != 5:  # the fp32 reference leaves out the step the others skip
+                opt.step()
+            skipped.append(ampkit.step_skipped(opt) if on else False)
+            losses.append(total)
+        res[setup] = {"losses": losses, "skipped": skipped,
+                      "finite": all(bool(torch.isfinite(p.detach().to_local()).all()) for p in model.parameters())}  # fmt: skip
+        if on:
+            ampkit.reset()
+    return res
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "accumulate": job_accumulate,
     "refusals": job_refusals,
     "doctor": job_doctor,
     "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
