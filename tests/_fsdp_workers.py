@@ -451,7 +451,43 @@ def job_accumulate(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+def job_unscale(rank: int, world: int, outdir: Path) -> dict:
+    """fp16 O2 under FSDP2: the sharded grads hold scale x grad after backward;
+    ``amp.unscale`` makes them real (their norm that of FSDP2's fp32 run, to fp16
+    rounding), and stepping after it is bitwise stepping without it."""
+    import ampkit
+
+    def grad_norm(model: nn.Module) -> float:
+        return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+
+    res: dict[str, Any] = {}
+    ref, ref_opt = build("fp32")
+    x, y = batch(rank, 0)
+    F.cross_entropy(ref(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
+    res["fp32_norm"] = grad_norm(ref)
+    finals = []
+    for unscale_first in (False, True):
+        model, opt = build("O2-fp16")
+        for n in range(3):
+            x, y = batch(rank, n)
+            opt.zero_grad()
+            with ampkit.scale_loss(F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1)), opt) as s:
+                s.backward()
+            if n == 0:
+                res["scaled_norm" if not unscale_first else "before_unscale"] = grad_norm(model)
+            if unscale_first:
+                ampkit.unscale(opt)
+                if n == 0:
+                    res["unscaled_norm"] = grad_norm(model)
+            opt.step()
+        finals.append(snapshot(p.detach().to_local() for p in model.parameters()))
+        ampkit.reset()
+    res["same_steps"] = bitwise_equal(finals[0], finals[1])
+    return res
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "unscale": job_unscale,
     "accumulate": job_accumulate,
     "refusals": job_refusals,
     "doctor": job_doctor,

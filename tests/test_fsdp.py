@@ -170,3 +170,14 @@ def test_gradient_accumulation_without_sync_trains_like_fp32_and_skips_together(
             got = r[setup]
             assert [i for i, s in enumerate(got["skipped"]) if s] == [5], setup
             assert got["finite"] and abs(sum(got["losses"][-5:]) / 5 - ref) / ref < 0.01, setup
+
+
+@pytest.mark.timeout(400)
+def test_fp16_sharded_grads_are_scaled_until_unscale_as_the_guide_says(tmp_path):
+    """docs/guides/distributed.md: under FSDP2 with fp16 the sharded grads hold
+    scale x grad after backward; amp.unscale makes them real (the fp32 run's norm) and
+    the step after it is bitwise the step without it."""
+    for r in _launch("unscale", tmp_path):
+        assert r["scaled_norm"] == pytest.approx(65536 * r["fp32_norm"], rel=0.01)
+        assert r["unscaled_norm"] == pytest.approx(r["fp32_norm"], rel=1e-3)
+        assert r["same_steps"]
