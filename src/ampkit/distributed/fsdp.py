@@ -66,16 +66,6 @@ def shard_plan(model: nn.Module) -> ShardPlan | None:
     return model.__dict__.get(_PLAN_ATTR)
 
 
-def _matches(module: nn.Module, name: str, rules: Sequence[UnitRule]) -> bool:
-    for rule in rules:
-        if isinstance(rule, str):
-            if fnmatch.fnmatchcase(name, rule):
-                return True
-        elif isinstance(module, rule):
-            return True
-    return False
-
-
 def _default_units(model: nn.Module) -> list[str]:
     """The children of every ``nn.ModuleList`` (transformer blocks, the usual FSDP2
     units), outermost lists only."""
@@ -134,7 +124,12 @@ def fully_shard(
             a dtype the level cannot use, a model that is already sharded or set up by
             ``initialize``, or a ``keep_fp32``/``units`` glob that matches no module.
     """
-    from ampkit.levels.model_cast import cast_model, check_keep_fp32, kept_fp32_modules
+    from ampkit.levels.model_cast import (
+        cast_model,
+        check_keep_fp32,
+        kept_fp32_modules,
+        matches_rule,
+    )
 
     shard = torch_class("torch.distributed.fsdp", "fully_shard")
     policy_cls = torch_class("torch.distributed.fsdp", "MixedPrecisionPolicy")
@@ -173,7 +168,7 @@ def fully_shard(
     if unit_rules is None:
         unit_names = _default_units(model)
     else:
-        unit_names = [n for n, m in model.named_modules() if n and _matches(m, n, unit_rules)]
+        unit_names = [n for n, m in model.named_modules() if n and matches_rule(m, n, unit_rules)]
         for rule in unit_rules:
             if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names.values() if n):
                 raise DistributedError(f"units glob {rule!r} matches no module name of the model.")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "is_norm_layer",
     "looks_like_norm",
     "kept_fp32_modules",
+    "matches_rule",
     "params_to_cast",
     "cast_model",
     "add_io_casts",
@@ -108,7 +109,9 @@ def looks_like_norm(module: nn.Module) -> bool:
 KeepRule = type[nn.Module] | str
 
 
-def _matches(module: nn.Module, name: str, rules: tuple[KeepRule, ...]) -> bool:
+def matches_rule(module: nn.Module, name: str, rules: Sequence[KeepRule]) -> bool:
+    """Whether ``module`` (qualified ``name``) matches one of ``rules``: a module class it
+    is an instance of, or a glob its name matches (``"blocks.*.attn"``)."""
     for rule in rules:
         if isinstance(rule, str):
             if fnmatch.fnmatchcase(name, rule):
@@ -147,7 +150,7 @@ def _kept_with_roots(
         if id(module) in seen:
             return
         seen.add(id(module))
-        kept = under_kept or (keep_norm_fp32 and is_norm_layer(module, extra)) or _matches(module, name, rules)
+        kept = under_kept or (keep_norm_fp32 and is_norm_layer(module, extra)) or matches_rule(module, name, rules)
         if kept:
             out.append((module, not under_kept))
         for child_name, child in module.named_children():
