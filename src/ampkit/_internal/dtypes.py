@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import Any
@@ -105,9 +106,15 @@ def cast_optimizer_state(state: Mapping[str, Any], dtype: torch.dtype) -> dict[s
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t``'s local shard if it is a ``DTensor`` (FSDP2's sharded parameters, their
-    grads and optimizer state; ``DTensor.to_local()``, sharing its memory), else ``t``."""
-    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    grads and optimizer state; ``DTensor.to_local()``, sharing its memory), else ``t``.
+    Called per tensor on the optimizer step: the class is looked up once."""
+    dtensor = _dtensor_class()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+@functools.cache
+def _dtensor_class() -> type | None:
+    return torch_class("torch.distributed.tensor", "DTensor")
 
 
 def torch_class(module: str, name: str) -> type | None:

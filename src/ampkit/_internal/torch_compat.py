@@ -706,11 +706,7 @@ is laid out ``(in, out, ...)``, which BN folding must know)."""
 def dispatch_key_registrations(dispatch_key: str) -> set[str]:
     """aten base names with a kernel on ``dispatch_key`` (``"AutocastCPU"``) in the
     running torch (``torch._C._dispatch_get_registrations_for_dispatch_key``)."""
-    return {
-        r.split("::", 1)[1].split(".", 1)[0]
-        for r in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
-        if r.startswith("aten::")
-    }
+    return {base for base, _ in dispatch_key_overloads(dispatch_key)}
 
 
 def dispatch_key_overloads(dispatch_key: str) -> list[tuple[str, str]]:

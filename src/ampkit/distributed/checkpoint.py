@@ -36,25 +36,31 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.dist import rank_and_world_size
 from ampkit._internal.dtypes import local_tensor
+from ampkit._internal.tree import map_leaves
 from ampkit.errors import StateError
+
+from .core import _comm_device
 
 __all__ = ["AmpState", "load_checkpoint", "save_checkpoint"]
 
 _SEP = "/"
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], copy: bool = True) -> None:
     """Every leaf of ``obj`` (dicts, lists, tensors, numbers, bools, strings, None) as a
-    tensor under its path; strings and None are structure (checked on load, not saved)."""
+    tensor under its path; strings and None are structure (checked on load, not saved).
+    ``copy``: tensors are cloned (default; DCP loads into them: never the live buffers),
+    else put in as they are (for reading the entries' names only)."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            _flatten(value, f"{prefix}{_SEP}{key}" if prefix else str(key), out)
+            _flatten(value, f"{prefix}{_SEP}{key}" if prefix else str(key), out, copy)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _flatten(value, f"{prefix}{_SEP}{i}", out)
+            _flatten(value, f"{prefix}{_SEP}{i}", out, copy)
     elif isinstance(obj, torch.Tensor):
-        out[prefix] = obj.detach().clone()  # DCP loads into these: never the live buffers
+        out[prefix] = obj.detach().clone() if copy else obj
     elif prefix.endswith(f"{_SEP}shard_rank"):
         return  # which rank's shards a per-rank file holds: DCP maps shards itself
     elif isinstance(obj, bool):
@@ -118,12 +124,12 @@ def _require_replicated(entries: dict[str, torch.Tensor]) -> None:
     come back as another rank's (two all-reduces of one checksum per entry)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi_rank():
         return
     names = sorted(k for k, v in entries.items() if local_tensor(v) is v)
     if not names:
         return
-    sums = torch.tensor([_checksum(entries[k]) for k in names], dtype=torch.float64, device=_comm_device())
+    sums = torch.tensor([_checksum(entries[k]) for k in names], dtype=torch.float64, device=_device())
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
@@ -183,7 +189,7 @@ class AmpState:
         _ensure_buffers()
         template = session_state()
         expected: dict[str, torch.Tensor] = {}
-        _flatten(template, "", expected)
+        _flatten(template, "", expected, copy=False)
         missing = sorted(set(expected) - set(state_dict))
         extra = sorted(set(state_dict) - set(expected))
         if missing or extra:
@@ -199,12 +205,8 @@ class AmpState:
             apply()
 
 
-def _copies(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _copies(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_copies(v) for v in tree)
-    return tree.detach().clone() if isinstance(tree, torch.Tensor) else tree
+def _copy_leaf(leaf: Any) -> Any:
+    return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _require_finite(tree: Any, where: str) -> None:
@@ -247,7 +249,11 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     amp = AmpState(defer=True)
-    state = {"model": _copies(model_sd), "optim": _copies(optim_sd), "amp": amp}
+    state = {
+        "model": map_leaves(model_sd, _copy_leaf, keep_types=True),
+        "optim": map_leaves(optim_sd, _copy_leaf, keep_types=True),
+        "amp": amp,
+    }
     refused: AmpError | None = None
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -263,19 +269,22 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
     amp.apply()
 
 
-def _comm_device() -> torch.device:
-    """Where the default group's collectives take tensors (the current GPU for NCCL)."""
-    import torch.distributed as dist
+def _multi_rank() -> bool:
+    """Whether a default process group of more than one rank is up."""
+    return rank_and_world_size()[1] > 1
 
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+def _device() -> torch.device:
+    """Where the default group's collectives take these small tensors."""
+    return _comm_device(None, torch.device("cpu"))
 
 
 def _any_rank(flag: bool) -> bool:
     """``flag`` OR-ed over every rank of the default group (``flag`` alone without one)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi_rank():
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=_comm_device())
+    t = torch.tensor([1.0 if flag else 0.0], device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.dtypes import torch_class
+from ampkit._internal.dtypes import default_dtype, torch_class
 from ampkit._internal.env import dtype_from_env
 from ampkit.errors import DistributedError
 
@@ -128,6 +128,7 @@ def fully_shard(
         cast_model,
         check_keep_fp32,
         kept_fp32_modules,
+        kept_fp32_roots,
         matches_rule,
     )
 
@@ -149,7 +150,7 @@ def fully_shard(
             f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
         )
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    dtype = dtype or dtype_from_env() or (torch.float16 if device_type == "cuda" else torch.bfloat16)
+    dtype = dtype or dtype_from_env() or default_dtype(device_type)
     if dtype not in (torch.bfloat16, torch.float16):
         raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
     if opt_level == "O2K" and dtype != torch.bfloat16:
@@ -160,11 +161,11 @@ def fully_shard(
         check_keep_fp32([model], [r for r in keep if isinstance(r, str)])
     names = {id(m): n for n, m in model.named_modules()}
     casts = opt_level in ("O2", "O3", "O2K")
-    kept = kept_fp32_modules(model, keep_norm_fp32=opt_level in ("O2", "O2K"), keep_fp32=keep) if casts else []
+    keep_norms = opt_level in ("O2", "O2K")
+    kept = kept_fp32_modules(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
     kept_ids = {id(m) for m in kept}
     # the outermost kept modules are units; what is inside one stays in it
-    kept_roots = [m for m in kept if not any(names[id(m)].startswith(names[id(k)] + ".") for k in kept if k is not m
-                                               and names[id(k)])]  # fmt: skip
+    kept_roots = kept_fp32_roots(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
     if unit_rules is None:
         unit_names = _default_units(model)
     else:
@@ -176,7 +177,7 @@ def fully_shard(
     unit_modules = [by_name[n] for n in unit_names if id(by_name[n]) not in kept_ids]
 
     if opt_level in ("O3", "O2K"):  # the sharded parameters themselves are 16-bit
-        cast_model(model, dtype, keep_norm_fp32=opt_level == "O2K", cast_outputs=torch.float32, keep_fp32=keep)
+        cast_model(model, dtype, keep_norm_fp32=keep_norms, cast_outputs=torch.float32, keep_fp32=keep)
     kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kw["mesh"] = mesh
@@ -206,15 +207,11 @@ def fully_shard(
 def check_plan(model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any]) -> ShardPlan:
     """The plan of an FSDP2 model ``initialize`` sets up at ``level_name``: refuse one
     that :func:`fully_shard` did not shard for this level and dtype."""
+    from .core import _fsdp_recipe
+
     plan = shard_plan(model)
-    if plan is None:
-        raise DistributedError(
-            f"initialize got a model sharded by torch's fully_shard at {level_name}, which casts the "
-            "weights; FSDP2 owns the sharded parameters, so the level must be part of the sharding. "
-            f"Shard with ampkit.distributed.fully_shard(model, opt_level={level_name!r}) instead (it "
-            "applies FSDP2 with the level's MixedPrecisionPolicy per module), then build the optimizer "
-            "and call initialize."
-        )
+    if plan is None:  # check_models refuses it first, with the same recipe
+        raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
     if plan.level != level_name or plan.dtype != dtype:
         raise DistributedError(
             f"this model was sharded by ampkit.distributed.fully_shard for {plan.level} in {plan.dtype}; "

@@ -67,6 +67,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ampkit._internal.dist import rank_and_world_size
 from ampkit._internal.dtypes import LOW_PRECISION, cast_optimizer_state, local_tensor
 from ampkit._internal.validate import (
     CORRUPT_CHECKPOINT,
@@ -386,13 +387,16 @@ class CompensatedUpdates:
         return plan
 
     def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
-        g = p.grad
-        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or flat(local_tensor(p.detach())) is None:
+        g, w = p.grad, p.detach()
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse:
             return False
-        if type(g) is not type(p.detach()):  # a sharded parameter with a full grad, or the reverse
+        if type(g) is not type(w):  # a sharded parameter with a full grad, or the reverse
+            return False
+        local = local_tensor(w)
+        if flat(local) is None:
             return False
         state = optimizer.state.get(p)
-        tensors = [local_tensor(p.detach()), local_tensor(g)]
+        tensors = [local, local_tensor(g)]
         buf = self._buffers.get(id(p))
         if buf is not None:
             tensors.append(local_tensor(buf))
@@ -544,7 +548,7 @@ class CompensatedUpdates:
         }
         if any(local_tensor(t) is not t for _, _, t in entries):
             # FSDP2 shards: this rank's pieces only (a DCP checkpoint maps them to any rank)
-            out["shard_rank"] = _rank()
+            out["shard_rank"] = rank_and_world_size()[0]
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -576,10 +580,11 @@ class CompensatedUpdates:
         require_fields(state, ("format", "method", "buffers", "generator"), "compensation state", StateError,
                        optional=("device_generators", "num_buffers", "shard_rank"),
                        source="CompensatedUpdates.state_dict()")  # fmt: skip
-        if "shard_rank" in state and state["shard_rank"] != _rank():
+        rank = rank_and_world_size()[0]
+        if "shard_rank" in state and state["shard_rank"] != rank:
             raise StateError(
                 f"this compensation state holds the FSDP2 shards of rank {state['shard_rank']!r}; this is "
-                f"rank {_rank()}. Load each rank's own ampkit.state_dict() file, or save and load with "
+                f"rank {rank}. Load each rank's own ampkit.state_dict() file, or save and load with "
                 "ampkit.distributed.save_checkpoint / load_checkpoint (DCP), which reshards."
             )
         if state["method"] != self.method:
@@ -659,13 +664,6 @@ class CompensatedUpdates:
             [p for g in self.optimizer.param_groups for p in g["params"]],
             self.optimizer,
         ) + sum(local_tensor(b).numel() * b.element_size() for b in self._buffers.values())
-
-
-def _rank() -> int:
-    """This process's rank in the default group (0 without one)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _checked_generator_state(state: Any, device: str) -> torch.Tensor:

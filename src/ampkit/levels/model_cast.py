@@ -54,6 +54,7 @@ __all__ = [
     "is_norm_layer",
     "looks_like_norm",
     "kept_fp32_modules",
+    "kept_fp32_roots",
     "matches_rule",
     "params_to_cast",
     "cast_model",
@@ -133,6 +134,14 @@ def kept_fp32_modules(
     qualified names such as ``"encoder.*.norm"``; kept whatever ``keep_norm_fp32``),
     each with its whole subtree: a kept block keeps every layer inside it fp32."""
     return [m for m, _ in _kept_with_roots(model, keep_norm_fp32, tuple(extra_fp32_types), tuple(keep_fp32))]
+
+
+def kept_fp32_roots(
+    model: nn.Module, keep_norm_fp32: bool = True, keep_fp32: Iterable[KeepRule] = ()
+) -> list[nn.Module]:
+    """The outermost of :func:`kept_fp32_modules`: kept modules with no kept ancestor
+    (each keeps its whole subtree fp32), in ``model.modules()`` order."""
+    return [m for m, root in _kept_with_roots(model, keep_norm_fp32, (), tuple(keep_fp32)) if root]
 
 
 def _kept_with_roots(

@@ -15,7 +15,7 @@ import torch
 from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 from ampkit._internal.dist import rank_and_world_size
-from ampkit._internal.dtypes import LOW_PRECISION, dtype_name
+from ampkit._internal.dtypes import LOW_PRECISION, dtype_name, local_tensor
 from ampkit._internal.where import user_stacklevel
 from ampkit.casting.policy import canonical_op
 from ampkit.distributed import core as _distributed
@@ -26,7 +26,7 @@ from ampkit.trainer import extensions as _extensions
 
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
-from ._record import Recorder, ResolvedStep, StepLog, local
+from ._record import Recorder, ResolvedStep, StepLog, paused
 from ._report import DoctorReport
 
 logger = logging.getLogger("ampkit.doctor")
@@ -318,18 +318,7 @@ class Doctor:
         sharded parameters); without it, all."""
         if not self._running:
             return
-        checker = self._checker
-        paused = checker is not None and checker.paused
-        if checker is not None:
-            checker.paused = True  # the doctor's own reads are no ops of the step
-        try:
-            self._snapshot_scaled_grads(log, states)
-        finally:
-            if checker is not None:
-                checker.paused = paused
-
-    def _snapshot_scaled_grads(self, log: StepLog, states: list[Any]) -> None:
-        with torch.no_grad():
+        with paused(self._checker), torch.no_grad():  # the doctor's own reads are no ops of the step
             for state in states:
                 if state.scalers[0].scale == 1.0:
                     continue
@@ -341,7 +330,7 @@ class Doctor:
                     g = p.grad
                     if g is None or g.is_sparse:
                         continue
-                    sumsq = local(g).detach().float().pow(2).sum()
+                    sumsq = local_tensor(g).detach().float().pow(2).sum()
                     log.scaled_grads[id(p)] = (weakref.ref(p), weakref.ref(g), sumsq)
 
     def _pre_unscale(self, state: _optim.ManagedOptimizer) -> None:
@@ -542,7 +531,7 @@ class Doctor:
                 continue
             # squared norms, not version counters: in-place ops on DTensor grads (FSDP2)
             # leave those unchanged
-            pairs.append(torch.stack([sumsq, local(g).detach().float().pow(2).sum()]))
+            pairs.append(torch.stack([sumsq, local_tensor(g).detach().float().pow(2).sum()]))
         if not pairs:
             return
         changed = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]

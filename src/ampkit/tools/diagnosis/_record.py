@@ -42,12 +42,6 @@ def tiny_subnormal(dtype: torch.dtype) -> float:
     return float(info.smallest_normal * info.eps)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def abs_max(t: torch.Tensor) -> torch.Tensor:
     """``t.abs().amax()`` as fp32, in one pass without a temporary (inf/NaN propagate)."""
     lo, hi = torch.aminmax(t.detach())
@@ -260,7 +254,7 @@ class Recorder:
         if not stack and self.arm_on_forward is not None and torch.is_grad_enabled():
             self.arm_on_forward()  # a diagnostic step starts with this forward
         checker = self.checker
-        with _paused(checker):
+        with paused(checker):
             name = self.name_of(module, root)
             self._hook_params(module, name)
             stop: set[int] | None = None
@@ -292,7 +286,7 @@ class Recorder:
             return
         _, name, stop = stack.pop()
         checker = self.checker
-        with _paused(checker):
+        with paused(checker):
             log = self.log
             outputs = _floats(output) if torch.is_grad_enabled() and not log.full else []
             if outputs:
@@ -326,7 +320,7 @@ class Recorder:
         def hook(grad: torch.Tensor) -> None:
             if not self.on or log is not self.log or grad is None or not grad.is_floating_point():
                 return
-            with _paused(self.checker):
+            with paused(self.checker):
                 log.grads.append((log.next_seq(), tap, grad.dtype, abs_max(grad)))
 
         return hook
@@ -346,7 +340,7 @@ class Recorder:
             log = self.log
             if not self.on or grad is None or not grad.is_floating_point() or grad.is_sparse:
                 return
-            with _paused(self.checker):
+            with paused(self.checker):
                 compute = log.module_dtype.get(module_name, grad.dtype)
                 normal = torch.finfo(compute if compute in LOW_PRECISION else grad.dtype).smallest_normal
                 g = grad.detach()
@@ -361,8 +355,9 @@ class Recorder:
         return hook
 
 
-class _paused:
-    """Run the recorder's own tensor work unseen by an active op-level checker."""
+class paused:
+    """Run the recorder's (and the doctor's) own tensor work unseen by an active op-level
+    checker (``None``: no checker, nothing to do)."""
 
     __slots__ = ("checker", "was")
 
