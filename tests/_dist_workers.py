@@ -630,7 +630,10 @@ JOBS: dict[str, Callable[[int, int, Path], dict]] = {
 }
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], timeout_s: float = 60) -> int:
+    """Run ``JOBS[argv[0]]`` on this rank of a gloo group and save its results; 0 on
+    success, 1 (with the traceback printed) on failure. ``timeout_s``: how long a
+    collective may wait for the other ranks."""
     job, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -638,7 +641,7 @@ def main(argv: list[str]) -> int:
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         results = JOBS[job](rank, world, outdir)

@@ -8,10 +8,8 @@ Run by ``_dist_workers.launch(job, outdir, world_size, script=<this file>)`` as
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -496,24 +494,12 @@ JOBS: dict[str, Callable[[int, int, Path], dict]] = {
 }  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    job, rank, world, port, outdir = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))  # fmt: skip
-    try:
-        torch.save(JOBS[job](rank, world, outdir), outdir / f"rank{rank}.pt")
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    import _dist_workers
+
+    _dist_workers.JOBS.update(JOBS)
+    # a longer collective timeout than the DDP jobs': 4 ranks compiling O2K's kernel on 2 cores
+    code = _dist_workers.main(sys.argv[1:], timeout_s=90)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # gloo may abort at interpreter teardown after all work is done
