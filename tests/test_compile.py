@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -29,13 +30,23 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 FAST = "aot_eager"
 BACKENDS = pytest.mark.parametrize("backend", [FAST, "inductor"])
 #: Before torch 2.12 dynamo cannot record torch.set_autocast_* in a graph: module rules and
-#: cast models' scopes inside compiled code graph-break there (the tests below count
-#: graph breaks), and layers under a module rule may compute in other dtypes than eager
-#: (ampkit warns once). Strict: a torch that can switches them back to passing.
-NEEDS_GRAPH_SWITCHES = pytest.mark.xfail(
-    not torch_compat.GRAPH_AUTOCAST_SWITCHES, strict=True,
-    reason="dynamo before torch 2.12 graph-breaks on torch.set_autocast_*",
-)  # fmt: skip
+#: cast models' scopes inside compiled code graph-break there, and the tests below allow
+#: those breaks (and only those) on such a torch; dtypes and values are checked alike.
+SWITCH_BREAK = re.compile(r"`[\w.]*autocast[\w.]*`")  # torch.set_autocast_dtype, autocast._enter, ...
+
+#: torch 2.10's Inductor fails its own stride check on a bf16 CPU convolution compiled
+#: under autocast (torch.autocast alike); see the test that shows it
+TORCH_2_10_CONV_BUG = torch_compat.TORCH_RELEASE == (2, 10)
+
+
+def _assert_breaks(at_most: int = 0) -> None:
+    """No more than ``at_most`` graph breaks, where dynamo records autocast switches in
+    the graph (torch >= 2.12); before, any number, each at an autocast switch."""
+    breaks = _breaks()
+    if torch_compat.GRAPH_AUTOCAST_SWITCHES:
+        assert sum(breaks.values()) <= at_most, breaks
+    else:
+        assert all(SWITCH_BREAK.search(reason) for reason in breaks), list(breaks)
 
 
 def _assert_same(got, want, backend):
@@ -122,7 +133,6 @@ def _run(fn, model, policy, x):
     return out, list(model.seen)
 
 
-@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 def test_every_policy_kind_compiles_to_the_eager_dtypes_and_switching_recompiles(backend):
     torch.manual_seed(0)
@@ -143,7 +153,7 @@ def test_every_policy_kind_compiles_to_the_eager_dtypes_and_switching_recompiles
         out, seen = _run(compiled, model, POLICIES[name], x)
         assert seen == _run(model, model, POLICIES[name], x)[1] and _graphs() == before, name
     # with the python-level rule a TorchFunctionMode is traced: still no graph break
-    assert _breaks() == {}
+    _assert_breaks()
     # the differences the probe sees are real: each policy changed some dtype
     dtypes = {name: _run(model, model, p, x)[1] for name, p in POLICIES.items()}
     for name in ("ops", "conditional", "python_op", "rules", "by_name", "promote"):
@@ -224,13 +234,12 @@ def test_compiled_function_without_modules_follows_the_policy(backend):
             got, want = compiled(x), fn(x)
         for a, b in zip(got, want):
             _assert_same(a, b, backend)
-    assert _breaks() == {}
+    _assert_breaks()
     got = compiled(x)  # no scope
     assert got[0].dtype == FP32
     _assert_same(got[0], fn(x)[0], backend)
 
 
-@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 def test_scope_entered_inside_compiled_code(backend):
     """``with amp.autocast(...)`` inside the compiled function: the scope is entered and
@@ -250,7 +259,8 @@ def test_scope_entered_inside_compiled_code(backend):
     got, want = torch.compile(fn, backend=backend)(x), fn(x)
     assert got[1:] == want[1:] == (BF16, FP32)
     _assert_same(got[0], want[0], backend)
-    assert sum(_breaks().values()) <= 2 and amp.casting.active_scopes() == 0
+    _assert_breaks(at_most=2)
+    assert amp.casting.active_scopes() == 0
     assert not torch.is_autocast_enabled("cpu")
 
 
@@ -322,7 +332,7 @@ LEVELS = ["O0", "O1", "O2", "O3", "O2K", "init"]
 @pytest.mark.parametrize("make,backend", [
     pytest.param(_cnn, FAST, id="cnn-" + FAST),
     pytest.param(_cnn, "inductor", id="cnn-inductor"),
-    pytest.param(_transformer, "inductor", id="transformer-inductor", marks=NEEDS_GRAPH_SWITCHES),
+    pytest.param(_transformer, "inductor", id="transformer-inductor"),
 ])
 def test_compiled_models_train_as_eager_at_every_level(make, backend):
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32})
@@ -330,7 +340,10 @@ def test_compiled_models_train_as_eager_at_every_level(make, backend):
     # (op-level casting, a cast model with fp32 norms, the process-wide init, a custom
     # policy); O0 (fp32), O3 (all 16-bit) and O2K (O2's forward) add compile time only.
     levels = LEVELS if backend == FAST else ["O1", "O2", "init"]
-    for level, policy in [*((lv, None) for lv in levels), ("O1", custom)]:
+    runs = [*((lv, None) for lv in levels), ("O1", custom)]
+    if make is _cnn and backend == "inductor" and TORCH_2_10_CONV_BUG:
+        runs = [("O2", None)]  # casting at the op: torch's own bug, see the test below
+    for level, policy in runs:
         eager, want = _train(make, level, compiled=False, policy=policy)
         comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
         assert got == want, (level, policy)  # each layer's output dtype, op for op
@@ -338,7 +351,26 @@ def test_compiled_models_train_as_eager_at_every_level(make, backend):
             assert eager == comp, (level, policy)  # aot_eager computes what eager does
         else:  # fused kernels round differently: within bf16 noise
             assert all(abs(a - b) <= 0.02 * abs(a) for a, b in zip(eager, comp)), (level, policy, eager, comp)
-    assert _breaks() == {}
+    _assert_breaks()
+
+
+@pytest.mark.skipif(not TORCH_2_10_CONV_BUG, reason="torch 2.10 only")
+def test_torch_2_10_inductor_fails_a_bf16_conv_under_torch_autocast_as_under_op_level_casting():
+    """Why the CNN is compiled at O2 only under torch 2.10: Inductor there predicts the
+    layout of a bf16 CPU convolution's output wrongly and its own stride check fails,
+    under plain ``torch.autocast`` as under ampkit's op-level casting (O1, ``amp.init``).
+    O2, whose convolutions get bf16 weights, compiles and trains (the test above)."""
+    x = torch.randn(8, 1, 16, 16)
+    for use_ampkit in (False, True):
+        amp.reset()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = DigitsCNN(width=4)
+        compiled = torch.compile(model)
+        scope = amp.autocast(device_type="cpu") if use_ampkit else torch.autocast("cpu", dtype=BF16)
+        with pytest.raises(Exception, match="expected size .* stride"), scope:
+            compiled(x)
+    amp.reset()
 
 
 def test_fp16_scaler_skips_an_overflowing_step_of_a_compiled_model():
@@ -372,13 +404,12 @@ def test_inductor_default_policy_equals_compiled_torch_autocast_without_graph_br
     with amp.autocast(device_type="cpu"):
         got = compiled(x)
     assert got.dtype == BF16 and torch.equal(got, want)
-    assert _breaks() == {}
+    _assert_breaks()
     with amp.autocast(device_type="cpu"):
         explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
-@NEEDS_GRAPH_SWITCHES
 def test_inductor_custom_policy_trains_the_transformer_like_eager():
     custom = amp.Policy(fp32_ops=[F.gelu, "softmax"], module_rules={nn.LayerNorm: FP32, "head": FP32})
     eager, want = _train(_transformer, "O1", compiled=False, policy=custom, steps=3)
@@ -387,7 +418,7 @@ def test_inductor_custom_policy_trains_the_transformer_like_eager():
     assert ("head", FP32) in got and ("ln", FP32) in got and ("blocks.0.fc1", BF16) in got
     for a, b in zip(eager, comp):  # fused kernels round differently: within bf16 noise
         assert abs(a - b) <= 0.02 * abs(a)
-    assert _breaks() == {}
+    _assert_breaks()
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
@@ -486,7 +517,6 @@ class KeptBlock(nn.Module):
         return self.out(self.block(h))
 
 
-@NEEDS_GRAPH_SWITCHES
 @BACKENDS
 @pytest.mark.parametrize("level", ["O2", "O2K"])
 def test_a_kept_fp32_block_computes_fp32_in_compiled_code_without_graph_breaks(level, backend):
@@ -510,4 +540,4 @@ def test_a_kept_fp32_block_computes_fp32_in_compiled_code_without_graph_breaks(l
         scaled.backward()
     opt.step()
     assert not amp.step_skipped(opt)
-    assert _breaks() == {}
+    _assert_breaks()

@@ -234,25 +234,34 @@ def test_tables_are_keyed_by_torch_release_and_the_installed_one_is_used():
 def test_an_unknown_torch_release_uses_the_nearest_older_table_and_says_so():
     from ampkit.casting import lists
 
-    assert sorted(lists.TABLES) == sorted(lists.RELEASES) == [(2, 11), (2, 13), (2, 15)]
+    assert sorted(lists.TABLES) == sorted(lists.RELEASES) == [(2, 9), (2, 10), (2, 11), (2, 13), (2, 15)]
     with pytest.warns(UserWarning, match=r"torch 2\.99\.0, so the 2\.15 tables are used.*generate --check"):
         assert lists.table_release("2.99.0") == (2, 15)
     with pytest.warns(UserWarning, match=r"so the 2\.13 tables are used"):
         assert lists.table_release("2.14.1") == (2, 13)
-    with pytest.warns(UserWarning, match=r"so the 2\.11 tables are used"):
-        assert lists.table_release("2.8.0") == (2, 11)  # older than every table: the oldest
+    with pytest.warns(UserWarning, match=r"so the 2\.9 tables are used"):
+        assert lists.table_release("2.8.0") == (2, 9)  # older than every table: the oldest
     with pytest.raises(amp.PolicyError, match="cannot read a torch release"):
         lists.torch_release("nightly")
 
 
 def test_the_release_tables_differ_as_their_torch_registers():
-    """Each table was generated from its release's wheel (2.11.0+cu130, 2.13.0+cpu,
-    2.15.0+cu132): 2.11's CUDA list lacks rms_norm; 2.15 removed cholesky and qr and
-    added linalg_matrix_sqrth (fp32); only the CUDA wheels register cuDNN's RNN."""
+    """Each table was generated from its release's wheel (2.9.1+cu128, 2.10.0+cu128,
+    2.11.0+cu130, 2.13.0+cpu, 2.15.0+cu132): 2.9's and 2.10's lists are 2.11's; 2.11's CUDA list lacks rms_norm;
+    2.15 removed cholesky and qr and added linalg_matrix_sqrth (fp32); only the CUDA
+    wheels register cuDNN's RNN."""
     from ampkit.casting import lists
 
-    assert lists.TABLE_SOURCES == {(2, 11): "2.11.0+cu130", (2, 13): "2.13.0+cpu", (2, 15): "2.15.0+cu132"}
-    t11, t13, t15 = (lists.TABLES[r] for r in ((2, 11), (2, 13), (2, 15)))
+    assert lists.TABLE_SOURCES == {
+        (2, 9): "2.9.1+cu128",
+        (2, 10): "2.10.0+cu128",
+        (2, 11): "2.11.0+cu130",
+        (2, 13): "2.13.0+cpu",
+        (2, 15): "2.15.0+cu132",
+    }
+    t9, t10, t11, t13, t15 = (lists.TABLES[r] for r in ((2, 9), (2, 10), (2, 11), (2, 13), (2, 15)))
+    assert t9 == t10 == t11
+    assert lists.BANNED_TABLES[(2, 9)] == lists.BANNED_TABLES[(2, 10)] == lists.BANNED_TABLES[(2, 11)]
     assert t11["cpu"] == t13["cpu"]
     assert "rms_norm" in t13["cuda"]["fp32"] and "rms_norm" not in t11["cuda"]["fp32"]
     assert {"cholesky", "qr"} <= set(t13["cpu"]["fp32"]) and not {"cholesky", "qr"} & set(t15["cpu"]["fp32"])
@@ -281,8 +290,9 @@ def test_the_table_in_use_is_what_this_torch_derives(capsys):
     written = generate.render(derived, lists.RELEASE).replace(torch.__version__, lists.TABLE_SOURCES[lists.RELEASE])
     if not torch.backends.cudnn.is_available() or "_cudnn_rnn" in path.read_text():
         assert written == path.read_text()
-    # against another release's table it names what differs (2.11's CUDA list lacks rms_norm)
-    other = (2, 13) if lists.RELEASE == (2, 11) else (2, 11)
+    # against another release's table it names what differs (2.10's and 2.11's CUDA lists
+    # lack rms_norm)
+    other = (2, 13) if lists.RELEASE <= (2, 11) else (2, 11)
     lines = generate.differences(lists.TABLES[other], lists.BANNED_TABLES[other], derived)
     assert any(line.startswith("cuda: rms_norm: table ") for line in lines), lines
 

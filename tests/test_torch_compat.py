@@ -290,6 +290,7 @@ def test_parallel_apply_workers_are_recognised(monkeypatch):
     monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cpu"))
     monkeypatch.setattr(acc, "current_stream", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(acc, "device_index", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)  # torch < 2.10 asks CUDA
     found = []
 
     class Probe(nn.Module):

@@ -137,12 +137,14 @@ GRAPH_AUTOCAST_SWITCHES: bool = TORCH_RELEASE >= (2, 12)
 @functools.cache  # once per process (``warn_no_graph_switches.cache_clear()`` re-arms it)
 def warn_no_graph_switches() -> None:
     """Called at trace time where :data:`GRAPH_AUTOCAST_SWITCHES` is False: a module rule or
-    a cast model's scope inside compiled code is then applied across graph breaks, and its
-    layers may compute in other dtypes than in eager mode. Warns once per process."""
+    a cast model's scope inside compiled code then breaks the graph at each autocast
+    switch (the switch runs eagerly between graphs; the dtypes are eager mode's). Warns
+    once per process."""
     logging.getLogger("ampkit").warning(
         "ampkit: torch %s cannot switch autocast inside a compiled graph (torch.compile of torch 2.12 "
-        "and newer can): module rules and cast models' scopes break the graph there, and their layers "
-        "may compute in other dtypes than in eager mode. Run such a model eagerly, or use torch >= 2.12.",
+        "and newer can): each module rule and fp32-kept module of a cast model breaks the graph "
+        "where it starts and ends. The layers compute in the dtypes of eager mode; the breaks cost "
+        "speed. Use torch >= 2.12 for one graph.",
         torch.__version__,
     )
 
@@ -666,10 +668,43 @@ def compiled_code_entries() -> Iterator[tuple[Any, list[list[str]]]]:
     for ref in list(input_codes.seen):
         code = ref()
         if code is not None:
-            yield code, [list(entry.guard_manager.code_parts) for entry in _debug_get_cache_entry_list(code)]
+            yield code, [_entry_guard_parts(entry) for entry in _debug_get_cache_entry_list(code)]
+
+
+def _entry_guard_parts(entry: Any) -> list[str]:
+    """One cache entry's guard code. Before torch 2.11 dynamo prints its global-state guard
+    as a bare ``___check_global_state()``, without the state it compares against; that
+    part is then completed with the autocast ``enabled`` list asked of the guard itself
+    (:func:`_probe_autocast_enabled`), so that :func:`global_autocast_enabled_in_guard`
+    reads every release alike."""
+    parts = list(entry.guard_manager.code_parts)
+    if any(_GLOBAL_STATE in p for p in parts) or _BARE_GLOBAL_STATE not in parts:
+        return parts
+    for leaf in entry.guard_manager.root.get_leaf_guards():
+        if type(leaf).__name__ == "GLOBAL_STATE":
+            enabled = [_probe_autocast_enabled(leaf, d) for d in torch._C._autocast_supported_devices()]
+            parts.append(_GLOBAL_STATE + json.dumps({"autocast_state": {"enabled": enabled}}))
+            break
+    return parts
+
+
+def _probe_autocast_enabled(leaf: Any, device_type: str) -> bool:
+    """Whether a global-state guard (``torch._C._dynamo.guards.GLOBAL_STATE``) may have
+    been taken with autocast on ``device_type`` enabled: the guard is checked with that
+    device's autocast switched off and everything else as it is now; it passes, or fails
+    naming no autocast change, only if the guarded code was traced with it off. Any
+    other answer counts as enabled (the caller then recompiles that code: safe)."""
+    was = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        result = leaf.check_verbose(None)
+    finally:
+        torch.set_autocast_enabled(device_type, was)
+    return not result.result and any("autocast" in p for p in result.verbose_code_parts)
 
 
 _GLOBAL_STATE = "___check_global_state() against "
+_BARE_GLOBAL_STATE = "___check_global_state()"
 
 
 def global_autocast_enabled_in_guard(parts: list[str], device_type: str) -> bool | None:

@@ -224,6 +224,12 @@ def _compiled_root(module: nn.Module) -> nn.Module:
 
 
 def _trace_rule_enter(module_id: int, key: str) -> tuple[str, torch.dtype] | None:
+    """At trace time, a module's call starts: its rule as ``(device type, dtype)``, or
+    None; the autocast state to restore after it is recorded for
+    :func:`_trace_rule_exit` (and any record left from an earlier module of that id
+    dropped)."""
+    restore = _trace.__dict__.setdefault("restore", {})
+    restore.pop(module_id, None)
     module = torch_compat.traced_object(module_id)
     frame = _state.scopes[-1] if _state.scopes else None
     if frame is None or frame.policy is None or not frame.policy.module_rules or not frame.rules:
@@ -246,14 +252,17 @@ def _trace_rule_enter(module_id: int, key: str) -> tuple[str, torch.dtype] | Non
         return None
     if not torch_compat.GRAPH_AUTOCAST_SWITCHES:
         torch_compat.warn_no_graph_switches()
-    restore = _trace.__dict__.setdefault("restore", {})
-    restore[id(module)] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    restore[module_id] = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     return device_type, dtype
 
 
-
 def _trace_rule_exit(module_id: int, key: str) -> tuple[str, bool, torch.dtype] | None:
-    return _trace.__dict__.setdefault("restore", {}).pop(module_id, None)
+    """At trace time, a module's call ends: the autocast state to restore, as recorded
+    when its call started. The record is read, not taken: dynamo may trace the same
+    hook again after a graph break (before torch 2.12 every autocast switch is one),
+    and a record taken by the abandoned trace left the kept one without its restore
+    (the layers after an fp32-ruled module then computed fp32)."""
+    return _trace.__dict__.setdefault("restore", {}).get(module_id)
 
 
 # dynamo runs these at trace time and puts their results in the graph as constants

@@ -52,7 +52,7 @@ from .derive import AUTOCAST_KEYS, PLACED_BY_HAND
 CATEGORIES: tuple[str, ...] = ("lower", "fp32", "promote")
 
 #: the releases with a generated table (``tables/torch_<major>_<minor>.json``)
-RELEASES: tuple[tuple[int, int], ...] = ((2, 11), (2, 13), (2, 15))
+RELEASES: tuple[tuple[int, int], ...] = ((2, 9), (2, 10), (2, 11), (2, 13), (2, 15))
 
 
 _TABLES_DIR = Path(__file__).with_name("tables")
