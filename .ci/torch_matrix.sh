@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The torch version matrix, beside `make test` on the pinned torch (2.13): the oldest
-# supported release (2.11, the CUDA 13 images) and the newest (2.15), each the package
+# supported release (2.9), 2.10, 2.11 (the CUDA 13 images) and the newest (2.15), each the package
 # registry's wheel in a venv of its own, run the compatibility subset: the op tables
 # against that torch's registrations, the list, torch-boundary, architecture and compile
 # tests, and every level's training smoke on the CPU. Each venv also holds one end of the
 # integrations' supported ranges (pyproject's extras): the oldest Lightning, transformers
-# and Accelerate beside torch 2.11, the newest beside 2.15, and runs the three
+# and Accelerate beside torch 2.9, 2.10 and 2.11, the newest beside 2.15, and runs the three
 # integration test files. One summary line per release at the end; exit 1 if any release
 # failed a check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RELEASES="${AMPKIT_TORCH_MATRIX:-2.11.0 2.15.0}"
+RELEASES="${AMPKIT_TORCH_MATRIX:-2.9.1 2.10.0 2.11.0 2.15.0}"
 # the ends of the extras' ranges (keep in step with pyproject.toml)
 frameworks_for() {
     case "$1" in
-        2.11.*) echo "lightning==2.5.0.post0 transformers==5.20.0 accelerate==1.12.0" ;;
+        2.9.* | 2.10.* | 2.11.*) echo "lightning==2.5.0.post0 transformers==5.20.0 accelerate==1.12.0" ;;
         *) echo "lightning==2.6.6 transformers==5.25.0 accelerate==1.16.0" ;;
     esac
 }

@@ -247,9 +247,9 @@ def test_an_unknown_torch_release_uses_the_nearest_older_table_and_says_so():
 
 def test_the_release_tables_differ_as_their_torch_registers():
     """Each table was generated from its release's wheel (2.9.1+cu128, 2.10.0+cu128,
-    2.11.0+cu130, 2.13.0+cpu, 2.15.0+cu132): 2.9's and 2.10's lists are 2.11's; 2.11's CUDA list lacks rms_norm;
-    2.15 removed cholesky and qr and added linalg_matrix_sqrth (fp32); only the CUDA
-    wheels register cuDNN's RNN."""
+    2.11.0+cu130, 2.13.0+cpu, 2.15.0+cu132): 2.9's and 2.10's lists are 2.11's; 2.11's
+    CUDA list lacks rms_norm; 2.15 removed cholesky and qr and added
+    linalg_matrix_sqrth (fp32); only the CUDA wheels register cuDNN's RNN."""
     from ampkit.casting import lists
 
     assert lists.TABLE_SOURCES == {
