@@ -541,3 +541,32 @@ def test_a_kept_fp32_block_computes_fp32_in_compiled_code_without_graph_breaks(l
     opt.step()
     assert not amp.step_skipped(opt)
     _assert_breaks()
+
+
+@pytest.mark.fresh_process
+def test_without_the_policy_guard_code_is_compiled_again_at_a_policy_change_never_run_stale(monkeypatch, caplog):
+    """On a torch where dynamo's guard API refuses ampkit's policy guard, compiled code
+    that calls no module (so no hook guards it) would run under a later policy in the
+    dtypes of the one it was traced under. ampkit warns once and drops that code when a
+    scope changes the policy: every call computes in its own policy's dtypes."""
+    import logging
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no guard API on this torch")
+
+    monkeypatch.setattr(torch_compat, "guard_attr_equals", refuse)
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+
+    def matmul(t):
+        return torch.mm(t, w)
+
+    run = torch.compile(matmul, backend=FAST)
+    fp32_mm = amp.Policy(fp32_ops=["mm"])
+    with caplog.at_level(logging.WARNING, logger="ampkit"):
+        for policy, want in [(fp32_mm, FP32), (None, BF16), (fp32_mm, FP32), (None, BF16)]:
+            with amp.autocast(policy, "cpu"):
+                got = run(x)
+                assert got.dtype == want and torch.equal(got, matmul(x))
+    said = [r for r in caplog.records if "could not make torch.compile guard" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING

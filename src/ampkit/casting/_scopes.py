@@ -25,7 +25,7 @@ from ._function_mode import _PythonOpMode
 from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import _THREADS
-from .engine import _skip_kernel_frames, _state, kernel_registry
+from .engine import _skip_kernel_frames, _state, drop_code_of_other_keys, kernel_registry
 from .policy import Policy, check_compute_dtype, check_device_type
 
 logger = logging.getLogger("ampkit")
@@ -149,6 +149,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         _state.frames.setdefault(self.device_type, []).append(frame)
         _state.scopes.append(frame)
         _state.compile_key = frame.key
+        drop_code_of_other_keys(frame.key)
         mode = None
         if frame.python_ops and _state.py_mode_depth == 0:
             mode = _PythonOpMode()
@@ -174,6 +175,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         else:
             _state.scopes.remove(frame)
         _state.compile_key = _state.scopes[-1].key if _state.scopes else ""
+        drop_code_of_other_keys(_state.compile_key)
         frame.cache.clear()
 
     def _exit(self) -> bool:

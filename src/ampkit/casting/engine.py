@@ -84,8 +84,11 @@ def _overloads(base: str) -> list[Any]:
     return out
 
 
-# Engine state: the warning that the policy guard could not be added is given once.
+# Engine state: the warning that the policy guard could not be added is given once; the
+# code compiled without it, with the compile key it was traced under (dropped as soon as
+# a scope changes the key: see drop_code_of_other_keys).
 _guard_failed = False
+_UNGUARDED: dict[Any, str] = {}
 
 
 def _guard_compiled_code() -> None:
@@ -103,15 +106,36 @@ def _guard_compiled_code() -> None:
         torch_compat.guard_attr_equals(tx, __name__, "_state", "compile_key")
     except Exception:  # noqa: BLE001 - another torch's internals: compile without the guard
         global _guard_failed
+        code = torch_compat.traced_frame_code()
+        if code is not None:
+            _UNGUARDED[code] = _state.compile_key
         if not _guard_failed:
             _guard_failed = True
             logger.warning(
                 "ampkit: could not make torch.compile guard compiled code on the casting policy "
-                "(torch %s); code compiled under one policy may then run under another. Enter one "
-                "policy per compiled function, or call torch._dynamo.reset() after changing policies.",
+                "(torch %s); such code is now compiled again whenever a scope changes the policy "
+                "(slower, never in another policy's dtypes). Enter one policy per compiled "
+                "function to avoid the recompiles.",
                 torch.__version__, exc_info=True,
             )
     _mark_graph(tx.output)
+
+
+def drop_code_of_other_keys(key: str) -> None:
+    """A scope was entered or left and this thread's compile key is now ``key``: code
+    compiled without the policy guard (:func:`_guard_compiled_code` could not add it) under
+    another key is dropped, so its next call compiles under the policy in force instead
+    of running in the dtypes of the one it was traced under. Nothing to do (one dict
+    lookup) wherever the guard was added."""
+    if not _UNGUARDED or torch.compiler.is_compiling():
+        return
+    stale = [code for code, traced in _UNGUARDED.items() if traced != key]
+    if not stale:
+        return
+    with torch_compat.dynamo_compile_lock():
+        for code in stale:
+            torch_compat.reset_compiled_code(code)
+            del _UNGUARDED[code]
 
 
 # torch.compile's caches (AOTAutograd's, in memory and on disk, and the artifacts
