@@ -68,6 +68,62 @@ def test_state_machine_matches_reference_hypothesis(cfg, events):
     check_against_reference(cfg, events)
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), events=st.lists(st.booleans(), max_size=120))
+def test_the_pure_transition_is_the_reference_and_changes_nothing_it_is_given(cfg, events):
+    """``next_state`` alone, with no scaler: a pure function of (state, config, event)
+    that matches the reference rules event by event, leaves its inputs as they were,
+    and reports in its event what ``LossScaler.update`` logs and raises (the floor, too
+    many skips in a row)."""
+    from ampkit.scaling.loss_scaler import CONFIG_KEYS, ScalerState, next_state
+
+    config = {key: (to_fp32(v) if key in ("init_scale", "min_scale", "max_scale") and math.isfinite(v) else v)
+              for key, v in cfg.items()}
+    assert set(config) == set(CONFIG_KEYS)
+    frozen = dict(config)
+    ref = RefScaler(cfg)
+    state = ScalerState(scale=to_fp32(cfg["init_scale"]), hysteresis_left=cfg["hysteresis"])
+    for i, overflow in enumerate(events):
+        expected = ref.event(overflow)
+        before = state
+        new, event = next_state(state, config, overflow)
+        assert state == before and config == frozen  # nothing given was changed
+        assert next_state(state, config, overflow) == (new, event)  # same inputs, same answer
+        assert event.old_scale == state.scale and new.num_events == state.num_events + 1
+        if expected == "floor":
+            assert event.kind == "at_floor" and new.scale == state.scale
+            return
+        assert event.too_many_skips == (expected == "skips"), (i, cfg)
+        assert new.scale == ref.scale and new.hysteresis_left == ref.hyst and new.consecutive_skips == ref.in_a_row
+        assert event.kind == (
+            ("grown" if new.scale != state.scale else "clean") if not overflow
+            else "static" if not cfg["dynamic"]
+            else "backed_off" if new.scale != state.scale
+            else "tolerated"
+        ), (i, event, cfg)
+        if cfg["dynamic"]:
+            assert new.growth_tracker == ref.tracker()
+        if expected == "skips":
+            return
+        state = new
+
+
+def test_assigning_a_config_attribute_is_configure():
+    """``scaler.growth_interval = 2`` takes effect at the next update and is validated like
+    ``configure`` (a bad value is refused and changes nothing)."""
+    s = LossScaler(init_scale=4.0, growth_interval=100)
+    s.growth_interval = 2
+    assert s.config()["growth_interval"] == 2
+    s.update(False)
+    s.update(False)
+    assert s.scale == 8.0
+    with pytest.raises(ScalerError):
+        s.growth_interval = 0
+    with pytest.raises(ScalerError):
+        s.min_scale = 16.0  # the scale 8 would lie below it
+    assert s.growth_interval == 2 and s.min_scale == 1.0 and s.scale == 8.0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     init=st.floats(1.0, 1e6),

@@ -42,8 +42,8 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -52,7 +52,16 @@ from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
 from ampkit.errors import NumericsError, ScalerError
 
-__all__ = ["LossScaler", "group_grads", "unscale_and_check_", "to_fp32", "check_scale"]
+__all__ = [
+    "LossScaler",
+    "ScalerState",
+    "ScaleEvent",
+    "next_state",
+    "group_grads",
+    "unscale_and_check_",
+    "to_fp32",
+    "check_scale",
+]
 
 _LOG = logging.getLogger("ampkit")
 
@@ -265,6 +274,88 @@ def unscale_and_check_(
     return total
 
 
+class ScalerState(NamedTuple):
+    """The state of a :class:`LossScaler` (the fields of its state dict but the
+    configuration): ``scale`` an fp32 value as a Python float, the rest counts."""
+
+    scale: float
+    growth_tracker: int = 0
+    hysteresis_left: int = 1
+    consecutive_skips: int = 0
+    num_events: int = 0
+    num_overflows: int = 0
+
+
+#: What one event did to the scale: ``clean`` (kept), ``grown``, ``static`` (an overflow
+#: under a static scale), ``tolerated`` (by hysteresis), ``backed_off``, ``at_floor`` (an
+#: overflow that would back off from ``min_scale``).
+EventKind = Literal["clean", "grown", "static", "tolerated", "backed_off", "at_floor"]
+
+
+class ScaleEvent(NamedTuple):
+    """The outcome of :func:`next_state`: what happened (``kind``), the scale before it
+    (``old_scale``), and whether more than ``max_consecutive_skips`` overflows have now
+    happened in a row (``too_many_skips``; the caller raises)."""
+
+    kind: EventKind
+    old_scale: float
+    too_many_skips: bool = False
+
+
+def next_state(state: ScalerState, config: Mapping[str, Any], found_inf: bool) -> tuple[ScalerState, ScaleEvent]:
+    """One event of the state machine (the module docstring), as a pure function: the
+    state after a step whose gradients were finite (``found_inf=False``) or not, and
+    what happened. ``config`` holds the keys of :meth:`LossScaler.config` (validated).
+    Nothing is logged or raised here; :meth:`LossScaler.update` does both from the
+    returned event."""
+    old = scale = state.scale
+    tracker, left = state.growth_tracker, state.hysteresis_left
+    skips, events, overflows = state.consecutive_skips, state.num_events + 1, state.num_overflows
+    too_many = False
+    if not found_inf:
+        skips = 0
+        kind: EventKind = "clean"
+        if config["dynamic"]:
+            if config["consecutive_hysteresis"]:
+                left = config["hysteresis"]
+            tracker += 1
+            if tracker >= config["growth_interval"]:
+                tracker, left = 0, config["hysteresis"]
+                grown = to_fp32(old * config["growth_factor"])
+                if math.isfinite(grown):
+                    scale = min(grown, config["max_scale"])
+                    kind = "grown" if scale != old else "clean"
+    else:
+        overflows, skips, tracker = overflows + 1, skips + 1, 0
+        limit = config["max_consecutive_skips"]
+        too_many = limit is not None and skips > limit
+        if not config["dynamic"]:
+            kind = "static"
+        elif left > 1:
+            left, kind = left - 1, "tolerated"
+        elif old <= config["min_scale"]:
+            kind = "at_floor"
+        else:
+            scale, kind = max(to_fp32(old * config["backoff_factor"]), config["min_scale"]), "backed_off"
+    new = ScalerState(scale, tracker, left, skips, events, overflows)
+    return new, ScaleEvent(kind, old, too_many)
+
+
+class _ConfigField:
+    """A configuration field of :class:`LossScaler` as an attribute: read from its
+    configuration; assigning goes through :meth:`LossScaler.configure` (validated, the
+    whole change refused if invalid)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else obj._config[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.configure(**{self.name: value})
+
+
 class LossScaler:
     """A loss scale for one loss: static or dynamic, with hysteresis, a floor and a cap.
 
@@ -303,6 +394,17 @@ class LossScaler:
     :class:`ampkit.GradScaler` drive these for you.
     """
 
+    init_scale = _ConfigField()
+    growth_factor = _ConfigField()
+    backoff_factor = _ConfigField()
+    growth_interval = _ConfigField()
+    hysteresis = _ConfigField()
+    min_scale = _ConfigField()
+    max_scale = _ConfigField()
+    dynamic = _ConfigField()
+    consecutive_hysteresis = _ConfigField()
+    max_consecutive_skips = _ConfigField()
+
     def __init__(
         self,
         init_scale: float = 2.0**16,
@@ -337,20 +439,13 @@ class LossScaler:
         self._attached = False
 
     def _apply_config(self, cfg: dict[str, Any]) -> None:
-        self.init_scale: float = cfg["init_scale"]
-        self.growth_factor: float = cfg["growth_factor"]
-        self.backoff_factor: float = cfg["backoff_factor"]
-        self.growth_interval: int = cfg["growth_interval"]
-        self.hysteresis: int = cfg["hysteresis"]
-        self.min_scale: float = cfg["min_scale"]
-        self.max_scale: float = cfg["max_scale"]
-        self.dynamic: bool = cfg["dynamic"]
-        self.consecutive_hysteresis: bool = cfg["consecutive_hysteresis"]
-        self.max_consecutive_skips: int | None = cfg["max_consecutive_skips"]
+        self._config = {key: cfg[key] for key in CONFIG_KEYS}  # read by every update()
 
     def config(self) -> dict[str, Any]:
-        """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``)."""
-        return {key: getattr(self, key) for key in CONFIG_KEYS}
+        """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``), a
+        copy. Each is also an attribute; assigning one (``scaler.growth_interval = 100``)
+        is :meth:`configure` with that field."""
+        return dict(self._config)
 
     def configure(self, **changes: Any) -> None:
         """Change configuration fields (constructor arguments), validated like the
@@ -448,38 +543,24 @@ class LossScaler:
     def update(self, found_inf: bool) -> None:
         """Feed one step's event to the state machine (see the module docstring):
         ``found_inf``, whether the step's gradients held an inf/NaN (the host value of
-        :meth:`unscale_`'s flag).
+        :meth:`unscale_`'s flag). The transition is :func:`next_state`; this method
+        stores its result, logs overflows and raises.
 
         Raises :class:`~ampkit.NumericsError` when an overflow would back off from
         ``min_scale`` or when more than ``max_consecutive_skips`` overflows happened in
         a row; the state is updated before raising."""
-        self._num_events += 1
-        if not found_inf:
-            self._consecutive_skips = 0
-            if not self.dynamic:
-                return
-            if self.consecutive_hysteresis:
-                self._hysteresis_left = self.hysteresis
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_left = self.hysteresis
-                grown = to_fp32(self._scale * self.growth_factor)
-                if math.isfinite(grown):
-                    self._set_scale(min(grown, self.max_scale))
+        state, event = next_state(self.state(), self._config, bool(found_inf))
+        self._store(state)
+        if event.kind in ("clean", "grown"):
             return
-
-        self._num_overflows += 1
-        self._consecutive_skips += 1
-        self._growth_tracker = 0
-        old = self._scale
-        if not self.dynamic:
-            self._log_overflow(old, "static scale")
-        elif self._hysteresis_left > 1:
-            self._hysteresis_left -= 1
-            self._log_overflow(old, f"tolerated by hysteresis, {self._hysteresis_left} left")
-        elif old <= self.min_scale:
-            self._log_overflow(old, "already at min_scale")
+        what = {
+            "static": "static scale",
+            "tolerated": f"tolerated by hysteresis, {state.hysteresis_left} left",
+            "at_floor": "already at min_scale",
+            "backed_off": "backing off",
+        }[event.kind]
+        self._log_overflow(event.old_scale, what)
+        if event.kind == "at_floor":
             raise NumericsError(
                 f"{self.name}: gradients are still inf/NaN with the loss scale at its floor "
                 f"min_scale={self.min_scale:g} ({self._consecutive_skips} step(s) skipped in "
@@ -488,18 +569,33 @@ class LossScaler:
                 "rate, run the overflowing ops in float32 (or train in bfloat16), or lower "
                 "min_scale if the gradients are merely large."
             )
-        else:
-            self._set_scale(max(to_fp32(old * self.backoff_factor), self.min_scale))
-            self._log_overflow(old, "backing off")
-        limit = self.max_consecutive_skips
-        if limit is not None and self._consecutive_skips > limit:
+        if event.too_many_skips:
             raise NumericsError(
                 f"{self.name}: {self._consecutive_skips} optimizer steps skipped in a row "
-                f"(more than max_consecutive_skips={limit}); the gradients keep overflowing "
-                f"at loss scale {self._scale:g}. Check the inputs and the loss for inf/NaN, "
-                "lower the learning rate, lower the scale (init_scale, backoff_factor, "
-                "hysteresis), or run the overflowing ops in float32 / bfloat16."
+                f"(more than max_consecutive_skips={self.max_consecutive_skips}); the gradients "
+                f"keep overflowing at loss scale {self._scale:g}. Check the inputs and the loss "
+                "for inf/NaN, lower the learning rate, lower the scale (init_scale, "
+                "backoff_factor, hysteresis), or run the overflowing ops in float32 / bfloat16."
             )
+
+    def state(self) -> ScalerState:
+        """The current state (what :meth:`state_dict` holds besides the configuration)."""
+        return ScalerState(
+            scale=self._scale,
+            growth_tracker=self._growth_tracker,
+            hysteresis_left=self._hysteresis_left,
+            consecutive_skips=self._consecutive_skips,
+            num_events=self._num_events,
+            num_overflows=self._num_overflows,
+        )
+
+    def _store(self, state: ScalerState) -> None:
+        self._growth_tracker = state.growth_tracker
+        self._hysteresis_left = state.hysteresis_left
+        self._consecutive_skips = state.consecutive_skips
+        self._num_events = state.num_events
+        self._num_overflows = state.num_overflows
+        self._set_scale(state.scale)
 
     def set_scale(self, value: float) -> None:
         """Set ``S`` to ``value`` by hand (rounded to fp32; clamped to [min_scale,
