@@ -195,7 +195,18 @@ def _private_uses(path: Path, own: str | None, shown: str) -> list[Use]:
         if isinstance(node, ast.Attribute):
             base = dotted(node.value)
             return None if base is None else f"{base}.{node.attr}"
+        if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str) and node.slice.value.split(".")[0] == "ampkit"
+                and isinstance(node.value, ast.Attribute) and node.value.attr == "modules"):
+            return node.slice.value  # sys.modules["ampkit.x.y"]: the module itself
         return None
+
+    for node in ast.walk(tree):  # m = sys.modules["ampkit.x.y"]: m names that module
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            bound = dotted(node.value) if isinstance(node.value, ast.Subscript) else None
+            if bound is not None:
+                aliases[node.targets[0].id] = bound
+                check(bound, node.lineno)
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Load, ast.Store, ast.Del)):
@@ -258,6 +269,9 @@ def test_the_walk_sees_each_kind_of_private_use(tmp_path):
         "ampkit.levels.model_cast._HANDLES\n"
         "setattr(step, '_x', 1)\n"
         "step.__name__\n"
+        "api = sys.modules['ampkit.inference.conversion.api']\n"
+        "monkeypatch.setattr(api, '_cpu_computes_fast', None)\n"
+        "sys.modules['ampkit.trainer.managed']._STATE\n"
     )
     names = [u.name for u in _private_uses(sample, None, "sample.py")]
     assert names == [
@@ -266,6 +280,8 @@ def test_the_walk_sees_each_kind_of_private_use(tmp_path):
         "ampkit.trainer.managed._STATE",
         "ampkit.levels.model_cast._HANDLES",
         "ampkit.trainer.managed._x",
+        "ampkit.inference.conversion.api._cpu_computes_fast",
+        "ampkit.trainer.managed._STATE",
     ], names
     # the same uses from inside casting/: only those of other subpackages count
     names = [u.name for u in _private_uses(sample, "casting", "sample.py")]
@@ -273,6 +289,8 @@ def test_the_walk_sees_each_kind_of_private_use(tmp_path):
         "ampkit.trainer.managed._STATE",
         "ampkit.levels.model_cast._HANDLES",
         "ampkit.trainer.managed._x",
+        "ampkit.inference.conversion.api._cpu_computes_fast",
+        "ampkit.trainer.managed._STATE",
     ], names
 
 
@@ -284,6 +302,77 @@ def test_no_subpackage_uses_private_names_of_another():
 def test_tests_use_no_private_ampkit_names():
     uses = _test_uses()
     assert not uses, _report(uses)
+
+
+# --- private attributes of another subpackage's objects ---------------------------------
+#: (file under src/ampkit, attribute) reaches that are not another subpackage's: torch's
+#: own privates, each at the one place that owns them.
+ATTRIBUTE_REACH_ALLOWED: dict[tuple[str, str], str] = {
+    ("_internal/torch_compat.py", "_modules"): "nn.Module's child dict (the torch boundary)",
+    ("_internal/torch_compat.py", "_buffers"): "nn.Module's buffer dict (the torch boundary)",
+    ("tools/run/forward_scope.py", "_enabled"): "torch.autocast's flag (the launcher's own patches)",
+}
+
+
+def _subpackage_of(path: Path, src: Path) -> str | None:
+    parts = path.relative_to(src).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def _private_attributes(src: Path) -> dict[str | None, set[str]]:
+    """Per subpackage, the private attributes its classes own: assigned as ``self._x``
+    or ``cls._x``, or defined as ``_x`` methods."""
+    owned: dict[str | None, set[str]] = {}
+    for path in sorted(src.rglob("*.py")):
+        names = owned.setdefault(_subpackage_of(path, src), set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                    and _private(node.attr)):
+                names.add(node.attr)
+            elif isinstance(node, ast.ClassDef):
+                names.update(f.name for f in node.body
+                             if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(f.name))
+    return owned
+
+
+def _attribute_reaches(src: Path) -> list[str]:
+    """``obj._x`` (not ``self``/``cls``) in one subpackage where ``_x`` is a private
+    attribute only another subpackage's classes own: one subpackage reaching into the
+    state of another's objects (``slot.scaler._attached`` in trainer/ for scaling's
+    LossScaler). A name both own is not counted (it cannot be told apart statically)."""
+    owned = _private_attributes(src)
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        here = _subpackage_of(path, src)
+        rel = path.relative_to(src).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not _private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in owned.get(here, set()) or (rel, node.attr) in ATTRIBUTE_REACH_ALLOWED:
+                continue
+            others = sorted(str(b) for b, names in owned.items() if b != here and node.attr in names)
+            if others:
+                found.append(f"{rel}:{node.lineno}: .{node.attr} (owned by {', '.join(others)})")
+    return found
+
+
+def test_no_subpackage_reaches_into_the_private_attributes_of_anothers_objects():
+    found = _attribute_reaches(SRC)
+    assert not found, "\n".join(found)
+
+
+def test_the_attribute_check_catches_a_planted_reach(tmp_path):
+    """A copy of the package with ``scaler._attached`` read in trainer/ (what init_trainer
+    did before LossScaler.attached existed) fails the check, naming file and owner."""
+    src = tmp_path / "ampkit"
+    shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    api = src / "trainer" / "api.py"
+    api.write_text(api.read_text() + "\n\ndef _planted(scaler):\n    return scaler._attached\n")
+    found = _attribute_reaches(src)
+    assert len(found) == 1 and found[0].startswith("trainer/api.py:") and "._attached (owned by scaling)" in found[0]
 
 
 # --- the torch boundary -------------------------------------------------------------------

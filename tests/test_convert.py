@@ -219,9 +219,9 @@ def test_a_model_that_cannot_be_copied_is_refused():
 
 
 def test_slow_cpu_warning_once_per_session(monkeypatch):
-    convert_module = sys.modules["ampkit.inference.conversion.api"]  # ampkit.convert is the function
+    from ampkit._internal import torch_compat
 
-    monkeypatch.setattr(convert_module, "_cpu_computes_fast", lambda dtype: False)
+    monkeypatch.setattr(torch_compat, "cpu_has_native_16bit", lambda dtype: False)  # a CPU without bf16
     amp.reset()
     with pytest.warns(UserWarning, match="no bf16 instructions"):
         amp.convert(_cnn())

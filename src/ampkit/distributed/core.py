@@ -486,22 +486,21 @@ def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Mo
             "normalizes with its own batch statistics; DDP broadcasts rank 0's running "
             "statistics every forward), or use GroupNorm/LayerNorm, which need no syncing."
         )
-    return _convert_bn(model, process_group)
+    return convert_bn(model, process_group)
 
 
-def _convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
+def convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
     if isinstance(module, torch_compat.BATCH_NORM_BASE):
         new = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
         _move_cast_hooks(module, new)
         return new
     for name, child in list(module.named_children()):
-        converted = _convert_bn(child, process_group)
+        converted = convert_bn(child, process_group)
         if converted is not child:
             torch_compat.replace_child(module, name, converted)
     return module
 
 
-convert_bn = _convert_bn  # the public name, for other subpackages and tests
 
 
 def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
@@ -525,7 +524,7 @@ def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
 # --- checking that the ranks agree -------------------------------------------------------
 
 
-def _fingerprint(obj: Any) -> Any:
+def fingerprint(obj: Any) -> Any:
     """A picklable digest of a state dict: numbers as they are, tensors by dtype, shape
     and a hash of their bytes (bitwise)."""
 
@@ -539,7 +538,6 @@ def _fingerprint(obj: Any) -> Any:
     return map_leaves(obj, leaf, mapping=dict)
 
 
-fingerprint = _fingerprint  # the public name, for other subpackages and tests
 
 
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:
@@ -562,7 +560,7 @@ def check_ranks_agree(group: Any = None) -> None:
     A collective: call it on every rank, e.g. after loading a checkpoint or in tests."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    mine = _fingerprint(_session.state_dict())
+    mine = fingerprint(_session.state_dict())
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):

@@ -181,20 +181,19 @@ def _sgd_kahan(
     buf.copy_(bf)
 
 
-def _sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+def sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
     """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
     wf = w.float()
     gf = g.float() * s[2] + wf * s[1]
     _kahan_store(w, c, wf - gf * s[0] + c.float())
 
 
-sgd_plain_kahan = _sgd_plain_kahan  # the public name, for other subpackages and tests
 
 
 _BF = torch.bfloat16
 _ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
 _SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
-SGD_PLAIN = Kernel("SGD", _sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
+SGD_PLAIN = Kernel("SGD", sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
 
 
 _STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}

@@ -89,12 +89,11 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EPS = 1e-12  # abs-max floor: an all-zero tensor gets a large finite scale
-_ROLES = ("input", "weight", "grad_output")
-ROLES = _ROLES  # the public name, for other subpackages and tests
+ROLES = ("input", "weight", "grad_output")
 _FP32 = torch.finfo(torch.float32)
 
 
-def _max_margin(fp8: torch.dtype) -> int:
+def max_margin(fp8: torch.dtype) -> int:
     """The largest margin whose scales fp32 represents for every finite abs-max.
 
     ``scale = fp8_max / amax / 2**margin`` is smallest at fp32's largest abs-max; it must
@@ -109,12 +108,11 @@ def _max_margin(fp8: torch.dtype) -> int:
     return int(math.floor(math.log2(torch.finfo(fp8).max / (_FP32.max * _FP32.tiny))))
 
 
-max_margin = _max_margin  # the public name, for other subpackages and tests
 
 
 #: ``Fp8Recipe.margin``'s upper bound: every recipe casts inputs and weights to e4m3,
 #: whose range is the tighter (6; e5m2's alone would allow 13).
-MAX_MARGIN = min(_max_margin(E4M3), _max_margin(E5M2))
+MAX_MARGIN = min(max_margin(E4M3), max_margin(E5M2))
 #: Margins from this one up give away at least a quarter of e4m3's normal binades
 #: (log2(448 / 2**-6) = 14.8): values more than ``14.8 - margin`` binades below a
 #: tensor's abs-max become subnormal (fewer than 3 mantissa bits). Measured on 4096x64
@@ -156,7 +154,7 @@ class Fp8Recipe:
         amax_compute_algo: ``"max"`` (default; max of the history) or
             ``"most_recent"`` (the latest entry) (delayed).
         margin: scale down by ``2**margin`` for headroom (default 0): an int in
-            ``[0, MAX_MARGIN]`` (6, derived by ``_max_margin``: beyond it fp32
+            ``[0, MAX_MARGIN]`` (6, derived by ``max_margin``: beyond it fp32
             cannot represent the scale of every finite abs-max); from ``WARN_MARGIN``
             (4) on it warns once (small values of heavy-tailed tensors lose precision).
         power_of_2_scales: round each scale down to a power of two (default False), so
@@ -338,7 +336,7 @@ class TensorScale:
           scale) is as constructed: scale 1, amax 0, history and saturated 0.
         - Recorded: ``amax`` (the last abs-max seen) >= 0, or inf/NaN after an overflow.
           Delayed: ``scale`` (what the next cast uses) finite, within a factor 2 of the
-          scales the recipe derives (:func:`_scale_from_amax` of fp32's largest value and
+          scales the recipe derives (:func:`scale_from_amax` of fp32's largest value and
           of 0); the history finite and >= 0; ``saturated <= calls``; ``initialized``.
           Current: ``scale`` (what the last cast used) as delayed's when ``amax`` is
           finite, else 0 or NaN (derived from inf/NaN); history and saturated 0, not
@@ -378,7 +376,7 @@ class TensorScale:
             if float(scale) == 0.0 or scale.isnan():
                 return
             raise bad(f"scale={float(scale)} after a cast whose abs-max was {float(amax)} (its scale is 0 or NaN)")
-        low, high = (float(_scale_from_amax(torch.tensor(a), fp8, recipe)) for a in (_FP32_MAX, 0.0))
+        low, high = (float(scale_from_amax(torch.tensor(a), fp8, recipe)) for a in (_FP32_MAX, 0.0))
         value = float(scale)
         if not (math.isfinite(value) and low / 2 <= value <= 2 * high):
             raise bad(f"scale={value} lies outside [{low / 2:g}, {2 * high:g}], the range of scales this recipe derives")
@@ -393,7 +391,7 @@ class TensorScale:
         self.calls = int(sd["calls"])
 
 
-def _scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
+def scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
     """``fp8_max / max(amax, eps) / 2**margin`` in fp32, optionally rounded down to a power of 2."""
     amax = amax.float().clamp(min=_EPS)
     scale = torch.full_like(amax, _MAX[fp8]) / amax  # a true division (float / tensor is reciprocal * float)
@@ -404,7 +402,6 @@ def _scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) ->
     return scale
 
 
-scale_from_amax = _scale_from_amax  # the public name, for other subpackages and tests
 
 
 def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
@@ -416,12 +413,11 @@ def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-def _saturate(t: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+def saturate(t: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     limit = _MAX[fp8]
     return (t.float() * scale).clamp(-limit, limit).to(fp8)
 
 
-saturate = _saturate  # the public name, for other subpackages and tests
 
 
 def _dequant(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -450,10 +446,10 @@ def quantize_tensorwise(
     if mode == "replay" and state.used is not None:
         scale = state.used
     elif recipe.scaling == "current" or not state.initialized:
-        scale = _scale_from_amax(amax, fp8, recipe)
+        scale = scale_from_amax(amax, fp8, recipe)
     else:
         scale = state.scale
-    q = _saturate(t, scale, fp8)
+    q = saturate(t, scale, fp8)
     inv = _dequant(scale, amax)
     if mode != "replay":
         state.used = scale.detach()
@@ -482,7 +478,7 @@ def _record(state: TensorScale, amax: torch.Tensor, scale: torch.Tensor, fp8: to
     ref = history.amax() if recipe.amax_compute_algo == "max" else history[0]
     # nothing finite and non-zero seen yet: keep the scale just used (1 if it was not finite)
     kept = scale if state.initialized else torch.where(finite, scale, torch.ones_like(scale))
-    state.scale = torch.where(ref > 0, _scale_from_amax(ref, fp8, recipe), kept).detach()
+    state.scale = torch.where(ref > 0, scale_from_amax(ref, fp8, recipe), kept).detach()
     state.initialized = True
 
 
@@ -490,8 +486,8 @@ def quantize_rowwise(t: torch.Tensor, fp8: torch.dtype, dim: int, recipe: Fp8Rec
     """``t`` in ``fp8`` with one scale per slice along ``dim`` (the abs-max over ``dim``);
     returns ``(q, 1/scale, amax)`` with the scale shapes ``keepdim`` gives."""
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float()
-    scale = _scale_from_amax(amax, fp8, recipe)
-    return _saturate(t, scale, fp8), _dequant(scale, amax), amax
+    scale = scale_from_amax(amax, fp8, recipe)
+    return saturate(t, scale, fp8), _dequant(scale, amax), amax
 
 
 # --- the layer --------------------------------------------------------------------------------
@@ -504,7 +500,7 @@ class LayerState:
         self.name = name
         # the filter only chose the layers; without it the model pickles (a lambda would not)
         self.recipe = dataclasses.replace(recipe, module_filter=None) if recipe.module_filter else recipe
-        self.roles = {r: TensorScale(recipe.amax_history_len) for r in _ROLES}
+        self.roles = {r: TensorScale(recipe.amax_history_len) for r in ROLES}
         self.handle = _register(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -838,7 +834,7 @@ class Fp8Training:
                 f"{sorted(self.layers)}; initialize the same model with the same Fp8Recipe."
             )
         for name, (_, st) in self.layers.items():
-            roles = require_fields(sd["layers"][name], _ROLES, f"fp8 layer {name!r}", StateError)
+            roles = require_fields(sd["layers"][name], ROLES, f"fp8 layer {name!r}", StateError)
             for role, scale in st.roles.items():
                 fp8 = st.recipe.grad_dtype if role == "grad_output" else E4M3
                 scale.check_state_dict(roles[role], f"fp8 layer {name!r} {role}", st.recipe, fp8)

@@ -343,7 +343,7 @@ class MasterWeights:
             pairs = [(p, m) for p in params if (m := self._masters.get(id(p))) is not None]
         with torch.no_grad(), _compared_ahead(pairs):
             for model_p, master in pairs:
-                if not _rounds_to(model_p, master):
+                if not rounds_to(model_p, master):
                     master.copy_(model_p)
                     self._published[id(master)] = torch_compat.tensor_version(master)
 
@@ -919,7 +919,7 @@ COMPARED_ONE_BY_ONE = frozenset({"cpu"})
 
 @contextlib.contextmanager
 def _compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]]) -> Iterator[None]:
-    """Inside: :func:`_rounds_to` answers for the dense, same-shaped ``pairs`` on a
+    """Inside: :func:`rounds_to` answers for the dense, same-shaped ``pairs`` on a
     device other than the CPU from one comparison of all of them, read back in one
     host sync (each ``torch.equal`` there waits for the device: an O2 step of a
     135M-parameter model on an H200 made 200 of them). Pairs it was not given, or
@@ -948,7 +948,7 @@ def _compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | No
         _AHEAD.results = outer
 
 
-def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
+def rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether 16-bit ``low`` is exactly fp32 ``g`` rounded to its dtype (a gradient
     copy and its master's gradient, a model weight and its master); on the CPU compared
     a chunk of ``_COMPARE_CHUNK`` elements at a time: no full-size temporary at the step
@@ -978,7 +978,6 @@ def _rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
         )
 
 
-rounds_to = _rounds_to  # the public name, for other subpackages and tests
 
 
 def _cleared(t: torch.Tensor | None) -> bool:
@@ -1086,7 +1085,7 @@ class _Link:
         # Edits through .data leave the version alone: compare values (dense grads).
         if g is None or self.master_changed(g) or g.is_sparse or cur.is_sparse:
             return False
-        return not _rounds_to(cur, g)
+        return not rounds_to(cur, g)
 
     def master_changed(self, g: torch.Tensor | None) -> bool:
         if self._kept is None:

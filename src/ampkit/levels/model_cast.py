@@ -84,8 +84,7 @@ NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
 
 
 # Module state (weak keys): module -> hook handles installed by this file, so a second cast replaces them.
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-HANDLES = _HANDLES  # the public name, for other subpackages and tests
+HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def is_norm_layer(module: nn.Module, extra_types: tuple[type[nn.Module], ...] = ()) -> bool:
@@ -609,7 +608,7 @@ def _device_type_of(module: nn.Module) -> str:
 def remove_io_casts(module: nn.Module) -> None:
     """Remove the cast hooks :func:`add_io_casts` or :func:`cast_model` put on
     ``module`` itself (not on its children), also on a copy or an unpickled model."""
-    for handle in _HANDLES.pop(module, []):
+    for handle in HANDLES.pop(module, []):
         handle.remove()
     dicts = torch_compat.module_hook_dicts(module)
     for hooks in (dicts.pre, dicts.post):
@@ -637,7 +636,7 @@ def add_io_casts(
     handles = [module.register_forward_pre_hook(CastInputs(input_dtype), with_kwargs=True)]
     if output_dtype is not None:
         handles.append(module.register_forward_hook(CastOutputs(output_dtype, output_only)))
-    _HANDLES[module] = handles
+    HANDLES[module] = handles
 
 
 def _cast_own_tensors(module: nn.Module, dtype: torch.dtype, keep: set[int]) -> None:

@@ -327,7 +327,7 @@ def _bf16_mismatch(low: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 _round_check: list[Callable[..., torch.Tensor] | None] = []
 
 
-def _compiled_round_check() -> Callable[..., torch.Tensor] | None:
+def compiled_round_check() -> Callable[..., torch.Tensor] | None:
     """The compiled :func:`_bf16_mismatch`, probed once per process against the cast
     (random values, halfway cases, edited elements); None where compiling fails or
     the probe disagrees (a warning says so)."""
@@ -354,7 +354,6 @@ def _compiled_round_check() -> Callable[..., torch.Tensor] | None:
         return fn
 
 
-compiled_round_check = _compiled_round_check  # the public name, for other subpackages and tests
 
 
 def _round_probes() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -386,7 +385,7 @@ def rounds_to_bf16(low: torch.Tensor, g: torch.Tensor) -> bool | None:
         or not (low.is_contiguous() and g.is_contiguous())
     ):
         return None
-    fn = _compiled_round_check()
+    fn = compiled_round_check()
     if fn is None:
         return None
     if not bool(fn(low.view(-1), g.view(-1))):

@@ -50,7 +50,7 @@ import torch
 from ampkit._internal import torch_compat
 from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
-from ampkit.errors import NumericsError, ScalerError
+from ampkit.errors import NumericsError, ScalerError, StateError
 
 __all__ = [
     "LossScaler",
@@ -534,11 +534,35 @@ class LossScaler:
         """Multiply the grads of ``params`` in place by ``1/S`` and check them for
         inf/NaN, fused per (device, dtype). Returns a float32 0-dim tensor (1.0 when a
         non-finite value was found), or ``None`` when no param has a grad. No sync."""
-        groups = group_grads(params)
-        return unscale_and_check_(groups, self._inv_scale, self._inv_tensors_for(groups))
+        return self.unscale_groups_(group_grads(params))
 
-    def _inv_tensors_for(self, groups: dict) -> dict[torch.device, torch.Tensor]:
-        return {device: self.inv_scale_tensor(device) for device, _ in groups}
+    def unscale_groups_(self, groups: dict) -> torch.Tensor | None:
+        """:meth:`unscale_` of gradients already grouped by :func:`group_grads` (a caller
+        that groups them itself, e.g. to refuse fp16 grads first): multiplies each by
+        ``1/S`` in place and returns the float32 0-dim found-inf tensor, or ``None`` for
+        no groups. No sync."""
+        inv = {device: self.inv_scale_tensor(device) for device, _ in groups}
+        return unscale_and_check_(groups, self._inv_scale, inv)
+
+    # --- ownership: one trainer drives a scaler at a time ------------------------------
+    @property
+    def attached(self) -> bool:
+        """Whether a trainer (:func:`ampkit.init_trainer`) drives this scaler now."""
+        return self._attached
+
+    def attach(self) -> None:
+        """Mark this scaler as driven by a trainer (:func:`ampkit.init_trainer` calls it).
+        Raises :class:`~ampkit.StateError` if one drives it already."""
+        if self._attached:
+            raise StateError(
+                f"init_trainer: {self!r} already drives another trainer; give each init_trainer "
+                "call its own LossScaler (LossScaler.new_like() copies the configuration)."
+            )
+        self._attached = True
+
+    def detach(self) -> None:
+        """The trainer driving this scaler let it go (``amp.reset``, a new ``init_trainer``)."""
+        self._attached = False
 
     def update(self, found_inf: bool) -> None:
         """Feed one step's event to the state machine (see the module docstring):

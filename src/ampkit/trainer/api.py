@@ -162,7 +162,7 @@ def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
     if len({id(s) for s in scalers}) != len(scalers):
         raise StateError("init_trainer: the same LossScaler was given for two loss ids.")
     for s in scalers:
-        if s._attached:
+        if s.attached:
             raise StateError(
                 f"init_trainer: {s!r} already drives another trainer; give each init_trainer "
                 "call its own LossScaler (LossScaler.new_like() copies the configuration)."
@@ -273,7 +273,7 @@ def init_trainer(
         opt.__dict__[_ATTR] = state
         states.append(state)
     for slot in slots:
-        slot.scaler._attached = True
+        slot.scaler.attach()
     _session.current_session().register(Trainer(states, slots))
     if attach_doctor is not None:
         attach_doctor(optimizers)

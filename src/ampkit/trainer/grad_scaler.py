@@ -32,7 +32,7 @@ import torch
 
 from ampkit._internal.validate import require_fields, require_optimizer
 from ampkit.errors import ScalerError, StateError
-from ampkit.scaling.loss_scaler import CONFIG_KEYS, LossScaler, group_grads, unscale_and_check_
+from ampkit.scaling.loss_scaler import CONFIG_KEYS, LossScaler, group_grads
 
 from .managed import record_unmanaged_step, unscaled_in_place
 from .schedulers import mark_step_called
@@ -181,7 +181,7 @@ class GradScaler:
         with unscaled_in_place(optimizer):
             params = (p for group in optimizer.param_groups for p in group["params"])
             groups = group_grads(params, allow_fp16=False)
-            found = unscale_and_check_(groups, scaler.inv_scale, scaler._inv_tensors_for(groups))
+            found = scaler.unscale_groups_(groups)
         if found is None:
             found = torch.zeros((), dtype=torch.float32, device=self._device)
         record.found = found

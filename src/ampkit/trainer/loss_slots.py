@@ -110,4 +110,4 @@ class Trainer:
             state.release()
         for slot in self.slots:
             slot.clear()
-            slot.scaler._attached = False
+            slot.scaler.detach()

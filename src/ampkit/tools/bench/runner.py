@@ -251,7 +251,7 @@ def _time_ratio(top: dict[str, Any], bottom: dict[str, Any], key: str) -> float 
     return a / b if a and b else None
 
 
-def _run_workload(
+def run_workload(
     name: str, config: BenchConfig, pool: dict[str, _Worker], progress: ProgressFn | None,
     announce: Callable[[str, str], None] | None,
 ) -> dict[str, Any]:
@@ -313,7 +313,6 @@ def _run_workload(
     }
 
 
-run_workload = _run_workload  # the public name, for other subpackages and tests
 
 
 def run_bench(
@@ -350,7 +349,7 @@ def run_bench(
     }
     with _workers(config.precisions, config.threads, config.hold_freed_memory) as pool:
         for name in config.workloads:
-            results["workloads"][name] = _run_workload(name, config, pool, progress, announce)
+            results["workloads"][name] = run_workload(name, config, pool, progress, announce)
             allocator = results["workloads"][name].pop("allocator", None)
             if allocator and "allocator" not in results:
                 results["allocator"] = allocator
