@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
 import math
 import subprocess
 import sys
@@ -19,6 +22,22 @@ TINY_LM = ["--steps", "4", "--d-model", "16", "--layers", "1", "--heads", "2", "
            "--batch-size", "4", "--corpus-chars", "20000", "--sample", "8", "--log-every", "2"]
 
 
+@functools.cache
+def _fp32(name: str) -> dict[str, float]:
+    """The metrics of the example run without ampkit (``--amp off``), same settings."""
+    args = TINY_CLASSIFIER if name == "train_classifier" else TINY_LM
+    with contextlib.redirect_stdout(io.StringIO()):
+        return _load(name).main(["--amp", "off", *args])
+
+
+def _like_fp32(name: str, metrics: dict[str, float], loss: str, accuracy: str) -> None:
+    """The run trained as fp32 did: its loss within 0.5% of fp32's (measured: O3 differs
+    by 0.05%, the other levels by less) and its accuracy within 0.02."""
+    want = _fp32(name)
+    assert math.isfinite(metrics[loss]) and abs(metrics[loss] - want[loss]) <= 0.005 * want[loss], (metrics, want)
+    assert abs(metrics[accuracy] - want[accuracy]) <= 0.02, (metrics, want)
+
+
 def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
@@ -33,7 +52,7 @@ def test_train_classifier_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> 
     metrics = module.main(["--amp", amp, *TINY_CLASSIFIER])
     out = capsys.readouterr().out
     assert f"amp={amp}" in out and "test accuracy" in out
-    assert math.isfinite(metrics["test_loss"]) and 0.0 <= metrics["test_accuracy"] <= 1.0
+    _like_fp32("train_classifier", metrics, "test_loss", "test_accuracy")
     if amp != "off":
         assert "skipped" in out and "scale" in out
 
@@ -44,7 +63,7 @@ def test_train_lm_runs(amp: str, capsys: pytest.CaptureFixture[str]) -> None:
     metrics = module.main(["--amp", amp, *TINY_LM])
     out = capsys.readouterr().out
     assert "bits/char" in out and "sample:\ndef " in out
-    assert math.isfinite(metrics["eval_loss"]) and 0.0 <= metrics["eval_accuracy"] <= 1.0
+    _like_fp32("train_lm", metrics, "eval_loss", "eval_accuracy")
 
 
 def test_train_classifier_fp16_dynamic_scaling_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:

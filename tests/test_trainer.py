@@ -886,14 +886,13 @@ def test_scaler_argument_forms():
         amp.init_trainer(torch.optim.SGD(mlp().parameters(), lr=0.1), [LossScaler()], num_losses=2)
 
 
-def test_rescale_after_unscale_accumulates_exactly():
-    """The opt-in used by ampkit.compat.apex (unscale at scale_loss exit): a later
-    scale_loss in the same step rescales the unscaled grads instead of raising."""
+def test_scale_loss_after_unscale_accumulates_exactly():
+    """Unscaling at each scale_loss exit (what ampkit.compat.apex does): a later
+    scale_loss in the same step goes on accumulating into the real grads, exactly."""
     ref, model = mlp(), mlp()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1),
                            [LossScaler(init_scale=2.0**4), LossScaler(init_scale=2.0**9)], num_losses=2)
-    managed_state(opt).rescale_after_unscale = True
     for i in range(2):
         ref_opt.zero_grad()
         opt.zero_grad()

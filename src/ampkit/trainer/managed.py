@@ -76,9 +76,6 @@ class ManagedOptimizer(StepGrads):
       (master weights: the model's params). Iterated afresh each time it is needed, so a
       live view is fine. The gradient hooks go on these (set it before the first
       ``scale_loss``); ``None``: the params in ``param_groups``.
-    - ``rescale_after_unscale``: kept for compatibility, no effect: grads are real at
-      all times, so a ``scale_loss`` after ``unscale`` in the same step simply goes on
-      accumulating.
     - :meth:`register_extra_state`: extra per-optimizer state saved in and restored from
       ``ampkit.state_dict()``.
     - :attr:`stage`: where the current step stands (:class:`~ampkit.trainer.step_grads.StepStage`).
@@ -98,7 +95,6 @@ class ManagedOptimizer(StepGrads):
         self.scalers: list[LossScaler] = [slot.scaler for slot in slots]
         self._extensions: list[StepExtension] = []
         self.backward_params: Iterable[torch.Tensor] | None = None
-        self.rescale_after_unscale = False
         self.agreement = agreement
         self.steps = 0
         self.skipped = 0

@@ -55,14 +55,13 @@ class StepGrads:
 
     What it reads from the managed optimizer it is a base of: ``optimizer``,
     ``backward_params``, ``grad_path``, ``agreement``, the extensions (their
-    ``before_check``), ``rescale_after_unscale`` and the loss slots (their scalers)."""
+    ``before_check``) and the loss slots (their scalers)."""
 
     optimizer: torch.optim.Optimizer
     backward_params: Iterable[torch.Tensor] | None
     grad_path: GradPath
     agreement: StepAgreement | None
     _extensions: list[StepExtension]
-    rescale_after_unscale: bool
     _slots: list[LossSlot]
 
     def __init__(self) -> None:
@@ -141,7 +140,7 @@ class StepGrads:
         if all(p.grad is None for p in params):
             self._start_fresh_step()
             return
-        if aborted or (self._unscaled and not self.rescale_after_unscale):
+        if aborted or self._unscaled:
             grads = self._tracked_grads()
             nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
             if not bool(nonzero):
