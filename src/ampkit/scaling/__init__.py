@@ -5,16 +5,9 @@ function (:func:`next_state` of a :class:`ScalerState`)."""
 
 from __future__ import annotations
 
-from .loss_scaler import (
-    LossScaler,
-    ScaleEvent,
-    ScalerState,
-    check_scale,
-    group_grads,
-    next_state,
-    to_fp32,
-    unscale_and_check_,
-)
+from .loss_scaler import LossScaler, check_scale
+from .transition import ScaleEvent, ScalerState, next_state, to_fp32
+from .unscale import group_grads, unscale_and_check_
 
 __all__ = [
     "LossScaler",

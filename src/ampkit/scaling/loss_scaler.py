@@ -41,16 +41,17 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-from ampkit._internal import torch_compat
 from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
 from ampkit.errors import NumericsError, ScalerError, StateError
+
+from .transition import ScaleEvent, ScalerState, next_state, to_fp32
+from .unscale import group_grads, unscale_and_check_
 
 __all__ = [
     "LossScaler",
@@ -87,16 +88,6 @@ CONFIG_KEYS = (
     "dynamic",
     "max_consecutive_skips",
 )
-
-
-def to_fp32(x: float) -> float:
-    """``x`` rounded to the nearest float32 value (round half to even), as a Python float.
-
-    Values beyond float32's range (ints beyond float64's too) become ``±inf``."""
-    try:
-        return struct.unpack("f", struct.pack("f", float(x)))[0]
-    except OverflowError:
-        return math.inf if x > 0 else -math.inf
 
 
 #: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
@@ -195,150 +186,6 @@ def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str
             f"got {out['consecutive_skips']}, {out['num_overflows']}, {out['num_events']})"
         )
     return out
-
-
-def group_grads(
-    params: Iterable[torch.Tensor], *, allow_fp16: bool = True
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The gradients of ``params`` (those that have one), grouped by (device, dtype).
-
-    Sparse gradients contribute their values (an fp16 sparse gradient is coalesced
-    first so that duplicate indices are summed before the check); complex gradients
-    their real view (``torch.view_as_real``), which shares their storage. With
-    ``allow_fp16=False`` an fp16 gradient raises :class:`~ampkit.ScalerError`."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        grad = p.grad
-        if grad is None:
-            continue
-        if grad.dtype == torch.float16 and not allow_fp16:
-            raise ScalerError(
-                "Attempting to unscale FP16 gradients: a parameter is float16, so its "
-                "unscaled gradient would underflow. Keep the parameters in float32 (cast "
-                "in the forward pass with autocast) or use fp32 master weights."
-            )
-        if grad.is_sparse:
-            if grad.dtype == torch.float16:
-                p.grad = grad = grad.coalesce()
-            grad = torch_compat.sparse_values(grad)
-        if grad.is_complex():
-            # Unscale and check the real and imaginary parts in place, as floats.
-            grad = torch.view_as_real(grad)
-        key = (grad.device, grad.dtype)
-        bucket = groups.get(key)
-        if bucket is None:
-            groups[key] = [grad]
-        else:
-            bucket.append(grad)
-    return groups
-
-
-def unscale_and_check_(
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]],
-    factor: float,
-    factor_tensors: dict[torch.device, torch.Tensor] | None = None,
-    *,
-    check_result: bool | None = None,
-) -> torch.Tensor | None:
-    """Multiply every tensor in ``groups`` in place by ``factor`` (an fp32 value) and
-    check them for inf/NaN, one fused kernel per (device, dtype) group.
-
-    Returns a float32 0-dim tensor, 1.0 if any tensor held a non-finite value and 0.0
-    otherwise, or ``None`` when ``groups`` is empty. No host sync. The fused kernel
-    checks the values before the multiply; a factor above 1 (a loss scale below 1) can
-    overflow finite values, so by default (``check_result=None``) the products are then
-    checked too, in a second pass (``True``/``False`` force it on/off).
-    ``factor_tensors`` (device -> fp32 0-dim tensor holding ``factor``) lets a caller
-    reuse cached tensors."""
-    if not groups:
-        return None
-    if check_result is None:
-        check_result = factor > 1.0
-    found_per_device: dict[torch.device, torch.Tensor] = {}
-    with torch.no_grad():
-        for (device, _dtype), grads in groups.items():
-            found = found_per_device.get(device)
-            if found is None:
-                found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
-            factor_t = factor_tensors.get(device) if factor_tensors is not None else None
-            if factor_t is None:
-                factor_t = torch.full((), factor, dtype=torch.float32, device=device)
-            torch_compat.amp_unscale_and_check_(grads, found, factor_t)
-            if check_result:
-                one = torch.ones((), dtype=torch.float32, device=device)
-                torch_compat.amp_unscale_and_check_(grads, found, one)
-    founds = iter(found_per_device.values())
-    total = next(founds)
-    for other in founds:
-        total = total + other.to(total.device, non_blocking=True)
-    return total
-
-
-class ScalerState(NamedTuple):
-    """The state of a :class:`LossScaler` (the fields of its state dict but the
-    configuration): ``scale`` an fp32 value as a Python float, the rest counts."""
-
-    scale: float
-    growth_tracker: int = 0
-    hysteresis_left: int = 1
-    consecutive_skips: int = 0
-    num_events: int = 0
-    num_overflows: int = 0
-
-
-#: What one event did to the scale: ``clean`` (kept), ``grown``, ``static`` (an overflow
-#: under a static scale), ``tolerated`` (by hysteresis), ``backed_off``, ``at_floor`` (an
-#: overflow that would back off from ``min_scale``).
-EventKind = Literal["clean", "grown", "static", "tolerated", "backed_off", "at_floor"]
-
-
-class ScaleEvent(NamedTuple):
-    """The outcome of :func:`next_state`: what happened (``kind``), the scale before it
-    (``old_scale``), and whether more than ``max_consecutive_skips`` overflows have now
-    happened in a row (``too_many_skips``; the caller raises)."""
-
-    kind: EventKind
-    old_scale: float
-    too_many_skips: bool = False
-
-
-def next_state(state: ScalerState, config: Mapping[str, Any], found_inf: bool) -> tuple[ScalerState, ScaleEvent]:
-    """One event of the state machine (the module docstring), as a pure function: the
-    state after a step whose gradients were finite (``found_inf=False``) or not, and
-    what happened. ``config`` holds the keys of :meth:`LossScaler.config` (validated).
-    Nothing is logged or raised here; :meth:`LossScaler.update` does both from the
-    returned event."""
-    old = scale = state.scale
-    tracker, left = state.growth_tracker, state.hysteresis_left
-    skips, events, overflows = state.consecutive_skips, state.num_events + 1, state.num_overflows
-    too_many = False
-    if not found_inf:
-        skips = 0
-        kind: EventKind = "clean"
-        if config["dynamic"]:
-            if config["consecutive_hysteresis"]:
-                left = config["hysteresis"]
-            tracker += 1
-            if tracker >= config["growth_interval"]:
-                tracker, left = 0, config["hysteresis"]
-                grown = to_fp32(old * config["growth_factor"])
-                if math.isfinite(grown):
-                    scale = min(grown, config["max_scale"])
-                    kind = "grown" if scale != old else "clean"
-    else:
-        overflows, skips, tracker = overflows + 1, skips + 1, 0
-        limit = config["max_consecutive_skips"]
-        too_many = limit is not None and skips > limit
-        if not config["dynamic"]:
-            kind = "static"
-        elif left > 1:
-            left, kind = left - 1, "tolerated"
-        elif old <= config["min_scale"]:
-            kind = "at_floor"
-        else:
-            scale, kind = max(to_fp32(old * config["backoff_factor"]), config["min_scale"]), "backed_off"
-    new = ScalerState(scale, tracker, left, skips, events, overflows)
-    return new, ScaleEvent(kind, old, too_many)
 
 
 class _ConfigField:
