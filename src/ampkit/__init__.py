@@ -8,11 +8,17 @@ Quick start::
     with amp.scale_loss(loss, opt) as scaled:
         scaled.backward()
     opt.step()
+
+The public API is the names below; the guides and the reference say what each does.
 """
 
 from __future__ import annotations
 
+from ampkit import distributed, legacy, safe_globals
 from ampkit._internal.registry import reset
+from ampkit.casting.engine import autocast, checkpoint_context, current_policy, init, is_active
+from ampkit.casting.explanation import ExplainReport, explain
+from ampkit.casting.policy import Policy, canonical_op, default_policy
 from ampkit.errors import (
     AmpError,
     DistributedError,
@@ -22,10 +28,30 @@ from ampkit.errors import (
     ScalerError,
     StateError,
 )
+from ampkit.inference.conversion import (
+    Budget,
+    ConversionError,
+    ConversionReport,
+    convert,
+    fp32_weights,
+)
+from ampkit.inference.export import OnnxExport, export_onnx, export_program
+from ampkit.levels import fp8  # fp8 training: Fp8Recipe, layers(), observe()
+from ampkit.levels.compensated import CompensatedUpdates
+from ampkit.levels.fp8 import Fp8Recipe
+from ampkit.levels.master import MasterWeights
+from ampkit.levels.model_cast import cast_model
+from ampkit.levels.setup import OptLevel, initialize, master_params
+from ampkit.scaling.loss_scaler import LossScaler
+from ampkit.tools.diagnosis import DoctorReport, doctor  # ampkit.doctor is the function
+from ampkit.trainer.api import StepStats, init_trainer, scale_loss, stats, step_skipped, unscale
+from ampkit.trainer.grad_scaler import GradScaler
+from ampkit.trainer.session import load_state_dict, state_dict
 
 __version__ = "0.3.0"
 
 __all__ = [
+    # errors
     "AmpError",
     "DistributedError",
     "NumericsError",
@@ -33,15 +59,7 @@ __all__ = [
     "PolicyError",
     "ScalerError",
     "StateError",
-    "reset",
-]
-
-# --- casting engine (policy, lists, autocast, init/reset, explain) ---
-from ampkit.casting.engine import autocast, checkpoint_context, current_policy, init, is_active  # noqa: E402
-from ampkit.casting.explanation import ExplainReport, explain  # noqa: E402
-from ampkit.casting.policy import Policy, canonical_op, default_policy  # noqa: E402
-
-__all__ += [
+    # casting: policies, op lists, scopes, explain
     "ExplainReport",
     "Policy",
     "autocast",
@@ -52,21 +70,8 @@ __all__ += [
     "explain",
     "init",
     "is_active",
-]
-# --- loss scaling and optimizer integration ---
-from ampkit.scaling.loss_scaler import LossScaler  # noqa: E402
-from ampkit.trainer.api import (  # noqa: E402
-    StepStats,
-    init_trainer,
-    scale_loss,
-    stats,
-    step_skipped,
-    unscale,
-)
-from ampkit.trainer.grad_scaler import GradScaler  # noqa: E402
-from ampkit.trainer.session import load_state_dict, state_dict  # noqa: E402
-
-__all__ += [
+    "reset",
+    # loss scaling and the optimizer step
     "GradScaler",
     "LossScaler",
     "StepStats",
@@ -77,36 +82,16 @@ __all__ += [
     "stats",
     "step_skipped",
     "unscale",
-]
-# --- opt levels, master weights, compensated updates ---
-from ampkit.levels import fp8  # noqa: E402  (fp8 training: Fp8Recipe, layers(), observe())
-from ampkit.levels.compensated import CompensatedUpdates  # noqa: E402
-from ampkit.levels.fp8 import Fp8Recipe  # noqa: E402
-from ampkit.levels.master import MasterWeights  # noqa: E402
-from ampkit.levels.model_cast import cast_model  # noqa: E402
-from ampkit.levels.setup import OptLevel, initialize, master_params  # noqa: E402
-
-__all__ += [
+    # opt levels, master weights, compensated updates, fp8
     "CompensatedUpdates",
     "Fp8Recipe",
     "MasterWeights",
-    "fp8",
     "OptLevel",
     "cast_model",
+    "fp8",
     "initialize",
     "master_params",
-]
-# --- inference: convert, export (onnx is imported only when exporting) ---
-from ampkit.inference.conversion import (  # noqa: E402
-    Budget,
-    ConversionError,
-    ConversionReport,
-    convert,
-    fp32_weights,
-)
-from ampkit.inference.export import OnnxExport, export_onnx, export_program  # noqa: E402
-
-__all__ += [
+    # inference: convert, export (onnx is imported only when exporting)
     "Budget",
     "ConversionError",
     "ConversionReport",
@@ -115,17 +100,11 @@ __all__ += [
     "export_onnx",
     "export_program",
     "fp32_weights",
+    # distributed, diagnosis
+    "distributed",
+    "DoctorReport",
+    "doctor",
 ]
-# --- distributed ---
-from ampkit import distributed  # noqa: E402
-
-__all__ += ["distributed"]
-# --- diagnosis ---
-from ampkit.tools.diagnosis import DoctorReport, doctor  # noqa: E402  (ampkit.doctor is the function)
-
-__all__ += ["DoctorReport", "doctor"]
-# --- torch.load(f) (weights_only=True) of a model carrying ampkit's objects ---
-from ampkit import legacy, safe_globals  # noqa: E402
 
 legacy.install()  # 0.2's module paths (pickled class paths, ampkit.compat.apex)
-safe_globals.register()
+safe_globals.register()  # torch.load(f) (weights_only=True) of a model carrying ampkit's objects

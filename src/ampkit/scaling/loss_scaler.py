@@ -384,7 +384,7 @@ class LossScaler:
         return self.unscale_groups_(group_grads(params))
 
     def unscale_groups_(self, groups: dict) -> torch.Tensor | None:
-        """:meth:`unscale_` of gradients already grouped by :func:`group_grads` (a caller
+        """:meth:`unscale_` of gradients already grouped by ``group_grads`` (a caller
         that groups them itself, e.g. to refuse fp16 grads first): multiplies each by
         ``1/S`` in place and returns the float32 0-dim found-inf tensor, or ``None`` for
         no groups. No sync."""

@@ -42,11 +42,12 @@ EventKind = Literal["clean", "grown", "static", "tolerated", "backed_off", "at_f
 
 
 class ScaleEvent(NamedTuple):
-    """The outcome of :func:`next_state`: what happened (``kind``), the scale before it
-    (``old_scale``), and whether more than ``max_consecutive_skips`` overflows have now
-    happened in a row (``too_many_skips``; the caller raises)."""
+    """The outcome of :func:`next_state`: what happened (``kind``: ``"clean"``,
+    ``"grown"``, ``"static"``, ``"tolerated"``, ``"backed_off"`` or ``"at_floor"``), the
+    scale before it (``old_scale``), and whether more than ``max_consecutive_skips``
+    overflows have now happened in a row (``too_many_skips``; the caller raises)."""
 
-    kind: EventKind
+    kind: str
     old_scale: float
     too_many_skips: bool = False
 
