@@ -31,7 +31,7 @@ SUBPACKAGES = frozenset(
 #: Private names that are part of a public API on purpose: apex's own spelling
 #: (``from apex.amp import _amp_state``), which the drop-in answers as apex does.
 ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
-CONTRACT = "layers: tools > integrations > inference : levels : distributed > trainer > scaling > casting > _internal"
+CONTRACT = "layers: tools > integrations > inference | distributed > levels > trainer > scaling > casting > _internal"
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from ampkit._internal import torch_compat
 
 from ._cast import _iter_tensors, cast_arguments
-from .engine import _state, top_frame
+from ._kernels import _state, top_frame
 
 
 # ---------------------------------------------------------------------------

@@ -16,9 +16,10 @@ from torch import nn
 
 from ampkit._internal import torch_compat
 
+from . import _scope_api
 from ._cast import _map_tensors
+from ._kernels import _state
 from ._resolve import _Frame
-from .engine import _state
 from .policy import Policy
 
 logger = logging.getLogger("ampkit")
@@ -138,16 +139,14 @@ class _ModuleHooks:
         dtype = self.rule_dtype(module if inner is None else inner, frame)
         if dtype is None:
             return None
-        from ._scopes import autocast, open_scope  # the scopes import this module
-
         policy = frame.policy
         stack = contextlib.ExitStack()
         if dtype is torch.float32:
-            stack.enter_context(open_scope(policy, frame.device_type, enabled=False, from_rule=True))
+            stack.enter_context(_scope_api.open_scope(policy, frame.device_type, enabled=False, from_rule=True))
             args = tuple(_map_tensors(a, _to_fp32) for a in args)
         else:
             stack.enter_context(
-                autocast(_with_dtype(policy, dtype), frame.device_type, cache_enabled=frame.cache_enabled)
+                _scope_api.open_scope(_with_dtype(policy, dtype), frame.device_type, cache_enabled=frame.cache_enabled)
             )
         _state.rule_stack.append((module, stack))
         return args

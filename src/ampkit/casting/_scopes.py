@@ -21,11 +21,12 @@ from ampkit._internal.env import dtype_from_env
 from ampkit._internal.where import user_stacklevel
 from ampkit.errors import PolicyError, StateError
 
+from . import _scope_api
 from ._function_mode import _PythonOpMode
+from ._kernels import _skip_kernel_frames, _state, drop_code_of_other_keys, kernel_registry
 from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import _THREADS
-from .engine import _skip_kernel_frames, _state, drop_code_of_other_keys, kernel_registry
 from .policy import Policy, check_compute_dtype, check_device_type
 
 logger = logging.getLogger("ampkit")
@@ -474,3 +475,7 @@ def release_kernels() -> None:
         )
     kernel_registry.clear()
     module_hooks.remove()
+
+
+# the lower parts of the engine open and replay scopes through this (they cannot import it)
+_scope_api.install(open_scope, lambda frames: _Replay(_snapshot(frames), []))

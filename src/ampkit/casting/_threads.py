@@ -1,7 +1,7 @@
 """Per-thread scope state (:class:`_State`) and the records other threads may read of
 it (:class:`_ThreadRecord`): how a replica thread of ``nn.DataParallel`` finds its
 caller and enters the caller's scopes. The one instance of :class:`_State` is
-``ampkit.casting.engine._state``. See docs/concepts/casting.md."""
+``ampkit.casting._kernels._state``. See docs/concepts/casting.md."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ import contextlib
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ampkit._internal import torch_compat
 
+from . import _scope_api
 from ._resolve import _Frame
 
 if TYPE_CHECKING:
-    from ._scopes import _Replay, autocast
+    from ._scopes import autocast
 
 
 class _State(threading.local):
@@ -43,7 +45,7 @@ class _State(threading.local):
         replica = _is_replica_thread()
         self.record = _ThreadRecord(self.scopes, self.module_stack, replica)
         _THREADS[threading.get_ident()] = self.record
-        self.inherited: _Replay | None = None
+        self.inherited: AbstractContextManager[Any] | None = None
         caller = replica_caller() if replica else None
         if caller is not None:
             _inherit_caller(self, caller)
@@ -125,10 +127,8 @@ def _inherit_caller(state: _State, caller: _ThreadRecord) -> None:
     """Enter the caller's scopes in this (replica) thread, for the thread's lifetime."""
     if not caller.scopes:
         return
-    from ._scopes import _Replay, _snapshot  # the scopes import this module
-
     # names: a replica is a copy of ``dp.module``, which name rules see through ``dp``
     # to in the caller too (:func:`unwrap_module`), so the replica is its own root here
-    replay = _Replay(_snapshot(caller.scopes), [])
+    replay = _scope_api.replay(caller.scopes)
     replay.__enter__()
     state.inherited = replay

@@ -4,6 +4,8 @@ the checks that refuse wrappers a level cannot run under. ``ampkit.distributed``
 
 from __future__ import annotations
 
+from ampkit.levels import sharding as _sharding
+
 from .checkpoint import AmpState, load_checkpoint, save_checkpoint
 from .core import (
     FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
@@ -16,7 +18,7 @@ from .core import (
     set_sync,
     sync_plan,
 )
-from .fsdp import ShardPlan, fully_shard, shard_plan
+from .fsdp import ShardPlan, check_plan, fully_shard, shard_plan
 
 __all__ = [
     "AmpState",
@@ -35,3 +37,6 @@ __all__ = [
     "set_sync",
     "sync_plan",
 ]
+
+# initialize asks these of the distributed layer above it (ampkit.levels.sharding)
+_sharding.install(_sharding.DistributedChecks(check_models=check_models, check_plan=check_plan))

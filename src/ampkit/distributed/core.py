@@ -74,6 +74,7 @@ from ampkit._internal.tree import map_leaves
 from ampkit._internal.validate import require_choice
 from ampkit.errors import DistributedError
 from ampkit.levels import model_cast as _model
+from ampkit.levels.sharding import is_fsdp2
 from ampkit.trainer import extensions as _extensions
 from ampkit.trainer import loss_slots as _trainer
 from ampkit.trainer import managed as _step
@@ -370,11 +371,6 @@ def _contains(model: nn.Module, cls: type | None) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
-def is_fsdp2(model: nn.Module) -> bool:
-    """Whether ``model`` or a module in it is an FSDP2 (``fully_shard``) module."""
-    return _contains(model, torch_class("torch.distributed.fsdp", "FSDPModule"))
-
-
 
 def _is_fsdp1(model: nn.Module) -> bool:
     return _contains(model, torch_class("torch.distributed.fsdp", "FullyShardedDataParallel"))
@@ -504,7 +500,8 @@ def convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
 
 
 def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Re-register on ``new`` the input/output cast hooks ampkit put on ``old``."""
+    """Re-register on ``new`` the input/output cast hooks ampkit put on ``old`` (a layer
+    replaced by another, e.g. BatchNorm by SyncBatchNorm)."""
     handles = _model.HANDLES.pop(old, [])
     moved = []
     for handle in handles:

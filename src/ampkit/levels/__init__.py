@@ -3,8 +3,8 @@ casting (:func:`cast_model`), fp32 master weights (:class:`MasterWeights`),
 compensated bf16 updates (:class:`CompensatedUpdates`) and fp8 (:mod:`.fp8`).
 
 Names resolve on first use (``ampkit.levels.initialize``), so importing one module of
-the package does not import the rest (the levels and :mod:`ampkit.distributed` use
-each other's checks)."""
+the package does not import the rest. :mod:`ampkit.distributed` sits above the levels;
+what ``initialize`` asks of it goes through :mod:`.sharding`."""
 
 from __future__ import annotations
 

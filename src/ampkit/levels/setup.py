@@ -47,10 +47,6 @@ from ampkit._internal.validate import require_choice, require_optimizer
 from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, check_device_type
-from ampkit.distributed.core import (
-    check_models,  # refuses DDP/FSDP wrappers a level cannot run under
-    is_fsdp2,
-)
 from ampkit.errors import AmpError, DistributedError, PolicyError, ScalerError, StateError
 from ampkit.scaling.loss_scaler import LossScaler, check_scale
 from ampkit.trainer import api as optim
@@ -59,7 +55,7 @@ from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
 from ampkit.trainer.managed import resolve_optimizer
 
 from . import fp8 as _fp8
-from . import one_pass
+from . import one_pass, sharding
 from .compensated import CompensatedUpdates
 from .fp8 import Fp8Recipe
 from .master import MASTER_GRADS, MODEL_GRADS, MasterWeights
@@ -72,6 +68,7 @@ from .model_cast import (
     params_to_cast,
     remove_op_casting,
 )
+from .sharding import is_fsdp2
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "master_params", "resolve_opt_level"]
 
@@ -702,7 +699,7 @@ def initialize(
     scaler = _make_scaler(level)
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
-    check_models(model_list, level.name, level.cast_model_type is not None)
+    sharding.checks().check_models(model_list, level.name, level.cast_model_type is not None)
     shard_plan = None
     if any(is_fsdp2(m) for m in model_list):
         _check_fsdp_optimizers(model_list, opt_list)
@@ -795,11 +792,9 @@ def _check_fsdp_optimizers(model_list: list[nn.Module], opt_list: list[torch.opt
 def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optimizer], level: OptLevel) -> Any:
     """Validate a cast level on models :func:`ampkit.distributed.fully_shard` sharded for
     it (before anything is changed); returns the shard plan."""
-    from ampkit.distributed.fsdp import check_plan
-
     if len(model_list) != 1:
         raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
-    plan = check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
+    plan = sharding.checks().check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
     if level.compensation is not None:
         # each rank steps its local shards with the one-pass update; the generic path (the
         # optimizer on fp32 copies) and stochastic rounding's per-rank draws are not sharded
