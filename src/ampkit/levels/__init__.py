@@ -11,8 +11,8 @@ from __future__ import annotations
 from ampkit._internal.lazy import lazy_exports
 
 _EXPORTS = {
-    "OptLevel": "setup", "OPT_LEVELS": "setup", "initialize": "setup", "master_params": "setup",
-    "resolve_opt_level": "setup", "master_weights_of": "setup", "compensation_of": "setup",
+    "OptLevel": "opt_level", "OPT_LEVELS": "opt_level", "initialize": "setup", "master_params": "setup",
+    "resolve_opt_level": "opt_level", "master_weights_of": "setup", "compensation_of": "setup",
     "ResyncMasters": "setup",  # also 0.2's pickled path ampkit.levels.ResyncMasters
     "cast_model": "model_cast", "MasterWeights": "master", "CompensatedUpdates": "compensated",
     "Fp8Recipe": "fp8",
