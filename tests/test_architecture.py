@@ -484,7 +484,6 @@ OVERSIZED_FILES: dict[str, int] = {
     "levels/fp8.py": 1029,
     "levels/master.py": 1093,
     "levels/model_cast.py": 718,
-    "levels/setup.py": 723,
     "tools/compat/apex.py": 826,
     "tools/diagnosis/_core.py": 842,
     "trainer/grad_hooks.py": 645,
@@ -497,7 +496,7 @@ OVERSIZED_FUNCTIONS: dict[str, int] = {
     "inference/export.py::export_onnx": 108,
     "integrations/accelerate.py::prepare": 91,
     "levels/compensated.py::CompensatedUpdates._checked": 88,
-    "levels/setup.py::initialize": 220,
+    "levels/setup.py::initialize": 101,
     "tools/cli/convert.py::run": 113,
     "tools/compat/apex.py::initialize": 86,
     "trainer/api.py::init_trainer": 108,
@@ -555,4 +554,4 @@ def test_the_size_budget_catches_growth_and_new_oversized_units():
     problems = _over_budget(sizes, 600, allowed)
     assert [p.split(":")[0] for p in problems] == ["b.py", "c.py", "d.py", "gone.py"], problems
     files, functions = _sizes(SRC)
-    assert files["scaling/loss_scaler.py"] > 100 and functions["levels/setup.py::initialize"] > 80
+    assert files["scaling/loss_scaler.py"] > 100 and functions["levels/setup.py::initialize"] > 40
