@@ -12,6 +12,9 @@ from torch import nn
 
 from ampkit._internal import torch_compat as tc
 
+# every test here is a canary of one torch internal: `pytest -m torch_canary` runs them alone
+pytestmark = pytest.mark.torch_canary
+
 aten = torch.ops.aten
 
 
