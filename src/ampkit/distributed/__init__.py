@@ -12,13 +12,13 @@ from .core import (
     SyncMode,
     SyncPlan,
     check_models,
-    check_ranks_agree,
-    convert_sync_batchnorm,
     register_ddp,
     set_sync,
     sync_plan,
 )
 from .fsdp import ShardPlan, check_plan, fully_shard, shard_plan
+from .ranks import check_ranks_agree
+from .syncbn import convert_sync_batchnorm
 
 __all__ = [
     "AmpState",

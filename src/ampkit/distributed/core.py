@@ -59,7 +59,6 @@ that recipe.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import weakref
 from collections.abc import Iterable, Sequence
@@ -68,19 +67,22 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import torch_class
-from ampkit._internal.tree import map_leaves
 from ampkit._internal.validate import require_choice
 from ampkit.errors import DistributedError
-from ampkit.levels import model_cast as _model
 from ampkit.levels.sharding import is_fsdp2
 from ampkit.trainer import extensions as _extensions
 from ampkit.trainer import loss_slots as _trainer
 from ampkit.trainer import managed as _step
 from ampkit.trainer import session as _session
 
+# SyncBatchNorm and the ranks' state check live in modules of their own; importable from here
+from .ranks import check_ranks_agree, fingerprint
+from .syncbn import convert_bn, convert_sync_batchnorm
+
 __all__ = [
+    "fingerprint",
+    "convert_bn",
     "SyncMode",
     "SyncPlan",
     "set_sync",
@@ -457,114 +459,3 @@ def _is_fsdp2_root(module: nn.Module) -> bool:
     fsdp2 = torch_class("torch.distributed.fsdp", "FSDPModule")
     return fsdp2 is not None and isinstance(module, fsdp2)
 
-
-# --- SyncBatchNorm -----------------------------------------------------------------------
-
-
-def convert_sync_batchnorm(model: nn.Module, process_group: Any = None) -> nn.Module:
-    """Replace every BatchNorm layer of ``model`` by ``torch.nn.SyncBatchNorm`` (batch
-    statistics computed over the ranks of ``process_group``, default None: all ranks)
-    and return the model (a new object if ``model``
-    itself is a BatchNorm layer).
-
-    The new layers keep the same ``Parameter`` and buffer objects (so optimizers and
-    fp32 master weights still point at them) and ampkit's cast hooks: under O2 they stay
-    fp32, run on fp32 inputs and hand their output back in the compute dtype. Call it
-    before or after ``ampkit.initialize`` and before wrapping in DDP.
-
-    Raises :class:`~ampkit.DistributedError` without a GPU: torch's SyncBatchNorm only
-    runs on CUDA (and a few other accelerators), not on CPU.
-    """
-    if not torch.cuda.is_available():
-        raise DistributedError(
-            "SyncBatchNorm is GPU-only in torch: its training forward needs CUDA tensors, "
-            "and this machine has no CUDA device. On CPU keep plain BatchNorm (each rank "
-            "normalizes with its own batch statistics; DDP broadcasts rank 0's running "
-            "statistics every forward), or use GroupNorm/LayerNorm, which need no syncing."
-        )
-    return convert_bn(model, process_group)
-
-
-def convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
-    if isinstance(module, torch_compat.BATCH_NORM_BASE):
-        new = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
-        _move_cast_hooks(module, new)
-        return new
-    for name, child in list(module.named_children()):
-        converted = convert_bn(child, process_group)
-        if converted is not child:
-            torch_compat.replace_child(module, name, converted)
-    return module
-
-
-
-
-def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Re-register on ``new`` the input/output cast hooks ampkit put on ``old`` (a layer
-    replaced by another, e.g. BatchNorm by SyncBatchNorm)."""
-    handles = _model.HANDLES.pop(old, [])
-    moved = []
-    for handle in handles:
-        hid = handle.id
-        old_hooks = torch_compat.module_hook_dicts(old)
-        if hid in old_hooks.pre:
-            fn = old_hooks.pre[hid]
-            with_kwargs = hid in old_hooks.pre_with_kwargs
-            moved.append(new.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
-        elif hid in old_hooks.post:
-            moved.append(new.register_forward_hook(old_hooks.post[hid]))
-        handle.remove()
-    if moved:
-        _model.HANDLES[new] = moved
-
-
-# --- checking that the ranks agree -------------------------------------------------------
-
-
-def fingerprint(obj: Any) -> Any:
-    """A picklable digest of a state dict: numbers as they are, tensors by dtype, shape
-    and a hash of their bytes (bitwise)."""
-
-    def leaf(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous().reshape(-1)
-            digest = hashlib.sha1(t.view(torch.uint8).numpy().tobytes()).hexdigest()
-            return ("tensor", str(t.dtype), tuple(t.shape), digest)
-        return repr(x) if isinstance(x, float) else x
-
-    return map_leaves(obj, leaf, mapping=dict)
-
-
-
-
-def _differences(a: Any, b: Any, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            if k not in a or k not in b:
-                out.append(f"{path}/{k}: present on one rank only")
-            else:
-                out += _differences(a[k], b[k], f"{path}/{k}")
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path or '/'}: {a!r} vs {b!r}"]
-
-
-def check_ranks_agree(group: Any = None) -> None:
-    """Raise :class:`~ampkit.DistributedError` unless every rank of ``group`` holds the
-    same AMP state (``ampkit.state_dict()``: scales, counters, fp32 masters bitwise).
-    A collective: call it on every rank, e.g. after loading a checkpoint or in tests."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    mine = fingerprint(_session.state_dict())
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for rank, theirs in enumerate(everyone):
-        diffs = _differences(everyone[0], theirs)
-        if diffs:
-            shown = "; ".join(diffs[:5])
-            raise DistributedError(
-                f"the AMP state of group rank {rank} differs from group rank 0's in "
-                f"{len(diffs)} place(s): {shown}."
-            )
