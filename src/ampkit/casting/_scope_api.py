@@ -1,4 +1,4 @@
-"""The two things the lower parts of the engine need from :mod:`._scopes`, which builds
+"""The two things the lower parts of the engine need from ``_scopes``, which builds
 on them: opening a scope (a module rule opens one around its module) and re-entering
 recorded scopes (a replica thread of ``DataParallel`` takes its caller's). ``_scopes``
 installs them here when it is imported (``ampkit.casting`` imports it), so the module
@@ -21,13 +21,13 @@ def install(
     open_scope: Callable[..., AbstractContextManager[Any]],
     replay: Callable[[list[Any]], AbstractContextManager[Any]],
 ) -> None:
-    """Called by :mod:`._scopes` at import."""
+    """Called by ``_scopes`` at import."""
     global _OPEN, _REPLAY
     _OPEN, _REPLAY = open_scope, replay
 
 
 def open_scope(*args: Any, **kwargs: Any) -> AbstractContextManager[Any]:
-    """:func:`._scopes.open_scope` (a scope of a policy; ``enabled=False`` for fp32)."""
+    """``_scopes.open_scope`` (a scope of a policy; ``enabled=False`` for fp32)."""
     assert _OPEN is not None, "ampkit.casting._scopes installs the scope API at import"
     return _OPEN(*args, **kwargs)
 

@@ -1,7 +1,7 @@
 """The casting engine: applies a :class:`~ampkit.Policy` in a scope. The public face of
-the private modules that implement it: :mod:`._kernels` (the scope state and the
-autocast kernels), :mod:`._scopes` (``autocast``, ``init``, ``checkpoint_context``),
-:mod:`._module_rules` (module rules, the hooks) and :mod:`._function_mode` (Python-level
+the private modules that implement it: ``_kernels`` (the scope state and the
+autocast kernels), ``_scopes`` (``autocast``, ``init``, ``checkpoint_context``),
+``_module_rules`` (module rules, the hooks) and ``_function_mode`` (Python-level
 ops). Each of those imports the kernels module; none imports this one. How it works:
 docs/concepts/casting.md."""
 

@@ -4,7 +4,7 @@ compensated bf16 updates (:class:`CompensatedUpdates`) and fp8 (:mod:`.fp8`).
 
 Names resolve on first use (``ampkit.levels.initialize``), so importing one module of
 the package does not import the rest. :mod:`ampkit.distributed` sits above the levels;
-what ``initialize`` asks of it goes through :mod:`.sharding`."""
+what ``initialize`` asks of it goes through ``ampkit.levels.sharding``."""
 
 from __future__ import annotations
 
