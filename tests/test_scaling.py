@@ -108,6 +108,24 @@ def test_the_pure_transition_is_the_reference_and_changes_nothing_it_is_given(cf
         state = new
 
 
+def test_a_scaler_pickled_with_its_configuration_as_attributes_loads():
+    """0.3 kept a LossScaler's configuration as instance attributes; such a pickle loads,
+    and the scaler steps and reports as the one that was saved."""
+    import pickle
+
+    s = LossScaler(init_scale=4.0, growth_interval=2, hysteresis=2)
+    old = dict(s.__dict__)
+    old.update(old.pop("_config"))  # the 0.3 layout
+    clone = LossScaler.__new__(LossScaler)
+    clone.__setstate__(old)
+    clone = pickle.loads(pickle.dumps(clone))
+    assert clone.config() == s.config() and clone.growth_interval == 2
+    for found in (False, False, True, True):
+        s.update(found)
+        clone.update(found)
+    assert clone.state() == s.state()
+
+
 def test_assigning_a_config_attribute_is_configure():
     """``scaler.growth_interval = 2`` takes effect at the next update and is validated like
     ``configure`` (a bad value is refused and changes nothing)."""

@@ -288,6 +288,13 @@ class LossScaler:
     def _apply_config(self, cfg: dict[str, Any]) -> None:
         self._config = {key: cfg[key] for key in CONFIG_KEYS}  # read by every update()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a scaler pickled by 0.3 kept its configuration as plain attributes
+        state = dict(state)
+        if "_config" not in state:
+            state["_config"] = {key: state.pop(key) for key in CONFIG_KEYS if key in state}
+        self.__dict__.update(state)
+
     def config(self) -> dict[str, Any]:
         """The constructor arguments (``init_scale`` ... ``max_consecutive_skips``), a
         copy. Each is also an attribute; assigning one (``scaler.growth_interval = 100``)
