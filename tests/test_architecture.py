@@ -384,6 +384,8 @@ def test_the_attribute_check_catches_a_planted_reach(tmp_path):
 BOUNDARY_ALLOWED: dict[str, str] = {
     "_getframe": "sys._getframe: Python's frame access (warning locations, the launcher)",
     "_fields": "a namedtuple's field names (Python)",
+    "_replace": "a namedtuple's copy with fields changed (Python)",
+    "_asdict": "a namedtuple as a dict (Python)",
     "_is_overflow": "Accelerate's and HF Trainer's skip flag, set by integrations/accelerate.py and hf.py",
     "_is_accelerate_prepared": "Accelerate's marker on prepared models (integrations/accelerate.py)",
     "_wrap_closure": "Lightning's Precision hook (integrations/lightning/precision.py)",

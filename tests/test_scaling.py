@@ -115,7 +115,8 @@ def test_a_scaler_pickled_with_its_configuration_as_attributes_loads():
 
     s = LossScaler(init_scale=4.0, growth_interval=2, hysteresis=2)
     old = dict(s.__dict__)
-    old.update(old.pop("_config"))  # the 0.3 layout
+    old.update(old.pop("_config"))  # the 0.3 layout: configuration and state as attributes
+    old.update({f"_{key}": value for key, value in old.pop("_state")._asdict().items()})
     clone = LossScaler.__new__(LossScaler)
     clone.__setstate__(old)
     clone = pickle.loads(pickle.dumps(clone))

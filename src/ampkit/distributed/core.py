@@ -373,7 +373,6 @@ def _contains(model: nn.Module, cls: type | None) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
-
 def _is_fsdp1(model: nn.Module) -> bool:
     return _contains(model, torch_class("torch.distributed.fsdp", "FullyShardedDataParallel"))
 

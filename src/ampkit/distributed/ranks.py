@@ -32,8 +32,6 @@ def fingerprint(obj: Any) -> Any:
     return map_leaves(obj, leaf, mapping=dict)
 
 
-
-
 def _differences(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []

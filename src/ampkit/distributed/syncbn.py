@@ -52,8 +52,6 @@ def convert_bn(module: nn.Module, process_group: Any) -> nn.Module:
     return module
 
 
-
-
 def _move_cast_hooks(old: nn.Module, new: nn.Module) -> None:
     """Re-register on ``new`` the input/output cast hooks ampkit put on ``old`` (a layer
     replaced by another, e.g. BatchNorm by SyncBatchNorm)."""

@@ -188,8 +188,6 @@ def sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.
     _kahan_store(w, c, wf - gf * s[0] + c.float())
 
 
-
-
 _BF = torch.bfloat16
 _ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
 _SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
@@ -687,7 +685,6 @@ def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) 
             if torch.is_tensor(v):
                 total += local_tensor(v).numel() * v.element_size()
     return total
-
 
 
 class _CompensatedStep(StepExtension):

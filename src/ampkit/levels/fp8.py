@@ -108,8 +108,6 @@ def max_margin(fp8: torch.dtype) -> int:
     return int(math.floor(math.log2(torch.finfo(fp8).max / (_FP32.max * _FP32.tiny))))
 
 
-
-
 #: ``Fp8Recipe.margin``'s upper bound: every recipe casts inputs and weights to e4m3,
 #: whose range is the tighter (6; e5m2's alone would allow 13).
 MAX_MARGIN = min(max_margin(E4M3), max_margin(E5M2))
@@ -402,8 +400,6 @@ def scale_from_amax(amax: torch.Tensor, fp8: torch.dtype, recipe: Fp8Recipe) -> 
     return scale
 
 
-
-
 def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -416,8 +412,6 @@ def _all_reduce_max(amax: torch.Tensor) -> torch.Tensor:
 def saturate(t: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     limit = _MAX[fp8]
     return (t.float() * scale).clamp(-limit, limit).to(fp8)
-
-
 
 
 def _dequant(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

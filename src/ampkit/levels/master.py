@@ -978,8 +978,6 @@ def rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
         )
 
 
-
-
 def _cleared(t: torch.Tensor | None) -> bool:
     if t is not None and t.is_sparse:
         t = torch_compat.sparse_values(t.coalesce())

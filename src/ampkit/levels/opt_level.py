@@ -74,7 +74,6 @@ class OptLevel:
     master_grads: str = "on_demand"
 
 
-
 @dataclasses.dataclass(frozen=True)
 class LevelDefaults:
     """The base settings of one level, named as :class:`OptLevel`'s fields; ``dtype``

@@ -354,8 +354,6 @@ def compiled_round_check() -> Callable[..., torch.Tensor] | None:
         return fn
 
 
-
-
 def _round_probes() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(4099, generator=gen) * 1e-3

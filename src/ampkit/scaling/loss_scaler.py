@@ -67,14 +67,7 @@ __all__ = [
 _LOG = logging.getLogger("ampkit")
 
 
-_STATE_KEYS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_left",
-    "consecutive_skips",
-    "num_events",
-    "num_overflows",
-)
+_STATE_KEYS = ScalerState._fields  # the state fields of a state dict
 #: LossScaler's configuration: its constructor arguments, the keys of ``config()``.
 CONFIG_KEYS = (
     "init_scale",
@@ -175,7 +168,7 @@ def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str
             f"has scale {out['scale']} outside [min_scale, max_scale] = "
             f"[{cfg['min_scale']}, {cfg['max_scale']}]"
         )
-    for key in ("growth_tracker", "hysteresis_left", "consecutive_skips", "num_events", "num_overflows"):
+    for key in _STATE_KEYS[1:]:  # the counters
         hint = "Pass a dict returned by LossScaler.state_dict()."
         out[key] = require_count(sd[key], f"{name}: state dict field {key!r}", ScalerError, hint=hint)
     if not 1 <= out["hysteresis_left"] <= cfg["hysteresis"]:
@@ -272,16 +265,12 @@ class LossScaler:
         self.name = name
         arguments = locals()  # the constructor arguments are the configuration
         self._apply_config(_check_config({k: arguments[k] for k in CONFIG_KEYS}, "LossScaler"))
-        self._scale = self.init_scale
-        self._growth_tracker = 0
-        self._hysteresis_left = self.hysteresis
-        self._consecutive_skips = 0
-        self._num_events = 0
-        self._num_overflows = 0
+        # the state machine's state (transition.next_state); replaced whole, never mutated
+        self._state = ScalerState(scale=self.init_scale, hysteresis_left=self.hysteresis)
         # Tensor mirrors of the scale and its inverse, per device; refreshed on change.
         self._scale_tensors: dict[torch.device, torch.Tensor] = {}
         self._inv_tensors: dict[torch.device, torch.Tensor] = {}
-        self._inv_scale = to_fp32(1.0 / self._scale)
+        self._inv_scale = to_fp32(1.0 / self.init_scale)
         # Set while a trainer (init_trainer) drives this scaler, so two cannot share it.
         self._attached = False
 
@@ -289,10 +278,12 @@ class LossScaler:
         self._config = {key: cfg[key] for key in CONFIG_KEYS}  # read by every update()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # a scaler pickled by 0.3 kept its configuration as plain attributes
+        # a scaler pickled by 0.3 kept its configuration and state as plain attributes
         state = dict(state)
         if "_config" not in state:
             state["_config"] = {key: state.pop(key) for key in CONFIG_KEYS if key in state}
+        if "_state" not in state:
+            state["_state"] = ScalerState(*(state.pop(f"_{key}") for key in _STATE_KEYS))
         self.__dict__.update(state)
 
     def config(self) -> dict[str, Any]:
@@ -311,19 +302,20 @@ class LossScaler:
         if unknown:
             raise ScalerError(f"{self.name}: unknown setting(s) {unknown}; valid: {list(CONFIG_KEYS)}.")
         cfg = _check_config({**self.config(), **changes}, self.name)
-        if cfg["dynamic"] and not cfg["min_scale"] <= self._scale <= cfg["max_scale"]:
+        scale = self._state.scale
+        if cfg["dynamic"] and not cfg["min_scale"] <= scale <= cfg["max_scale"]:
             raise ScalerError(
-                f"{self.name}: the current scale {self._scale} would lie outside "
+                f"{self.name}: the current scale {scale} would lie outside "
                 f"[min_scale, max_scale] = [{cfg['min_scale']}, {cfg['max_scale']}]."
             )
         self._apply_config(cfg)
-        self._hysteresis_left = min(self._hysteresis_left, self.hysteresis)
+        self._state = self._state._replace(hysteresis_left=min(self._state.hysteresis_left, self.hysteresis))
 
     # --- reading the state -------------------------------------------------------
     @property
     def scale(self) -> float:
         """The current scale ``S`` (an fp32 value, as a Python float)."""
-        return self._scale
+        return self._state.scale
 
     @property
     def inv_scale(self) -> float:
@@ -333,27 +325,27 @@ class LossScaler:
     @property
     def growth_tracker(self) -> int:
         """Clean steps since the last overflow or growth."""
-        return self._growth_tracker
+        return self._state.growth_tracker
 
     @property
     def hysteresis_left(self) -> int:
         """Overflows the scale still absorbs before backing off (1: backs off on the next)."""
-        return self._hysteresis_left
+        return self._state.hysteresis_left
 
     @property
     def consecutive_skips(self) -> int:
         """Overflow events in a row (0 after a clean step)."""
-        return self._consecutive_skips
+        return self._state.consecutive_skips
 
     @property
     def num_overflows(self) -> int:
         """Overflow events since construction (or as loaded from a state dict)."""
-        return self._num_overflows
+        return self._state.num_overflows
 
     @property
     def num_events(self) -> int:
         """Events (clean or overflow) fed to :meth:`update` so far."""
-        return self._num_events
+        return self._state.num_events
 
     def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
         """``S`` as a float32 0-dim tensor on ``device``. Cached: do not modify it."""
@@ -361,7 +353,7 @@ class LossScaler:
         t = self._scale_tensors.get(device)
         if t is None:
             t = self._scale_tensors[device] = torch.full(
-                (), self._scale, dtype=torch.float32, device=device
+                (), self._state.scale, dtype=torch.float32, device=device
             )
         return t
 
@@ -404,14 +396,18 @@ class LossScaler:
         """Whether a trainer (:func:`ampkit.init_trainer`) drives this scaler now."""
         return self._attached
 
-    def attach(self) -> None:
-        """Mark this scaler as driven by a trainer (:func:`ampkit.init_trainer` calls it).
-        Raises :class:`~ampkit.StateError` if one drives it already."""
+    def check_free(self) -> None:
+        """Raise :class:`~ampkit.StateError` if a trainer drives this scaler already."""
         if self._attached:
             raise StateError(
                 f"init_trainer: {self!r} already drives another trainer; give each init_trainer "
                 "call its own LossScaler (LossScaler.new_like() copies the configuration)."
             )
+
+    def attach(self) -> None:
+        """Mark this scaler as driven by a trainer (:func:`ampkit.init_trainer` calls it).
+        Raises :class:`~ampkit.StateError` if one drives it already."""
+        self.check_free()
         self._attached = True
 
     def detach(self) -> None:
@@ -427,8 +423,8 @@ class LossScaler:
         Raises :class:`~ampkit.NumericsError` when an overflow would back off from
         ``min_scale`` or when more than ``max_consecutive_skips`` overflows happened in
         a row; the state is updated before raising."""
-        state, event = next_state(self.state(), self._config, bool(found_inf))
-        self._store(state)
+        state, event = next_state(self._state, self._config, bool(found_inf))
+        self._set_state(state)
         if event.kind in ("clean", "grown"):
             return
         what = {
@@ -441,7 +437,7 @@ class LossScaler:
         if event.kind == "at_floor":
             raise NumericsError(
                 f"{self.name}: gradients are still inf/NaN with the loss scale at its floor "
-                f"min_scale={self.min_scale:g} ({self._consecutive_skips} step(s) skipped in "
+                f"min_scale={self.min_scale:g} ({state.consecutive_skips} step(s) skipped in "
                 "a row). Loss scaling cannot fix this: the loss or the model produces inf/NaN "
                 "by itself. Check the inputs and the loss for inf/NaN, lower the learning "
                 "rate, run the overflowing ops in float32 (or train in bfloat16), or lower "
@@ -449,31 +445,16 @@ class LossScaler:
             )
         if event.too_many_skips:
             raise NumericsError(
-                f"{self.name}: {self._consecutive_skips} optimizer steps skipped in a row "
+                f"{self.name}: {state.consecutive_skips} optimizer steps skipped in a row "
                 f"(more than max_consecutive_skips={self.max_consecutive_skips}); the gradients "
-                f"keep overflowing at loss scale {self._scale:g}. Check the inputs and the loss "
+                f"keep overflowing at loss scale {state.scale:g}. Check the inputs and the loss "
                 "for inf/NaN, lower the learning rate, lower the scale (init_scale, "
                 "backoff_factor, hysteresis), or run the overflowing ops in float32 / bfloat16."
             )
 
     def state(self) -> ScalerState:
         """The current state (what :meth:`state_dict` holds besides the configuration)."""
-        return ScalerState(
-            scale=self._scale,
-            growth_tracker=self._growth_tracker,
-            hysteresis_left=self._hysteresis_left,
-            consecutive_skips=self._consecutive_skips,
-            num_events=self._num_events,
-            num_overflows=self._num_overflows,
-        )
-
-    def _store(self, state: ScalerState) -> None:
-        self._growth_tracker = state.growth_tracker
-        self._hysteresis_left = state.hysteresis_left
-        self._consecutive_skips = state.consecutive_skips
-        self._num_events = state.num_events
-        self._num_overflows = state.num_overflows
-        self._set_scale(state.scale)
+        return self._state
 
     def set_scale(self, value: float) -> None:
         """Set ``S`` to ``value`` by hand (rounded to fp32; clamped to [min_scale,
@@ -484,12 +465,18 @@ class LossScaler:
         self._set_scale(value)
 
     def _set_scale(self, value: float) -> None:
-        if value == self._scale:
+        self._set_state(self._state._replace(scale=value))
+
+    def _set_state(self, state: ScalerState) -> None:
+        """Make ``state`` current; the inverse scale and the tensor mirrors follow a
+        changed scale."""
+        changed = state.scale != self._state.scale
+        self._state = state
+        if not changed:
             return
-        self._scale = value
-        self._inv_scale = to_fp32(1.0 / value)
+        self._inv_scale = to_fp32(1.0 / state.scale)
         for t in self._scale_tensors.values():
-            t.fill_(value)
+            t.fill_(state.scale)
         for t in self._inv_tensors.values():
             t.fill_(self._inv_scale)
 
@@ -500,7 +487,7 @@ class LossScaler:
             "%s: inf/NaN gradients, optimizer step skipped; scale %g -> %g (%s)",
             self.name,
             old,
-            self._scale,
+            self._state.scale,
             what,
         )
 
@@ -511,17 +498,7 @@ class LossScaler:
         Keys: ``scale``, ``growth_tracker``, ``hysteresis_left``, ``consecutive_skips``,
         ``num_events``, ``num_overflows`` (state) and the constructor arguments
         (``init_scale`` ... ``max_consecutive_skips``)."""
-        sd: dict[str, Any] = {
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_left": self._hysteresis_left,
-            "consecutive_skips": self._consecutive_skips,
-            "num_events": self._num_events,
-            "num_overflows": self._num_overflows,
-        }
-        for key in CONFIG_KEYS:
-            sd[key] = getattr(self, key)
-        return sd
+        return {**self._state._asdict(), **self._config}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` exactly (configuration and state).
@@ -544,37 +521,19 @@ class LossScaler:
 
         def apply() -> None:
             self._apply_config(cfg)
-            self._growth_tracker = state["growth_tracker"]
-            self._hysteresis_left = state["hysteresis_left"]
-            self._consecutive_skips = state["consecutive_skips"]
-            self._num_events = state["num_events"]
-            self._num_overflows = state["num_overflows"]
-            self._set_scale(state["scale"])
+            self._set_state(ScalerState(**state))
 
         return apply
-
 
     def new_like(self, name: str | None = None) -> LossScaler:
         """A fresh scaler with this one's configuration and its initial state, called
         ``name`` (default: this scaler's name)."""
-        return LossScaler(
-            init_scale=self.init_scale,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            hysteresis=self.hysteresis,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            dynamic=self.dynamic,
-            consecutive_hysteresis=self.consecutive_hysteresis,
-            max_consecutive_skips=self.max_consecutive_skips,
-            name=self.name if name is None else name,
-        )
+        return LossScaler(**self._config, name=self.name if name is None else name)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return (
-            f"LossScaler({self.name!r}, {kind}, scale={self._scale:g}, "
-            f"growth_tracker={self._growth_tracker}, hysteresis_left={self._hysteresis_left}, "
-            f"consecutive_skips={self._consecutive_skips})"
+            f"LossScaler({self.name!r}, {kind}, scale={self.scale:g}, "
+            f"growth_tracker={self.growth_tracker}, hysteresis_left={self.hysteresis_left}, "
+            f"consecutive_skips={self.consecutive_skips})"
         )

@@ -162,11 +162,7 @@ def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
     if len({id(s) for s in scalers}) != len(scalers):
         raise StateError("init_trainer: the same LossScaler was given for two loss ids.")
     for s in scalers:
-        if s.attached:
-            raise StateError(
-                f"init_trainer: {s!r} already drives another trainer; give each init_trainer "
-                "call its own LossScaler (LossScaler.new_like() copies the configuration)."
-            )
+        s.check_free()  # all checked before any is attached
     return scalers
 
 

@@ -313,8 +313,6 @@ def run_workload(
     }
 
 
-
-
 def run_bench(
     config: BenchConfig,
     progress: ProgressFn | None = None,
