@@ -377,7 +377,7 @@ def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypa
     per process and device type, not once per kernel; every compile is logged with its
     duration when it ends (INFO, WARNING from ``SLOW_COMPILE_S``); the probe runs on the
     device the kernel will run on (a CPU probe of a CUDA kernel compiled twice)."""
-    from ampkit._internal import torch_compat
+    from ampkit._internal import inductor_compat
     from ampkit.levels import compensated, update_kernels
 
     monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
@@ -401,7 +401,7 @@ def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypa
             assert k._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu")) is not None
     announced = [r for r in caplog.records if "compiling the optimizer update kernels for cpu" in r.getMessage()]
     assert len(announced) == 1 and probed == ["cpu", "cpu"]
-    assert torch_compat.inductor_cache_dir() in announced[0].getMessage()
+    assert inductor_compat.inductor_cache_dir() in announced[0].getMessage()
     done = [r for r in caplog.records if "update kernel for cpu in" in r.getMessage()]
     assert [r.levelname for r in done] == ["INFO", "INFO"]  # instant: under SLOW_COMPILE_S
     assert "compiled the a update kernel" in done[0].getMessage()

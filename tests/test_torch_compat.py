@@ -459,23 +459,6 @@ def test_compiled_code_cache_is_readable_and_resettable(dynamo):
     assert len(backend.graphs) == n + 1
 
 
-def test_cpp_compiler_probe_answers(monkeypatch):
-    """True exactly where inductor's own lookup finds a compiler on PATH (this machine
-    or not), False once that lookup fails."""
-    import shutil
-
-    from torch._inductor import cpp_builder
-
-    found = cpp_builder.get_cpp_compiler() if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else None
-    assert tc.cpp_compiler_available() is (found is not None)
-
-    def missing():
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
-    assert tc.cpp_compiler_available() is False
-
-
 def test_pytree_helpers():
     leaves, _ = tc.tree_flatten({"a": [1, (2, 3)], "b": 4})
     assert sorted(leaves) == [1, 2, 3, 4]
@@ -604,11 +587,6 @@ def test_optimizer_and_scheduler_markers_are_the_ones_torch_reads():
     assert tc.step_wrapped_by_lr_scheduler(step)
     tc.mark_step_supports_amp_scaling(opt)
     assert getattr(opt, "_step_supports_amp_scaling", False) is True
-
-
-def test_the_inductor_cache_dir_is_a_path_inductor_uses(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
-    assert tc.inductor_cache_dir() == str(tmp_path / "cache")
 
 
 def test_step_hooks_are_the_dicts_torchs_step_wrapper_runs():

@@ -62,7 +62,6 @@ __all__ = [
     "is_dataparallel_replica",
     "is_parallel_apply_worker",
     "ModuleHookDicts",
-    "cpp_compiler_available",
     "mark_trace_constant",
     "module_hook_dicts",
     "overload_name",
@@ -113,7 +112,6 @@ __all__ = [
     "mark_step_wrapped_by_lr_scheduler",
     "optimizer_step_hooks",
     "instance_step_hooks_suspended",
-    "inductor_cache_dir",
     "active_ddp_module",
     "cpu_has_native_16bit",
 ]
@@ -319,18 +317,6 @@ def unscale_and_check_composite_(grads: list[torch.Tensor], found_inf: torch.Ten
     bad = torch.logical_not(torch.isfinite(torch.stack(norms).float().sum())).to(found_inf.dtype)
     torch.maximum(found_inf, bad.to(found_inf.device), out=found_inf)
     torch._foreach_mul_(grads, inv_scale.to(grads[0].device))
-
-
-def cpp_compiler_available() -> bool:
-    """Whether inductor finds a C++ compiler here (``torch._inductor.cpp_builder``);
-    False if that module moved or no compiler is found."""
-    try:
-        from torch._inductor import cpp_builder
-
-        cpp_builder.get_cpp_compiler()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: no compiled update kernels
-        return False
 
 
 def scaled_mm(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -805,18 +791,6 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Set ``optimizer._opt_called``: LR schedulers read it to warn about a scheduler
     stepped before its optimizer."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
-
-
-def inductor_cache_dir() -> str:
-    """Where inductor keeps its on-disk cache of compiled kernels
-    (``torch._inductor.runtime.cache_dir_utils.cache_dir()``: ``TORCHINDUCTOR_CACHE_DIR``,
-    else a folder under the temp dir); named in ampkit's compile messages. "unknown" if
-    torch moved it."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-    except ImportError:
-        return "unknown"
-    return str(cache_dir())
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:

@@ -7,9 +7,14 @@ written with torch ops. It runs in one of two modes:
     ``torch.compile(fn, dynamic=True, fullgraph=True)``: Inductor fuses the whole
     function into one loop that reads each input once and writes each output in
     place, with no full-size temporaries. One compilation per kernel, dtype combination
-    and process; every tensor size reuses it (``benchmarks/first_step.py``, 2-core
-    AVX-512 CPU: about 8 s on an empty Inductor cache, gcc compiling the C++; 2 s from
-    the on-disk cache, which ``ampkit warmup`` fills ahead of a job).
+    and process; every tensor size of 2 elements or more reuses it (a one-element tensor
+    runs op by op, so that no second copy is compiled). ``benchmarks/first_step.py``,
+    2-core AVX-512 CPU: about 6 s on an empty Inductor cache (gcc compiling the C++,
+    Inductor's checks of the CPU's instruction sets run side by side), 1.2-1.5 s from
+    the on-disk cache, which ``ampkit warmup`` fills ahead of a job; most of that is
+    importing torch's compiler. Compiles run inside
+    :func:`ampkit._internal.inductor_compat.known_cpu_isa`, which answers Inductor's
+    instruction-set checks from the answers an earlier process recorded.
 ``"eager"``
     The same function run op by op on slices of at most ``chunk_numel`` elements,
     so its fp32 temporaries stay bounded. The fallback where compiling fails.
@@ -32,6 +37,7 @@ Scalars travel as a tensor so that a changing learning rate recompiles nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -40,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from ampkit._internal import torch_compat
+from ampkit._internal import inductor_compat, torch_compat
 
 __all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
 
@@ -80,7 +86,7 @@ def _announce_later(device_type: str) -> threading.Timer | None:
         _LOG.warning(
             "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first step of "
             "this process; up to a minute while inductor's on-disk cache at %s is cold, seconds once it "
-            "is warm).", device_type, torch_compat.inductor_cache_dir()
+            "is warm).", device_type, inductor_compat.inductor_cache_dir()
         )
 
     if ANNOUNCE_AFTER_S <= 0:
@@ -156,21 +162,8 @@ class Kernel:
             timer = _announce_later(device.type)
             start = time.perf_counter()
             try:
-                compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
-                # Probe on scratch tensors on the device the kernel will run on (a probe
-                # elsewhere would compile a second kernel): a compiler failure must not
-                # surface halfway through a real step, and the compiled arithmetic must
-                # be the eager one bit for bit (no contraction into fused multiply-adds,
-                # which would break the exact rounding-error computations).
-                g = torch.Generator().manual_seed(0)
-                scalars = (torch.rand(num_scalars, generator=g) * 0.5 + 0.25).to(scalars_device)
-                probe = [(torch.randn(1031, generator=g) * 0.1).to(device, d) for d in self.example_dtypes]
-                expected = [t.clone() for t in probe]
-                compiled(*probe, scalars, **static)
-                self.fn(*expected, scalars, **static)
-                same = _same_bits if self.exact else _close
-                if not all(same(a, b) for a, b in zip(probe, expected)):
-                    raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+                with inductor_compat.known_cpu_isa() if device.type == "cpu" else contextlib.nullcontext():
+                    compiled = self._compile_and_probe(static, num_scalars, device, scalars_device)
             except Exception as exc:  # no compiler, unsupported platform, ...
                 _LOG.warning(
                     "ampkit: compiling the %s update kernel failed (%s: %s); using the "
@@ -186,10 +179,29 @@ class Kernel:
                     logging.WARNING if took >= SLOW_COMPILE_S else logging.INFO,
                     "ampkit: compiled the %s update kernel for %s in %.1f s (inductor's on-disk cache: %s; "
                     "a later process with the same cache compiles it in seconds).",
-                    self.name, device.type, took, torch_compat.inductor_cache_dir(),
+                    self.name, device.type, took, inductor_compat.inductor_cache_dir(),
                 )
             self._compiled[key] = compiled
             return compiled
+
+    def _compile_and_probe(self, static: dict, num_scalars: int, device: torch.device,
+                           scalars_device: torch.device) -> Callable[..., None]:  # fmt: skip
+        """``torch.compile(fn)``, run once on scratch tensors on the device the kernel will
+        run on (a probe elsewhere would compile a second kernel): a compiler failure must
+        not surface halfway through a real step, and the compiled arithmetic must be the
+        eager one bit for bit (no contraction into fused multiply-adds, which would break
+        the exact rounding-error computations). Raises where either fails."""
+        compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        g = torch.Generator().manual_seed(0)
+        scalars = (torch.rand(num_scalars, generator=g) * 0.5 + 0.25).to(scalars_device)
+        probe = [(torch.randn(1031, generator=g) * 0.1).to(device, d) for d in self.example_dtypes]
+        expected = [t.clone() for t in probe]
+        compiled(*probe, scalars, **static)
+        self.fn(*expected, scalars, **static)
+        same = _same_bits if self.exact else _close
+        if not all(same(a, b) for a, b in zip(probe, expected)):
+            raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+        return compiled
 
     def __call__(
         self,
@@ -223,7 +235,7 @@ class Kernel:
                     self.fn(*[role[i][start : start + chunk_numel] for role in tensors], scalars, **static)
         if len(small) <= BATCH_MIN_COUNT:
             for i in small:
-                (run or self.fn)(*[role[i] for role in tensors], scalars, **static)
+                self._one(run, [role[i] for role in tensors], scalars, static)
             return
         batch: list[int] = []
         size = 0
@@ -236,6 +248,13 @@ class Kernel:
                 batch.append(i)
                 size += n
 
+    def _one(self, run: Callable[..., None] | None, args: list[torch.Tensor], scalars: torch.Tensor,
+             static: dict) -> None:  # fmt: skip
+        """One call on one small tensor per role. A one-element tensor runs op by op even
+        in compiled mode: the compiled kernel is traced for sizes of 2 and more, and a
+        size of 1 would compile (and cache) a second specialised copy."""
+        (run if run is not None and args[0].numel() > 1 else self.fn)(*args, scalars, **static)
+
     def _run_batch(
         self,
         run: Callable[..., None] | None,
@@ -245,8 +264,7 @@ class Kernel:
         static: dict,
     ) -> None:
         if len(batch) == 1:
-            args = [role[batch[0]] for role in tensors]
-            (run or self.fn)(*args, scalars, **static)
+            self._one(run, [role[batch[0]] for role in tensors], scalars, static)
             return
         joined = [torch.cat([role[i] for i in batch]) for role in tensors]
         (run or self.fn)(*joined, scalars, **static)
@@ -288,7 +306,7 @@ def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
 
 
 def _compiler_available() -> bool:
-    return torch_compat.cpp_compiler_available()
+    return inductor_compat.cpp_compiler_available()
 
 
 # --- is a 16-bit tensor its fp32 source rounded? (bf16, one read pass) -------------------
@@ -340,10 +358,11 @@ def compiled_round_check() -> Callable[..., torch.Tensor] | None:
         if resolve_mode("auto") == "compiled":
             try:
                 fn = torch.compile(_bf16_mismatch, dynamic=True, fullgraph=True)
-                for low, g in _round_probes():
-                    expected = not torch.equal(low, g.to(torch.bfloat16))
-                    if bool(fn(low, g)) != expected:
-                        raise RuntimeError("the compiled comparison disagrees with the cast")
+                with inductor_compat.known_cpu_isa():  # the probes run on the CPU
+                    for low, g in _round_probes():
+                        expected = not torch.equal(low, g.to(torch.bfloat16))
+                        if bool(fn(low, g)) != expected:
+                            raise RuntimeError("the compiled comparison disagrees with the cast")
             except Exception as exc:  # no compiler, unsupported platform, ...
                 _LOG.warning(
                     "ampkit: compiling the bf16 rounding check failed (%s: %s); comparing "
@@ -386,6 +405,8 @@ def rounds_to_bf16(low: torch.Tensor, g: torch.Tensor) -> bool | None:
     fn = compiled_round_check()
     if fn is None:
         return None
-    if not bool(fn(low.view(-1), g.view(-1))):
+    # Detached: the compiled check is traced for tensors without autograd history, and a
+    # parameter's requires_grad would compile a second copy.
+    if not bool(fn(low.detach().view(-1), g.detach().view(-1))):
         return True
     return None  # a mismatch, or an element arithmetic cannot decide: the exact path decides

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ampkit._internal import torch_compat
+from ampkit._internal import inductor_compat
 from ampkit.errors import AmpError
 
 __all__ = ["OPTIMIZERS", "LEVELS", "WarmResult", "warm"]
@@ -120,4 +120,4 @@ def warm(
 
 def cache_dir() -> str:
     """Inductor's on-disk cache folder in this process."""
-    return torch_compat.inductor_cache_dir()
+    return inductor_compat.inductor_cache_dir()
