@@ -44,6 +44,7 @@ from ampkit.levels.model_cast import cast_model
 from ampkit.levels.setup import OptLevel, initialize, master_params
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.tools.diagnosis import DoctorReport, doctor  # ampkit.doctor is the function
+from ampkit.tools.tune import PlanError, TunePlan, tune
 from ampkit.trainer.api import StepStats, init_trainer, scale_loss, stats, step_skipped, unscale
 from ampkit.trainer.grad_scaler import GradScaler
 from ampkit.trainer.session import load_state_dict, state_dict
@@ -104,6 +105,10 @@ __all__ = [
     "distributed",
     "DoctorReport",
     "doctor",
+    # per-module precision tuning
+    "PlanError",
+    "TunePlan",
+    "tune",
 ]
 
 legacy.install()  # 0.2's module paths (pickled class paths, ampkit.compat.apex)

@@ -1,0 +1,196 @@
+"""The tuner's measurements: which modules are candidates, which 16-bit dtypes this
+hardware computes natively, what each module costs per dtype (forward + backward alone,
+on the inputs it saw), and how much the loss and the gradient move when only that
+module runs in 16 bits."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit._internal import torch_compat
+from ampkit.casting.engine import autocast
+from ampkit.casting.policy import Policy, default_policy
+
+__all__ = ["Batch", "LossFn", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation"]
+
+Batch = Any  # (inputs, targets); inputs a tensor or a tuple of positional arguments
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def candidate_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules the tuner decides on: every module below the root holding floating
+    parameters of its own (linears, convolutions, embeddings, norms, attention's
+    projections), in model order."""
+    return [(name, m) for name, m in model.named_modules()
+            if name and any(p.is_floating_point() for p in m.parameters(recurse=False))]  # fmt: skip
+
+
+def native_dtypes(candidates: Sequence[str], device_type: str, include_emulated: bool) -> tuple[list[str], dict[str, str]]:
+    """The 16-bit candidates worth measuring here, and the others with why not.
+    ``include_emulated`` tries bf16/fp16 even where the CPU emulates them."""
+    tried: list[str] = []
+    skipped: dict[str, str] = {}
+    for name in candidates:
+        if name == "fp8":
+            skipped[name] = ("fp8 matmuls need a GPU with fp8 tensor cores (compute capability 8.9+); "
+                             "the tuner does not measure fp8 layers yet")  # fmt: skip
+            continue
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        if device_type == "cuda":
+            if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                skipped[name] = "this GPU has no bf16 arithmetic"
+                continue
+        elif device_type == "cpu" and not include_emulated:
+            native = torch_compat.cpu_has_native_16bit(dtype)
+            if not native:
+                need = "AVX-512-bf16 or AMX" if dtype == torch.bfloat16 else "AMX-FP16"
+                skipped[name] = (f"this CPU emulates {name} (no {need}): slower than fp32 "
+                                 "(include_emulated=True measures it anyway)")  # fmt: skip
+                continue
+        tried.append(name)
+    return tried, skipped
+
+
+def _inputs(batch: Batch) -> tuple[Any, ...]:
+    inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def loss_of(model: nn.Module, batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
+    """The training loss of ``model`` on ``batch``: ``loss_fn(model(*inputs), targets)``,
+    or ``model(*inputs)`` itself when ``loss_fn`` is None."""
+    out = model(*_inputs(batch))
+    return out if loss_fn is None else loss_fn(out, batch[1])
+
+
+def scope(policy: Policy | None, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if policy is None else autocast(policy, device_type)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """The same random draws (dropout masks) in every run compared, the caller's RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _captured(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Batch, loss_fn: LossFn | None,
+              ) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:  # fmt: skip
+    """Each module's inputs on ``batch`` (the first call), detached."""
+    seen: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in seen:
+                seen[name] = torch_compat.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                                                   (args, kwargs))  # fmt: skip
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in modules]
+    try:
+        with torch.no_grad(), _seeded(0):
+            loss_of(model, batch, loss_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _run_once(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """One forward and backward of ``module`` alone; input grads included."""
+    args, kwargs = torch_compat.tree_map(
+        lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        (args, kwargs))  # fmt: skip
+    leaves = [t for t in torch_compat.tree_flatten(module(*args, **kwargs))[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
+    if leaves:
+        torch.autograd.backward([t.float().sum() for t in leaves])
+
+
+def _sync(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Batch, loss_fn: LossFn | None,
+                 dtypes: Sequence[str], device_type: str, repeats: int, deadline: float,
+                 ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """``{name: {"fp32": ms, "bf16": ms, ...}}``: each module's forward + backward alone on
+    the inputs it saw on ``batch``, the fastest of ``repeats`` runs after one warm-up, under
+    ``ampkit.autocast`` in each 16-bit dtype. Modules not reached before ``deadline``
+    (``time.perf_counter()``) are left out."""
+    inputs = _captured(model, modules, batch, loss_fn)
+    policies: dict[str, Policy | None] = {"fp32": None}
+    for name in dtypes:
+        policies[name] = default_policy(device_type, {"bf16": torch.bfloat16, "fp16": torch.float16}[name])
+    out: dict[str, dict[str, float]] = {}
+    for name, module in modules:
+        if name not in inputs or time.perf_counter() > deadline:
+            continue
+        args, kwargs = inputs[name]
+        times = {}
+        for key, policy in policies.items():
+            best = math.inf
+            for i in range(repeats + 1):
+                with scope(policy, device_type):
+                    _sync(device_type)
+                    start = time.perf_counter()
+                    _run_once(module, args, kwargs)
+                    _sync(device_type)
+                    took = time.perf_counter() - start
+                if i:  # the first run warms caches up
+                    best = min(best, took)
+            times[key] = 1e3 * best
+        module.zero_grad(set_to_none=True)
+        out[name] = times
+    return out
+
+
+def _loss_and_grad(model: nn.Module, batch: Batch, loss_fn: LossFn | None, policy: Policy | None,
+                   device_type: str, seed: int) -> tuple[float, torch.Tensor]:  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    with _seeded(seed):
+        with scope(policy, device_type):
+            loss = loss_of(model, batch, loss_fn)
+        loss.float().backward()
+    grads = [p.grad.detach().double().reshape(-1) for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), torch.cat(grads) if grads else torch.zeros(0, dtype=torch.float64)
+
+
+def deviation(value: float, ref: float) -> float:
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value - ref) / max(abs(ref), 1e-12)
+
+
+def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batch], loss_fn: LossFn | None,
+                  dtype: str, device_type: str, deadline: float) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """``{name: (loss deviation, grad deviation)}`` with only that module in ``dtype``
+    (every other module pinned to fp32 by a module rule), against fp32, averaged over
+    ``batches``. Modules not reached before ``deadline`` are left out."""
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    base = default_policy(device_type, low)
+    refs = [_loss_and_grad(model, b, loss_fn, None, device_type, seed) for seed, b in enumerate(batches)]
+    out: dict[str, tuple[float, float]] = {}
+    for name in names:
+        if time.perf_counter() > deadline:
+            break
+        policy = base.override(module_rules={name: low, "*": torch.float32})
+        loss_dev = grad_dev = 0.0
+        for seed, (batch, (ref_loss, ref_grad)) in enumerate(zip(batches, refs)):
+            loss, grad = _loss_and_grad(model, batch, loss_fn, policy, device_type, seed)
+            loss_dev += deviation(loss, ref_loss)
+            finite = bool(torch.isfinite(grad).all()) and grad.shape == ref_grad.shape
+            norm = float(ref_grad.norm())
+            grad_dev += float((grad - ref_grad).norm()) / max(norm, 1e-30) if finite else math.inf
+        out[name] = (loss_dev / len(batches), grad_dev / len(batches))
+    return out

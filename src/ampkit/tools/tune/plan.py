@@ -1,0 +1,245 @@
+"""A per-layer precision plan as data: which modules run in 16 bits and which stay fp32,
+with the measurements behind each choice; saved and loaded as JSON (validated before
+anything is built from it) and turned into the :class:`ampkit.Policy` that applies it.
+
+The plan is the tuner's output (:func:`ampkit.tools.tune.tune`); see the tuning guide
+(``docs/guides/tuning.md``) for how it is measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampkit.casting.policy import Policy
+from ampkit.errors import AmpError
+
+__all__ = ["DTYPES", "ModuleChoice", "PlanError", "TunePlan"]
+
+#: The dtype names a plan uses, and their torch dtypes.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMAT = "ampkit-tune-plan"
+VERSION = 1
+
+
+class PlanError(AmpError, ValueError):
+    """A tuning plan that cannot be used: a file that is not a plan, a field of the wrong
+    type, a dtype name ampkit does not know, a module name the model does not have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleChoice:
+    """One tuned module.
+
+    Attributes:
+        name: its qualified name in the tuned model (``"blocks.0.attn.qkv"``).
+        kind: its class name (``"Linear"``).
+        dtype: ``"fp32"`` (kept wide) or the plan's 16-bit dtype (``"bf16"``/``"fp16"``).
+        fp32_ms: forward + backward time of the module alone in fp32, milliseconds.
+        low_ms: the same in the plan's 16-bit dtype (NaN where not measured).
+        loss_deviation: relative change of the loss, against fp32, when only this module
+            runs in 16 bits (mean over the calibration batches; inf where non-finite).
+        grad_deviation: relative change of the whole gradient (L2 norm) in the same run.
+        reason: why this dtype, in words.
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    fp32_ms: float
+    low_ms: float
+    loss_deviation: float
+    grad_deviation: float
+    reason: str
+
+    @property
+    def saved_ms(self) -> float:
+        """Time saved per step by running this module in 16 bits (negative: slower)."""
+        return self.fp32_ms - self.low_ms if math.isfinite(self.low_ms) else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TunePlan:
+    """The tuner's plan: every measured module with its dtype and why, the probe that
+    confirmed it, and what the tuning cost.
+
+    Attributes:
+        dtype: the 16-bit dtype of the lowered modules (``"bf16"``/``"fp16"``; ``"fp32"``
+            when nothing is lowered).
+        device_type: where it was measured (``"cpu"``, ``"cuda"``).
+        budget: the allowed relative deviation of the final training loss from fp32's.
+        modules: one :class:`ModuleChoice` per candidate module, in model order.
+        skipped: candidate dtypes not tried, each with why (``{"fp8": "..."}``).
+        predicted_deviation: the sum of the lowered modules' loss deviations.
+        probe: the confirming training run: ``steps``, ``fp32_loss``, ``plan_loss``,
+            ``deviation`` and, for comparison, ``uniform_loss``/``uniform_deviation``
+            (everything lowered); the losses are means over the last quarter of steps.
+        backed_off: modules lowered at first and put back to fp32 because the probe
+            exceeded the budget, in that order.
+        seconds: the tuner's own wall time.
+        machine: torch version, device name and the CPU flags that decide 16-bit speed.
+    """
+
+    dtype: str
+    device_type: str
+    budget: float
+    modules: tuple[ModuleChoice, ...]
+    skipped: dict[str, str]
+    predicted_deviation: float
+    probe: dict[str, float]
+    backed_off: tuple[str, ...]
+    seconds: float
+    machine: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def lowered(self) -> list[str]:
+        """Names of the modules the plan runs in 16 bits."""
+        return [m.name for m in self.modules if m.dtype != "fp32"]
+
+    @property
+    def kept_fp32(self) -> list[str]:
+        """Names of the modules the plan keeps in fp32."""
+        return [m.name for m in self.modules if m.dtype == "fp32"]
+
+    def policy(self, base: Policy | None = None) -> Policy:
+        """The :class:`ampkit.Policy` that applies the plan: ``base`` (default: the
+        device's defaults in the plan's dtype) with a module rule pinning each kept
+        module to fp32 by its name. Use it with ``ampkit.init(policy=...)``,
+        ``ampkit.autocast(policy)`` or ``initialize(..., policy=...)``; names are relative
+        to the outermost module called, as when the plan was tuned."""
+        from ampkit.casting.policy import default_policy
+
+        if base is None:
+            base = default_policy(self.device_type, DTYPES[self.dtype] if self.dtype != "fp32" else None)
+        return base.override(module_rules={name: torch.float32 for name in self.kept_fp32})
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise :class:`PlanError` if a module the plan names is not in ``model``."""
+        names = {n for n, _ in model.named_modules()}
+        missing = [m.name for m in self.modules if m.name not in names]
+        if missing:
+            raise PlanError(f"the plan names modules this model does not have: {missing[:5]}"
+                            f"{' ...' if len(missing) > 5 else ''}; tune this model again.")  # fmt: skip
+
+    def report(self) -> str:
+        """A plain-text table: each module's dtype, time share, deviations and why."""
+        total = sum(m.fp32_ms for m in self.modules) or 1.0
+        rows = [f"{'module':32} {'kind':14} {'dtype':5} {'fp32 ms':>8} {'16b ms':>8} {'time %':>6} "
+                f"{'loss dev':>9} {'grad dev':>9}  why"]  # fmt: skip
+        for m in self.modules:
+            rows.append(f"{m.name[:32]:32} {m.kind[:14]:14} {m.dtype:5} {m.fp32_ms:8.3f} {m.low_ms:8.3f} "
+                        f"{100 * m.fp32_ms / total:6.1f} {m.loss_deviation:9.2e} {m.grad_deviation:9.2e}  {m.reason}")  # fmt: skip
+        p = self.probe
+        rows.append(f"plan: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}; predicted deviation "
+                    f"{self.predicted_deviation:.2e}, probe {p.get('deviation', math.nan):.2e} "
+                    f"(everything lowered: {p.get('uniform_deviation', math.nan):.2e}), budget {self.budget:.2e}; "
+                    f"tuned in {self.seconds:.1f} s")  # fmt: skip
+        for dtype, why in self.skipped.items():
+            rows.append(f"not tried: {dtype}: {why}")
+        if self.backed_off:
+            rows.append(f"put back to fp32 after the probe: {', '.join(self.backed_off)}")
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON types (non-finite numbers as strings)."""
+        out = dataclasses.asdict(self)
+        out["modules"] = [{k: _num(v) for k, v in m.items()} for m in out["modules"]]
+        out["probe"] = {k: _num(v) for k, v in out["probe"].items()}
+        out["predicted_deviation"] = _num(out["predicted_deviation"])
+        out["backed_off"] = list(self.backed_off)
+        return {"format": FORMAT, "version": VERSION, **out}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON to ``path`` (replaced whole: a partial file is never left)."""
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, target)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> TunePlan:
+        """The plan ``doc`` describes (as :meth:`to_dict` writes it); :class:`PlanError`
+        naming the first field that is wrong."""
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise PlanError(f"not an ampkit tuning plan (no \"format\": \"{FORMAT}\"); write one with ampkit.tune.")
+        if doc.get("version") != VERSION:
+            raise PlanError(f"tuning plan version {doc.get('version')!r}: this ampkit reads version {VERSION}.")
+        try:
+            modules = tuple(_choice(m) for m in _field(doc, "modules", list))
+            plan = cls(
+                dtype=_dtype(_field(doc, "dtype", str)),
+                device_type=_field(doc, "device_type", str),
+                budget=_number(_field(doc, "budget", (int, float)), "budget"),
+                modules=modules,
+                skipped={str(k): str(v) for k, v in _field(doc, "skipped", dict).items()},
+                predicted_deviation=_number(doc.get("predicted_deviation"), "predicted_deviation"),
+                probe={str(k): _number(v, f"probe.{k}") for k, v in _field(doc, "probe", dict).items()},
+                backed_off=tuple(str(x) for x in _field(doc, "backed_off", list)),
+                seconds=_number(_field(doc, "seconds", (int, float)), "seconds"),
+                machine=dict(doc.get("machine") or {}),
+            )
+        except (TypeError, KeyError) as exc:
+            raise PlanError(f"tuning plan: {exc}") from None
+        if len({m.name for m in modules}) != len(modules):
+            raise PlanError("tuning plan: a module is named twice.")
+        bad = [m.name for m in modules if m.dtype not in ("fp32", plan.dtype)]
+        if bad:
+            raise PlanError(f"tuning plan: modules {bad[:3]} are in neither fp32 nor the plan's {plan.dtype}.")
+        return plan
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> TunePlan:
+        """Read the plan :meth:`save` wrote to ``path``; :class:`PlanError` for a missing,
+        unreadable, truncated or malformed file."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanError(f"cannot read the tuning plan {str(path)!r}: {exc.strerror or exc}.") from None
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise PlanError(f"{str(path)!r} is not JSON ({exc}); is it truncated? Write it again with ampkit.tune.") from None
+        return cls.from_dict(doc)
+
+
+def _num(value: Any) -> Any:
+    return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, str) and value in ("inf", "nan", "-inf"):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"tuning plan: {name} is {value!r}, not a number.")
+    return float(value)
+
+
+def _field(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in doc:
+        raise PlanError(f"tuning plan: the field {name!r} is missing.")
+    value = doc[name]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PlanError(f"tuning plan: {name} is {type(value).__name__}, not {getattr(kind, '__name__', kind)}.")
+    return value
+
+
+def _dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise PlanError(f"tuning plan: dtype {name!r}; one of {', '.join(DTYPES)}.")
+    return name
+
+
+def _choice(m: Any) -> ModuleChoice:
+    if not isinstance(m, dict):
+        raise PlanError(f"tuning plan: a module entry is {type(m).__name__}, not an object.")
+    return ModuleChoice(
+        name=_field(m, "name", str), kind=_field(m, "kind", str), dtype=_dtype(_field(m, "dtype", str)),
+        fp32_ms=_number(m.get("fp32_ms"), "fp32_ms"), low_ms=_number(m.get("low_ms"), "low_ms"),
+        loss_deviation=_number(m.get("loss_deviation"), "loss_deviation"),
+        grad_deviation=_number(m.get("grad_deviation"), "grad_deviation"), reason=_field(m, "reason", str),
+    )  # fmt: skip
