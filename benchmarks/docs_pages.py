@@ -139,6 +139,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                "its page fills in once `--only first_step` is recorded."),
     ),
     Benchmark(
+        "tune", "ampkit.tune on the bench workloads", "tune.py", ("--size", "quick", "--json", "{json}"),
+        timeout=1800, record=False,
+        notes=("It tunes and trains each workload ten times (a few minutes), so the docs run does not record it;",
+               "its page fills in once `--only tune` is recorded."),
+    ),
+    Benchmark(
         "gpu_check", "GPU check", "gpu_check.py",
         ("--out", "{out}"), result="gpu-check.json", timeout=900, record=False,
         notes=("It needs a CUDA GPU; its page fills in once `--only gpu_check` is recorded",
@@ -497,6 +503,23 @@ def render_first_step(result: dict[str, Any]) -> str:
     return "".join(out) + "\n"
 
 
+def render_tune(result: dict[str, Any]) -> str:
+    out = [f"Budget: the training loss may end at most {result['budget']:.1%} above fp32's (mean of the last "
+           "quarter of steps); *in budget* says whether it did. Each arm trained from the same seed on the same "
+           "batches, twice; the faster median step time counts.\n\n"]  # fmt: skip
+    for r in result["results"]:
+        p = r["plan"]
+        out.append(f"### {r['workload']} ({r['size']}, {r['steps']} steps)\n\n"
+                   f"Plan: {p['lowered']} of {p['modules']} modules in {p['dtype']}, run at {p['level']}; tuned in "
+                   f"{p['tune_seconds']:.1f} s. Against the fastest uniform level within the budget "
+                   f"({r['fastest_uniform_within_budget']}): **{r['plan_speed_vs_fastest_uniform']:.2f}x**.\n\n")  # fmt: skip
+        rows = [[arm, _cell(a["step_ms"]), f"{a['speed_vs_fp32']:.2f}x", f"{a['loss']:.4f}", f"{a['deviation']:.2%}",
+                 "yes" if a["within_budget"] else "no", f"{a['metric']:.4f}"] for arm, a in r["arms"].items()]  # fmt: skip
+        out.append(md_table(["arm", "step ms", "vs fp32", "loss", "worse than fp32 by", "in budget", r["metric"]], rows))
+        out.append("\n")
+    return "".join(out)
+
+
 RENDERERS: dict[str, Callable[[Any], str]] = {
     "ampkit-bench": render_ampkit_bench,
     "step_limit": render_step_limit,
@@ -512,6 +535,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "ddp": render_ddp,
     "first_step": render_first_step,
     "fsdp_memory": render_fsdp_memory,
+    "tune": render_tune,
 }
 
 

@@ -482,7 +482,7 @@ FUNCTION_BUDGET = 80  # lines per function or method (its def to its last line)
 #: grows past its recorded size fails, and one back within the budget must leave the list).
 OVERSIZED_FILES: dict[str, int] = {
     "_internal/torch_compat.py": 860,
-    "integrations/hf.py": 843,
+    "integrations/hf.py": 704,
     "levels/compensated.py": 706,
     "levels/fp8.py": 1029,
     "levels/master.py": 1093,

@@ -274,3 +274,21 @@ def test_fsdp_memory_json_holds_the_printed_table(tmp_path):
     assert rows["O2K"]["total"] < rows["fsdp2-bf16"]["total"] and rows["O2K"]["ampkit"] > 0
     assert rows["O2"]["total"] == pytest.approx(rows["fsdp2-bf16"]["total"], rel=0.01)
     renders("fsdp_memory", record, "O2K", "vs fsdp2-bf16")
+
+
+def test_tune_json_holds_the_printed_tables(tmp_path):
+    stdout, record = run_script("tune.py", ["--size", "tiny", "--workloads", "wide,lm"], tmp_path, timeout=600)
+    assert record["budget"] == 0.01 and [r["workload"] for r in record["results"]] == ["wide", "lm"]
+    arms = ["fp32", "O1", "O2", "O2K", "plan"]
+    for r in record["results"]:
+        assert list(r["arms"]) == arms and r["plan"]["level"] in ("O0", "O1", "O2", "O2K")
+        header = f"{r['workload']} ({r['size']}, {r['steps']} steps): plan {r['plan']['lowered']}/{r['plan']['modules']}"
+        block = stdout.split(header, 1)[1].split("plan vs the fastest", 1)[0]
+        printed = _rows_by_first_word(block, arms)
+        for arm, a in r["arms"].items():
+            assert printed[arm][:4] == [f"{a['step_ms']:.2f}", f"{a['speed_vs_fp32']:.2f}x", f"{a['loss']:.4f}",
+                                        f"{a['deviation']:.2%}"]  # fmt: skip
+            assert a["within_budget"] == (a["deviation"] <= record["budget"])
+        best = r["fastest_uniform_within_budget"]
+        assert r["plan_speed_vs_fastest_uniform"] == pytest.approx(r["arms"][best]["step_ms"] / r["arms"]["plan"]["step_ms"])
+    renders("tune", record, "plan", "O2K")

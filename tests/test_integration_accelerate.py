@@ -600,3 +600,23 @@ def test_a_folder_saved_by_0_3_says_how_to_reuse_its_state_and_unpickles_nothing
         with pytest.raises(RuntimeError, match="custom checkpoints"):
             acc.load_state(str(folder))
     assert not marker.exists()
+
+
+# --- a tuning plan (ampkit.tune) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["O1", "O2K"])
+def test_prepare_takes_a_tuning_plan(level, tmp_path):
+    path = tmp_path / "plan.json"
+    amp.TunePlan.by_hand(lowered=["0"], kept_fp32=["3"], level=level).save(path)
+    acc = _accelerator()
+    model, opt, sched = build()
+    seen = {}
+    for name in ("0", "3"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    model, opt, sched = amp_accelerate.prepare(acc, model, opt, sched, plan=str(path))
+    train(acc, model, opt, sched, lambda loss: amp_accelerate.backward(acc, loss, opt), 2)
+    assert seen == {"0": torch.bfloat16, "3": torch.float32}
+    raw = acc.unwrap_model(model)
+    assert raw[3].weight.dtype == torch.float32
+    assert raw[0].weight.dtype == (torch.bfloat16 if level == "O2K" else torch.float32)

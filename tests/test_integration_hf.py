@@ -652,3 +652,27 @@ def test_the_trainer_privates_ampkit_overrides_are_checked_at_import():
         hf.check_trainer_contract(Renamed)
     with pytest.raises(HfIntegrationError, match=r"_clip_grad_norm\(parameters\) lacks model"):
         hf.check_trainer_contract(Reshaped)
+
+
+# --- a tuning plan (ampkit.tune) ---------------------------------------------------------------
+
+
+def test_amp_plan_sets_the_level_and_dtype_and_keeps_its_module_fp32(tmp_path):
+    kept, low = "transformer.h.1.mlp.c_fc", "transformer.h.0.mlp.c_fc"
+    path = tmp_path / "plan.json"
+    amp.TunePlan.by_hand(lowered=[low], kept_fp32=[kept], level="O1").save(path)
+    trainer = _trainer(tmp_path / "out", steps=2, amp_plan=str(path))
+    assert (trainer.args.amp_level, trainer.args.amp_dtype) == ("O1", "bfloat16")
+    seen = {}
+    for name in (low, kept):
+        trainer.model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    trainer.train()
+    assert seen == {low: torch.bfloat16, kept: torch.float32}
+
+
+def test_a_bad_amp_plan_is_refused_with_the_arguments(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{")
+    with pytest.raises(amp.PlanError, match="not JSON"):
+        _trainer(tmp_path / "out", steps=2, amp_plan=str(path))

@@ -700,3 +700,37 @@ def test_fabric_setup_without_the_plugin_is_refused():
     model = nn.Linear(4, 4)
     with pytest.raises(StateError, match=r"precision.setup\(fabric, model, optimizer\)"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# --- a tuning plan (ampkit.tune) ---------------------------------------------------------------
+
+
+def _fit_with_plan(tmp_path, plan) -> tuple[Probe, dict[str, torch.dtype]]:
+    """Three steps with ``AmpkitPrecision(plan=plan)``; the output dtypes of net.0 and
+    net.5 in the last training step (``training_step`` calls ``self.net(x)``: the first
+    module called is a child of the LightningModule the plan was written for)."""
+    model = _probe()
+    seen: dict[str, torch.dtype] = {}
+    for name in ("net.0", "net.5"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+    _trainer(tmp_path, AmpkitPrecision(plan=plan), steps=3).fit(model, _loader())
+    return model, seen
+
+
+@pytest.mark.parametrize("level", ["O1", "O2K"])
+def test_a_tuning_plan_keeps_its_module_fp32_whichever_module_the_step_calls_first(level, tmp_path):
+    plan = amp.TunePlan.by_hand(lowered=["net.0", "net.3"], kept_fp32=["net.5"], level=level)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    model, seen = _fit_with_plan(tmp_path, str(path))
+    assert seen == {"net.0": torch.bfloat16, "net.5": torch.float32}
+    if level == "O2K":
+        assert model.net[5].weight.dtype == torch.float32 and model.net[0].weight.dtype == torch.bfloat16
+
+
+def test_a_plan_for_another_model_or_dtype_is_refused(tmp_path):
+    with pytest.raises(amp.PlanError, match="lowers modules to bf16"):
+        AmpkitPrecision(plan=amp.TunePlan.by_hand(["net.0"], ["net.5"]), dtype=torch.float16)
+    plan = amp.TunePlan.by_hand(lowered=["0"], kept_fp32=["5"])  # names relative to net, not the module
+    with pytest.raises(amp.PlanError, match="do not have"):
+        _fit_with_plan(tmp_path, plan)

@@ -8,6 +8,7 @@ timing itself is tested for what it returns, not for speed (speed is the benchma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,8 +17,8 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.tools.tune import measure
-from ampkit.tools.tune.plan import PlanError, TunePlan
+from ampkit.casting.precision_plan import PlanError, TunePlan
+from ampkit.tools.tune import measure, search
 
 BUDGET = 0.01
 
@@ -50,9 +51,14 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i : i + 32], y[i : i + 32]) for i in range(0, 256, 32)]
 
 
+#: Fixed step times of the probes, by level (None: fp32), in ms.
+PROBE_MS = {None: 1.0, "O1": 0.5, "O2": 0.6, "O2K": 0.7, "all_faster_by": 0.05}
+
+
 @pytest.fixture
 def fixed_times(monkeypatch):
-    """Every module 1 ms in fp32 and 0.5 ms in 16 bits."""
+    """Every module 1 ms in fp32 and 0.5 ms in 16 bits; probe steps as ``PROBE_MS`` says
+    (the losses are the real ones)."""
     real = measure.module_times
 
     def halved(model, modules, *args, **kwargs):
@@ -60,6 +66,15 @@ def fixed_times(monkeypatch):
         return {n: {k: (1.0 if k == "fp32" else 0.5) for k in t} for n, t in out.items()}
 
     monkeypatch.setattr(measure, "module_times", halved)
+    real_probe = search.probe
+    times = dict(PROBE_MS)
+
+    def probe(model, batches, loss_fn, level, **kw):
+        ms = times[level] - (times["all_faster_by"] if level and not kw["kept"] else 0.0)
+        return dataclasses.replace(real_probe(model, batches, loss_fn, level, **kw), step_ms=ms)
+
+    monkeypatch.setattr(search, "probe", probe)
+    return times
 
 
 def _sgd(params):
@@ -74,19 +89,21 @@ def _tune(**kw) -> TunePlan:
     return amp.tune(_model(), _batches(), nn.functional.cross_entropy, **kw)
 
 
-def _train(policy, steps: int = 40) -> float:
-    """Mean loss of the last 10 of ``steps`` SGD steps through ``initialize`` (O1) with
-    ``policy`` (None: fp32)."""
+def _train(how, steps: int = 40) -> float:
+    """Mean loss of the last 10 of ``steps`` SGD steps: fp32 (``how`` None), through
+    ``initialize(plan=how)`` (a plan) or at O1 everything lowered (``how="O1"``)."""
     model = _model()
     opt = _sgd(model.parameters())
-    if policy is not None:
-        model, opt = amp.initialize(model, opt, opt_level="O1", policy=policy)
+    if isinstance(how, TunePlan):
+        model, opt = amp.initialize(model, opt, plan=how)
+    elif how is not None:
+        model, opt = amp.initialize(model, opt, opt_level=how)
     losses = []
     try:
         for step in range(steps):
             x, y = _batches()[step % 8]
             loss = nn.functional.cross_entropy(model(x), y)
-            if policy is None:
+            if how is None:
                 loss.backward()
             else:
                 with amp.scale_loss(loss, opt) as scaled:
@@ -101,17 +118,60 @@ def _train(policy, steps: int = 40) -> float:
 
 def test_the_plan_keeps_the_breaking_block_wide_lowers_the_rest_and_trains_within_budget(fixed_times):
     plan = _tune()
-    assert plan.dtype == "bf16"
+    assert plan.dtype == "bf16" and plan.level == "O1"  # the fastest level within budget
     assert plan.kept_fp32 == ["4.lin"], plan.report()
     assert {"0", "3", "5"} <= set(plan.lowered), plan.report()
     by = {m.name: m for m in plan.modules}
     assert "gradient moves" in by["4.lin"].reason and by["4.lin"].grad_deviation > 0.1
     assert plan.probe["deviation"] <= BUDGET < plan.probe["uniform_deviation"], plan.probe
-    # Trained through initialize, as a user would: the plan within budget, lowering everything not.
+    assert {"O1_ms", "O2_ms", "O2K_ms", "fp32_ms"} <= set(plan.probe)
+    # Trained through initialize(plan=), as a user would: within budget; lowering everything not.
     fp32 = _train(None)
-    planned = _train(plan.policy())
-    uniform = _train(amp.default_policy("cpu", torch.bfloat16))
+    planned = _train(plan)
+    uniform = _train("O1")
     assert abs(planned - fp32) / fp32 <= BUDGET < abs(uniform - fp32) / fp32, (fp32, planned, uniform)
+
+
+def test_a_faster_level_over_budget_is_not_chosen(fixed_times):
+    """O2 and O2K keep ``4.lin``'s weights and matmul in fp32 but hand its output on in
+    bf16, which loses the signal again: fastest here, and over the budget."""
+    fixed_times.update(O1=0.9, O2=0.5, O2K=0.4)
+    plan = _tune()
+    assert plan.level == "O1", plan.report()
+    assert plan.probe["O2K_loss"] > plan.probe["fp32_loss"] * (1 + BUDGET)
+
+
+def test_everything_lowered_is_chosen_where_the_probe_finds_it_faster_within_budget(fixed_times):
+    """A gradient limit that keeps every module fp32 by its sensitivities alone: the
+    probe of everything lowered at the fastest level, within the budget, wins."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 10))
+    plan = amp.tune(model, _batches(), nn.functional.cross_entropy, budget=BUDGET, candidates=("bf16",),
+                    include_emulated=True, optimizer=_sgd, grad_limit=0.0)  # fmt: skip
+    assert plan.level == "O1" and plan.kept_fp32 == [], plan.report()
+    assert all(m.dtype == "bf16" for m in plan.modules)
+    assert any("everything in bf16 at O1" in m.reason for m in plan.modules)  # those the gradient limit kept
+    assert plan.probe["plan_ms"] == plan.probe["all_O1_ms"] == PROBE_MS["O1"] - PROBE_MS["all_faster_by"]
+
+
+def test_a_plan_at_a_cast_level_keeps_its_modules_weights_in_fp32(fixed_times):
+    fixed_times["all_faster_by"] = -0.05  # (short probes: lowering everything must not win)
+    doc = _tune(probe_steps=4).to_dict()
+    doc["level"] = "O2K"
+    plan = TunePlan.from_dict(doc)
+    assert plan.keep_fp32 == ["4.lin"]
+    model = _model()
+    model, _ = amp.initialize(model, _sgd(model.parameters()), plan=plan)
+    try:
+        assert model[4].lin.weight.dtype == torch.float32 and model[3].weight.dtype == torch.bfloat16
+    finally:
+        amp.reset()
+
+
+def test_a_plan_slower_than_fp32_end_to_end_runs_at_o0(fixed_times):
+    fixed_times.update(O1=1.5, O2=1.5, O2K=1.5)
+    plan = _tune()
+    assert plan.level == "O0" and plan.lowered == []
+    assert all("fp32 end to end is faster" in m.reason for m in plan.modules if m.name != "4.lin")
 
 
 def test_the_plans_policy_runs_kept_modules_in_fp32_and_the_rest_in_bf16(fixed_times):
@@ -124,11 +184,45 @@ def test_the_plans_policy_runs_kept_modules_in_fp32_and_the_rest_in_bf16(fixed_t
     with amp.autocast(plan.policy(), "cpu"):
         model(_batches()[0][0])
     assert seen == {"0": torch.bfloat16, "4.lin": torch.float32, "5": torch.bfloat16}
+    seen.clear()
+    amp.init(plan=plan)  # the same through init, the dtype taken from the plan
+    try:
+        model(_batches()[0][0])
+    finally:
+        amp.reset()
+    assert seen == {"0": torch.bfloat16, "4.lin": torch.float32, "5": torch.bfloat16}
+
+
+def test_initialize_and_init_take_a_saved_plan_and_refuse_a_mismatch(tmp_path, fixed_times):
+    plan = _tune(probe_steps=4)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PlanError, match="lowers modules to bf16, and dtype=torch.float16"):
+        amp.initialize(model, _sgd(model.parameters()), plan=str(path), dtype=torch.float16)
+    with pytest.raises(PlanError, match="lowers modules to bf16"):
+        amp.init(torch.float16, plan=path)
+    with pytest.raises(PlanError, match="do not have"):
+        amp.initialize(nn.Sequential(nn.Linear(32, 10)), plan=path)
+    with pytest.raises(PlanError, match="not JSON"):
+        path.write_text("{")
+        amp.initialize(model, _sgd(model.parameters()), plan=path)
+    assert not amp.is_active() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_tune_refuses_to_run_inside_a_session():
+    amp.init()
+    try:
+        with pytest.raises(amp.StateError, match="before ampkit.init"):
+            amp.tune(_model(), _batches(), nn.functional.cross_entropy)
+    finally:
+        amp.reset()
 
 
 def test_a_probe_over_budget_puts_the_most_sensitive_module_back(fixed_times):
     """With the gradient guard off and a budget the breaking layer's loss deviation fits,
-    the prediction lets it through; the probe catches it and puts it back first."""
+    the prediction lets it through; the probe (at O1) catches it and puts it back first."""
     plan = _tune(grad_limit=1e9, max_backoffs=6, budget=0.05)
     dev = {m.name: m.loss_deviation for m in plan.modules}
     assert max(dev, key=dev.get) == "4.lin"
@@ -237,3 +331,69 @@ def test_missing_and_truncated_plan_files_are_refused(tmp_path, fixed_times):
     path.write_text(path.read_text()[:50])
     with pytest.raises(PlanError, match="truncated"):
         TunePlan.load(path)
+
+
+RUN_SCRIPT = """
+import json, sys, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+seen = {}
+for name in ("0", "2"):
+    model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, str(out.dtype)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+print("DTYPES", json.dumps(seen), str(model[2].weight.dtype), str(model[0].weight.dtype))
+"""
+
+
+def _run_plan(level: str) -> dict:
+    """A plan for RUN_SCRIPT's model: ``0`` lowered to bf16, ``2`` kept fp32, at ``level``."""
+    keep = {"name": "2", "kind": "Linear", "dtype": "fp32", "fp32_ms": 1.0, "low_ms": 0.5, "loss_deviation": 0.1,
+            "grad_deviation": 0.5, "reason": "test"}  # fmt: skip
+    low = dict(keep, name="0", dtype="bf16", loss_deviation=0.0, grad_deviation=0.0)
+    return {"format": "ampkit-tune-plan", "version": 1, "dtype": "bf16", "level": level, "device_type": "cpu",
+            "budget": 0.01, "modules": [low, keep], "skipped": {}, "predicted_deviation": 0.0, "probe": {},
+            "backed_off": [], "seconds": 1.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(("level", "weights"), [("O1", ("torch.float32", "torch.float32")),
+                                                ("O2K", ("torch.float32", "torch.bfloat16"))])  # fmt: skip
+def test_ampkit_run_applies_a_saved_plan_to_an_unmodified_script(level, weights, tmp_path, capsys):
+    from ampkit.tools.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_run_plan(level)))
+    assert main(["run", "--plan", str(path), str(script)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("DTYPES"))
+    seen, kept_w, low_w = line.removeprefix("DTYPES ").rsplit(" ", 2)
+    assert json.loads(seen) == {"0": "torch.bfloat16", "2": "torch.float32"}
+    assert (kept_w, low_w) == weights
+
+
+def test_ampkit_run_refuses_a_bad_plan_in_one_line(tmp_path, capsys):
+    from ampkit.tools.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text(RUN_SCRIPT)
+    path = tmp_path / "plan.json"
+    path.write_text("{")
+    assert main(["run", "--plan", str(path), str(script)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    path.write_text(json.dumps(_run_plan("O1")))
+    assert main(["run", "--plan", str(path), "--dtype", "fp16", str(script)]) == 2
+    assert "run it with dtype bf16" in capsys.readouterr().err
+
+
+def test_the_plans_picture_is_written_and_a_bad_path_refused_first(tmp_path, fixed_times):
+    plan = _tune(probe_steps=2)
+    out = plan.save_png(tmp_path / "plan.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    with pytest.raises(amp.OutputPathError):
+        plan.save_png(tmp_path / "missing" / "dir" / "plan.png")

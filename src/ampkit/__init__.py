@@ -19,6 +19,7 @@ from ampkit._internal.registry import reset
 from ampkit.casting.engine import autocast, checkpoint_context, current_policy, init, is_active
 from ampkit.casting.explanation import ExplainReport, explain
 from ampkit.casting.policy import Policy, canonical_op, default_policy
+from ampkit.casting.precision_plan import PlanError, TunePlan
 from ampkit.errors import (
     AmpError,
     DistributedError,
@@ -44,7 +45,7 @@ from ampkit.levels.model_cast import cast_model
 from ampkit.levels.setup import OptLevel, initialize, master_params
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.tools.diagnosis import DoctorReport, doctor  # ampkit.doctor is the function
-from ampkit.tools.tune import PlanError, TunePlan, tune
+from ampkit.tools.tune import tune
 from ampkit.trainer.api import StepStats, init_trainer, scale_loss, stats, step_skipped, unscale
 from ampkit.trainer.grad_scaler import GradScaler
 from ampkit.trainer.session import load_state_dict, state_dict

@@ -49,6 +49,23 @@ class _ModuleHooks:
         self._ids: tuple[int, int] | None = None
         self._held = 0
         self._names: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
+        # models name rules are relative to, whichever of their modules is called first
+        # (``initialize(plan=...)``): weak, cleared by ampkit.reset
+        self.name_roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def name_rules_relative_to(self, model: nn.Module) -> None:
+        """Name rules match ``model``'s own qualified names for every module inside it,
+        also when the first module called is one of its children (Lightning's
+        ``training_step`` calling ``self.net(x)``: ``"net.5"``, not ``"5"``)."""
+        self.name_roots.add(unwrap_module(model))
+        self._names.pop(model, None)
+
+    def _root_for(self, outer: nn.Module) -> nn.Module:
+        """The registered model containing ``outer`` (the first module called), else ``outer``."""
+        for root in list(self.name_roots):
+            if root is outer or id(outer) in self._names_in(root):  # (no re-walk: a cached tree)
+                return root
+        return outer
 
     def ensure(self) -> None:
         if self._installed:
@@ -110,6 +127,8 @@ class _ModuleHooks:
         (:func:`unwrap_module`)."""
         if root is None:
             root = _state.module_stack[0] if _state.module_stack else module
+        if self.name_roots:
+            root = self._root_for(root)
         return self._names_in(root).get(id(module)) if self.contains(root, module) else None
 
     def rule_dtype(self, module: nn.Module, frame: _Frame, root: nn.Module | None = None) -> torch.dtype | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -28,6 +29,7 @@ from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import _THREADS
 from .policy import Policy, check_compute_dtype, check_device_type
+from .precision_plan import DTYPES, PlanError, TunePlan
 
 logger = logging.getLogger("ampkit")
 
@@ -370,6 +372,7 @@ def init(
     *,
     policy: Policy | None = None,
     cache_enabled: bool = True,
+    plan: TunePlan | str | os.PathLike[str] | None = None,
     **policy_fields: Any,
 ) -> Policy:
     """Turn op-level casting on for this thread until :func:`ampkit.reset`.
@@ -382,6 +385,12 @@ def init(
         device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` if available else ``"cpu"``.
         policy: a base policy (default: the device's defaults).
         cache_enabled: as in :class:`autocast`.
+        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a plan from
+            :func:`ampkit.tune` (or the path of a saved one): its module choices as
+            op-level casting (kept modules pinned to fp32 by a module rule added to
+            ``policy``), in its dtype. Weights are not cast here whatever the plan's level:
+            :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's
+            raises :class:`ampkit.PlanError`.
         **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 
@@ -394,6 +403,16 @@ def init(
             "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
             "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
         )
+    if plan is not None:
+        plan = plan if isinstance(plan, TunePlan) else TunePlan.load(plan)
+        if plan.lowered:
+            if dtype is not None and dtype != DTYPES[plan.dtype]:
+                raise PlanError(f"the plan lowers modules to {plan.dtype}, and dtype={dtype} was passed; "
+                                "drop dtype, or tune again for that dtype.")  # fmt: skip
+            if policy is not None and not isinstance(policy, Policy):
+                raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
+            policy = plan.policy(base=policy)
+            dtype = DTYPES[plan.dtype]
     if dtype is None and policy is None:  # an argument > the environment > the default
         dtype = dtype_from_env()
     device = check_device_type(device_type or default_device_type())
@@ -431,6 +450,7 @@ def _reset_engine() -> None:
     if _state.module_stack:
         _end_cache_epoch(_state.module_stack[0])
     _state.module_stack.clear()
+    module_hooks.name_roots.clear()
     # Kernels and hooks are kept while anything could be running through them: only
     # the process's one thread, with no scope of its own open, may take them down.
     if threading.active_count() == 1 and not _state.scopes:

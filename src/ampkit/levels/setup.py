@@ -26,6 +26,7 @@ cast in place and get input/output cast hooks (:func:`ampkit.cast_model`), never
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from ampkit._internal.dtypes import (
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy
+from ampkit.casting.precision_plan import DTYPES, PlanError, TunePlan
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
@@ -137,6 +139,7 @@ def initialize(
     device_type: str | None = None,
     fp8: Fp8Recipe | bool | None = None,
     fresh: bool = True,
+    plan: TunePlan | str | os.PathLike[str] | None = None,
     **overrides: Any,
 ) -> tuple[Any, Any]:
     """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
@@ -168,6 +171,10 @@ def initialize(
             them all (apex's ``amp.initialize`` called again for a restored
             model/optimizer pair). Process-wide op-level casting (O1) is then set to this
             call's policy. ``fresh=False`` takes no ``fp8``.
+        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a plan from
+            :func:`ampkit.tune` (or a saved one's path): its level and dtype as defaults,
+            its kept modules fp32 (module rules; ``keep_fp32`` at O2/O3/O2K), name rules
+            relative to these models until :func:`ampkit.reset` (docs: tuning guide).
         **overrides: change one setting of the level:
 
             - ``dtype``: compute dtype; default: the ``AMPKIT_DTYPE`` environment
@@ -194,21 +201,10 @@ def initialize(
               a class named ``*Norm*`` holding only vector parameters.
             - ``fast_kernels``: step with torch's fused/foreach kernel where the
               optimizer was built with neither pinned (default True, False at O0).
-            - ``model_grads``: how the 16-bit model shows its grads under fp32 masters
-              (O2): ``"copy"`` (default), a rounded 16-bit copy of each fp32 grad; or
-              ``"view"`` (bf16 only), a bf16 view of each fp32 grad's high halves where
-              it holds bf16 values exactly (loss scale 1, one backward per step): no
-              memory for the model's grads (AdamW: 18 bytes per parameter at the step
-              instead of 20), edits through them made in bf16 precision, grads strided
-              (not ``is_contiguous()``). See :class:`ampkit.levels.master.MasterWeights`.
-            - ``master_grads``: when the fp32 grads of the masters are made (O2):
-              ``"on_demand"`` (default): a grad that is its step's whole gradient (one
-              backward, loss scale 1, outside DDP, on CPU) stays in 16 bits on the
-              model and Adam, AdamW and SGD step it in one pass
-              (:mod:`ampkit.levels.one_pass`: 16 bytes per parameter at an AdamW step,
-              as fp32 training), the fp32 grad derived only when something asks for it
-              (:func:`ampkit.master_params`, a second backward, code reading
-              ``optimizer.param_groups``); ``"always"``: as each grad is produced.
+            - ``model_grads``: ``"copy"`` (default) or ``"view"`` (bf16): how the 16-bit
+              model shows its grads under fp32 masters (O2); ``master_grads``:
+              ``"on_demand"`` (default) or ``"always"``: when the masters' fp32 grads
+              are made. Both: :class:`ampkit.levels.master.MasterWeights`.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -225,14 +221,48 @@ def initialize(
     """
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
-    plan = make_plan(models, optimizers, opt_level, device_type, fp8, fresh, overrides)
-    _apply(plan)
-    out_models: Any = plan.models[0] if plan.one_model else plan.models
-    out_opts: Any = None if optimizers is None else (optimizers if plan.one_opt else list(optimizers))
+    if plan is not None:
+        opt_level, overrides = _with_tune_plan(plan, models, opt_level, overrides)
+    checked = make_plan(models, optimizers, opt_level, device_type, fp8, fresh, overrides)
+    _apply(checked, named_by_models=plan is not None)
+    out_models: Any = checked.models[0] if checked.one_model else checked.models
+    out_opts: Any = None if optimizers is None else (optimizers if checked.one_opt else list(optimizers))
     return out_models, out_opts
 
 
-def _apply(plan: Plan) -> None:
+def _with_tune_plan(
+    plan: TunePlan | str | os.PathLike[str],
+    models: nn.Module | Sequence[nn.Module],
+    opt_level: str | None,
+    overrides: dict[str, Any],
+) -> tuple[str, dict[str, Any]]:
+    """``initialize``'s level and overrides with a tuning plan applied (nothing changed yet)."""
+    if not isinstance(plan, TunePlan):
+        if not isinstance(plan, (str, os.PathLike)):
+            raise PlanError(f"plan is {type(plan).__name__}: pass an ampkit.TunePlan or the path of a saved one.")
+        plan = TunePlan.load(plan)
+    names = {n for m in ([models] if isinstance(models, nn.Module) else models) for n, _ in m.named_modules()}
+    missing = [m.name for m in plan.modules if m.name not in names]
+    if missing:
+        raise PlanError(f"the plan names modules these models do not have: {missing[:5]}; tune this model again.")
+    level = plan.level if opt_level is None else opt_level
+    out = dict(overrides)
+    if plan.lowered:
+        low = DTYPES[plan.dtype]
+        if out.get("dtype") not in (None, low):
+            raise PlanError(f"the plan lowers modules to {plan.dtype}, and dtype={out['dtype']} was passed; "
+                            f"drop dtype, or tune again for that dtype.")  # fmt: skip
+        out["dtype"] = low
+        name = level.upper() if isinstance(level, str) else ""
+        if (out.get("op_casting") is True or (name == "O1" and out.get("op_casting", True))
+                or (name in ("O2", "O2K") and out.get("model_op_casting", True))):  # fmt: skip
+            out["policy"] = plan.policy(base=out.get("policy"))  # (else the caller's own scope casts)
+        if name in ("O2", "O3", "O2K") and plan.kept_fp32:
+            out["keep_fp32"] = [*(out.get("keep_fp32") or []), *plan.kept_fp32]
+    return level, out
+
+
+def _apply(plan: Plan, named_by_models: bool = False) -> None:
     """Carry out a checked :class:`~.plan.Plan`: a new session, the models cast (or sharded
     ones given op-level casting), masters built, casting turned on, fp8 activated and
     the optimizers handed to the trainer."""
@@ -246,6 +276,8 @@ def _apply(plan: Plan) -> None:
         _cast_models(plan, masters)
     if level.op_casting:
         casting.init(dtype=level.dtype, device_type=plan.device_type, policy=plan.policy)
+    for m in model_list if named_by_models else ():  # a tuning plan names modules as the models do
+        casting.module_hooks.name_rules_relative_to(m)
     if plan.fp8_plan is not None:
         _fp8.activate(plan.fp8_plan)
     if opt_list:

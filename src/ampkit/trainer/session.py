@@ -194,6 +194,11 @@ class Session:
 
         return apply
 
+    @property
+    def empty(self) -> bool:
+        """Whether no optimizer and no extra state is registered in this session."""
+        return not self._members and not self._extra.items
+
     def close(self) -> None:
         """Release every trainer (optimizers get their own ``step`` back)."""
         for member in reversed(self._members):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -14,7 +15,9 @@ from torch import nn
 
 from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.wrappers import unwrap_optimizer
-from ampkit.errors import StateError
+from ampkit.casting.policy import Policy
+from ampkit.casting.precision_plan import DTYPES, PlanError, TunePlan
+from ampkit.errors import AmpError, StateError
 from ampkit.levels import OptLevel, master_weights_of
 from ampkit.levels.setup import OPT_LEVELS, master_params
 from ampkit.trainer import session
@@ -63,10 +66,13 @@ def plugin_core(
     loss_scale: Any,
     policy: Any,
     options: Mapping[str, Any] | None,
+    plan: Any = None,
 ) -> PluginCore:
     """The :class:`PluginCore` of a plugin built with these arguments (checked now);
-    ``opt_level``/``dtype`` left None take ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` if set, else
-    O1 and the level's default dtype."""
+    ``opt_level``/``dtype`` left None take the ``plan``'s if one is given, else
+    ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` if set, else O1 and the level's default dtype."""
+    if plan is not None:
+        plan, opt_level, dtype, policy = _with_plan(owner, plan, opt_level, dtype, policy)
     if opt_level is None:  # an argument > the environment > the default
         opt_level = level_from_env("O1", tuple(OPT_LEVELS))
     if dtype is None and opt_level.upper() != "O0":
@@ -80,8 +86,31 @@ def plugin_core(
             policy=policy,
             options=dict(options) if isinstance(options, Mapping) else ({} if options is None else options),
             owner=owner,
+            plan=plan,
         )
     )
+
+
+def _with_plan(owner: str, plan: Any, opt_level: str | None, dtype: torch.dtype | None,
+               policy: Any) -> tuple[TunePlan, Any, Any, Any]:  # fmt: skip
+    """The plan (loaded), and the plugin's level, dtype and policy with it applied: its
+    level and dtype where none is given, its kept modules pinned to fp32 in the policy
+    of the plugin's step scope (``initialize(plan=...)`` does the rest at setup)."""
+    if not isinstance(plan, TunePlan):
+        if not isinstance(plan, (str, os.PathLike)):
+            raise PlanError(f"{owner}(plan=...) takes an ampkit.TunePlan or the path of a saved one, "
+                            f"got {type(plan).__name__}.")  # fmt: skip
+        plan = TunePlan.load(plan)
+    opt_level = plan.level if opt_level is None else opt_level
+    if not plan.lowered:
+        return plan, opt_level, dtype, policy
+    low = DTYPES[plan.dtype]
+    if dtype is not None and dtype != low:
+        raise PlanError(f"{owner}: the plan lowers modules to {plan.dtype}, and dtype={dtype} was passed; "
+                        "drop dtype, or tune again for that dtype.")  # fmt: skip
+    if policy is not None and not isinstance(policy, Policy):
+        raise AmpError(f"{owner}(policy=...) takes an ampkit.Policy, got {type(policy).__name__}.")
+    return plan, opt_level, low, plan.policy(base=policy)
 
 
 class PluginCore:

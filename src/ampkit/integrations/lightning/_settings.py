@@ -29,6 +29,7 @@ _OWN = {
     "fp8": "AmpkitPrecision(fp8=...)",
     "device_type": "nothing (it is the device type the Trainer puts the model on)",
     "fresh": "nothing (each fit starts a fresh ampkit session)",
+    "plan": "AmpkitPrecision(plan=...)",
 }
 
 
@@ -55,6 +56,7 @@ class Settings:
     policy: Any
     options: Mapping[str, Any]
     owner: str  # the plugin's class name, for messages
+    plan: Any = None  # an ampkit.TunePlan, passed on to initialize
 
     def check(self) -> OptLevel:
         """Raise :class:`ampkit.AmpError` (or its subclass) for an argument
@@ -119,6 +121,7 @@ class Settings:
             self.opt_level,
             device_type=device_type,
             fp8=self.fp8,
+            plan=self.plan,
             **overrides,
         )
         return level

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ampkit.casting.policy import Policy
+from ampkit.casting.precision_plan import TunePlan
 from ampkit.distributed import register_ddp
 from ampkit.errors import StateError
 from ampkit.integrations import require
@@ -45,8 +47,8 @@ class AmpkitFabricPrecision(FabricPrecision):
             optimizer.step()                          # skips itself on inf/NaN
         fabric.save(path, {"model": model, "optimizer": optimizer, "amp": precision})
 
-    Arguments (``opt_level``, ``dtype``, ``fp8``, ``loss_scale``, ``policy``, ``options``)
-    as :class:`~ampkit.integrations.lightning.AmpkitPrecision`.
+    Arguments (``opt_level``, ``dtype``, ``fp8``, ``loss_scale``, ``policy``, ``options``,
+    ``plan``) as :class:`~ampkit.integrations.lightning.AmpkitPrecision`.
 
     :meth:`setup` moves the model to ``fabric.device``, runs :func:`ampkit.initialize`
     on it and the optimizers, then ``fabric.setup`` (which wraps DDP, after the cast),
@@ -66,8 +68,9 @@ class AmpkitFabricPrecision(FabricPrecision):
         loss_scale: float | str | None = None,
         policy: Policy | None = None,
         options: Mapping[str, Any] | None = None,
+        plan: TunePlan | str | os.PathLike[str] | None = None,
     ) -> None:
-        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options)
+        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options, plan)
         self.precision = self._core.precision  # type: ignore[assignment]
 
     @property

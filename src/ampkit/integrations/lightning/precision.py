@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ampkit.casting.policy import Policy
+from ampkit.casting.precision_plan import TunePlan
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
 from ampkit.integrations import require
@@ -55,6 +57,10 @@ class AmpkitPrecision(Precision):
             ``num_losses``, ``fast_kernels``, ``model_grads``, ...). Every argument is
             checked here: a bad one raises :class:`ampkit.AmpError` before any Trainer
             exists.
+        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a per-module plan from
+            :func:`ampkit.tune` (or the path of a saved one): its level and dtype where
+            ``opt_level``/``dtype`` are None, its kept modules pinned to fp32 in the policy
+            and, at O2/O3/O2K, in ``keep_fp32``, as ``ampkit.initialize(plan=...)``.
 
     What it does in the Trainer:
 
@@ -102,8 +108,9 @@ class AmpkitPrecision(Precision):
         loss_scale: float | str | None = None,
         policy: Policy | None = None,
         options: Mapping[str, Any] | None = None,
+        plan: TunePlan | str | os.PathLike[str] | None = None,
     ) -> None:
-        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options)
+        self._core = plugin_core(type(self).__name__, opt_level, dtype, fp8, loss_scale, policy, options, plan)
         #: Lightning's name of what is computed ("bf16-mixed", "16-mixed", "bf16-true", ...)
         self.precision = self._core.precision  # type: ignore[assignment]
 

@@ -47,6 +47,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                         help="16-bit compute dtype (default: $AMPKIT_DTYPE, else bf16; fp16 on a GPU "
                              "without bf16)")
+    parser.add_argument("--plan", type=Path, default=None, metavar="PLAN.json",
+                        help="apply a per-module plan written by ampkit.tune / ampkit tune: its kept "
+                             "modules stay fp32; its level and dtype are the defaults of --level/--dtype")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help="also write the summary as JSON (with the loss values)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
@@ -80,10 +83,17 @@ def _config(args: argparse.Namespace) -> Any:
     from ampkit.tools.run import RunConfig
 
     try:
+        plan = None
+        if getattr(args, "plan", None) is not None:
+            from ampkit.casting.precision_plan import TunePlan
+
+            plan = TunePlan.load(args.plan)
+            args.level = args.level or {"O0": "fp32"}.get(plan.level, plan.level)
+            args.dtype = args.dtype or (plan.dtype if plan.dtype != "fp32" else None)
         args.level = args.level or level_from_env("O1", LEVELS)
         env_dtype = None if args.dtype else dtype_from_env()
         dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(env_dtype) or _default_dtype()
-        return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time)
+        return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time, plan=plan)
     except AmpError as err:
         raise UsageError(f"ampkit run: {err}") from None
 

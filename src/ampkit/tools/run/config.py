@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from ampkit._internal.script import ScriptError
+from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
 
 __all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
@@ -51,12 +52,15 @@ class RunConfig:
         dtype: ``"bf16"`` (default) or ``"fp16"``; O2K is bf16 only.
         max_steps: end the script after this many iterations (None: run it whole).
         time_budget: end the script at the first iteration after this many seconds.
+        plan: a :class:`ampkit.TunePlan` whose module choices apply (its kept modules
+            pinned to fp32; at O2/O2K also by ``keep_fp32``); ``dtype`` must be its dtype.
     """
 
     level: str = "O1"
     dtype: str = "bf16"
     max_steps: int | None = None
     time_budget: float | None = None
+    plan: TunePlan | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -69,6 +73,11 @@ class RunConfig:
             raise AmpError(f"max_steps must be at least 1, got {self.max_steps}.")
         if self.time_budget is not None and not self.time_budget > 0:
             raise AmpError(f"time_budget must be a positive number of seconds, got {self.time_budget}.")
+        if self.plan is not None:
+            if not isinstance(self.plan, TunePlan):
+                raise AmpError(f"plan must be an ampkit.TunePlan, got {type(self.plan).__name__}.")
+            if self.plan.lowered and self.plan.dtype != self.dtype and self.level != "fp32":
+                raise AmpError(f"the plan lowers modules to {self.plan.dtype}; run it with dtype {self.plan.dtype}.")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -67,10 +67,11 @@ class _ForwardScope:
     counts the outermost calls of other modules (no parameters, or data loading: in
     this process; DataLoader worker processes count their own)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, plan: Any = None) -> None:
         from ampkit.casting.policy import default_policy
 
         self._dtype = dtype
+        self._plan = plan  # an ampkit.TunePlan: its module rules join the device's defaults
         self._policies: dict[str, Any] = {}
         self._default_policy = default_policy
         self._local = threading.local()
@@ -126,6 +127,8 @@ class _ForwardScope:
         scope = self._policies.get(device_type)
         if scope is None:
             policy = self._default_policy(device_type, self._dtype)
+            if self._plan is not None:
+                policy = self._plan.policy(base=policy)
             scope = self._policies[device_type] = autocast(policy, device_type=device_type)
         if torch.is_autocast_enabled(device_type):
             self.in_script_autocast += 1

@@ -220,6 +220,8 @@ class _Optimizers:
                 )
         carried = self._carry()
         overrides: dict[str, Any] = {"dtype": self.dtype}
+        if self.config.plan is not None:
+            overrides["plan"] = self.config.plan
         try:
             initialize(models, opts, opt_level=self.config.level, **overrides)
         except AmpError as err:

@@ -47,7 +47,7 @@ class _Runner:
         self.scaled_backwards = 0
         self.script_scales: bool | None = None  # an enabled GradScaler of the script's
         self._in_backward = threading.local()
-        self.forward = _ForwardScope(self.dtype) if self.apply else None
+        self.forward = _ForwardScope(self.dtype, config.plan) if self.apply else None
         self.schedulers = _SchedulerHold() if self.apply else None
         self.optimizers = _Optimizers(config, self._note, self._on_step, self.forward)
         self._patches = TorchPatches(self._on_optimizer, self._on_backward, self._before_step, self._on_unmanaged_step)

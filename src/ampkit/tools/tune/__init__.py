@@ -2,7 +2,8 @@
 measured on the user's hardware (:mod:`.search`: measure, choose, confirm), and the plan
 as data (:mod:`.plan`: JSON, report, the :class:`ampkit.Policy` that applies it)."""
 
-from .plan import ModuleChoice, PlanError, TunePlan
+from ampkit.casting.precision_plan import ModuleChoice, PlanError, TunePlan
+
 from .search import tune
 
 __all__ = ["ModuleChoice", "PlanError", "TunePlan", "tune"]

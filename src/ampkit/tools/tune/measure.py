@@ -18,7 +18,7 @@ from ampkit._internal import torch_compat
 from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy, default_policy
 
-__all__ = ["Batch", "LossFn", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation"]
+__all__ = ["Batch", "LossFn", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]
 
 Batch = Any  # (inputs, targets); inputs a tensor or a tuple of positional arguments
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -115,7 +115,7 @@ def _run_once(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         torch.autograd.backward([t.float().sum() for t in leaves])
 
 
-def _sync(device_type: str) -> None:
+def sync(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.synchronize()
 
@@ -141,10 +141,10 @@ def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: 
             best = math.inf
             for i in range(repeats + 1):
                 with scope(policy, device_type):
-                    _sync(device_type)
+                    sync(device_type)
                     start = time.perf_counter()
                     _run_once(module, args, kwargs)
-                    _sync(device_type)
+                    sync(device_type)
                     took = time.perf_counter() - start
                 if i:  # the first run warms caches up
                     best = min(best, took)

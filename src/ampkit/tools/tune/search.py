@@ -14,20 +14,29 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from ampkit._internal.registry import reset
+from ampkit.casting.engine import is_active
 from ampkit.casting.policy import Policy
-from ampkit.errors import AmpError
+from ampkit.casting.precision_plan import DTYPES, ModuleChoice, TunePlan
+from ampkit.errors import AmpError, StateError
+from ampkit.levels.setup import initialize
 from ampkit.tools.bench.machine import machine_info
+from ampkit.trainer.api import scale_loss
+from ampkit.trainer.session import current_session
 
 from . import measure
 from .measure import Batch, LossFn
-from .plan import DTYPES, ModuleChoice, TunePlan
 
 __all__ = ["tune"]
 
@@ -102,11 +111,11 @@ def tune(
     if not options:  # nothing to try: every module stays fp32
         options.append(_choose("fp32", modules, times, {}, budget, grad_limit))
     dtype, choices = max(options, key=lambda o: sum(c.saved_ms for c in o[1] if c.dtype != "fp32"))
-    probe, choices, backed = _confirm(model, batches, loss_fn, dtype, choices, device_type, probe_steps,
-                                      optimizer, budget, max_backoffs)  # fmt: skip
+    level, probe, choices, backed = _confirm(model, batches, loss_fn, dtype, choices, device_type, probe_steps,
+                                             optimizer, budget, max_backoffs)  # fmt: skip
     lowered = [c for c in choices if c.dtype != "fp32"]
     return TunePlan(
-        dtype=dtype if lowered or dtype != "fp32" else "fp32", device_type=device_type, budget=budget,
+        dtype=dtype, level=level, device_type=device_type, budget=budget,
         modules=tuple(choices), skipped=skipped, predicted_deviation=sum(c.loss_deviation for c in lowered),
         probe=probe, backed_off=tuple(backed), seconds=time.perf_counter() - start,
         machine={k: v for k, v in machine_info(device_type).items() if k in ("device_name", "cpu_flags", "torch")},
@@ -126,6 +135,9 @@ def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candida
         raise AmpError(f"candidates {list(candidates)!r}: choose from 'bf16', 'fp16', 'fp8'.")
     if not isinstance(probe_steps, int) or probe_steps < 1:
         raise AmpError(f"probe_steps {probe_steps!r}: at least 1.")
+    if is_active() or not current_session().empty:
+        raise StateError("ampkit.tune trains its probes through ampkit's own session, and one is set up "
+                         "already: call ampkit.tune before ampkit.init/initialize/init_trainer (or after ampkit.reset()).")
     if not measure.candidate_modules(model):
         raise AmpError("this model has no module with parameters of its own below the root: nothing to tune.")
 
@@ -170,68 +182,122 @@ def _choose(dtype: str, modules: list[tuple[str, nn.Module]], times: dict[str, d
     return dtype, choices
 
 
-def _probe_losses(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, policy: Policy | None,
-                  device_type: str, steps: int, optimizer: OptimizerFactory | None) -> list[float]:  # fmt: skip
-    """Train a copy of ``model`` for ``steps`` steps (fp32 when ``policy`` is None)."""
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    loss: float  # mean of the last quarter of steps
+    step_ms: float  # median step time after the first three
+
+
+def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, level: str | None, *, dtype: str,
+           kept: list[str], device_type: str, steps: int, optimizer: OptimizerFactory | None) -> _Probe:  # fmt: skip
+    """Train a copy of ``model`` for ``steps`` steps through :func:`ampkit.initialize` at
+    ``level`` (None: plain fp32), the ``kept`` modules pinned to fp32 (by a module rule,
+    and at O2/O2K by ``keep_fp32``)."""
     net = copy.deepcopy(model)
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(list(net.parameters()))
-    fp16 = policy is not None and policy.dtype == torch.float16
-    scaler = torch.amp.GradScaler(device_type) if fp16 else None
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for step in range(steps):
-            with measure.scope(policy, device_type):
+    if level is not None:
+        low = DTYPES[dtype]
+        extra: dict[str, Any] = {"keep_fp32": kept} if level in ("O2", "O2K") and kept else {}
+        policy = Policy(dtype=low, module_rules={name: torch.float32 for name in kept})
+        net, opt = initialize(net, opt, opt_level=level, dtype=low, policy=policy, **extra)
+    losses, times = [], []
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for step in range(steps):
+                measure.sync(device_type)
+                start = time.perf_counter()
                 loss = measure.loss_of(net, batches[step % len(batches)], loss_fn)
-            if scaler is not None:
-                scaler.scale(loss.float()).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.float().backward()
+                if level is None:
+                    loss.backward()
+                else:
+                    with scale_loss(loss, opt) as scaled:
+                        scaled.backward()
                 opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-    return losses
+                opt.zero_grad(set_to_none=True)
+                measure.sync(device_type)
+                times.append(time.perf_counter() - start)
+                losses.append(float(loss.detach()))
+    finally:
+        if level is not None:
+            reset()
+    k = max(1, steps // 4)
+    return _Probe(sum(losses[-k:]) / k, 1e3 * statistics.median(times[3:] or times))
 
 
-def _tail(losses: list[float]) -> float:
-    k = max(1, len(losses) // 4)
-    return sum(losses[-k:]) / k
+def worse_by(loss: float, ref: float) -> float:
+    """How much worse than ``ref`` ``loss`` is, relative (0 when it is lower: a loss
+    below fp32's spends no budget); inf when not finite."""
+    if not math.isfinite(loss):
+        return math.inf
+    return max(0.0, loss - ref) / max(abs(ref), 1e-12)
+
+
+def _backed(c: ModuleChoice, why: str) -> ModuleChoice:
+    return dataclasses.replace(c, dtype="fp32", reason=why)
 
 
 def _confirm(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, dtype: str,
              choices: list[ModuleChoice], device_type: str, steps: int, optimizer: OptimizerFactory | None,
-             budget: float, max_backoffs: int) -> tuple[dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
-    """Probe the plan against fp32 (and everything lowered, for comparison); put the most
-    sensitive lowered module back to fp32 while the probe misses the budget."""
-    from ampkit.casting.policy import default_policy
-
-    ref = _tail(_probe_losses(model, batches, loss_fn, None, device_type, steps, optimizer))
-    probe = {"steps": float(steps), "fp32_loss": ref}
+             budget: float, max_backoffs: int) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
+    """Probe the module plan at O1 against fp32, putting the most sensitive lowered module
+    back to fp32 while it misses the budget; then run the settled plan, and everything
+    lowered, at each level, and keep the fastest run within the budget (O0, nothing
+    lowered, where fp32 is faster than every one)."""
+    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type, steps=steps,
+                            optimizer=optimizer)  # fmt: skip
+    ref = run(None, kept=[])
+    figures = {"steps": float(steps), "fp32_loss": ref.loss, "fp32_ms": ref.step_ms}
     if dtype == "fp32":
-        return dict(probe, plan_loss=ref, deviation=0.0), choices, []
-    base = default_policy(device_type, DTYPES[dtype])
-    uniform = _tail(_probe_losses(model, batches, loss_fn, base, device_type, steps, optimizer))
-    probe.update(uniform_loss=uniform, uniform_deviation=measure.deviation(uniform, ref))
+        return "O0", dict(figures, plan_loss=ref.loss, deviation=0.0, plan_ms=ref.step_ms), choices, []
+    runs = {("all", "O1"): run("O1", kept=[])}
+    figures.update(uniform_loss=runs["all", "O1"].loss, uniform_deviation=worse_by(runs["all", "O1"].loss, ref.loss))
+    choices, backed, settled = _back_off(run, ref, choices, budget, max_backoffs)
+    kept = [c.name for c in choices if c.dtype == "fp32"]
+    for level in ("O1", "O2", "O2K") if dtype == "bf16" else ("O1", "O2"):
+        if settled is not None:
+            runs["plan", level] = settled if level == "O1" else run(level, kept=kept)
+        if level != "O1":
+            runs["all", level] = run(level, kept=[])
+    for (which, level), r in runs.items():
+        prefix = level if which == "plan" else f"all_{level}"
+        figures[f"{prefix}_ms"], figures[f"{prefix}_loss"] = r.step_ms, r.loss
+    fits = [key for key, r in runs.items() if worse_by(r.loss, ref.loss) <= budget]
+    best = min(fits, key=lambda key: runs[key].step_ms) if fits else None
+    if best is None or runs[best].step_ms >= ref.step_ms:  # nothing within budget, or 16 bits no faster
+        if best is not None:
+            why = f"fp32 end to end is faster here ({ref.step_ms:.2f} ms a step against {runs[best].step_ms:.2f} ms)"
+            choices = [c if c.dtype == "fp32" else _backed(c, why) for c in choices]
+        return "O0", dict(figures, plan_loss=ref.loss, deviation=0.0, plan_ms=ref.step_ms), choices, backed
+    which, level = best
+    if which == "all":  # lowering every module was faster and within the budget too
+        why = f"lowered: everything in {dtype} at {level} was the fastest within the budget"
+        choices = [c if c.dtype != "fp32" else dataclasses.replace(c, dtype=dtype, reason=why) for c in choices]
+    r = runs[best]
+    figures.update(plan_loss=r.loss, deviation=worse_by(r.loss, ref.loss), plan_ms=r.step_ms)
+    return level, figures, choices, backed
+
+
+def _back_off(run: Callable[..., _Probe], ref: _Probe, choices: list[ModuleChoice], budget: float,
+              max_backoffs: int) -> tuple[list[ModuleChoice], list[str], _Probe | None]:  # fmt: skip
+    """The module plan probed at O1, its most sensitive lowered module put back to fp32
+    while it misses the budget (all of them after ``max_backoffs``): the choices, the
+    modules put back, and the last probe within budget (None: nothing lowered)."""
     backed: list[str] = []
     while True:
-        kept = {c.name: torch.float32 for c in choices if c.dtype == "fp32"}
         lowered = [c for c in choices if c.dtype != "fp32"]
-        loss = ref if not lowered else _tail(_probe_losses(
-            model, batches, loss_fn, base.override(module_rules=kept), device_type, steps, optimizer))  # fmt: skip
-        deviation = measure.deviation(loss, ref)
-        if deviation <= budget or not lowered or len(backed) >= max_backoffs:
-            break
+        if not lowered:
+            return choices, backed, None
+        result = run("O1", kept=[c.name for c in choices if c.dtype == "fp32"])
+        deviation = worse_by(result.loss, ref.loss)
+        if deviation <= budget:
+            return choices, backed, result
+        if len(backed) >= max_backoffs:  # nothing lowered is confirmed
+            why = f"put back to fp32: the probe still missed the budget after {max_backoffs} back-offs"
+            backed += [c.name for c in lowered]
+            choices = [c if c.dtype == "fp32" else _backed(c, why) for c in choices]
+            continue
         worst = max(lowered, key=lambda c: c.loss_deviation)
         backed.append(worst.name)
-        choices = [c if c is not worst else ModuleChoice(
-            c.name, c.kind, "fp32", c.fp32_ms, c.low_ms, c.loss_deviation, c.grad_deviation,
-            f"put back to fp32: the probe missed the budget ({deviation:.2e})") for c in choices]  # fmt: skip
-    if deviation > budget and lowered:  # still over after max_backoffs: nothing lowered is confirmed
-        backed += [c.name for c in lowered]
-        choices = [c if c.dtype == "fp32" else ModuleChoice(
-            c.name, c.kind, "fp32", c.fp32_ms, c.low_ms, c.loss_deviation, c.grad_deviation,
-            f"put back to fp32: the probe still missed the budget after {max_backoffs} back-offs") for c in choices]  # fmt: skip
-        loss, deviation = ref, 0.0
-    return dict(probe, plan_loss=loss, deviation=deviation), choices, backed
+        why = f"put back to fp32: the probe missed the budget ({deviation:.2e})"
+        choices = [c if c is not worst else _backed(c, why) for c in choices]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.paths import output_path
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
 
@@ -23,6 +24,8 @@ __all__ = ["DTYPES", "ModuleChoice", "PlanError", "TunePlan"]
 
 #: The dtype names a plan uses, and their torch dtypes.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The levels a plan may name.
+LEVELS = ("O0", "O1", "O2", "O2K")
 FORMAT = "ampkit-tune-plan"
 VERSION = 1
 
@@ -70,15 +73,23 @@ class TunePlan:
 
     Attributes:
         dtype: the 16-bit dtype of the lowered modules (``"bf16"``/``"fp16"``; ``"fp32"``
-            when nothing is lowered).
+            when no 16-bit dtype was tried).
+        level: the opt level to run the plan at, the fastest the probe found within the
+            budget: ``"O1"``, ``"O2"`` or ``"O2K"`` (kept modules pinned by a module rule,
+            and at O2/O2K by ``keep_fp32``), or ``"O0"`` when nothing is lowered (fp32
+            throughout, without the casting machinery's per-op cost).
         device_type: where it was measured (``"cpu"``, ``"cuda"``).
         budget: the allowed relative deviation of the final training loss from fp32's.
         modules: one :class:`ModuleChoice` per candidate module, in model order.
         skipped: candidate dtypes not tried, each with why (``{"fp8": "..."}``).
         predicted_deviation: the sum of the lowered modules' loss deviations.
-        probe: the confirming training run: ``steps``, ``fp32_loss``, ``plan_loss``,
-            ``deviation`` and, for comparison, ``uniform_loss``/``uniform_deviation``
-            (everything lowered); the losses are means over the last quarter of steps.
+        probe: the confirming training runs: ``steps``; ``fp32_loss``/``fp32_ms``;
+            ``plan_loss``/``plan_ms``/``deviation`` at :attr:`level`; ``O1_ms``,
+            ``O2_ms``, ``O2K_ms`` (and ``_loss``) for the module plan at each level tried,
+            ``all_O1_ms``... for everything lowered (chosen where it was faster within the
+            budget); and ``uniform_loss``/``uniform_deviation`` (everything lowered at O1). Losses are
+            means over the last quarter of steps, step times medians; a deviation is how
+            much *worse* than fp32's the loss is, relative (a lower loss spends nothing).
         backed_off: modules lowered at first and put back to fp32 because the probe
             exceeded the budget, in that order.
         seconds: the tuner's own wall time.
@@ -86,6 +97,7 @@ class TunePlan:
     """
 
     dtype: str
+    level: str
     device_type: str
     budget: float
     modules: tuple[ModuleChoice, ...]
@@ -106,17 +118,23 @@ class TunePlan:
         """Names of the modules the plan keeps in fp32."""
         return [m.name for m in self.modules if m.dtype == "fp32"]
 
-    def policy(self, base: Policy | None = None) -> Policy:
-        """The :class:`ampkit.Policy` that applies the plan: ``base`` (default: the
-        device's defaults in the plan's dtype) with a module rule pinning each kept
-        module to fp32 by its name. Use it with ``ampkit.init(policy=...)``,
-        ``ampkit.autocast(policy)`` or ``initialize(..., policy=...)``; names are relative
-        to the outermost module called, as when the plan was tuned."""
-        from ampkit.casting.policy import default_policy
+    @property
+    def keep_fp32(self) -> list[str]:
+        """``initialize``'s ``keep_fp32`` for the plan: the kept modules at O2/O2K (their
+        weights stay fp32 too), nothing at O0/O1."""
+        return self.kept_fp32 if self.level in ("O2", "O2K") else []
 
+    def policy(self, base: Policy | None = None) -> Policy:
+        """The :class:`ampkit.Policy` that applies the plan's module choices: ``base``
+        (default: the device's default lists in the plan's dtype) with a module rule
+        pinning each kept module to fp32 by its name. ``initialize(..., plan=)`` and
+        ``ampkit.init(plan=)`` use it; with ``ampkit.autocast(plan.policy())`` the level's
+        other settings are yours. Names are relative to the outermost module called, as
+        when the plan was tuned."""
+        rules = {name: torch.float32 for name in self.kept_fp32}
         if base is None:
-            base = default_policy(self.device_type, DTYPES[self.dtype] if self.dtype != "fp32" else None)
-        return base.override(module_rules={name: torch.float32 for name in self.kept_fp32})
+            return Policy(dtype=DTYPES[self.dtype] if self.dtype != "fp32" else torch.bfloat16, module_rules=rules)
+        return base.override(module_rules=rules)
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise :class:`PlanError` if a module the plan names is not in ``model``."""
@@ -135,7 +153,9 @@ class TunePlan:
             rows.append(f"{m.name[:32]:32} {m.kind[:14]:14} {m.dtype:5} {m.fp32_ms:8.3f} {m.low_ms:8.3f} "
                         f"{100 * m.fp32_ms / total:6.1f} {m.loss_deviation:9.2e} {m.grad_deviation:9.2e}  {m.reason}")  # fmt: skip
         p = self.probe
-        rows.append(f"plan: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}; predicted deviation "
+        rows.append(f"plan: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype} at {self.level}; "
+                    f"{p.get('plan_ms', math.nan):.2f} ms a step against fp32's {p.get('fp32_ms', math.nan):.2f} ms; "
+                    f"predicted deviation "
                     f"{self.predicted_deviation:.2e}, probe {p.get('deviation', math.nan):.2e} "
                     f"(everything lowered: {p.get('uniform_deviation', math.nan):.2e}), budget {self.budget:.2e}; "
                     f"tuned in {self.seconds:.1f} s")  # fmt: skip
@@ -144,6 +164,39 @@ class TunePlan:
         if self.backed_off:
             rows.append(f"put back to fp32 after the probe: {', '.join(self.backed_off)}")
         return "\n".join(rows)
+
+    def save_png(self, path: str | os.PathLike[str]) -> Path:
+        """Write a PNG of the plan: per module, its fp32 and 16-bit forward + backward time
+        (bars, coloured by the dtype chosen) and its loss deviation alone in 16 bits
+        against the budget. Needs matplotlib (``pip install -e '.[cli]'``). Raises
+        :class:`ampkit.OutputPathError` before drawing when ``path`` cannot be written."""
+        target = output_path(path, "the tuning plan's plot")
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        mods = list(self.modules)[::-1]
+        y = range(len(mods))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * len(mods) + 1.5)), sharey=True)
+        colours = ["tab:blue" if m.dtype != "fp32" else "tab:gray" for m in mods]
+        ax1.barh([i + 0.2 for i in y], [m.fp32_ms for m in mods], height=0.4, color="lightgray", label="fp32")
+        ax1.barh([i - 0.2 for i in y], [m.low_ms if math.isfinite(m.low_ms) else 0.0 for m in mods], height=0.4,
+                 color=colours, label=f"{self.dtype} (blue: chosen)")  # fmt: skip
+        ax1.set_yticks(list(y), [f"{m.name} ({m.kind})" for m in mods])
+        ax1.set_xlabel("forward + backward alone, ms")
+        ax1.legend(loc="best")
+        devs = [m.loss_deviation if math.isfinite(m.loss_deviation) else 0.0 for m in mods]
+        ax2.barh(list(y), [max(d, 1e-12) for d in devs], color=colours)
+        ax2.axvline(self.budget, color="red", linestyle="--", label=f"budget {self.budget:.1e}")
+        ax2.set_xscale("log")
+        ax2.set_xlabel(f"loss deviation with only this module in {self.dtype}")
+        ax2.legend(loc="best")
+        fig.suptitle(f"ampkit.tune: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype} at {self.level}")
+        fig.tight_layout()
+        fig.savefig(target, dpi=100)
+        plt.close(fig)
+        return target
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON types (non-finite numbers as strings)."""
@@ -162,6 +215,26 @@ class TunePlan:
         os.replace(tmp, target)
 
     @classmethod
+    def by_hand(cls, lowered: list[str], kept_fp32: list[str], *, dtype: str = "bf16", level: str = "O1",
+                device_type: str = "cpu") -> TunePlan:  # fmt: skip
+        """A plan written by hand: the modules named in ``lowered`` run in ``dtype``
+        (``"bf16"`` default, or ``"fp16"``), those in ``kept_fp32`` stay fp32, at
+        ``level`` (``"O1"`` default, ``"O2"``, ``"O2K"``; ``"O0"`` when ``lowered`` is
+        empty), for ``device_type`` (``"cpu"`` default). Nothing is measured: times and
+        deviations are NaN, the budget 0. Checked like a loaded plan (:class:`PlanError`)."""
+        def entry(name: str, dt: str) -> dict[str, Any]:
+            return {"name": name, "kind": "", "dtype": dt, "fp32_ms": "nan", "low_ms": "nan",
+                    "loss_deviation": "nan", "grad_deviation": "nan", "reason": "set by hand"}  # fmt: skip
+
+        if not all(isinstance(n, str) for n in [*lowered, *kept_fp32]):
+            raise PlanError("by_hand takes lists of module names (strings).")
+        return cls.from_dict({
+            "format": FORMAT, "version": VERSION, "dtype": dtype, "level": level, "device_type": device_type,
+            "budget": 0.0, "modules": [entry(n, dtype) for n in lowered] + [entry(n, "fp32") for n in kept_fp32],
+            "skipped": {}, "predicted_deviation": 0.0, "probe": {}, "backed_off": [], "seconds": 0.0,
+        })  # fmt: skip
+
+    @classmethod
     def from_dict(cls, doc: Any) -> TunePlan:
         """The plan ``doc`` describes (as :meth:`to_dict` writes it); :class:`PlanError`
         naming the first field that is wrong."""
@@ -173,6 +246,7 @@ class TunePlan:
             modules = tuple(_choice(m) for m in _field(doc, "modules", list))
             plan = cls(
                 dtype=_dtype(_field(doc, "dtype", str)),
+                level=_level(_field(doc, "level", str)),
                 device_type=_field(doc, "device_type", str),
                 budget=_number(_field(doc, "budget", (int, float)), "budget"),
                 modules=modules,
@@ -190,6 +264,9 @@ class TunePlan:
         bad = [m.name for m in modules if m.dtype not in ("fp32", plan.dtype)]
         if bad:
             raise PlanError(f"tuning plan: modules {bad[:3]} are in neither fp32 nor the plan's {plan.dtype}.")
+        if (plan.level == "O0") != (not plan.lowered) or (plan.level == "O2K" and plan.dtype != "bf16"):
+            raise PlanError(f"tuning plan: level {plan.level} with {len(plan.lowered)} modules lowered in "
+                            f"{plan.dtype}; O0 lowers nothing, O1/O2/O2K lower some, O2K in bf16 only.")  # fmt: skip
         return plan
 
     @classmethod
@@ -231,6 +308,12 @@ def _field(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 def _dtype(name: str) -> str:
     if name not in DTYPES:
         raise PlanError(f"tuning plan: dtype {name!r}; one of {', '.join(DTYPES)}.")
+    return name
+
+
+def _level(name: str) -> str:
+    if name not in LEVELS:
+        raise PlanError(f"tuning plan: level {name!r}; one of {', '.join(LEVELS)}.")
     return name
 
 

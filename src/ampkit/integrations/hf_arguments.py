@@ -1,0 +1,208 @@
+"""The fields ampkit adds to Hugging Face's ``TrainingArguments`` (:class:`AmpkitArguments`
+and the two combined classes) and their validation (:func:`check_arguments`); imported
+by, and documented as part of, :mod:`ampkit.integrations.hf`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ampkit._internal.env import dtype_from_env, level_from_env
+from ampkit.casting.precision_plan import TunePlan
+from ampkit.errors import AmpError
+
+from . import require
+
+require("transformers", "hf")
+
+from transformers import Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
+
+__all__ = [
+    "LEVELS",
+    "SAVE_WEIGHTS",
+    "AmpkitArguments",
+    "AmpkitSeq2SeqTrainingArguments",
+    "AmpkitTrainingArguments",
+    "HfIntegrationError",
+    "check_arguments",
+    "dtype_of",
+    "level_of",
+]
+
+LEVELS = ("O0", "O1", "O2", "O3", "O2K")
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+SAVE_WEIGHTS = ("fp32", "converted")
+
+
+class HfIntegrationError(AmpError, ValueError):
+    """The Trainer or its arguments are set up in a way ampkit's integration cannot
+    run (HF's own mixed precision turned on too, an unknown level, DeepSpeed, ...), or
+    a checkpoint does not fit the run. The message says what to change."""
+
+
+# --- arguments --------------------------------------------------------------------------
+
+
+def dtype_of(value: str | None) -> torch.dtype | None:
+    return None if value is None else _DTYPES[value]
+
+
+def level_of(args: Any) -> Any:
+    """``args.amp_level`` upper-cased; when unset (a plain ``TrainingArguments``, or None),
+    ``AMPKIT_LEVEL`` if set, else ``"O1"``. Anything else is returned as it is, for
+    :func:`check_arguments` to refuse."""
+    level = getattr(args, "amp_level", None)
+    if level is None:
+        return level_from_env("O1", LEVELS)
+    return level.upper() if isinstance(level, str) else level
+
+
+def check_arguments(args: TrainingArguments) -> None:
+    """Raise :class:`HfIntegrationError` unless ``args`` can run under ampkit: its
+    ``amp_*`` fields (defaults where a plain ``TrainingArguments`` has none) are valid
+    and none of HF's own mixed-precision switches is on."""
+    level = level_of(args)
+    dtype = getattr(args, "amp_dtype", None)
+    fp8 = getattr(args, "amp_fp8", False)
+    save = getattr(args, "amp_save_weights", "fp32")
+    if not isinstance(level, str) or level.upper() not in LEVELS:
+        raise HfIntegrationError(
+            f"amp_level={level!r} is not an ampkit opt level; choose one of {', '.join(LEVELS)} "
+            "(O1 casting in forward, O2 16-bit model with fp32 masters, O2K bf16 model with "
+            "compensated updates, O3 pure 16-bit, O0 fp32 with inf/NaN steps skipped)."
+        )
+    if dtype is not None and dtype not in _DTYPES:
+        raise HfIntegrationError(
+            f"amp_dtype={dtype!r} is not a 16-bit dtype ampkit computes in; use 'bfloat16', "
+            "'float16', or None for the device's default (bf16 on CPU, fp16 on CUDA)."
+        )
+    if level.upper() == "O2K" and dtype_of(dtype) == torch.float16:
+        raise HfIntegrationError(
+            "amp_level='O2K' keeps bf16 weights with compensated updates, so it is bf16 only; "
+            "drop amp_dtype='float16', or use amp_level='O2' (fp32 masters) for fp16."
+        )
+    if level.upper() == "O0" and dtype is not None:
+        raise HfIntegrationError(
+            f"amp_level='O0' trains in fp32, so amp_dtype={dtype!r} has no effect; drop it or "
+            "choose a mixed-precision level (O1, O2, O2K, O3)."
+        )
+    if not isinstance(fp8, bool):
+        raise HfIntegrationError(f"amp_fp8 must be True or False, got {fp8!r}.")
+    if fp8 and level.upper() == "O0":
+        raise HfIntegrationError(
+            "amp_fp8=True computes linears in fp8 on top of a mixed-precision level; O0 is fp32. "
+            "Use amp_level='O1' or 'O2' with amp_fp8=True."
+        )
+    if save not in SAVE_WEIGHTS:
+        raise HfIntegrationError(
+            f"amp_save_weights={save!r}; choose 'fp32' (the trained fp32 weights, loadable "
+            "with from_pretrained as trained) or 'converted' (ampkit.convert's 16-bit "
+            "inference model)."
+        )
+    hf_own = [name for name in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, name, False)]
+    if hf_own:
+        what = ", ".join(f"{name}=True" for name in hf_own)
+        raise HfIntegrationError(
+            f"{what} turns on HF's own mixed precision (Accelerate's autocast and GradScaler, or "
+            "a model cast in place for evaluation) on top of ampkit's "
+            f"amp_level={level!r}: the model would be cast twice and HF's path does not skip "
+            f"inf/NaN steps. Drop {what}; choose the dtype with amp_dtype='bfloat16' or "
+            "'float16' (ampkit's casting covers evaluation too)."
+        )
+    optim = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
+    if optim in ("lomo", "adalomo"):
+        raise HfIntegrationError(
+            f"optim={optim!r} updates the weights inside backward, where ampkit cannot check "
+            "the gradients or skip a step; use an optimizer that steps after backward "
+            "(e.g. optim='adamw_torch')."
+        )
+    mixed = getattr(args, "mixed_precision", "no")
+    if mixed not in (None, "no"):
+        raise HfIntegrationError(
+            f"Accelerate's mixed_precision is {mixed!r} (from ACCELERATE_MIXED_PRECISION, e.g. "
+            "`accelerate launch --mixed_precision`): it would cast on top of ampkit. Launch "
+            "with --mixed_precision no and choose the dtype with amp_dtype."
+        )
+
+
+@dataclasses.dataclass
+class AmpkitArguments:
+    """ampkit's fields for a ``TrainingArguments`` dataclass; combine it with one,
+    mixin first (``class MyArgs(AmpkitArguments, TrainingArguments)``). The fields
+    parse from the command line with ``HfArgumentParser`` like HF's own.
+
+    Attributes:
+        amp_level (str) ["O1"]: ampkit's opt level: ``"O0"``, ``"O1"``, ``"O2"``,
+            ``"O3"`` or ``"O2K"`` (see :func:`ampkit.initialize`).
+        amp_dtype (str | None) [None]: ``"bfloat16"`` or ``"float16"`` (``"bf16"``,
+            ``"fp16"`` too); None: the device's default (bf16 on CPU, fp16 on CUDA;
+            O2K is always bf16).
+        amp_fp8 (bool) [False]: compute the linears of :class:`ampkit.Fp8Recipe`'s
+            default choice in fp8 (any level but O0).
+        amp_save_weights (str) ["fp32"]: what ``trainer.save_model()`` writes: the
+            trained fp32 weights (``config.json`` dtype float32) or ``"converted"``,
+            the :func:`ampkit.convert` inference model (16-bit weights, norm layers
+            fp32, config dtype the 16-bit one). Checkpoints always hold fp32 weights.
+        amp_plan (str | None) [None]: the path of a plan :func:`ampkit.tune` saved: its
+            level and dtype where ``amp_level``/``amp_dtype`` are None, its kept modules
+            pinned to fp32 (``ampkit.initialize(plan=...)``). Read and checked here.
+
+    Validation (:class:`HfIntegrationError`) runs in ``__post_init__``, after HF's own:
+    HF's ``bf16``/``fp16``/``bf16_full_eval``/``fp16_full_eval`` are refused (HF's
+    mixed precision would cast on top of ampkit's).
+    """
+
+    amp_level: str | None = dataclasses.field(
+        default=None, metadata={"help": "ampkit opt level: O0, O1, O2, O3 or O2K (default: $AMPKIT_LEVEL, else O1)"}
+    )
+    amp_dtype: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "16-bit compute dtype: bfloat16 or float16 (default: $AMPKIT_DTYPE, else the device's)"},
+    )
+    amp_fp8: bool = dataclasses.field(
+        default=False, metadata={"help": "compute linears in fp8 (ampkit.Fp8Recipe)"}
+    )
+    amp_save_weights: str = dataclasses.field(
+        default="fp32",
+        metadata={"help": "what save_model writes: fp32 (trained weights) or converted"},
+    )
+    amp_plan: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "path of a per-module plan from ampkit.tune (its level and dtype are the defaults)"},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # type: ignore[misc]  # the TrainingArguments class it is combined with
+        if self.amp_plan is not None:
+            plan = TunePlan.load(self.amp_plan)
+            if self.amp_level is None:
+                self.amp_level = plan.level
+            if self.amp_dtype is None and plan.lowered:
+                self.amp_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
+        self.amp_level = level_of(self)
+        if self.amp_dtype is None and self.amp_level != "O0":
+            env = dtype_from_env()  # an argument > the environment > the default
+            if env is not None:
+                self.amp_dtype = str(env).removeprefix("torch.")
+        check_arguments(self)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class AmpkitTrainingArguments(AmpkitArguments, TrainingArguments):
+    """``transformers.TrainingArguments`` with ampkit's fields (:class:`AmpkitArguments`):
+    ``amp_level`` (None: ``AMPKIT_LEVEL``, else "O1"), ``amp_dtype`` (None:
+    ``AMPKIT_DTYPE``, else the device's), ``amp_fp8`` (False),
+    ``amp_save_weights`` ("fp32"). Leave ``bf16``/``fp16`` False."""
+
+
+@dataclasses.dataclass
+class AmpkitSeq2SeqTrainingArguments(AmpkitArguments, Seq2SeqTrainingArguments):
+    """``transformers.Seq2SeqTrainingArguments`` with ampkit's fields (see
+    :class:`AmpkitTrainingArguments`)."""
