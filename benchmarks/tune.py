@@ -1,9 +1,10 @@
 """``ampkit.tune`` on the bench workloads: the tuned plan against every uniform level,
 side by side in one run.
 
-For each workload: tune on its first 8 batches (the probe trains with the workload's
-optimizer), then train a fresh model from the same seed for the workload's steps in
-fp32, at O1, O2 and O2K (everything lowered) and at O1 with the plan's policy, on the
+For each workload: tune on its first 8 batches (the probe trains with AdamW at the
+workload's learning rate), then train a fresh model from the same seed for the
+workload's steps in fp32, at O1, O2 and O2K (everything lowered) and through
+``initialize(plan=)`` (the plan's level and module choices), on the
 same batches; each arm runs twice (the second time in reverse order) and the faster
 median step time counts. Per arm: that step time (steps after the third), the mean
 training loss over the last quarter of steps and how much worse than fp32's it is
