@@ -397,3 +397,70 @@ def test_the_plans_picture_is_written_and_a_bad_path_refused_first(tmp_path, fix
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     with pytest.raises(amp.OutputPathError):
         plan.save_png(tmp_path / "missing" / "dir" / "plan.png")
+
+
+TUNE_SCRIPT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+class Offset(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        with torch.no_grad():
+            self.lin.bias.fill_(1000.0)
+    def forward(self, x):
+        return self.lin(x) - 1000.0
+model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 32), Offset(32), nn.Linear(32, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+g = torch.Generator().manual_seed(1)
+x, w = torch.randn(256, 32, generator=g), torch.randn(32, 10, generator=g)
+y = (x @ w + 4 * torch.randn(256, 10, generator=g)).argmax(1)
+for step in range(1000):
+    i = (step % 8) * 32
+    loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ampkit_tune_writes_a_plan_for_an_unmodified_script_that_keeps_the_breaking_layer(tmp_path, capsys):
+    """Captured from the script, measured with the outputs standing in for its loss, and
+    confirmed by running the script itself: the offset layer stays fp32 (its gradient
+    moves alone in bf16), the plan loads and ``ampkit run --plan`` runs the script with it."""
+    from ampkit.tools.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text(TUNE_SCRIPT)
+    out = tmp_path / "plan.json"
+    assert main(["tune", "--steps", "8", "--include-emulated", "--out", str(out), str(script)]) == 0
+    printed = capsys.readouterr().out
+    plan = TunePlan.load(out)
+    assert "4.lin" in plan.kept_fp32 and "4.lin" in printed
+    assert math.isfinite(plan.probe["fp32_loss"]) and plan.probe["fp32_ms"] > 0
+    assert plan.level in ("O0", "O1", "O2", "O2K") and plan.seconds > 0
+    assert main(["run", "--plan", str(out), "--steps", "3", str(script)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "needle"),
+    [
+        (None, [], "no such file"),
+        ("import torch\nx = torch.ones(2)\n", [], "called no module with parameters"),
+        ("raise SystemExit(3)\n", [], "exited with code 3"),
+        ("x = 1\n", ["--budget", "0"], "--budget"),
+        ("x = 1\n", ["--steps", "2"], "at least 4"),
+    ],
+)
+def test_ampkit_tune_refuses_in_one_line(script, argv, needle, tmp_path, capsys):
+    from ampkit.tools.cli.main import main
+
+    path = tmp_path / "s.py"
+    if script is not None:
+        path.write_text(script)
+    assert main(["tune", *argv, "--out", str(tmp_path / "p.json"), str(path)]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -5,7 +5,8 @@ inference model (and ONNX) and reports size, speed and error against fp32; ``amp
 doctor script.py [args]`` runs a training script with :func:`ampkit.doctor` on and
 prints its report; ``ampkit run script.py [args]`` trains an unmodified script in mixed
 precision (``--compare``: side by side with fp32); ``ampkit warmup`` compiles O2/O2K's
-update kernels into Inductor's on-disk cache ahead of a job.
+update kernels into Inductor's on-disk cache ahead of a job; ``ampkit tune script.py
+[args]`` writes the fastest per-module precision plan within a loss budget.
 
 Exit codes: 0 success, 1 a precision failed while training, 2 bad input or
 environment (one line on stderr), 130 interrupted; ``ampkit doctor`` and ``ampkit run`` pass the
@@ -41,8 +42,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor``, ``run``
-    and ``warmup``)."""
+    """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor``, ``run``,
+    ``warmup`` and ``tune``)."""
     from ampkit.tools.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .warmup import add_parser as add_warmup_parser
 
     add_warmup_parser(sub)
+    from .tune import add_parser as add_tune_parser
+
+    add_tune_parser(sub)
     return parser
 
 
@@ -228,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .warmup import run as run_warmup
 
             return run_warmup(args)
+        if args.command == "tune":
+            from .tune import run as run_tune
+
+            return run_tune(args)
         return _bench(args)
     except UsageError as exc:
         print(str(exc), file=sys.stderr)

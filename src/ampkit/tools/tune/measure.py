@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from ampkit._internal import torch_compat
 from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy, default_policy
 
-__all__ = ["Batch", "LossFn", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]
+__all__ = ["Batch", "Call", "LossFn", "output_energy", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]
 
 Batch = Any  # (inputs, targets); inputs a tensor or a tuple of positional arguments
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -58,6 +58,14 @@ def native_dtypes(candidates: Sequence[str], device_type: str, include_emulated:
     return tried, skipped
 
 
+class Call(NamedTuple):
+    """A recorded model call (``ampkit tune script.py``): positional and keyword
+    arguments, used as a batch without targets."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def _inputs(batch: Batch) -> tuple[Any, ...]:
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -65,9 +73,24 @@ def _inputs(batch: Batch) -> tuple[Any, ...]:
 
 def loss_of(model: nn.Module, batch: Batch, loss_fn: LossFn | None) -> torch.Tensor:
     """The training loss of ``model`` on ``batch``: ``loss_fn(model(*inputs), targets)``,
-    or ``model(*inputs)`` itself when ``loss_fn`` is None."""
+    or ``model(*inputs)`` itself when ``loss_fn`` is None; for a :class:`Call`,
+    ``loss_fn(model(*args, **kwargs), None)``."""
+    if isinstance(batch, Call):
+        out = model(*batch.args, **batch.kwargs)
+        return out if loss_fn is None else loss_fn(out, None)
     out = model(*_inputs(batch))
     return out if loss_fn is None else loss_fn(out, batch[1])
+
+
+def output_energy(output: Any, _targets: Any = None) -> torch.Tensor:
+    """A stand-in loss where the script's own is not known (``ampkit tune script.py``):
+    the mean square of the model's floating outputs, in fp32. Its deviation tracks how
+    far 16 bits move the outputs; its gradient reaches every parameter the outputs
+    depend on."""
+    leaves = [t for t in torch_compat.tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise TypeError("the model returned no floating tensor to tune on")
+    return sum(t.float().pow(2).mean() for t in leaves) / len(leaves)
 
 
 def scope(policy: Policy | None, device_type: str) -> contextlib.AbstractContextManager[Any]:

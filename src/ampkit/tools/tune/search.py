@@ -38,7 +38,7 @@ from ampkit.trainer.session import current_session
 from . import measure
 from .measure import Batch, LossFn
 
-__all__ = ["tune"]
+__all__ = ["Probe", "choose", "confirm", "probe", "tune", "worse_by"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -107,17 +107,18 @@ def tune(
     for dtype in dtypes:
         sens = measure.sensitivities(work, [n for n, _ in modules if n in times], calib, loss_fn, dtype,
                                      device_type, deadline)  # fmt: skip
-        options.append(_choose(dtype, modules, times, sens, budget, grad_limit))
+        options.append(choose(dtype, modules, times, sens, budget, grad_limit))
     if not options:  # nothing to try: every module stays fp32
-        options.append(_choose("fp32", modules, times, {}, budget, grad_limit))
+        options.append(choose("fp32", modules, times, {}, budget, grad_limit))
     dtype, choices = max(options, key=lambda o: sum(c.saved_ms for c in o[1] if c.dtype != "fp32"))
-    level, probe, choices, backed = _confirm(model, batches, loss_fn, dtype, choices, device_type, probe_steps,
-                                             optimizer, budget, max_backoffs)  # fmt: skip
+    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
+                            steps=probe_steps, optimizer=optimizer)  # fmt: skip
+    level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
     lowered = [c for c in choices if c.dtype != "fp32"]
     return TunePlan(
         dtype=dtype, level=level, device_type=device_type, budget=budget,
         modules=tuple(choices), skipped=skipped, predicted_deviation=sum(c.loss_deviation for c in lowered),
-        probe=probe, backed_off=tuple(backed), seconds=time.perf_counter() - start,
+        probe=figures, backed_off=tuple(backed), seconds=time.perf_counter() - start,
         machine={k: v for k, v in machine_info(device_type).items() if k in ("device_name", "cpu_flags", "torch")},
     )  # fmt: skip
 
@@ -142,7 +143,7 @@ def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candida
         raise AmpError("this model has no module with parameters of its own below the root: nothing to tune.")
 
 
-def _choose(dtype: str, modules: list[tuple[str, nn.Module]], times: dict[str, dict[str, float]],
+def choose(dtype: str, modules: list[tuple[str, nn.Module]], times: dict[str, dict[str, float]],
             sens: dict[str, tuple[float, float]], budget: float, grad_limit: float,
             ) -> tuple[str, list[ModuleChoice]]:  # fmt: skip
     """Greedy: by time saved per unit of loss deviation, while the deviations' sum fits."""
@@ -183,13 +184,16 @@ def _choose(dtype: str, modules: list[tuple[str, nn.Module]], times: dict[str, d
 
 
 @dataclasses.dataclass(frozen=True)
-class _Probe:
-    loss: float  # mean of the last quarter of steps
-    step_ms: float  # median step time after the first three
+class Probe:
+    """One confirming training run: its loss (mean of the last quarter of steps) and
+    median step time in ms (after the first three steps)."""
+
+    loss: float
+    step_ms: float
 
 
 def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, level: str | None, *, dtype: str,
-           kept: list[str], device_type: str, steps: int, optimizer: OptimizerFactory | None) -> _Probe:  # fmt: skip
+           kept: list[str], device_type: str, steps: int, optimizer: OptimizerFactory | None) -> Probe:  # fmt: skip
     """Train a copy of ``model`` for ``steps`` steps through :func:`ampkit.initialize` at
     ``level`` (None: plain fp32), the ``kept`` modules pinned to fp32 (by a module rule,
     and at O2/O2K by ``keep_fp32``)."""
@@ -222,7 +226,7 @@ def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, le
         if level is not None:
             reset()
     k = max(1, steps // 4)
-    return _Probe(sum(losses[-k:]) / k, 1e3 * statistics.median(times[3:] or times))
+    return Probe(sum(losses[-k:]) / k, 1e3 * statistics.median(times[3:] or times))
 
 
 def worse_by(loss: float, ref: float) -> float:
@@ -237,15 +241,15 @@ def _backed(c: ModuleChoice, why: str) -> ModuleChoice:
     return dataclasses.replace(c, dtype="fp32", reason=why)
 
 
-def _confirm(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, dtype: str,
-             choices: list[ModuleChoice], device_type: str, steps: int, optimizer: OptimizerFactory | None,
-             budget: float, max_backoffs: int) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
+def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], steps: int, budget: float,
+            max_backoffs: int) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
     """Probe the module plan at O1 against fp32, putting the most sensitive lowered module
     back to fp32 while it misses the budget; then run the settled plan, and everything
     lowered, at each level, and keep the fastest run within the budget (O0, nothing
-    lowered, where fp32 is faster than every one)."""
-    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type, steps=steps,
-                            optimizer=optimizer)  # fmt: skip
+    lowered, where fp32 is faster than every one). ``run(level, kept=names)`` trains
+    (``level`` None: fp32) and returns a :class:`Probe`; a run that cannot go returns
+    one with an infinite loss. Returns the level, the figures, the choices and the
+    modules put back."""
     ref = run(None, kept=[])
     figures = {"steps": float(steps), "fp32_loss": ref.loss, "fp32_ms": ref.step_ms}
     if dtype == "fp32":
@@ -278,8 +282,8 @@ def _confirm(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None,
     return level, figures, choices, backed
 
 
-def _back_off(run: Callable[..., _Probe], ref: _Probe, choices: list[ModuleChoice], budget: float,
-              max_backoffs: int) -> tuple[list[ModuleChoice], list[str], _Probe | None]:  # fmt: skip
+def _back_off(run: Callable[..., Probe], ref: Probe, choices: list[ModuleChoice], budget: float,
+              max_backoffs: int) -> tuple[list[ModuleChoice], list[str], Probe | None]:  # fmt: skip
     """The module plan probed at O1, its most sensitive lowered module put back to fp32
     while it misses the budget (all of them after ``max_backoffs``): the choices, the
     modules put back, and the last probe within budget (None: nothing lowered)."""
