@@ -1,8 +1,8 @@
 """``ampkit.tune`` on the bench workloads: the tuned plan against every uniform level,
 side by side in one run.
 
-For each workload: tune on its first 8 batches (the probe trains with AdamW at the
-workload's learning rate), then train a fresh model from the same seed for the
+For each workload: tune with the run's own batches and length (``probe_steps`` = the
+workload's steps; the probe trains with the workload's AdamW), then train a fresh model from the same seed for the
 workload's steps in fp32, at O1, O2 and O2K (everything lowered) and through
 ``initialize(plan=)`` (the plan's level and module choices), on the
 same batches; each arm runs twice (the second time in reverse order) and the faster
@@ -78,8 +78,8 @@ def run_workload(name: str, size: str, budget: float) -> dict:
     torch.manual_seed(0)
     model = w.build_model()
     it = w.batches(torch.Generator().manual_seed(0))
-    batches = [next(it) for _ in range(8)]
-    plan = amp.tune(model, batches, w.loss, budget=budget,
+    batches = [next(it) for _ in range(w.steps)]  # the probe sees what the run sees
+    plan = amp.tune(model, batches, w.loss, budget=budget, probe_steps=w.steps,
                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=w.lr, weight_decay=0.01))  # fmt: skip
     setups = {"fp32": None, **{lv: lv for lv in UNIFORM}, "plan": plan}
     arms = {name: _train(w, w.steps, how) for name, how in setups.items()}

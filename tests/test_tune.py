@@ -464,3 +464,28 @@ def test_ampkit_tune_refuses_in_one_line(script, argv, needle, tmp_path, capsys)
     assert main(["tune", *argv, "--out", str(tmp_path / "p.json"), str(path)]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_close_step_times_are_timed_again_and_the_faster_timing_counts():
+    """``confirm`` with scripted runs: O1 with the plan (6.0 ms) and everything at O1
+    (6.3 ms) are within 10%: both run again, and the second timings (7.0, 5.9) decide."""
+    from ampkit.casting.precision_plan import ModuleChoice
+
+    first = {(None, False): 10.0, ("O1", True): 6.0, ("O1", False): 6.3, ("O2", True): 9.0, ("O2", False): 9.0,
+             ("O2K", True): 8.0, ("O2K", False): 8.0}  # fmt: skip
+    second = {("O1", True): 7.0, ("O1", False): 5.9}
+    calls = []
+
+    def run(level, kept):
+        key = (level, bool(kept))
+        calls.append(key)
+        ms = second[key] if calls.count(key) > 1 and key in second else first[key]
+        return search.Probe(1.0, ms)
+
+    choices = [ModuleChoice("a", "Linear", "bf16", 1.0, 0.5, 0.0, 0.0, ""),
+               ModuleChoice("b", "Linear", "fp32", 1.0, 0.5, 0.5, 0.5, "kept")]  # fmt: skip
+    level, figures, out, backed = search.confirm(run, "bf16", choices, 10, 0.01, 2)
+    assert (level, backed) == ("O1", [])
+    assert [c.dtype for c in out] == ["bf16", "bf16"]  # everything lowered won the second timing
+    assert figures["plan_ms"] == figures["all_O1_ms"] == 5.9 and figures["O1_ms"] == 6.0
+    assert calls.count(("O1", True)) == 2 and calls.count(("O1", False)) == 2 and calls.count((None, False)) == 1

@@ -263,10 +263,12 @@ def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], 
             runs["plan", level] = settled if level == "O1" else run(level, kept=kept)
         if level != "O1":
             runs["all", level] = run(level, kept=[])
+    fits = [key for key, r in runs.items() if worse_by(r.loss, ref.loss) <= budget]
+    ref = _retime_close(run, runs, fits, ref, kept)
     for (which, level), r in runs.items():
         prefix = level if which == "plan" else f"all_{level}"
         figures[f"{prefix}_ms"], figures[f"{prefix}_loss"] = r.step_ms, r.loss
-    fits = [key for key, r in runs.items() if worse_by(r.loss, ref.loss) <= budget]
+    figures["fp32_ms"] = ref.step_ms
     best = min(fits, key=lambda key: runs[key].step_ms) if fits else None
     if best is None or runs[best].step_ms >= ref.step_ms:  # nothing within budget, or 16 bits no faster
         if best is not None:
@@ -280,6 +282,35 @@ def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], 
     r = runs[best]
     figures.update(plan_loss=r.loss, deviation=worse_by(r.loss, ref.loss), plan_ms=r.step_ms)
     return level, figures, choices, backed
+
+
+#: Candidates whose step times are within this factor of the fastest are timed again.
+CLOSE = 1.1
+
+
+def _retime_close(run: Callable[..., Probe], runs: dict[tuple[str, str], Probe], fits: list[tuple[str, str]],
+                  ref: Probe, kept: list[str]) -> Probe:  # fmt: skip
+    """Time again, in reverse order, the fastest runs within the budget that are within
+    ``CLOSE`` of each other (and fp32 when it is that close): one run's step time moves
+    by 5-10% from process state alone, which would decide between them. The faster of
+    the two timings counts (``runs`` updated); returns fp32's run, updated alike."""
+    if not fits:
+        return ref
+    order = sorted(fits, key=lambda key: runs[key].step_ms)
+    fastest = runs[order[0]].step_ms
+    close = [key for key in order if runs[key].step_ms <= CLOSE * fastest][:3]
+    if ref.step_ms <= CLOSE * fastest:
+        close.append(("fp32", ""))
+    if len(close) < 2:
+        return ref
+    for key in reversed(close):
+        if key[0] == "fp32":
+            again = run(None, kept=[])
+            ref = Probe(ref.loss, min(ref.step_ms, again.step_ms))
+        else:
+            again = run(key[1], kept=kept if key[0] == "plan" else [])
+            runs[key] = Probe(runs[key].loss, min(runs[key].step_ms, again.step_ms))
+    return ref
 
 
 def _back_off(run: Callable[..., Probe], ref: Probe, choices: list[ModuleChoice], budget: float,
