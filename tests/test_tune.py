@@ -489,3 +489,35 @@ def test_close_step_times_are_timed_again_and_the_faster_timing_counts():
     assert [c.dtype for c in out] == ["bf16", "bf16"]  # everything lowered won the second timing
     assert figures["plan_ms"] == figures["all_O1_ms"] == 5.9 and figures["O1_ms"] == 6.0
     assert calls.count(("O1", True)) == 2 and calls.count(("O1", False)) == 2 and calls.count((None, False)) == 1
+
+
+CHILD_FIRST = """
+import torch
+from torch import nn
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+model = Wrapper()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model.net(torch.randn(4, 8)).pow(2).mean().backward()   # the child is the first module called
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ampkit_run_refuses_a_plan_whose_names_fit_no_model_the_script_calls(level, tmp_path, capsys):
+    """Tuned on ``Wrapper`` (names ``net.0``), while the script calls ``model.net``
+    first (names ``0``) at O1, and O2 casts ``net`` (the smallest module owning the
+    optimizer's parameters): refused in one line, not a silent run without the plan."""
+    from ampkit.tools.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text(CHILD_FIRST)
+    path = tmp_path / "plan.json"
+    amp.TunePlan.by_hand(["net.0"], ["net.2"], level=level).save(path)
+    assert main(["run", "--plan", str(path), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "plan" in err and ("no model this script called" in err or "cannot be applied" in err), err

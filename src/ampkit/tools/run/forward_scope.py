@@ -72,6 +72,7 @@ class _ForwardScope:
 
         self._dtype = dtype
         self._plan = plan  # an ampkit.TunePlan: its module rules join the device's defaults
+        self._plan_fits: dict[int, bool] = {}  # id(model) -> whether it has every module the plan names
         self._policies: dict[str, Any] = {}
         self._default_policy = default_policy
         self._local = threading.local()
@@ -114,6 +115,23 @@ class _ForwardScope:
             if scope is not None:
                 scope.__exit__(None, None, None)
 
+    def plan_fits(self, module: nn.Module) -> bool:
+        """Whether ``module`` (a model the script calls) has every module the plan names:
+        the plan's rules apply inside it only (a second model, e.g. a GAN's
+        discriminator, keeps the defaults)."""
+        fits = self._plan_fits.get(id(module))
+        if fits is None:
+            names = {n for n, _ in module.named_modules()}
+            fits = self._plan_fits[id(module)] = all(m.name in names for m in self._plan.modules)
+        return fits
+
+    def plan_matched(self) -> bool | None:
+        """None without a plan or before any model call; else whether some model called
+        had every module the plan names."""
+        if self._plan is None or not self._plan_fits:
+            return None
+        return any(self._plan_fits.values())
+
     def _scope(self, module: nn.Module) -> Any:
         """The scope to open for a model call of ``module`` (None: none), counted."""
         from ampkit.casting.engine import autocast
@@ -124,12 +142,14 @@ class _ForwardScope:
         device_type = next(module.parameters()).device.type
         if device_type not in ("cpu", "cuda"):
             return None
-        scope = self._policies.get(device_type)
+        planned = self._plan is not None and self.plan_fits(module)
+        key = f"{device_type}+plan" if planned else device_type
+        scope = self._policies.get(key)
         if scope is None:
             policy = self._default_policy(device_type, self._dtype)
-            if self._plan is not None:
+            if planned:
                 policy = self._plan.policy(base=policy)
-            scope = self._policies[device_type] = autocast(policy, device_type=device_type)
+            scope = self._policies[key] = autocast(policy, device_type=device_type)
         if torch.is_autocast_enabled(device_type):
             self.in_script_autocast += 1
             return None  # the script's own torch.autocast region: its choice stands

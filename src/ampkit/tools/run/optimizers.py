@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.casting.precision_plan import PlanError
 from ampkit.errors import AmpError
 
-from .config import RunConfig, RunRefused
+from .config import RunConfig, RunRefused, _Refusal
 from .find_models import _models_of
 from .forward_scope import _ForwardScope
 
@@ -224,6 +225,8 @@ class _Optimizers:
             overrides["plan"] = self.config.plan
         try:
             initialize(models, opts, opt_level=self.config.level, **overrides)
+        except PlanError as err:  # the plan was asked for: no silent fp32 run instead
+            raise _Refusal(RunRefused(f"the plan cannot be applied to this script's model: {err}")) from None
         except AmpError as err:
             record.level = "fp32"
             return f"cannot be set up ({err})"

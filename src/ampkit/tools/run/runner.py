@@ -133,8 +133,14 @@ class _Runner:
 
     # --- steps and iterations ----------------------------------------------------------
     def _before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook (the optimizer's own update, taken steps only)."""
+        """Global optimizer step pre-hook (the optimizer's own update, taken steps only);
+        refuses the run at the first step when a plan fits no model the script called."""
         self._step_started = time.perf_counter()
+        if self.forward is not None and self.forward.plan_matched() is False:
+            raise _Refusal(RunRefused(
+                "the plan names modules that no model this script called has (e.g. "
+                f"{self.config.plan.modules[0].name!r}): names are relative to the model ampkit.tune was given "
+                "(or, for ampkit tune script.py, the outermost module the script calls); tune this script's model."))  # fmt: skip
 
     def _on_unmanaged_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Global optimizer step post-hook: the time of the update; and the steps of
