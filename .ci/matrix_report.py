@@ -80,8 +80,8 @@ def render(summary: dict) -> str:
         "of that run's `torch-matrix-summary.json`). Each release is the package registry's torch wheel",
         "in a fresh venv, with one end of the integrations' supported ranges.",
         "",
-        "| torch | lightning | transformers | accelerate | op tables | `test_lists`, `test_torch_compat`, "
-        "`test_architecture`, `test_compile` | every level trains (CPU smoke) | integration tests | outcome |",
+        "| torch | lightning | transformers | accelerate | op tables | torch-boundary tests (`test_lists`, "
+        "`test_torch_compat`, ...: see `.ci/torch_matrix.sh`) | every level trains (CPU smoke) | integration tests | outcome |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for release in sorted(summary, key=lambda r: tuple(int(x) for x in r.split(".")[:3])):

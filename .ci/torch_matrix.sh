@@ -43,7 +43,7 @@ for v in $RELEASES; do
     log="torch-matrix-$v"
     "$venv/bin/python" -m ampkit.casting.lists.generate --check 2>&1 | tee "$log-check.log" || ok=0
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
-        tests/test_architecture.py tests/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
+        tests/test_inductor_compat.py tests/test_warmup.py tests/test_architecture.py tests/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
     "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "$log.json" || ok=0
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integration_hf.py \
         tests/test_integration_accelerate.py tests/test_integration_lightning.py 2>&1 | tee "$log-integrations.log" || ok=0
