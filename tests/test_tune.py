@@ -275,8 +275,10 @@ def test_max_seconds_bounds_the_measuring():
         ({"batches": []}, "non-empty list"),
         ({"budget": 0.0}, "positive relative"),
         ({"budget": math.nan}, "positive relative"),
+        ({"budget": True}, "positive relative"),
         ({"candidates": ("int8",)}, "choose from"),
         ({"probe_steps": 0}, "at least 1"),
+        ({"probe_steps": True}, "at least 1"),
         ({"model": nn.Sequential(nn.ReLU())}, "nothing to tune"),
     ],
 )

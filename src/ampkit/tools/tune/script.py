@@ -145,9 +145,9 @@ def tune_script(
     path = Path(script)
     if not path.is_file():
         raise AmpError(f"ampkit tune: no such script {str(path)!r}.")
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
         raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
-    if not isinstance(steps, int) or steps < 4:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
         raise AmpError(f"steps {steps!r}: at least 4 (the step time is a median after the third).")
     model, calls = capture(path, args, capture_steps)
     device_type = next(p.device.type for p in model.parameters())

@@ -129,12 +129,12 @@ def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candida
         raise AmpError(f"ampkit.tune needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(batches, Sequence) or len(batches) == 0:
         raise AmpError("ampkit.tune needs a non-empty list of calibration batches (inputs, targets).")
-    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
         raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
     bad = [c for c in candidates if c not in ("bf16", "fp16", "fp8")]
     if bad or not candidates:
         raise AmpError(f"candidates {list(candidates)!r}: choose from 'bf16', 'fp16', 'fp8'.")
-    if not isinstance(probe_steps, int) or probe_steps < 1:
+    if isinstance(probe_steps, bool) or not isinstance(probe_steps, int) or probe_steps < 1:
         raise AmpError(f"probe_steps {probe_steps!r}: at least 1.")
     if is_active() or not current_session().empty:
         raise StateError("ampkit.tune trains its probes through ampkit's own session, and one is set up "
