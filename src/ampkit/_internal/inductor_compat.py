@@ -4,8 +4,8 @@ CPU's vector instruction sets.
 
 Like :mod:`ampkit._internal.torch_compat` (the other module allowed to reach torch's
 private names), each function states what it assumes and falls back to torch's own
-behaviour where a release moved something; ``tests/test_torch_compat.py`` checks each
-assumption against the installed torch. Nothing here imports Inductor until called.
+behaviour where a release moved something; ``tests/test_inductor_compat.py`` checks each
+assumption against the installed torch (on every release of the CI's torch matrix). Nothing here imports Inductor until called.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _record_key(cpu_vec_isa: object) -> dict[str, object]:
               if getattr(torch.cpu, name, lambda: False)()]  # fmt: skip
     cxx = config.cpp.cxx
     names = [c for c in (cxx if isinstance(cxx, (tuple, list)) else (cxx,)) if c]
-    found = next((shutil.which(c) for c in names if shutil.which(c)), None)
+    found = next(filter(None, map(shutil.which, names)), None)
     return {"torch": torch.__version__, "cpu": flags, "cxx": os.environ.get("CXX"),
             "compiler": found and os.path.realpath(found)}  # fmt: skip
 

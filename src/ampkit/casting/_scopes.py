@@ -29,7 +29,7 @@ from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import _THREADS
 from .policy import Policy, check_compute_dtype, check_device_type
-from .precision_plan import DTYPES, PlanError, TunePlan
+from .precision_plan import TunePlan
 
 logger = logging.getLogger("ampkit")
 
@@ -404,15 +404,12 @@ def init(
             "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
         )
     if plan is not None:
-        plan = plan if isinstance(plan, TunePlan) else TunePlan.load(plan)
+        plan = TunePlan.coerce(plan, "ampkit.init(plan=...)")
         if plan.lowered:
-            if dtype is not None and dtype != DTYPES[plan.dtype]:
-                raise PlanError(f"the plan lowers modules to {plan.dtype}, and dtype={dtype} was passed; "
-                                "drop dtype, or tune again for that dtype.")  # fmt: skip
+            dtype = plan.compute_dtype(dtype)
             if policy is not None and not isinstance(policy, Policy):
                 raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
             policy = plan.policy(base=policy)
-            dtype = DTYPES[plan.dtype]
     if dtype is None and policy is None:  # an argument > the environment > the default
         dtype = dtype_from_env()
     device = check_device_type(device_type or default_device_type())

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +137,39 @@ class TunePlan:
             return Policy(dtype=DTYPES[self.dtype] if self.dtype != "fp32" else torch.bfloat16, module_rules=rules)
         return base.override(module_rules=rules)
 
-    def check_model(self, model: torch.nn.Module) -> None:
-        """Raise :class:`PlanError` if a module the plan names is not in ``model``."""
-        names = {n for n, _ in model.named_modules()}
+    def check_model(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+        """Raise :class:`PlanError` if a module the plan names is not in ``model`` (or in
+        any model of a list)."""
+        one = isinstance(model, torch.nn.Module)
+        models = [model] if one else list(model)
+        names = {n for m in models for n, _ in m.named_modules()}
         missing = [m.name for m in self.modules if m.name not in names]
         if missing:
-            raise PlanError(f"the plan names modules this model does not have: {missing[:5]}"
+            which = "this model does not" if one else "these models do not"
+            raise PlanError(f"the plan names modules {which} have: {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''}; tune this model again.")  # fmt: skip
+
+    def compute_dtype(self, dtype: torch.dtype | None, owner: str = "") -> torch.dtype | None:
+        """The dtype to compute in with this plan given the caller's ``dtype`` (None: not
+        given): the plan's 16-bit dtype where it lowers modules (:class:`PlanError` if
+        ``dtype`` is another), else ``dtype`` as given. ``owner`` prefixes the message."""
+        if not self.lowered:
+            return dtype
+        low = DTYPES[self.dtype]
+        if dtype is not None and dtype != low:
+            raise PlanError(f"{owner}{': ' if owner else ''}the plan lowers modules to {self.dtype}, and "
+                            f"dtype={dtype} was passed; drop dtype, or tune again for that dtype.")  # fmt: skip
+        return low
+
+    @classmethod
+    def coerce(cls, plan: Any, owner: str = "plan") -> TunePlan:
+        """``plan`` itself, or the plan saved at a path (str or ``os.PathLike``);
+        :class:`PlanError` for anything else (``owner`` names the argument)."""
+        if isinstance(plan, TunePlan):
+            return plan
+        if not isinstance(plan, (str, os.PathLike)):
+            raise PlanError(f"{owner} takes an ampkit.TunePlan or the path of a saved one, got {type(plan).__name__}.")
+        return cls.load(plan)
 
     def report(self) -> str:
         """A plain-text table: each module's dtype, time share, deviations and why."""

@@ -42,7 +42,7 @@ from ampkit._internal.dtypes import (
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import DTYPES, PlanError, TunePlan
+from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
@@ -237,22 +237,12 @@ def _with_tune_plan(
     overrides: dict[str, Any],
 ) -> tuple[str, dict[str, Any]]:
     """``initialize``'s level and overrides with a tuning plan applied (nothing changed yet)."""
-    if not isinstance(plan, TunePlan):
-        if not isinstance(plan, (str, os.PathLike)):
-            raise PlanError(f"plan is {type(plan).__name__}: pass an ampkit.TunePlan or the path of a saved one.")
-        plan = TunePlan.load(plan)
-    names = {n for m in ([models] if isinstance(models, nn.Module) else models) for n, _ in m.named_modules()}
-    missing = [m.name for m in plan.modules if m.name not in names]
-    if missing:
-        raise PlanError(f"the plan names modules these models do not have: {missing[:5]}; tune this model again.")
+    plan = TunePlan.coerce(plan, "initialize(plan=...)")
+    plan.check_model([models] if isinstance(models, nn.Module) else list(models))
     level = plan.level if opt_level is None else opt_level
     out = dict(overrides)
     if plan.lowered:
-        low = DTYPES[plan.dtype]
-        if out.get("dtype") not in (None, low):
-            raise PlanError(f"the plan lowers modules to {plan.dtype}, and dtype={out['dtype']} was passed; "
-                            f"drop dtype, or tune again for that dtype.")  # fmt: skip
-        out["dtype"] = low
+        out["dtype"] = plan.compute_dtype(out.get("dtype"))
         name = level.upper() if isinstance(level, str) else ""
         if (out.get("op_casting") is True or (name == "O1" and out.get("op_casting", True))
                 or (name in ("O2", "O2K") and out.get("model_op_casting", True))):  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from torch import nn
 from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.wrappers import unwrap_optimizer
 from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import DTYPES, PlanError, TunePlan
+from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError, StateError
 from ampkit.levels import OptLevel, master_weights_of
 from ampkit.levels.setup import OPT_LEVELS, master_params
@@ -96,18 +95,11 @@ def _with_plan(owner: str, plan: Any, opt_level: str | None, dtype: torch.dtype 
     """The plan (loaded), and the plugin's level, dtype and policy with it applied: its
     level and dtype where none is given, its kept modules pinned to fp32 in the policy
     of the plugin's step scope (``initialize(plan=...)`` does the rest at setup)."""
-    if not isinstance(plan, TunePlan):
-        if not isinstance(plan, (str, os.PathLike)):
-            raise PlanError(f"{owner}(plan=...) takes an ampkit.TunePlan or the path of a saved one, "
-                            f"got {type(plan).__name__}.")  # fmt: skip
-        plan = TunePlan.load(plan)
+    plan = TunePlan.coerce(plan, f"{owner}(plan=...)")
     opt_level = plan.level if opt_level is None else opt_level
     if not plan.lowered:
         return plan, opt_level, dtype, policy
-    low = DTYPES[plan.dtype]
-    if dtype is not None and dtype != low:
-        raise PlanError(f"{owner}: the plan lowers modules to {plan.dtype}, and dtype={dtype} was passed; "
-                        "drop dtype, or tune again for that dtype.")  # fmt: skip
+    low = plan.compute_dtype(dtype, owner)
     if policy is not None and not isinstance(policy, Policy):
         raise AmpError(f"{owner}(policy=...) takes an ampkit.Policy, got {type(policy).__name__}.")
     return plan, opt_level, low, plan.policy(base=policy)

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import math
 import subprocess
@@ -34,11 +33,10 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
-from ampkit.tools.bench.machine import machine_info
 from ampkit.tools.run import RunConfig, run_script
 
 from . import measure
-from .search import Probe, choose, confirm
+from .search import Probe, build_plan, check_budget, confirm, measure_and_choose
 
 __all__ = ["capture", "tune_script"]
 
@@ -145,29 +143,19 @@ def tune_script(
     path = Path(script)
     if not path.is_file():
         raise AmpError(f"ampkit tune: no such script {str(path)!r}.")
-    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-        raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
+    check_budget(budget)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
         raise AmpError(f"steps {steps!r}: at least 4 (the step time is a median after the third).")
     model, calls = capture(path, args, capture_steps)
     device_type = next(p.device.type for p in model.parameters())
-    dtypes, skipped = measure.native_dtypes(candidates, device_type, include_emulated)
-    work = copy.deepcopy(model)
-    modules = measure.candidate_modules(work)
-    if not modules:
+    if not measure.candidate_modules(model):
         raise AmpError(f"the script's model ({type(model).__name__}) has no module with parameters of its own below "
                        "its root: nothing to tune.")  # fmt: skip
-    deadline = start + max_seconds
-    times = measure.module_times(work, modules, calls[0], measure.output_energy, dtypes, device_type, repeats, deadline)
-    options = []
-    for dtype in dtypes:
-        sens = measure.sensitivities(work, [n for n, _ in modules if n in times], calls, measure.output_energy,
-                                     dtype, device_type, deadline)  # fmt: skip
-        options.append(choose(dtype, modules, times, sens, budget, grad_limit))
-    if not options:
-        options.append(choose("fp32", modules, times, {}, budget, grad_limit))
-    dtype, choices = max(options, key=lambda o: sum(c.saved_ms for c in o[1] if c.dtype != "fp32"))
-    names = [name for name, _ in modules]
+    dtype, choices, skipped = measure_and_choose(
+        model, calls, measure.output_energy, candidates=candidates, device_type=device_type,
+        include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
+        deadline=start + max_seconds)  # fmt: skip
+    names = [c.name for c in choices]
     with tempfile.TemporaryDirectory(prefix="ampkit-tune-") as tmp:
 
         def run(level: str | None, kept: list[str]) -> Probe:
@@ -181,11 +169,4 @@ def tune_script(
     if not math.isfinite(figures["fp32_loss"]):
         raise AmpError("the script's fp32 run under ampkit run failed or logged no finite loss; run it with "
                        "`ampkit run --level fp32` to see why.")  # fmt: skip
-    lowered = [c for c in choices if c.dtype != "fp32"]
-    return TunePlan(
-        dtype=dtype, level=level, device_type=device_type, budget=budget, modules=tuple(choices), skipped=skipped,
-        predicted_deviation=sum(c.loss_deviation for c in lowered), probe=figures, backed_off=tuple(backed),
-        seconds=time.perf_counter() - start,
-        machine={k: v for k, v in machine_info(device_type).items() if k in ("device_name", "cpu_flags", "torch")},
-    )  # fmt: skip
-
+    return build_plan(dtype, level, device_type, budget, choices, skipped, figures, backed, start)

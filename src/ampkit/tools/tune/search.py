@@ -38,7 +38,7 @@ from ampkit.trainer.session import current_session
 from . import measure
 from .measure import Batch, LossFn
 
-__all__ = ["Probe", "choose", "confirm", "probe", "tune", "worse_by"]
+__all__ = ["Probe", "build_plan", "check_budget", "choose", "confirm", "measure_and_choose", "probe", "tune", "worse_by"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -97,12 +97,28 @@ def tune(
     start = time.perf_counter()
     _validate(model, batches, budget, candidates, probe_steps)
     device_type = device_type or next((p.device.type for p in model.parameters()), "cpu")
+    dtype, choices, skipped = measure_and_choose(
+        model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
+        include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
+        deadline=start + max_seconds)  # fmt: skip
+    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
+                            steps=probe_steps, optimizer=optimizer)  # fmt: skip
+    level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
+    return build_plan(dtype, level, device_type, budget, choices, skipped, figures, backed, start)
+
+
+def measure_and_choose(model: nn.Module, calib: Sequence[Batch], loss_fn: LossFn | None, *,
+                       candidates: Sequence[str], device_type: str, include_emulated: bool, repeats: int,
+                       budget: float, grad_limit: float, deadline: float,
+                       ) -> tuple[str, list[ModuleChoice], dict[str, str]]:  # fmt: skip
+    """Steps 1 and 2 on a copy of ``model``: each candidate module timed on ``calib[0]``
+    and its sensitivities over ``calib`` for each 16-bit dtype this hardware computes
+    natively, then :func:`choose`; the dtype whose choice saves the most time. Returns
+    that dtype (``"fp32"`` when none was tried), the choices and the dtypes skipped."""
     dtypes, skipped = measure.native_dtypes(candidates, device_type, include_emulated)
     work = copy.deepcopy(model)
     modules = measure.candidate_modules(work)
-    deadline = start + max_seconds
-    times = measure.module_times(work, modules, batches[0], loss_fn, dtypes, device_type, repeats, deadline)
-    calib = list(batches[: min(len(batches), 4)])
+    times = measure.module_times(work, modules, calib[0], loss_fn, dtypes, device_type, repeats, deadline)
     options = []
     for dtype in dtypes:
         sens = measure.sensitivities(work, [n for n, _ in modules if n in times], calib, loss_fn, dtype,
@@ -111,9 +127,12 @@ def tune(
     if not options:  # nothing to try: every module stays fp32
         options.append(choose("fp32", modules, times, {}, budget, grad_limit))
     dtype, choices = max(options, key=lambda o: sum(c.saved_ms for c in o[1] if c.dtype != "fp32"))
-    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
-                            steps=probe_steps, optimizer=optimizer)  # fmt: skip
-    level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
+    return dtype, choices, skipped
+
+
+def build_plan(dtype: str, level: str, device_type: str, budget: float, choices: list[ModuleChoice],
+               skipped: dict[str, str], figures: dict[str, float], backed: list[str], start: float) -> TunePlan:  # fmt: skip
+    """The :class:`TunePlan` of a finished tuning that began at ``start`` (``perf_counter``)."""
     lowered = [c for c in choices if c.dtype != "fp32"]
     return TunePlan(
         dtype=dtype, level=level, device_type=device_type, budget=budget,
@@ -123,14 +142,19 @@ def tune(
     )  # fmt: skip
 
 
+def check_budget(budget: Any) -> None:
+    """Raise :class:`ampkit.AmpError` unless ``budget`` is a positive finite number (not a bool)."""
+    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
+
+
 def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candidates: Sequence[str],
               probe_steps: int) -> None:  # fmt: skip
     if not isinstance(model, nn.Module):
         raise AmpError(f"ampkit.tune needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(batches, Sequence) or len(batches) == 0:
         raise AmpError("ampkit.tune needs a non-empty list of calibration batches (inputs, targets).")
-    if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
-        raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
+    check_budget(budget)
     bad = [c for c in candidates if c not in ("bf16", "fp16", "fp8")]
     if bad or not candidates:
         raise AmpError(f"candidates {list(candidates)!r}: choose from 'bf16', 'fp16', 'fp8'.")
