@@ -484,8 +484,6 @@ OVERSIZED_FILES: dict[str, int] = {
     "_internal/torch_compat.py": 860,
     "integrations/hf.py": 704,
     "levels/compensated.py": 706,
-    "levels/fp8.py": 1029,
-    "levels/master.py": 1093,
     "levels/model_cast.py": 718,
     "tools/compat/apex.py": 826,
     "tools/diagnosis/_core.py": 842,

@@ -304,12 +304,12 @@ def test_comparisons_made_ahead_on_the_device_decide_as_one_by_one(monkeypatch):
     a step). Made ahead here on the CPU too: ``.data`` edits of grads and weights are
     seen exactly as the one-by-one comparisons see them (bitwise the same run), with no
     ``torch.equal`` left in the step."""
-    from ampkit.levels import master
+    from ampkit.levels import rounding
 
     one_by_one = _o2_run_with_data_edits(edit=True)
     unedited = _o2_run_with_data_edits(edit=False)
     assert not all(torch.equal(a, b) for a, b in zip(one_by_one[1], unedited[1]))  # the edits count
-    monkeypatch.setattr(master, "COMPARED_ONE_BY_ONE", frozenset())
+    monkeypatch.setattr(rounding, "COMPARED_ONE_BY_ONE", frozenset())
     calls = []
     real_equal = torch.equal
     monkeypatch.setattr(torch, "equal", lambda a, b: (calls.append(1), real_equal(a, b))[1])
@@ -318,3 +318,17 @@ def test_comparisons_made_ahead_on_the_device_decide_as_one_by_one(monkeypatch):
     assert ahead[0] == one_by_one[0]
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ahead[1], one_by_one[1]))
     assert calls == []
+
+
+def test_the_grad_methods_of_0_3_forward_to_the_mirror_with_a_deprecation_warning():
+    """0.3's ``MasterWeights.reconcile``/``show``/... are ``MasterWeights.grads``' today:
+    the old names still run the same method, warning; unknown names still raise."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mw = MasterWeights(opt)  # the model is fp32: no masters, a mirror with nothing to do
+    with pytest.warns(DeprecationWarning, match=r"MasterWeights.reconcile moved to MasterWeights.grads.reconcile"):
+        bound = mw.reconcile
+    assert bound.__self__ is mw.grads and bound.__func__ is type(mw.grads).reconcile
+    with pytest.raises(AttributeError, match="no attribute 'no_such_method'"):
+        mw.no_such_method  # noqa: B018
+    assert mw.held() == [] and not mw.is_placeholder(next(model.parameters()))

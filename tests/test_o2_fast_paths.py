@@ -24,8 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampkit as amp
 from ampkit.levels import update_kernels as _kernels
-from ampkit.levels.master import MasterWeights
-from ampkit.levels.master import rounds_to as _rounds_to
+from ampkit.levels.grad_mirror import GradMirror
+from ampkit.levels.rounding import rounds_to as _rounds_to
 
 BF16 = torch.bfloat16
 N = _kernels.ROUND_CHECK_NUMEL
@@ -193,9 +193,9 @@ def _train(idiom: str, steps: int = 3, master_grads: str = "always") -> tuple[li
 
 def _old_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_kernels, "ROUND_CHECK_NUMEL", 1 << 62)
-    monkeypatch.setattr("ampkit.levels.master.KEEP_ASIDE_DEVICES", ())
-    absorb = MasterWeights.absorb
-    monkeypatch.setattr(MasterWeights, "absorb", lambda self, p, unscale, keep=False: absorb(self, p, unscale))
+    monkeypatch.setattr("ampkit.levels.grad_mirror.KEEP_ASIDE_DEVICES", ())
+    absorb = GradMirror.absorb
+    monkeypatch.setattr(GradMirror, "absorb", lambda self, p, unscale, keep=False: absorb(self, p, unscale))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -210,7 +210,7 @@ def test_o2_fast_paths_give_the_old_paths_results_bitwise(idiom, monkeypatch):
     calls = []
     check = _kernels.rounds_to_bf16
     monkeypatch.setattr(
-        "ampkit.levels.master.rounds_to_bf16", lambda low, g: calls.append(low.numel()) or check(low, g)
+        "ampkit.levels.rounding.rounds_to_bf16", lambda low, g: calls.append(low.numel()) or check(low, g)
     )
     fast, fast_state = _train(idiom)
     assert N in calls  # the big weight's grad and weight went through the rounding check
@@ -307,7 +307,7 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
     switched off) it is freed as soon as it moved into the fp32 master. Either way the
     model shows the master grad rounded after backward."""
     if rule == "off":
-        monkeypatch.setattr("ampkit.levels.master.KEEP_ASIDE_DEVICES", ())
+        monkeypatch.setattr("ampkit.levels.grad_mirror.KEEP_ASIDE_DEVICES", ())
     import weakref
 
     model = _model()
@@ -316,14 +316,14 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
     weight = model[0].weight
     refs = []
     alive = []
-    absorb = MasterWeights.absorb
+    absorb = GradMirror.absorb
 
     def spy(self, p, unscale, keep=False):  # the grad AccumulateGrad stored, as ampkit gets it
         if p is weight:
             refs.append(weakref.ref(p.grad))
         absorb(self, p, unscale, keep)
 
-    monkeypatch.setattr(MasterWeights, "absorb", spy)
+    monkeypatch.setattr(GradMirror, "absorb", spy)
     weight.register_post_accumulate_grad_hook(lambda p: alive.append(refs[-1]() is not None))
     _backward(model, opt, 0)
     assert alive == [rule == "cpu"]  # kept aside, or nothing holds it once ampkit's hook ran

@@ -67,6 +67,21 @@ def saved(tmp_path_factory):
             assert type(m[3]).__name__ == "Float8Linear"
             save(f"fp8-{level}-{scaling}", m)
             amp.reset()
+    # a file written by 0.3, where fp8 was one module: its classes pickled as
+    # ampkit.levels.fp8.<name>, today a package exporting them from its modules
+    m = _trained("O2", fp8=amp.Fp8Recipe(min_features=16, scaling="delayed"))
+    classes = (amp.fp8.Float8Linear, amp.fp8.LayerState, amp.fp8.TensorScale, amp.Fp8Recipe)
+    homes = [c.__module__ for c in classes]
+    try:
+        for c in classes:
+            c.__module__ = "ampkit.levels.fp8"
+        save("fp8-O2-delayed-0.3", m)
+    finally:
+        for c, home in zip(classes, homes):
+            c.__module__ = home
+    amp.reset()
+    assert b"ampkit.levels.fp8\nFloat8Linear" in files["fp8-O2-delayed-0.3"].read_bytes()
+    assert b"ampkit.levels.fp8.layer\nFloat8Linear" in files["fp8-O2-delayed"].read_bytes()
     calib = [torch.randn(8, 16, generator=torch.Generator().manual_seed(1))]
     converted = amp.convert(_bn_model(), calib=calib, budget=0.5)
     assert converted.ampkit_report.folds and converted.ampkit_report.budget is not None
@@ -135,6 +150,7 @@ def test_plain_torch_load_in_a_fresh_process_equals_the_unrestricted_load(saved)
             assert r["n_hooks"] > 0, name  # the casts came back with the model
     assert out["O2"]["dtype"] == "torch.float32"  # the cast hooks run: fp32 out of a bf16 model
     assert "Float8Linear" in out["fp8-O2-delayed"]["classes"]
+    assert "Float8Linear" in out["fp8-O2-delayed-0.3"]["classes"]
     assert out["converted-bf16"]["report"] == "ConversionReport"
 
 

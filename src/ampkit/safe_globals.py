@@ -47,7 +47,9 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
     "ampkit.trainer.grad_hooks": ("WatchDDP",),
     "ampkit.distributed.core": ("FSDPGuard",),
     # initialize(..., fp8=...): the switched class and its scale state
-    "ampkit.levels.fp8": ("Float8Linear", "LayerState", "TensorScale", "Fp8Recipe"),
+    "ampkit.levels.fp8.layer": ("Float8Linear",),
+    "ampkit.levels.fp8.scales": ("LayerState", "TensorScale"),
+    "ampkit.levels.fp8.recipe": ("Fp8Recipe",),
     # convert(): boundary hooks and the report kept as model.ampkit_report
     "ampkit.inference.conversion.hooks": (
         "_BoundaryInputs", "_BoundaryOutputs", "_IslandEnter", "_IslandExit", "_Fp32Island",
@@ -62,18 +64,28 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
 ON_THEIR_IMPORT = frozenset({"ampkit.tools.compat.apex"})
 
 
+#: Modules that were one file in 0.3 and are packages today: a file written by 0.3 names
+#: their classes by the package (``ampkit.levels.fp8.Float8Linear``), which exports them.
+SPLIT_SINCE_0_3 = ("ampkit.levels.fp8",)
+
+
 def _legacy_names(cls: type) -> list[str]:
-    """The paths under which ampkit 0.2 pickled ``cls``: ``<old>.<qualname>`` for each
-    0.2 module path whose module today is ``cls``'s own, or a package above it that
+    """The paths under which ampkit 0.2 or 0.3 pickled ``cls``: ``<old>.<qualname>`` for
+    each 0.2 module path whose module today is ``cls``'s own, or a package above it that
     exports ``cls`` (``ampkit.convert`` is the ``ampkit.inference.conversion`` package,
-    its classes live in the package's modules)."""
+    its classes live in the package's modules), and ``<package>.<qualname>`` for a 0.3
+    module split into a package since (:data:`SPLIT_SINCE_0_3`)."""
     from .legacy import LEGACY_MODULES
+
+    def exports(package: str) -> bool:
+        inside = cls.__module__.startswith(package + ".")
+        return inside and getattr(importlib.import_module(package), cls.__qualname__, None) is cls
 
     out = []
     for old, new in LEGACY_MODULES.items():
-        inside = cls.__module__.startswith(new + ".")
-        if new == cls.__module__ or inside and getattr(importlib.import_module(new), cls.__qualname__, None) is cls:
+        if new == cls.__module__ or exports(new):
             out.append(f"{old}.{cls.__qualname__}")
+    out.extend(f"{package}.{cls.__qualname__}" for package in SPLIT_SINCE_0_3 if exports(package))
     return out
 
 

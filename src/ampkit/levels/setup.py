@@ -383,11 +383,11 @@ class _MasterStep(StepExtension):
     def before_update(self, args: tuple, kwargs: dict) -> None:
         self._written = set()
         mw = self.masters
-        held = mw.held()
+        held = mw.grads.held()
         if not held:
             return
         if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
-            mw.materialize()
+            mw.grads.materialize()
             return
         opt = mw.optimizer
         model_of = {id(m): p for m, p in held}
@@ -406,11 +406,11 @@ class _MasterStep(StepExtension):
         self._written = {id(m) for m, _ in written}
         mw.consumed(written)
         if len(written) < len(held):
-            mw.materialize_except(self._written)
-        self._lifted = mw.lift(written)
+            mw.grads.materialize_except(self._written)
+        self._lifted = mw.grads.lift(written)
 
     def after_update(self) -> None:
-        self.masters.restore(self._lifted)
+        self.masters.grads.restore(self._lifted)
         self._lifted = []
 
     def on_error(self) -> None:

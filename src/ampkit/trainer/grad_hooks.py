@@ -132,7 +132,7 @@ class WatchDDP:
             mw = ref()
             if mw is not None:
                 mw.publish_changed()
-                mw.drop_stale_views()
+                mw.grads.drop_stale_views()
         if not torch.is_grad_enabled():
             return
         ddp = torch_compat.active_ddp_module()
@@ -260,7 +260,7 @@ class GradPath:
         master (O2, ``master_grads="on_demand"``): the step checks and reads these."""
         if self.masters is None:
             return []
-        return [model_p for _, model_p in self.masters.held()]
+        return [model_p for _, model_p in self.masters.grads.held()]
 
     def _reinstall(self) -> None:
         for rec in list(self._params.values()):
@@ -339,7 +339,7 @@ class GradPath:
             return
         self.finish(absorb_raw=True)
         if self.masters is not None:
-            self.masters.materialize()  # no hooks from now on: the masters hold the grads
+            self.masters.grads.materialize()  # no hooks from now on: the masters hold the grads
         self._active = False
         for rec in self._params.values():
             self._unhook(rec)
@@ -402,14 +402,14 @@ class GradPath:
             mw = self.masters
             assert mw is not None
             if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
-                if not mw.settle_raw(p):
+                if not mw.grads.settle_raw(p):
                     rec.scale = None
                 elif scale != rec.scale:
                     with torch.no_grad():
                         p.grad.mul_(scale / rec.scale)
                     rec.scale, rec.loss_id = scale, loss_id
                 return
-            mw.settle(p)
+            mw.grads.settle(p)
             return
         if p.grad is None or scale == 1.0 and rec.scale is None:
             return
@@ -432,7 +432,7 @@ class GradPath:
                 rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
                 return
             assert self.masters is not None
-            if not self.masters.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
+            if not self.masters.grads.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
                 self._mark_checked(rec.stepped, loss_id)
             # else: held on the model or a view of the master's grad, checked by the step
             return
@@ -499,7 +499,7 @@ class GradPath:
                     if not absorb_raw and _ddp_sync_of(rec.model) is False:
                         continue  # under no_sync: DDP reduces the whole sum later
                     assert self.masters is not None
-                    self.masters.absorb(rec.param, self._unscaler(rec.loss_id, rec.scale))
+                    self.masters.grads.absorb(rec.param, self._unscaler(rec.loss_id, rec.scale))
                     self._mark_checked(rec.stepped, rec.loss_id)
                     rec.scale = None
                 shown.append(rec.param)
@@ -517,7 +517,7 @@ class GradPath:
             for r in recs:
                 r.scale = None
         if shown and self.masters is not None:
-            self.masters.show(shown)
+            self.masters.grads.show(shown)
 
     def finish(self, absorb_raw: bool = False) -> None:
         """Process backward passes whose end was not seen (an exception inside backward)
@@ -560,7 +560,7 @@ class GradPath:
         masters = self.masters
         for p in params:
             g = p.grad
-            if g is None or (masters is not None and masters.is_placeholder(p)):
+            if g is None or (masters is not None and masters.grads.is_placeholder(p)):
                 continue
             seen = self._checked.get(id(p))
             if seen is None:  # no check at backward vouches for it: read at every close
@@ -574,7 +574,7 @@ class GradPath:
         """Before the grads are checked (``unscale``/``step``): merge edits made through
         the model's 16-bit grads into the fp32 masters (O2)."""
         if self.masters is not None:
-            self.masters.reconcile(self._mastered())
+            self.masters.grads.reconcile(self._mastered())
 
     def before_zero_grad(self) -> None:
         """Before ``optimizer.zero_grad()`` (O2): the grads of a backward whose end was
@@ -599,7 +599,7 @@ class GradPath:
                     rec.scale = rec.loss_id = None
                 else:
                     rec.param.grad.zero_()
-        self.masters.after_zero_grad(self._mastered())
+        self.masters.grads.after_zero_grad(self._mastered())
 
     def _mastered(self) -> list[nn.Parameter]:
         """The model parameters whose grads are shown from a master (not held for DDP)."""
@@ -611,14 +611,14 @@ class GradPath:
         edits into the masters, so the unscale acts on the grads the step will use."""
         self.finish(absorb_raw=True)
         if self.masters is not None:
-            self.masters.materialize()  # it unscales the masters' grads
+            self.masters.grads.materialize()  # it unscales the masters' grads
         self.reconcile()
 
     def after_outside_unscale(self) -> None:
         """After it: O2, the model's 16-bit grads show the unscaled masters' grads
-        (:meth:`ampkit.levels.master.MasterWeights.follow_masters`)."""
+        (:meth:`ampkit.levels.grad_mirror.GradMirror.follow_masters`)."""
         if self.masters is not None:
-            self.masters.follow_masters(self._mastered())
+            self.masters.grads.follow_masters(self._mastered())
         self._followed = True
 
     def take_followed(self) -> bool:
@@ -633,7 +633,7 @@ class GradPath:
         mw = self.masters
         self._stepping = True
         if mw is not None:
-            mw.hide(self._mastered())
+            mw.grads.hide(self._mastered())
             mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
 
     def after_step(self) -> None:
@@ -642,4 +642,4 @@ class GradPath:
         mw = self.masters
         self._stepping = False
         if mw is not None:
-            mw.show(self._mastered())
+            mw.grads.show(self._mastered())

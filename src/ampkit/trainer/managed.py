@@ -386,7 +386,7 @@ class ManagedOptimizer(StepGrads):
             if masters is not None:
                 # The optimizer reads its (fp32 master) params' grads right after this
                 # call: held 16-bit grads (master_grads="on_demand") become fp32 ones now.
-                masters.materialize()
+                masters.grads.materialize()
             events, overflow = self._resolve_step()
             self._report(events)
             if overflow:
