@@ -486,7 +486,6 @@ OVERSIZED_FILES: dict[str, int] = {
     "levels/compensated.py": 706,
     "levels/model_cast.py": 718,
     "tools/compat/apex.py": 826,
-    "tools/diagnosis/_core.py": 842,
     "trainer/grad_hooks.py": 645,
     "trainer/managed.py": 615,
 }

@@ -1,5 +1,6 @@
-"""The :class:`Doctor`: ties the recording hooks, the op-level checker, the misuse
-checks and the advice to the managed optimizers' steps."""
+"""The :class:`Doctor`: ties the recording hooks (``_record``), the op-level checker
+(``_checker``), the localization of a bad step (``_localize``), the misuse checks
+(``_misuse``) and the advice (``_advice``) to the managed optimizers' steps."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ from ampkit._internal import torch_compat
 from ampkit._internal.dist import rank_and_world_size
 from ampkit._internal.dtypes import LOW_PRECISION, dtype_name, local_tensor
 from ampkit._internal.where import user_stacklevel
-from ampkit.casting.policy import canonical_op
 from ampkit.distributed import core as _distributed
 from ampkit.errors import StateError
-from ampkit.levels.setup import master_weights_of
 from ampkit.trainer import api as _optim
 from ampkit.trainer import extensions as _extensions
 
 from ._checker import OpChecker
 from ._findings import Finding, Misuse, ModuleMargin, StepPoint, limit_of
+from ._localize import graph_contains, localize, policy_op_of, underflow_fraction
+from ._misuse import MisuseChecks
 from ._record import Recorder, ResolvedStep, StepLog, paused
 from ._report import DoctorReport
 
@@ -150,7 +151,7 @@ class Doctor:
         self._ungathered: list[Finding] = []  # op-level findings not yet sent to the other ranks
         # per-step bookkeeping (misuse)
         self._scaled_nodes: list[Any] = []
-        self._user_hooks_checked: set[int] = set()
+        self._misuse_checks = MisuseChecks(self.misuse, self.recorder, self._warn_once)
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> Doctor:
@@ -280,9 +281,9 @@ class Doctor:
                 log.losses.append(loss.detach().float().sum())
         # the loss scaled twice: a loss whose graph holds the product of an earlier scale_loss
         if self._scaled_nodes:
-            found = _graph_contains([loss.grad_fn for loss in losses], self._scaled_nodes)
+            found = graph_contains([loss.grad_fn for loss in losses], self._scaled_nodes)
             if found:
-                self._misuse(
+                self._misuse_checks.record(
                     "loss_scaled_twice", states[0],
                     "the loss passed to ampkit.scale_loss was already multiplied by a loss scale "
                     "(it is computed from the tensor an earlier scale_loss yielded), so its grads "
@@ -342,10 +343,7 @@ class Doctor:
             self._stop_checker()
         log = self.recorder.log
         try:
-            self._check_scaled_edits(state, log)
-            self._check_backward_passes(state, log)
-            self._check_masters(state)
-            self._check_user_hooks(state)
+            self._misuse_checks.check_step(state, log, self.compute_dtype)
         except Exception as err:  # the doctor must never break a training step
             logger.debug("doctor: misuse check failed: %r", err)
 
@@ -396,7 +394,7 @@ class Doctor:
             if self._arm("overflow", step):
                 self._pending_event = local
         elif self.compute_dtype is torch.float16:
-            under = _underflow_fraction(res, torch.float16)
+            under = underflow_fraction(res, torch.float16)
             if under is not None and under >= self.underflow_threshold:
                 self._arm("underflow", step)
 
@@ -406,7 +404,7 @@ class Doctor:
         finding: Finding | None = None
         origin, entered = checker.origin, checker.entered
         if origin is not None:
-            policy_op = _policy_op(origin.function)
+            policy_op = policy_op_of(origin.function)
             module_type = self._module_types.get(origin.module or "")
             finding = Finding(
                 step=step, scale=scale, kind="overflow", level="op", direction=origin.direction,
@@ -508,136 +506,6 @@ class Doctor:
             if name in self.margins:
                 self.margins[name].nonfinite_steps += 1
 
-    # --- misuse checks -----------------------------------------------------------------
-    def _misuse(self, kind: str, state: Any, message: str, **details: Any) -> None:
-        step = getattr(state, "steps", 0) + 1
-        if any(m.kind == kind for m in self.misuse):
-            return
-        self.misuse.append(Misuse(kind, step, message, details))
-        self._warn_once(kind, f"ampkit.doctor: {message}")
-
-    def _check_scaled_edits(self, state: _optim.ManagedOptimizer, log: StepLog) -> None:
-        """Grads changed in place between backward and ampkit's unscale while they
-        still held ``S*g`` -- typically ``clip_grad_norm_`` before ``amp.unscale``. With
-        ampkit's gradient path grads are real when backward ends, so this concerns the
-        grads it leaves scaled until the step (FSDP2's sharded parameters)."""
-        scale = state.scalers[0].scale
-        if scale == 1.0 or not log.scaled_grads:
-            return
-        pairs = []
-        for pref, gref, sumsq in log.scaled_grads.values():
-            p, g = pref(), gref()
-            if p is None or g is None or p.grad is not g:
-                continue
-            # squared norms, not version counters: in-place ops on DTensor grads (FSDP2)
-            # leave those unchanged
-            pairs.append(torch.stack([sumsq, local_tensor(g).detach().float().pow(2).sum()]))
-        if not pairs:
-            return
-        changed = [v for v in torch.stack(pairs).tolist() if not math.isclose(v[0], v[1], rel_tol=1e-6)]
-        ratios = [math.sqrt(after / before) for before, after in changed if before > 0 and math.isfinite(after)]
-        if not ratios:
-            return
-        lo, hi = min(ratios), max(ratios)
-        uniform = hi <= lo * 1.01 + 1e-12 and hi < 0.999
-        if uniform:
-            before = math.sqrt(sum(v[0] for v in changed))
-            after = math.sqrt(sum(v[1] for v in changed))
-            self._misuse(
-                "clip_before_unscale", state,
-                f"the grads of {len(changed)} parameter(s) were scaled down by {lo:.3g} between backward "
-                f"and the step while they still held the loss scale ({scale:g}): the total norm went from "
-                f"{before:.4g} (= {before / scale:.4g} unscaled) to {after:.4g}, so clip_grad_norm_ clipped "
-                "the scaled grads and the update is about 1/scale too small. Call ampkit.unscale(optimizer) "
-                "before clipping (or clip ampkit.master_params(optimizer) after it).",
-                factor=lo, norm_before=before / scale, norm_after=after / scale, scale=scale,
-            )
-        elif not torch.distributed.is_initialized():
-            self._misuse(
-                "grads_modified_while_scaled", state,
-                f"the grads of {len(changed)} parameter(s) were changed in place between backward and "
-                f"the step while they still held the loss scale ({scale:g}); code that reads or edits "
-                "grads (clipping, noise, masks, logging norms) must run after ampkit.unscale(optimizer).",
-            )
-
-    def _check_backward_passes(self, state: _optim.ManagedOptimizer, log: StepLog) -> None:
-        if not log.params:
-            return
-        tasks: dict[int, tuple[int, int]] = {}
-        for seq, *_rest, task in log.params:
-            lo, hi = tasks.get(task, (seq, seq))
-            tasks[task] = (min(lo, seq), max(hi, seq))
-        scaled = set(log.scaled_tasks)
-        if log.scaled_losses == 0:
-            if state.scalers[0].scale != 1.0 or self.compute_dtype is torch.float16:
-                self._misuse(
-                    "step_without_scale_loss", state,
-                    "optimizer.step() ran on grads from a backward outside ampkit.scale_loss: the loss was "
-                    "not scaled (fp16 grads can underflow) and the loss scaler learns nothing from the "
-                    "step. Write `with ampkit.scale_loss(loss, optimizer) as scaled: scaled.backward()`.",
-                )
-            return
-        spans = [tasks[t] for t in scaled if t in tasks]
-        unscaled = [
-            t for t, (lo, hi) in tasks.items()
-            if t not in scaled and not any(a <= lo and hi <= b for a, b in spans)
-        ]
-        repeated = len(log.scaled_tasks) > log.scaled_losses
-        if unscaled or repeated:
-            what = (
-                f"{len(unscaled)} backward pass(es) outside scale_loss added unscaled grads to grads "
-                "scaled by the loss scale" if unscaled else
-                f"backward ran {len(log.scaled_tasks)} times on {log.scaled_losses} scaled loss(es) "
-                "(retain_graph=True and a second backward?), adding the same grads twice"
-            )
-            self._misuse(
-                "two_backward_one_scale_loss", state,
-                f"the grads of this step come from more backward passes than scale_loss calls: {what}. "
-                "Give every backward its own `with ampkit.scale_loss(loss, optimizer) as scaled:` "
-                "(losses summed before one scale_loss count as one).",
-                backward_passes=len(tasks), scaled_losses=log.scaled_losses,
-            )
-
-    def _check_masters(self, state: _optim.ManagedOptimizer) -> None:
-        mw = master_weights_of(state.optimizer)
-        if mw is None:
-            return
-        pairs = mw.pairs()
-        if not pairs:
-            return
-        with torch.no_grad():
-            diff = torch.stack([(m.to(p.dtype) != p).any() for p, m in pairs]).tolist()
-        stale = [self.recorder.param_name(p) or f"param {i}" for i, ((p, _), d) in enumerate(zip(pairs, diff)) if d]
-        if stale:
-            self._misuse(
-                "masters_out_of_sync", state,
-                f"{len(stale)} O2 model weight(s) ({', '.join(stale[:3])}{'...' if len(stale) > 3 else ''}) "
-                "differ from their fp32 masters rounded: they were changed outside the optimizer "
-                "(p.data.copy_, a manual update). The step takes each changed tensor into its "
-                "master whole, so those masters lose their low bits (the edit's result is kept in "
-                "16 bits only). To keep fp32 precision, change the masters instead: "
-                "ampkit.master_params(optimizer).",
-                params=stale,
-            )
-
-    def _check_user_hooks(self, state: _optim.ManagedOptimizer) -> None:
-        scale = state.scalers[0].scale
-        if scale == 1.0:
-            return
-        for name, p in self.recorder.hooked_params():
-            if id(p) in self._user_hooks_checked:
-                continue
-            self._user_hooks_checked.add(id(p))
-            if self.recorder.user_grad_hooks(p):
-                self._misuse(
-                    "grad_hook_sees_scaled_grads", state,
-                    f"parameter {name} has a gradient hook (Tensor.register_hook): hooks run inside "
-                    f"backward and see the scaled grad S*g (S = {scale:g}), so a clamp or clip there acts on "
-                    "S*g. Clip after backward with torch.nn.utils.clip_grad_norm_/clip_grad_value_ instead.",
-                    param=name,
-                )
-                return
-
     # --- distributed ---------------------------------------------------------------------
     def _gather(self, state: _optim.ManagedOptimizer, local: Finding) -> None:
         """Several processes, at a skipped step (every rank skips it together): one
@@ -650,7 +518,8 @@ class Doctor:
         pending, self._ungathered = self._ungathered, []
         if world == 1:
             return
-        if not _skip_agreed(state):  # ranks may skip different steps: no collective
+        # ampkit's agreement off ("never", or another group): ranks may skip different steps
+        if not _distributed.agrees_over_world(state):
             local.ranks = [rank] if local.direction is not None else []
             return
         mine = local.to_dict() if local.direction is not None else None
@@ -692,117 +561,6 @@ class Doctor:
         """The :class:`~ampkit.DoctorReport` of everything seen so far (also
         while running)."""
         return DoctorReport.build(self)
-
-
-def _skip_agreed(state: _optim.ManagedOptimizer) -> bool:
-    """Whether every rank of the world skips the same steps as this one (ampkit's
-    agreement is on: any sync mode but ``"never"``, on the default group)."""
-    return _distributed.agrees_over_world(state)
-
-
-def localize(res: ResolvedStep, step: int, scale: float) -> Finding | None:
-    """The first non-finite value in one step's module-level records, or None."""
-    events: list[tuple[int, str, Any]] = []
-    for seq, name, dt, amax in res.acts:
-        if not math.isfinite(amax):
-            events.append((seq, "act", (name, dt, amax)))
-            break
-    for seq, name, parent, dt, amax in res.inputs:
-        if not math.isfinite(amax):
-            events.append((seq, "input", (name, parent, dt)))
-            break
-    for seq, tap, dt, amax in res.grads:
-        if not math.isfinite(amax):
-            events.append((seq, "grad", (tap, dt, amax)))
-            break
-    bad_params = [p for p in res.params if not math.isfinite(p[5])]
-    if bad_params:
-        p = bad_params[0]
-        events.append((p[0], "param", p))
-    if not events:
-        return None
-    events.sort(key=lambda e: e[0])
-    seq, kind, data = events[0]
-    params = [p[1] for p in bad_params[:3]]
-    if kind == "act":
-        name, dt, amax = data
-        return Finding(
-            step, scale, "overflow", "module", direction="forward", module=name,
-            module_type=res.module_type.get(name), dtype=dtype_name(dt),
-        )
-    if kind == "input":
-        name, parent, dt = data
-        if parent is None:  # the model's own input
-            return Finding(step, scale, "nonfinite_input", "module", direction="forward", module=name,
-                           module_type=res.module_type.get(name), dtype=dtype_name(dt))
-        # made by the parent's own code (functional ops between its children)
-        return Finding(
-            step, scale, "overflow", "module", direction="forward", module=parent,
-            module_type=res.module_type.get(parent), dtype=dtype_name(dt),
-        )
-    if kind == "grad":
-        tap, dt, amax = data
-        # no module took the tensor: the code of the module that received it made its grad
-        module = _innermost(tap.consumers) if tap.consumers else tap.owner
-        return Finding(
-            step, scale, "overflow", "module", direction="backward", module=module,
-            module_type=res.module_type.get(module or ""), dtype=dtype_name(dt), params=params,
-        )
-    module = data[2]
-    return Finding(
-        step, scale, "overflow", "module", direction="backward", module=module,
-        module_type=res.module_type.get(module), dtype=dtype_name(data[3]), params=params,
-    )
-
-
-def _innermost(names: list[str]) -> str | None:
-    """The most deeply nested of the modules that took a tensor as input (the one
-    whose backward computed its grad)."""
-    if not names:
-        return None
-    return max(names, key=lambda n: (n.count(".") + (1 if n else 0), len(n)))
-
-
-def _underflow_fraction(res: ResolvedStep, dtype: torch.dtype) -> float | None:
-    """Of the parameter-grad elements of modules computing in ``dtype``: the fraction of
-    non-zero ones below its smallest normal, or the fraction of zeros when that is
-    above 90% (grads that vanished altogether). None without such grads."""
-    zeros = sub = n = 0.0
-    for _seq, _pn, mname, _dt, numel, _amax, z, below, _sq, _t in res.params:
-        if res.module_dtype.get(mname) is dtype:
-            zeros += z
-            sub += below - z
-            n += numel
-    if not n:
-        return None
-    if zeros / n >= 0.9:
-        return zeros / n
-    return sub / (n - zeros) if n > zeros else 0.0
-
-
-def _policy_op(function: Any) -> str | None:
-    if function is None:
-        return None
-    try:
-        name = canonical_op(function)
-    except Exception:
-        return None
-    return None if name.startswith("py:") else name
-
-
-def _graph_contains(roots: list[Any], targets: list[Any], limit: int = 256) -> bool:
-    wanted = {id(t) for t in targets}
-    seen: set[int] = set()
-    todo = [r for r in roots if r is not None]
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        if id(node) in wanted:
-            return True
-        seen.add(id(node))
-        todo.extend(n for n, _ in node.next_functions if n is not None)
-    return False
 
 
 # --- the process-wide doctor (init_trainer(..., doctor=True), AMPKIT_DOCTOR=1) ----------
