@@ -352,15 +352,30 @@ def _attach_trainer(
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if mw is not None:
-            managed.backward_params = mw.backward_params()  # type: ignore[assignment]
-            managed.grad_path.set_masters(mw, models)
-            managed.add_extension(_MasterStep(mw))
+            managed.add_extension(_MasterStep(mw, models))
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
-            managed.register_extra_state(
-                "compensation", comp.state_dict, comp.load_state_dict, comp.check_state_dict
-            )
+            managed.add_extension(_CompensationState(comp))
+
+
+class _CompensationState(StepExtension):
+    """O2K's compensation buffers, saved as ``"compensation"`` with the optimizer (the
+    buffers step inside the optimizer's own ``step``: no hook point needed)."""
+
+    state_name = "compensation"
+
+    def __init__(self, comp: CompensatedUpdates) -> None:
+        self.comp = comp
+
+    def state_dict(self) -> Any:
+        return self.comp.state_dict()
+
+    def check_state_dict(self, state: Any) -> None:
+        self.comp.check_state_dict(state)
+
+    def load_state_dict(self, state: Any) -> None:
+        self.comp.load_state_dict(state)
 
 
 class _MasterStep(StepExtension):
@@ -371,14 +386,22 @@ class _MasterStep(StepExtension):
     then skips them, and put back after it); the other held grads get their fp32
     copies for the optimizer. After every taken step
     the masters not written by the one pass are copied back into the model. Saved as
-    ``"master_weights"`` with the optimizer."""
+    ``"master_weights"`` with the optimizer. Added to the optimizer, it routes the
+    model's gradients into the masters (:meth:`on_add`)."""
 
     state_name = "master_weights"
 
-    def __init__(self, masters: MasterWeights) -> None:
+    def __init__(self, masters: MasterWeights, models: list[nn.Module]) -> None:
         self.masters = masters
+        self.models = models
         self._written: set[int] = set()
         self._lifted: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def on_add(self, optimizer: Any) -> None:
+        # backward accumulates into the model's parameters, which the masters stand for;
+        # the gradient path routes their grads into the masters' (grad_hooks)
+        optimizer.backward_params = self.masters.backward_params()
+        optimizer.grad_path.set_masters(self.masters, self.models)
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         self._written = set()

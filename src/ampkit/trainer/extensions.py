@@ -104,6 +104,11 @@ class StepExtension:
         """The step is over: taken (``skipped=False``, after :meth:`after_update`) or
         skipped for inf/NaN grads (``skipped=True``)."""
 
+    def on_add(self, optimizer: ManagedOptimizer) -> None:
+        """This extension was just added to ``optimizer`` (its state name registered):
+        plug into what the optimizer exposes for it, e.g. its ``grad_path`` (where O2's
+        master weights route the model's gradients) or ``backward_params``."""
+
     def on_remove(self, optimizer: ManagedOptimizer) -> None:
         """This extension was removed from ``optimizer``."""
 

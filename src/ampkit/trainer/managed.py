@@ -131,8 +131,8 @@ class ManagedOptimizer(StepGrads):
     def add_extension(self, ext: StepExtension) -> StepExtension:
         """Run ``ext`` at the named points of every step of this optimizer, after the
         extensions added before it; with a ``state_name``, its state is saved with the
-        optimizer (raises :class:`~ampkit.StateError` if that name is taken). Adding
-        one extension twice adds it once. Returns ``ext``."""
+        optimizer (raises :class:`~ampkit.StateError` if that name is taken); then call
+        its ``on_add``. Adding one extension twice adds it once. Returns ``ext``."""
         if not isinstance(ext, StepExtension):
             raise StateError(f"add_extension: expected a StepExtension, got {type(ext).__name__}.")
         if any(e is ext for e in self._extensions):
@@ -142,6 +142,7 @@ class ManagedOptimizer(StepGrads):
             self._extra.register(name, ext.state_dict, ext.load_state_dict, ext.check_state_dict)
         self._extensions.append(ext)
         _owners(ext).append(self)
+        ext.on_add(self)
         return ext
 
     def remove_extension(self, ext: StepExtension) -> None:
