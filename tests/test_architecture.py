@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -555,3 +556,31 @@ def test_the_size_budget_catches_growth_and_new_oversized_units():
     assert [p.split(":")[0] for p in problems] == ["b.py", "c.py", "d.py", "gone.py"], problems
     files, functions = _sizes(SRC)
     assert files["scaling/loss_scaler.py"] > 100 and functions["levels/setup.py::initialize"] > 40
+
+
+# One docstring convention: Google style as napoleon reads it (``Args:`` entries
+# ``name (type): what it is. Default: ``x``.``). A default in brackets after the type,
+# ``name (type) [x]:``, is dropped from the rendered page by napoleon's parser.
+_BRACKET_DEFAULT = re.compile(r"^\s+`{0,2}\w+`{0,2} \([^)]*\) \[[^\]]*\]:", re.M)
+
+
+def _bracket_defaults(src: Path) -> list[str]:
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False) or ""
+                found += [f"{path.relative_to(src)}: {m.group(0).strip()}" for m in _BRACKET_DEFAULT.finditer(doc)]
+    return found
+
+
+def test_docstrings_keep_one_convention():
+    assert _bracket_defaults(SRC) == []
+
+
+def test_the_docstring_check_catches_a_bracketed_default(tmp_path):
+    (tmp_path / "m.py").write_text(
+        'def f(n=1):\n    """F.\n\n    Args:\n        n (int) [1]: how many.\n    """\n'
+    )
+    assert _bracket_defaults(tmp_path) == ["m.py: n (int) [1]:"]

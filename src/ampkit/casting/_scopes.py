@@ -385,12 +385,12 @@ def init(
         device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` if available else ``"cpu"``.
         policy: a base policy (default: the device's defaults).
         cache_enabled: as in :class:`autocast`.
-        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a plan from
+        plan (ampkit.TunePlan | str | os.PathLike | None): a plan from
             :func:`ampkit.tune` (or the path of a saved one): its module choices as
             op-level casting (kept modules pinned to fp32 by a module rule added to
             ``policy``), in its dtype. Weights are not cast here whatever the plan's level:
             :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's
-            raises :class:`ampkit.PlanError`.
+            raises :class:`ampkit.PlanError`. Default: ``None``.
         **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 

@@ -347,19 +347,19 @@ def prepare(
             parameters), DataLoaders, LR schedulers. All models and optimizers are set
             up by one :func:`ampkit.initialize` call (optimizers given together share one
             loss scaler per loss id).
-        opt_level (str | None) [None]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
-            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``.
-        dtype (torch.dtype | None) [None]: compute dtype, ``torch.bfloat16`` or
+        opt_level (str | None): ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
+            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``. Default: ``None``.
+        dtype (torch.dtype | None): compute dtype, ``torch.bfloat16`` or
             ``torch.float16``; None: ``AMPKIT_DTYPE`` if set, else the level's default
-            for the device (bf16 on CPU, fp16 on CUDA; always bf16 for O2K).
-        fp8 (Fp8Recipe | bool | None) [None]: fp8 matmuls for the linears the recipe
-            chooses (any level but O0); see :func:`ampkit.initialize`.
-        device_placement (list of bool | None) [None]: as for ``accelerator.prepare``;
+            for the device (bf16 on CPU, fp16 on CUDA; always bf16 for O2K). Default: ``None``.
+        fp8 (Fp8Recipe | bool | None): fp8 matmuls for the linears the recipe
+            chooses (any level but O0); see :func:`ampkit.initialize`. Default: ``None``.
+        device_placement (list of bool | None): as for ``accelerator.prepare``;
             models placed there are moved to ``accelerator.device`` *before* ampkit sets
-            them up (so casting and masters live where the model trains).
-        checkpoint (bool) [True]: make ``save_state``/``load_state`` carry ampkit's
+            them up (so casting and masters live where the model trains). Default: ``None``.
+        checkpoint (bool): make ``save_state``/``load_state`` carry ampkit's
             state as :data:`STATE_NAME` (once per Accelerator; see the module docs).
-            False: save :func:`ampkit.state_dict` yourself.
+            False: save :func:`ampkit.state_dict` yourself. Default: ``True``.
         **overrides: more settings of :func:`ampkit.initialize` (``loss_scale``,
             ``keep_fp32``, ``compensation``, ``master_weights``, ``model_grads``, ...),
             passed to it as they are; an unknown one raises :class:`ampkit.AmpError`.
@@ -438,8 +438,8 @@ def backward(
         optimizer: the optimizer(s) the loss trains, as prepared (an
             ``AcceleratedOptimizer``) or as built; several must share a scaler (be set
             up by one :func:`prepare` call).
-        loss_id (int) [0]: which loss scaler (``num_losses`` passed to :func:`prepare`).
-        retain_graph (bool) [False]: keep the graph for another backward.
+        loss_id (int): which loss scaler (``num_losses`` passed to :func:`prepare`). Default: ``0``.
+        retain_graph (bool): keep the graph for another backward. Default: ``False``.
     """
     check_accelerator(accelerator)
     if not isinstance(retain_graph, bool):

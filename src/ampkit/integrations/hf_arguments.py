@@ -139,20 +139,20 @@ class AmpkitArguments:
     parse from the command line with ``HfArgumentParser`` like HF's own.
 
     Attributes:
-        amp_level (str) ["O1"]: ampkit's opt level: ``"O0"``, ``"O1"``, ``"O2"``,
-            ``"O3"`` or ``"O2K"`` (see :func:`ampkit.initialize`).
-        amp_dtype (str | None) [None]: ``"bfloat16"`` or ``"float16"`` (``"bf16"``,
+        amp_level (str): ampkit's opt level: ``"O0"``, ``"O1"``, ``"O2"``,
+            ``"O3"`` or ``"O2K"`` (see :func:`ampkit.initialize`). Default: ``"O1"``.
+        amp_dtype (str | None): ``"bfloat16"`` or ``"float16"`` (``"bf16"``,
             ``"fp16"`` too); None: the device's default (bf16 on CPU, fp16 on CUDA;
-            O2K is always bf16).
-        amp_fp8 (bool) [False]: compute the linears of :class:`ampkit.Fp8Recipe`'s
-            default choice in fp8 (any level but O0).
-        amp_save_weights (str) ["fp32"]: what ``trainer.save_model()`` writes: the
+            O2K is always bf16). Default: ``None``.
+        amp_fp8 (bool): compute the linears of :class:`ampkit.Fp8Recipe`'s
+            default choice in fp8 (any level but O0). Default: ``False``.
+        amp_save_weights (str): what ``trainer.save_model()`` writes: the
             trained fp32 weights (``config.json`` dtype float32) or ``"converted"``,
             the :func:`ampkit.convert` inference model (16-bit weights, norm layers
-            fp32, config dtype the 16-bit one). Checkpoints always hold fp32 weights.
-        amp_plan (str | None) [None]: the path of a plan :func:`ampkit.tune` saved: its
+            fp32, config dtype the 16-bit one). Checkpoints always hold fp32 weights. Default: ``"fp32"``.
+        amp_plan (str | None): the path of a plan :func:`ampkit.tune` saved: its
             level and dtype where ``amp_level``/``amp_dtype`` are None, its kept modules
-            pinned to fp32 (``ampkit.initialize(plan=...)``). Read and checked here.
+            pinned to fp32 (``ampkit.initialize(plan=...)``). Read and checked here. Default: ``None``.
 
     Validation (:class:`HfIntegrationError`) runs in ``__post_init__``, after HF's own:
     HF's ``bf16``/``fp16``/``bf16_full_eval``/``fp16_full_eval`` are refused (HF's

@@ -164,17 +164,17 @@ def initialize(
             optimizer included, runs as ``opt_level`` says (any level but O0). Scales
             and abs-max histories are saved by :func:`ampkit.state_dict`. See
             :mod:`ampkit.fp8`. Default None: no fp8.
-        fresh (bool) [True]: end the previous AMP session first, like
+        fresh (bool): end the previous AMP session first, like
             :func:`ampkit.reset`. False adds these models and optimizers to the current
             session instead: the ones set up before keep training, each optimizer with
             its own scalers, masters and counters, and :func:`ampkit.state_dict` holds
             them all (apex's ``amp.initialize`` called again for a restored
             model/optimizer pair). Process-wide op-level casting (O1) is then set to this
-            call's policy. ``fresh=False`` takes no ``fp8``.
-        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a plan from
+            call's policy. ``fresh=False`` takes no ``fp8``. Default: ``True``.
+        plan (ampkit.TunePlan | str | os.PathLike | None): a plan from
             :func:`ampkit.tune` (or a saved one's path): its level and dtype as defaults,
             its kept modules fp32 (module rules; ``keep_fp32`` at O2/O3/O2K), name rules
-            relative to these models until :func:`ampkit.reset` (docs: tuning guide).
+            relative to these models until :func:`ampkit.reset` (docs: tuning guide). Default: ``None``.
         **overrides: change one setting of the level:
 
             - ``dtype``: compute dtype; default: the ``AMPKIT_DTYPE`` environment

@@ -200,29 +200,29 @@ class LossScaler:
     """A loss scale for one loss: static or dynamic, with hysteresis, a floor and a cap.
 
     Args (defaults in brackets):
-        init_scale (float) [2**16]: starting scale ``S``, rounded to fp32. Every scale
+        init_scale (float): starting scale ``S``, rounded to fp32. Every scale
             (``init_scale``, ``min_scale``, ``max_scale``, a loaded or set scale) must be
             a finite number > 0 whose fp32 reciprocal is finite too (>= about 2.9e-39);
             ``max_scale`` may also be ``math.inf``. When dynamic, ``min_scale <=
-            init_scale <= max_scale``; a static scale ignores ``min_scale``/``max_scale``.
-        growth_factor (float) [2.0]: ``S *= growth_factor`` after ``growth_interval``
-            clean steps in a row; must be > 1 and finite in fp32 (<= about 3.4e38).
-        backoff_factor (float) [0.5]: ``S *= backoff_factor`` on an overflow that is not
+            init_scale <= max_scale``; a static scale ignores ``min_scale``/``max_scale``. Default: ``2**16``.
+        growth_factor (float): ``S *= growth_factor`` after ``growth_interval``
+            clean steps in a row; must be > 1 and finite in fp32 (<= about 3.4e38). Default: ``2.0``.
+        backoff_factor (float): ``S *= backoff_factor`` on an overflow that is not
             tolerated by hysteresis; must be in [2**-126, 1) (a normal fp32 number: a
-            subnormal one takes any scale to the floor at once).
-        growth_interval (int) [2000]: clean steps in a row before the scale grows; >= 1.
-        hysteresis (int) [1]: overflows tolerated before backing off, DeepSpeed's
-            meaning; 1 backs off on every overflow (torch.amp's rule); >= 1.
-        min_scale (float) [1.0]: floor; the scale never goes below it, and an overflow
-            that would back off from it raises :class:`~ampkit.NumericsError`.
-        max_scale (float) [2**24]: cap; growth stops there (``math.inf`` for none).
-        dynamic (bool) [True]: ``False`` keeps ``init_scale`` forever (static scaling).
-        consecutive_hysteresis (bool) [False]: refill the hysteresis budget on every clean
+            subnormal one takes any scale to the floor at once). Default: ``0.5``.
+        growth_interval (int): clean steps in a row before the scale grows; >= 1. Default: ``2000``.
+        hysteresis (int): overflows tolerated before backing off, DeepSpeed's
+            meaning; 1 backs off on every overflow (torch.amp's rule); >= 1. Default: ``1``.
+        min_scale (float): floor; the scale never goes below it, and an overflow
+            that would back off from it raises :class:`~ampkit.NumericsError`. Default: ``1.0``.
+        max_scale (float): cap; growth stops there (``math.inf`` for none). Default: ``2**24``.
+        dynamic (bool): ``False`` keeps ``init_scale`` forever (static scaling). Default: ``True``.
+        consecutive_hysteresis (bool): refill the hysteresis budget on every clean
             step (overflows must then be consecutive to back off) instead of only when the
-            scale grows (DeepSpeed's ``consecutive_hysteresis``).
-        max_consecutive_skips (int | None) [100]: raise :class:`~ampkit.NumericsError` when
-            more than this many overflows happen in a row; ``None`` turns the check off.
-        name (str) ["loss scaler"]: how log records and errors call this scaler.
+            scale grows (DeepSpeed's ``consecutive_hysteresis``). Default: ``False``.
+        max_consecutive_skips (int | None): raise :class:`~ampkit.NumericsError` when
+            more than this many overflows happen in a row; ``None`` turns the check off. Default: ``100``.
+        name (str): how log records and errors call this scaler. Default: ``"loss scaler"``.
 
     Counts (``growth_interval``, ``hysteresis``, ``max_consecutive_skips``) must be
     ints and flags (``dynamic``, ``consecutive_hysteresis``) bools; anything else

@@ -191,29 +191,29 @@ def init_trainer(
             :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
             its configuration), a list of ``num_losses`` LossScalers, or a number (a
             static scale for every loss).
-        num_losses (int) [1]: how many losses get their own scaler (``loss_id`` in
-            ``scale_loss``).
-        schedulers (list of LRScheduler | None) [None]: per-step LR schedulers of these
+        num_losses (int): how many losses get their own scaler (``loss_id`` in
+            ``scale_loss``). Default: ``1``.
+        schedulers (list of LRScheduler | None): per-step LR schedulers of these
             optimizers for ampkit to step: each one's ``step()`` is called right after
             every real (not skipped) step of its optimizer, so the schedule advances only
             on steps that updated the parameters; the loop then calls no ``sched.step()``
             of its own (ampkit warns once if it does). Without it, write
             ``if not amp.step_skipped(opt): sched.step()``. ReduceLROnPlateau and
-            epoch-level schedulers stay with the loop (a ReduceLROnPlateau here raises).
-        fast_kernels (bool) [True]: param groups built with ``foreach`` and ``fused``
+            epoch-level schedulers stay with the loop (a ReduceLROnPlateau here raises). Default: ``None``.
+        fast_kernels (bool): param groups built with ``foreach`` and ``fused``
             both unset (torch's defaults) step with torch's fastest kernel for the same
             optimizer: ``fused=True`` for Adam, AdamW and Adagrad on fp32/fp64
             parameters, else ``foreach=True`` (see ``ampkit.trainer.fused_step``);
             re-applied after ``optimizer.load_state_dict``. The fused kernel's results
             may differ from the per-parameter loop in the last bits, depending on the
             CPU kind (AVX2: bitwise; AVX-512: ~0.15% of the elements of an AdamW step).
-            False leaves the optimizer exactly as built.
-        doctor (bool | None) [None]: watch these optimizers with the process-wide
+            False leaves the optimizer exactly as built. Default: ``True``.
+        doctor (bool | None): watch these optimizers with the process-wide
             :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
             registered as ``"doctor"`` (``ampkit.trainer.extensions.register_attacher``;
             ``ampkit.tools.diagnosis`` registers it when imported, a
             :class:`~ampkit.StateError` if it is not); ``None``: on when the environment
-            variable it registers (``AMPKIT_DOCTOR``) is ``1``. Off installs nothing.
+            variable it registers (``AMPKIT_DOCTOR``) is ``1``. Off installs nothing. Default: ``None``.
         hold_schedulers_on_skip: removed (it searched the heap for schedulers and
             swapped their class); ``True`` raises a :class:`~ampkit.StateError` that says
             what to write instead, ``False``/``None`` are accepted and do nothing.
@@ -304,7 +304,7 @@ def scale_loss(
         optimizer_or_list: the optimizer (or a list of optimizers) set up by
             :func:`init_trainer` or :func:`ampkit.initialize` whose parameters the loss
             reaches.
-        loss_id (int) [0]: which of the optimizer's ``num_losses`` scalers scales it.
+        loss_id (int): which of the optimizer's ``num_losses`` scalers scales it. Default: ``0``.
 
     Nothing happens at exit: ampkit's gradient hooks unscale the grads as each backward
     pass ends (grads without hooks, FSDP2's sharded ones, at the step), so the grads your

@@ -65,9 +65,11 @@ class StepExtension:
     (:meth:`ManagedOptimizer.add_extension <ampkit.trainer.managed.ManagedOptimizer.add_extension>`).
     Override the hook points you need; each default does nothing.
 
-    ``state_name`` (str | None) [None]: when set, :meth:`state_dict` is saved under this
-    name with the optimizer in ``ampkit.state_dict()``, :meth:`check_state_dict` validates
-    a saved value (changing nothing) and :meth:`load_state_dict` restores it."""
+    Attributes:
+        state_name (str | None): when set, :meth:`state_dict` is saved under this name
+            with the optimizer in ``ampkit.state_dict()``, :meth:`check_state_dict`
+            validates a saved value (changing nothing) and :meth:`load_state_dict`
+            restores it. Default: ``None``."""
 
     state_name: str | None = None
 

@@ -137,9 +137,8 @@ class ManagedOptimizer(StepGrads):
             raise StateError(f"add_extension: expected a StepExtension, got {type(ext).__name__}.")
         if any(e is ext for e in self._extensions):
             return ext
-        name = ext.state_name
-        if name is not None:
-            self._extra.register(name, ext.state_dict, ext.load_state_dict, ext.check_state_dict)
+        if ext.state_name is not None:
+            self._extra.register(ext.state_name, ext.state_dict, ext.load_state_dict, ext.check_state_dict)
         self._extensions.append(ext)
         _owners(ext).append(self)
         ext.on_add(self)

@@ -41,26 +41,26 @@ class AmpkitPrecision(Precision):
                           plugins=[AmpkitPrecision("O2")])
 
     Args:
-        opt_level (str | None) [None]: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
-            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``.
-        dtype (torch.dtype | None) [None]: the compute dtype, ``torch.bfloat16`` or
+        opt_level (str | None): ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``
+            (see :func:`ampkit.initialize`); None: ``AMPKIT_LEVEL`` if set, else ``"O1"``. Default: ``None``.
+        dtype (torch.dtype | None): the compute dtype, ``torch.bfloat16`` or
             ``torch.float16``; None: ``AMPKIT_DTYPE`` if set, else the level's default on
-            the model's device (bf16 on CPU, fp16 on CUDA; O2K is always bf16). fp16 on CPU is emulated (slow).
-        fp8 (ampkit.Fp8Recipe | bool | None) [None]: fp8 matmuls for the linears the
-            recipe chooses (True: the default recipe), as ``ampkit.initialize(fp8=...)``.
-        loss_scale (float | "dynamic" | None) [None]: ``"dynamic"`` or a static scale; None:
-            the level's default (dynamic for fp16 at O1/O2, 1 otherwise).
-        policy (ampkit.Policy | None) [None]: the op-level casting policy (O1, O2, O2K).
-        options (Mapping[str, Any] | None) [None]: further ``ampkit.initialize`` options by
+            the model's device (bf16 on CPU, fp16 on CUDA; O2K is always bf16). fp16 on CPU is emulated (slow). Default: ``None``.
+        fp8 (ampkit.Fp8Recipe | bool | None): fp8 matmuls for the linears the
+            recipe chooses (True: the default recipe), as ``ampkit.initialize(fp8=...)``. Default: ``None``.
+        loss_scale (float | "dynamic" | None): ``"dynamic"`` or a static scale; None:
+            the level's default (dynamic for fp16 at O1/O2, 1 otherwise). Default: ``None``.
+        policy (ampkit.Policy | None): the op-level casting policy (O1, O2, O2K). Default: ``None``.
+        options (Mapping[str, Any] | None): further ``ampkit.initialize`` options by
             name (``keep_fp32``, ``keep_norm_fp32``, ``cast_model_outputs``,
             ``master_weights``, ``compensation``, ``min_loss_scale``, ``max_loss_scale``,
             ``num_losses``, ``fast_kernels``, ``model_grads``, ...). Every argument is
             checked here: a bad one raises :class:`ampkit.AmpError` before any Trainer
-            exists.
-        plan (ampkit.TunePlan | str | os.PathLike | None) [None]: a per-module plan from
+            exists. Default: ``None``.
+        plan (ampkit.TunePlan | str | os.PathLike | None): a per-module plan from
             :func:`ampkit.tune` (or the path of a saved one): its level and dtype where
             ``opt_level``/``dtype`` are None, its kept modules pinned to fp32 in the policy
-            and, at O2/O3/O2K, in ``keep_fp32``, as ``ampkit.initialize(plan=...)``.
+            and, at O2/O3/O2K, in ``keep_fp32``, as ``ampkit.initialize(plan=...)``. Default: ``None``.
 
     What it does in the Trainer:
 

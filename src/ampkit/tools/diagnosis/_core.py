@@ -79,12 +79,12 @@ class Doctor:
     Args:
         optimizers: managed optimizers to watch (``None``: every optimizer managed in
             the current AMP session when the doctor starts).
-        every (int) [50]: at least this many steps between two op-level checks.
-        max_checks (int) [10]: op-level checks in all.
-        underflow_threshold (float) [0.5]: a step whose 16-bit parameter gradients have
+        every (int): at least this many steps between two op-level checks. Default: ``50``.
+        max_checks (int): op-level checks in all. Default: ``10``.
+        underflow_threshold (float): a step whose 16-bit parameter gradients have
             at least this fraction of elements below the smallest subnormal arms an
-            op-level underflow check.
-        log (bool) [True]: log findings on the ``ampkit.doctor`` logger (rank 0 only).
+            op-level underflow check. Default: ``0.5``.
+        log (bool): log findings on the ``ampkit.doctor`` logger (rank 0 only). Default: ``True``.
     """
 
     def __init__(

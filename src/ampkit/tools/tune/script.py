@@ -130,14 +130,14 @@ def tune_script(
 
     Args:
         script, args: the script and its arguments.
-        steps (int) [50]: steps of each confirming run (fp32 and every candidate).
-        budget (float) [0.01]: how much worse than fp32's the script's final loss may be
-            (relative; the mean of each run's last quarter of losses).
+        steps (int): steps of each confirming run (fp32 and every candidate). Default: ``50``.
+        budget (float): how much worse than fp32's the script's final loss may be
+            (relative; the mean of each run's last quarter of losses). Default: ``0.01``.
         candidates, grad_limit, max_seconds, include_emulated: as :func:`ampkit.tune`.
-        capture_steps (int) [4]: steps of the capturing fp32 run (its first calls are the
-            calibration batches).
-        repeats (int) [3]: timed runs per module and dtype.
-        max_backoffs (int) [2]: confirming runs repeated after putting a module back.
+        capture_steps (int): steps of the capturing fp32 run (its first calls are the
+            calibration batches). Default: ``4``.
+        repeats (int): timed runs per module and dtype. Default: ``3``.
+        max_backoffs (int): confirming runs repeated after putting a module back. Default: ``2``.
     """
     start = time.perf_counter()
     path = Path(script)

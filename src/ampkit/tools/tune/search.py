@@ -69,23 +69,23 @@ def tune(
             ``min(len, 4)``, the probe cycles through all of them.
         loss_fn: ``loss_fn(model(*inputs), targets) -> scalar``; None: ``model(*inputs)``
             is the loss.
-        budget (float) [0.01]: the allowed relative deviation of the probe's final loss
-            (mean over its last quarter of steps) from fp32's.
+        budget (float): the allowed relative deviation of the probe's final loss
+            (mean over its last quarter of steps) from fp32's. Default: ``0.01``.
         candidates: 16-bit dtypes to try, of ``"bf16"``, ``"fp16"``, ``"fp8"``; those this
             hardware does not compute natively are skipped and named in
             :attr:`TunePlan.skipped`. The plan uses one 16-bit dtype: the candidate whose
             choice saves the most time.
         device_type: ``"cpu"``/``"cuda"``; default: the model's parameters' device.
-        probe_steps (int) [30]: training steps of the confirming probe (and of fp32's).
+        probe_steps (int): training steps of the confirming probe (and of fp32's). Default: ``30``.
         optimizer: ``factory(params) -> optimizer`` for the probe; default
             ``torch.optim.AdamW(params, lr=1e-3)``.
-        repeats (int) [5]: timed runs per module and dtype (the fastest counts).
-        grad_limit (float) [0.1]: a module whose gradient deviation alone exceeds this
-            stays fp32, however little the loss moves.
-        max_backoffs (int) [4]: probes rerun after putting a module back to fp32.
-        max_seconds (float) [300.0]: a bound on the measuring phases; modules not measured
-            in time stay fp32 (their reason says so). The probes run in full.
-        include_emulated (bool) [False]: measure bf16/fp16 on a CPU that emulates them.
+        repeats (int): timed runs per module and dtype (the fastest counts). Default: ``5``.
+        grad_limit (float): a module whose gradient deviation alone exceeds this
+            stays fp32, however little the loss moves. Default: ``0.1``.
+        max_backoffs (int): probes rerun after putting a module back to fp32. Default: ``4``.
+        max_seconds (float): a bound on the measuring phases; modules not measured
+            in time stay fp32 (their reason says so). The probes run in full. Default: ``300.0``.
+        include_emulated (bool): measure bf16/fp16 on a CPU that emulates them. Default: ``False``.
 
     Returns:
         A :class:`TunePlan`; ``plan.policy()`` applies it (``ampkit.init(policy=...)``).
