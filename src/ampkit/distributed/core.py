@@ -1,59 +1,26 @@
 """Multi-process training: skip decisions every rank agrees on, DDP/FSDP2 helpers.
 
-The problem. A managed optimizer skips its step when its gradients hold inf/NaN and
-its loss scaler backs off. If one rank skips and another steps, the replicas stop
-being replicas, silently. Whether ranks can decide differently depends on the
-gradients each rank holds when ``optimizer.step()`` checks them:
+If one rank skips a step and another takes it, the replicas stop being replicas,
+silently; code between backward and the step can change one rank's gradients only
+(per-rank noise or masks, writes through ``.data``, ``no_sync`` accumulation, several
+loss ids), so with agreement on, the step's found-inf segments are encoded on the device
+into one small vector (per loss id: overflowed, masked, clean or absent; plus the skip
+flag) and go through **one** ``all_reduce(MAX)``, whose host read is the step's one host
+sync: every rank skips together and feeds every loss scaler the same event. Ranks that
+scaled different loss ids in one step get a :class:`~ampkit.DistributedError` on every
+rank. :func:`set_sync` chooses per optimizer (``"auto"``, ``"always"``, ``"never"``),
+:func:`sync_plan` says what the next step will do and why; the modes, their costs and the
+DDP/FSDP2 recipes per opt level are ``docs/guides/distributed.md``.
 
-- FSDP2 (``fully_shard``): gradients are ``DTensor`` shards, and torch's fused
-  unscale kernel all-reduces the found-inf flag (MAX) over the device mesh inside the
-  unscale call. No collective of ampkit's is needed.
-- everything else, plain ``DistributedDataParallel`` included. DDP leaves the same
-  all-reduced gradients on every rank, but code between backward and the step can
-  change them on one rank only: per-rank noise or masks, a write through ``.data``
-  (``p.grad.data[i] = x`` changes no version counter, so nothing but the values tells),
-  stepping on gradients accumulated under ``no_sync``, parameters outside DDP, per-rank
-  losses, several loss ids checked between backward passes. So the found-inf flags are
-  all-reduced (MAX).
-
-How the agreement runs. At step time the trainer already holds one found-inf flag per
-segment of the step (one per loss id switch, each from the fused unscale+check pass
-over every device/dtype group). With agreement on, these flags are encoded on the
-device into one small vector -- per loss id, whether it overflowed, was masked by an
-earlier overflow, was clean or was absent on this rank, plus the skip flag -- that
-vector goes through **one** ``all_reduce(MAX)``, and its host read is the step's one
-host sync. Every rank then skips together and feeds every loss scaler the same event,
-so the scales stay equal. Ranks that scaled different loss ids in one step get a
-:class:`~ampkit.DistributedError` on every rank (rather than scalers drifting apart).
-
-When ampkit agrees (:func:`set_sync`, per optimizer):
-
-- ``"auto"`` (default): on every step of more than one rank, unless all gradients are
-  DTensors (FSDP2, agreed inside torch's unscale). One all-reduce of a few floats per
-  step, which also carries the step's one host read.
-- ``"always"``: on every step (world size > 1), DTensor gradients included.
-- ``"never"``: each rank decides alone. Only where no code changes the gradients on
-  some ranks between backward and the step.
-
-How it plugs in. :data:`AGREEMENT` implements :class:`ampkit.trainer.decision.StepAgreement`;
+How it plugs in: :data:`AGREEMENT` implements :class:`ampkit.trainer.decision.StepAgreement`;
 importing this module installs it as the trainer's default agreement
 (:func:`ampkit.trainer.extensions.set_default_agreement`), which ``ampkit.init_trainer``
-hands to every managed optimizer (``ManagedOptimizer.agreement``), whose step calls it
-before reading the flags; the skip rule itself is :func:`ampkit.trainer.decision.decide`,
-the same for one process and many.
-
+hands to every managed optimizer, whose step calls it before reading the flags; the skip
+rule is :func:`ampkit.trainer.decision.decide`, the same for one process and many.
 Nothing happens in a single process, or before ``torch.distributed`` is initialized.
-:func:`sync_plan` says what the next step will do and why.
-
-Opt levels. ``ampkit.initialize`` first, then wrap the model in DDP (like apex). O2
-builds fp32 master weights from each rank's fp32 model *before* DDP broadcasts rank 0's
-weights into the model, so :func:`register_ddp` broadcasts the masters from rank 0 too;
-without it (and without identical seeds on every rank) the first step raises a
-:class:`~ampkit.DistributedError` instead of letting the masters drift apart. Under
-FSDP2 every level runs: :func:`ampkit.distributed.fully_shard` shards the fp32 model for
-its level (``ampkit/distributed/fsdp.py``), then the optimizer, then ``initialize``; a
-model sharded by torch's own ``fully_shard`` runs at O0/O1, and O2/O3/O2K refuse it with
-that recipe.
+:func:`register_ddp` broadcasts O2's masters from rank 0 (built from each rank's fp32
+model before DDP broadcast its weights); without it, masters that differ make the first
+step raise a :class:`~ampkit.DistributedError`.
 """
 
 from __future__ import annotations

@@ -1,69 +1,23 @@
 """fp32 master weights for a model stored in 16 bits (opt level O2).
 
-The optimizer never sees the model's fp16/bf16 parameters: each one is replaced,
-at its position in ``optimizer.param_groups``, by an fp32 *master* copy. One step
-under ampkit's trainer (hooks installed by :mod:`ampkit.trainer.grad_hooks`):
-
-1. backward produces each 16-bit gradient (times the loss scale); as soon as it is
-   accumulated, a hook moves it into the master's fp32 ``.grad`` -- unscaled and
-   checked for inf/NaN in fp32, summed in fp32 over micro-batches -- and frees it
-   (:meth:`~.GradMirror.absorb`). With ``master_grads="on_demand"`` (the default) a
-   grad that is its step's whole gradient at a scale of 1 on CPU is only checked and
-   stays on the model (*held*; the master gets a placeholder grad), the step reads it
-   in one pass (:mod:`ampkit.levels.one_pass`) and the fp32 grad is derived only when
-   something needs it (see :class:`MasterWeights`); steps 2-4 then concern the other
-   grads;
-2. when the backward pass ends, each model parameter gets a 16-bit copy of its
-   master's gradient (:meth:`~.GradMirror.show`), so code that reads or edits
-   ``model.parameters()`` grads (``clip_grad_norm_``, logging, hand edits) sees the
-   real gradient. On CPU, with a scale of 1 (bf16's default) and no earlier grad in
-   the master, that copy is the 16-bit grad backward produced (the fp32 one is its
-   exact widening), kept aside by :meth:`~.GradMirror.absorb` until then: no copy is
-   rounded, no second 16-bit buffer allocated (see ``grad_mirror.KEEP_ASIDE_DEVICES``). With
-   ``model_grads="view"`` such a grad is shown as a bf16 view of the fp32 grad's high
-   halves instead (the two share memory; see :class:`MasterWeights`);
-3. before the grads are checked and before the step, changes made through either
-   side are merged (:meth:`~.GradMirror.reconcile`): clearing grads through the model
-   (``model.zero_grad()``, ``p.grad = None``, ``set_to_none=False``) or through the
-   optimizer (``optimizer.zero_grad()``, the masters' grads) clears the one gradient;
-   a uniform rescale of the copy (``clip_grad_norm_``) rescales the fp32 gradient by
-   the same factor; other edits replace the elements they changed;
-4. while the optimizer steps, the model holds no 16-bit grad (:meth:`~.GradMirror.hide`
-   before, :meth:`~.GradMirror.show` after: on CUDA no 16-bit gradient beside the fp32
-   one at the step's peak; on CPU, where re-allocating costs page faults, unchanged
-   copies are kept aside and put back); the optimizer steps the masters (fp32 state,
-   fp32 arithmetic);
-   after a real (not skipped) step, :meth:`MasterWeights.publish` rounds the masters
-   into the model's 16-bit weights.
-
-The two copies of the weights stay one as well: before each step, model weights
-changed outside ampkit (``p.data.clamp_``, manual weight decay, ``copy_``) are taken
-into their masters (:meth:`MasterWeights.sync_from_model`); masters changed outside the
-managed step (an optimizer wrapper stepping its base optimizer, e.g. SAM) are rounded
-into the model at its next forward (:meth:`MasterWeights.publish_changed`).
-
-Edits made through ``.data`` bypass the version counter: on the model's grads they
-are found by comparing values (a grad held on the model or shown as a view is the
-memory the step reads: it is checked for inf/NaN at the step, not when backward made
-it); on the masters' grads use in-place tensor ops (as
-``torch.nn.utils`` does). The comparisons (16-bit copy against its fp32 source
-rounded, for grads and weights) read each element once; large bf16 tensors on CPU
-use a compiled kernel (:func:`ampkit.levels.update_kernels.rounds_to_bf16`, ~4-5x faster than
-comparing chunk by chunk), falling back to the exact chunked comparison whenever
-it finds a difference or where it cannot compile.
-
-Masters are built from the fp32 weights *before* the model is cast, so no bit of
-the initial weights is lost. Their values are saved by :meth:`state_dict` in
-fp32; a resumed run loads them back instead of re-deriving them from the 16-bit
-weights (which would lose the low bits, and with them exact resumption).
-``Optimizer.load_state_dict`` casts floating state to the dtype of the parameter
-at each position; as masters are fp32, the fp32 optimizer state survives it.
+The optimizer never sees the model's fp16/bf16 parameters: each is replaced, at its
+position in ``optimizer.param_groups``, by an fp32 master built from the fp32 weights
+*before* the model is cast (no bit of the initial weights is lost). :class:`MasterWeights`
+holds the pairs, rounds the masters into the model after a taken step
+(:meth:`MasterWeights.publish`), takes model weights changed outside ampkit into their
+masters (:meth:`MasterWeights.sync_from_model`) and masters changed outside the managed
+step into the model (:meth:`MasterWeights.publish_changed`), and saves the masters in
+fp32 (:meth:`MasterWeights.state_dict`: a resumed run continues from the exact values;
+``Optimizer.load_state_dict`` casts state to each position's dtype, fp32 here). The
+model's 16-bit grads and the masters' fp32 grads are kept one gradient by its
+:class:`~ampkit.levels.grad_mirror.GradMirror` (``MasterWeights.grads``), under the
+trainer's hooks (:mod:`ampkit.trainer.grad_hooks`); without the trainer,
+:meth:`MasterWeights.gather_grads` moves the grads by hand. Edits made through ``.data``
+are found by value (:func:`ampkit.levels.rounding.rounds_to`).
 
 Parameters that are fp32 in the model (normalization layers under O2) are stepped
-directly and have no master.
-
-Without the trainer (a bare :class:`MasterWeights`), :meth:`MasterWeights.gather_grads`
-moves the model's grads into the masters by hand.
+directly and have no master. The whole cycle of a step: ``docs/concepts/fp32.md``
+("Master weights").
 """
 
 from __future__ import annotations

@@ -13,73 +13,25 @@ The seed API::
         if not ampkit.step_skipped(opt):           # or init_trainer(opt, schedulers=[sched])
             sched.step()
 
-How a step runs. ``scale_loss`` multiplies the loss by its loss scaler's scale ``S``.
-The gradients are made real during backward (:mod:`ampkit.trainer.grad_hooks`): when a
-backward pass ends, the gradients it produced are multiplied by ``1/S`` and checked for
-inf/NaN, one fused kernel per (device, dtype), which leaves a found-inf flag (no host
-sync); several backward passes (gradient accumulation, DDP ``no_sync``) accumulate real
-gradients. ``optimizer.step()`` (after ``init_trainer``, an instance attribute wrapping
-the optimizer's own ``step``):
+How a step runs -- gradients unscaled and checked as backward produces them
+(:mod:`ampkit.trainer.grad_hooks`), the step's found-inf segments, the one skip rule
+(:func:`ampkit.trainer.decision.decide`), a skipped step leaving parameters and optimizer
+state bitwise unchanged, the loss scalers' updates (one per ``loss_id``, shared by the
+optimizers of one ``init_trainer`` call) -- is ``docs/concepts/step-decision.md``, which
+also maps each part to its module. Kernels: ``init_trainer`` switches param groups built
+with ``foreach`` and ``fused`` unset to torch's fastest kernel for the same optimizer
+(``docs/guides/opt-levels.md``; ``fast_kernels=False`` opts out). LR schedulers:
+:mod:`ampkit.trainer.schedulers`; the skip wrapper is a bound method that schedulers can
+wrap, keeps their ``_wrapped_by_lr_sched`` marker and sets ``optimizer._opt_called`` on
+every call, so they never warn about the call order.
 
-1. runs the ``before_check`` of its extensions (once per step; see
-   :mod:`ampkit.trainer.extensions`),
-2. completes the step's check -- unless ``ampkit.unscale`` already did this step: the
-   flags the backward passes left, plus one fused check of the grads of the params in
-   ``optimizer.param_groups`` that changed since (edited, assigned, or produced with a
-   scale of 1, which the hooks leave alone) and the unscale of grads without hooks
-   (FSDP2's sharded parameters),
-3. reads the found-inf flag(s) with one host sync (in a multi-process run, after one
-   all-reduce that makes every rank reach the same decision when they could disagree;
-   see :mod:`ampkit.distributed`),
-4. if every grad is finite, calls the optimizer's own ``step`` (between the extensions'
-   ``before_update`` and ``after_update``) and then their ``after_step(skipped=False)``;
-   otherwise it returns without touching params or optimizer state (bitwise) and runs
-   their ``after_step(skipped=True)``,
-5. feeds the event to the loss scaler(s), which may raise :class:`~ampkit.NumericsError`.
-
-Several losses (``num_losses > 1``): each ``loss_id`` has its own :class:`LossScaler`.
-When one step mixes loss ids, each loss's backward passes leave found-inf flags of their
-own loss id, so each loss's overflow is known separately; grads without hooks, which
-still carry the scale, are rescaled from ``S_old`` to ``S_new`` in place when a
-``scale_loss`` for a new loss id starts, checked in the same fused pass (the rule is
-:mod:`ampkit.trainer.decision`'s). The step is skipped if any loss's grads overflowed.
-Each scaler updates on its own events only: an overflow found in loss ``k``'s grads
-backs off scaler ``k``; clean grads count as a clean step for it; if an earlier loss
-already overflowed in the same step, the grads of later losses are necessarily
-non-finite too, so their scalers are left unchanged for that step (their event is
-unknown).
-
-Several optimizers in one ``init_trainer`` call share one scaler per ``loss_id`` (one
-backward fills all their grads with the same scale); the scaler updates once all the
-optimizers that received that loss's grads have stepped. Optimizers passed to separate
-``init_trainer`` calls have separate scalers.
-
-Kernels and passes. ``init_trainer`` switches param groups built with ``foreach`` and
-``fused`` unset to torch's fastest kernel for the same optimizer (see
-:mod:`ampkit.trainer.fused_step`; ``fast_kernels=False`` opts out). The step reads the
-grads it will use once for inf/NaN (the end of backward only unscales them; on CPU a sum
-per large tensor, confirmed by min/max where it is not finite; see
-:func:`ampkit.trainer.fused_step.nonfinite_flag`), without rewriting them. The skip decision
-stays on the host (ampkit needs the one host sync anyway: hysteresis, NumericsError
-and schedulers act there), so fused kernels never need ``grad_scale``/``found_inf``.
-
-LR schedulers: see :mod:`ampkit.trainer.schedulers`. The skip wrapper is a bound method whose
-function LR schedulers can wrap, it keeps the ``_wrapped_by_lr_sched`` marker of a
-scheduler created earlier, and sets ``optimizer._opt_called`` on every call, skipped or
-not, so schedulers never warn that ``lr_scheduler.step()`` came before ``optimizer.step()``.
-
-Where the parts live: this module holds the public functions; the step wrapper is
-:class:`ampkit.trainer.managed.ManagedOptimizer`, and the per-step gradient bookkeeping
-it decides on (step stage, found-inf segments, abandoned steps) its base
-:class:`ampkit.trainer.step_grads.StepGrads`; what extends a step (levels, the doctor,
-``ampkit run``) is a :class:`ampkit.trainer.extensions.StepExtension`; the loss scalers'
-slots and the session's trainer are in :mod:`ampkit.trainer.loss_slots`; the skip
-decision, one rule for a process alone and for ranks that agree, is
-:func:`ampkit.trainer.decision.decide`; multi-process runs plug in through
-:class:`ampkit.trainer.decision.StepAgreement` (the default one of
+This module holds the public functions; the step wrapper is
+:class:`ampkit.trainer.managed.ManagedOptimizer`, with its per-step gradient bookkeeping
+in :class:`ampkit.trainer.step_grads.StepGrads`; what extends a step (levels, the doctor,
+``ampkit run``) is a :class:`ampkit.trainer.extensions.StepExtension`; multi-process runs
+plug in through :class:`ampkit.trainer.decision.StepAgreement` (the default one of
 :func:`ampkit.trainer.extensions.set_default_agreement`, which ``ampkit.distributed``
-installs, is given to every managed optimizer here); counters and skip logs are in
-:mod:`ampkit.trainer.stats`.
+installs, is given to every managed optimizer here).
 """
 
 from __future__ import annotations
