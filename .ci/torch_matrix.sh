@@ -42,11 +42,11 @@ for v in $RELEASES; do
     ok=1
     log="torch-matrix-$v"
     "$venv/bin/python" -m ampkit.casting.lists.generate --check 2>&1 | tee "$log-check.log" || ok=0
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_lists.py tests/test_torch_compat.py \
-        tests/test_inductor_compat.py tests/test_warmup.py tests/test_architecture.py tests/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/unit/casting/test_lists.py tests/unit/_internal/test_torch_compat.py \
+        tests/unit/_internal/test_inductor_compat.py tests/tools/test_warmup.py tests/meta/test_architecture.py tests/unit/casting/test_compile.py 2>&1 | tee "$log-subset.log" || ok=0
     "$venv/bin/python" benchmarks/gpu_smoke.py --device cpu --steps 12 --json "$log.json" || ok=0
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_integration_hf.py \
-        tests/test_integration_accelerate.py tests/test_integration_lightning.py 2>&1 | tee "$log-integrations.log" || ok=0
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/test_integration_hf.py \
+        tests/integrations/test_integration_accelerate.py tests/integrations/test_integration_lightning.py 2>&1 | tee "$log-integrations.log" || ok=0
     unset PYTHONPATH
     took=$(( $(date +%s) - start ))
     "$venv/bin/python" .ci/matrix_report.py record --release "$v" --summary torch-matrix-summary.json \

@@ -9,8 +9,8 @@ under ``docs/benchmarks/data/NAME.json``: the JSON the script writes (``ampkit b
 Python), the date, the command and its wall time. ``render`` turns those files into
 the pages: a table per result, the machine and the command, and the script's own
 description of what it measures. Nothing on a page is typed by hand;
-``tests/test_docs.py`` checks that the pages are what ``render`` writes from the data,
-and ``tests/test_benchmark_json.py`` that each script's JSON holds what it prints.
+``tests/meta/test_docs.py`` checks that the pages are what ``render`` writes from the data,
+and ``tests/meta/test_benchmark_json.py`` that each script's JSON holds what it prints.
 
     python benchmarks/docs_pages.py                 # record every benchmark, then render (make bench-docs)
     python benchmarks/docs_pages.py --only fp8      # record one (or a comma list), then render

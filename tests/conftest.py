@@ -1,5 +1,12 @@
 """Shared test setup: one thread per process (the CI box has 2 cores), a clean
-ampkit global state around every test, and the `cuda` marker skipped without a GPU."""
+ampkit global state around every test, the `cuda` marker skipped without a GPU, and
+``tests/support`` (workers, reference models, ``locations``) importable.
+
+The folders follow the source: ``unit/<subpackage>`` (one per subpackage of
+``src/ampkit``, ``package`` for the package root's modules), ``scenarios`` (training
+loops as scripts write them, across levels), ``integrations`` (Lightning, HF,
+Accelerate), ``tools`` (the CLI, ``ampkit run``, the doctor, bench, tune, apex),
+``meta`` (architecture, docs, README, benchmark records) and ``support``."""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 
 def pytest_collection_modifyitems(config, items):

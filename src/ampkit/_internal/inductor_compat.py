@@ -4,7 +4,7 @@ CPU's vector instruction sets.
 
 Like :mod:`ampkit._internal.torch_compat` (the other module allowed to reach torch's
 private names), each function states what it assumes and falls back to torch's own
-behaviour where a release moved something; ``tests/test_inductor_compat.py`` checks each
+behaviour where a release moved something; ``tests/unit/_internal/test_inductor_compat.py`` checks each
 assumption against the installed torch (on every release of the CI's torch matrix). Nothing here imports Inductor until called.
 """
 

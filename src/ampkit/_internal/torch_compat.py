@@ -1,7 +1,7 @@
 """Every place ampkit relies on torch internals, behind one small name each.
 
 Each function or constant here states what ampkit assumes of torch and what breaks if
-a torch release changes it; ``tests/test_torch_compat.py`` checks each assumption
+a torch release changes it; ``tests/unit/_internal/test_torch_compat.py`` checks each assumption
 against the installed torch, so a release that breaks one fails a test named for it
 instead of a casting or training test far away. Code elsewhere in ampkit reaches
 torch's private modules, attributes and ops only through this module (the process-wide

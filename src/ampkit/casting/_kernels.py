@@ -94,7 +94,7 @@ def _guard_compiled_code() -> None:
     AOTAutograd's): the graph's dtypes then depend on this thread's scopes, so make
     dynamo guard the code being compiled on ``_state.compile_key``. Module calls get
     this guard from the hooks; a compiled function calling no module gets it here.
-    Uses dynamo's guard API (internal; checked by tests/test_compile.py)."""
+    Uses dynamo's guard API (internal; checked by tests/unit/casting/test_compile.py)."""
     _skip_kernel_frames()
     tx = torch_compat.current_trace_tx()
     if tx is None:
@@ -280,7 +280,7 @@ def _warn_dropped(what: str) -> None:
 def _unguarded_autocast_code(device_type: str) -> list[Any]:
     """Code objects with compiled code traced under autocast on ``device_type`` and not
     guarded on ``_state.compile_key`` (read from dynamo's guards, a torch internal
-    checked by tests/test_compile.py and tests/test_torch_compat.py)."""
+    checked by tests/unit/casting/test_compile.py and tests/unit/_internal/test_torch_compat.py)."""
     stale = []
     for code, entries in torch_compat.compiled_code_entries():
         for parts in entries:

@@ -17,7 +17,7 @@ of their own with fp32 parameters (``param_dtype=torch.float32`` at O2): FSDP2 g
 unit's parameters as one buffer of one dtype. Every level then steps with ampkit's
 managed optimizer: the found-inf check of DTensor grads reduces over the mesh inside
 torch's DTensor ops (the fused unscale, or the read of scale-1 grads), so every rank skips
-together and the scalers stay equal (``tests/test_fsdp.py`` puts a NaN in one rank's
+together and the scalers stay equal (``tests/unit/distributed/test_fsdp.py`` puts a NaN in one rank's
 shard at every level).
 
 Order: ``fully_shard`` (this function) -> build the optimizer on the sharded parameters

@@ -9,7 +9,7 @@ writes the CUDA table too. ``--check`` prints each op whose category differs bet
 checked-in table of this release (or, without one, the table ampkit would use) and what
 this torch does, and exits 1 if anything differs or an op could not be placed. Adding a
 release: install it, run this without ``--check``, add the release to ``RELEASES`` in
-``lists/__init__.py``, and run ``tests/test_lists.py``.
+``lists/__init__.py``, and run ``tests/unit/casting/test_lists.py``.
 """
 
 from __future__ import annotations

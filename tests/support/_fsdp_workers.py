@@ -1,0 +1,505 @@
+"""Worker processes for tests/unit/distributed/test_fsdp.py: every opt level under FSDP2 on a gloo group
+of 2 (or 4) CPU processes, each rank on its own batches of a small causal transformer.
+
+Run by ``_dist_workers.launch(job, outdir, world_size, script=<this file>)`` as
+``python tests/support/_fsdp_workers.py JOB RANK WORLD PORT OUTDIR``; each rank saves what it saw
+(``rankN.pt``) for the test to compare across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _dist_workers import bitwise_equal, snapshot  # noqa: E402
+
+VOCAB, D, SEQ, BATCH = 16, 32, 12, 8
+
+# setup name -> (level, dtype); "fp32" is FSDP2 alone, the reference
+SETUPS: dict[str, tuple[str | None, torch.dtype | None]] = {
+    "fp32": (None, None),
+    "O1": ("O1", torch.bfloat16),
+    "O2": ("O2", torch.bfloat16),
+    "O2K": ("O2K", torch.bfloat16),
+    "O3": ("O3", torch.bfloat16),
+    "O1-fp16": ("O1", torch.float16),
+    "O2-fp16": ("O2", torch.float16),
+    "O2-fp8": ("O2", torch.bfloat16),  # + fp8 linears (delayed scaling)
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counting sequences (next token = previous + 1) with 10% noise, per rank and step."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    seq = (start + torch.arange(SEQ + 1)) % VOCAB
+    noise = torch.rand(seq.shape, generator=g) < 0.1
+    seq = torch.where(noise, torch.randint(0, VOCAB, seq.shape, generator=g), seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def build(setup: str, lr: float = 3e-3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model sharded for ``setup`` and its AdamW, set up by ampkit (not for fp32)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import ampkit
+
+    level, dtype = SETUPS[setup]
+    torch.manual_seed(0)
+    model = TinyLM()
+    if level is None:
+        for block in model.blocks:
+            torch_fully_shard(block)
+        torch_fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    ampkit.distributed.fully_shard(model, opt_level=level, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    fp8 = ampkit.Fp8Recipe(scaling="delayed", min_features=16) if setup.endswith("fp8") else None
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=dtype, fp8=fp8)
+    return model, opt
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, n: int, ampkit_on: bool,
+         inject: bool = False) -> float:  # fmt: skip
+    import ampkit
+
+    x, y = batch(rank, n)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+    if ampkit_on:
+        with ampkit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    else:
+        loss.backward()
+    if inject:  # a NaN in this rank's shard of the first grad, after FSDP2's reduce-scatter
+        g = next(p.grad for p in model.parameters() if p.grad is not None)
+        g.to_local().view(-1)[0] = float("nan")
+    opt.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def _local_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's shards of the parameters, the optimizer state and ampkit's
+    compensation buffers."""
+    from ampkit.levels.setup import compensation_of
+
+    out = [p.detach().to_local() for p in model.parameters()]
+    for state in opt.state.values():
+        out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+    comp = compensation_of(opt)
+    if comp is not None:
+        out += [comp.buffer(p).to_local() for p in model.parameters() if comp.buffer(p) is not None]
+    return snapshot(out)
+
+
+def job_train(rank: int, world: int, outdir: Path) -> dict:
+    """Every setup trains 40 steps; losses, the full weights at the end, the local
+    bytes of parameters + optimizer state + ampkit's buffers."""
+    import ampkit
+    from ampkit.levels.setup import compensation_of
+
+    res: dict[str, Any] = {}
+    for setup in SETUPS:
+        model, opt = build(setup)
+        on = SETUPS[setup][0] is not None
+        seen: dict[str, str] = {}
+
+        def spy(name: str, what: str, seen: dict = seen) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, out: Any) -> None:
+                t = {"in": args[0], "out": out, "weight": getattr(module, "weight", None)}[what]
+                seen.setdefault(f"{name} {what}", str(t.dtype).removeprefix("torch."))
+            return hook
+
+        block = model.blocks[0]
+        hooks = [block.qkv.register_forward_hook(spy("qkv", "in")), block.qkv.register_forward_hook(spy("qkv", "weight")),
+                 block.ln1.register_forward_hook(spy("ln1", "out")), block.ln1.register_forward_hook(spy("ln1", "weight")),
+                 model.register_forward_hook(spy("model", "out"))]  # fmt: skip
+        dedicated: list[int] = []
+        comp = compensation_of(opt)
+        if comp is not None:  # count the parameters the one-pass compensated update steps
+            real = comp._step_dedicated
+
+            def counting(optimizer: Any, group: dict, rule: str, params: list, real: Any = real,
+                         dedicated: list = dedicated) -> None:  # fmt: skip
+                dedicated.append(len(params))
+                real(optimizer, group, rule, params)
+
+            comp._step_dedicated = counting
+        losses = [step(model, opt, rank, n, on) for n in range(40)]
+        for h in hooks:
+            h.remove()
+        fp8_layers = [(i.name, i.calls, i.scales["weight"] != 1.0) for i in ampkit.fp8.layers()]
+        res[setup] = {
+            "losses": losses,
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "full": snapshot(p.full_tensor() for p in model.parameters()),
+            "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped) if on else None,
+            "seen": seen,
+            "compensated": None if comp is None else sum(comp.buffer(p) is not None for p in model.parameters()),
+            "dedicated": dedicated,
+            "fp8": fp8_layers,
+        }
+        if on:
+            ampkit.reset()
+    return res
+
+
+def job_skip(rank: int, world: int, outdir: Path) -> dict:
+    """A NaN in rank 1's shard of one grad at step 3: every rank skips, its shards,
+    optimizer state and compensation stay bitwise, the scalers stay equal."""
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16", "O2-fp8"):
+        model, opt = build(setup)
+        skipped, scales, kept = [], [], None
+        for n in range(6):
+            before = _local_state(model, opt)
+            step(model, opt, rank, n, True, inject=(n == 3 and rank == 1))
+            skipped.append(ampkit.step_skipped(opt))
+            scales.append(ampkit.stats(opt).scales)
+            if n == 3:
+                kept = bitwise_equal(before, _local_state(model, opt))
+        res[setup] = {
+            "skipped": skipped,
+            "scales": scales,
+            "kept": kept,
+            "finite": all(bool(torch.isfinite(p.detach().to_local()).all()) for p in model.parameters()),
+        }
+        ampkit.reset()
+    return res
+
+
+CKPT_SETUPS = ("O1-fp16", "O2", "O2K", "O3", "O2-fp8")
+N = 4  # the checkpoint is taken after N steps; runs go on to 2N
+
+
+def _dcp_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    import ampkit
+
+    ampkit.distributed.load_checkpoint(path, model, opt)
+
+
+def _amp_snapshot() -> list[torch.Tensor]:
+    """ampkit's state as AmpState saves it (every value a tensor), full tensors."""
+    import ampkit
+
+    out = ampkit.distributed.AmpState().state_dict()
+    return [v.full_tensor() if hasattr(v, "full_tensor") else v for _, v in sorted(out.items())]
+
+
+def job_dcp_save(rank: int, world: int, outdir: Path) -> dict:
+    """N steps, a DCP save (model, optimizer, ampkit), N more: the weights and ampkit's
+    state at N and at 2N (a skipped step at N + 1 on rank 1's NaN)."""
+
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in CKPT_SETUPS:
+        model, opt = build(setup)
+        for n in range(N):
+            step(model, opt, rank, n, True)
+        ampkit.distributed.save_checkpoint(outdir / setup, model, opt)
+        at_n = snapshot(p.full_tensor() for p in model.parameters())
+        amp_n = _amp_snapshot()
+        for n in range(N, 2 * N):
+            step(model, opt, rank, n, True, inject=(n == N + 1 and rank == 1))
+        res[setup] = {"at_n": at_n, "amp_n": amp_n, "at_2n": snapshot(p.full_tensor() for p in model.parameters()),
+                      "amp_2n": _amp_snapshot(), "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)}  # fmt: skip
+        ampkit.reset()
+    return res
+
+
+def job_dcp_resume(rank: int, world: int, outdir: Path) -> dict:
+    """Fresh processes (any world size): load the checkpoint of job_dcp_save, check the
+    weights are those at N, run steps N..2N on this world's ranks."""
+    import ampkit
+
+    src = Path(os.environ["AMPKIT_TEST_CKPT"])
+    res: dict[str, Any] = {}
+    for setup in CKPT_SETUPS:
+        model, opt = build(setup)
+        _dcp_load(model, opt, src / setup)
+        loaded = snapshot(p.full_tensor() for p in model.parameters())
+        amp_loaded = _amp_snapshot()
+        losses = [step(model, opt, rank, n, True, inject=(n == N + 1 and rank == 1 % world)) for n in range(N, 2 * N)]
+        res[setup] = {"loaded": loaded, "amp_loaded": amp_loaded, "losses": losses,
+                      "at_2n": snapshot(p.full_tensor() for p in model.parameters()), "amp_2n": _amp_snapshot(),
+                      "stats": (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)}  # fmt: skip
+        ampkit.reset()
+    return res
+
+
+def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
+    """Loading a checkpoint whose shard files are truncated, or whose ampkit entries hold
+    a NaN compensation, raises; ampkit's state (scaler, counters, compensation) is as
+    before the load."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    import ampkit
+    from ampkit.distributed.checkpoint import AmpState
+
+    class Poisoned(AmpState):
+        def state_dict(self) -> dict:
+            out = super().state_dict()
+            key = next(k for k in sorted(out) if "compensation/buffers" in k and k.endswith("/2"))
+            out[key].to_local().view(-1)[0] = float("nan")
+            return out
+
+    res: dict[str, Any] = {}
+    model, opt = build("O2K")
+    for n in range(2):
+        step(model, opt, rank, n, True)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ampkit.distributed.save_checkpoint(outdir / "good", model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "amp": Poisoned()}, checkpoint_id=str(outdir / "nan"))
+    poisoned_weight = {k: v.clone() for k, v in model_sd.items()}
+    if rank == 1:  # in one rank's shard only: every rank must refuse
+        poisoned_weight["head.weight"].to_local().view(-1)[0] = float("nan")
+    dcp.save({"model": poisoned_weight, "optim": optim_sd, "amp": AmpState()}, checkpoint_id=str(outdir / "nan_weight"))
+    if rank == 0:
+        shutil.copytree(outdir / "good", outdir / "truncated")
+        for f in (outdir / "truncated").glob("*.distcp"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    dist.barrier()
+    step(model, opt, rank, 2, True)  # the state differs from every checkpoint now
+    before = _amp_snapshot()
+    weights = snapshot(p.detach().to_local() for p in model.parameters())
+    for name in ("truncated", "nan", "nan_weight"):
+        try:
+            _dcp_load(model, opt, outdir / name)
+            res[name] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            res[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        res[f"{name}_kept"] = bitwise_equal(before, _amp_snapshot())
+        res[f"{name}_weights_kept"] = bitwise_equal(weights, snapshot(p.detach().to_local() for p in model.parameters()))
+    _dcp_load(model, opt, outdir / "good")  # a good one still loads
+    res["good_loaded"] = (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)
+    ampkit.reset()
+    return res
+
+
+def job_doctor(rank: int, world: int, outdir: Path) -> dict:
+    """fp16 O2 under FSDP2 with the doctor on: from step 2, rank 1's second block's first
+    MLP layer overflows fp16. Every rank skips those steps; rank 0's report names the
+    module and rank 1."""
+    import ampkit
+
+    model, opt = build("O2-fp16")
+    layer = model.blocks[1].mlp[0]
+
+    def blow_up(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * 1e6
+
+    with ampkit.doctor(opt, every=1) as doctor:
+        for n in range(4):
+            handle = layer.register_forward_hook(blow_up) if (rank == 1 and n >= 2) else None
+            step(model, opt, rank, n, True)
+            if handle is not None:
+                handle.remove()
+    doc = doctor.report().to_dict()
+    stats = (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)
+    ampkit.reset()
+    return {"report": doc, "stats": stats}
+
+
+def job_refusals(rank: int, world: int, outdir: Path) -> dict:
+    """What FSDP2 cannot do is refused before anything changes: O2K's stochastic rounding
+    and optimizers without a one-pass update; torch's own fully_shard at O2; a level other
+    than the one the model was sharded for; and a DCP save while ampkit's state differs
+    between ranks (DCP would keep one rank's copy for all)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import ampkit
+
+    def sharded(level: str = "O2K") -> nn.Module:
+        torch.manual_seed(0)
+        return ampkit.distributed.fully_shard(TinyLM(), opt_level=level)
+
+    def refused(fn: Callable[[], Any]) -> str:
+        try:
+            fn()
+        except ampkit.AmpError as e:
+            return f"{type(e).__name__}: {e}"
+        return "accepted"
+
+    res: dict[str, Any] = {}
+    m = sharded()
+    res["stochastic"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O2K",
+                                                          compensation="stochastic"))  # fmt: skip
+    m = sharded()
+    res["rmsprop"] = refused(lambda: ampkit.initialize(m, torch.optim.RMSprop(m.parameters()), opt_level="O2K"))
+    m = sharded("O2")
+    res["other_level"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O3"))
+    torch.manual_seed(0)
+    m = TinyLM()
+    for block in m.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(m)
+    res["torch_sharded"] = refused(lambda: ampkit.initialize(m, torch.optim.AdamW(m.parameters()), opt_level="O2"))
+    res["fp32_only"] = refused(lambda: ampkit.distributed.fully_shard(TinyLM().bfloat16(), opt_level="O2"))
+    for level in ("O1", "O2"):  # an optimizer built before sharding would step stale tensors
+        m = TinyLM()
+        early = torch.optim.AdamW(m.parameters())
+        ampkit.distributed.fully_shard(m, opt_level=level)
+        res[f"opt_first_{level}"] = refused(lambda m=m, early=early, level=level: ampkit.initialize(
+            m, early, opt_level=level))  # fmt: skip
+    ampkit.reset()
+    # rank 0's ampkit.state_dict() file loaded on every rank: O2K's DTensor compensation is
+    # rank 0's shards; rank 1 refuses it (DCP checkpoints reshard)
+    model, opt = build("O2K")
+    step(model, opt, rank, 0, True)
+    if rank == 0:
+        torch.save(ampkit.state_dict(), outdir / "amp0.pt")
+    dist.barrier()
+    try:
+        loaded = torch.load(outdir / "amp0.pt", weights_only=True)
+        res["rank0_file"] = refused(lambda: ampkit.load_state_dict(loaded))
+    except Exception as e:  # noqa: BLE001 - what torch.load says about a DTensor, for the record
+        res["rank0_file"] = f"torch.load: {type(e).__name__}: {str(e)[:200]}"
+    ampkit.reset()
+    model, opt = build("O2-fp16")
+    step(model, opt, rank, 0, True)
+    if rank == 1:  # ampkit's state now differs between the ranks
+        state = ampkit.state_dict()
+        state["trainers"][0]["scalers"][0]["scale"] = 1024.0
+        ampkit.load_state_dict(state)
+    res["differing_state"] = refused(lambda: ampkit.distributed.save_checkpoint(outdir / "ckpt", model, opt))
+    ampkit.reset()
+    return res
+
+
+def job_accumulate(rank: int, world: int, outdir: Path) -> dict:
+    """Two micro-batches per step, the first without FSDP2's reduce-scatter
+    (``set_requires_gradient_sync(False)``): each level against FSDP2's fp32 run doing the
+    same, and a NaN loss in rank 1's unsynced micro-batch skips the step on both ranks."""
+    import ampkit
+
+    res: dict[str, Any] = {}
+    for setup in ("fp32", "O1", "O2", "O2K", "O2-fp16"):
+        model, opt = build(setup)
+        on = SETUPS[setup][0] is not None
+        losses, skipped = [], []
+        for n in range(20):
+            opt.zero_grad()
+            total = 0.0
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                x, y = batch(rank, 2 * n + micro)
+                loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1)) / 2
+                if on and n == 5 and micro == 0 and rank == 1:  # a NaN in the unsynced micro-batch
+                    loss = loss * float("nan")
+                if on:
+                    with ampkit.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+                total += loss.item()
+            if on or n != 5:  # the fp32 reference leaves out the step the others skip
+                opt.step()
+            skipped.append(ampkit.step_skipped(opt) if on else False)
+            losses.append(total)
+        res[setup] = {"losses": losses, "skipped": skipped,
+                      "finite": all(bool(torch.isfinite(p.detach().to_local()).all()) for p in model.parameters())}  # fmt: skip
+        if on:
+            ampkit.reset()
+    return res
+
+
+def job_unscale(rank: int, world: int, outdir: Path) -> dict:
+    """fp16 O2 under FSDP2: the sharded grads hold scale x grad after backward;
+    ``amp.unscale`` makes them real (their norm that of FSDP2's fp32 run, to fp16
+    rounding), and stepping after it is bitwise stepping without it."""
+    import ampkit
+
+    def grad_norm(model: nn.Module) -> float:
+        return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+
+    res: dict[str, Any] = {}
+    ref, ref_opt = build("fp32")
+    x, y = batch(rank, 0)
+    F.cross_entropy(ref(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
+    res["fp32_norm"] = grad_norm(ref)
+    finals = []
+    for unscale_first in (False, True):
+        model, opt = build("O2-fp16")
+        for n in range(3):
+            x, y = batch(rank, n)
+            opt.zero_grad()
+            with ampkit.scale_loss(F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1)), opt) as s:
+                s.backward()
+            if n == 0:
+                res["scaled_norm" if not unscale_first else "before_unscale"] = grad_norm(model)
+            if unscale_first:
+                ampkit.unscale(opt)
+                if n == 0:
+                    res["unscaled_norm"] = grad_norm(model)
+            opt.step()
+        finals.append(snapshot(p.detach().to_local() for p in model.parameters()))
+        ampkit.reset()
+    res["same_steps"] = bitwise_equal(finals[0], finals[1])
+    return res
+
+
+JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "unscale": job_unscale,
+    "accumulate": job_accumulate,
+    "refusals": job_refusals,
+    "doctor": job_doctor,
+    "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
+    "dcp_corrupt": job_dcp_corrupt,
+}  # fmt: skip
+
+
+if __name__ == "__main__":
+    import _dist_workers
+
+    _dist_workers.JOBS.update(JOBS)
+    # a longer collective timeout than the DDP jobs': 4 ranks compiling O2K's kernel on 2 cores
+    code = _dist_workers.main(sys.argv[1:], timeout_s=90)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gloo may abort at interpreter teardown after all work is done

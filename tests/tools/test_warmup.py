@@ -1,0 +1,115 @@
+"""``ampkit warmup`` fills Inductor's on-disk cache with the update kernels a job's first
+O2/O2K step compiles: the job's process then loads every graph from the cache (no miss),
+and bad input is refused in one line before anything compiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from locations import ROOT
+
+from ampkit.tools.cli.main import main
+
+X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
+
+# A job's first step at each level (the bench lm workload's optimizer: AdamW), with the
+# AOT and FX graph cache counters of its process and the number of Inductor's checks of
+# the CPU's instruction sets (a build and a child process each). Its model has a weight
+# large enough for the compiled rounding check and a one-element parameter (a gain).
+JOB = """
+import json, sys, torch
+torch.set_num_threads(1)
+import ampkit as amp
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor import cpu_vec_isa
+checks = []
+if hasattr(cpu_vec_isa.VecISA, "check_build"):
+    real = cpu_vec_isa.VecISA.check_build
+    cpu_vec_isa.VecISA.check_build = lambda self, code: checks.append(str(self)) or real(self, code)
+class Gain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(1))
+    def forward(self, x):
+        return x * self.g
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(64, 448), nn.GELU(), nn.LayerNorm(448), nn.Linear(448, 300), Gain(), nn.Linear(300, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+model, opt = amp.initialize(model, opt, opt_level=sys.argv[1])
+for _ in range(2):
+    loss = model(torch.randn(16, 64)).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as s:
+        s.backward()
+    opt.step()
+    opt.zero_grad()
+out = {k: dict(v) for k, v in counters.items() if k in ("inductor", "aot_autograd")}
+print(json.dumps(dict(out, isa_checks=len(checks))))
+"""
+
+
+def _env(cache: Path) -> dict:
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+
+
+def _job(level: str, cache: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", JOB, level], env=_env(cache), capture_output=True, text=True,
+                         timeout=240, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path):
+    cache = tmp_path / "inductor"
+    cold = _job("O2", tmp_path / "other")  # a cold cache: the job's own graphs miss
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0
+    if X86_LINUX:
+        assert cold["isa_checks"] > 0  # a cold process pays Inductor's check of the CPU
+    report = tmp_path / "w.json"
+    done = subprocess.run([sys.executable, "-m", "ampkit", "warmup", "--json", str(report)], env=_env(cache),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(report.read_text())
+    assert doc["cache_dir"] == str(cache)
+    assert [(r["level"], r["optimizer"], r["compiled"]) for r in doc["results"]] == [
+        ("O2", "adamw", True), ("O2K", "adamw", True)]  # fmt: skip
+    assert "Inductor's cache: " + str(cache) in done.stdout
+    for level in ("O2", "O2K"):
+        warm = _job(level, cache)
+        assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, (level, warm)
+        if X86_LINUX:  # the recorded verdict answers for it (about 0.9 s on an AVX-512 CPU)
+            assert warm["isa_checks"] == 0, (level, warm)
+        assert warm["inductor"].get("fxgraph_cache_hit", 0) > 0 or warm["aot_autograd"].get("autograd_cache_hit", 0) > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["warmup", "--dtype", "fp16", "--level", "O2K"], "O2K computes in bf16 only"),
+        (["warmup", "--level", "O3"], "invalid choice: 'O3'"),
+        (["warmup", "--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),
+        (["warmup", "--device", "cuda"], "not available here"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_compiling(argv, needle, capsys, tmp_path, monkeypatch):
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "c").exists()  # nothing compiled
+
+
+def test_an_unwritable_json_path_is_refused_first(capsys, tmp_path):
+    assert main(["warmup", "--json", str(tmp_path)]) == 2
+    assert "it is a folder" in capsys.readouterr().err
