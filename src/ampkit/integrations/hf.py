@@ -68,12 +68,11 @@ from ampkit._internal.env import dtype_from_env
 from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
 from ampkit.casting.precision_plan import TunePlan
-from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
-from ampkit.inference.conversion import convert, fp32_weights
+from ampkit.inference.conversion import convert
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.levels.setup import initialize, master_params
-from ampkit.trainer.api import scale_loss, step_skipped, unscale
+from ampkit.trainer.api import scale_loss, unscale
 from ampkit.trainer.session import prepare_load_state_dict
 from ampkit.trainer.session import state_dict as amp_state_dict
 
@@ -88,16 +87,20 @@ from .hf_arguments import (
     dtype_of,
     level_of,
 )
+from .hf_callbacks import AmpkitSkipSignal, _RegisterDDP
+from .hf_weights import (
+    _check_weights16,
+    _param_names,
+    _raw_optimizer,
+    _training_checkpoint,
+    _write_config_dtype,
+    fp32_state_dict,
+)
 
 transformers = require("transformers", "hf")
 accelerate = require("accelerate", "hf")
 
-from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from transformers import (  # noqa: E402
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer  # noqa: E402
 from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
 
 __all__ = [
@@ -134,134 +137,6 @@ TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
 _FORMAT = "ampkit.integrations.hf/1"
-
-# --- weights ----------------------------------------------------------------------------
-
-
-def _raw_optimizer(optimizer: Any) -> Any:
-    """The ``torch.optim.Optimizer`` inside Accelerate's (or another framework's)
-    wrappers that hold it as ``.optimizer``."""
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, AcceleratedOptimizer):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or seen > 8:
-            break
-        optimizer, seen = inner, seen + 1
-    return optimizer
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Per param group, the model's names of the parameters in ``param_groups`` order
-    (HF groups parameters by weight decay, not in ``model.parameters()`` order)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for g, group in enumerate(optimizer.param_groups):
-        missing = [i for i, p in enumerate(group["params"]) if id(p) not in names]
-        if missing:
-            raise HfIntegrationError(
-                f"param group {g} of the optimizer holds {len(missing)} tensor(s) that are not "
-                "parameters of trainer.model; build the optimizer over model.parameters()."
-            )
-        out.append([names[id(p)] for p in group["params"]])
-    return out
-
-
-def _training_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": model.state_dict(), "amp": amp_state_dict(), "optimizer": optimizer.state_dict()}
-
-
-def fp32_state_dict(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    param_names: list[list[str]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every floating tensor in fp32 and each weight the
-    best fp32 value the run holds: its fp32 master (O2), weight + compensation summed
-    in fp32 (O2K), the weight widened otherwise (exact). Tied weights (GPT-2's
-    ``lm_head.weight`` and ``wte.weight``) stay one tensor, so ``save_pretrained``
-    keeps one copy.
-
-    Args:
-        model: the trained model (``trainer.model``), set up by :func:`ampkit.initialize`
-            or in fp32.
-        optimizer: the raw ``torch.optim.Optimizer`` the current ampkit session manages
-            (an ``AcceleratedOptimizer`` is unwrapped); None: the model's own weights,
-            widened to fp32.
-        param_names: per param group, the names of the parameters in the optimizer's
-            order (see :func:`ampkit.fp32_weights`); needed when the optimizer was not
-            built over ``model.parameters()`` in order and its masters have replaced
-            the model's parameters in ``param_groups``.
-
-    Returns:
-        ``{name: tensor}``: fp32 floating tensors (integer buffers unchanged), ready for
-        ``model.save_pretrained(dir, state_dict=...)`` or ``load_state_dict``.
-    """
-    if optimizer is None:
-        fp32 = fp32_weights(model, model.state_dict())
-    else:
-        raw = _raw_optimizer(optimizer)
-        fp32 = fp32_weights(
-            model, _training_checkpoint(model, raw), None if param_names is None else [param_names]
-        )
-    # tied entries share one tensor again (state_dict lists each tie under every name)
-    by_tensor: dict[int, torch.Tensor] = {}
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if name in fp32:
-            by_tensor.setdefault(id(t), fp32[name])
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        out[name] = by_tensor.get(id(t), fp32[name])
-    return out
-
-
-def _write_config_dtype(model: Any, output_dir: str, dtype: torch.dtype) -> None:
-    """Rewrite ``config.json`` in ``output_dir`` with ``dtype`` (``save_pretrained``
-    writes the dtype of the model's first parameter, bf16 for an O2 model whose saved
-    weights are fp32); the model's in-memory config keeps what HF set."""
-    config = getattr(model, "config", None)
-    if config is None or not os.path.isfile(os.path.join(output_dir, "config.json")):
-        return
-    before = config.dtype
-    config.dtype = str(dtype).split(".")[1]
-    try:
-        config.save_pretrained(output_dir)
-    finally:
-        config.dtype = before
-
-
-# --- the skip signal --------------------------------------------------------------------
-
-
-class AmpkitSkipSignal(TrainerCallback):
-    """After each optimizer step, tells Accelerate whether ampkit skipped it: the
-    ``AcceleratedOptimizer``'s ``step_was_skipped`` (which HF reads through
-    ``accelerator.optimizer_step_was_skipped`` before stepping its LR scheduler) is set
-    to :func:`ampkit.step_skipped` of the optimizer inside. Added by
-    :class:`AmpkitTrainerMixin` when it sets ampkit up; keep it in the callbacks."""
-
-    def on_optimizer_step(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        _report_skip(kwargs.get("optimizer"))
-
-
-def _report_skip(optimizer: Any) -> bool | None:
-    """Set ``optimizer``'s (an ``AcceleratedOptimizer``) skip flag to ampkit's verdict on
-    the step just taken; returns that verdict (None when ampkit does not manage it)."""
-    if not isinstance(optimizer, AcceleratedOptimizer):
-        return None
-    raw = _raw_optimizer(optimizer)
-    try:
-        skipped = step_skipped(raw)
-    except AmpError:
-        return None  # not an optimizer of the current ampkit session
-    optimizer._is_overflow = skipped  # the flag Accelerate's own GradScaler path sets
-    if optimizer.step_was_skipped is not skipped:
-        raise HfIntegrationError(
-            f"accelerate {accelerate.__version__}'s AcceleratedOptimizer no longer reports its "
-            "skip flag through _is_overflow, so HF would step its LR scheduler on steps ampkit "
-            "skipped; use the accelerate version ampkit[hf] pins."
-        )
-    return skipped
-
 
 # --- the trainer ------------------------------------------------------------------------
 
@@ -632,44 +507,6 @@ class AmpkitTrainerMixin:
         super()._save(output_dir, weights)  # type: ignore[misc]
         if self.args.should_save:
             _write_config_dtype(model, output_dir, dtype)
-
-
-def _check_weights16(
-    path: str, weights16: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's exact 16-bit weights, each checked against the model's tensor of
-    that name: known, same shape, finite (a training step never writes inf/NaN: ampkit
-    skips those steps), and of the model's dtype -- or, before ampkit cast the model
-    (``dtype`` given), of ``dtype``."""
-    if not isinstance(weights16, Mapping):
-        raise HfIntegrationError(f"{path}: 'weights16' is {type(weights16).__name__}, not a dict of tensors.")
-    unknown = sorted(str(k) for k in weights16 if k not in state)
-    if unknown:
-        raise HfIntegrationError(f"{path} holds weights the model does not have: {unknown[:5]}.")
-    for name, value in weights16.items():
-        target = state[name]
-        want = dtype if dtype is not None else target.dtype
-        if not isinstance(value, torch.Tensor) or value.dtype != want or value.shape != target.shape:
-            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise HfIntegrationError(f"{path}: weight {name!r} is {got} where the model has {want} {tuple(target.shape)}.")
-        if not bool(torch.isfinite(value).all()):
-            raise HfIntegrationError(f"{path}: weight {name!r} holds inf/NaN, which no training step writes.")
-    return dict(weights16)
-
-
-class _RegisterDDP(TrainerCallback):
-    """At ``on_train_begin`` (after Accelerate has wrapped the model): a
-    ``DistributedDataParallel`` model is announced with
-    :func:`ampkit.distributed.register_ddp` (rank 0's O2 masters broadcast)."""
-
-    def __init__(self, trainer: AmpkitTrainerMixin) -> None:
-        self._trainer = weakref.ref(trainer)
-
-    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        trainer = self._trainer()
-        wrapped = getattr(trainer, "model_wrapped", None)
-        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-            register_ddp(wrapped)
 
 
 class AmpkitTrainer(AmpkitTrainerMixin, Trainer):
