@@ -303,9 +303,9 @@ def scale_loss(
         )
     scaler = states[0]._slots[loss_id].scaler
     for state in states:
-        state._check_before_backward()
+        state.step_grads.check_before_backward()
     for state in states:
-        state._before_backward(loss_id)
+        state.step_grads.before_backward(loss_id)
     if isinstance(loss_or_losses, torch.Tensor):
         scaled: Any = scaler.scale_loss(loss_or_losses)
     else:
@@ -317,7 +317,7 @@ def scale_loss(
         # The backward may have stopped halfway; the next scale_loss checks whether the
         # user dropped the batch (see ManagedOptimizer._drop_abandoned_step).
         for state in states:
-            state.mark_aborted()
+            state.step_grads.mark_aborted()
         raise
 
 
@@ -344,7 +344,7 @@ def unscale(optimizer_or_list: torch.optim.Optimizer | Sequence[torch.optim.Opti
     no host sync."""
     states = [managed_state(opt) for opt in _as_list(optimizer_or_list)]
     for state in states:
-        state._unscale()
+        state.step_grads.unscale()
 
 
 def step_skipped(optimizer: torch.optim.Optimizer) -> bool:

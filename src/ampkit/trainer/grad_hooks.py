@@ -350,9 +350,9 @@ class GradPath:
     # -- the current scale ----------------------------------------------------------------
     def _current(self) -> tuple[int | None, float]:
         state = self._state()
-        if state is None or state._pending is None:
+        loss_id = state.step_grads.pending if state is not None else None
+        if loss_id is None:
             return None, 1.0
-        loss_id = state._pending
         return loss_id, state._slots[loss_id].scaler.scale
 
     def _unscaler(self, loss_id: int | None, scale: float) -> Callable[[list[torch.Tensor]], None] | None:

@@ -34,7 +34,8 @@ from ampkit._internal.validate import require_fields, require_optimizer
 from ampkit.errors import ScalerError, StateError
 from ampkit.scaling.loss_scaler import CONFIG_KEYS, LossScaler, group_grads
 
-from .managed import record_unmanaged_step, unscaled_in_place
+from .managed import record_unmanaged_step
+from .outside_scalers import unscaled_in_place
 from .schedulers import mark_step_called
 
 __all__ = ["GradScaler"]

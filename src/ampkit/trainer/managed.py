@@ -7,7 +7,6 @@ where how a step runs is told."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import sys
@@ -38,8 +37,6 @@ __all__ = [
     "managed_state",
     "record_unmanaged_step",
     "resolve_optimizer",
-    "stepped_by_scaler",
-    "unscaled_in_place",
 ]
 
 if TYPE_CHECKING:
@@ -49,7 +46,7 @@ _ATTR = "_ampkit_managed"
 _MISSING = object()
 
 
-class ManagedOptimizer(StepGrads):
+class ManagedOptimizer:
     """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
 
     Extension points (used by fp32 master weights, compensated updates, scheduler
@@ -68,9 +65,10 @@ class ManagedOptimizer(StepGrads):
       :func:`ampkit.trainer.extensions.set_default_agreement`, which
       ``ampkit.distributed`` installs; set by ``init_trainer``); ``None``: this process
       decides alone.
-    - Unscaling and the check act on the grads of the params *currently* in
-      ``optimizer.param_groups`` (:meth:`grad_params`): swap master params in there and
-      their grads are what gets checked and stepped.
+    - ``step_grads``: the step's gradient bookkeeping
+      (:class:`~ampkit.trainer.step_grads.StepGrads`); unscaling and the check act on the
+      grads of the params *currently* in ``optimizer.param_groups`` (:meth:`grad_params`):
+      swap master params in there and their grads are what gets checked and stepped.
     - ``backward_params``: ``Iterable[Tensor] | None``, the tensors whose ``.grad``
       backward accumulates into, when these are not the params in ``param_groups``
       (master weights: the model's params). Iterated afresh each time it is needed, so a
@@ -101,7 +99,7 @@ class ManagedOptimizer(StepGrads):
         self.last_skipped = False
         self._extra = ExtraState("extra optimizer state", "this run")
         self._active = True
-        StepGrads.__init__(self)
+        self.step_grads = StepGrads(self, slots)
         self._previous_step: Any = _MISSING
         self._previous_zero_grad: Any = _MISSING
         self._install_step()
@@ -116,6 +114,24 @@ class ManagedOptimizer(StepGrads):
         if fast_kernels:
             self.kernels = use_fastest_kernel(optimizer)
             self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+
+    # --- the step's grads (step_grads), for extensions -------------------------------
+    @property
+    def stage(self) -> StepStage:
+        """Where the current step stands (:class:`~ampkit.trainer.step_grads.StepStage`)."""
+        return self.step_grads.stage
+
+    def grad_params(self) -> Iterator[torch.Tensor]:
+        """The params whose grads the step unscales, checks and steps (``param_groups``)."""
+        return self.step_grads.grad_params()
+
+    def segment_flags(self) -> list[torch.Tensor]:
+        """The found-inf flags of this step's segments checked so far (no host sync)."""
+        return self.step_grads.segment_flags()
+
+    def add_segment(self, found: torch.Tensor) -> None:
+        """Add a found-inf flag (0-dim, > 0 skips the step) blaming no loss scaler."""
+        self.step_grads.add_segment(found)
 
     # --- extension API ---------------------------------------------------------------
     @property
@@ -259,10 +275,11 @@ class ManagedOptimizer(StepGrads):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        was_unscaled = self._unscaled
-        self._unscale()
+        grads = self.step_grads
+        was_unscaled = grads.unscaled
+        grads.unscale()
         if was_unscaled:
-            self._check_edits()
+            grads.check_edits()
         events, skip = self._resolve_step()
         shown = False
 
@@ -361,7 +378,7 @@ class ManagedOptimizer(StepGrads):
         skipped step, as if ampkit had decided it (counters, skip hooks; LR schedulers
         see a called step), and the next backward starts a fresh step."""
         mark_step_called(self.optimizer)
-        self._start_fresh_step()
+        self.step_grads.start_fresh_step()
         self.steps += 1
         self.skipped += 1
         self.last_skipped = True
@@ -381,7 +398,7 @@ class ManagedOptimizer(StepGrads):
                 return first_loss
             with torch.enable_grad():
                 loss = closure()
-            self._unscale()
+            self.step_grads.unscale()
             masters = self.grad_path.masters
             if masters is not None:
                 # The optimizer reads its (fp32 master) params' grads right after this
@@ -403,9 +420,7 @@ class ManagedOptimizer(StepGrads):
         """Read this step's found-inf flags (the step's one host sync) and attribute them
         to loss ids (:func:`ampkit.trainer.decision.decide`, agreed across ranks when the
         ``agreement`` asks). Returns ({loss_id: True/False/None(unknown)}, skip)."""
-        segments, self._segments = self._segments, []
-        self._pending = None
-        self._stage = StepStage.READY
+        segments = self.step_grads.take_segments()
         plugin = self.agreement
         agreement = plugin.agreement(self, segments) if plugin is not None else None
         return decide(segments, len(self._slots), agreement)
@@ -452,7 +467,7 @@ class ManagedOptimizer(StepGrads):
             self.steps = int(steps)
             self.skipped = int(skipped)
             self.last_skipped = last
-            self._start_fresh_step()
+            self.step_grads.start_fresh_step()
             self._extra.load(extra)
 
         return apply
@@ -541,36 +556,6 @@ def _torch_scaler_stepping() -> Any:
             return frame.f_locals.get("self")
         frame = frame.f_back
     return None
-
-
-@contextlib.contextmanager
-def unscaled_in_place(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Around an unscale of ``optimizer``'s grads by a GradScaler (ampkit's or
-    torch.amp's ``unscale_``, whose fused kernel leaves version counters alone). For a
-    managed optimizer with fp32 masters (O2) the model's grad edits reach the masters
-    first and the model's 16-bit grads show the unscaled values after, so code that
-    reads ``model.parameters()`` grads next (``clip_grad_norm_``) sees what the step
-    uses. Nothing for other optimizers. A framework's wrapper stands for the optimizer
-    it holds (:func:`resolve_optimizer`)."""
-    state = _active_state(optimizer)
-    if state is None:
-        yield
-        return
-    state.grad_path.before_outside_unscale()
-    yield
-    state.grad_path.after_outside_unscale()
-
-
-@contextlib.contextmanager
-def stepped_by_scaler(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Around a GradScaler's ``step(optimizer)`` outside ampkit (torch.amp's): when it
-    skips the step (``optimizer.step()`` not called), a managed optimizer counts a
-    skipped step (:meth:`ManagedOptimizer.skipped_elsewhere`). Nothing for others."""
-    state = _active_state(optimizer)
-    steps = state.steps if state is not None else None
-    yield
-    if state is not None and state._active and state.steps == steps:
-        state.skipped_elsewhere()
 
 
 _GRADSCALER_ATTR = "_ampkit_gradscaler_skipped"

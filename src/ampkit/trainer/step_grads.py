@@ -1,5 +1,5 @@
-"""The per-step gradient bookkeeping of a managed optimizer (:class:`StepGrads`, a base
-of :class:`ampkit.trainer.managed.ManagedOptimizer`): where the step stands
+"""The per-step gradient bookkeeping of a managed optimizer (:class:`StepGrads`, the
+``step_grads`` component of :class:`ampkit.trainer.managed.ManagedOptimizer`): where the step stands
 (:class:`StepStage`), which loss id's scale the grads gathered so far carry, the
 found-inf flags of the step's checked *segments* (one per loss id switch, one at
 ``step()``, one for edits after ``ampkit.unscale``; see :mod:`ampkit.trainer.decision`),
@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import itertools
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,10 +25,11 @@ from ampkit.scaling.loss_scaler import group_grads, to_fp32, unscale_and_check_
 from .fused_step import nonfinite_flag
 
 if TYPE_CHECKING:
-    from .decision import Segment, StepAgreement
+    from .decision import Segment
     from .extensions import StepExtension
     from .grad_hooks import GradPath
     from .loss_slots import LossSlot
+    from .managed import ManagedOptimizer
 
 __all__ = ["StepGrads", "StepStage", "sum_flags"]
 
@@ -50,21 +52,29 @@ class StepStage(enum.Enum):
     UNSCALED = "unscaled"
 
 
-class StepGrads:
-    """Per-step state of the grads of one managed optimizer and the checks that fill it.
-
-    What it reads from the managed optimizer it is a base of: ``optimizer``,
-    ``backward_params``, ``grad_path``, ``agreement``, the extensions (their
-    ``before_check``) and the loss slots (their scalers)."""
+class StepOwner(Protocol):
+    """What :class:`StepGrads` reads of the managed optimizer it belongs to."""
 
     optimizer: torch.optim.Optimizer
     backward_params: Iterable[torch.Tensor] | None
     grad_path: GradPath
-    agreement: StepAgreement | None
-    _extensions: list[StepExtension]
-    _slots: list[LossSlot]
 
-    def __init__(self) -> None:
+    @property
+    def extensions(self) -> tuple[StepExtension, ...]: ...
+
+
+class StepGrads:
+    """Per-step state of the grads of one managed optimizer and the checks that fill it.
+
+    Args:
+        owner: the managed optimizer (held weakly): its ``optimizer``,
+            ``backward_params``, ``grad_path`` and ``extensions`` (their
+            ``before_check``).
+        slots: its loss slots, one per loss id (their scalers)."""
+
+    def __init__(self, owner: ManagedOptimizer, slots: list[LossSlot]) -> None:
+        self._owner = weakref.ref(owner)
+        self._slots = slots
         # Where the step stands, the loss id whose scale the grads carry (not yet
         # unscaled) and the found-inf flags of this step's segments in order.
         self._stage = StepStage.READY
@@ -73,18 +83,38 @@ class StepGrads:
         self._fp16_warned = False
 
     @property
+    def owner(self) -> ManagedOptimizer:
+        owner = self._owner()
+        if owner is None:
+            raise StateError("the managed optimizer of this step was released.")
+        return owner
+
+    @property
     def stage(self) -> StepStage:
         """Where the current step stands (:class:`StepStage`)."""
         return self._stage
 
     @property
-    def _unscaled(self) -> bool:
+    def unscaled(self) -> bool:
+        """Whether this step's grads were unscaled and checked (``UNSCALED``)."""
         return self._stage is StepStage.UNSCALED
+
+    @property
+    def pending(self) -> int | None:
+        """The loss id whose scale the grads gathered since the last close carry."""
+        return self._pending
+
+    def take_segments(self) -> list[Segment]:
+        """This step's segments, handed to the decision; the next step starts afresh."""
+        segments, self._segments = self._segments, []
+        self._pending = None
+        self._stage = StepStage.READY
+        return segments
 
     def grad_params(self) -> Iterator[torch.Tensor]:
         """The params whose grads the step unscales, checks and steps: those currently
         in ``optimizer.param_groups`` (fp32 masters under O2), in order."""
-        for group in self.optimizer.param_groups:
+        for group in self.owner.optimizer.param_groups:
             yield from group["params"]
 
     def segment_flags(self) -> list[torch.Tensor]:
@@ -106,7 +136,7 @@ class StepGrads:
     def _tracked_grads(self) -> list[torch.Tensor]:
         """The grads this step holds: of the params in ``param_groups`` and of the
         ``backward_params`` (each tensor once; sparse grads by their values)."""
-        params = itertools.chain(self.grad_params(), self.backward_params or ())
+        params = itertools.chain(self.grad_params(), self.owner.backward_params or ())
         grads: dict[int, torch.Tensor] = {}
         for p in params:
             g = p.grad
@@ -114,13 +144,13 @@ class StepGrads:
                 grads[id(g)] = torch_compat.sparse_values(g) if g.is_sparse else g
         return list(grads.values())
 
-    def _start_fresh_step(self) -> None:
+    def start_fresh_step(self) -> None:
         self._segments = []
         self._pending = None
         self._stage = StepStage.READY
-        self.grad_path.forget_flags()
+        self.owner.grad_path.forget_flags()
 
-    def _drop_abandoned_step(self) -> None:
+    def drop_abandoned_step(self) -> None:
         """At a ``scale_loss``: if this step's grads were dropped since ampkit last
         looked at them (``zero_grad()`` after an exception in backward, in a clip, or
         any abandoned batch), forget the old step's flags and start a fresh one.
@@ -128,29 +158,29 @@ class StepGrads:
         The grads count as dropped when every one is None (``zero_grad()``), or -- only
         after ``unscale`` or an exception inside a ``scale_loss`` block, at the cost of
         one host sync -- when every one is zero (``zero_grad(set_to_none=False)``)."""
-        self.grad_path.finish()  # a backward pass that raised: settle its hooks' work
-        flagged = self._unscaled or any(f is not None for _, f in self._segments)
+        self.owner.grad_path.finish()  # a backward pass that raised: settle its hooks' work
+        flagged = self.unscaled or any(f is not None for _, f in self._segments)
         aborted = self._stage is StepStage.ABORTED
         if aborted:
             self._stage = StepStage.GATHERING
         if not flagged:
             return
-        self.grad_path.reconcile()  # O2: the model's and the masters' grads agree
-        params = itertools.chain(self.grad_params(), self.backward_params or ())
+        self.owner.grad_path.reconcile()  # O2: the model's and the masters' grads agree
+        params = itertools.chain(self.grad_params(), self.owner.backward_params or ())
         if all(p.grad is None for p in params):
-            self._start_fresh_step()
+            self.start_fresh_step()
             return
-        if aborted or self._unscaled:
+        if aborted or self.unscaled:
             grads = self._tracked_grads()
             nonzero = torch.stack([g.ne(0).any().to(grads[0].device) for g in grads]).any()
             if not bool(nonzero):
-                self._start_fresh_step()
+                self.start_fresh_step()
 
-    def _check_before_backward(self) -> None:
+    def check_before_backward(self) -> None:
         """Raise (changing nothing but dropping an abandoned step) if ``scale_loss``
         cannot start a backward pass now."""
-        self._drop_abandoned_step()
-        if self._unscaled and self.grad_path.unhooked(self.grad_params()):
+        self.drop_abandoned_step()
+        if self.unscaled and self.owner.grad_path.unhooked(self.grad_params()):
             raise StateError(
                 "this optimizer's grads were already unscaled this step (ampkit.unscale) "
                 "and some of them (FSDP2's sharded parameters) are only unscaled at the "
@@ -158,10 +188,10 @@ class StepGrads:
                 "step(). To drop a batch after unscale, call optimizer.zero_grad() first."
             )
 
-    def _before_backward(self, loss_id: int) -> None:
+    def before_backward(self, loss_id: int) -> None:
         """Called by ``scale_loss`` before the backward of ``loss_id`` (after
-        :meth:`_check_before_backward` passed for every optimizer of the call)."""
-        path = self.grad_path
+        :meth:`check_before_backward` passed for every optimizer of the call)."""
+        path = self.owner.grad_path
         path.refresh()
         path.finish()
         # The hooks keep grads real: a backward after ``unscale`` in the same step just
@@ -173,14 +203,14 @@ class StepGrads:
             ratio = _ratio(self._slots[loss_id].scaler.scale, self._slots[pending].scaler.scale)
             self._segments.append((pending, self._close(pending, ratio)))
         self._pending = loss_id
-        self._slots[loss_id].expect(self)
+        self._slots[loss_id].expect(self.owner)
 
     def _close(self, loss_id: int | None, unhooked_factor: float = 1.0) -> torch.Tensor | None:
         """The inf/NaN flag of the grads gathered since the last close: the hooks'
         flags for ``loss_id``, one fused check of grads they did not check (edited,
         assigned, or produced with a scale of 1), and the fused multiply by
         ``unhooked_factor`` and check of grads without hooks. No host sync."""
-        path = self.grad_path
+        path = self.owner.grad_path
         flags = path.take_found(loss_id) if loss_id is not None else []
         params = list(self.grad_params())
         raw = path.unhooked(params)
@@ -199,15 +229,15 @@ class StepGrads:
                 flags.append(found)
         return sum_flags(flags) if flags else None
 
-    def _unscale(self) -> None:
+    def unscale(self) -> None:
         """The extensions' ``before_check``, then close this step's pending grads: their
         inf/NaN flag (no sync). The grads are unscaled already
         (:mod:`ampkit.trainer.grad_hooks`). Idempotent within a step."""
-        if self._unscaled:
+        if self.unscaled:
             return
-        for ext in tuple(self._extensions):
+        for ext in self.owner.extensions:
             ext.before_check()
-        path = self.grad_path
+        path = self.owner.grad_path
         path.finish(absorb_raw=True)
         path.reconcile()
         if self._pending is not None:
@@ -221,10 +251,10 @@ class StepGrads:
             self._segments.append((None, self._close(None)))
         self._stage = StepStage.UNSCALED
 
-    def _check_edits(self) -> None:
+    def check_edits(self) -> None:
         """At ``step`` after an explicit ``unscale``: check grads changed since (e.g.
         clipped); an inf/NaN there skips the step without blaming a loss scaler."""
-        self.grad_path.reconcile()
+        self.owner.grad_path.reconcile()
         found = self._close(None)
         if found is not None:
             self._segments.append((None, found))

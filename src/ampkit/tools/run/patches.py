@@ -9,7 +9,7 @@
 * ``torch.amp.GradScaler.unscale_`` and ``step``: a script's own GradScaler unscales
   O2 masters' grads with a kernel that leaves version counters alone, and skips a step
   by not calling ``optimizer.step()``; ampkit is told of both
-  (:func:`ampkit.trainer.managed.unscaled_in_place`, ``stepped_by_scaler``);
+  (:func:`ampkit.trainer.outside_scalers.unscaled_in_place`, ``stepped_by_scaler``);
 
 and registers torch's global optimizer step pre/post hooks (``before_step``,
 ``after_step``: ``(opt, args, kwargs)``).
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ampkit.trainer.managed import stepped_by_scaler, unscaled_in_place
+from ampkit.trainer.outside_scalers import stepped_by_scaler, unscaled_in_place
 
 __all__ = ["TorchPatches"]
 
