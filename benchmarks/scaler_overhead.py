@@ -79,7 +79,7 @@ def scaler_only(model: torch.nn.Module, batch, loss_fn, rounds: int, steps: int)
 
     def managed() -> float:
         restore()
-        state._before_backward(0)  # what scale_loss records before a backward
+        state.step_grads.before_backward(0)  # what scale_loss records before a backward
         t = time.perf_counter()
         opt_managed.step()
         return time.perf_counter() - t
