@@ -1,62 +1,22 @@
 """Compensated updates for parameters stored in bfloat16 (opt level O2K).
 
-A bf16 weight has 8 significant bits: an update smaller than half a unit in the
-last place of the weight (|u| < |w| * 2**-9) is rounded away entirely, so with a
-small learning rate pure-bf16 training stalls. Two remedies, without an fp32
-master copy of the weights:
-
-``"kahan"``
-    Kahan-compensated summation. Each bf16 parameter ``w`` gets a bf16 buffer
-    ``c`` holding what rounding took off; the value being trained is ``w + c``.
-    Per step, with ``w'`` the optimizer's result computed in fp32::
-
-        t = w' + c            (fp32)
-        w = round_bf16(t)
-        c = round_bf16(t - w)
-
-    2 extra bytes per parameter; sums keep ~16 significant bits.
-``"stochastic"``
-    Stochastic rounding: ``w = round_bf16(w')`` up or down at random, with the
-    probability of rounding up equal to the fraction of the gap below ``w'``, so
-    the expected value is exact. No buffer; uses a dedicated ``torch.Generator``
-    whose state is saved with the rest, so a resumed run draws the same bits.
-``"nearest"``
-    Plain round-to-nearest from the fp32 step: the reference the other two are
-    measured against.
-
-Two ways to step, chosen per parameter group:
-
-Dedicated updates (Kahan, bf16 parameters of ``torch.optim.Adam``, ``AdamW`` and
-``SGD``, with or without momentum, nesterov, weight decay, maximize; not amsgrad,
-capturable or differentiable): one elementwise kernel per tensor reads the bf16
-weight, compensation, grad and state once, computes the optimizer's update in
-fp32 registers, and writes weight, compensation and state back in place (see
-:mod:`ampkit.levels.update_kernels`; ``kernel="auto"`` compiles it with ``torch.compile`` where
-a C++ compiler is available, else runs it op by op in bounded chunks). No
-full-size temporary: AdamW costs 10 bytes per parameter in all (bf16 weight,
-compensation, grad and two moments), the step included. The arithmetic is the
-optimizer's (same formulas, fp32), except that the moments are read from and
-rounded back to bf16 each step, as torch's own optimizers do for bf16 parameters;
-the update itself uses the fp32 values before that rounding.
-
-The generic path, for any other ``torch.optim`` optimizer whose update of a
-parameter depends only on that parameter, its grad and its own state (all of them
-except LBFGS), and for ``method="stochastic"``/``"nearest"``: the real optimizer
-runs, on fp32 copies of a bounded chunk of parameters, grads and state at a time,
-and its result is rounded as above. State is stored back in the parameter's dtype
-(bf16), as torch does for bf16 parameters, so an Adam moment costs 2 bytes, not 4.
-Peak extra memory during the step is about ``chunk_numel * 20`` bytes (fp32
-parameter, grad, Adam's two moments, the sum).
+A bf16 weight rounds away any update below half a unit in its last place, so with a
+small learning rate pure-bf16 training stalls. :class:`CompensatedUpdates` keeps what
+rounding takes: ``"kahan"`` (a bf16 compensation buffer per parameter, the value trained
+being ``w + c``), ``"stochastic"`` (unbiased random rounding from a saved generator) or
+``"nearest"`` (the reference). Two ways to step, per parameter group: a dedicated
+in-place kernel for Kahan on bf16 Adam/AdamW/SGD (:mod:`ampkit.levels.update_kernels`;
+no full-size temporary), and the real optimizer run on fp32 copies of a bounded chunk at
+a time for any other optimizer whose update is per parameter. On an optimizer ampkit
+manages it is a step extension (``before_update``/``after_update``: a skipped step never
+reaches it); on an unmanaged one, a step pre-hook and post-hook. The formulas, memory and
+which optimizers take which path: ``docs/concepts/fp32.md`` ("Compensated updates").
 
 How the step is intercepted without replacing ``optimizer.step``: right before the
-optimizer's own step, the optimizer's class-level ``step`` runs once per chunk, with
-every grad outside the chunk set aside (torch optimizers skip parameters whose
-``.grad`` is None), then every grad is set aside so the step the user called finds
-nothing left to do; right after it the grads come back. On an optimizer ampkit
-manages (``init_trainer``, O2K) this is a step extension
-(:class:`ampkit.trainer.extensions.StepExtension`: ``before_update``/``after_update``),
-so a step skipped by the loss scaler never reaches it; on an unmanaged optimizer, a
-step pre-hook and post-hook (``Optimizer.register_step_pre_hook``).
+optimizer's own step, its class-level ``step`` runs once per chunk with every grad
+outside the chunk set aside (torch optimizers skip parameters whose ``.grad`` is None),
+then every grad is set aside so the step the user called finds nothing left to do;
+right after it the grads come back.
 """
 
 from __future__ import annotations
