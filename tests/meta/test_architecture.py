@@ -594,7 +594,8 @@ def test_tests_are_shaped_like_the_source():
     assert {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))} == TEST_FOLDERS
     subpackages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     units = {p.name for p in (tests / "unit").iterdir() if p.is_dir() and not p.name.startswith("__")}
-    assert units == subpackages - {"tools", "integrations"} | {"package"}, units ^ (subpackages | {"package"})
+    expected = subpackages - {"tools", "integrations"} | {"package"}
+    assert units == expected, units ^ expected
     # every test module outside support has a unique name (pytest imports them by name)
     names = [p.name for p in tests.rglob("test_*.py") if "support" not in p.parts]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

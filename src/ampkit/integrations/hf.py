@@ -98,7 +98,6 @@ from .hf_weights import (
 )
 
 transformers = require("transformers", "hf")
-accelerate = require("accelerate", "hf")
 
 from transformers import Trainer  # noqa: E402
 from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
