@@ -21,17 +21,20 @@ from ampkit.tools.cli.main import build_parser
 GLIBC = allocator.allocator_info()["allocator"].startswith("glibc")
 needs_glibc = pytest.mark.skipif(not GLIBC, reason="the fault counts are glibc malloc's; this process uses another allocator")
 
-# A fresh process: allocate, fill and free a 64 MiB tensor twenty times and report the
-# minor page faults of each round after two warm-up rounds (the first round grows the
-# heap; in some processes a few more do too, when an allocation torch makes on its
-# first ops lands in the block a round freed: seen up to round 5 in a loaded make test).
+# A fresh process: allocate, fill and free a 64 MiB tensor 26 times and report the minor
+# page faults of each round after two warm-up rounds. The first round grows the heap; in
+# some processes up to eight more do too (seen: 0, 1 and 7 in runs of the same code): the
+# tensor's small bookkeeping chunks, freed into glibc's per-thread cache (seven entries
+# per size), stay "in use" between two freed blocks, so a freed block cannot merge with
+# its neighbour and is a few bytes short of the next aligned 64 MiB request until the
+# cache turns over. With GLIBC_TUNABLES=glibc.malloc.tcache_count=0 only round one grows.
 _ROUNDS = """
 import json, sys, torch
 from ampkit.tools.bench.allocator import hold_freed_memory, minor_page_faults, allocator_info
 held = hold_freed_memory() if sys.argv[1] == "hold" else False
 torch.set_num_threads(1)
 faults = []
-for i in range(20):
+for i in range(26):
     before = minor_page_faults()
     x = torch.ones(16 * 2**20)  # 64 MiB, every page written
     del x
@@ -58,10 +61,10 @@ def test_glibc_defaults_fault_a_large_block_in_again_on_every_allocation() -> No
 def test_held_memory_reuses_the_freed_block_without_faults() -> None:
     out = _rounds("hold")
     assert out["held"] is True and out["info"]["freed_memory"] == "held"
-    # the heap settles: the last eight rounds reuse the block (glibc's defaults fault every
-    # round, above), and at most a quarter of the measured rounds still grew it
-    assert all(f < 1000 for f in out["faults"][-8:]), out["faults"]
-    assert sum(f >= 1000 for f in out["faults"]) <= 4, out["faults"]
+    # the heap settles: the last twelve rounds reuse a freed block (glibc's defaults fault
+    # every round, above), and at most eight rounds grew it (the cache's seven, plus one)
+    assert all(f < 1000 for f in out["faults"][-12:]), out["faults"]
+    assert sum(f >= 1000 for f in out["faults"]) <= 8, out["faults"]
 
 
 def test_a_preloaded_allocator_is_named_and_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
