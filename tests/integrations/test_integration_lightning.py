@@ -727,6 +727,20 @@ def test_a_tuning_plan_keeps_its_module_fp32_whichever_module_the_step_calls_fir
         assert model.net[5].weight.dtype == torch.float32 and model.net[0].weight.dtype == torch.bfloat16
 
 
+def test_a_plans_fp8_linear_is_converted_for_the_fit_and_switched_back_after(tmp_path):
+    plan = amp.TunePlan.by_hand(lowered=["net.0"], kept_fp32=["net.5"], fp8=["net.3"])
+    model = _probe()
+    kinds: list[str] = []
+    model.net[3].register_forward_hook(lambda m, a, out: kinds.append(f"{type(m).__name__} {out.dtype}"))
+    calls = []
+    model.net[3].register_forward_hook(lambda m, a, out: calls.extend(layer.calls for layer in amp.fp8.layers()))
+    _trainer(tmp_path, AmpkitPrecision(plan=plan), steps=3).fit(model, _loader())
+    assert kinds and set(kinds) == {"Float8Linear torch.bfloat16"}, kinds
+    assert calls[-1] >= 2  # the fp8 layer's scales were advanced by the steps
+    amp.reset()
+    assert type(model.net[3]) is nn.Linear
+
+
 def test_a_plan_for_another_model_or_dtype_is_refused(tmp_path):
     with pytest.raises(amp.PlanError, match="lowers modules to bf16"):
         AmpkitPrecision(plan=amp.TunePlan.by_hand(["net.0"], ["net.5"]), dtype=torch.float16)

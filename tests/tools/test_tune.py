@@ -312,7 +312,7 @@ def test_the_plan_round_trips_through_json(tmp_path, fixed_times):
         (lambda d: d.update(budget="x"), "budget is str"),
         (lambda d: d["modules"][0].update(fp32_ms=[1]), "fp32_ms is \\[1\\]"),
         (lambda d: d["modules"].append(dict(d["modules"][0])), "named twice"),
-        (lambda d: d["modules"][0].update(dtype="fp16"), "neither fp32 nor"),
+        (lambda d: d["modules"][0].update(dtype="fp16"), "neither fp32, fp8 nor"),
         (lambda d: d["modules"].__setitem__(0, "x"), "not an object"),
     ],
 )
@@ -478,7 +478,7 @@ def test_close_step_times_are_timed_again_and_the_faster_timing_counts():
     second = {("O1", True): 7.0, ("O1", False): 5.9}
     calls = []
 
-    def run(level, kept):
+    def run(level, kept, fp8=()):
         key = (level, bool(kept))
         calls.append(key)
         ms = second[key] if calls.count(key) > 1 and key in second else first[key]
@@ -523,3 +523,161 @@ def test_ampkit_run_refuses_a_plan_whose_names_fit_no_model_the_script_calls(lev
     assert main(["run", "--plan", str(path), str(script)]) == 2
     err = capsys.readouterr().err
     assert "plan" in err and ("no model this script called" in err or "cannot be applied" in err), err
+
+
+# fp8 as a candidate. fp8 is measured where it is native (CUDA, compute capability 8.9 and
+# up); on a CPU only with include_emulated=True (torch's CPU fp8 matmul emulates it, slower
+# than fp32), which these tests use to run the whole path: the conversion, the sensitivities
+# and the probes are real, and the times are fixed (fp8 faster than 16 bits, as on a GPU).
+
+
+@pytest.fixture
+def fp8_fast(monkeypatch):
+    """Every module 1 ms in fp32, 0.5 ms in 16 bits and 0.2 ms as an fp8 linear; a probe
+    step 0.5 ms at O1 (0.6 O2, 0.7 O2K), 0.3 ms less with fp8 linears, 1 ms in fp32."""
+    real = measure.module_times
+
+    def fixed(model, modules, *args, **kwargs):
+        out = real(model, modules, *args, **kwargs)
+        return {n: {k: {"fp32": 1.0, "fp8": 0.2}.get(k, 0.5) for k in t} for n, t in out.items()}
+
+    monkeypatch.setattr(measure, "module_times", fixed)
+    real_probe = search.probe
+
+    def probe(model, batches, loss_fn, level, **kw):
+        ms = PROBE_MS[level] - (0.3 if kw.get("fp8") else 0.0)
+        return dataclasses.replace(real_probe(model, batches, loss_fn, level, **kw), step_ms=ms)
+
+    monkeypatch.setattr(search, "probe", probe)
+
+
+def test_fp8_is_tried_where_it_is_native_and_said_why_not_elsewhere(monkeypatch):
+    tried, skipped = measure.native_dtypes(("bf16", "fp8"), "cpu", include_emulated=False)
+    assert "fp8" not in tried and "emulates" in skipped["fp8"] and "include_emulated" in skipped["fp8"]
+    assert measure.native_dtypes(("fp16", "fp8"), "cpu", include_emulated=True) == (["fp16", "fp8"], {})
+    tried, skipped = measure.native_dtypes(("fp8",), "cpu", include_emulated=True)
+    assert tried == [] and "add 'bf16' or 'fp16'" in skipped["fp8"]  # fp8 needs a 16-bit companion
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    for capability, native in [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        tried, skipped = measure.native_dtypes(("bf16", "fp8"), "cuda", include_emulated=False)
+        assert ("fp8" in tried) is native, (capability, skipped)
+        if not native:
+            assert f"{capability[0]}.{capability[1]}" in skipped["fp8"]
+
+
+def test_fp8_is_measured_on_the_linears_only_and_leaves_them_plain_linears():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = measure.candidate_modules(model)
+    times = measure.module_times(model, modules, _batches()[0], nn.functional.cross_entropy, ["bf16", "fp8"],
+                                 "cpu", 1, math.inf)  # fmt: skip
+    # not the LayerNorm "2", nor "5" (32 -> 10: fp8 GEMMs take multiples of 16)
+    assert {n for n, t in times.items() if "fp8" in t} == {"0", "3", "4.lin"}
+    assert all(t["fp8"] > 0 for t in times.values() if "fp8" in t)
+    names = ["0", "3"]
+    fp8 = measure.sensitivities(model, names, _batches()[:2], nn.functional.cross_entropy, "fp8", "cpu", math.inf)
+    bf16 = measure.sensitivities(model, names, _batches()[:2], nn.functional.cross_entropy, "bf16", "cpu", math.inf)
+    for name in names:  # fp8's 3 (e4m3) and 2 (e5m2) mantissa bits move the gradient more than bf16's 8
+        assert fp8[name][1] > bf16[name][1] > 0, (name, fp8, bf16)
+    plain = set(vars(nn.Linear(16, 16)))
+    for m in model.modules():  # nothing left on the linears: the class and the attributes of a plain one
+        assert type(m) is not amp.fp8.Float8Linear
+        if isinstance(m, nn.Linear):
+            assert set(vars(m)) == plain, set(vars(m)) ^ plain
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert amp.fp8.layers() == []  # measured outside any session
+
+
+def test_choose_takes_fp8_where_it_saves_more_and_the_budget_still_holds():
+    modules = [(n, nn.Linear(4, 4)) for n in "abc"]
+    times = {n: {"fp32": 10.0, "bf16": 6.0, "fp8": 3.0} for n in "abc"}
+    sens = {n: (1e-3, 0.01) for n in "abc"}
+    fp8 = {"a": (2e-3, 0.05), "b": (0.02, 0.05), "c": (1e-3, 0.3)}  # b: too much loss; c: its gradient
+    _, out = search.choose("bf16", modules, times, sens, 0.01, 0.1, fp8, 0.25)
+    assert [c.dtype for c in out] == ["fp8", "bf16", "bf16"], [c.reason for c in out]
+    assert out[0].low_ms == 3.0 and out[0].loss_deviation == 2e-3 and "bf16 would save 4.000 ms" in out[0].reason
+    assert "fp8: gradient moves 30.0%" in out[2].reason and "limit 25%" in out[2].reason
+    assert "fp8: the budget is spent" in out[1].reason
+    # a budget of 2.5e-3: two modules in bf16 (1e-3 each); a's move to fp8 (+1e-3) would not fit
+    _, out = search.choose("bf16", modules, times, sens, 2.5e-3, 0.1, fp8, 0.25)
+    assert [c.dtype for c in out] == ["bf16", "bf16", "fp32"]
+    # without fp8 measured nothing is fp8
+    _, out = search.choose("bf16", modules, times, sens, 0.01, 0.1)
+    assert [c.dtype for c in out] == ["bf16"] * 3
+
+
+def test_a_tuned_fp8_plan_converts_its_linears_through_initialize_and_trains_within_budget(fp8_fast, tmp_path):
+    # measured here: the probe 1.4% worse than fp32 with "0" and "3" in fp8 (0.02% without)
+    plan = _tune(candidates=("bf16", "fp8"), budget=0.03)
+    assert plan.fp8 and set(plan.fp8) <= {"0", "3"}, plan.report()
+    assert "4.lin" in plan.kept_fp32 and plan.skipped == {}
+    assert f"{len(plan.fp8)} linear(s) in fp8" in plan.report().splitlines()[-1]
+    assert plan.probe["deviation"] <= 0.03 and plan.probe["plan_ms"] < plan.probe["fp32_ms"]
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = TunePlan.load(path)
+    assert loaded.fp8 == plan.fp8 and [m.dtype for m in loaded.modules] == [m.dtype for m in plan.modules]
+    model = _model()
+    opt = _sgd(model.parameters())
+    model, opt = amp.initialize(model, opt, plan=path)
+    try:
+        converted = {n for n, m in model.named_modules() if type(m) is amp.fp8.Float8Linear}
+        assert converted == set(plan.fp8)
+        assert sorted(layer.name for layer in amp.fp8.layers()) == sorted(plan.fp8)
+        losses = []
+        for step in range(20):
+            x, y = _batches()[step % 8]
+            loss = nn.functional.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) < sum(losses[:5])
+        assert all(layer.calls > 0 for layer in amp.fp8.layers())
+    finally:
+        amp.reset()
+    assert not any(type(m) is amp.fp8.Float8Linear for m in model.modules())
+
+
+def test_a_plan_with_fp8_linears_is_applied_only_where_they_can_be_converted(tmp_path):
+    plan = TunePlan.by_hand(["0", "5"], ["2"], fp8=["3", "4.lin"])
+    assert plan.fp8 == ["3", "4.lin"] and plan.lowered == ["0", "5", "3", "4.lin"]
+    assert plan.policy().module_rules == {"2": torch.float32}
+    # the caller's recipe gives the format and scaling; the plan chooses the linears
+    model, _ = amp.initialize(_model(), None, plan=plan, fp8=amp.Fp8Recipe(format="e4m3"))
+    try:
+        assert {layer.name: layer.recipe.split()[0] for layer in amp.fp8.layers()} == {"3": "e4m3", "4.lin": "e4m3"}
+    finally:
+        amp.reset()
+    model, _ = amp.initialize(_model(), None, plan=plan, fp8=False)  # fp8=False: those linears in bf16
+    try:
+        assert not any(type(m) is amp.fp8.Float8Linear for m in model.modules()) and amp.fp8.layers() == []
+    finally:
+        amp.reset()
+    # refused before anything changes: a recipe choosing its own linears, a plan naming a
+    # linear fp8 cannot convert (32 -> 10), or one the recipe passed excludes
+    untouched = _model()
+    state = {k: v.clone() for k, v in untouched.state_dict().items()}
+    with pytest.raises(amp.AmpError, match="module_filter of its own"):
+        amp.initialize(untouched, None, plan=plan, fp8=amp.Fp8Recipe(module_filter=lambda n, m: True))
+    with pytest.raises(PlanError, match=r"\['5'\] in fp8"):
+        amp.initialize(untouched, None, plan=TunePlan.by_hand(["0"], [], fp8=["5"]))
+    with pytest.raises(PlanError, match=r"\['3'\] in fp8.*excluded"):
+        amp.initialize(untouched, None, plan=plan, fp8=amp.Fp8Recipe(exclude=("3",)))
+    assert not any(type(m) is amp.fp8.Float8Linear for m in untouched.modules())
+    assert all(v.dtype == torch.float32 and torch.equal(state[k], v) for k, v in untouched.state_dict().items())
+    with pytest.raises(PlanError, match="fp8.*ampkit.initialize"):
+        amp.init(plan=plan)
+    from ampkit.tools.run.config import RunConfig
+
+    with pytest.raises(amp.AmpError, match="--level O2"):
+        RunConfig(level="O1", plan=plan)
+    assert RunConfig(level="O2", plan=plan).plan is plan
+    doc = plan.to_dict()
+    with pytest.raises(PlanError, match="dtype 'fp8'"):
+        TunePlan.from_dict({**doc, "dtype": "fp8"})
+    with pytest.raises(PlanError, match="16-bit dtype"):
+        TunePlan.from_dict({**doc, "dtype": "fp32", "level": "O1",
+                            "modules": [m for m in doc["modules"] if m["dtype"] != "bf16"]})  # fmt: skip

@@ -29,7 +29,7 @@ from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import _THREADS
 from .policy import Policy, check_compute_dtype, check_device_type
-from .precision_plan import TunePlan
+from .precision_plan import PlanError, TunePlan
 
 logger = logging.getLogger("ampkit")
 
@@ -389,8 +389,9 @@ def init(
             :func:`ampkit.tune` (or the path of a saved one): its module choices as
             op-level casting (kept modules pinned to fp32 by a module rule added to
             ``policy``), in its dtype. Weights are not cast here whatever the plan's level:
-            :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's
-            raises :class:`ampkit.PlanError`. Default: ``None``.
+            :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's, or
+            a plan with fp8 linears (converting them is ``initialize``'s), raises
+            :class:`ampkit.PlanError`. Default: ``None``.
         **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 
@@ -405,6 +406,10 @@ def init(
         )
     if plan is not None:
         plan = TunePlan.coerce(plan, "ampkit.init(plan=...)")
+        if plan.fp8:
+            raise PlanError(f"ampkit.init(plan=...): the plan runs {len(plan.fp8)} linear(s) in fp8 "
+                            f"({', '.join(plan.fp8[:3])}{' ...' if len(plan.fp8) > 3 else ''}), which takes "
+                            "converting them: use ampkit.initialize(model, optimizer, plan=...).")  # fmt: skip
         if plan.lowered:
             dtype = plan.compute_dtype(dtype)
             if policy is not None and not isinstance(policy, Policy):

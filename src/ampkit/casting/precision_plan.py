@@ -21,10 +21,13 @@ from ampkit._internal.paths import output_path
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
 
-__all__ = ["DTYPES", "ModuleChoice", "PlanError", "TunePlan"]
+__all__ = ["DTYPES", "FP8", "ModuleChoice", "PlanError", "TunePlan"]
 
 #: The dtype names a plan uses, and their torch dtypes.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: A module's dtype in a plan: one of :data:`DTYPES`, or ``"fp8"`` for a linear whose
+#: matmuls run in fp8 (its output in the plan's 16-bit dtype).
+FP8 = "fp8"
 #: The levels a plan may name.
 LEVELS = ("O0", "O1", "O2", "O2K")
 FORMAT = "ampkit-tune-plan"
@@ -43,11 +46,14 @@ class ModuleChoice:
     Attributes:
         name: its qualified name in the tuned model (``"blocks.0.attn.qkv"``).
         kind: its class name (``"Linear"``).
-        dtype: ``"fp32"`` (kept wide) or the plan's 16-bit dtype (``"bf16"``/``"fp16"``).
+        dtype: ``"fp32"`` (kept wide), the plan's 16-bit dtype (``"bf16"``/``"fp16"``), or
+            ``"fp8"`` (an ``nn.Linear`` whose matmuls run in fp8, output in the plan's dtype).
         fp32_ms: forward + backward time of the module alone in fp32, milliseconds.
-        low_ms: the same in the plan's 16-bit dtype (NaN where not measured).
+        low_ms: the same in the lowered dtype: ``dtype``'s when the module is lowered, the
+            plan's 16-bit dtype's when it is kept fp32 (NaN where not measured).
         loss_deviation: relative change of the loss, against fp32, when only this module
-            runs in 16 bits (mean over the calibration batches; inf where non-finite).
+            runs lowered (in ``dtype``, or the plan's 16-bit dtype when kept; mean over the
+            calibration batches; inf where non-finite).
         grad_deviation: relative change of the whole gradient (L2 norm) in the same run.
         reason: why this dtype, in words.
     """
@@ -63,7 +69,7 @@ class ModuleChoice:
 
     @property
     def saved_ms(self) -> float:
-        """Time saved per step by running this module in 16 bits (negative: slower)."""
+        """Time saved per step by running this module lowered (negative: slower)."""
         return self.fp32_ms - self.low_ms if math.isfinite(self.low_ms) else 0.0
 
 
@@ -115,6 +121,11 @@ class TunePlan:
         return [m.name for m in self.modules if m.dtype != "fp32"]
 
     @property
+    def fp8(self) -> list[str]:
+        """Names of the linears the plan runs in fp8 (a subset of :attr:`lowered`)."""
+        return [m.name for m in self.modules if m.dtype == FP8]
+
+    @property
     def kept_fp32(self) -> list[str]:
         """Names of the modules the plan keeps in fp32."""
         return [m.name for m in self.modules if m.dtype == "fp32"]
@@ -131,7 +142,8 @@ class TunePlan:
         pinning each kept module to fp32 by its name. ``initialize(..., plan=)`` and
         ``ampkit.init(plan=)`` use it; with ``ampkit.autocast(plan.policy())`` the level's
         other settings are yours. Names are relative to the outermost module called, as
-        when the plan was tuned."""
+        when the plan was tuned. The fp8 linears (:attr:`fp8`) run in the plan's 16-bit
+        dtype under this policy alone: converting them is ``initialize``'s."""
         rules = {name: torch.float32 for name in self.kept_fp32}
         if base is None:
             return Policy(dtype=DTYPES[self.dtype] if self.dtype != "fp32" else torch.bfloat16, module_rules=rules)
@@ -174,13 +186,14 @@ class TunePlan:
     def report(self) -> str:
         """A plain-text table: each module's dtype, time share, deviations and why."""
         total = sum(m.fp32_ms for m in self.modules) or 1.0
-        rows = [f"{'module':32} {'kind':14} {'dtype':5} {'fp32 ms':>8} {'16b ms':>8} {'time %':>6} "
+        rows = [f"{'module':32} {'kind':14} {'dtype':5} {'fp32 ms':>8} {'low ms':>8} {'time %':>6} "
                 f"{'loss dev':>9} {'grad dev':>9}  why"]  # fmt: skip
         for m in self.modules:
             rows.append(f"{m.name[:32]:32} {m.kind[:14]:14} {m.dtype:5} {m.fp32_ms:8.3f} {m.low_ms:8.3f} "
                         f"{100 * m.fp32_ms / total:6.1f} {m.loss_deviation:9.2e} {m.grad_deviation:9.2e}  {m.reason}")  # fmt: skip
         p = self.probe
-        rows.append(f"plan: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype} at {self.level}; "
+        fp8 = f" ({len(self.fp8)} linear(s) in fp8)" if self.fp8 else ""
+        rows.append(f"plan: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}{fp8} at {self.level}; "
                     f"{p.get('plan_ms', math.nan):.2f} ms a step against fp32's {p.get('fp32_ms', math.nan):.2f} ms; "
                     f"predicted deviation "
                     f"{self.predicted_deviation:.2e}, probe {p.get('deviation', math.nan):.2e} "
@@ -206,10 +219,10 @@ class TunePlan:
         mods = list(self.modules)[::-1]
         y = range(len(mods))
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * len(mods) + 1.5)), sharey=True)
-        colours = ["tab:blue" if m.dtype != "fp32" else "tab:gray" for m in mods]
+        colours = [{"fp32": "tab:gray", FP8: "tab:orange"}.get(m.dtype, "tab:blue") for m in mods]
         ax1.barh([i + 0.2 for i in y], [m.fp32_ms for m in mods], height=0.4, color="lightgray", label="fp32")
         ax1.barh([i - 0.2 for i in y], [m.low_ms if math.isfinite(m.low_ms) else 0.0 for m in mods], height=0.4,
-                 color=colours, label=f"{self.dtype} (blue: chosen)")  # fmt: skip
+                 color=colours, label=f"lowered (blue: {self.dtype}, orange: fp8, grey: kept fp32)")  # fmt: skip
         ax1.set_yticks(list(y), [f"{m.name} ({m.kind})" for m in mods])
         ax1.set_xlabel("forward + backward alone, ms")
         ax1.legend(loc="best")
@@ -217,9 +230,10 @@ class TunePlan:
         ax2.barh(list(y), [max(d, 1e-12) for d in devs], color=colours)
         ax2.axvline(self.budget, color="red", linestyle="--", label=f"budget {self.budget:.1e}")
         ax2.set_xscale("log")
-        ax2.set_xlabel(f"loss deviation with only this module in {self.dtype}")
+        ax2.set_xlabel("loss deviation with only this module lowered")
         ax2.legend(loc="best")
-        fig.suptitle(f"ampkit.tune: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype} at {self.level}")
+        fp8 = f" ({len(self.fp8)} in fp8)" if self.fp8 else ""
+        fig.suptitle(f"ampkit.tune: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}{fp8} at {self.level}")
         fig.tight_layout()
         fig.savefig(target, dpi=100)
         plt.close(fig)
@@ -243,21 +257,23 @@ class TunePlan:
 
     @classmethod
     def by_hand(cls, lowered: list[str], kept_fp32: list[str], *, dtype: str = "bf16", level: str = "O1",
-                device_type: str = "cpu") -> TunePlan:  # fmt: skip
+                device_type: str = "cpu", fp8: Sequence[str] = ()) -> TunePlan:  # fmt: skip
         """A plan written by hand: the modules named in ``lowered`` run in ``dtype``
-        (``"bf16"`` default, or ``"fp16"``), those in ``kept_fp32`` stay fp32, at
-        ``level`` (``"O1"`` default, ``"O2"``, ``"O2K"``; ``"O0"`` when ``lowered`` is
-        empty), for ``device_type`` (``"cpu"`` default). Nothing is measured: times and
-        deviations are NaN, the budget 0. Checked like a loaded plan (:class:`PlanError`)."""
+        (``"bf16"`` default, or ``"fp16"``), the linears named in ``fp8`` in fp8 (default:
+        none), those in ``kept_fp32`` stay fp32, at ``level`` (``"O1"`` default, ``"O2"``,
+        ``"O2K"``; ``"O0"`` when nothing is lowered), for ``device_type`` (``"cpu"``
+        default). Nothing is measured: times and deviations are NaN, the budget 0.
+        Checked like a loaded plan (:class:`PlanError`)."""
         def entry(name: str, dt: str) -> dict[str, Any]:
             return {"name": name, "kind": "", "dtype": dt, "fp32_ms": "nan", "low_ms": "nan",
                     "loss_deviation": "nan", "grad_deviation": "nan", "reason": "set by hand"}  # fmt: skip
 
-        if not all(isinstance(n, str) for n in [*lowered, *kept_fp32]):
+        if isinstance(fp8, str) or not all(isinstance(n, str) for n in [*lowered, *kept_fp32, *fp8]):
             raise PlanError("by_hand takes lists of module names (strings).")
         return cls.from_dict({
             "format": FORMAT, "version": VERSION, "dtype": dtype, "level": level, "device_type": device_type,
-            "budget": 0.0, "modules": [entry(n, dtype) for n in lowered] + [entry(n, "fp32") for n in kept_fp32],
+            "budget": 0.0, "modules": [entry(n, dtype) for n in lowered] + [entry(n, FP8) for n in fp8]
+            + [entry(n, "fp32") for n in kept_fp32],
             "skipped": {}, "predicted_deviation": 0.0, "probe": {}, "backed_off": [], "seconds": 0.0,
         })  # fmt: skip
 
@@ -288,9 +304,12 @@ class TunePlan:
             raise PlanError(f"tuning plan: {exc}") from None
         if len({m.name for m in modules}) != len(modules):
             raise PlanError("tuning plan: a module is named twice.")
-        bad = [m.name for m in modules if m.dtype not in ("fp32", plan.dtype)]
+        bad = [m.name for m in modules if m.dtype not in ("fp32", plan.dtype, FP8)]
         if bad:
-            raise PlanError(f"tuning plan: modules {bad[:3]} are in neither fp32 nor the plan's {plan.dtype}.")
+            raise PlanError(f"tuning plan: modules {bad[:3]} are in neither fp32, fp8 nor the plan's {plan.dtype}.")
+        if plan.fp8 and plan.dtype == "fp32":
+            raise PlanError("tuning plan: fp8 linears need a 16-bit dtype for their outputs and the rest of the "
+                            "model; the plan's dtype is fp32.")  # fmt: skip
         if (plan.level == "O0") != (not plan.lowered) or (plan.level == "O2K" and plan.dtype != "bf16"):
             raise PlanError(f"tuning plan: level {plan.level} with {len(plan.lowered)} modules lowered in "
                             f"{plan.dtype}; O0 lowers nothing, O1/O2/O2K lower some, O2K in bf16 only.")  # fmt: skip
@@ -347,9 +366,11 @@ def _level(name: str) -> str:
 def _choice(m: Any) -> ModuleChoice:
     if not isinstance(m, dict):
         raise PlanError(f"tuning plan: a module entry is {type(m).__name__}, not an object.")
+    dtype = _field(m, "dtype", str)
     return ModuleChoice(
-        name=_field(m, "name", str), kind=_field(m, "kind", str), dtype=_dtype(_field(m, "dtype", str)),
+        name=_field(m, "name", str), kind=_field(m, "kind", str), dtype=dtype if dtype == FP8 else _dtype(dtype),
         fp32_ms=_number(m.get("fp32_ms"), "fp32_ms"), low_ms=_number(m.get("low_ms"), "low_ms"),
         loss_deviation=_number(m.get("loss_deviation"), "loss_deviation"),
         grad_deviation=_number(m.get("grad_deviation"), "grad_deviation"), reason=_field(m, "reason", str),
     )  # fmt: skip
+

@@ -42,7 +42,7 @@ from ampkit._internal.dtypes import (
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import TunePlan
+from ampkit.casting.precision_plan import PlanError, TunePlan
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
@@ -54,6 +54,7 @@ from . import fp8 as _fp8
 from . import one_pass
 from .compensated import CompensatedUpdates
 from .fp8 import Fp8Recipe
+from .fp8.recipe import for_modules
 from .master import MasterWeights
 from .model_cast import (
     add_fp32_scope,
@@ -173,8 +174,11 @@ def initialize(
             call's policy. ``fresh=False`` takes no ``fp8``. Default: ``True``.
         plan (ampkit.TunePlan | str | os.PathLike | None): a plan from
             :func:`ampkit.tune` (or a saved one's path): its level and dtype as defaults,
-            its kept modules fp32 (module rules; ``keep_fp32`` at O2/O3/O2K), name rules
-            relative to these models until :func:`ampkit.reset` (docs: tuning guide). Default: ``None``.
+            its kept modules fp32 (module rules; ``keep_fp32`` at O2/O3/O2K), its fp8
+            linears converted (with ``fp8``'s recipe if one is given, which must not have a
+            ``module_filter``; ``fp8=False`` runs them in the plan's 16-bit dtype), name
+            rules relative to these models until :func:`ampkit.reset` (docs: tuning
+            guide). Default: ``None``.
         **overrides: change one setting of the level:
 
             - ``dtype``: compute dtype; default: the ``AMPKIT_DTYPE`` environment
@@ -222,7 +226,7 @@ def initialize(
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
     if plan is not None:
-        opt_level, overrides = _with_tune_plan(plan, models, opt_level, overrides)
+        opt_level, fp8, overrides = _with_tune_plan(plan, models, opt_level, fp8, overrides)
     checked = make_plan(models, optimizers, opt_level, device_type, fp8, fresh, overrides)
     _apply(checked, named_by_models=plan is not None)
     out_models: Any = checked.models[0] if checked.one_model else checked.models
@@ -234,9 +238,13 @@ def _with_tune_plan(
     plan: TunePlan | str | os.PathLike[str],
     models: nn.Module | Sequence[nn.Module],
     opt_level: str | None,
+    fp8: Fp8Recipe | bool | None,
     overrides: dict[str, Any],
-) -> tuple[str, dict[str, Any]]:
-    """``initialize``'s level and overrides with a tuning plan applied (nothing changed yet)."""
+) -> tuple[str, Fp8Recipe | bool | None, dict[str, Any]]:
+    """``initialize``'s level, fp8 recipe and overrides with a tuning plan applied
+    (nothing changed yet): the plan's fp8 linears through ``fp8`` (None or True: the
+    default recipe; a recipe: its format and scaling; False: none, they run in the
+    plan's 16-bit dtype)."""
     plan = TunePlan.coerce(plan, "initialize(plan=...)")
     plan.check_model([models] if isinstance(models, nn.Module) else list(models))
     level = plan.level if opt_level is None else opt_level
@@ -249,7 +257,15 @@ def _with_tune_plan(
             out["policy"] = plan.policy(base=out.get("policy"))  # (else the caller's own scope casts)
         if name in ("O2", "O3", "O2K") and plan.kept_fp32:
             out["keep_fp32"] = [*(out.get("keep_fp32") or []), *plan.kept_fp32]
-    return level, out
+    if plan.fp8 and fp8 is not False:
+        fp8 = for_modules(plan.fp8, fp8, "initialize(plan=...)")
+        chosen = {name for m in ([models] if isinstance(models, nn.Module) else models) for name, _ in fp8.choose(m)}
+        missing = [name for name in plan.fp8 if name not in chosen]
+        if missing:
+            raise PlanError(f"initialize(plan=...): the plan runs {missing[:5]} in fp8, which fp8 cannot convert "
+                            "here (not an nn.Linear, feature sizes not multiples of 16, or excluded by the "
+                            "recipe passed); tune this model again, or pass fp8=False.")  # fmt: skip
+    return level, fp8, out
 
 
 def _apply(plan: Plan, named_by_models: bool = False) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import fnmatch
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -213,7 +213,7 @@ class Fp8Recipe:
         for i, (name, m) in enumerate(linears):
             if any(fnmatch.fnmatchcase(name, g) for g in self.exclude):
                 continue
-            if m.in_features % 16 or m.out_features % 16:
+            if not convertible(m):
                 continue
             if self.module_filter is not None:
                 if not self.module_filter(name, m):
@@ -225,6 +225,12 @@ class Fp8Recipe:
                     continue
             chosen.append((name, m))
         return chosen
+
+
+def convertible(module: nn.Module) -> bool:
+    """Whether fp8 can convert ``module``: an ``nn.Linear`` exactly (a subclass may change
+    what ``forward`` does) whose feature sizes are multiples of 16 (fp8 GEMMs' tiles)."""
+    return type(module) in LINEAR_CLASSES and not (module.in_features % 16 or module.out_features % 16)
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None, why: str) -> None:
@@ -256,3 +262,39 @@ def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:
             "fp32 exactly as written. Use O1 (fp32 weights) or O2 (16-bit model, fp32 masters)."
         )
     return recipe
+
+
+class NamedLinears:
+    """An :class:`Fp8Recipe` ``module_filter`` choosing linears by qualified name
+    (picklable, comparable, printable): what a tuning plan's fp8 linears become."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+
+    def __call__(self, name: str, _linear: nn.Linear) -> bool:
+        return name in self.names
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NamedLinears) and other.names == self.names
+
+    def __hash__(self) -> int:
+        return hash(self.names)
+
+    def __repr__(self) -> str:
+        return f"NamedLinears({sorted(self.names)!r})"
+
+
+def for_modules(names: Sequence[str], base: Fp8Recipe | bool | None, owner: str) -> Fp8Recipe:
+    """``base`` (None or True: ``Fp8Recipe()``) converting exactly the linears ``names``
+    (a tuning plan's fp8 linears); :class:`PolicyError` naming ``owner`` when ``base`` is
+    not a recipe or chooses its own linears."""
+    if base is None or base is True:
+        base = Fp8Recipe()
+    if not isinstance(base, Fp8Recipe):
+        raise PolicyError(f"{owner}: fp8= takes an ampkit.Fp8Recipe beside a plan with fp8 linears, "
+                          f"got {type(base).__name__}.")  # fmt: skip
+    if base.module_filter is not None:
+        raise PolicyError(f"{owner}: the plan chooses its fp8 linears, and the Fp8Recipe passed has a "
+                          "module_filter of its own; drop one of them (fp8=False runs the plan's fp8 linears "
+                          "in its 16-bit dtype).")  # fmt: skip
+    return dataclasses.replace(base, module_filter=NamedLinears(names))

@@ -3,10 +3,11 @@ their scales saved and loaded, listed for reports (:func:`layers`), switched bac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -169,6 +170,26 @@ def activate(training: Fp8Training) -> None:
     """Convert the planned layers and make ``training`` the current one (after reset)."""
     training.apply()
     _CURRENT.training = training
+
+
+@contextlib.contextmanager
+def converted(recipe: Fp8Recipe, chosen: Sequence[tuple[str, nn.Linear]]) -> Iterator[Fp8Training]:
+    """The ``chosen`` linears in fp8 inside the block, with fresh scales, outside any
+    session (not :func:`current`; ``amp.state_dict`` does not see them); switched back
+    to ``nn.Linear`` after. For measuring a layer in fp8 (``ampkit.tune``)."""
+    training = Fp8Training(recipe, chosen)
+    training.apply()
+    try:
+        yield training
+    finally:
+        for ref, _state in training.layers.values():
+            module = ref()
+            if module is None:
+                continue
+            if type(module) is Float8Linear:
+                torch_compat.swap_module_class(module, nn.Linear)
+            module.__dict__.pop(_STATE_ATTR, None)
+            _CONVERTED.discard(module)
 
 
 def current() -> Fp8Training | None:

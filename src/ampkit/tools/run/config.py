@@ -53,7 +53,8 @@ class RunConfig:
         max_steps: end the script after this many iterations (None: run it whole).
         time_budget: end the script at the first iteration after this many seconds.
         plan: a :class:`ampkit.TunePlan` whose module choices apply (its kept modules
-            pinned to fp32; at O2/O2K also by ``keep_fp32``); ``dtype`` must be its dtype.
+            pinned to fp32; at O2/O2K also by ``keep_fp32``, and its fp8 linears
+            converted, which only O2/O2K do); ``dtype`` must be its dtype.
     """
 
     level: str = "O1"
@@ -78,6 +79,11 @@ class RunConfig:
                 raise AmpError(f"plan must be an ampkit.TunePlan, got {type(self.plan).__name__}.")
             if self.plan.lowered and self.plan.dtype != self.dtype and self.level != "fp32":
                 raise AmpError(f"the plan lowers modules to {self.plan.dtype}; run it with dtype {self.plan.dtype}.")
+            if self.plan.fp8 and self.level not in ("O2", "O2K"):
+                raise AmpError(f"the plan runs {len(self.plan.fp8)} linear(s) in fp8; ampkit run converts them where "
+                               "it sets the optimizer up (--level O2 or O2K), not at "
+                               f"{self.level}: run with --level O2, or call ampkit.initialize(model, optimizer, "
+                               "plan=...) in the script.")  # fmt: skip
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -17,8 +17,12 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy, default_policy
+from ampkit.casting.precision_plan import DTYPES, FP8
+from ampkit.levels.fp8.recipe import Fp8Recipe, convertible
+from ampkit.levels.fp8.training import converted
 
-__all__ = ["Batch", "Call", "LossFn", "output_energy", "candidate_modules", "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]
+__all__ = ["Batch", "Call", "LossFn", "FP8_CAPABILITY", "output_energy", "candidate_modules", "fp8_linears",
+           "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]  # fmt: skip
 
 Batch = Any  # (inputs, targets); inputs a tensor or a tuple of positional arguments
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -32,17 +36,43 @@ def candidate_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if name and any(p.is_floating_point() for p in m.parameters(recurse=False))]  # fmt: skip
 
 
+#: fp8 matmuls run on tensor cores from this CUDA compute capability on (Ada, Hopper, Blackwell).
+FP8_CAPABILITY = (8, 9)
+
+
+def fp8_linears(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The candidate modules fp8 can convert, as :meth:`ampkit.Fp8Recipe.choose` sees
+    them: ``nn.Linear`` exactly, feature sizes multiples of 16."""
+    return [name for name, m in modules if convertible(m)]
+
+
+def _fp8_unavailable(device_type: str, include_emulated: bool) -> str | None:
+    """Why fp8 is not worth measuring here (None: it is)."""
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < FP8_CAPABILITY:
+            return (f"this GPU (compute capability {major}.{minor}) has no fp8 tensor cores "
+                    "(8.9 and up: Ada, Hopper, Blackwell)")  # fmt: skip
+        return None
+    if device_type == "cpu":
+        if include_emulated:
+            return None
+        return ("this CPU has no fp8 arithmetic: torch's CPU fp8 matmul emulates it, slower than fp32 "
+                "(include_emulated=True measures it anyway)")  # fmt: skip
+    return f"fp8 is measured on CUDA GPUs (and emulated on CPUs), not on {device_type!r}"
+
+
 def native_dtypes(candidates: Sequence[str], device_type: str, include_emulated: bool) -> tuple[list[str], dict[str, str]]:
-    """The 16-bit candidates worth measuring here, and the others with why not.
-    ``include_emulated`` tries bf16/fp16 even where the CPU emulates them."""
+    """The candidates worth measuring here, and the others with why not: the 16-bit
+    ones first, then ``"fp8"`` (which needs one of them: its linears' outputs and the
+    rest of the model compute in it). ``include_emulated`` tries bf16/fp16/fp8 even
+    where the CPU emulates them."""
     tried: list[str] = []
     skipped: dict[str, str] = {}
     for name in candidates:
-        if name == "fp8":
-            skipped[name] = ("fp8 matmuls need a GPU with fp8 tensor cores (compute capability 8.9+); "
-                             "the tuner does not measure fp8 layers yet")  # fmt: skip
+        if name == FP8:
             continue
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        dtype = DTYPES[name]
         if device_type == "cuda":
             if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
                 skipped[name] = "this GPU has no bf16 arithmetic"
@@ -55,6 +85,15 @@ def native_dtypes(candidates: Sequence[str], device_type: str, include_emulated:
                                  "(include_emulated=True measures it anyway)")  # fmt: skip
                 continue
         tried.append(name)
+    if FP8 in candidates:
+        why = _fp8_unavailable(device_type, include_emulated)
+        if why is None and not tried:
+            why = ("fp8 linears compute inside a 16-bit level (their outputs, and the rest of the model): "
+                   "no 16-bit candidate is tried here; add 'bf16' or 'fp16' to candidates")  # fmt: skip
+        if why is None:
+            tried.append(FP8)
+        else:
+            skipped[FP8] = why
     return tried, skipped
 
 
@@ -143,35 +182,47 @@ def sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
+def _fastest(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], policy: Policy | None,
+             device_type: str, repeats: int) -> float:  # fmt: skip
+    """The fastest of ``repeats`` forward + backward runs after one warm-up, in ms."""
+    best = math.inf
+    for i in range(repeats + 1):
+        with scope(policy, device_type):
+            sync(device_type)
+            start = time.perf_counter()
+            _run_once(module, args, kwargs)
+            sync(device_type)
+            took = time.perf_counter() - start
+        if i:  # the first run warms caches up
+            best = min(best, took)
+    return 1e3 * best
+
+
 def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Batch, loss_fn: LossFn | None,
                  dtypes: Sequence[str], device_type: str, repeats: int, deadline: float,
                  ) -> dict[str, dict[str, float]]:  # fmt: skip
-    """``{name: {"fp32": ms, "bf16": ms, ...}}``: each module's forward + backward alone on
-    the inputs it saw on ``batch``, the fastest of ``repeats`` runs after one warm-up, under
-    ``ampkit.autocast`` in each 16-bit dtype. Modules not reached before ``deadline``
-    (``time.perf_counter()``) are left out."""
+    """``{name: {"fp32": ms, "bf16": ms, ..., "fp8": ms}}``: each module's forward +
+    backward alone on the inputs it saw on ``batch``, the fastest of ``repeats`` runs
+    after one warm-up, under ``ampkit.autocast`` in each 16-bit dtype of ``dtypes``; with
+    ``"fp8"`` in ``dtypes``, each linear also converted to fp8 (default
+    :class:`ampkit.Fp8Recipe`) under the first 16-bit dtype's autocast. Modules not
+    reached before ``deadline`` (``time.perf_counter()``) are left out."""
     inputs = _captured(model, modules, batch, loss_fn)
     policies: dict[str, Policy | None] = {"fp32": None}
     for name in dtypes:
-        policies[name] = default_policy(device_type, {"bf16": torch.bfloat16, "fp16": torch.float16}[name])
+        if name != FP8:
+            policies[name] = default_policy(device_type, DTYPES[name])
+    fp8 = set(fp8_linears(modules)) if FP8 in dtypes and len(policies) > 1 else set()
+    companion = next(iter(k for k in policies if k != "fp32"), None)
     out: dict[str, dict[str, float]] = {}
     for name, module in modules:
         if name not in inputs or time.perf_counter() > deadline:
             continue
         args, kwargs = inputs[name]
-        times = {}
-        for key, policy in policies.items():
-            best = math.inf
-            for i in range(repeats + 1):
-                with scope(policy, device_type):
-                    sync(device_type)
-                    start = time.perf_counter()
-                    _run_once(module, args, kwargs)
-                    sync(device_type)
-                    took = time.perf_counter() - start
-                if i:  # the first run warms caches up
-                    best = min(best, took)
-            times[key] = 1e3 * best
+        times = {key: _fastest(module, args, kwargs, policy, device_type, repeats) for key, policy in policies.items()}
+        if name in fp8:
+            with converted(Fp8Recipe(), [(name, module)]):
+                times[FP8] = _fastest(module, args, kwargs, policies[companion], device_type, repeats)
         module.zero_grad(set_to_none=True)
         out[name] = times
     return out
@@ -196,11 +247,13 @@ def deviation(value: float, ref: float) -> float:
 
 
 def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batch], loss_fn: LossFn | None,
-                  dtype: str, device_type: str, deadline: float) -> dict[str, tuple[float, float]]:  # fmt: skip
+                  dtype: str, device_type: str, deadline: float, companion: str = "bf16",
+                  ) -> dict[str, tuple[float, float]]:  # fmt: skip
     """``{name: (loss deviation, grad deviation)}`` with only that module in ``dtype``
     (every other module pinned to fp32 by a module rule), against fp32, averaged over
-    ``batches``. Modules not reached before ``deadline`` are left out."""
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ``batches``. ``dtype`` ``"fp8"``: the module (a linear) converted to fp8, its output
+    in ``companion``. Modules not reached before ``deadline`` are left out."""
+    low = DTYPES[companion if dtype == FP8 else dtype]
     base = default_policy(device_type, low)
     refs = [_loss_and_grad(model, b, loss_fn, None, device_type, seed) for seed, b in enumerate(batches)]
     out: dict[str, tuple[float, float]] = {}
@@ -209,8 +262,11 @@ def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batc
             break
         policy = base.override(module_rules={name: low, "*": torch.float32})
         loss_dev = grad_dev = 0.0
-        for seed, (batch, (ref_loss, ref_grad)) in enumerate(zip(batches, refs)):
-            loss, grad = _loss_and_grad(model, batch, loss_fn, policy, device_type, seed)
+        lowered = (converted(Fp8Recipe(), [(name, model.get_submodule(name))]) if dtype == FP8
+                   else contextlib.nullcontext())  # fmt: skip
+        with lowered:
+            runs = [_loss_and_grad(model, b, loss_fn, policy, device_type, seed) for seed, b in enumerate(batches)]
+        for (loss, grad), (ref_loss, ref_grad) in zip(runs, refs):
             loss_dev += deviation(loss, ref_loss)
             finite = bool(torch.isfinite(grad).all()) and grad.shape == ref_grad.shape
             norm = float(ref_grad.norm())

@@ -133,7 +133,9 @@ def tune_script(
         steps (int): steps of each confirming run (fp32 and every candidate). Default: ``50``.
         budget (float): how much worse than fp32's the script's final loss may be
             (relative; the mean of each run's last quarter of losses). Default: ``0.01``.
-        candidates, grad_limit, max_seconds, include_emulated: as :func:`ampkit.tune`.
+        candidates, grad_limit, max_seconds, include_emulated: as :func:`ampkit.tune`,
+            except that ``"fp8"`` is not tried (said in :attr:`TunePlan.skipped`): the
+            confirming runs start at O1, where ``ampkit run`` converts no linear.
         capture_steps (int): steps of the capturing fp32 run (its first calls are the
             calibration batches). Default: ``4``.
         repeats (int): timed runs per module and dtype. Default: ``3``.
@@ -151,14 +153,21 @@ def tune_script(
     if not measure.candidate_modules(model):
         raise AmpError(f"the script's model ({type(model).__name__}) has no module with parameters of its own below "
                        "its root: nothing to tune.")  # fmt: skip
+    skipped_here = {}
+    if "fp8" in candidates:  # its confirming runs start at O1, where ampkit run converts no linear
+        skipped_here["fp8"] = ("ampkit tune script.py does not try fp8: ampkit run converts fp8 linears at O2/O2K "
+                               "only, and the confirming runs start at O1; tune the model with ampkit.tune "
+                               "in the script for fp8")  # fmt: skip
     dtype, choices, skipped = measure_and_choose(
-        model, calls, measure.output_energy, candidates=candidates, device_type=device_type,
+        model, calls, measure.output_energy, candidates=[c for c in candidates if c != "fp8"],
+        device_type=device_type,
         include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
         deadline=start + max_seconds)  # fmt: skip
+    skipped.update(skipped_here)
     names = [c.name for c in choices]
     with tempfile.TemporaryDirectory(prefix="ampkit-tune-") as tmp:
 
-        def run(level: str | None, kept: list[str]) -> Probe:
+        def run(level: str | None, kept: list[str], fp8: Sequence[str] = ()) -> Probe:  # fp8: never chosen here
             if level is None:
                 return _child_run(path, args, None, "fp32", dtype, steps, Path(tmp))
             plan = TunePlan.by_hand([n for n in names if n not in kept], list(kept), dtype=dtype, level=level,

@@ -1,11 +1,13 @@
 """``ampkit.tune``: measure, choose, confirm.
 
 1. **Measure** on this device: each candidate module's forward + backward time alone
-   in fp32 and in each 16-bit dtype this hardware computes natively, and its
-   sensitivity: the loss and gradient deviation from fp32 when only it runs in 16 bits.
-2. **Choose** greedily by time saved per unit of loss deviation, adding modules while the
-   sum of their deviations stays within the budget; a module that saves nothing, or
-   whose gradient moves by more than ``grad_limit`` alone, stays fp32.
+   in fp32 and in each 16-bit dtype this hardware computes natively (each linear in
+   fp8 too, where fp8 is native), and its sensitivity: the loss and gradient deviation
+   from fp32 when only it runs lowered.
+2. **Choose** greedily by time saved per unit of loss deviation, adding (module, dtype)
+   options while the sum of their deviations stays within the budget (a linear's fp8
+   option replaces its 16-bit one where it saves more); a module that saves nothing,
+   or whose gradient moves by more than ``grad_limit`` alone, stays fp32.
 3. **Confirm** with a short training run of a copy of the model under the plan against
    fp32 from the same weights and batches; while it misses the budget, the most
    sensitive lowered module goes back to fp32 and the probe runs again.
@@ -28,8 +30,9 @@ from torch import nn
 from ampkit._internal.registry import reset
 from ampkit.casting.engine import is_active
 from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import DTYPES, ModuleChoice, TunePlan
+from ampkit.casting.precision_plan import DTYPES, FP8, ModuleChoice, TunePlan
 from ampkit.errors import AmpError, StateError
+from ampkit.levels.fp8.recipe import for_modules
 from ampkit.levels.setup import initialize
 from ampkit.tools.bench.machine import machine_info
 from ampkit.trainer.api import scale_loss
@@ -55,6 +58,7 @@ def tune(
     optimizer: OptimizerFactory | None = None,
     repeats: int = 5,
     grad_limit: float = 0.1,
+    fp8_grad_limit: float = 0.25,
     max_backoffs: int = 4,
     max_seconds: float = 300.0,
     include_emulated: bool = False,
@@ -71,10 +75,12 @@ def tune(
             is the loss.
         budget (float): the allowed relative deviation of the probe's final loss
             (mean over its last quarter of steps) from fp32's. Default: ``0.01``.
-        candidates: 16-bit dtypes to try, of ``"bf16"``, ``"fp16"``, ``"fp8"``; those this
+        candidates: dtypes to try, of ``"bf16"``, ``"fp16"``, ``"fp8"``; those this
             hardware does not compute natively are skipped and named in
-            :attr:`TunePlan.skipped`. The plan uses one 16-bit dtype: the candidate whose
-            choice saves the most time.
+            :attr:`TunePlan.skipped` (fp8: CUDA compute capability 8.9 and up). The plan
+            uses one 16-bit dtype: the candidate whose choice saves the most time; fp8
+            is measured per ``nn.Linear`` beside the first 16-bit candidate tried (its
+            outputs in that dtype) and chosen per linear where it saves more.
         device_type: ``"cpu"``/``"cuda"``; default: the model's parameters' device.
         probe_steps (int): training steps of the confirming probe (and of fp32's). Default: ``30``.
         optimizer: ``factory(params) -> optimizer`` for the probe; default
@@ -82,13 +88,17 @@ def tune(
         repeats (int): timed runs per module and dtype (the fastest counts). Default: ``5``.
         grad_limit (float): a module whose gradient deviation alone exceeds this
             stays fp32, however little the loss moves. Default: ``0.1``.
+        fp8_grad_limit (float): the same for a linear in fp8, whose e5m2 gradients keep 2
+            mantissa bits (measured on a 3-layer MLP: 4-12% for a linear in fp8 against
+            0.3-4% in bf16). Default: ``0.25``.
         max_backoffs (int): probes rerun after putting a module back to fp32. Default: ``4``.
         max_seconds (float): a bound on the measuring phases; modules not measured
             in time stay fp32 (their reason says so). The probes run in full. Default: ``300.0``.
-        include_emulated (bool): measure bf16/fp16 on a CPU that emulates them. Default: ``False``.
+        include_emulated (bool): measure bf16/fp16/fp8 on a CPU that emulates them. Default: ``False``.
 
     Returns:
-        A :class:`TunePlan`; ``plan.policy()`` applies it (``ampkit.init(policy=...)``).
+        A :class:`TunePlan`; ``ampkit.initialize(model, optimizer, plan=plan)`` applies
+        it (``plan.policy()``, the op-level part alone, where no linear is in fp8).
 
     Raises:
         AmpError: no batches, an unknown candidate, a non-positive budget or a model
@@ -100,7 +110,7 @@ def tune(
     dtype, choices, skipped = measure_and_choose(
         model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
         include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
-        deadline=start + max_seconds)  # fmt: skip
+        fp8_grad_limit=fp8_grad_limit, deadline=start + max_seconds)  # fmt: skip
     run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
                             steps=probe_steps, optimizer=optimizer)  # fmt: skip
     level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
@@ -109,24 +119,35 @@ def tune(
 
 def measure_and_choose(model: nn.Module, calib: Sequence[Batch], loss_fn: LossFn | None, *,
                        candidates: Sequence[str], device_type: str, include_emulated: bool, repeats: int,
-                       budget: float, grad_limit: float, deadline: float,
+                       budget: float, grad_limit: float, deadline: float, fp8_grad_limit: float = 0.25,
                        ) -> tuple[str, list[ModuleChoice], dict[str, str]]:  # fmt: skip
     """Steps 1 and 2 on a copy of ``model``: each candidate module timed on ``calib[0]``
     and its sensitivities over ``calib`` for each 16-bit dtype this hardware computes
-    natively, then :func:`choose`; the dtype whose choice saves the most time. Returns
-    that dtype (``"fp32"`` when none was tried), the choices and the dtypes skipped."""
+    natively (and each linear's in fp8 where it does, beside the first 16-bit dtype),
+    then :func:`choose`; the dtype whose choice saves the most time. Returns that dtype
+    (``"fp32"`` when none was tried), the choices and the dtypes skipped."""
     dtypes, skipped = measure.native_dtypes(candidates, device_type, include_emulated)
     work = copy.deepcopy(model)
     modules = measure.candidate_modules(work)
     times = measure.module_times(work, modules, calib[0], loss_fn, dtypes, device_type, repeats, deadline)
+    low_dtypes = [d for d in dtypes if d != FP8]
+    fp8_sens: dict[str, tuple[float, float]] = {}
+    if FP8 in dtypes:
+        linears = [n for n in measure.fp8_linears(modules) if FP8 in times.get(n, {})]
+        fp8_sens = measure.sensitivities(work, linears, calib, loss_fn, FP8, device_type, deadline,
+                                         companion=low_dtypes[0])  # fmt: skip
     options = []
-    for dtype in dtypes:
+    for dtype in low_dtypes:
         sens = measure.sensitivities(work, [n for n, _ in modules if n in times], calib, loss_fn, dtype,
                                      device_type, deadline)  # fmt: skip
-        options.append(choose(dtype, modules, times, sens, budget, grad_limit))
+        options.append(choose(dtype, modules, times, sens, budget, grad_limit,
+                              fp8_sens if dtype == low_dtypes[0] else None, fp8_grad_limit))  # fmt: skip
     if not options:  # nothing to try: every module stays fp32
         options.append(choose("fp32", modules, times, {}, budget, grad_limit))
     dtype, choices = max(options, key=lambda o: sum(c.saved_ms for c in o[1] if c.dtype != "fp32"))
+    if FP8 in dtypes and dtype != low_dtypes[0]:
+        skipped[FP8] = (f"measured beside {low_dtypes[0]}; the plan chose {dtype}, which saves more "
+                        "without fp8")  # fmt: skip
     return dtype, choices, skipped
 
 
@@ -167,43 +188,59 @@ def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candida
         raise AmpError("this model has no module with parameters of its own below the root: nothing to tune.")
 
 
+def _assess(name: str, dtype: str, times: dict[str, dict[str, float]], sens: dict[str, tuple[float, float]],
+            grad_limit: float) -> tuple[str, float, float, float, float]:  # fmt: skip
+    """``(why not, fp32 ms, ms in dtype, loss deviation, grad deviation)`` of one module
+    in one dtype; ``why not`` is empty where lowering it is worth considering."""
+    t = times.get(name, {})
+    fp32, low = t.get("fp32", math.nan), t.get(dtype, math.nan)
+    loss_dev, grad_dev = sens.get(name, (math.nan, math.nan))
+    if name not in times or name not in sens:
+        reason = "not measured within max_seconds" if dtype != "fp32" else "no 16-bit dtype to try here"
+    elif not math.isfinite(loss_dev) or not math.isfinite(grad_dev):
+        reason = f"non-finite loss or grads in {dtype}"
+    elif grad_dev > grad_limit:
+        reason = f"gradient moves {grad_dev:.1%} alone in {dtype} (limit {grad_limit:.0%})"
+    elif low >= fp32:
+        reason = f"no faster in {dtype} ({low:.3f} ms vs {fp32:.3f} ms)"
+    else:
+        reason = ""
+    return reason, fp32, low, loss_dev, grad_dev
+
+
 def choose(dtype: str, modules: list[tuple[str, nn.Module]], times: dict[str, dict[str, float]],
-            sens: dict[str, tuple[float, float]], budget: float, grad_limit: float,
-            ) -> tuple[str, list[ModuleChoice]]:  # fmt: skip
-    """Greedy: by time saved per unit of loss deviation, while the deviations' sum fits."""
-    info: dict[str, tuple[str, float, float, float, float]] = {}  # name -> (reason, fp32, low, loss, grad)
-    order = []
-    for name, _m in modules:
-        t = times.get(name, {})
-        fp32, low = t.get("fp32", math.nan), t.get(dtype, math.nan)
-        loss_dev, grad_dev = sens.get(name, (math.nan, math.nan))
-        if name not in times or name not in sens:
-            reason = "not measured within max_seconds" if dtype != "fp32" else "no 16-bit dtype to try here"
-        elif not math.isfinite(loss_dev) or not math.isfinite(grad_dev):
-            reason = f"non-finite loss or grads in {dtype}"
-        elif grad_dev > grad_limit:
-            reason = f"gradient moves {grad_dev:.1%} alone in {dtype} (limit {grad_limit:.0%})"
-        elif low >= fp32:
-            reason = f"no faster in {dtype} ({low:.3f} ms vs {fp32:.3f} ms)"
-        else:
-            reason = ""
-            order.append(name)
-        info[name] = (reason, fp32, low, loss_dev, grad_dev)
-    order.sort(key=lambda n: -(info[n][1] - info[n][2]) / max(info[n][3], 1e-12))
-    used, lowered = 0.0, set()
-    for name in order:
-        if used + info[name][3] <= budget:
-            used += info[name][3]
-            lowered.add(name)
+           sens: dict[str, tuple[float, float]], budget: float, grad_limit: float,
+           fp8_sens: dict[str, tuple[float, float]] | None = None, fp8_grad_limit: float = 0.25,
+           ) -> tuple[str, list[ModuleChoice]]:  # fmt: skip
+    """Greedy: each (module, dtype) option by time saved per unit of loss deviation,
+    taken while the deviations' sum fits the budget; a module's fp8 option (``fp8_sens``:
+    the linears measured in fp8 beside ``dtype``) replaces its ``dtype`` one where it
+    saves more and the budget still holds (its gradient limit: ``fp8_grad_limit``)."""
+    info = {name: _assess(name, dtype, times, sens, grad_limit) for name, _m in modules}
+    info8 = {name: _assess(name, FP8, times, fp8_sens, fp8_grad_limit) for name in (fp8_sens or {})}
+    options = [(name, dtype, info[name]) for name, _m in modules if not info[name][0]]
+    options += [(name, FP8, a) for name, a in info8.items() if not a[0]]
+    options.sort(key=lambda o: -(o[2][1] - o[2][2]) / max(o[2][3], 1e-12))
+    used, lowered = 0.0, {}  # name -> (dtype, assessment)
+    for name, kind, a in options:
+        held = lowered.get(name)
+        freed = held[1][3] if held else 0.0
+        if (held is None or a[1] - a[2] > held[1][1] - held[1][2]) and used - freed + a[3] <= budget:
+            used += a[3] - freed
+            lowered[name] = (kind, a)
     choices = []
     for name, m in modules:
-        reason, fp32, low, loss_dev, grad_dev = info[name]
-        if name in lowered:
+        kind, (reason, fp32, low, loss_dev, grad_dev) = lowered.get(name, (None, info[name]))
+        if kind is not None:
             reason = f"saves {fp32 - low:.3f} ms for {loss_dev:.1e} of the budget"
+            if kind == FP8 and not info[name][0]:
+                reason += f" ({dtype} would save {info[name][1] - info[name][2]:.3f} ms for {info[name][3]:.1e})"
         elif not reason:
             reason = "the budget is spent on modules that save more per unit of deviation"
-        choices.append(ModuleChoice(name, type(m).__name__, dtype if name in lowered else "fp32", fp32, low,
-                                    loss_dev, grad_dev, reason))  # fmt: skip
+        if kind != FP8 and name in info8:
+            why8 = info8[name][0] or "the budget is spent on modules that save more per unit of deviation"
+            reason += f"; fp8: {why8}"
+        choices.append(ModuleChoice(name, type(m).__name__, kind or "fp32", fp32, low, loss_dev, grad_dev, reason))
     return dtype, choices
 
 
@@ -217,17 +254,19 @@ class Probe:
 
 
 def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, level: str | None, *, dtype: str,
-           kept: list[str], device_type: str, steps: int, optimizer: OptimizerFactory | None) -> Probe:  # fmt: skip
+          kept: list[str], device_type: str, steps: int, optimizer: OptimizerFactory | None,
+          fp8: Sequence[str] = ()) -> Probe:  # fmt: skip
     """Train a copy of ``model`` for ``steps`` steps through :func:`ampkit.initialize` at
     ``level`` (None: plain fp32), the ``kept`` modules pinned to fp32 (by a module rule,
-    and at O2/O2K by ``keep_fp32``)."""
+    and at O2/O2K by ``keep_fp32``), the ``fp8`` linears converted (default recipe)."""
     net = copy.deepcopy(model)
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(list(net.parameters()))
     if level is not None:
         low = DTYPES[dtype]
         extra: dict[str, Any] = {"keep_fp32": kept} if level in ("O2", "O2K") and kept else {}
         policy = Policy(dtype=low, module_rules={name: torch.float32 for name in kept})
-        net, opt = initialize(net, opt, opt_level=level, dtype=low, policy=policy, **extra)
+        recipe = for_modules(fp8, None, "ampkit.tune") if fp8 else None
+        net, opt = initialize(net, opt, opt_level=level, dtype=low, policy=policy, fp8=recipe, **extra)
     losses, times = [], []
     try:
         with torch.random.fork_rng(devices=[]):
@@ -270,25 +309,26 @@ def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], 
     """Probe the module plan at O1 against fp32, putting the most sensitive lowered module
     back to fp32 while it misses the budget; then run the settled plan, and everything
     lowered, at each level, and keep the fastest run within the budget (O0, nothing
-    lowered, where fp32 is faster than every one). ``run(level, kept=names)`` trains
+    lowered, where fp32 is faster than every one). ``run(level, kept=names, fp8=names)`` trains
     (``level`` None: fp32) and returns a :class:`Probe`; a run that cannot go returns
     one with an infinite loss. Returns the level, the figures, the choices and the
     modules put back."""
-    ref = run(None, kept=[])
+    ref = run(None, kept=[], fp8=[])
     figures = {"steps": float(steps), "fp32_loss": ref.loss, "fp32_ms": ref.step_ms}
     if dtype == "fp32":
         return "O0", dict(figures, plan_loss=ref.loss, deviation=0.0, plan_ms=ref.step_ms), choices, []
-    runs = {("all", "O1"): run("O1", kept=[])}
+    runs = {("all", "O1"): run("O1", kept=[], fp8=[])}
     figures.update(uniform_loss=runs["all", "O1"].loss, uniform_deviation=worse_by(runs["all", "O1"].loss, ref.loss))
     choices, backed, settled = _back_off(run, ref, choices, budget, max_backoffs)
     kept = [c.name for c in choices if c.dtype == "fp32"]
+    fp8 = [c.name for c in choices if c.dtype == FP8]
     for level in ("O1", "O2", "O2K") if dtype == "bf16" else ("O1", "O2"):
         if settled is not None:
-            runs["plan", level] = settled if level == "O1" else run(level, kept=kept)
+            runs["plan", level] = settled if level == "O1" else run(level, kept=kept, fp8=fp8)
         if level != "O1":
-            runs["all", level] = run(level, kept=[])
+            runs["all", level] = run(level, kept=[], fp8=[])
     fits = [key for key, r in runs.items() if worse_by(r.loss, ref.loss) <= budget]
-    ref = _retime_close(run, runs, fits, ref, kept)
+    ref = _retime_close(run, runs, fits, ref, kept, fp8)
     for (which, level), r in runs.items():
         prefix = level if which == "plan" else f"all_{level}"
         figures[f"{prefix}_ms"], figures[f"{prefix}_loss"] = r.step_ms, r.loss
@@ -302,7 +342,8 @@ def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], 
     which, level = best
     if which == "all":  # lowering every module was faster and within the budget too
         why = f"lowered: everything in {dtype} at {level} was the fastest within the budget"
-        choices = [c if c.dtype != "fp32" else dataclasses.replace(c, dtype=dtype, reason=why) for c in choices]
+        choices = [c if c.dtype == dtype else dataclasses.replace(
+            c, dtype=dtype, reason=why + (" (the figures are fp8's)" if c.dtype == FP8 else "")) for c in choices]  # fmt: skip
     r = runs[best]
     figures.update(plan_loss=r.loss, deviation=worse_by(r.loss, ref.loss), plan_ms=r.step_ms)
     return level, figures, choices, backed
@@ -313,7 +354,7 @@ CLOSE = 1.1
 
 
 def _retime_close(run: Callable[..., Probe], runs: dict[tuple[str, str], Probe], fits: list[tuple[str, str]],
-                  ref: Probe, kept: list[str]) -> Probe:  # fmt: skip
+                  ref: Probe, kept: list[str], fp8: list[str]) -> Probe:  # fmt: skip
     """Time again, in reverse order, the fastest runs within the budget that are within
     ``CLOSE`` of each other (and fp32 when it is that close): one run's step time moves
     by 5-10% from process state alone, which would decide between them. The faster of
@@ -329,10 +370,10 @@ def _retime_close(run: Callable[..., Probe], runs: dict[tuple[str, str], Probe],
         return ref
     for key in reversed(close):
         if key[0] == "fp32":
-            again = run(None, kept=[])
+            again = run(None, kept=[], fp8=[])
             ref = Probe(ref.loss, min(ref.step_ms, again.step_ms))
         else:
-            again = run(key[1], kept=kept if key[0] == "plan" else [])
+            again = run(key[1], kept=kept if key[0] == "plan" else [], fp8=fp8 if key[0] == "plan" else [])
             runs[key] = Probe(runs[key].loss, min(runs[key].step_ms, again.step_ms))
     return ref
 
@@ -347,7 +388,8 @@ def _back_off(run: Callable[..., Probe], ref: Probe, choices: list[ModuleChoice]
         lowered = [c for c in choices if c.dtype != "fp32"]
         if not lowered:
             return choices, backed, None
-        result = run("O1", kept=[c.name for c in choices if c.dtype == "fp32"])
+        result = run("O1", kept=[c.name for c in choices if c.dtype == "fp32"],
+                     fp8=[c.name for c in choices if c.dtype == FP8])
         deviation = worse_by(result.loss, ref.loss)
         if deviation <= budget:
             return choices, backed, result
