@@ -681,3 +681,27 @@ def test_a_plan_with_fp8_linears_is_applied_only_where_they_can_be_converted(tmp
     with pytest.raises(PlanError, match="16-bit dtype"):
         TunePlan.from_dict({**doc, "dtype": "fp32", "level": "O1",
                             "modules": [m for m in doc["modules"] if m["dtype"] != "bf16"]})  # fmt: skip
+
+
+def test_a_module_its_parent_never_calls_is_said_so_and_the_time_shares_stay_finite():
+    """``nn.MultiheadAttention`` uses ``out_proj``'s weights directly: ``out_proj`` is a
+    candidate (parameters of its own) that is never called; the report says so, and the
+    time shares of the others are numbers, not NaN."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mha, self.out = nn.Linear(16, 16), nn.MultiheadAttention(16, 2, batch_first=True), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            return self.out(self.mha(h, h, h)[0]).pow(2).mean()
+
+    torch.manual_seed(0)
+    plan = amp.tune(Attn(), [(torch.randn(2, 4, 16),)], None, candidates=("bf16",), include_emulated=True,
+                    probe_steps=4, budget=0.05, optimizer=_sgd)  # fmt: skip
+    by = {m.name: m for m in plan.modules}
+    assert "never called as a module" in by["mha.out_proj"].reason and math.isnan(by["mha.out_proj"].fp32_ms)
+    rows = {line.split()[0]: line.split() for line in plan.report().splitlines()[1:6]}
+    shares = [float(rows[name][5]) for name in ("inp", "mha", "out")]
+    assert all(math.isfinite(v) and v > 0 for v in shares) and rows["mha.out_proj"][5] == "nan"

@@ -185,7 +185,7 @@ class TunePlan:
 
     def report(self) -> str:
         """A plain-text table: each module's dtype, time share, deviations and why."""
-        total = sum(m.fp32_ms for m in self.modules) or 1.0
+        total = sum(m.fp32_ms for m in self.modules if math.isfinite(m.fp32_ms)) or 1.0
         rows = [f"{'module':32} {'kind':14} {'dtype':5} {'fp32 ms':>8} {'low ms':>8} {'time %':>6} "
                 f"{'loss dev':>9} {'grad dev':>9}  why"]  # fmt: skip
         for m in self.modules:

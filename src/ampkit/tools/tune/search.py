@@ -138,7 +138,7 @@ def measure_and_choose(model: nn.Module, calib: Sequence[Batch], loss_fn: LossFn
                                          companion=low_dtypes[0])  # fmt: skip
     options = []
     for dtype in low_dtypes:
-        sens = measure.sensitivities(work, [n for n, _ in modules if n in times], calib, loss_fn, dtype,
+        sens = measure.sensitivities(work, [n for n, _ in modules if times.get(n)], calib, loss_fn, dtype,
                                      device_type, deadline)  # fmt: skip
         options.append(choose(dtype, modules, times, sens, budget, grad_limit,
                               fp8_sens if dtype == low_dtypes[0] else None, fp8_grad_limit))  # fmt: skip
@@ -195,7 +195,10 @@ def _assess(name: str, dtype: str, times: dict[str, dict[str, float]], sens: dic
     t = times.get(name, {})
     fp32, low = t.get("fp32", math.nan), t.get(dtype, math.nan)
     loss_dev, grad_dev = sens.get(name, (math.nan, math.nan))
-    if name not in times or name not in sens:
+    if name in times and not times[name]:
+        reason = ("never called as a module (its parent uses its parameters directly): not measured, kept "
+                  "(at O2/O2K its weights stay fp32; the parent's ops follow the parent's choice)")  # fmt: skip
+    elif name not in times or name not in sens:
         reason = "not measured within max_seconds" if dtype != "fp32" else "no 16-bit dtype to try here"
     elif not math.isfinite(loss_dev) or not math.isfinite(grad_dev):
         reason = f"non-finite loss or grads in {dtype}"
