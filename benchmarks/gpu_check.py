@@ -20,7 +20,9 @@ stage           what it runs
 ==============  ==========================================================================
 
 Named with ``--stages`` only (not in the default plan): ``bench-fp16`` / ``bench-bf16``
-(``ampkit bench --device cuda``) and ``step-limit``.
+(``ampkit bench --device cuda``), ``step-limit`` and ``tune`` (``benchmarks/tune.py
+--device cuda`` on ``wide`` and ``lm``: ``ampkit.tune`` with bf16 and fp8 as
+candidates, the plan against every uniform level; how many linears it puts in fp8).
 
 Written into ``--out`` (default ``gpu-check-out``): each stage's own files, the log of
 each stage, and ``gpu-check.json`` + ``gpu-check.md``: the machine, every stage's
@@ -90,6 +92,9 @@ def plan(out: Path, python: str = sys.executable, device: str = "cuda") -> list[
         Stage("bench-bf16", (*bench, "--dtype", "bf16", "--out", str(out / "bench-bf16")), 80, "bench-bf16", False),
         Stage("step-limit", (python, str(ROOT / "benchmarks" / "step_limit.py"), "--device", device, "--phase", "both",
                              "--rounds", "3", "--json", str(out / "step_limit.json")), 100, "step_limit.json", False),  # fmt: skip
+        Stage("tune", (python, str(ROOT / "benchmarks" / "tune.py"), "--device", device, "--workloads", "wide,lm",
+                       "--size", "tiny" if cpu else "quick", "--candidates", "bf16,fp8", "--json",
+                       str(out / "tune.json")), 150, "tune.json", False),  # fmt: skip
     ]
 
 
@@ -142,6 +147,15 @@ def headline(name: str, out: Path) -> dict[str, Any]:
             tables = {f"{t['workload']} [{t['phase']}]": {a: r.get("min") for a, r in t["rows"].items()}
                       for t in record["results"]}  # fmt: skip
             return {"min_ms": tables, "checks": {c["name"]: c["ok"] for c in record["checks"]}}
+        if name == "tune":
+            results = json.loads((out / "tune.json").read_text())["results"]
+            return {r["workload"]: {"plan": {k: r["plan"][k] for k in ("level", "dtype", "lowered", "modules", "fp8",
+                                                                        "skipped", "tune_seconds")},
+                                    "plan_speed_vs_fastest_uniform": r["plan_speed_vs_fastest_uniform"],
+                                    "fastest_uniform_within_budget": r["fastest_uniform_within_budget"],
+                                    "speed_vs_fp32": {a: v["speed_vs_fp32"] for a, v in r["arms"].items()},
+                                    "deviation": {a: v["deviation"] for a, v in r["arms"].items()}}
+                    for r in results}  # fmt: skip
         if name == "fp8":
             rows = json.loads((out / "fp8.json").read_text())["rows"]
             return {r["mode"]: {"step_s": r["step_s"], "vs_first": r.get("vs_first"), "peak_mib": r.get("peak_mib")} for r in rows}

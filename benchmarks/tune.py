@@ -14,9 +14,12 @@ plan's speed against the fastest uniform level within the same budget.
 
 Figures depend on the CPU: where it computes bf16 natively (AVX-512-bf16, AMX) large
 matmuls gain from 16 bits and small ones may not; where it emulates bf16 (AVX2) the
-tuner skips bf16 and the plan is fp32.
+tuner skips bf16 and the plan is fp32. On a CUDA GPU with fp8 (compute capability 8.9
+and up) the tuner also tries each linear in fp8 (``--candidates``): the plan line says
+how many linears it runs in fp8.
 
-    python benchmarks/tune.py [--workloads wide,lm,cnn] [--size quick] [--budget 0.01] [--json tune.json]
+    python benchmarks/tune.py [--workloads wide,lm,cnn] [--size quick] [--budget 0.01] [--device cpu]
+                              [--candidates bf16,fp16,fp8] [--json tune.json]
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ from ampkit.tools.bench.machine import write_record  # noqa: E402
 UNIFORM = ("O1", "O2", "O2K")
 
 
+def _sync(w) -> None:
+    if torch.device(w.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
     """Train a fresh model: fp32 (``how`` None), at a level, or through ``initialize(plan=)``."""
     torch.manual_seed(0)
@@ -54,6 +62,7 @@ def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
     try:
         for _ in range(steps):
             x, y = next(batches)
+            _sync(w)
             start = time.perf_counter()
             loss = w.loss(model(x), y)
             if level is None:
@@ -63,6 +72,7 @@ def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
                     scaled.backward()
             opt.step()
             opt.zero_grad()
+            _sync(w)
             times.append(time.perf_counter() - start)
             losses.append(float(loss.detach()))
         metric = w.evaluate(model)[w.metric]
@@ -73,13 +83,14 @@ def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
             "metric": float(metric)}  # fmt: skip
 
 
-def run_workload(name: str, size: str, budget: float) -> dict:
-    w = make_workload(name, size)
+def run_workload(name: str, size: str, budget: float, device: str = "cpu",
+                 candidates: tuple[str, ...] = ("bf16", "fp16", "fp8")) -> dict:  # fmt: skip
+    w = make_workload(name, size, device=device)
     torch.manual_seed(0)
     model = w.build_model()
     it = w.batches(torch.Generator().manual_seed(0))
     batches = [next(it) for _ in range(w.steps)]  # the probe sees what the run sees
-    plan = amp.tune(model, batches, w.loss, budget=budget, probe_steps=w.steps,
+    plan = amp.tune(model, batches, w.loss, budget=budget, probe_steps=w.steps, candidates=candidates,
                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=w.lr, weight_decay=0.01))  # fmt: skip
     setups = {"fp32": None, **{lv: lv for lv in UNIFORM}, "plan": plan}
     arms = {name: _train(w, w.steps, how) for name, how in setups.items()}
@@ -96,6 +107,7 @@ def run_workload(name: str, size: str, budget: float) -> dict:
             "fastest_uniform_within_budget": best,
             "plan_speed_vs_fastest_uniform": arms[best]["step_ms"] / arms["plan"]["step_ms"],
             "plan": {"level": plan.level, "dtype": plan.dtype, "lowered": len(plan.lowered), "modules": len(plan.modules),
+                     "fp8": plan.fp8,
                      "skipped": plan.skipped, "tune_seconds": plan.seconds, "probe": plan.probe,
                      "backed_off": list(plan.backed_off)}}  # fmt: skip
 
@@ -105,14 +117,24 @@ def main() -> None:
     parser.add_argument("--workloads", default="wide,lm,cnn", help="comma list of bench workloads")
     parser.add_argument("--size", default="quick", choices=("full", "quick", "tiny"))
     parser.add_argument("--budget", type=float, default=0.01, help="relative loss deviation allowed (0.01: 1%%)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--candidates", default="bf16,fp16,fp8", help="the tuner's candidates, comma-separated")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/tune.py --device cuda: no CUDA GPU here (torch.cuda.is_available() is False).",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     torch.set_num_threads(1)
-    results = [run_workload(n, args.size, args.budget) for n in args.workloads.split(",")]
+    candidates = tuple(args.candidates.split(","))
+    results = [run_workload(n, args.size, args.budget, args.device, candidates) for n in args.workloads.split(",")]
     for r in results:
         p = r["plan"]
+        fp8 = f", {len(p['fp8'])} of them linears in fp8" if p["fp8"] else ""
         print(f"\n{r['workload']} ({r['size']}, {r['steps']} steps): plan {p['lowered']}/{p['modules']} modules in "
-              f"{p['dtype']} (run at {p['level']}), tuned in {p['tune_seconds']:.1f} s; budget {args.budget:.2%}")  # fmt: skip
+              f"{p['dtype']}{fp8} (run at {p['level']}), tuned in {p['tune_seconds']:.1f} s; budget {args.budget:.2%}")  # fmt: skip
+        for dtype, why in p["skipped"].items():
+            print(f"not tried: {dtype}: {why}")
         print(f"{'arm':10} {'step ms':>9} {'vs fp32':>8} {'loss':>8} {'deviation':>10} {'in budget':>9} {r['metric']:>10}")
         for arm, a in r["arms"].items():
             print(f"{arm:10} {a['step_ms']:9.2f} {a['speed_vs_fp32']:7.2f}x {a['loss']:8.4f} {a['deviation']:10.2%} "
@@ -120,7 +142,8 @@ def main() -> None:
         print(f"plan vs the fastest uniform level within budget ({r['fastest_uniform_within_budget']}): "
               f"{r['plan_speed_vs_fastest_uniform']:.2f}x")  # fmt: skip
     if args.json:
-        write_record(args.json, {"budget": args.budget, "results": results}, threads=1)
+        write_record(args.json, {"budget": args.budget, "device": args.device, "candidates": list(candidates),
+                                 "results": results}, threads=1, device=args.device)  # fmt: skip
         print(f"wrote {args.json}")
 
 

@@ -292,3 +292,19 @@ def test_tune_json_holds_the_printed_tables(tmp_path):
         best = r["fastest_uniform_within_budget"]
         assert r["plan_speed_vs_fastest_uniform"] == pytest.approx(r["arms"][best]["step_ms"] / r["arms"]["plan"]["step_ms"])
     renders("tune", record, "plan", "O2K")
+    # where this CPU does not compute fp8 the plan says why it was not tried, and so does the output
+    for r in record["results"]:
+        assert r["plan"]["fp8"] == [] and "fp8" in r["plan"]["skipped"]
+    assert stdout.count("not tried: fp8: ") == 2
+    # the GPU check's tune stage reads this very file (tmp_path/tune.json) for its summary
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_check  # its dataclass looks its module up by name
+    spec.loader.exec_module(gpu_check)
+    head = gpu_check.headline("tune", tmp_path)
+    for r in record["results"]:
+        mine = head[r["workload"]]
+        assert mine["plan"]["fp8"] == r["plan"]["fp8"] and mine["plan"]["level"] == r["plan"]["level"]
+        assert mine["speed_vs_fp32"] == {a: v["speed_vs_fp32"] for a, v in r["arms"].items()}
