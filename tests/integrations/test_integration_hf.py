@@ -675,3 +675,18 @@ def test_a_bad_amp_plan_is_refused_with_the_arguments(tmp_path):
     path.write_text("{")
     with pytest.raises(amp.PlanError, match="not JSON"):
         _trainer(tmp_path / "out", steps=2, amp_plan=str(path))
+
+
+def test_an_fp8_plan_naming_gpt2s_conv1d_is_refused_before_training_changes_anything(tmp_path):
+    """GPT-2's projections are ``Conv1D``, not ``nn.Linear``: fp8 cannot convert them, and a
+    plan asking for it is refused when the trainer sets ampkit up, with the weights as they were."""
+    path = tmp_path / "plan.json"
+    amp.TunePlan.by_hand(lowered=[], kept_fp32=["transformer.h.1.mlp.c_fc"],
+                         fp8=["transformer.h.0.mlp.c_fc"]).save(path)  # fmt: skip
+    trainer = _trainer(tmp_path / "out", steps=2, amp_plan=str(path))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(amp.PlanError, match=r"transformer.h.0.mlp.c_fc.*in fp8"):
+        trainer.train()
+    after = trainer.model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
