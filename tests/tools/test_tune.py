@@ -280,6 +280,11 @@ def test_max_seconds_bounds_the_measuring():
         ({"probe_steps": 0}, "at least 1"),
         ({"probe_steps": True}, "at least 1"),
         ({"model": nn.Sequential(nn.ReLU())}, "nothing to tune"),
+        ({"repeats": 0}, "repeats 0: an integer of at least 1"),
+        ({"max_backoffs": -1}, "max_backoffs -1"),
+        ({"grad_limit": -0.1}, "grad_limit -0.1: a positive number"),
+        ({"fp8_grad_limit": math.inf}, "fp8_grad_limit inf"),
+        ({"max_seconds": "60"}, "max_seconds '60'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_is_measured(kw, needle, monkeypatch):

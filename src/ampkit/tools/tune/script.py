@@ -36,7 +36,7 @@ from ampkit.errors import AmpError
 from ampkit.tools.run import RunConfig, run_script
 
 from . import measure
-from .search import Probe, build_plan, check_budget, confirm, measure_and_choose
+from .search import Probe, build_plan, check_budget, check_settings, confirm, measure_and_choose
 
 __all__ = ["capture", "tune_script"]
 
@@ -146,6 +146,7 @@ def tune_script(
     if not path.is_file():
         raise AmpError(f"ampkit tune: no such script {str(path)!r}.")
     check_budget(budget)
+    check_settings(repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit, max_seconds=max_seconds)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
         raise AmpError(f"steps {steps!r}: at least 4 (the step time is a median after the third).")
     model, calls = capture(path, args, capture_steps)

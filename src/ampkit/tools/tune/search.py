@@ -41,7 +41,7 @@ from ampkit.trainer.session import current_session
 from . import measure
 from .measure import Batch, LossFn
 
-__all__ = ["Probe", "build_plan", "check_budget", "choose", "confirm", "measure_and_choose", "probe", "tune", "worse_by"]
+__all__ = ["Probe", "build_plan", "check_budget", "check_settings", "choose", "confirm", "measure_and_choose", "probe", "tune", "worse_by"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -101,11 +101,15 @@ def tune(
         it (``plan.policy()``, the op-level part alone, where no linear is in fp8).
 
     Raises:
-        AmpError: no batches, an unknown candidate, a non-positive budget or a model
-            without candidate modules, before anything is measured.
+        AmpError: no batches, an unknown candidate, a non-positive budget, a setting out
+            of range (``repeats`` < 1, ``max_backoffs`` < 0, a limit or ``max_seconds``
+            not a positive number) or a model without candidate modules, before anything
+            is measured.
     """
     start = time.perf_counter()
     _validate(model, batches, budget, candidates, probe_steps)
+    check_settings(repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit,
+                   fp8_grad_limit=fp8_grad_limit, max_seconds=max_seconds)  # fmt: skip
     device_type = device_type or next((p.device.type for p in model.parameters()), "cpu")
     dtype, choices, skipped = measure_and_choose(
         model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
@@ -167,6 +171,19 @@ def check_budget(budget: Any) -> None:
     """Raise :class:`ampkit.AmpError` unless ``budget`` is a positive finite number (not a bool)."""
     if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
         raise AmpError(f"budget {budget!r}: a positive relative loss deviation, e.g. 0.01 for 1%.")
+
+
+def check_settings(**settings: Any) -> None:
+    """Raise :class:`ampkit.AmpError` naming the first of the tuner's numeric settings out
+    of range: ``repeats`` an int >= 1, ``max_backoffs`` an int >= 0, ``grad_limit``,
+    ``fp8_grad_limit`` and ``max_seconds`` positive finite numbers (no bools)."""
+    for name, value in settings.items():
+        if name in ("repeats", "max_backoffs"):
+            low = 1 if name == "repeats" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise AmpError(f"{name} {value!r}: an integer of at least {low}.")
+        elif isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise AmpError(f"{name} {value!r}: a positive number.")
 
 
 def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candidates: Sequence[str],
