@@ -282,8 +282,9 @@ def test_max_seconds_bounds_the_measuring():
         ({"model": nn.Sequential(nn.ReLU())}, "nothing to tune"),
         ({"repeats": 0}, "repeats 0: an integer of at least 1"),
         ({"max_backoffs": -1}, "max_backoffs -1"),
-        ({"grad_limit": -0.1}, "grad_limit -0.1: a positive number"),
-        ({"fp8_grad_limit": math.inf}, "fp8_grad_limit inf"),
+        ({"grad_limit": -0.1}, "grad_limit -0.1: a relative gradient change >= 0"),
+        ({"fp8_grad_limit": math.nan}, "fp8_grad_limit nan"),
+        ({"max_seconds": -1.0}, "max_seconds -1.0: a number of seconds >= 0"),
         ({"max_seconds": "60"}, "max_seconds '60'"),
     ],
 )

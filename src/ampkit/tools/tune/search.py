@@ -102,8 +102,8 @@ def tune(
 
     Raises:
         AmpError: no batches, an unknown candidate, a non-positive budget, a setting out
-            of range (``repeats`` < 1, ``max_backoffs`` < 0, a limit or ``max_seconds``
-            not a positive number) or a model without candidate modules, before anything
+            of range (``repeats`` < 1, ``max_backoffs`` < 0, a negative or NaN limit
+            or ``max_seconds``) or a model without candidate modules, before anything
             is measured.
     """
     start = time.perf_counter()
@@ -175,15 +175,20 @@ def check_budget(budget: Any) -> None:
 
 def check_settings(**settings: Any) -> None:
     """Raise :class:`ampkit.AmpError` naming the first of the tuner's numeric settings out
-    of range: ``repeats`` an int >= 1, ``max_backoffs`` an int >= 0, ``grad_limit``,
-    ``fp8_grad_limit`` and ``max_seconds`` positive finite numbers (no bools)."""
+    of range: ``repeats`` an int >= 1, ``max_backoffs`` an int >= 0, ``grad_limit`` and
+    ``fp8_grad_limit`` numbers >= 0 (0: any gradient change keeps a module fp32; inf: no
+    limit), ``max_seconds`` a number >= 0 (0: measure nothing); no bools, no NaN."""
     for name, value in settings.items():
         if name in ("repeats", "max_backoffs"):
             low = 1 if name == "repeats" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise AmpError(f"{name} {value!r}: an integer of at least {low}.")
-        elif isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise AmpError(f"{name} {value!r}: a positive number.")
+            continue
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+        if name == "max_seconds" and not (number and value >= 0):
+            raise AmpError(f"max_seconds {value!r}: a number of seconds >= 0.")
+        if name != "max_seconds" and not (number and value >= 0):
+            raise AmpError(f"{name} {value!r}: a relative gradient change >= 0 (0.1 for 10%; inf for no limit).")
 
 
 def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candidates: Sequence[str],
