@@ -38,13 +38,9 @@ sys.path.insert(0, str(ROOT / "src"))
 import ampkit as amp  # noqa: E402
 from ampkit.tools.bench import make_workload  # noqa: E402
 from ampkit.tools.bench.machine import write_record  # noqa: E402
+from ampkit.tools.tune.measure import sync  # noqa: E402
 
 UNIFORM = ("O1", "O2", "O2K")
-
-
-def _sync(w) -> None:
-    if torch.device(w.device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
@@ -62,7 +58,7 @@ def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
     try:
         for _ in range(steps):
             x, y = next(batches)
-            _sync(w)
+            sync(torch.device(w.device).type)
             start = time.perf_counter()
             loss = w.loss(model(x), y)
             if level is None:
@@ -72,7 +68,7 @@ def _train(w, steps: int, how: str | amp.TunePlan | None) -> dict[str, float]:
                     scaled.backward()
             opt.step()
             opt.zero_grad()
-            _sync(w)
+            sync(torch.device(w.device).type)
             times.append(time.perf_counter() - start)
             losses.append(float(loss.detach()))
         metric = w.evaluate(model)[w.metric]

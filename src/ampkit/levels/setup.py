@@ -246,7 +246,8 @@ def _with_tune_plan(
     default recipe; a recipe: its format and scaling; False: none, they run in the
     plan's 16-bit dtype)."""
     plan = TunePlan.coerce(plan, "initialize(plan=...)")
-    plan.check_model([models] if isinstance(models, nn.Module) else list(models))
+    model_list = [models] if isinstance(models, nn.Module) else list(models)
+    plan.check_model(model_list)
     level = plan.level if opt_level is None else opt_level
     out = dict(overrides)
     if plan.lowered:
@@ -259,7 +260,7 @@ def _with_tune_plan(
             out["keep_fp32"] = [*(out.get("keep_fp32") or []), *plan.kept_fp32]
     if plan.fp8 and fp8 is not False:
         fp8 = for_modules(plan.fp8, fp8, "initialize(plan=...)")
-        chosen = {name for m in ([models] if isinstance(models, nn.Module) else models) for name, _ in fp8.choose(m)}
+        chosen = {name for m in model_list for name, _ in fp8.choose(m)}
         missing = [name for name in plan.fp8 if name not in chosen]
         if missing:
             raise PlanError(f"initialize(plan=...): the plan runs {missing[:5]} in fp8, which fp8 cannot convert "

@@ -131,13 +131,18 @@ class _Current:
 _CURRENT = _Current()
 
 
+def _switch_back(module: nn.Module) -> None:
+    """One converted layer back to a plain ``nn.Linear`` without its fp8 state."""
+    if type(module) is Float8Linear:
+        torch_compat.swap_module_class(module, nn.Linear)
+    module.__dict__.pop(_STATE_ATTR, None)
+
+
 @_reset.on_reset
 def _unconvert() -> None:
     """Back to plain ``nn.Linear`` on reset / the next ``initialize``."""
     for module in list(_CONVERTED):
-        if type(module) is Float8Linear:
-            torch_compat.swap_module_class(module, nn.Linear)
-        module.__dict__.pop(_STATE_ATTR, None)
+        _switch_back(module)
     _CONVERTED.clear()
     _CURRENT.training = None
     _WARNED_MARGINS.clear()
@@ -184,12 +189,9 @@ def converted(recipe: Fp8Recipe, chosen: Sequence[tuple[str, nn.Linear]]) -> Ite
     finally:
         for ref, _state in training.layers.values():
             module = ref()
-            if module is None:
-                continue
-            if type(module) is Float8Linear:
-                torch_compat.swap_module_class(module, nn.Linear)
-            module.__dict__.pop(_STATE_ATTR, None)
-            _CONVERTED.discard(module)
+            if module is not None:
+                _switch_back(module)
+                _CONVERTED.discard(module)
 
 
 def current() -> Fp8Training | None:

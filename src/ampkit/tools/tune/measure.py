@@ -215,7 +215,7 @@ def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: 
         if name != FP8:
             policies[name] = default_policy(device_type, DTYPES[name])
     fp8 = set(fp8_linears(modules)) if FP8 in dtypes and len(policies) > 1 else set()
-    companion = next(iter(k for k in policies if k != "fp32"), None)
+    companion = next((k for k in policies if k != "fp32"), None)
     out: dict[str, dict[str, float]] = {}
     for name, module in modules:
         if name not in inputs:  # never called: its parent uses its parameters directly

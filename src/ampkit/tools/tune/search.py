@@ -185,10 +185,10 @@ def check_settings(**settings: Any) -> None:
                 raise AmpError(f"{name} {value!r}: an integer of at least {low}.")
             continue
         number = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
-        if name == "max_seconds" and not (number and value >= 0):
-            raise AmpError(f"max_seconds {value!r}: a number of seconds >= 0.")
-        if name != "max_seconds" and not (number and value >= 0):
-            raise AmpError(f"{name} {value!r}: a relative gradient change >= 0 (0.1 for 10%; inf for no limit).")
+        if not (number and value >= 0):
+            what = ("a number of seconds >= 0" if name == "max_seconds"
+                    else "a relative gradient change >= 0 (0.1 for 10%; inf for no limit)")  # fmt: skip
+            raise AmpError(f"{name} {value!r}: {what}.")
 
 
 def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candidates: Sequence[str],
