@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from locations import ROOT
+from locations import ROOT, load_file
 
 from ampkit.tools.bench.machine import cpu_flags, write_record
 
@@ -297,13 +297,7 @@ def test_tune_json_holds_the_printed_tables(tmp_path):
         assert r["plan"]["fp8"] == [] and "fp8" in r["plan"]["skipped"]
     assert stdout.count("not tried: fp8: ") == 2
     # the GPU check's tune stage reads this very file (tmp_path/tune.json) for its summary
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", BENCH / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpu_check  # its dataclass looks its module up by name
-    spec.loader.exec_module(gpu_check)
-    head = gpu_check.headline("tune", tmp_path)
+    head = load_file(BENCH / "gpu_check.py").headline("tune", tmp_path)
     for r in record["results"]:
         mine = head[r["workload"]]
         assert mine["plan"]["fp8"] == r["plan"]["fp8"] and mine["plan"]["level"] == r["plan"]["level"]

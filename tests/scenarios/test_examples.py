@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import io
 import math
 import subprocess
@@ -12,7 +11,7 @@ import sys
 from types import ModuleType
 
 import pytest
-from locations import ROOT
+from locations import ROOT, load_file
 
 EXAMPLES = ROOT / "examples"
 LEVELS = ("O0", "O1", "O2", "O3", "O2K")
@@ -39,11 +38,7 @@ def _like_fp32(name: str, metrics: dict[str, float], loss: str, accuracy: str) -
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 @pytest.mark.parametrize("amp", ("off", "init", *LEVELS))

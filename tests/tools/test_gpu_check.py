@@ -8,14 +8,13 @@ built from files the real scripts write.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from locations import ROOT
+from locations import ROOT, load_file
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
@@ -23,11 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the be
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT)
 
 
 def test_without_a_gpu_it_refuses_in_one_line_with_exit_2(tmp_path):

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from locations import ROOT
+from locations import ROOT, load_file
 
 SCRIPT = ROOT / "benchmarks" / "step_limit.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("step_limit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(SCRIPT)
 
 
 def test_synthetic_backward_gives_each_parameter_its_gradient_times_dl():

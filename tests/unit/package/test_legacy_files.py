@@ -9,7 +9,7 @@ from __future__ import annotations
 import ampkit.compat.apex  # noqa: F401  (the apex model's script imported it too)
 import pytest
 import torch
-from locations import FIXTURES
+from locations import FIXTURES, load_file
 from torch import nn
 
 import ampkit as amp
@@ -72,11 +72,7 @@ def test_a_0_2_checkpoint_resumes_bitwise_as_the_same_run_continues_today(level,
     reproduce the file bit for bit only on a CPU of the same kind. Where they do not,
     the test still asserts what holds everywhere: the loaded state is the file's bit for
     bit, and resuming is deterministic (two resumes continue identically)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("v0_2_make_fixtures", HERE / "make_fixtures.py")
-    make = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make)
+    make = load_file(HERE / "make_fixtures.py", "v0_2_make_fixtures")
     dtype = torch.float16 if level == "O2" else torch.bfloat16
     ckpt = torch.load(HERE / f"checkpoint-{level}.pt")  # weights_only=True
 
