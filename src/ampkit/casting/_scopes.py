@@ -27,7 +27,7 @@ from ._function_mode import _PythonOpMode
 from ._kernels import _skip_kernel_frames, _state, drop_code_of_other_keys, kernel_registry
 from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
 from ._resolve import _Frame, _resolve, _Resolved
-from ._threads import _THREADS
+from ._threads import thread_records
 from .policy import Policy, check_compute_dtype, check_device_type
 from .precision_plan import PlanError, TunePlan
 
@@ -488,7 +488,7 @@ def release_kernels() -> None:
         )
     me = threading.get_ident()
     alive = {t.ident: t.name for t in threading.enumerate()}
-    busy = sorted(alive[tid] for tid, rec in list(_THREADS.items()) if tid != me and tid in alive and rec.scopes)
+    busy = sorted(alive[tid] for tid, rec in thread_records() if tid != me and tid in alive and rec.scopes)
     if busy:
         raise StateError(
             f"ampkit.casting.release_kernels(): ampkit scopes are open in {len(busy)} other thread(s) "

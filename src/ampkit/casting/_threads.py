@@ -44,7 +44,8 @@ class _State(threading.local):
         self.compile_key = ""
         replica = _is_replica_thread()
         self.record = _ThreadRecord(self.scopes, self.module_stack, replica)
-        _THREADS[threading.get_ident()] = self.record
+        with _THREADS_LOCK:
+            _THREADS[threading.get_ident()] = self.record
         self.inherited: AbstractContextManager[Any] | None = None
         caller = replica_caller() if replica else None
         if caller is not None:
@@ -65,6 +66,19 @@ class _ThreadRecord:
 # thread id -> its record; an entry goes with its thread's state (thread exit)
 # Engine state: the threads with engine state (DataParallel replicas inherit from them).
 _THREADS: weakref.WeakValueDictionary[int, _ThreadRecord] = weakref.WeakValueDictionary()
+# Held to add a record and to list them: DataParallel's replicas register and look for
+# their caller at the same time. The listing goes through the dictionary's own items()
+# (not its .data), which defers the removals of records whose thread is gone while it
+# iterates: a garbage collection in the middle of the listing would otherwise change
+# the dictionary's size under it ("dictionary changed size during iteration").
+_THREADS_LOCK = threading.Lock()
+
+
+def thread_records() -> list[tuple[int, _ThreadRecord]]:
+    """``(thread id, record)`` of every thread with engine state, listed under the lock
+    (safe while other threads register and finished threads' records go)."""
+    with _THREADS_LOCK:
+        return list(_THREADS.items())
 
 
 def replica_caller() -> _ThreadRecord | None:
@@ -81,9 +95,7 @@ def replica_caller() -> _ThreadRecord | None:
     replica inherits nothing and a warning says so."""
     replica = torch_compat.parallel_apply_worker_module()
     me = threading.get_ident()
-    others = [
-        rec for ident, ref in list(_THREADS.data.items()) if ident != me and (rec := ref()) is not None and not rec.replica
-    ]
+    others = [rec for ident, rec in thread_records() if ident != me and not rec.replica]
     holders = [rec for rec in others if replica is not None and _holds(rec.module_stack[-1:], replica)]
     if len(holders) == 1:
         return holders[0]

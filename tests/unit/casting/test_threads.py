@@ -414,3 +414,47 @@ def test_release_kernels_refuses_while_another_thread_has_a_scope_open():
         t.join(30)
     assert dtypes == [torch.float32]
     release_kernels()  # the thread left its scope: nothing in the way
+
+
+def test_replicas_find_their_caller_while_other_threads_come_and_go(cpu_parallel_apply):
+    """Replica threads list the threads with engine state while others register (new
+    threads calling a module) and finished threads' records go (weakref callbacks, run
+    by a garbage collection that may fall in the middle of the listing, collections made
+    frequent here): every parallel_apply runs under its caller's policy, none fails.
+    The failure seen once in a loaded make test ("dictionary changed size during
+    iteration", replica 1 listing while replica 0 registered) did not reproduce here
+    against the old listing in 1,500 runs; the lock and the dictionary's guarded
+    ``items()`` rule it out by construction, and this test keeps the listing exercised
+    under churn."""
+    import gc
+    import threading
+
+    torch.manual_seed(0)
+    model = _Recorder()
+    x = torch.randn(3, 8)
+    policy = amp.Policy(lower_ops=[torch.tanh], module_rules={nn.LayerNorm: FP32, "head": FP32})
+    stop = threading.Event()
+
+    other = _Recorder()
+
+    def churn():  # short-lived threads whose module calls give them engine state, no scope
+        while not stop.is_set():
+            t = threading.Thread(target=other, args=(x,))
+            t.start()
+            t.join()
+
+    threshold = gc.get_threshold()
+    workers = [threading.Thread(target=churn) for _ in range(2)]
+    gc.set_threshold(5, 1, 1)
+    try:
+        for w in workers:
+            w.start()
+        for _ in range(150):
+            with amp.autocast(policy, "cpu"):
+                got = cpu_parallel_apply(_replicas(model, 4), [(x,)] * 4)
+            assert all(out[0].dtype == FP32 and out[1] == BF16 for out in got)
+    finally:
+        stop.set()
+        gc.set_threshold(*threshold)
+        for w in workers:
+            w.join()
