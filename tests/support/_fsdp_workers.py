@@ -269,10 +269,36 @@ def job_dcp_resume(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+class Payload:
+    """Creates the file ``marker`` when fully unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def _rehash(folder: Path) -> None:
+    """What an attacker who edits files also does: every file's checksum anew."""
+    import hashlib
+    import json
+
+    for f in folder.glob("ampkit_checksums_*.json"):
+        f.unlink()
+    sums = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.iterdir()}
+    (folder / "ampkit_checksums_0.json").write_text(json.dumps({"format": 1, "sha256": sums}))
+
+
 def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
-    """Loading a checkpoint whose shard files are truncated, or whose ampkit entries hold
-    a NaN compensation, raises; ampkit's state (scaler, counters, compensation) is as
+    """Loading a checkpoint whose shard files are truncated or changed (a flipped bit in
+    rank 1's file), whose ampkit entries hold a NaN compensation, whose rank-1 shard holds
+    a NaN weight or a negative second moment, that another level saved, or that carries a
+    pickled payload (in .metadata or as a hyperparameter) raises on every rank; the payload
+    never runs; ampkit's state (scaler, counters, compensation) and the weights are as
     before the load."""
+    import copy
+    import pickle
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -288,12 +314,44 @@ def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
             return out
 
     res: dict[str, Any] = {}
+    other, other_opt = build("O1-fp16")  # another level's and dtype's checkpoint
+    step(other, other_opt, rank, 0, True)
+    ampkit.distributed.save_checkpoint(outdir / "other_level", other, other_opt)
+    ampkit.reset()
     model, opt = build("O2K")
     for n in range(2):
         step(model, opt, rank, n, True)
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from ampkit.distributed.dcp_files import write_checksums
+
     ampkit.distributed.save_checkpoint(outdir / "good", model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    marker = outdir / "payload_ran"
+    hostile = copy.copy(optim_sd)
+    hostile["param_groups"] = [dict(g, lr=Payload(marker)) for g in optim_sd["param_groups"]]
+    dcp.save({"model": model_sd, "optim": hostile, "amp": AmpState()}, checkpoint_id=str(outdir / "payload_lr"))
+    write_checksums(outdir / "payload_lr", rank, rank == 0)
+    negative = {"state": {k: dict(v) for k, v in optim_sd["state"].items()}, "param_groups": optim_sd["param_groups"]}
+    if rank == 1:  # one rank's shard only: every rank must refuse
+        first = next(iter(negative["state"].values()))
+        first["exp_avg_sq"] = first["exp_avg_sq"].clone()
+        first["exp_avg_sq"].to_local().view(-1)[0] = -1.0
+    dcp.save({"model": model_sd, "optim": negative, "amp": AmpState()}, checkpoint_id=str(outdir / "negative"))
+    write_checksums(outdir / "negative", rank, rank == 0)
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(outdir / "good", outdir / "flipped")
+        data = outdir / "flipped" / "__1_0.distcp"  # read by rank 1 alone
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        shutil.copytree(outdir / "good", outdir / "payload_meta")
+        meta = outdir / "payload_meta" / ".metadata"
+        md = pickle.loads(meta.read_bytes())
+        md.planner_data = {**md.planner_data, "x": Payload(marker)}
+        meta.write_bytes(pickle.dumps(md))
+        _rehash(outdir / "payload_meta")
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd, "amp": Poisoned()}, checkpoint_id=str(outdir / "nan"))
     poisoned_weight = {k: v.clone() for k, v in model_sd.items()}
@@ -308,7 +366,7 @@ def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
     step(model, opt, rank, 2, True)  # the state differs from every checkpoint now
     before = _amp_snapshot()
     weights = snapshot(p.detach().to_local() for p in model.parameters())
-    for name in ("truncated", "nan", "nan_weight"):
+    for name in ("truncated", "nan", "nan_weight", "other_level", "payload_lr", "negative", "flipped", "payload_meta"):
         try:
             _dcp_load(model, opt, outdir / name)
             res[name] = "loaded"
@@ -316,6 +374,7 @@ def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
             res[name] = f"{type(e).__name__}: {str(e)[:300]}"
         res[f"{name}_kept"] = bitwise_equal(before, _amp_snapshot())
         res[f"{name}_weights_kept"] = bitwise_equal(weights, snapshot(p.detach().to_local() for p in model.parameters()))
+    res["payload_ran"] = marker.exists()
     _dcp_load(model, opt, outdir / "good")  # a good one still loads
     res["good_loaded"] = (ampkit.stats(opt).steps, ampkit.stats(opt).skipped)
     ampkit.reset()

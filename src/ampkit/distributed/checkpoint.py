@@ -1,11 +1,14 @@
 """ampkit's state in ``torch.distributed.checkpoint`` (DCP) checkpoints.
 
 :func:`save_checkpoint` / :func:`load_checkpoint` save and load a (FSDP2-sharded) model,
-its optimizer and ampkit's state in one DCP checkpoint folder. Loading is whole or
+its optimizer and ampkit's state in one DCP checkpoint folder, with a SHA-256 per file.
+Loading reads the folder as hostile (:mod:`ampkit.distributed.dcp_files`: nothing
+unpickled beyond DCP's metadata classes and weights-only entries) and is whole or
 nothing: DCP reads into copies, every value is checked (ampkit's state as
-:func:`ampkit.load_state_dict` checks it; the model's and the optimizer's floating
-tensors finite), and only then is anything applied. The copies cost the model's and
-the optimizer's size on each rank while loading.
+:func:`ampkit.load_state_dict` checks it, and exactly this session's entries; the model's
+and the optimizer's tensors in this run's dtypes, finite, the optimizer's possible), and
+only then is anything applied. The copies cost the model's and the optimizer's size on
+each rank while loading.
 
 :class:`AmpState` is ampkit's part alone, a DCP ``Stateful``, for a loop that builds its
 own DCP state dict::
@@ -21,17 +24,21 @@ own DCP state dict::
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 What it holds: the session's scalers, step counters and extra state (O2K's compensation
-buffers, fp8 scales) as tensors only, one entry per value: sharded values (the
-compensation of FSDP2's DTensor shards) as DTensors, which DCP reshards when the world
-size changes; every other value as a tensor that is the same on every rank. No entry is a
-pickled object, so loading ampkit's part of a checkpoint never unpickles (DCP's default
-planner reads non-tensor entries with ``torch.load(weights_only=False)``). Loading is
-whole or nothing: DCP reads into copies, then :func:`ampkit.load_state_dict` validates
-every value before any is applied, and a file DCP cannot read raises before that.
+buffers, fp8 scales) as tensors only, one entry per value, strings as their UTF-8 bytes:
+sharded values (the compensation of FSDP2's DTensor shards) as DTensors, which DCP
+reshards when the world size changes; every other value as a tensor that is the same on
+every rank. No entry is a pickled object. A plain ``dcp.load`` still unpickles
+``.metadata`` and the optimizer's non-tensor entries: pass
+``storage_reader=checkpoint_reader(path), planner=checkpoint_planner()`` (from
+:mod:`ampkit.distributed.dcp_files`), and call :meth:`AmpState.expect` with the reader's
+metadata first to refuse another level's state. Loading is whole or nothing: DCP reads
+into copies, then :func:`ampkit.load_state_dict` validates every value before any is
+applied, and a file DCP cannot read raises before that.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,17 +55,35 @@ __all__ = ["AmpState", "load_checkpoint", "save_checkpoint"]
 _SEP = "/"
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], copy: bool = True) -> None:
+def _flatten(
+    obj: Any,
+    prefix: str,
+    out: dict[str, torch.Tensor],
+    copy: bool = True,
+    sizes: dict[str, int] | None = None,
+    strings: set[str] | None = None,
+) -> None:
     """Every leaf of ``obj`` (dicts, lists, tensors, numbers, bools, strings, None) as a
-    tensor under its path; strings and None are structure (checked on load, not saved).
-    ``copy``: tensors are cloned (default; DCP loads into them: never the live buffers),
-    else put in as they are (for reading the entries' names only)."""
+    tensor under its path; a string as the uint8 tensor of its UTF-8 bytes (the format,
+    a compensation's method: what tells one level's state from another's), None is
+    structure. ``copy``: tensors are cloned (default; DCP loads into them: never the live
+    buffers), else put in as they are (for reading the entries' names only). ``sizes``:
+    the byte counts the checkpoint's strings were saved with (a load's buffers);
+    ``strings`` collects the paths of the strings."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            _flatten(value, f"{prefix}{_SEP}{key}" if prefix else str(key), out, copy)
+            _flatten(value, f"{prefix}{_SEP}{key}" if prefix else str(key), out, copy, sizes, strings)
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
-            _flatten(value, f"{prefix}{_SEP}{i}", out, copy)
+            _flatten(value, f"{prefix}{_SEP}{i}", out, copy, sizes, strings)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        if strings is not None:
+            strings.add(prefix)
+        if sizes is not None and prefix in sizes:
+            out[prefix] = torch.zeros(sizes[prefix], dtype=torch.uint8)
+        else:
+            out[prefix] = torch.tensor(list(data), dtype=torch.uint8)
     elif isinstance(obj, torch.Tensor):
         out[prefix] = obj.detach().clone() if copy else obj
     elif prefix.endswith(f"{_SEP}shard_rank"):
@@ -69,7 +94,7 @@ def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor], copy: bool = T
         out[prefix] = torch.tensor(obj, dtype=torch.int64)
     elif isinstance(obj, float):
         out[prefix] = torch.tensor(obj, dtype=torch.float64)
-    elif obj is not None and not isinstance(obj, str):
+    elif obj is not None:
         raise StateError(f"ampkit's state holds a {type(obj).__name__} at {prefix!r}, which AmpState cannot save.")
 
 
@@ -80,11 +105,19 @@ def _rebuild(template: Any, prefix: str, values: dict[str, Any]) -> Any:
         return {k: _rebuild(v, f"{prefix}{_SEP}{k}" if prefix else str(k), values) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
         return type(template)(_rebuild(v, f"{prefix}{_SEP}{i}", values) for i, v in enumerate(template))
-    if template is None or isinstance(template, str) or prefix.endswith(f"{_SEP}shard_rank"):
+    if template is None or prefix.endswith(f"{_SEP}shard_rank"):
         return template
     value = values[prefix]
     if not isinstance(value, torch.Tensor):
         raise StateError(f"ampkit's checkpoint entry {prefix!r} is a {type(value).__name__}, not a tensor.")
+    if isinstance(template, str):
+        local = local_tensor(value)
+        if local.dtype != torch.uint8 or local.dim() != 1:
+            raise StateError(f"ampkit's checkpoint entry {prefix!r} is not a saved string.")
+        try:
+            return bytes(local.tolist()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise StateError(f"ampkit's checkpoint entry {prefix!r} is not a saved string (not UTF-8).") from None
     if isinstance(template, torch.Tensor):
         return value
     local = local_tensor(value)
@@ -158,6 +191,51 @@ class AmpState:
     def __init__(self, defer: bool = False) -> None:
         self.defer = defer
         self._pending: Any = None
+        self._sizes: dict[str, int] | None = None
+
+    def expect(self, metadata: Any, key: str = "amp") -> None:
+        """Check a checkpoint's DCP ``metadata`` (as :func:`checkpoint_reader` reads it)
+        before loading: the entries saved under ``key`` must be exactly this session's
+        (another level's, dtype's or scaler's state has other entries, which a plain
+        ``dcp.load`` would silently leave unread), each a tensor of the expected rank.
+        Raises :class:`ampkit.StateError`; nothing is changed."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from ampkit.trainer.session import state_dict as session_state
+
+        _ensure_buffers()
+        expected: dict[str, torch.Tensor] = {}
+        strings: set[str] = set()
+        _flatten(session_state(), "", expected, copy=False, strings=strings)
+        saved = {
+            fqn[len(key) + 1 :]: entry
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if fqn.startswith(f"{key}.")
+        }
+        if not saved:
+            raise StateError(
+                f"the checkpoint holds no ampkit state under {key!r}: it was not saved with "
+                "ampkit.distributed.save_checkpoint (or AmpState) in this ampkit version. Nothing was loaded."
+            )
+        missing = sorted(set(expected) - set(saved))
+        extra = sorted(set(saved) - set(expected))
+        if missing or extra:
+            raise StateError(
+                "ampkit's part of the checkpoint does not match this session: it was saved by a run set up "
+                f"another way (another opt level, dtype, loss scaler or optimizers; missing {missing[:4]}, "
+                f"unexpected {extra[:4]}). Set up the same level, dtype, optimizers and param groups as the run "
+                "that saved it. Nothing was loaded."
+            )
+        sizes: dict[str, int] = {}
+        for name, template in expected.items():
+            entry = saved[name]
+            if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != local_tensor(template).dim():
+                raise StateError(f"ampkit's checkpoint entry {name!r} is not shaped as this session's. Nothing was loaded.")
+            if name in strings:
+                if entry.properties.dtype != torch.uint8 or entry.size[0] > 4096:
+                    raise StateError(f"ampkit's checkpoint entry {name!r} is not a saved string. Nothing was loaded.")
+                sizes[name] = int(entry.size[0])
+        self._sizes = sizes
 
     def apply(self) -> None:
         """Apply what a deferred :meth:`load_state_dict` validated (once)."""
@@ -172,7 +250,7 @@ class AmpState:
 
         _ensure_buffers()
         out: dict[str, torch.Tensor] = {}
-        _flatten(session_state(), "", out)
+        _flatten(session_state(), "", out, sizes=self._sizes)
         _require_replicated(out)
         return out
 
@@ -228,26 +306,42 @@ def _require_finite(tree: Any, where: str) -> None:
 def save_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Save ``model`` (sharded or not), ``optimizer`` and ampkit's state into the DCP
     checkpoint folder ``path``, on every rank (``dcp.save`` with the state dicts of
-    ``torch.distributed.checkpoint.state_dict.get_state_dict`` and :class:`AmpState`)."""
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` and :class:`AmpState`),
+    then each rank's SHA-256 of the files it wrote (``ampkit_checksums_<rank>.json``),
+    which :func:`load_checkpoint` checks."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    from .dcp_files import write_checksums
+
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "amp": AmpState()}, checkpoint_id=str(path))
+    rank, _ = rank_and_world_size()
+    write_checksums(path, rank, is_coordinator=rank == 0)
+    _barrier()
 
 
 def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load the :func:`save_checkpoint` folder ``path`` into ``model``, ``optimizer`` and
-    ampkit's session, on every rank; the world size may differ from the saving run's. Whole or
-    nothing: a file DCP cannot read (``CheckpointException``), a missing or mistyped
-    entry, an invalid ampkit value or a non-finite model or optimizer value raises
-    before anything is changed (:class:`ampkit.StateError` for the last three)."""
+    ampkit's session, on every rank; the world size may differ from the saving run's.
+
+    Nothing in the folder is unpickled beyond DCP's metadata classes and weights-only
+    entries (:func:`ampkit.distributed.dcp_files.checkpoint_reader`); every file is checked
+    against the checksums :func:`save_checkpoint` wrote (a folder without them loads with a
+    warning). Whole or nothing, on every rank: a file that is unreadable, changed or not a
+    regular file; ampkit state of another level, dtype or scaler; a missing or mistyped
+    entry; an invalid ampkit value; a non-finite model or optimizer value, or an impossible
+    one (a negative second moment or step, an optimizer hyperparameter of another type or
+    out of range) raises :class:`ampkit.StateError` on every rank before anything is
+    changed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from ampkit.errors import AmpError
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    from .dcp_files import checkpoint_planner, checkpoint_reader
+
+    had_state = bool(optimizer.state)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     amp = AmpState(defer=True)
     state = {
         "model": map_leaves(model_sd, _copy_leaf, keep_types=True),
@@ -255,18 +349,119 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
         "amp": amp,
     }
     refused: AmpError | None = None
+    reader = None
     try:
-        dcp.load(state, checkpoint_id=str(path))
-        _require_finite(state["model"], "model")
-        _require_finite(state["optim"], "optimizer state")
-    except AmpError as err:  # this rank's shards or ampkit's state: refused on every rank below
+        reader = checkpoint_reader(str(path))
+        metadata = reader.read_metadata()
+        amp.expect(metadata)
+        _require_same_dtypes(metadata, {"model": state["model"], "optim": state["optim"]})
+    except AmpError as err:  # refused on every rank below, before any collective of dcp.load
         refused = err
+    if not _any_rank(refused is not None):
+        try:
+            dcp.load(state, storage_reader=reader, planner=checkpoint_planner())
+            _require_finite(state["model"], "model")
+            _require_finite(state["optim"], "optimizer state")
+            _require_possible_optim(state["optim"], optim_sd)
+        except AmpError as err:  # this rank's shards or ampkit's state: refused on every rank below
+            refused = err
+        except CheckpointException as exc:
+            refused = StateError(f"the checkpoint {str(path)!r} cannot be loaded: {_first_failure(exc)}")
     if _any_rank(refused is not None):
-        raise refused or StateError(
-            "another rank refused its part of the checkpoint (see that rank's error). Nothing was loaded."
-        )
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if not had_state:
+            optimizer.state.clear()  # get_state_dict stepped a fresh optimizer to build its state
+        message = _other_rank_refusal(refused)  # a collective: every rank takes part
+        raise refused or StateError(message)
+    _set_state_dicts(model, optimizer, state["model"], state["optim"])
     amp.apply()
+
+
+def _require_same_dtypes(metadata: Any, state: Any, prefix: str = "") -> None:
+    """Raise StateError where the checkpoint saved a tensor in another dtype than this
+    run's (an fp16 run's checkpoint loaded into a bf16 run: DCP would convert silently)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _require_same_dtypes(metadata, value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            _require_same_dtypes(metadata, value, f"{prefix}.{i}")
+    elif isinstance(state, torch.Tensor):
+        entry = metadata.state_dict_metadata.get(prefix)
+        saved = getattr(getattr(entry, "properties", None), "dtype", None)
+        if saved is not None and saved != state.dtype:
+            raise StateError(
+                f"the checkpoint saved {prefix!r} as {saved}; this run holds it as {state.dtype}: it was saved by a "
+                "run with another dtype or opt level. Set up the same level and dtype as the run that saved it. "
+                "Nothing was loaded."
+            )
+
+
+def _other_rank_refusal(refused: Exception | None) -> str:
+    """The message of the first rank that refused (every rank gathers them: strings)."""
+    import torch.distributed as dist
+
+    messages: list[Any] = [None] * rank_and_world_size()[1]
+    if _multi_rank():
+        dist.all_gather_object(messages, None if refused is None else str(refused))
+    for rank, message in enumerate(messages):
+        if isinstance(message, str):
+            return f"rank {rank} refused its part of the checkpoint: {message}"
+    return "another rank refused its part of the checkpoint (see that rank's error). Nothing was loaded."
+
+
+def _first_failure(exc: Any) -> str:
+    """What a ``CheckpointException`` says, one line (ampkit's own refusal where it is one)."""
+    from ampkit.errors import AmpError
+
+    for failure in getattr(exc, "failures", {}).values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, AmpError):
+            return str(error)
+        text = str(error).strip().splitlines()
+        return f"{type(error).__name__}: {text[0] if text else ''}. Nothing was loaded."
+    return f"{exc}. Nothing was loaded."
+
+
+#: Optimizer state entries that are sums of squares (never negative), by torch's names.
+_NONNEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf", "step", "eta", "mu")
+#: Hyperparameters that are never negative (where a param group has them).
+_NONNEGATIVE_GROUP = ("lr", "eps", "momentum", "dampening", "alpha", "lr_decay", "initial_accumulator_value",
+                      "rho", "lambd", "t0")  # fmt: skip
+
+
+def _require_possible_optim(loaded: Any, template: Any) -> None:
+    """Raise StateError for optimizer values training never produces: a negative second
+    moment or step, and param-group values of another type than this optimizer's or out of
+    range (a NaN or negative ``lr``, ``betas`` outside [0, 1))."""
+    for key, entries in (loaded.get("state") or {}).items():
+        for name, value in (entries or {}).items():
+            if name in _NONNEGATIVE_STATE and isinstance(value, torch.Tensor) and value.numel():
+                local = local_tensor(value)
+                if local.numel() and bool((local < 0).any()):
+                    raise StateError(
+                        f"the checkpoint's optimizer state {key}.{name} holds negative values, which training "
+                        "never produces. Nothing was loaded: the checkpoint is corrupt; load an earlier one."
+                    )
+    for i, (group, mine) in enumerate(zip(loaded.get("param_groups") or [], template.get("param_groups") or [])):
+        for name, value in group.items():
+            if name == "params" or name not in mine:
+                continue
+            ref = mine[name]
+            where = f"the checkpoint's optimizer param group {i} {name!r}"
+            if type(value) is not type(ref) and not (isinstance(ref, (int, float)) and type(value) in (int, float)
+                                                      and not isinstance(ref, bool)):  # fmt: skip
+                raise StateError(
+                    f"{where} is a {type(value).__name__}; this optimizer's is a {type(ref).__name__}. Nothing was "
+                    "loaded: the checkpoint was written for another optimizer or was tampered with."
+                )
+            numbers = [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else (
+                list(value) if isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value) else [])
+            if not all(math.isfinite(v) for v in numbers):
+                raise StateError(f"{where} is {value!r}, not finite. Nothing was loaded.")
+            if name in _NONNEGATIVE_GROUP and any(v < 0 for v in numbers):
+                raise StateError(f"{where} is {value!r}, negative. Nothing was loaded.")
+            if name == "betas" and not all(0 <= v < 1 for v in numbers):
+                raise StateError(f"{where} is {value!r}; betas lie in [0, 1). Nothing was loaded.")
 
 
 def _multi_rank() -> bool:
@@ -288,3 +483,69 @@ def _any_rank(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _multi_rank():
+        dist.barrier()
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """The model's and the optimizer's DCP state dicts (``get_state_dict``); at O2 on an
+    unsharded model the optimizer steps fp32 masters the model does not hold, so its state
+    is named through :func:`_master_view`."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+    )
+
+    view = _master_view(model, optimizer)
+    if view is None:
+        return get_state_dict(model, optimizer)
+    return get_model_state_dict(model), get_optimizer_state_dict(view, optimizer)
+
+
+def _set_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: Any, optim_sd: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    view = _master_view(model, optimizer)
+    if view is None:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        return
+    set_model_state_dict(model, model_sd)
+    set_optimizer_state_dict(view, optimizer, optim_state_dict=optim_sd)
+
+
+#: Wrappers whose parameter names DCP's state dicts leave out (DDP's, torch.compile's).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _master_view(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module | None:
+    """A module holding, under each of ``model``'s parameter names (as DCP names them),
+    the tensor ``optimizer`` steps for it: its fp32 master where it has one. None when
+    the optimizer steps the model's own parameters."""
+    from ampkit.levels.plan import masters_of
+
+    masters = masters_of(optimizer)
+    if masters is None:
+        return None
+    view = torch.nn.Module()
+    for name, param in model.named_parameters():
+        while name.startswith(_WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        master = masters.master_of(param)
+        owner = view
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in dict(owner.named_children()):
+                owner.add_module(part, torch.nn.Module())
+            owner = owner.get_submodule(part)
+        owner.register_parameter(leaf, master if master is not None else param)
+    return view

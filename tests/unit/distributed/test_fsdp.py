@@ -120,10 +120,17 @@ def test_dcp_checkpoints_resume_and_reshard(saved, tmp_path, world):
 @pytest.mark.timeout(400)
 def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
     for r in _launch("dcp_corrupt", tmp_path):
-        assert r["truncated"].startswith("CheckpointException")
+        assert r["truncated"].startswith("StateError: ") and "checksum" in r["truncated"]
         assert r["nan"].startswith("StateError: compensation buffer")
         assert r["nan_weight"].startswith("StateError: ")  # one rank's shard: every rank refuses
-        for name in ("truncated", "nan", "nan_weight"):
+        assert r["other_level"].startswith("StateError: ") and "another" in r["other_level"]
+        assert r["payload_lr"].startswith("StateError: ") and "weights only" in r["payload_lr"]
+        assert r["negative"].startswith("StateError: ") and "negative" in r["negative"]
+        assert r["flipped"].startswith("StateError: ") and "checksum" in r["flipped"]
+        assert r["payload_meta"].startswith("StateError: ") and "open" in r["payload_meta"]
+        assert not r["payload_ran"]
+        for name in ("truncated", "nan", "nan_weight", "other_level", "payload_lr", "negative", "flipped",
+                     "payload_meta"):  # fmt: skip
             assert r[f"{name}_kept"] and r[f"{name}_weights_kept"], name
         assert r["good_loaded"] == (2, 0)
 

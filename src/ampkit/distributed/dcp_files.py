@@ -1,0 +1,332 @@
+"""Reading a DCP checkpoint folder without running anything in it.
+
+DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain :mod:`pickle`, and its
+default planner reads every non-tensor entry (an optimizer's ``lr``, ``betas``, ...)
+with ``torch.load(weights_only=False)``: a planted payload in either runs on every rank
+that loads. :func:`checkpoint_reader` and :func:`checkpoint_planner` give the reader and
+planner :func:`ampkit.distributed.load_checkpoint` uses (and a loop of one's own can pass
+to ``dcp.load``):
+
+- ``.metadata`` is unpickled by an unpickler that admits DCP's metadata classes, torch's
+  dtypes, ``torch.Size`` and paths, and nothing else; its structure is then checked (every
+  entry's storage a plain file name inside the folder, offsets and lengths whole numbers).
+- Non-tensor entries are read with ``torch.load(weights_only=True)``, at most
+  :data:`MAX_BYTES_ENTRY` bytes each.
+- Every data file (and ``.metadata``) is hashed (SHA-256) on save by the rank that wrote
+  it (:func:`write_checksums`, ``ampkit_checksums_<rank>.json`` in the folder) and checked
+  before it is read: a flipped bit is refused. A folder without checksums (written by
+  plain ``dcp.save``) loads with one warning.
+- Data files and ``.metadata`` must be regular files (no FIFO, device or folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import stat
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ampkit._internal.files import read_json, write_text
+from ampkit.errors import StateError
+
+__all__ = ["checkpoint_planner", "checkpoint_reader", "MAX_BYTES_ENTRY", "MAX_METADATA_BYTES", "write_checksums"]
+
+MAX_BYTES_ENTRY = 1 << 20
+"""The largest non-tensor entry (an optimizer hyperparameter, a string) read: 1 MiB."""
+
+MAX_METADATA_BYTES = 1 << 30
+"""The largest ``.metadata`` read: 1 GiB (a model of a million tensors stays far below)."""
+
+_CHECKSUM_PREFIX = "ampkit_checksums_"
+_METADATA = ".metadata"
+_HASH_CHUNK = 1 << 22
+
+_DCP_METADATA_CLASSES = (
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
+_ALLOWED = {
+    **{("torch.distributed.checkpoint.metadata", name): None for name in _DCP_METADATA_CLASSES},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
+    ("torch", "Size"): None,
+    ("torch.serialization", "_get_layout"): None,
+    ("pathlib", "PosixPath"): None,
+    ("pathlib", "PurePosixPath"): None,
+    ("pathlib", "WindowsPath"): None,
+    ("pathlib", "PureWindowsPath"): None,
+    ("collections", "OrderedDict"): None,
+}
+
+
+def _refused(path: Any, why: str) -> StateError:
+    return StateError(
+        f"the checkpoint {os.fspath(path)!r} cannot be loaded: {why}. Nothing was loaded: it is corrupt, "
+        "truncated or was not written by torch.distributed.checkpoint; load an earlier one."
+    )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds DCP's metadata classes and nothing else (no function
+    of the file's choosing is ever called)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_metadata(md: Any, path: Any) -> None:
+    """Raise unless ``md`` is shaped as DCP writes it."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if not isinstance(md, Metadata):
+        raise _refused(path, f".metadata holds a {type(md).__name__}, not DCP's Metadata")
+    entries = getattr(md, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise _refused(path, ".metadata has no table of entries")
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise _refused(path, f"an entry is named by a {type(fqn).__name__}")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        ok = (
+            isinstance(entry, TensorStorageMetadata)
+            and isinstance(entry.properties, TensorProperties)
+            and isinstance(entry.properties.dtype, torch.dtype)
+            and isinstance(entry.size, torch.Size)
+            and all(_is_count(s) for s in entry.size)
+            and isinstance(entry.chunks, list)
+            and all(
+                isinstance(c, ChunkStorageMetadata)
+                and isinstance(c.offsets, torch.Size)
+                and isinstance(c.sizes, torch.Size)
+                and len(c.offsets) == len(c.sizes) == len(entry.size)
+                and all(_is_count(o) and _is_count(s) and o + s <= n for o, s, n in zip(c.offsets, c.sizes, entry.size))
+                for c in entry.chunks
+            )
+        )
+        if not ok:
+            raise _refused(path, f"the entry {fqn!r} is malformed in .metadata")
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise _refused(path, ".metadata has no storage table")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or type(info).__qualname__ != "_StorageInfo":
+            raise _refused(path, "the storage table of .metadata is malformed")
+        name = info.relative_path
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise _refused(path, f"an entry is stored in {name!r}, which is not a file name inside the folder")
+        if not (_is_count(info.offset) and _is_count(info.length)):
+            raise _refused(path, f"the entry {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (
+            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
+        ):
+            raise _refused(path, f"the entry {index.fqn!r} has malformed transforms")
+    planner_data = getattr(md, "planner_data", None)
+    if planner_data is not None and not (
+        isinstance(planner_data, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v)
+            for k, v in planner_data.items()
+        )
+    ):
+        raise _refused(path, "the planner table of .metadata is malformed")
+
+
+def _regular(path: Path, folder: Any) -> int:
+    """The size of the regular file ``path``; refused when it is anything else."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise _refused(folder, f"{path.name} is missing") from None
+    except OSError as exc:
+        raise _refused(folder, f"{path.name}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refused(folder, f"{path.name} is not a regular file")
+    return st.st_size
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(path: str | os.PathLike[str], rank: int, is_coordinator: bool) -> None:
+    """Hash the files this rank wrote into the DCP folder ``path`` (``__<rank>_*.distcp``,
+    and ``.metadata`` on the coordinator) into ``ampkit_checksums_<rank>.json``."""
+    folder = Path(path)
+    names = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
+    if is_coordinator:
+        names.append(_METADATA)
+    sums = {name: _sha256(folder / name) for name in names}
+    import json
+
+    write_text(folder / f"{_CHECKSUM_PREFIX}{rank}.json", json.dumps({"format": 1, "sha256": sums}, indent=0),
+               "the checkpoint's checksums", StateError)  # fmt: skip
+
+
+def _read_checksums(folder: Path) -> dict[str, str] | None:
+    """Every saving rank's checksums merged (None when the folder has none)."""
+    files = sorted(folder.glob(f"{_CHECKSUM_PREFIX}*.json"))
+    if not files:
+        return None
+    sums: dict[str, str] = {}
+    for file in files:
+        doc = read_json(file, "the checkpoint's checksums", StateError, limit=64 << 20)
+        table = doc.get("sha256") if isinstance(doc, dict) and doc.get("format") == 1 else None
+        if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+            raise _refused(folder, f"{file.name} is malformed")
+        for name, value in table.items():
+            if sums.setdefault(name, value) != value:
+                raise _refused(folder, f"two checksum files disagree about {name}")
+    return sums
+
+
+_warned_unsummed: set[str] = set()  # folders warned about (once each)
+_classes: dict[str, type] = {}
+
+
+def _reader_class() -> type:
+    if "reader" not in _classes:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        class AmpkitCheckpointReader(FileSystemReader):
+            """DCP's ``FileSystemReader`` with :func:`_read_metadata` and checked files."""
+
+            def __init__(self, path: str | os.PathLike[str]) -> None:
+                super().__init__(path)
+                self.ampkit_sums = _read_checksums(Path(path))
+                self.ampkit_verified: set[str] = set()
+
+            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+                return _read_metadata(self, kwargs.get("rank"))
+
+            def read_data(self, plan: Any, planner: Any) -> Any:
+                _verify_files(self, (self.storage_data[item.storage_index].relative_path for item in plan.items))
+                return super().read_data(plan, planner)
+
+        _classes["reader"] = AmpkitCheckpointReader
+    return _classes["reader"]
+
+
+def checkpoint_reader(path: str | os.PathLike[str]) -> Any:
+    """A DCP ``StorageReader`` for the checkpoint folder ``path`` that never unpickles
+    beyond DCP's metadata classes and checks every file before reading it (see the module
+    docstring); for ``dcp.load(state, storage_reader=checkpoint_reader(path),
+    planner=checkpoint_planner())``. Raises :class:`~ampkit.StateError` for a malformed
+    checksum file."""
+    return _reader_class()(path)
+
+
+def _read_metadata(reader: Any, rank: int | None) -> Any:
+    folder = Path(reader.path)
+    name = _METADATA if rank is None else f"__{rank}{_METADATA}"
+    path = folder / name
+    if _regular(path, folder) > MAX_METADATA_BYTES:
+        raise _refused(folder, f"{name} is larger than {MAX_METADATA_BYTES} bytes")
+    _verify_files(reader, [name])
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, RuntimeError,
+            IndexError, KeyError, RecursionError, MemoryError, UnicodeDecodeError) as exc:  # fmt: skip
+        raise _refused(folder, f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
+    _check_metadata(md, folder)
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    md.storage_meta.load_id = reader.load_id
+    return md
+
+
+def _verify_files(reader: Any, names: Iterable[str]) -> None:
+    """Check each file against the saved checksums (once per reader)."""
+    folder = Path(reader.path)
+    sums: dict[str, str] | None = reader.ampkit_sums
+    for name in sorted(set(names) - reader.ampkit_verified):
+        _regular(folder / name, folder)
+        if sums is None:
+            if str(folder) not in _warned_unsummed:
+                _warned_unsummed.add(str(folder))
+                warnings.warn(
+                    f"ampkit: the checkpoint {str(folder)!r} has no checksums (it was written by plain dcp.save or "
+                    "an older ampkit): a corrupted file cannot be told from a good one. "
+                    "ampkit.distributed.save_checkpoint writes them.",
+                    stacklevel=4,
+                )
+            continue
+        if name not in sums:
+            raise _refused(folder, f"{name} has no checksum (a file added after the save)")
+        if _sha256(folder / name) != sums[name]:
+            raise _refused(folder, f"{name} does not match its checksum (a changed or corrupted file)")
+        reader.ampkit_verified.add(name)
+
+
+def _planner_class() -> type:
+    if "planner" not in _classes:
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        class AmpkitCheckpointPlanner(DefaultLoadPlanner):
+            """DCP's default load planner with non-tensor entries read weights-only."""
+
+            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+                obj = _load_entry(read_item.dest_index.fqn, value)
+                clean = io.BytesIO()
+                torch.save(obj, clean)  # what DCP's own load_bytes reads back: ampkit's bytes, not the file's
+                clean.seek(0)
+                super().load_bytes(read_item, clean)
+
+        _classes["planner"] = AmpkitCheckpointPlanner
+    return _classes["planner"]
+
+
+def checkpoint_planner() -> Any:
+    """DCP's default load planner, except that a non-tensor entry is read with
+    ``torch.load(weights_only=True)``, at most :data:`MAX_BYTES_ENTRY` bytes (a larger or
+    not weights-only entry raises :class:`~ampkit.StateError`)."""
+    return _planner_class()()
+
+
+def _load_entry(fqn: str, value: io.BytesIO) -> Any:
+    data = value.read(MAX_BYTES_ENTRY + 1)
+    if len(data) > MAX_BYTES_ENTRY:
+        raise StateError(f"the checkpoint's entry {fqn!r} is larger than {MAX_BYTES_ENTRY} bytes.")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # a weights-only refusal, truncation or garbage: all the same refusal
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StateError(
+            f"the checkpoint's entry {fqn!r} cannot be read as weights only ({first:.200}). "
+            "ampkit never unpickles checkpoint entries fully; the file was tampered with or is corrupt."
+        ) from None

@@ -1,0 +1,262 @@
+"""``ampkit.distributed.save_checkpoint``/``load_checkpoint`` against hostile folders, in
+one process (the same code runs per rank; the two-rank cases are in test_fsdp.py):
+nothing in a folder is unpickled beyond DCP's metadata classes and weights-only
+entries, another level's state is refused, impossible values and changed bytes are
+refused, special files never block, and a refusal changes nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import ampkit
+from ampkit.distributed import load_checkpoint, save_checkpoint
+from ampkit.distributed.checkpoint import AmpState
+from ampkit.distributed.dcp_files import write_checksums
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+MARKER = "ampkit_payload_ran"
+
+
+class Payload:
+    """Runs ``open(marker, 'w')`` when fully unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _build(level: str, dtype: torch.dtype = torch.bfloat16):
+    ampkit.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ampkit.initialize(model, opt, opt_level=level, dtype=dtype)
+
+
+def _train(model, opt, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        with ampkit.scale_loss(model(x).float().pow(2).mean(), opt) as loss:
+            loss.backward()
+        opt.step()
+
+
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for _, state in sorted(opt.state_dict()["state"].items()):
+        out += [v.clone() for _, v in sorted(state.items()) if torch.is_tensor(v)]
+    out += [torch.tensor(g["lr"]) for g in opt.param_groups]
+    sd = ampkit.state_dict()
+    out += [v.clone() for v in AmpState().state_dict().values()] if sd["trainers"] else []
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _resum(folder: Path) -> None:
+    """What an attacker who edits files also does: write the checksums anew."""
+    for f in folder.glob("ampkit_checksums_*.json"):
+        f.unlink()
+    write_checksums(folder, 0, is_coordinator=True)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dcp")
+    for level in ("O2", "O2K", "O1"):
+        model, opt = _build(level)
+        _train(model, opt, 3)
+        save_checkpoint(out / level, model, opt)
+    model, opt = _build("O2", torch.float16)
+    _train(model, opt, 3)
+    save_checkpoint(out / "O2-fp16", model, opt)
+    ampkit.reset()
+    return out
+
+
+def _refused(tmp_path: Path, folder: Path, level: str = "O2K", dtype: torch.dtype = torch.bfloat16) -> str:
+    """Load ``folder`` into a trained ``level`` session: it must raise StateError and
+    change nothing; returns the message."""
+    model, opt = _build(level, dtype)
+    _train(model, opt, 2, seed=5)
+    before = _snapshot(model, opt)
+    with pytest.raises(ampkit.StateError) as err:
+        load_checkpoint(folder, model, opt)
+    assert _same(before, _snapshot(model, opt)), "a refused load changed the session"
+    _train(model, opt, 1, seed=6)  # and the session still trains
+    return str(err.value)
+
+
+def test_unsharded_o2_roundtrip_is_bitwise(saved, tmp_path):
+    """An O2 model that is not sharded (fp32 masters held by ampkit) saves and resumes:
+    the resumed run's next steps equal the saving run's, bitwise."""
+    model, opt = _build("O2")
+    _train(model, opt, 3)
+    _train(model, opt, 2, seed=9)
+    expected = _snapshot(model, opt)
+    model, opt = _build("O2")
+    load_checkpoint(saved / "O2", model, opt)
+    _train(model, opt, 2, seed=9)
+    assert _same(expected, _snapshot(model, opt))
+
+
+@pytest.mark.parametrize("setup", ["O2K", "O1"])
+def test_roundtrip_and_fresh_optimizer(saved, setup):
+    model, opt = _build(setup)
+    _train(model, opt, 3)
+    _train(model, opt, 2, seed=9)
+    expected = _snapshot(model, opt)
+    model, opt = _build(setup)
+    load_checkpoint(saved / setup, model, opt)
+    _train(model, opt, 2, seed=9)
+    assert _same(expected, _snapshot(model, opt))
+
+
+@pytest.mark.parametrize(
+    "src, level, dtype",
+    [("O2K", "O1", torch.float16), ("O2K", "O1", torch.bfloat16), ("O2K", "O3", torch.bfloat16),
+     ("O2K", "O0", torch.bfloat16), ("O2", "O1", torch.float16), ("O2-fp16", "O2", torch.bfloat16),
+     ("O1", "O2K", torch.bfloat16)],
+)  # fmt: skip
+def test_another_levels_checkpoint_is_refused(saved, tmp_path, src, level, dtype):
+    msg = _refused(tmp_path, saved / src, level, dtype)
+    assert "Nothing was loaded" in msg
+
+
+def test_a_payload_in_metadata_never_runs(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    meta = folder / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    md.planner_data = {"x": Payload(tmp_path / MARKER)}
+    meta.write_bytes(pickle.dumps(md))
+    _resum(folder)
+    msg = _refused(tmp_path, folder)
+    assert "builtins.open" in msg or "io.open" in msg
+    assert not (tmp_path / MARKER).exists()
+
+
+def test_a_pickled_hyperparameter_never_runs(saved, tmp_path):
+    model, opt = _build("O2K")
+    _train(model, opt, 2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optim_sd["param_groups"][0]["lr"] = Payload(tmp_path / MARKER)
+    folder = tmp_path / "ck"
+    dcp.save({"model": model_sd, "optim": optim_sd, "amp": AmpState()}, checkpoint_id=str(folder))
+    write_checksums(folder, 0, is_coordinator=True)
+    msg = _refused(tmp_path, folder)
+    assert "weights only" in msg and "lr" in msg
+    assert not (tmp_path / MARKER).exists()
+
+
+@pytest.mark.parametrize(
+    "where, value",
+    [("state", -1.0), ("lr", float("nan")), ("lr", -0.1), ("lr", "0.1"), ("betas", (0.9, 1.5)), ("eps", float("inf"))],
+)
+def test_impossible_optimizer_values_are_refused(saved, tmp_path, where, value):
+    model, opt = _build("O2K")
+    _train(model, opt, 2)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if where == "state":
+        first = next(iter(optim_sd["state"].values()))
+        first["exp_avg_sq"] = first["exp_avg_sq"].clone().fill_(value)
+    else:
+        optim_sd["param_groups"][0][where] = value
+    folder = tmp_path / "ck"
+    dcp.save({"model": model_sd, "optim": optim_sd, "amp": AmpState()}, checkpoint_id=str(folder))
+    write_checksums(folder, 0, is_coordinator=True)
+    _refused(tmp_path, folder)
+
+
+def test_a_flipped_bit_is_refused(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    data = next(folder.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    assert "checksum" in _refused(tmp_path, folder)
+
+
+def test_a_file_outside_the_folder_is_refused(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    meta = folder / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    index = next(iter(md.storage_data))
+    md.storage_data[index].relative_path = "../outside.distcp"
+    meta.write_bytes(pickle.dumps(md))
+    _resum(folder)
+    assert "not a file name inside the folder" in _refused(tmp_path, folder)
+
+
+def test_a_fifo_in_place_of_a_file_does_not_block(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    data = next(folder.glob("*.distcp"))
+    data.unlink()
+    os.mkfifo(data)
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(_refused(tmp_path, folder)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "loading blocked on a FIFO"
+    assert result and "not a regular file" in result[0]
+
+
+def test_truncated_or_garbage_metadata_is_refused(saved, tmp_path):
+    for content in (b"", b"\x80\x04garbage", (saved / "O2K" / ".metadata").read_bytes()[:100]):
+        folder = tmp_path / f"ck{len(content)}"
+        shutil.copytree(saved / "O2K", folder)
+        (folder / ".metadata").write_bytes(content)
+        _resum(folder)
+        _refused(tmp_path, folder)
+
+
+def test_malformed_checksums_are_refused(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    (folder / "ampkit_checksums_0.json").write_text(json.dumps({"format": 1, "sha256": [1]}))
+    _refused(tmp_path, folder)
+
+
+def test_a_folder_without_checksums_loads_with_a_warning(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    for f in folder.glob("ampkit_checksums_*.json"):
+        f.unlink()
+    model, opt = _build("O2K")
+    with pytest.warns(UserWarning, match="no checksums"):
+        load_checkpoint(folder, model, opt)
+
+
+def test_amp_state_strings_are_saved_and_checked(saved):
+    """The compensation method and the state's format are in the checkpoint (as bytes),
+    so a plain dcp.load into another session's AmpState sees them."""
+    md = dcp.FileSystemReader(str(saved / "O2K")).read_metadata()
+    keys = set(md.state_dict_metadata)
+    assert "amp.format" in keys
+    assert any(k.endswith("compensation/method") for k in keys)
+    buf = io.BytesIO()
+    torch.save(md, buf)  # metadata stays plain data
