@@ -134,6 +134,19 @@ def _rebuild(template: Any, prefix: str, values: dict[str, Any]) -> Any:
     return float(local.item())
 
 
+def _require_same_entries(expected: Any, saved: Any) -> None:
+    """Raise StateError unless ``saved`` names exactly ``expected``'s entries."""
+    missing = sorted(set(expected) - set(saved))
+    extra = sorted(set(saved) - set(expected))
+    if missing or extra:
+        raise StateError(
+            "ampkit's part of the checkpoint does not match this session: it was saved by a run set up "
+            f"another way (another opt level, dtype, loss scaler or optimizers; missing {missing[:4]}, "
+            f"unexpected {extra[:4]}). Set up the same level, dtype, optimizers and param groups as the run "
+            "that saved it. Nothing was loaded."
+        )
+
+
 def _ensure_buffers() -> None:
     """Every compensated optimizer of the session with all its buffers (zeros where a
     parameter was not stepped yet): the state's entries are then the same before the
@@ -217,15 +230,7 @@ class AmpState:
                 f"the checkpoint holds no ampkit state under {key!r}: it was not saved with "
                 "ampkit.distributed.save_checkpoint (or AmpState) in this ampkit version. Nothing was loaded."
             )
-        missing = sorted(set(expected) - set(saved))
-        extra = sorted(set(saved) - set(expected))
-        if missing or extra:
-            raise StateError(
-                "ampkit's part of the checkpoint does not match this session: it was saved by a run set up "
-                f"another way (another opt level, dtype, loss scaler or optimizers; missing {missing[:4]}, "
-                f"unexpected {extra[:4]}). Set up the same level, dtype, optimizers and param groups as the run "
-                "that saved it. Nothing was loaded."
-            )
+        _require_same_entries(expected, saved)
         sizes: dict[str, int] = {}
         for name, template in expected.items():
             entry = saved[name]
@@ -268,14 +273,7 @@ class AmpState:
         template = session_state()
         expected: dict[str, torch.Tensor] = {}
         _flatten(template, "", expected, copy=False)
-        missing = sorted(set(expected) - set(state_dict))
-        extra = sorted(set(state_dict) - set(expected))
-        if missing or extra:
-            raise StateError(
-                "ampkit's part of the checkpoint does not match this session "
-                f"(missing {missing[:4]}, unexpected {extra[:4]}): set up the same levels, optimizers "
-                "and param groups as the run that saved it."
-            )
+        _require_same_entries(expected, state_dict)
         apply = prepare_load_state_dict(_rebuild(template, "", state_dict))
         if self.defer:
             self._pending = apply
