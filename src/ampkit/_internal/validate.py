@@ -17,6 +17,11 @@ from ampkit.errors import AmpError
 #: nanosecond takes 292 years to get there. Larger values are corruption.
 MAX_COUNT = 2**63 - 1
 
+#: The largest magnitude a checkpoint's weight, master or first moment may hold: the
+#: square root of fp32's largest value. Past it the value's square (weight decay's norm,
+#: Adam's second moment of its gradient) overflows fp32, so no run that trains saves one.
+ABSURD_MAGNITUDE = 2.0**64
+
 #: What to do about a checkpoint tensor holding values training never produces (inf/NaN
 #: in a master weight, a compensation buffer or an fp8 scale).
 CORRUPT_CHECKPOINT = (

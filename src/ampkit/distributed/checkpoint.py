@@ -46,6 +46,7 @@ import torch
 from ampkit._internal.dist import rank_and_world_size
 from ampkit._internal.dtypes import local_tensor
 from ampkit._internal.tree import map_leaves
+from ampkit._internal.validate import ABSURD_MAGNITUDE
 from ampkit.errors import StateError
 
 from .core import _comm_device
@@ -361,6 +362,8 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
             _require_finite(state["model"], "model")
             _require_finite(state["optim"], "optimizer state")
             _require_possible_optim(state["optim"], optim_sd)
+            _require_sane_magnitudes(state["model"], "model")
+            _require_sane_magnitudes(state["optim"].get("state") or {}, "optimizer state")
         except AmpError as err:  # this rank's shards or ampkit's state: refused on every rank below
             refused = err
         except CheckpointException as exc:
@@ -425,6 +428,26 @@ _NONNEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_
 #: Hyperparameters that are never negative (where a param group has them).
 _NONNEGATIVE_GROUP = ("lr", "eps", "momentum", "dampening", "alpha", "lr_decay", "initial_accumulator_value",
                       "rho", "lambd", "t0")  # fmt: skip
+
+
+def _require_sane_magnitudes(tree: Any, where: str) -> None:
+    """Raise StateError for a weight or optimizer value (not a sum of squares, which
+    may reach fp32's range) larger than :data:`ABSURD_MAGNITUDE`."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k not in _NONNEGATIVE_STATE:
+                _require_sane_magnitudes(v, f"{where}.{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _require_sane_magnitudes(v, f"{where}.{i}")
+    elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        local = local_tensor(tree)
+        if local.numel() and float(local.abs().amax()) > ABSURD_MAGNITUDE:
+            raise StateError(
+                f"the checkpoint's {where} holds values of magnitude {float(local.abs().amax()):.3g}, beyond "
+                f"{ABSURD_MAGNITUDE:.3g} (past it a square overflows fp32; no run that trains saves one). Nothing "
+                "was loaded: the checkpoint is corrupt; load an earlier one."
+            )
 
 
 def _require_possible_optim(loaded: Any, template: Any) -> None:

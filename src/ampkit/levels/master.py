@@ -34,6 +34,7 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import cast_optimizer_state
 from ampkit._internal.validate import (
+    ABSURD_MAGNITUDE,
     CORRUPT_CHECKPOINT,
     require_choice,
     require_fields,
@@ -419,7 +420,8 @@ class MasterWeights:
             # a master beyond its 16-bit weight's range would round to inf in the model
             model_dtype = self._model_of[id(master)].dtype
             require_tensor(t, f"saved master weight at group {gi}, index {pi}", StateError, torch.float32,
-                           finite=True, hint=CORRUPT_CHECKPOINT, max_abs=torch.finfo(model_dtype).max)
+                           finite=True, hint=CORRUPT_CHECKPOINT,
+                           max_abs=min(torch.finfo(model_dtype).max, ABSURD_MAGNITUDE))  # its square: fp32
         return saved
 
 

@@ -260,3 +260,18 @@ def test_amp_state_strings_are_saved_and_checked(saved):
     assert any(k.endswith("compensation/method") for k in keys)
     buf = io.BytesIO()
     torch.save(md, buf)  # metadata stays plain data
+
+
+def test_an_absurd_master_is_refused_by_amp_load_state_dict():
+    """A bf16 model's fp32 master of 1e38 is representable in bf16, but its square
+    overflows fp32 (no run that trains saves one): ``amp.load_state_dict`` refuses it and
+    changes nothing."""
+    model, opt = _build("O2")
+    _train(model, opt, 2)
+    sd = ampkit.state_dict()
+    entry = sd["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"][0]
+    entry[2] = entry[2].clone().fill_(1e38)
+    before = _snapshot(model, opt)
+    with pytest.raises(ampkit.StateError, match="master"):
+        ampkit.load_state_dict(sd)
+    assert _same(before, _snapshot(model, opt))
