@@ -218,6 +218,7 @@ def _assert_equal(a, b):
 RESUME = {
     "O2": dict(amp_level="O2"),
     "O2K": dict(amp_level="O2K"),
+    "O3": dict(amp_level="O3"),
     "O1-fp16": dict(amp_level="O1", amp_dtype="float16"),
 }
 
@@ -285,7 +286,8 @@ def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path
     shape, finite) -- before HF loads the checkpoint's weights: a malicious (never run),
     truncated, empty or inconsistent file raises HfIntegrationError naming the file, and
     the model holds its own weights. A state that does not fit ampkit's session is
-    refused before any of it (or of the 16-bit weights) is applied."""
+    refused once ampkit is set up, still before HF loads the checkpoint's weights or
+    optimizer state and before any of ampkit's state is applied."""
     folder = tmp_path / "ckpt"
     shutil.copytree(o2k_checkpoint, folder)
     path = folder / AMPKIT_NAME
@@ -321,12 +323,112 @@ def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path
     assert not marker.exists()
     if corruption == "nan_state":
         # ampkit's state is checked against the session ampkit sets up with the optimizer,
-        # after HF loaded the checkpoint's own files: refused with nothing of ampkit's applied
+        # before HF loads the checkpoint's weights and optimizer state: nothing applied
         assert amp.stats(trainer.amp_optimizer).steps == 0
-        return
+        assert not trainer.amp_optimizer.state
     after = trainer.model.state_dict()
     # ampkit's setup cast the model (O2K: bf16 weights, fp32 norms); nothing was loaded
     assert all(torch.equal(after[k], v.to(after[k].dtype)) for k, v in before.items())
+
+
+def _weights_and_optimizer(trainer):
+    """What a refused resume must leave bitwise as it was: the model's tensors, the fp32
+    masters, the optimizer state and ampkit's counters and scale."""
+    opt = trainer.amp_optimizer
+    return {
+        "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "masters": [p.detach().clone() for p in amp.master_params(opt)],
+        "optimizer": copy.deepcopy(opt.state_dict()["state"]),
+        "stats": amp.stats(opt),
+    }
+
+
+def _assert_bitwise(a, b):
+    assert a["stats"] == b["stats"]
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"], strict=True))
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for index, state in a["optimizer"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"][index][key])), (index, key)
+
+
+def _corrupt_state(saved, corruption):
+    """``saved`` (a read ampkit.pt) with one entry of ampkit's state removed or spoilt."""
+    trainer_state = saved["amp"]["trainers"][0]
+    extra = trainer_state["optimizers"][0]["extra"]
+    if corruption == "master_removed":
+        extra["master_weights"]["masters"].pop()
+    elif corruption == "master_nan":
+        extra["master_weights"]["masters"][0][2][0, 0] = float("nan")
+    elif corruption == "scaler_field_removed":
+        del trainer_state["scalers"][0]["scale"]
+    elif corruption == "compensation_removed":
+        del extra["compensation"]
+    elif corruption == "weights16_entry_removed":
+        del saved["weights16"][sorted(saved["weights16"])[0]]
+    else:
+        raise AssertionError(corruption)
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("level", "corruption"),
+    [
+        ("O2", "truncated"),
+        ("O2", "master_removed"),
+        ("O2", "master_nan"),
+        ("O2", "scaler_field_removed"),
+        ("O2K", "compensation_removed"),
+        ("O2K", "weights16_entry_removed"),
+    ],
+)
+def test_a_refused_resume_leaves_the_trained_model_and_optimizer_bitwise_as_they_were(tmp_path, level, corruption):
+    """A trainer that trained on resumes from one of its own checkpoints whose ampkit.pt
+    is truncated or lacks (or spoils) one entry: HfIntegrationError names the file, and
+    the model's weights, the fp32 masters, the optimizer state and ampkit's counters are
+    bitwise as before -- HF loaded neither the checkpoint's weights nor its optimizer
+    state (ampkit's whole file is checked, against the session, first)."""
+    options = dict(amp_level=level, save_strategy="steps", save_steps=2, logging_steps=100)
+    trainer = _trainer(tmp_path / "a", steps=4, **options)
+    trainer.train()
+    folder = tmp_path / "a" / "checkpoint-2"
+    path = folder / AMPKIT_NAME
+    if corruption == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        torch.save(_corrupt_state(torch.load(path, weights_only=True), corruption), path)
+    before = _weights_and_optimizer(trainer)
+    # the checkpoint's weights differ from the trained ones: a load would show
+    saved_weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    fp32 = fp32_state_dict(trainer.model, trainer.amp_optimizer, _hf_param_groups(trainer))
+    assert any(not torch.equal(saved_weights[k], fp32[k]) for k in saved_weights)
+    with pytest.raises(HfIntegrationError, match=AMPKIT_NAME):
+        trainer.train(resume_from_checkpoint=str(folder))
+    _assert_bitwise(_weights_and_optimizer(trainer), before)
+
+
+def test_an_o2k_file_missing_one_16bit_weight_is_refused(tmp_path, o2k_checkpoint):
+    """O2K steps bf16 weights as they are; ampkit.pt holds every one of them (the fp32
+    weights HF saves, weight + compensation, can round to a neighbour). A file lacking
+    one would resume that weight from a rounded copy: refused, naming it, before HF or
+    ampkit loaded anything."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(o2k_checkpoint, folder)
+    path = folder / AMPKIT_NAME
+    saved = torch.load(path, weights_only=True)
+    assert saved["weights16"]  # O2K: every bf16 weight is there
+    gone = sorted(saved["weights16"])[0]
+    torch.save(_corrupt_state(saved, "weights16_entry_removed"), path)
+    trainer = _trainer(tmp_path / "b", steps=4, amp_level="O2K", save_strategy="steps", save_steps=2, logging_steps=100)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(HfIntegrationError, match=rf"{AMPKIT_NAME}.*lacks \['{gone}'\]"):
+        trainer.train(resume_from_checkpoint=str(folder))
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k], v.to(after[k].dtype)) for k, v in before.items())
+    assert amp.stats(trainer.amp_optimizer).steps == 0 and not trainer.amp_optimizer.state
 
 
 # ---------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """Per-thread scope state (:class:`_State`) and the records other threads may read of
 it (:class:`_ThreadRecord`): how a replica thread of ``nn.DataParallel`` finds its
-caller and enters the caller's scopes. The one instance of :class:`_State` is
+caller and enters the caller's scopes, or refuses to run when it cannot tell which
+caller's they are (:func:`replica_caller`). The one instance of :class:`_State` is
 ``ampkit.casting._kernels._state``. See docs/concepts/casting.md."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ampkit._internal import torch_compat
+from ampkit.errors import StateError
 
 from . import _scope_api
 from ._resolve import _Frame
@@ -27,7 +28,9 @@ class _State(threading.local):
     """Per-thread scope state, set up on a thread's first use of the engine. A thread
     that exits takes its state, and any scope it left open (``init`` in a worker
     thread), with it. A replica thread of ``torch.nn.parallel.parallel_apply``
-    (``nn.DataParallel``) starts with its caller's scopes (:func:`_inherit_caller`)."""
+    (``nn.DataParallel``) starts with its caller's scopes (:func:`_inherit_caller`); where
+    its caller cannot be told, setting the state up raises (:func:`replica_caller`), so
+    the replica's first module call or op fails and nothing runs under the wrong policy."""
 
     def __init__(self) -> None:
         self.frames: dict[str, list[_Frame]] = {}
@@ -47,7 +50,7 @@ class _State(threading.local):
         with _THREADS_LOCK:
             _THREADS[threading.get_ident()] = self.record
         self.inherited: AbstractContextManager[Any] | None = None
-        caller = replica_caller() if replica else None
+        caller = _replica_caller_once() if replica else None
         if caller is not None:
             _inherit_caller(self, caller)
 
@@ -74,6 +77,15 @@ _THREADS: weakref.WeakValueDictionary[int, _ThreadRecord] = weakref.WeakValueDic
 _THREADS_LOCK = threading.Lock()
 
 
+# Replica threads that refused to run (their caller could not be told). The refusal is
+# raised once, at the thread's first use of the engine (its module call's pre-hook);
+# the next use -- that call's always-called post-hook, as torch unwinds it -- sets up a
+# state with no scopes, so the hook does not raise the same error again (which torch
+# would turn into a warning). Nothing else runs in the thread: parallel_apply's worker
+# returns with the error. An entry goes with its thread.
+_REFUSED: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
 def thread_records() -> list[tuple[int, _ThreadRecord]]:
     """``(thread id, record)`` of every thread with engine state, listed under the lock
     (safe while other threads register and finished threads' records go)."""
@@ -88,29 +100,62 @@ def replica_caller() -> _ThreadRecord | None:
     torch re-enters only its own autocast state in those threads. The caller is blocked
     in ``parallel_apply`` (joining the replicas) until they finish. It is found through
     ampkit's own records, never through other threads' frames (reading those races with
-    the threads that own them and can crash the interpreter): the thread whose current
-    module call holds the replica (``nn.DataParallel``: a replica of its ``module``;
-    ``parallel_apply`` in a module's ``forward``: a child), else, for a call outside any
-    module, the one thread with open scopes. When that leaves several candidates, the
-    replica inherits nothing and a warning says so."""
+    the threads that own them and can crash the interpreter), nor by patching torch's
+    threads: the thread whose current module call holds the replica (``nn.DataParallel``:
+    a replica of its ``module``; ``parallel_apply`` in a module's ``forward``: a child),
+    else, for a call outside any module, the one thread with open scopes.
+
+    Several threads qualify when they run the same model (or ``parallel_apply`` outside
+    any module) at once; the records cannot tell which of them started this thread. If
+    their open scopes are the same (same policies, devices, switches), it does not
+    matter: the replica takes those scopes. If they differ, the replica would run under
+    another thread's policy: :class:`~ampkit.StateError` is raised instead (in the
+    replica; ``parallel_apply`` raises it again in the caller). Threads with no ampkit
+    scope open are not tracked, so one that runs the model beside a thread with scopes
+    cannot be seen: run such calls one at a time too."""
     replica = torch_compat.parallel_apply_worker_module()
     me = threading.get_ident()
     others = [rec for ident, rec in thread_records() if ident != me and not rec.replica]
     holders = [rec for rec in others if replica is not None and _holds(rec.module_stack[-1:], replica)]
-    if len(holders) == 1:
-        return holders[0]
-    scoped = [rec for rec in others if rec.scopes]
-    if not holders and len(scoped) <= 1:
-        return scoped[0] if scoped else None
-    warnings.warn(
-        "ampkit: several threads could have started this torch.nn.parallel.parallel_apply "
-        "(nn.DataParallel) replica, so it cannot tell which caller's casting scopes to "
-        "enter; it runs under the process-wide setting (ampkit.init) only. Run one "
-        "DataParallel forward at a time, or use DistributedDataParallel.",
-        RuntimeWarning,
-        stacklevel=2,
+    candidates = holders or [rec for rec in others if rec.scopes]
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    # each list read once: a candidate that is not the caller may be changing its scopes
+    scopes = [list(rec.scopes) for rec in candidates]
+    if all(_same_scopes(scopes[0], other) for other in scopes[1:]):
+        return _ThreadRecord(scopes[0], [])
+    raise StateError(
+        f"ampkit: {len(candidates)} threads are running the same model through "
+        "torch.nn.parallel.parallel_apply (nn.DataParallel) at once under different ampkit "
+        "casting scopes, and this replica thread cannot tell which of them started it, so "
+        "it cannot run under its caller's policy; it refused to run. Run that model's "
+        "DataParallel forwards one at a time (a lock around the call), open the same scope "
+        "(policy, device, dtype) in every thread that calls it, or use "
+        "DistributedDataParallel (one process per device)."
     )
-    return None
+
+
+def _replica_caller_once() -> _ThreadRecord | None:
+    """:func:`replica_caller`, raising its refusal only the first time in this thread."""
+    thread = threading.current_thread()
+    with _THREADS_LOCK:
+        if thread in _REFUSED:
+            return None
+    try:
+        return replica_caller()
+    except StateError:
+        with _THREADS_LOCK:
+            _REFUSED.add(thread)
+        raise
+
+
+def _same_scopes(a: list[_Frame], b: list[_Frame]) -> bool:
+    """Whether replaying scope stack ``a`` casts as replaying ``b`` would: frame by frame
+    the same compile key (the scopes below, the policy's decisions, the device, the
+    switches) and cast-cache switch."""
+    return len(a) == len(b) and all(
+        (x.key, x.cache_enabled) == (y.key, y.cache_enabled) for x, y in zip(a, b)
+    )
 
 
 def _is_replica_thread() -> bool:

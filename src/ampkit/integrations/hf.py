@@ -34,8 +34,11 @@ or hook of the Trainer:
   ``gradient_accumulation_steps`` micro-batches.
 - checkpoints: ``ampkit.pt`` (:data:`AMPKIT_NAME`) beside ``optimizer.pt`` holds
   :func:`ampkit.state_dict` (loss scalers, step counters, fp32 masters, compensation,
-  fp8 state); ``resume_from_checkpoint`` and ``load_best_model_at_end`` load it back,
-  so a resumed run continues bit for bit.
+  fp8 state) and every 16-bit weight the optimizer steps as it is (O2K, O3);
+  ``resume_from_checkpoint`` and ``load_best_model_at_end`` load it back, so a resumed
+  run continues bit for bit. The file is read and checked whole, against the session
+  ampkit set up, before HF loads the checkpoint's weights or optimizer state: a bad
+  file refuses the resume with the model and optimizer as they were.
 - ``save_model`` (checkpoints included) writes the fp32 weights the run trained
   (:func:`fp32_state_dict`: the masters under O2, weight + compensation under O2K) with
   ``"dtype": "float32"`` in ``config.json``, so ``from_pretrained`` loads them back as
@@ -92,6 +95,7 @@ from .hf_weights import (
     _check_weights16,
     _param_names,
     _raw_optimizer,
+    _stepped16_names,
     _training_checkpoint,
     _write_config_dtype,
     fp32_state_dict,
@@ -129,13 +133,16 @@ TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
     "_save_scaler": ("output_dir",),
     "_load_scaler": ("checkpoint",),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
     "_load_best_model": (),
     "_save": ("output_dir", "state_dict"),
 }
 
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
-_FORMAT = "ampkit.integrations.hf/1"
+#: /2: ``weights16`` holds every 16-bit weight stepped as it is, so a missing one is
+#: seen (/1 held only those the fp32 weights do not round back to).
+_FORMAT = "ampkit.integrations.hf/2"
 
 # --- the trainer ------------------------------------------------------------------------
 
@@ -152,6 +159,17 @@ class _Setup:
     param_names: list[list[str]]
 
 
+@dataclasses.dataclass
+class _Resume:
+    """A resume under way: the checkpoint, its read :data:`AMPKIT_NAME`, the model HF
+    loads the weights into, and (once checked against the session) what applies it."""
+
+    checkpoint: str
+    saved: dict[str, Any]
+    model: nn.Module | None
+    apply: Callable[[], None] | None = None
+
+
 class AmpkitTrainerMixin:
     """ampkit's mixed precision for a ``transformers.Trainer`` subclass; list it first:
     ``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``. Reads ``amp_level``,
@@ -165,6 +183,7 @@ class AmpkitTrainerMixin:
     """
 
     _ampkit: _Setup | None = None
+    _ampkit_resume: _Resume | None = None
 
     # -- arguments and setup ---------------------------------------------------------------
 
@@ -353,20 +372,18 @@ class AmpkitTrainerMixin:
 
     def _ampkit_state(self, setup: _Setup) -> dict[str, Any]:
         model = self._setup_model(setup)
-        fp32 = fp32_state_dict(model, setup.optimizer, setup.param_names)
-        # 16-bit weights stepped as they are (O2K, O3) that the checkpoint's fp32 weights
-        # do not round back to (O2K: weight + compensation can round to the weight's
-        # neighbour on a tie); weights with an fp32 master (O2) come back from the master
-        stepped = {id(p) for p in master_params(setup.optimizer)}
-        masters_of_model = {id(p) for p in model.parameters()} - stepped
-        exact = {
-            name: t.detach().clone()
-            for name, t in model.state_dict(keep_vars=True).items()
-            if t.is_floating_point()
-            and t.dtype != torch.float32
-            and id(t) not in masters_of_model
-            and not torch.equal(fp32[name].to(t.dtype), t.detach())
-        }
+        # every 16-bit weight stepped as it is (O2K, O3): the checkpoint's fp32 weights
+        # may not round back to it (O2K: weight + compensation can round to the weight's
+        # neighbour on a tie), and a whole set lets a resume see one missing; weights
+        # with an fp32 master (O2) come back from the master
+        state = model.state_dict(keep_vars=True)
+        clones: dict[int, torch.Tensor] = {}  # tied weights stay one tensor in the file
+        exact = {}
+        for name in _stepped16_names(model, setup.optimizer):
+            t = state[name]
+            if id(t) not in clones:
+                clones[id(t)] = t.detach().clone()
+            exact[name] = clones[id(t)]
         return {
             "format": _FORMAT,
             "level": setup.level,
@@ -382,27 +399,46 @@ class AmpkitTrainerMixin:
         return model
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """HF loads the checkpoint's model weights. ampkit's file is read (weights only)
-        and checked first -- readable, whole, of this run's level and dtype, its 16-bit
-        weights known, shaped as the model's and finite -- so a bad :data:`AMPKIT_NAME`
-        refuses the resume before any weight changed. It is checked against ampkit's
-        session (set up afterwards, with the optimizer) and applied at ``_load_scaler``."""
-        self._ampkit_pending = (resume_from_checkpoint, self._read_ampkit_file(resume_from_checkpoint))
-        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        """HF's load of the checkpoint's model weights, held back until ampkit's file
+        has been checked whole. The file is read (weights only) and checked here:
+        readable, whole, of this run's level and dtype, its 16-bit weights known, shaped
+        as the model's and finite. Its state can only be checked against ampkit's
+        session, set up afterwards with the optimizer; so HF's weights wait until then
+        (``_load_optimizer_and_scheduler``), and a bad file refuses the resume before HF
+        changed any weight or optimizer state. A checkpoint without the file is loaded
+        by HF at once (ampkit's fp32 state then starts from its weights)."""
+        saved = self._read_ampkit_file(resume_from_checkpoint)
+        if saved is None:
+            self._ampkit_resume = None
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return
+        self._ampkit_resume = _Resume(resume_from_checkpoint, saved, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """ampkit's file checked against the session, then HF's checkpoint weights,
+        then HF's optimizer and scheduler state (see ``_load_from_checkpoint``)."""
+        self._ampkit_resume_weights(checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        """HF's scaler file, then :data:`AMPKIT_NAME` (after the optimizer state)."""
+        """HF's scaler file, then ampkit's state (after the optimizer state)."""
+        self._ampkit_resume_weights(checkpoint)
         super()._load_scaler(checkpoint)  # type: ignore[misc]
-        if checkpoint is None or self._ampkit is None:
+        resume, self._ampkit_resume = self._ampkit_resume, None
+        if resume is not None and resume.checkpoint == checkpoint and resume.apply is not None:
+            resume.apply()
+
+    def _ampkit_resume_weights(self, checkpoint: str | None) -> None:
+        """For the resume under way from ``checkpoint``, once: check ampkit's file
+        against the session (raises, nothing loaded), then let HF load the weights."""
+        resume = self._ampkit_resume
+        if resume is None or resume.checkpoint != checkpoint or resume.apply is not None:
             return
-        pending = getattr(self, "_ampkit_pending", None)
-        self._ampkit_pending = None
-        if pending is not None and pending[0] == checkpoint:
-            saved = pending[1]
-        else:
-            saved = self._read_ampkit_file(checkpoint)
-        if saved is not None:
-            self._prepare_ampkit_load(checkpoint, saved)()
+        if self._ampkit is not None:
+            resume.apply = self._prepare_ampkit_load(resume.checkpoint, resume.saved)
+        else:  # ampkit was not set up (no optimizer of its own): HF's weights only
+            resume.apply = lambda: None
+        super()._load_from_checkpoint(resume.checkpoint, resume.model)  # type: ignore[misc]
 
     def _read_ampkit_file(self, checkpoint: str) -> dict[str, Any] | None:
         """``checkpoint``'s :data:`AMPKIT_NAME`, read with ``torch.load(weights_only=True)``
@@ -421,6 +457,13 @@ class AmpkitTrainerMixin:
             )
             return None
         saved = read_checkpoint_file(path, HfIntegrationError, map_location=self.args.device)
+        if isinstance(saved, Mapping) and saved.get("format") == "ampkit.integrations.hf/1":
+            raise HfIntegrationError(
+                f"{path} was written by an earlier ampkit (format ampkit.integrations.hf/1), which "
+                "saved only some 16-bit weights, so a resume from it cannot be checked whole. "
+                f"Resume with that ampkit release, or delete {AMPKIT_NAME} to resume from the "
+                "checkpoint's weights alone (not bit for bit)."
+            )
         if not isinstance(saved, Mapping) or saved.get("format") != _FORMAT:
             raise HfIntegrationError(f"{path} is not an ampkit checkpoint of this integration ({_FORMAT}).")
         missing = sorted({"level", "dtype", "amp", "weights16"} - set(saved))
@@ -445,8 +488,11 @@ class AmpkitTrainerMixin:
         path = os.path.join(checkpoint, AMPKIT_NAME)
         setup = self._ampkit
         assert setup is not None
-        state = self._setup_model(setup).state_dict(keep_vars=True)
-        weights16 = _check_weights16(path, saved["weights16"], state, None)
+        model = self._setup_model(setup)
+        state = model.state_dict(keep_vars=True)
+        weights16 = _check_weights16(
+            path, saved["weights16"], state, None, expected=_stepped16_names(model, setup.optimizer)
+        )
         try:
             load_amp = prepare_load_state_dict(saved["amp"])
         except AmpError as exc:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ampkit.inference.conversion import fp32_weights
+from ampkit.levels.setup import master_params
 from ampkit.trainer.session import state_dict as amp_state_dict
 
 from . import require
@@ -115,18 +116,49 @@ def _write_config_dtype(model: Any, output_dir: str, dtype: torch.dtype) -> None
         config.dtype = before
 
 
+def _stepped16_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names in ``model.state_dict()`` of its 16-bit (fp16/bf16) tensors that no fp32
+    master stands behind: weights the optimizer steps as they are (O2K, O3) and 16-bit
+    buffers. A checkpoint's fp32 weights need not round back to them, so ampkit's
+    checkpoint file holds each (the weights with an fp32 master, O2's, come back from
+    the master)."""
+    stepped = {id(p) for p in master_params(optimizer)}
+    mastered = {id(p) for p in model.parameters()} - stepped
+    return [
+        name
+        for name, t in model.state_dict(keep_vars=True).items()
+        if t.dtype in (torch.float16, torch.bfloat16) and id(t) not in mastered
+    ]
+
+
 def _check_weights16(
-    path: str, weights16: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+    path: str,
+    weights16: Any,
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    expected: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's exact 16-bit weights, each checked against the model's tensor of
     that name: known, same shape, finite (a training step never writes inf/NaN: ampkit
     skips those steps), and of the model's dtype -- or, before ampkit cast the model
-    (``dtype`` given), of ``dtype``."""
+    (``dtype`` given), of ``dtype``. With ``expected`` (:func:`_stepped16_names` of the
+    set-up model), exactly those names: one missing would resume from a rounded copy."""
     if not isinstance(weights16, Mapping):
         raise HfIntegrationError(f"{path}: 'weights16' is {type(weights16).__name__}, not a dict of tensors.")
     unknown = sorted(str(k) for k in weights16 if k not in state)
     if unknown:
         raise HfIntegrationError(f"{path} holds weights the model does not have: {unknown[:5]}.")
+    if expected is not None:
+        missing = sorted(set(expected) - set(weights16))
+        extra = sorted(str(k) for k in set(weights16) - set(expected))
+        if missing or extra:
+            raise HfIntegrationError(
+                f"{path}: 'weights16' must hold exactly the {len(expected)} 16-bit weight(s) the "
+                f"optimizer steps as they are; it lacks {missing[:5]} and has {extra[:5]} beyond "
+                "them: not a whole ampkit checkpoint (truncated or edited), or saved from another "
+                "setup. Nothing was loaded; resume from an earlier checkpoint or with the run's "
+                "arguments (amp_level, amp_dtype, amp_plan)."
+            )
     for name, value in weights16.items():
         target = state[name]
         want = dtype if dtype is not None else target.dtype

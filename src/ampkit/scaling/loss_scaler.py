@@ -50,7 +50,7 @@ from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
 from ampkit.errors import NumericsError, ScalerError, StateError
 
-from .transition import ScaleEvent, ScalerState, next_state, to_fp32
+from .transition import ScaleEvent, ScalerState, _overflow, _transition, next_state, to_fp32
 from .unscale import group_grads, unscale_and_check_
 
 __all__ = [
@@ -423,7 +423,9 @@ class LossScaler:
         Raises :class:`~ampkit.NumericsError` when an overflow would back off from
         ``min_scale`` or when more than ``max_consecutive_skips`` overflows happened in
         a row; the state is updated before raising."""
-        state, event = next_state(self._state, self._config, bool(found_inf))
+        # the state and configuration were validated when set: the unchecked transition
+        flag = found_inf if type(found_inf) is bool else _overflow(found_inf, f"{self.name}.update")
+        state, event = _transition(self._state, self._config, flag)
         self._set_state(state)
         if event.kind in ("clean", "grown"):
             return

@@ -1,7 +1,8 @@
 """The loss scale's state machine as a pure function: :func:`next_state` takes a
-:class:`ScalerState`, the configuration and one step's event and returns the next state
-and what happened (:class:`ScaleEvent`). :class:`~ampkit.LossScaler` stores the result,
-logs and raises; the rules are written out in :mod:`ampkit.scaling.loss_scaler`."""
+:class:`ScalerState`, the configuration and one step's event, checks all three, and
+returns the next state and what happened (:class:`ScaleEvent`). :class:`~ampkit.LossScaler`
+stores the result, logs and raises; the rules are written out in
+:mod:`ampkit.scaling.loss_scaler`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import math
 import struct
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
+
+import torch
+
+from ampkit._internal.validate import MAX_COUNT, brief, require_count, require_fields
+from ampkit.errors import ScalerError
 
 __all__ = ["EventKind", "ScaleEvent", "ScalerState", "next_state", "to_fp32"]
 
@@ -52,12 +58,112 @@ class ScaleEvent(NamedTuple):
     too_many_skips: bool = False
 
 
-def next_state(state: ScalerState, config: Mapping[str, Any], found_inf: bool) -> tuple[ScalerState, ScaleEvent]:
+def next_state(
+    state: ScalerState, config: Mapping[str, Any], found_inf: bool | torch.Tensor
+) -> tuple[ScalerState, ScaleEvent]:
     """One event of the state machine (the module docstring), as a pure function: the
     state after a step whose gradients were finite (``found_inf=False``) or not, and
-    what happened. ``config`` holds the keys of :meth:`ampkit.LossScaler.config`
-    (validated). Nothing is logged or raised here; :meth:`ampkit.LossScaler.update` does
-    both from the returned event."""
+    what happened. Nothing is logged, and nothing is raised about the event itself;
+    :meth:`ampkit.LossScaler.update` does both from the returned event.
+
+    Args:
+        state (ScalerState): the state before the event (:meth:`ampkit.LossScaler.state`):
+            ``scale`` a float32 value, finite and > 0 (within ``[min_scale, max_scale]``
+            when dynamic); the counters ints >= 0, ``hysteresis_left`` in
+            ``1..hysteresis``, ``consecutive_skips <= num_overflows <= num_events``.
+        config (Mapping): exactly the keys of :meth:`ampkit.LossScaler.config`, valid by
+            the constructor's rules (factors, counts, flags, ``min_scale <= init_scale
+            <= max_scale`` when dynamic); scales are taken rounded to float32, as
+            :class:`~ampkit.LossScaler` stores them.
+        found_inf (bool | Tensor): whether the step's gradients held an inf/NaN: a
+            bool, or a 0-dim bool or real tensor (the flag ``unscale_`` returns; a
+            value > 0 is an overflow).
+
+    Raises:
+        ScalerError: any of the three is not as described (a str ``"False"`` is no
+            bool, a NaN or negative scale is no state); nothing was computed.
+    """
+    state, config, overflow = _checked_inputs(state, config, found_inf)
+    return _transition(state, config, overflow)
+
+
+def _checked_inputs(
+    state: Any, config: Any, found_inf: Any
+) -> tuple[ScalerState, dict[str, Any], bool]:
+    """:func:`next_state`'s arguments validated and normalized (the state's numbers as
+    Python ints and an fp32 float, the configuration as ``LossScaler`` stores it, the
+    event as a bool), or :class:`ScalerError`."""
+    # the configuration's rules are LossScaler's own (one place); imported here, at call
+    # time, because loss_scaler imports this module
+    from .loss_scaler import CONFIG_KEYS, _check_config, check_scale
+
+    where = "next_state"
+    require_fields(config, CONFIG_KEYS, f"{where}: config", ScalerError, source="LossScaler.config()")
+    cfg = _check_config(dict(config), f"{where}: config")
+    if not isinstance(state, ScalerState):
+        raise ScalerError(
+            f"{where}: state must be an ampkit.scaling.ScalerState (LossScaler.state()), got "
+            f"{brief(state)} ({type(state).__name__})."
+        )
+    scale = check_scale(state.scale, f"{where}: state.scale")
+    if scale != state.scale:
+        raise ScalerError(
+            f"{where}: state.scale={state.scale!r} is not a float32 value (the scale is kept in "
+            f"float32); pass ampkit.scaling.to_fp32(scale) = {scale!r}."
+        )
+    if cfg["dynamic"] and not cfg["min_scale"] <= scale <= cfg["max_scale"]:
+        raise ScalerError(
+            f"{where}: state.scale={scale} lies outside [min_scale, max_scale] = "
+            f"[{cfg['min_scale']}, {cfg['max_scale']}] of a dynamic scale; pass the state and "
+            "config of one LossScaler."
+        )
+    counts = {
+        key: require_count(getattr(state, key), f"{where}: state.{key}", ScalerError,
+                           high=MAX_COUNT - 1 if key.startswith("num_") else MAX_COUNT)
+        for key in ScalerState._fields[1:]
+    }  # fmt: skip
+    if not 1 <= counts["hysteresis_left"] <= cfg["hysteresis"]:
+        raise ScalerError(
+            f"{where}: state.hysteresis_left={counts['hysteresis_left']} must lie in "
+            f"1..hysteresis={cfg['hysteresis']}."
+        )
+    if not counts["consecutive_skips"] <= counts["num_overflows"] <= counts["num_events"]:
+        raise ScalerError(
+            f"{where}: the state's counters are inconsistent (need consecutive_skips <= "
+            f"num_overflows <= num_events, got {counts['consecutive_skips']}, "
+            f"{counts['num_overflows']}, {counts['num_events']})."
+        )
+    return ScalerState(scale, **counts), cfg, _overflow(found_inf, where)
+
+
+def _overflow(found_inf: Any, where: str) -> bool:
+    """``found_inf`` as a bool: a bool as it is, a 0-dim bool or real tensor as
+    ``value > 0``; anything else (a str, a NaN or negative flag) is :class:`ScalerError`."""
+    if isinstance(found_inf, bool):
+        return found_inf
+    hint = "pass a bool, or the 0-dim found-inf tensor unscale_ returns"
+    if not isinstance(found_inf, torch.Tensor):
+        raise ScalerError(
+            f"{where}: found_inf must be a bool or a 0-dim tensor, got {brief(found_inf)} "
+            f"({type(found_inf).__name__}); {hint} (a str such as 'False' is not a flag)."
+        )
+    if found_inf.dim() != 0 or found_inf.is_meta or found_inf.is_complex() or found_inf.layout != torch.strided:
+        raise ScalerError(
+            f"{where}: found_inf must be a 0-dim bool or real tensor with data, got a "
+            f"{found_inf.dtype} {found_inf.layout} tensor of shape {tuple(found_inf.shape)} on "
+            f"{found_inf.device}; {hint}."
+        )
+    value = found_inf.item()
+    if isinstance(value, bool):
+        return value
+    if not (math.isfinite(value) and value >= 0):
+        raise ScalerError(f"{where}: found_inf holds {value!r}, which is no flag (expected 0 or > 0); {hint}.")
+    return value > 0
+
+
+def _transition(state: ScalerState, config: Mapping[str, Any], found_inf: bool) -> tuple[ScalerState, ScaleEvent]:
+    """:func:`next_state` on arguments already checked (a :class:`~ampkit.LossScaler`'s
+    own state and configuration, validated whenever they are set)."""
     old = scale = state.scale
     tracker, left = state.growth_tracker, state.hysteresis_left
     skips, events, overflows = state.consecutive_skips, state.num_events + 1, state.num_overflows

@@ -297,19 +297,23 @@ def _fake_parallel_apply(inside: threading.Barrier, release: threading.Event):
     def _worker(found: list) -> None:
         from ampkit.casting import engine as casting
 
-        found.append(casting.replica_caller())
+        try:
+            found.append(casting.replica_caller())
+        except amp.StateError as exc:
+            found.append(exc)
 
     inside.wait()
     release.wait(10)
     return _worker
 
 
-@pytest.mark.parametrize("callers", [1, 2])
-def test_a_replica_finds_its_caller_without_reading_other_threads_frames(monkeypatch, callers):
+@pytest.mark.parametrize(("callers", "same_scopes"), [(1, True), (2, True), (2, False)])
+def test_a_replica_finds_its_caller_without_reading_other_threads_frames(monkeypatch, callers, same_scopes):
     """parallel_apply called outside any module call: one thread with scopes is the
     caller. Two: the replica cannot tell them apart (other threads' frames are not read:
-    that races with the threads and crashed the interpreter); it inherits nothing and
-    says so."""
+    that races with the threads and crashed the interpreter); with the same scopes open
+    it takes them, with different ones it refuses (StateError) rather than run under the
+    other thread's policy."""
     import types
     import warnings
 
@@ -320,11 +324,12 @@ def test_a_replica_finds_its_caller_without_reading_other_threads_frames(monkeyp
     worker_code = next(c for c in _fake_parallel_apply.__code__.co_consts if isinstance(c, types.CodeType))
     inside, release = threading.Barrier(callers + 1), threading.Event()
 
-    def caller() -> None:
-        with amp.autocast():  # gives this thread an engine record
+    def caller(policy) -> None:
+        with amp.autocast(policy, "cpu"):  # gives this thread an engine record
             pa.parallel_apply(inside, release)
 
-    threads = [threading.Thread(target=caller) for _ in range(callers)]
+    policies = [amp.Policy(fp32_ops=[torch.tanh] if i and not same_scopes else []) for i in range(callers)]
+    threads = [threading.Thread(target=caller, args=(policy,)) for policy in policies]
     for t in threads:
         t.start()
     inside.wait()
@@ -337,12 +342,12 @@ def test_a_replica_finds_its_caller_without_reading_other_threads_frames(monkeyp
     release.set()
     for t in threads:
         t.join()
-    if callers == 1:
-        assert found[0] is not None
-        assert not [w for w in caught if "parallel_apply" in str(w.message)]
+    assert not [w for w in caught if "parallel_apply" in str(w.message)]  # no warning: an answer
+    if same_scopes:
+        assert len(found) == 1 and found[0] is not None and not isinstance(found[0], Exception)
     else:
-        assert found == [None]
-        assert any("several threads could have started" in str(w.message) for w in caught)
+        assert len(found) == 1 and isinstance(found[0], amp.StateError)
+        assert "cannot tell which of them started it" in str(found[0]) and "one at a time" in str(found[0])
 
 
 def test_the_thread_running_the_wrapper_is_the_caller_while_another_thread_has_scopes(cpu_parallel_apply):

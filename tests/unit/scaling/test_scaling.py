@@ -365,3 +365,133 @@ def test_load_state_dict_with_bad_config_changes_nothing():
     with pytest.raises(ScalerError):
         scaler.load_state_dict(bad)
     assert scaler.state_dict() == before
+
+
+# --- next_state's inputs ---------------------------------------------------------------
+def _scaler_inputs():
+    """A good (state, config) of a dynamic scaler, mid-run: a growth tracker and a spent
+    hysteresis budget."""
+    scaler = LossScaler(init_scale=1024.0, growth_interval=5, hysteresis=3)
+    for overflow in (False, True, False):
+        scaler.update(overflow)
+    return scaler.state(), scaler.config()
+
+
+_DROP = object()  # a config change that removes the key
+BAD_NEXT_STATE_INPUTS = {
+    "scale nan": (dict(scale=math.nan), {}, False, "finite number > 0"),
+    "scale inf": (dict(scale=math.inf), {}, False, "finite number > 0"),
+    "scale zero": (dict(scale=0.0), {}, False, "finite number > 0"),
+    "scale negative": (dict(scale=-1024.0), {}, False, "finite number > 0"),
+    "scale subnormal": (dict(scale=1e-45), {}, False, "too small"),
+    "scale not fp32": (dict(scale=0.1), {}, False, "not a float32 value"),
+    "scale a str": (dict(scale="1024"), {}, False, "must be a number"),
+    "scale a bool": (dict(scale=True), {}, False, "must be a number"),
+    "scale above max_scale": (dict(scale=2.0**30), {}, False, "outside"),
+    "scale below min_scale": (dict(scale=0.5), {}, False, "outside"),
+    "negative counter": (dict(num_events=-1), {}, False, "num_events"),
+    "float counter": (dict(growth_tracker=1.5), {}, False, "growth_tracker"),
+    "hysteresis_left zero": (dict(hysteresis_left=0), {}, False, "hysteresis_left"),
+    "hysteresis_left above hysteresis": (dict(hysteresis_left=9), {}, False, "hysteresis_left"),
+    "counters inconsistent": (dict(num_overflows=50), {}, False, "inconsistent"),
+    "events at the counter limit": (dict(num_events=2**63 - 1), {}, False, "num_events"),
+    "growth_factor below one": ({}, dict(growth_factor=0.5), False, "growth_factor"),
+    "growth_factor nan": ({}, dict(growth_factor=math.nan), False, "growth_factor"),
+    "backoff_factor zero": ({}, dict(backoff_factor=0.0), False, "backoff_factor"),
+    "backoff_factor above one": ({}, dict(backoff_factor=2.0), False, "backoff_factor"),
+    "backoff_factor negative": ({}, dict(backoff_factor=-0.5), False, "backoff_factor"),
+    "min_scale nan": ({}, dict(min_scale=math.nan), False, "min_scale"),
+    "max_scale negative": ({}, dict(max_scale=-1.0), False, "max_scale"),
+    "growth_interval zero": ({}, dict(growth_interval=0), False, "growth_interval"),
+    "dynamic a str": ({}, dict(dynamic="yes"), False, "dynamic"),
+    "config key missing": ({}, dict(hysteresis=_DROP), False, "lacks"),
+    "config key unknown": ({}, dict(speed=2), False, "unknown key"),
+    "found_inf the str 'False'": ({}, {}, "False", "must be a bool"),
+    "found_inf an int": ({}, {}, 0, "must be a bool"),
+    "found_inf None": ({}, {}, None, "must be a bool"),
+    "found_inf a nan tensor": ({}, {}, torch.tensor(math.nan), "no flag"),
+    "found_inf a negative tensor": ({}, {}, torch.tensor(-1.0), "no flag"),
+    "found_inf a 1-d tensor": ({}, {}, torch.zeros(1), "0-dim"),
+    "found_inf a complex tensor": ({}, {}, torch.tensor(0j), "0-dim bool or real"),
+    "found_inf a meta tensor": ({}, {}, torch.zeros((), device="meta"), "with data"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NEXT_STATE_INPUTS))
+def test_next_state_refuses_bad_inputs_with_a_scaler_error(case):
+    """``next_state`` checks its state (a usable fp32 scale within the dynamic range,
+    counters that fit the configuration), its configuration (the constructor's rules)
+    and its event (a bool or a 0-dim flag tensor), and says what was wrong."""
+    from ampkit.scaling import next_state
+
+    state_changes, config_changes, found_inf, says = BAD_NEXT_STATE_INPUTS[case]
+    state, config = _scaler_inputs()
+    state = state._replace(**state_changes)
+    config = {key: value for key, value in {**config, **config_changes}.items() if value is not _DROP}
+    with pytest.raises(ScalerError, match=f"next_state.*{says}"):
+        next_state(state, config, found_inf)
+
+
+def test_next_state_refuses_a_state_that_is_not_a_scaler_state():
+    from ampkit.scaling import next_state
+
+    state, config = _scaler_inputs()
+    with pytest.raises(ScalerError, match="ScalerState"):
+        next_state(tuple(state), config, False)
+    with pytest.raises(ScalerError, match="expected a dict"):
+        next_state(state, list(config.items()), False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scale=st.floats(allow_nan=True, allow_infinity=True)
+    .filter(lambda s: not (math.isfinite(s) and s > 0))
+    .map(lambda s: s if math.isnan(s) else float(to_fp32(s)))
+    | st.floats(min_value=2.0**-126, max_value=2.0**20).filter(lambda s: to_fp32(s) != s),
+    found_inf=st.text() | st.integers() | st.floats() | st.none() | st.lists(st.booleans(), max_size=2),
+)
+def test_next_state_never_returns_an_unusable_scale_hypothesis(scale, found_inf):
+    """No bad scale (NaN, inf, 0, negative, not fp32) and no flag that is not a bool or
+    a flag tensor gets through: each raises ScalerError, nothing else."""
+    from ampkit.scaling import next_state
+
+    state, config = _scaler_inputs()
+    with pytest.raises(ScalerError):
+        next_state(state._replace(scale=scale), config, False)
+    with pytest.raises(ScalerError):
+        next_state(state, config, found_inf)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), events=st.lists(st.booleans(), max_size=60))
+def test_next_state_takes_flag_tensors_and_agrees_with_the_scaler(cfg, events):
+    """Good inputs keep their behaviour: a bool, a 0-dim bool tensor and the fp32 0/1
+    flag unscale_ returns give the same answer, and that answer is what the scaler
+    (LossScaler.update) stores event by event."""
+    from ampkit.scaling import next_state
+
+    scaler = LossScaler(**cfg)
+    for overflow in events:
+        state, config = scaler.state(), scaler.config()
+        want = next_state(state, config, overflow)
+        assert next_state(state, config, torch.tensor(overflow)) == want
+        assert next_state(state, config, torch.tensor(float(overflow))) == want
+        try:
+            scaler.update(overflow)
+        except NumericsError:
+            assert want[1].kind == "at_floor" or want[1].too_many_skips
+            return
+        assert scaler.state() == want[0]
+
+
+@pytest.mark.parametrize("flag", ["False", "", None, 1.5j, float("nan"), -1.0, torch.ones(2)])
+def test_loss_scaler_update_refuses_what_is_no_flag(flag):
+    """``LossScaler.update`` takes a bool or a 0-dim found-inf tensor: a string such as
+    'False' (truthy) is refused, not taken as an overflow; the state is unchanged."""
+    scaler = LossScaler(init_scale=2.0**10)
+    before = scaler.state_dict()
+    with pytest.raises(ScalerError, match="found_inf"):
+        scaler.update(flag)
+    assert scaler.state_dict() == before
+    scaler.update(torch.tensor(True))
+    assert scaler.scale == 2.0**9
