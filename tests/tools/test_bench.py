@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +158,50 @@ def test_unwritable_out_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert main(["bench", "--device", "cpu", "--out", str(blocker / "results")]) == 2
     line = _one_line_error(capsys)
     assert "cannot write to output folder" in line and "--out" in line
+
+
+@pytest.mark.parametrize(("name", "kind"), [("results.json", "fifo"), ("bench.png", "symlink"), ("results.json", "folder")])
+def test_an_out_folder_whose_file_names_are_taken_exits_2_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, kind: str
+) -> None:
+    """A FIFO, a symlink (to a victim) or a folder at results.json/bench.png: one line
+    before any training, the special file as it was."""
+    import ampkit.tools.bench.runner as runner
+
+    def train(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(runner, "run_bench", train)
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("mine")
+    taken = out / name
+    {"fifo": os.mkfifo, "symlink": lambda p: p.symlink_to(victim), "folder": Path.mkdir}[kind](taken)
+    assert main(["bench", "--device", "cpu", "--no-progress", "--out", str(out)]) == 2
+    line = _one_line_error(capsys)
+    assert "cannot write to output folder" in line and name in line and "--out" in line, line
+    assert victim.read_text() == "mine"
+    assert {"fifo": stat.S_ISFIFO, "symlink": stat.S_ISLNK, "folder": stat.S_ISDIR}[kind](os.lstat(taken).st_mode)
+
+
+def test_bench_files_are_written_through_the_safe_writer(tmp_path: Path) -> None:
+    """``write_json`` and ``write_record`` refuse a FIFO or a symlink at the name (left as
+    they were) and replace a regular file whole."""
+    from ampkit.errors import OutputPathError
+    from ampkit.tools.bench.machine import write_record
+    from ampkit.tools.bench.report import write_json
+
+    fifo, link, victim = tmp_path / "fifo.json", tmp_path / "link.json", tmp_path / "victim.json"
+    os.mkfifo(fifo)
+    victim.write_text("mine")
+    link.symlink_to(victim)
+    for write in (lambda p: write_json({"a": 1.0}, p), lambda p: write_record(p, {"a": 1})):
+        for path, needle in ((fifo, "FIFO"), (link, "symbolic link")):
+            with pytest.raises(OutputPathError, match=needle):
+                write(path)
+        write(tmp_path / "ok.json")
+        assert json.loads((tmp_path / "ok.json").read_text())["a"] == 1
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and victim.read_text() == "mine"
 
 
 @pytest.mark.parametrize("steps", ["0", "-5", "ten", "1.5"])

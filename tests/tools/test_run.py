@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import stat
 import subprocess
 import sys
 import threading
@@ -385,6 +386,49 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and needle in err and out == ""
+
+
+CHDIR_SCRIPT = """
+import os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+os.chdir(sys.argv[1])
+"""
+
+
+def test_a_relative_report_is_written_where_the_command_was_started(capsys, tmp_path, monkeypatch):
+    """The script changes folder; ``--report rel.json`` still lands beside the launch."""
+    (tmp_path / "s.py").write_text(CHDIR_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--report", "rel.json", "s.py", str(tmp_path / "away")]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "rel.json").read_text())["exit_code"] == 0
+    assert not (tmp_path / "away" / "rel.json").exists()
+
+
+def test_a_special_report_or_plan_is_refused_before_the_script_runs(capsys, tmp_path):
+    """A FIFO or a symlink at ``--report``, a FIFO, ``/dev/zero`` or a binary file as
+    ``--plan``: one line, exit 2, the script never started, the special file as it was."""
+    script, marker = tmp_path / "s.py", tmp_path / "ran.txt"
+    script.write_text("import pathlib, sys\npathlib.Path(sys.argv[1]).write_text('ran')\n")
+    fifo, link, victim, binary = (tmp_path / n for n in ("fifo.json", "link.json", "victim.json", "binary.json"))
+    os.mkfifo(fifo)
+    victim.write_text("mine")
+    link.symlink_to(victim)
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    binary.write_bytes(b"\x00\xff\xfe")
+    for argv, needle in (
+        (["--report", str(fifo)], "it is a FIFO"),
+        (["--report", str(link)], "it is a symbolic link"),
+        (["--plan", str(fifo)], "cannot read the tuning plan"),
+        (["--plan", str(zero)], "it is a character device"),
+        (["--plan", str(binary)], "is not text"),
+    ):
+        assert main(["run", *argv, str(script), str(marker)]) == 2
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith("ampkit run: ") and needle in err and out == "", err
+    assert not marker.exists() and victim.read_text() == "mine" and os.path.islink(link)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:

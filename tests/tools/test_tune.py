@@ -9,15 +9,21 @@ timing itself is tested for what it returns, not for speed (speed is the benchma
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import os
+import re
+import stat
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.casting.precision_plan import PlanError, TunePlan
+from ampkit.casting.precision_plan import PLAN_READ_LIMIT, PlanError, TunePlan
 from ampkit.tools.tune import measure, search
 
 BUDGET = 0.01
@@ -341,6 +347,94 @@ def test_missing_and_truncated_plan_files_are_refused(tmp_path, fixed_times):
         TunePlan.load(path)
 
 
+def _quickly(fn, seconds: float = 10.0):
+    """``fn()``'s exception (None if it returned), failing the test where it is still
+    running after ``seconds`` (a read blocked on a FIFO)."""
+    box: dict = {}
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    return box.get("error")
+
+
+def _plan_doc() -> dict:
+    """A plan for :func:`_model`, as its JSON file holds it."""
+    return TunePlan.by_hand(["0", "5"], ["4.lin"]).to_dict()
+
+
+#: A hostile plan file: how to make it at a path, and what the one-line PlanError says.
+HOSTILE_PLANS = {
+    "binary": (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), "is not text"),
+    "nested": (lambda p: p.write_bytes(b"[" * 200_000 + b"]" * 200_000), "nested too deeply"),
+    "truncated": (lambda p: p.write_text(json.dumps(_plan_doc())[:60]), "not JSON"),
+    "machine not an object": (lambda p: p.write_text(json.dumps({**_plan_doc(), "machine": "ab"})),
+                              "machine is 'ab', not an object"),
+    "machine entry an object": (lambda p: p.write_text(json.dumps({**_plan_doc(), "machine": {"torch": {"a": 1}}})),
+                                "machine\\['torch'\\] is \\{'a': 1\\}"),
+    "skipped not text": (lambda p: p.write_text(json.dumps({**_plan_doc(), "skipped": {"fp8": 3}})),
+                         "skipped\\['fp8'\\] is 3, not a string"),
+    "probe not a number": (lambda p: p.write_text(json.dumps({**_plan_doc(), "probe": {"a\nb": "x"}})),
+                           "probe\\['a\\\\nb'\\] is 'x', not a number"),
+    "backed_off not names": (lambda p: p.write_text(json.dumps({**_plan_doc(), "backed_off": [[1]]})),
+                             "an entry of backed_off is \\[1\\], not a string"),
+    "fifo": (os.mkfifo, "it is a FIFO"),
+    "dev zero": (lambda p: p.symlink_to("/dev/zero"), "it is a character device"),
+    "folder": (lambda p: p.mkdir(), "it is a folder"),
+    "oversize": (lambda p: p.write_bytes(b" " * (PLAN_READ_LIMIT + 1)), "larger than"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_PLANS))
+def test_hostile_plan_files_are_one_line_plan_errors(tmp_path, kind):
+    make, needle = HOSTILE_PLANS[kind]
+    path = tmp_path / "plan.json"
+    make(path)
+    error = _quickly(lambda: TunePlan.load(path))
+    assert isinstance(error, PlanError), error
+    assert re.search(needle, str(error)) and "\n" not in str(error), str(error)
+
+
+@pytest.mark.parametrize("kind", ["binary", "nested", "truncated", "machine not an object", "fifo", "dev zero"])
+def test_hostile_plan_files_are_refused_by_initialize_and_init_untouched(tmp_path, kind):
+    make, needle = HOSTILE_PLANS[kind]
+    path = tmp_path / "plan.json"
+    make(path)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for call in (lambda: amp.initialize(model, _sgd(model.parameters()), plan=path), lambda: amp.init(plan=str(path))):
+        error = _quickly(call)
+        assert isinstance(error, PlanError) and re.search(needle, str(error)), error
+    assert not amp.is_active() and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_plan_is_saved_through_the_safe_writer(tmp_path):
+    """A FIFO, a symlink to another file or a folder at the plan's name is refused (and
+    left as it was); a regular file is replaced whole."""
+    plan = TunePlan.by_hand(["0"], [])
+    victim = tmp_path / "victim.json"
+    victim.write_text("mine")
+    fifo, link = tmp_path / "fifo.json", tmp_path / "link.json"
+    os.mkfifo(fifo)
+    link.symlink_to(victim)
+    for save in (plan.save, plan.save_png):
+        for path, needle in ((fifo, "FIFO"), (link, "symbolic link"), (tmp_path, "folder")):
+            error = _quickly(lambda path=path, save=save: save(path))
+            assert isinstance(error, amp.OutputPathError) and needle in str(error), error
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.islink(link) and victim.read_text() == "mine"
+    plan.save(victim)
+    assert TunePlan.load(victim).lowered == ["0"] and not os.path.islink(victim)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert plan.save_png(tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
 RUN_SCRIPT = """
 import json, sys, torch
 from torch import nn
@@ -472,6 +566,70 @@ def test_ampkit_tune_refuses_in_one_line(script, argv, needle, tmp_path, capsys)
     assert main(["tune", *argv, "--out", str(tmp_path / "p.json"), str(path)]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+MARKER_SCRIPT = "import pathlib, sys\npathlib.Path(sys.argv[1]).write_text('ran')\n"
+
+
+def _special(tmp_path, kind: str):
+    """An output name taken by a FIFO, a symlink to a victim file, a copy of /dev/null's
+    node, or one in /proc (root may write there by os.access, never create a file)."""
+    path = tmp_path / f"{kind}.out"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        (tmp_path / "victim").write_text("mine")
+        path.symlink_to(tmp_path / "victim")
+    elif kind == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    else:
+        path = Path("/proc/ampkit-plan.out")
+    return path
+
+
+@pytest.mark.parametrize("flag", ["--out", "--png"])
+@pytest.mark.parametrize(("kind", "needle"), [("fifo", "FIFO"), ("symlink", "symbolic link"),
+                                              ("device", "character device"), ("proc", "no file can be created")])
+def test_ampkit_tune_refuses_a_special_output_before_the_script_runs(flag, kind, needle, tmp_path, capsys):
+    from ampkit.tools.cli.main import main
+
+    if kind == "proc" and not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    script, marker = tmp_path / "s.py", tmp_path / "ran.txt"
+    script.write_text(MARKER_SCRIPT)
+    target = _special(tmp_path, kind)
+    other = ["--png", str(tmp_path / "p.png")] if flag == "--out" else ["--out", str(tmp_path / "p.json")]
+    assert main(["tune", flag, str(target), *other, str(script), str(marker)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err and err.startswith("ampkit tune: cannot write"), err
+    assert not marker.exists() and not (tmp_path / "p.json").exists()
+    if kind == "symlink":
+        assert os.path.islink(target) and (tmp_path / "victim").read_text() == "mine"
+
+
+def test_ampkit_tune_writes_relative_outputs_where_it_was_started(tmp_path, monkeypatch, capsys):
+    """A script that changes folder while it is watched does not move ``--out``/``--png``
+    (the tuning itself stood in for: the paths are the command's)."""
+    from ampkit.tools.cli.main import main
+    from ampkit.tools.tune import script as tune_script
+
+    away = tmp_path / "away"
+    away.mkdir()
+
+    def tune(path, args, **kwargs):
+        os.chdir(away)
+        return TunePlan.by_hand(["0"], ["1"])
+
+    monkeypatch.setattr(tune_script, "tune_script", tune)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("x = 1\n")
+    assert main(["tune", "--out", "plan.json", "--png", "plan.png", "s.py"]) == 0
+    assert TunePlan.load(tmp_path / "plan.json").lowered == ["0"]
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any(away.iterdir())
 
 
 def test_close_step_times_are_timed_again_and_the_faster_timing_counts():

@@ -2,10 +2,12 @@
 
 Writing (:func:`write_file`): the target is a regular file or absent -- a symlink, a FIFO,
 a device node or a folder is refused in one line *before* any work fills it
-(:func:`check_target`, called up front by the commands) and again just before the
-write; the content goes to a temp file created exclusively (``O_CREAT | O_EXCL |
-O_NOFOLLOW``, so a planted symlink at the temp name is never followed), then
-``os.replace`` puts it in place (which replaces a name, never writes through a link).
+(:func:`check_target`, called up front by the commands, which also creates and removes
+an empty file in the folder: ``os.access`` says yes to root where nothing can be
+created, in ``/proc``) and again just before the write; the content goes to a temp
+file created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``, so a planted symlink at
+the temp name is never followed), then ``os.replace`` puts it in place (which replaces
+a name, never writes through a link).
 
 Reading (:func:`read_file`): regular files only (a FIFO would block, ``/dev/zero`` never
 ends), at most ``limit`` bytes, every failure -- missing, special, too large, not UTF-8,
@@ -25,7 +27,7 @@ from typing import IO, Any
 
 from ampkit.errors import AmpError, OutputPathError
 
-__all__ = ["DEFAULT_READ_LIMIT", "check_target", "read_file", "read_json", "write_file", "write_text"]
+__all__ = ["DEFAULT_READ_LIMIT", "check_target", "read_file", "read_json", "target_problem", "write_file", "write_text"]
 
 DEFAULT_READ_LIMIT = 16 << 20
 """The size bound of :func:`read_file` unless a caller says otherwise: 16 MiB (a plan
@@ -49,14 +51,16 @@ def _kind(mode: int) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
-def target_problem(path: Path) -> str | None:
+def target_problem(path: Path, probe: bool = True) -> str | None:
     """Why ampkit will not write a file at ``path`` (None when it will): the name is
     taken by something that is not a regular file, or its folder is missing or
-    read-only."""
+    read-only, or (``probe``, the default) no file can be created in it."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         mode = None
+    except ValueError:  # a NUL character in the name (os.lstat raises nothing else)
+        return "the name holds a NUL character"
     except OSError as exc:
         return exc.strerror or str(exc)
     if mode is not None and not stat.S_ISREG(mode):
@@ -69,7 +73,41 @@ def target_problem(path: Path) -> str | None:
         return f"folder {str(parent)!r} does not exist"
     if not os.access(parent, os.W_OK):
         return f"folder {str(parent)!r} is not writable"
+    return _create_problem(parent) if probe else None
+
+
+def _create_problem(parent: Path) -> str | None:
+    """Why no file can be created in the folder ``parent`` (None when one can): tried
+    with an empty file of a random name, created exclusively and removed at once
+    (``os.access`` says yes to root in ``/proc`` or on a full or read-only mount)."""
+    try:
+        fd, probe = _create_temp(parent, "ampkit-write-test")
+    except OSError as exc:
+        return f"no file can be created in folder {str(parent)!r} ({exc.strerror or exc})"
+    os.close(fd)
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
     return None
+
+
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _create_temp(parent: Path, name: str, tries: int = 3) -> tuple[int, Path]:
+    """A new empty file ``parent/.NAME.RANDOM.tmp``, opened for writing: created
+    exclusively, so a name already taken (a planted symlink included) is never
+    opened; another random name is tried when one is taken. ``OSError`` when none
+    can be made."""
+    for attempt in range(tries):
+        tmp = parent / f".{name[:200]}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o644), tmp
+        except FileExistsError:
+            if attempt == tries - 1:
+                raise
+    raise FileExistsError(f"no free temp name in {str(parent)!r}")  # tries < 1
 
 
 def check_target(path: Any, what: str, error: type[AmpError] = OutputPathError) -> Path:
@@ -94,9 +132,8 @@ def write_file(
     target as it was."""
     out = check_target(path, what, error)
     parent = out.parent if str(out.parent) else Path(".")
-    tmp = parent / f".{out.name}.{secrets.token_hex(8)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd, tmp = _create_temp(parent, out.name)
     except OSError as exc:
         raise error(f"cannot write {what} to {str(out)!r}: {exc.strerror or exc}.") from None
     try:
@@ -104,14 +141,16 @@ def write_file(
             fill(f)
             f.flush()
             os.fsync(f.fileno())
-        check_target(out, what, error)  # still a regular file or absent
+        problem = target_problem(out, probe=False)  # still a regular file or absent
+        if problem is not None:
+            raise error(f"cannot write {what} to {str(out)!r}: {problem}.")
         os.replace(tmp, out)
     except OSError as exc:
         raise error(f"cannot write {what} to {str(out)!r}: {exc.strerror or exc}.") from None
     finally:
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
+            os.unlink(tmp)  # gone after the rename; left after a failure
+        except OSError:
             pass
     return out
 
@@ -128,11 +167,18 @@ def read_file(path: Any, what: str, error: type[AmpError], limit: int = DEFAULT_
     unreadable file. Never blocks on a FIFO."""
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         raise error(f"{what}: expected a file path (str or os.PathLike), got {type(path).__name__} {path!r:.60}.")
-    name = os.fspath(path)
+    name = os.fsdecode(os.fspath(path))
+    if "\0" in name:
+        raise error(f"cannot read {what} {name!r}: the name holds a NUL character.")
     try:
         kind = _kind(os.stat(name).st_mode)
-        if kind is not None:
-            raise error(f"cannot read {what} {name!r}: it is {kind}, not a regular file.")
+    except FileNotFoundError:
+        raise error(f"cannot read {what} {name!r}: no such file.") from None
+    except OSError as exc:
+        raise error(f"cannot read {what} {name!r}: {exc.strerror or exc}.") from None
+    if kind is not None:
+        raise error(f"cannot read {what} {name!r}: it is {kind}, not a regular file.")
+    try:
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise error(f"cannot read {what} {name!r}: no such file.") from None

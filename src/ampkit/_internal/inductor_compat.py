@@ -23,11 +23,16 @@ from pathlib import Path
 
 import torch
 
+from ampkit._internal.files import read_json, write_text
+from ampkit.errors import AmpError
+
 __all__ = ["cpp_compiler_available", "inductor_cache_dir", "isa_machinery", "known_cpu_isa", "ISA_RECORD"]
 
 #: The file, in Inductor's cache folder, that keeps the answers of Inductor's checks of
 #: the CPU's vector instruction sets on this machine (see :func:`known_cpu_isa`).
 ISA_RECORD = "ampkit-cpu-isa.json"
+#: The largest instruction-set record read (a real one is under a kilobyte).
+ISA_RECORD_LIMIT = 1 << 20
 
 
 def inductor_cache_dir() -> str:
@@ -137,12 +142,12 @@ def known_cpu_isa() -> Iterator[None]:
         yield
         return
     answers: dict[str, bool] = {}
-    try:
-        saved = json.loads(record.read_text())
-        if isinstance(saved, dict) and saved.get("key") == key and isinstance(saved.get("answers"), dict):
-            answers = {k: v for k, v in saved["answers"].items() if isinstance(v, bool)}
-    except (OSError, ValueError):
-        pass
+    try:  # regular files only, bounded: a FIFO or a link to /dev/zero is no record
+        saved = read_json(record, "the instruction-set record", AmpError, ISA_RECORD_LIMIT)
+    except AmpError:
+        saved = None
+    if isinstance(saved, dict) and saved.get("key") == key and isinstance(saved.get("answers"), dict):
+        answers = {k: v for k, v in saved["answers"].items() if isinstance(k, str) and isinstance(v, bool)}
     known = dict(answers)
     vec_isa = cpu_vec_isa.VecISA  # type: ignore[attr-defined]
     real = vec_isa.check_build
@@ -160,8 +165,6 @@ def known_cpu_isa() -> Iterator[None]:
         yield
     finally:
         vec_isa.check_build = real
-        if answers != known:
-            with contextlib.suppress(OSError):
-                tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"key": key, "answers": answers}, indent=1))
-                os.replace(tmp, record)
+        if answers != known:  # an exclusive temp file, then a rename; a special file there is left alone
+            with contextlib.suppress(AmpError):
+                write_text(record, json.dumps({"key": key, "answers": answers}, indent=1), "the instruction-set record")

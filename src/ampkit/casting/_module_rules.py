@@ -363,15 +363,16 @@ def _clear_caches() -> None:
         frame.cache.clear()
 
 
-# Engine state: the one global optimizer step hook that drops the cast cache.
+# Engine state: the one global optimizer step hook that drops the cast cache (its handle).
 _step_hook_installed = False
 _step_hook_lock = threading.Lock()
+_step_hook_handle: Any = None
 
 
 def _install_step_hook() -> None:
     """Cached casts go stale when an optimizer updates weights in place: drop them.
     Installed once per process; a step in a thread with no scope costs one check."""
-    global _step_hook_installed
+    global _step_hook_installed, _step_hook_handle
     if _step_hook_installed:
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -382,5 +383,20 @@ def _install_step_hook() -> None:
 
     with _step_hook_lock:
         if not _step_hook_installed:
-            register_optimizer_step_post_hook(after_step)
+            _step_hook_handle = register_optimizer_step_post_hook(after_step)
             _step_hook_installed = True
+
+
+def step_hook_installed() -> bool:
+    """Whether the optimizer step hook that drops cached casts is installed."""
+    return _step_hook_installed
+
+
+def remove_step_hook() -> None:
+    """Remove the optimizer step hook (``ampkit.tune`` leaves no global hook it added);
+    the next scope installs it again."""
+    global _step_hook_installed, _step_hook_handle
+    with _step_hook_lock:
+        if _step_hook_handle is not None:
+            _step_hook_handle.remove()
+        _step_hook_handle, _step_hook_installed = None, False

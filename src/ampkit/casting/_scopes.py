@@ -373,6 +373,7 @@ def init(
     policy: Policy | None = None,
     cache_enabled: bool = True,
     plan: TunePlan | str | os.PathLike[str] | None = None,
+    model: nn.Module | list[nn.Module] | None = None,
     **policy_fields: Any,
 ) -> Policy:
     """Turn op-level casting on for this thread until :func:`ampkit.reset`.
@@ -391,7 +392,14 @@ def init(
             ``policy``), in its dtype. Weights are not cast here whatever the plan's level:
             :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's, or
             a plan with fp8 linears (converting them is ``initialize``'s), raises
-            :class:`ampkit.PlanError`. Default: ``None``.
+            :class:`ampkit.PlanError`. Its names are matched exactly, never as globs.
+            Default: ``None``.
+        model (nn.Module | list | None): with ``plan``, the model (or models) it
+            applies to: one that lacks a module the plan names is refused
+            (:class:`ampkit.PlanError`, before anything changes), and the plan's names
+            are relative to it, also when a child of it is called first (as with
+            :func:`ampkit.initialize`). Without it a name the model lacks pins nothing.
+            Default: ``None``.
         **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
             ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
 
@@ -404,17 +412,9 @@ def init(
             "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
             "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
         )
+    models = _plan_models(plan, model)
     if plan is not None:
-        plan = TunePlan.coerce(plan, "ampkit.init(plan=...)")
-        if plan.fp8:
-            raise PlanError(f"ampkit.init(plan=...): the plan runs {len(plan.fp8)} linear(s) in fp8 "
-                            f"({', '.join(plan.fp8[:3])}{' ...' if len(plan.fp8) > 3 else ''}), which takes "
-                            "converting them: use ampkit.initialize(model, optimizer, plan=...).")  # fmt: skip
-        if plan.lowered:
-            dtype = plan.compute_dtype(dtype)
-            if policy is not None and not isinstance(policy, Policy):
-                raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
-            policy = plan.policy(base=policy)
+        dtype, policy = _with_plan(TunePlan.coerce(plan, "ampkit.init(plan=...)"), models, dtype, policy)
     if dtype is None and policy is None:  # an argument > the environment > the default
         dtype = dtype_from_env()
     device = check_device_type(device_type or default_device_type())
@@ -431,8 +431,39 @@ def init(
     scope.__enter__()
     kernel_registry.verify()  # a kernel registered over ampkit's since would silently win
     _state.global_scope = scope
+    for m in models:  # the plan's names are the model's own
+        module_hooks.name_rules_relative_to(m)
     logger.info("ampkit: casting on for %s in %s", device, base.dtype)
     return base
+
+
+def _plan_models(plan: Any, model: Any) -> list[nn.Module]:
+    """``init``'s ``model`` as a list (empty: none); :class:`PlanError` for anything else,
+    or a model without a plan."""
+    if model is None:
+        return []
+    models = [model] if isinstance(model, nn.Module) else model
+    if plan is None or not isinstance(models, (list, tuple)) or not all(isinstance(m, nn.Module) for m in models):
+        raise PlanError("ampkit.init(model=...) takes the nn.Module (or a list of them) that plan= is applied to, "
+                        "beside plan=.")  # fmt: skip
+    return list(models)
+
+
+def _with_plan(plan: TunePlan, models: list[nn.Module], dtype: torch.dtype | None,
+               policy: Policy | None) -> tuple[torch.dtype | None, Policy | None]:  # fmt: skip
+    """``init``'s dtype and policy with ``plan`` applied (nothing changed yet); the plan
+    checked against ``models`` where given."""
+    if plan.fp8:
+        raise PlanError(f"ampkit.init(plan=...): the plan runs {len(plan.fp8)} linear(s) in fp8 "
+                        f"({', '.join(plan.fp8[:3])}{' ...' if len(plan.fp8) > 3 else ''}), which takes "
+                        "converting them: use ampkit.initialize(model, optimizer, plan=...).")  # fmt: skip
+    if models:
+        plan.check_model(models)
+    if not plan.lowered:
+        return dtype, policy
+    if policy is not None and not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
+    return plan.compute_dtype(dtype), plan.policy(base=policy)
 
 
 def _stop_global() -> None:

@@ -20,7 +20,13 @@ from ._kernels import (
     replica_caller,
     top_frame,
 )
-from ._module_rules import model_name, module_hooks, unwrap_module
+from ._module_rules import (
+    model_name,
+    module_hooks,
+    remove_step_hook,
+    step_hook_installed,
+    unwrap_module,
+)
 from ._scopes import autocast, checkpoint_context, init, open_scope, release_kernels
 
 __all__ = [  # the public API: autocast, init, checkpoint_context, is_active, current_policy, active_scopes
@@ -39,7 +45,9 @@ __all__ = [  # the public API: autocast, init, checkpoint_context, is_active, cu
     "open_scope",
     "probe_rnn",
     "release_kernels",
+    "remove_step_hook",
     "replica_caller",
+    "step_hook_installed",
     "top_frame",
     "unwrap_module",
 ]

@@ -25,6 +25,7 @@ import dataclasses
 import fnmatch
 import functools
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -38,7 +39,7 @@ from ampkit.errors import PolicyError
 
 from .lists import DEFAULT_LISTS
 
-__all__ = ["Policy", "default_policy", "canonical_op"]
+__all__ = ["Policy", "default_policy", "canonical_op", "exact_name"]
 
 #: dtypes a policy can compute in
 #: dtypes a module rule may pin a module to
@@ -220,6 +221,17 @@ def _check_module_dtype(dtype: Any, key: Any) -> torch.dtype:
             f"torch.float16, got {dtype!r}."
         )
     return dtype
+
+
+def exact_name(name: str) -> str:
+    """A module-rule key (or ``keep_fp32`` entry) that matches the qualified name ``name``
+    exactly, never as a glob: the glob characters ``*``, ``?`` and ``[`` each bracketed
+    (``"blocks[0]"`` gives ``"blocks[[]0]"``, ``"x*"`` gives ``"x[*]"``). Names read from a
+    file (a tuning plan's) are applied through it; a glob written by hand is not."""
+    return _GLOB_CHARS.sub(r"[\1]", name)
+
+
+_GLOB_CHARS = re.compile(r"([*?[])")
 
 
 def _check_module_key(key: Any) -> ModuleKey:

@@ -11,14 +11,14 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampkit._internal.paths import output_path
-from ampkit.casting.policy import Policy
+from ampkit._internal.files import check_target, read_json, write_file, write_text
+from ampkit.casting.policy import Policy, exact_name
 from ampkit.errors import AmpError
 
 __all__ = ["DTYPES", "FP8", "ModuleChoice", "PlanError", "TunePlan"]
@@ -32,6 +32,9 @@ FP8 = "fp8"
 LEVELS = ("O0", "O1", "O2", "O2K")
 FORMAT = "ampkit-tune-plan"
 VERSION = 1
+#: The largest plan file :meth:`TunePlan.load` reads: 16 MiB (a plan of a few hundred
+#: modules is tens of kilobytes).
+PLAN_READ_LIMIT = 16 << 20
 
 
 class PlanError(AmpError, ValueError):
@@ -133,18 +136,20 @@ class TunePlan:
     @property
     def keep_fp32(self) -> list[str]:
         """``initialize``'s ``keep_fp32`` for the plan: the kept modules at O2/O2K (their
-        weights stay fp32 too), nothing at O0/O1."""
-        return self.kept_fp32 if self.level in ("O2", "O2K") else []
+        weights stay fp32 too), nothing at O0/O1; each name matched exactly, never as a
+        glob (:func:`ampkit.casting.policy.exact_name`: ``"a[0]"`` is ``"a[[]0]"``)."""
+        return [exact_name(n) for n in self.kept_fp32] if self.level in ("O2", "O2K") else []
 
     def policy(self, base: Policy | None = None) -> Policy:
         """The :class:`ampkit.Policy` that applies the plan's module choices: ``base``
         (default: the device's default lists in the plan's dtype) with a module rule
-        pinning each kept module to fp32 by its name. ``initialize(..., plan=)`` and
+        pinning each kept module to fp32 by its exact name (never a glob: a module named
+        ``"x*"`` pins that module alone). ``initialize(..., plan=)`` and
         ``ampkit.init(plan=)`` use it; with ``ampkit.autocast(plan.policy())`` the level's
         other settings are yours. Names are relative to the outermost module called, as
         when the plan was tuned. The fp8 linears (:attr:`fp8`) run in the plan's 16-bit
         dtype under this policy alone: converting them is ``initialize``'s."""
-        rules = {name: torch.float32 for name in self.kept_fp32}
+        rules = {exact_name(name): torch.float32 for name in self.kept_fp32}
         if base is None:
             return Policy(dtype=DTYPES[self.dtype] if self.dtype != "fp32" else torch.bfloat16, module_rules=rules)
         return base.override(module_rules=rules)
@@ -209,8 +214,10 @@ class TunePlan:
         """Write a PNG of the plan: per module, its fp32 and 16-bit forward + backward time
         (bars, coloured by the dtype chosen) and its loss deviation alone in 16 bits
         against the budget. Needs matplotlib (``pip install -e '.[cli]'``). Raises
-        :class:`ampkit.OutputPathError` before drawing when ``path`` cannot be written."""
-        target = output_path(path, "the tuning plan's plot")
+        :class:`ampkit.OutputPathError` before drawing when ``path`` cannot be written
+        (a folder, a symlink, a FIFO or device, a missing or read-only folder)."""
+        what = "the tuning plan's plot"
+        target = check_target(path, what)
         import matplotlib
 
         matplotlib.use("Agg", force=False)
@@ -235,8 +242,10 @@ class TunePlan:
         fp8 = f" ({len(self.fp8)} in fp8)" if self.fp8 else ""
         fig.suptitle(f"ampkit.tune: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}{fp8} at {self.level}")
         fig.tight_layout()
-        fig.savefig(target, dpi=100)
-        plt.close(fig)
+        try:
+            write_file(target, lambda f: fig.savefig(f, dpi=100, format="png"), what)
+        finally:
+            plt.close(fig)
         return target
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,11 +258,10 @@ class TunePlan:
         return {"format": FORMAT, "version": VERSION, **out}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON to ``path`` (replaced whole: a partial file is never left)."""
-        target = Path(path)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, target)
+        """Write the plan as JSON to ``path`` (replaced whole: a partial file is never left);
+        :class:`ampkit.OutputPathError` when ``path`` is not a regular file's name (a folder,
+        a symlink, a FIFO or device) or its folder is missing or read-only."""
+        write_text(path, json.dumps(self.to_dict(), indent=1), "the tuning plan")
 
     @classmethod
     def by_hand(cls, lowered: list[str], kept_fp32: list[str], *, dtype: str = "bf16", level: str = "O1",
@@ -280,11 +288,11 @@ class TunePlan:
     @classmethod
     def from_dict(cls, doc: Any) -> TunePlan:
         """The plan ``doc`` describes (as :meth:`to_dict` writes it); :class:`PlanError`
-        naming the first field that is wrong."""
+        naming the first field that is wrong (every field's type is checked)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise PlanError(f"not an ampkit tuning plan (no \"format\": \"{FORMAT}\"); write one with ampkit.tune.")
         if doc.get("version") != VERSION:
-            raise PlanError(f"tuning plan version {doc.get('version')!r}: this ampkit reads version {VERSION}.")
+            raise PlanError(f"tuning plan version {_shown(doc.get('version'))}: this ampkit reads version {VERSION}.")
         try:
             modules = tuple(_choice(m) for m in _field(doc, "modules", list))
             plan = cls(
@@ -293,15 +301,17 @@ class TunePlan:
                 device_type=_field(doc, "device_type", str),
                 budget=_number(_field(doc, "budget", (int, float)), "budget"),
                 modules=modules,
-                skipped={str(k): str(v) for k, v in _field(doc, "skipped", dict).items()},
+                skipped=_names_to(_field(doc, "skipped", dict), "skipped", _text),
                 predicted_deviation=_number(doc.get("predicted_deviation"), "predicted_deviation"),
-                probe={str(k): _number(v, f"probe.{k}") for k, v in _field(doc, "probe", dict).items()},
-                backed_off=tuple(str(x) for x in _field(doc, "backed_off", list)),
+                probe=_names_to(_field(doc, "probe", dict), "probe", _number),
+                backed_off=tuple(_text(x, "an entry of backed_off") for x in _field(doc, "backed_off", list)),
                 seconds=_number(_field(doc, "seconds", (int, float)), "seconds"),
-                machine=dict(doc.get("machine") or {}),
+                machine=_machine(doc.get("machine")),
             )
+        except RecursionError:
+            raise PlanError("tuning plan: a field is nested too deeply to be a plan ampkit wrote.") from None
         except (TypeError, KeyError) as exc:
-            raise PlanError(f"tuning plan: {exc}") from None
+            raise PlanError(f"tuning plan: {_shown(str(exc))[1:-1]}") from None
         if len({m.name for m in modules}) != len(modules):
             raise PlanError("tuning plan: a module is named twice.")
         bad = [m.name for m in modules if m.dtype not in ("fp32", plan.dtype, FP8)]
@@ -318,28 +328,67 @@ class TunePlan:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> TunePlan:
         """Read the plan :meth:`save` wrote to ``path``; :class:`PlanError` for a missing,
-        unreadable, truncated or malformed file."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise PlanError(f"cannot read the tuning plan {str(path)!r}: {exc.strerror or exc}.") from None
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise PlanError(f"{str(path)!r} is not JSON ({exc}); is it truncated? Write it again with ampkit.tune.") from None
-        return cls.from_dict(doc)
+        unreadable, truncated or malformed file, and for anything that is not a regular
+        file of at most ``PLAN_READ_LIMIT`` bytes (16 MiB; a FIFO or ``/dev/zero`` is
+        refused without being read)."""
+        return cls.from_dict(read_json(path, "the tuning plan", PlanError, PLAN_READ_LIMIT))
 
 
 def _num(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters (a field's value in a one-line message)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _number(value: Any, name: str) -> float:
     if isinstance(value, str) and value in ("inf", "nan", "-inf"):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PlanError(f"tuning plan: {name} is {value!r}, not a number.")
-    return float(value)
+        raise PlanError(f"tuning plan: {name} is {_shown(value)}, not a number.")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range
+        raise PlanError(f"tuning plan: {name} is {_shown(value)}, past a float's range.") from None
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise PlanError(f"tuning plan: {name} is {_shown(value)}, not a string.")
+    return value
+
+
+def _names_to(doc: dict, name: str, check: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """``doc`` (a plan's object field ``name``) with each value ``check(value, where)``ed;
+    its keys must be strings."""
+    out = {}
+    for key, value in doc.items():
+        out[_text(key, f"a key of {name}")] = check(value, f"{name}[{_shown(key)}]")
+    return out
+
+
+def _machine_value(value: Any, name: str) -> Any:
+    """One entry of a plan's ``machine`` record: a string, number, bool or null, or a
+    list of those (``cpu_flags``)."""
+    scalar = (str, int, float, bool, type(None))
+    if isinstance(value, scalar) or (isinstance(value, list) and all(isinstance(v, scalar) for v in value)):
+        return list(value) if isinstance(value, list) else value
+    raise PlanError(f"tuning plan: {name} is {_shown(value)}; a machine entry is a string, a number or a list of them.")
+
+
+def _machine(value: Any) -> dict[str, Any]:
+    """A plan's ``machine`` record (absent or null: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PlanError(f"tuning plan: machine is {_shown(value)}, not an object (torch version, device, CPU flags).")
+    return _names_to(value, "machine", _machine_value)
 
 
 def _field(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -353,13 +402,13 @@ def _field(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 
 def _dtype(name: str) -> str:
     if name not in DTYPES:
-        raise PlanError(f"tuning plan: dtype {name!r}; one of {', '.join(DTYPES)}.")
+        raise PlanError(f"tuning plan: dtype {_shown(name)}; one of {', '.join(DTYPES)}.")
     return name
 
 
 def _level(name: str) -> str:
     if name not in LEVELS:
-        raise PlanError(f"tuning plan: level {name!r}; one of {', '.join(LEVELS)}.")
+        raise PlanError(f"tuning plan: level {_shown(name)}; one of {', '.join(LEVELS)}.")
     return name
 
 

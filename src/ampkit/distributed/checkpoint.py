@@ -208,7 +208,7 @@ class AmpState:
         self._sizes: dict[str, int] | None = None
 
     def expect(self, metadata: Any, key: str = "amp") -> None:
-        """Check a checkpoint's DCP ``metadata`` (as :func:`checkpoint_reader` reads it)
+        """Check a checkpoint's DCP ``metadata`` (as :func:`ampkit.distributed.dcp_files.checkpoint_reader` reads it)
         before loading: the entries saved under ``key`` must be exactly this session's
         (another level's, dtype's or scaler's state has other entries, which a plain
         ``dcp.load`` would silently leave unread), each a tensor of the expected rank.

@@ -1,6 +1,6 @@
 """Reading a DCP checkpoint folder without running anything in it.
 
-DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain :mod:`pickle`, and its
+DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle``, and its
 default planner reads every non-tensor entry (an optimizer's ``lr``, ``betas``, ...)
 with ``torch.load(weights_only=False)``: a planted payload in either runs on every rank
 that loads. :func:`checkpoint_reader` and :func:`checkpoint_planner` give the reader and
@@ -11,7 +11,7 @@ to ``dcp.load``):
   dtypes, ``torch.Size`` and paths, and nothing else; its structure is then checked (every
   entry's storage a plain file name inside the folder, offsets and lengths whole numbers).
 - Non-tensor entries are read with ``torch.load(weights_only=True)``, at most
-  :data:`MAX_BYTES_ENTRY` bytes each.
+  ``MAX_BYTES_ENTRY`` (1 MiB) bytes each.
 - Every data file (and ``.metadata``) is hashed (SHA-256) on save by the rank that wrote
   it (:func:`write_checksums`, ``ampkit_checksums_<rank>.json`` in the folder) and checked
   before it is read: a flipped bit is refused. A folder without checksums (written by
@@ -182,8 +182,9 @@ def _sha256(path: Path) -> str:
 
 
 def write_checksums(path: str | os.PathLike[str], rank: int, is_coordinator: bool) -> None:
-    """Hash the files this rank wrote into the DCP folder ``path`` (``__<rank>_*.distcp``,
-    and ``.metadata`` on the coordinator) into ``ampkit_checksums_<rank>.json``."""
+    """Hash the files ``rank`` wrote into the DCP folder ``path`` (``__<rank>_*.distcp``,
+    and ``.metadata`` where ``is_coordinator``: the rank DCP wrote it from, rank 0) into
+    ``ampkit_checksums_<rank>.json`` (written by ampkit's safe writer)."""
     folder = Path(path)
     names = sorted(p.name for p in folder.glob(f"__{rank}_*.distcp"))
     if is_coordinator:
@@ -313,7 +314,7 @@ def _planner_class() -> type:
 
 def checkpoint_planner() -> Any:
     """DCP's default load planner, except that a non-tensor entry is read with
-    ``torch.load(weights_only=True)``, at most :data:`MAX_BYTES_ENTRY` bytes (a larger or
+    ``torch.load(weights_only=True)``, at most ``MAX_BYTES_ENTRY`` (1 MiB) bytes (a larger or
     not weights-only entry raises :class:`~ampkit.StateError`)."""
     return _planner_class()()
 

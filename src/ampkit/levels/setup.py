@@ -41,7 +41,7 @@ from ampkit._internal.dtypes import (
 )
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
-from ampkit.casting.policy import Policy
+from ampkit.casting.policy import Policy, exact_name
 from ampkit.casting.precision_plan import PlanError, TunePlan
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
@@ -257,7 +257,7 @@ def _with_tune_plan(
                 or (name in ("O2", "O2K") and out.get("model_op_casting", True))):  # fmt: skip
             out["policy"] = plan.policy(base=out.get("policy"))  # (else the caller's own scope casts)
         if name in ("O2", "O3", "O2K") and plan.kept_fp32:
-            out["keep_fp32"] = [*(out.get("keep_fp32") or []), *plan.kept_fp32]
+            out["keep_fp32"] = [*(out.get("keep_fp32") or []), *(exact_name(n) for n in plan.kept_fp32)]
     if plan.fp8 and fp8 is not False:
         fp8 = for_modules(plan.fp8, fp8, "initialize(plan=...)")
         chosen = {name for m in model_list for name, _ in fp8.choose(m)}

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ampkit._internal.files import read_file
 from ampkit._internal.install import install_hint
+from ampkit.errors import AmpError
 
 __all__ = [
     "DigitsData",
@@ -183,9 +185,9 @@ def load_stdlib_text(
     total = 0
     for name in STDLIB_FILES:
         path = root / name
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+        try:  # regular files only, bounded (a FIFO or /dev/zero under that name is skipped)
+            text = read_file(path, "a standard-library source", AmpError, 4 * max_chars + (1 << 20)).decode("utf-8")
+        except (AmpError, UnicodeDecodeError):
             continue
         text = text[: max_chars - total]
         parts.append(text)

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.files import write_text
+
 from .allocator import allocator_info
 
 __all__ = ["SPEED_FLAGS", "cpu_flags", "device_name", "machine_info", "write_record"]
@@ -95,7 +97,9 @@ def write_record(
     machine_info(device, threads), **figures}`` (the machine record holds the date and
     the command line), indented JSON. ``figures`` holds plain JSON types; a NaN or
     infinite float (a ratio to a zero time) is written as ``null``. ``device``
-    defaults to ``"cpu"``; ``threads`` to torch's intra-op threads."""
+    defaults to ``"cpu"``; ``threads`` to torch's intra-op threads. The file is replaced
+    whole; :class:`ampkit.OutputPathError` where ``path`` is a folder, a symlink, a FIFO
+    or a device, or its folder is missing or read-only."""
     record = {"machine": machine_info(device, threads), **_plain(figures)}
-    Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    write_text(path, json.dumps(record, indent=1) + "\n", "the benchmark record")
     return record

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.files import check_target, write_file, write_text
 from ampkit._internal.tree import map_leaves
 
 __all__ = ["render_tables", "write_json", "write_plot", "fmt_precision_row", "allocator_note"]
@@ -134,24 +133,15 @@ def allocator_note(results: dict[str, Any]) -> str:
     return f"Allocator: {name} ({freed})."
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_json(results: dict[str, Any], path: Path) -> None:
-    """Write ``results`` as JSON (non-finite floats become null)."""
+    """Write ``results`` as JSON (non-finite floats become null); replaced whole, regular
+    files only (:class:`ampkit.OutputPathError` for a symlink, FIFO or device there)."""
 
     def clean(x: Any) -> Any:
         return (x if math.isfinite(x) else None) if isinstance(x, float) else x
 
-    _atomic_write(path, (json.dumps(map_leaves(results, clean, mapping=dict), indent=1, allow_nan=False) + "\n").encode())
+    text = json.dumps(map_leaves(results, clean, mapping=dict), indent=1, allow_nan=False) + "\n"
+    write_text(path, text, "the benchmark results")
 
 
 def _smooth(values: list[float | None], window: int) -> list[float]:
@@ -230,7 +220,10 @@ def _plot_cost(ax: Any, name: str, wl: dict[str, Any], style_of: Any) -> None:
 def write_plot(results: dict[str, Any], path: Path) -> None:
     """One row per workload: training loss per precision (raw, faint, and a
     centered moving average) and, beside it, the loss scale over steps where it
-    moved (fp16), else each precision's median step time and peak memory."""
+    moved (fp16), else each precision's median step time and peak memory. Written
+    like :func:`write_json` (checked before drawing)."""
+    what = "the benchmark plot"
+    check_target(path, what)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,13 +246,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
         else:
             _plot_cost(axes[row][1], name, wl, style_of)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"), what)
     finally:
         plt.close(fig)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit._internal.paths import unwritable_reason
+from ampkit.errors import AmpError
 
 
 def add_command(sub: Any, name: str, summary: str, doc: str | None) -> argparse.ArgumentParser:
@@ -33,15 +34,15 @@ class UsageError(Exception):
 
 
 def writable(path: Path) -> bool:
-    """Whether a file can be written at ``path``: it is no folder, and its folder
-    exists and is writable."""
+    """Whether ampkit writes a file at ``path``: the name is free or a regular file's
+    (no folder, symlink, FIFO or device), and its folder exists and takes a new file."""
     return unwritable_reason(path) is None
 
 
 def unwritable(path: Path | None, what: str, prog: str) -> str | None:
-    """The one-line error for an output file ``path`` that is a folder or whose
-    folder is missing or not writable (None when it can be written, or no path was
-    given)."""
+    """The one-line error for an output file ``path`` that is a folder, a symlink, a
+    FIFO or a device, or whose folder is missing or not writable (None when it can be
+    written, or no path was given)."""
     reason = None if path is None else unwritable_reason(path)
     if reason is None:
         return None
@@ -68,11 +69,20 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+def launch_path(path: Path | None) -> Path | None:
+    """``path`` made absolute against the current folder now, at launch (a script that
+    changes folder does not move the command's output files); None stays None."""
+    return None if path is None else Path(path).absolute()
+
+
 def write_output(path: Path, write: Callable[[Path], Any], what: str, prog: str) -> None:
-    """``write(path)``, an OS error (a full disk, ``/dev/full``, a folder gone since the
-    check) turned into :class:`UsageError`'s one line."""
+    """``write(path)`` (which writes through :mod:`ampkit._internal.files`): its
+    :class:`ampkit.AmpError` (a special file or a folder gone since the check), or an
+    OS error (a full disk), turned into :class:`UsageError`'s one line."""
     try:
         write(path)
+    except AmpError as exc:
+        raise UsageError(f"{prog}: {exc}") from None
     except OSError as exc:
         raise UsageError(f"{prog}: cannot write {what} to {str(path)!r} ({exc.strerror or exc})") from None
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION, dtype_name
+from ampkit._internal.files import write_file
 from ampkit._internal.install import install_hint
 
 from ._common import (
@@ -83,7 +84,7 @@ def _load_callable(spec: str, what: str) -> Callable[..., Any]:
         if target.endswith(".py") or os.sep in target:
             path = Path(target)
             if not path.is_file():
-                raise UsageError(f"{what}: no such file {target!r}")
+                raise UsageError(_not_a_file(path, what))
             spec_obj = importlib.util.spec_from_file_location(path.stem, path)
             if spec_obj is None or spec_obj.loader is None:
                 raise UsageError(f"{what}: cannot import {target!r}")
@@ -103,11 +104,21 @@ def _load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
+def _not_a_file(path: Path, what: str) -> str:
+    """The one line for an input ``path`` that is no regular file: missing, a folder,
+    or something else (a FIFO, a device)."""
+    if path.is_dir():
+        return f"{what}: {str(path)!r} is a folder, not a file; give the file's path"
+    if path.exists():
+        return f"{what}: {str(path)!r} is not a regular file (a FIFO or a device?); give a file's path"
+    return f"{what}: no such file {str(path)!r}"
+
+
 def _load_file(path: Path, what: str) -> Any:
     import torch
 
     if not path.is_file():
-        raise UsageError(f"{what}: no such file {str(path)!r}")
+        raise UsageError(_not_a_file(path, what))
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -229,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         program = amp.export_program(converted, example)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's pt2 writer chatters about weight groups
-            write_output(args.program, lambda path: torch.export.save(program, str(path)), "the program", "--program")
+            write_output(args.program, lambda path: _save_program(program, path), "the program", "--program")
         print(f"wrote {args.program} (torch.export program)")
     if args.onnx is not None:
         from ampkit.inference.export import onnx_output_error, onnx_session
@@ -275,6 +286,14 @@ def run(args: argparse.Namespace) -> int:
               "model's are finite", file=sys.stderr)
         return 1
     return 0
+
+
+def _save_program(program: Any, path: Path) -> None:
+    """``torch.export.save`` of ``program`` through ampkit's file writer (a temp file
+    moved into place; a symlink, FIFO or device at ``path`` is refused)."""
+    import torch
+
+    write_file(path, lambda f: torch.export.save(program, f), "the program")
 
 
 #: ``"torch.bfloat16"`` -> ``"bf16"``, ``"torch.float16"`` -> ``"fp16"``.

@@ -15,7 +15,14 @@ from typing import Any
 
 from ampkit._internal.install import install_hint
 
-from ._common import UsageError, add_command, add_script_arguments, check_writable, write_output
+from ._common import (
+    UsageError,
+    add_command,
+    add_script_arguments,
+    check_writable,
+    launch_path,
+    write_output,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -38,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.png, "the plot", "ampkit doctor", [args.script, args.json])
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError(f"ampkit doctor: --png needs matplotlib; install the extra: {install_hint('cli')}")
+    json_path, png_path = launch_path(args.json), launch_path(args.png)  # the script may change folder
     try:
         code, reports = run_script(args.script, list(args.args))
     except ScriptError as exc:
@@ -50,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     for report in reports:
         report.print()
     last = reports[-1]
-    if args.json is not None:
-        write_output(args.json, last.to_json, "the JSON report", "ampkit doctor")
-    if args.png is not None:
-        write_output(args.png, last.save_png, "the plot", "ampkit doctor")
+    if json_path is not None:
+        write_output(json_path, last.to_json, "the JSON report", "ampkit doctor")
+    if png_path is not None:
+        write_output(png_path, last.save_png, "the plot", "ampkit doctor")
     return code

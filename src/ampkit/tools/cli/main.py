@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from ampkit._internal.install import install_hint
+from ampkit._internal.paths import unwritable_reason
 
-from ._common import UsageError, int_between, positive_int, thread_count
+from ._common import UsageError, int_between, positive_int, thread_count, write_output
 
 __all__ = ["main", "build_parser", "bench_config"]
 
@@ -113,20 +112,25 @@ def _check_cli_extra() -> None:
         )
 
 
+BENCH_FILES = ("results.json", "bench.png")
+
+
 def _check_out_dir(out: Path) -> Path:
-    """Create ``out`` and prove it is writable before minutes of training."""
+    """Create ``out`` and check, before minutes of training, that the files it gets
+    (:data:`BENCH_FILES`) can be written there: a new file can be created in it, and
+    neither name is taken by a folder, a symlink, a FIFO or a device."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".ampkit-write-test-")
-        os.close(fd)
-        os.unlink(probe)
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise UsageError(
-            f"{PROG} bench: cannot write to output folder {str(out)!r} ({reason}); "
-            "pass a writable folder with --out"
-        ) from None
-    return out
+    else:
+        problems = ((name, unwritable_reason(out / name)) for name in BENCH_FILES)
+        reason = next((f"{name}: {why}" for name, why in problems if why is not None), None)
+        if reason is None:
+            return out
+    raise UsageError(
+        f"{PROG} bench: cannot write to output folder {str(out)!r} ({reason}); pass a writable folder with --out"
+    )
 
 
 def bench_config(args: argparse.Namespace) -> Any:
@@ -191,8 +195,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     render_tables(results)
     json_path, png_path = out / "results.json", out / "bench.png"
-    write_json(results, json_path)
-    write_plot(results, png_path)
+    write_output(json_path, lambda path: write_json(results, path), "the results", f"{PROG} bench")
+    write_output(png_path, lambda path: write_plot(results, path), "the plot", f"{PROG} bench")
     print(f"wrote {json_path} and {png_path} ({results['wall_seconds']:.0f} s)")
     failed = [
         f"{w}/{p}"

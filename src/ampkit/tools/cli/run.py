@@ -20,7 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.files import read_json, write_file, write_text
 from ampkit._internal.install import install_hint
+from ampkit.errors import AmpError
 
 from ._common import (
     UsageError,
@@ -28,6 +30,7 @@ from ._common import (
     add_script_arguments,
     check_writable,
     float_between,
+    launch_path,
     positive_int,
     write_output,
 )
@@ -79,7 +82,6 @@ def _config(args: argparse.Namespace) -> Any:
     import torch
 
     from ampkit._internal.env import dtype_from_env, level_from_env
-    from ampkit.errors import AmpError
     from ampkit.tools.run import RunConfig
 
     try:
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.script).is_file():
         what = "no such file" if not Path(args.script).exists() else "not a file"
         raise UsageError(f"ampkit run: {what}: {args.script!r}")
+    args.report = launch_path(args.report)  # where the command was started, wherever the script goes
     if args.compare:
         return _compare(args, config)
     if args.png is not None:
@@ -160,7 +163,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
             f"ampkit run --compare: missing {', '.join(missing)}; install the command-line extra: "
             f"{install_hint('cli')}"
         )
-    png = args.png or PNG_DEFAULT
+    png = launch_path(args.png or PNG_DEFAULT)
     check_writable(png, "the plot", "ampkit run", [args.script, args.report])
     from rich.console import Console
 
@@ -176,7 +179,12 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
                 tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
                 print(f"{tail}\nampkit run --compare: the {name} run exited with code {code}", file=sys.stderr)
                 return code if code != 0 else 1
-            report = json.loads(path.read_text())
+            try:
+                report = read_json(path, f"the {name} run's report", AmpError)
+            except AmpError as err:
+                raise UsageError(f"ampkit run --compare: {err}") from None
+            if not isinstance(report, dict):
+                raise UsageError(f"ampkit run --compare: the {name} run's report is not a JSON object")
             report["last_line"] = _last_line(stdout)
             reports.append(report)
     render_compare(reports[0], reports[1], label)
@@ -184,7 +192,7 @@ def _compare(args: argparse.Namespace, config: Any) -> int:
     print(f"wrote {png}")
     if args.report is not None:
         text = json.dumps({"fp32": reports[0], label: reports[1]}, indent=1) + "\n"
-        write_output(args.report, lambda path: path.write_text(text), "the JSON report", "ampkit run")
+        write_output(args.report, lambda path: write_text(path, text, "the JSON report"), "the JSON report", "ampkit run")
     return 0
 
 
@@ -285,5 +293,7 @@ def write_compare_png(ref: dict[str, Any], amp: dict[str, Any], label: str, path
         ax.legend(fontsize=8)
     fig.suptitle(f"ampkit run --compare: {Path(ref['script']).name}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"), "the plot")
+    finally:
+        plt.close(fig)

@@ -9,8 +9,11 @@ script with it by ``ampkit run --plan PLAN.json script.py``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 from typing import Any
+
+from ampkit._internal.install import install_hint
 
 from ._common import (
     UsageError,
@@ -18,7 +21,9 @@ from ._common import (
     add_script_arguments,
     check_writable,
     float_between,
+    launch_path,
     positive_int,
+    write_output,
 )
 
 __all__ = ["add_parser", "run"]
@@ -38,6 +43,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--png", type=Path, default=None, metavar="PATH", help="also draw the plan (matplotlib)")
     parser.add_argument("--max-seconds", type=float_between(0.0, 1e9), default=300.0, metavar="SECONDS",
                         help="bound on measuring the modules (default: 300); the confirming runs go in full")
+    parser.add_argument("--timeout", type=float_between(1.0, 1e9), default=600.0, metavar="SECONDS",
+                        help="bound on each run of the script: the capture of its first steps and each confirming "
+                             "run (default: 600); a run past it is stopped and the tuning ends with an error")
     parser.add_argument("--include-emulated", action="store_true",
                         help="measure bf16/fp16 even where this CPU emulates them")
     add_script_arguments(parser)
@@ -52,15 +60,21 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.out, "the plan", "ampkit tune", [args.script])
     check_writable(args.png, "the plan's plot", "ampkit tune", [args.script, args.out])
     if not Path(args.script).is_file():
-        raise UsageError(f"ampkit tune: no such file: {args.script!r}")
+        what = "no such file" if not Path(args.script).exists() else "not a file"
+        raise UsageError(f"ampkit tune: {what}: {args.script!r}")
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(f"ampkit tune: --png needs matplotlib; install the extra: {install_hint('cli')}")
+    out, png = launch_path(args.out), launch_path(args.png)  # the script may change folder while it is watched
     try:
         plan = tune_script(args.script, list(args.args), steps=args.steps, budget=args.budget,
-                           max_seconds=args.max_seconds, include_emulated=args.include_emulated)  # fmt: skip
+                           max_seconds=args.max_seconds, include_emulated=args.include_emulated,
+                           timeout=args.timeout)  # fmt: skip
     except AmpError as err:
         raise UsageError(f"ampkit tune: {err}") from None
     print(plan.report())
-    plan.save(args.out)
+    write_output(out, plan.save, "the plan", "ampkit tune")
     print(f"wrote {args.out}: run the script with it by `ampkit run --plan {args.out} {args.script}`")
-    if args.png is not None:
-        print(f"wrote {plan.save_png(args.png)}")
+    if png is not None:
+        write_output(png, plan.save_png, "the plan's plot", "ampkit tune")
+        print(f"wrote {args.png}")
     return 0

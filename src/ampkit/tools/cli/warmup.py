@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ampkit._internal.files import write_text
+
 from ._common import UsageError, add_command, check_writable, write_output
 
 __all__ = ["add_parser", "run"]
@@ -56,5 +58,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Inductor's cache: {folder}")
     if args.json is not None:
         doc = {"cache_dir": folder, "results": [dataclasses.asdict(r) for r in results]}
-        write_output(args.json, lambda p: p.write_text(json.dumps(doc, indent=2)), "the JSON results", "ampkit warmup")
+        text = json.dumps(doc, indent=2)
+        write_output(args.json, lambda p: write_text(p, text, "the JSON results"), "the JSON results", "ampkit warmup")
     return 0

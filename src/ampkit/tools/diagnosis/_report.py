@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampkit._internal.paths import output_path
+from ampkit._internal.files import check_target, write_file, write_text
 
 from . import _advice
 from ._advice import Advice
@@ -135,10 +135,11 @@ class DoctorReport:
         """The report as JSON; also written to ``path`` when given
         (:class:`~ampkit.OutputPathError` when it cannot be). ``kwargs`` go to
         :func:`json.dumps` (``indent`` defaults to 2)."""
-        target = None if path is None else output_path(path, "the doctor's JSON report")
+        what = "the doctor's JSON report"
+        target = None if path is None else check_target(path, what)
         text = json.dumps(self.to_dict(), indent=kwargs.pop("indent", 2), **kwargs)
         if target is not None:
-            target.write_text(text + "\n")
+            write_text(target, text + "\n", what)
         return text
 
     # --- text -------------------------------------------------------------------------------
@@ -290,8 +291,10 @@ class DoctorReport:
         """Write a PNG: loss scale and skipped steps over time, and each module's
         activation and gradient abs-max against its dtype's limit. Needs matplotlib
         (``pip install -e '.[cli]'``). Raises :class:`~ampkit.OutputPathError`
-        before drawing when ``path`` cannot be written."""
-        path = output_path(path, "the doctor's plot")
+        before drawing when ``path`` cannot be written (a folder, a symlink, a FIFO or a
+        device, a missing or read-only folder)."""
+        what = "the doctor's plot"
+        path = check_target(path, what)
         import matplotlib
 
         matplotlib.use("Agg", force=False)
@@ -332,8 +335,10 @@ class DoctorReport:
             ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8)
         ax2.set_title("per-module peak vs dtype limit (top by risk)")
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        try:
+            write_file(path, lambda f: fig.savefig(f, dpi=110, format="png"), what)
+        finally:
+            plt.close(fig)
         return path
 
 

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ampkit._internal.files import write_text
+
 if TYPE_CHECKING:
     from .forward_scope import _ForwardScope
     from .optimizers import _OptRecord
@@ -138,8 +140,10 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:
-    """Write a :class:`RunResult` report as JSON."""
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    """Write a :class:`RunResult` report as JSON (replaced whole);
+    :class:`ampkit.OutputPathError` where ``path`` is a folder, a symlink, a FIFO or a
+    device, or its folder is missing or read-only."""
+    write_text(path, json.dumps(report, indent=1) + "\n", "the JSON report")
 
 
 def is_rank_zero() -> bool:

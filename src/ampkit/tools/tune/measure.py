@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -16,13 +17,13 @@ from torch import nn
 
 from ampkit._internal import torch_compat
 from ampkit.casting.engine import autocast
-from ampkit.casting.policy import Policy, default_policy
+from ampkit.casting.policy import Policy, default_policy, exact_name
 from ampkit.casting.precision_plan import DTYPES, FP8
 from ampkit.levels.fp8.recipe import Fp8Recipe, convertible
 from ampkit.levels.fp8.training import converted
 
 __all__ = ["Batch", "Call", "LossFn", "FP8_CAPABILITY", "output_energy", "candidate_modules", "fp8_linears",
-           "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "deviation", "sync"]  # fmt: skip
+           "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "seeded", "deviation", "sync"]  # fmt: skip
 
 Batch = Any  # (inputs, targets); inputs a tensor or a tuple of positional arguments
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -137,11 +138,17 @@ def scope(policy: Policy | None, device_type: str) -> contextlib.AbstractContext
 
 
 @contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """The same random draws (dropout masks) in every run compared, the caller's RNG untouched."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+def seeded(seed: int) -> Iterator[None]:
+    """The same random draws (dropout masks, a model's own ``random`` calls) in every run
+    compared: torch's and Python's generators seeded, the caller's states put back after."""
+    state = random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            yield
+    finally:
+        random.setstate(state)
 
 
 def _captured(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Batch, loss_fn: LossFn | None,
@@ -158,7 +165,7 @@ def _captured(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Bat
 
     handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in modules]
     try:
-        with torch.no_grad(), _seeded(0):
+        with torch.no_grad(), seeded(0):
             loss_of(model, batch, loss_fn)
     finally:
         for h in handles:
@@ -236,7 +243,7 @@ def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: 
 def _loss_and_grad(model: nn.Module, batch: Batch, loss_fn: LossFn | None, policy: Policy | None,
                    device_type: str, seed: int) -> tuple[float, torch.Tensor]:  # fmt: skip
     model.zero_grad(set_to_none=True)
-    with _seeded(seed):
+    with seeded(seed):
         with scope(policy, device_type):
             loss = loss_of(model, batch, loss_fn)
         loss.float().backward()
@@ -265,7 +272,7 @@ def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batc
     for name in names:
         if time.perf_counter() > deadline:
             break
-        policy = base.override(module_rules={name: low, "*": torch.float32})
+        policy = base.override(module_rules={exact_name(name): low, "*": torch.float32})  # the name exactly
         loss_dev = grad_dev = 0.0
         lowered = (converted(Fp8Recipe(), [(name, model.get_submodule(name))]) if dtype == FP8
                    else contextlib.nullcontext())  # fmt: skip

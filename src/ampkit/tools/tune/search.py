@@ -29,7 +29,7 @@ from torch import nn
 
 from ampkit._internal.registry import reset
 from ampkit.casting.engine import is_active
-from ampkit.casting.policy import Policy
+from ampkit.casting.policy import Policy, exact_name
 from ampkit.casting.precision_plan import DTYPES, FP8, ModuleChoice, TunePlan
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8.recipe import for_modules
@@ -40,6 +40,7 @@ from ampkit.trainer.session import current_session
 
 from . import measure
 from .measure import Batch, LossFn
+from .process_state import as_found
 
 __all__ = ["Probe", "build_plan", "check_budget", "check_settings", "choose", "confirm", "measure_and_choose", "probe", "tune", "worse_by"]
 
@@ -105,19 +106,24 @@ def tune(
             of range (``repeats`` < 1, ``max_backoffs`` < 0, a negative or NaN limit
             or ``max_seconds``) or a model without candidate modules, before anything
             is measured.
+
+    The process is left as it was found, however the tuning ends: the random streams
+    (torch's, CUDA's, Python's ``random``, numpy's) and torch's global module and
+    optimizer hooks (``tools.tune.process_state.as_found``).
     """
     start = time.perf_counter()
     _validate(model, batches, budget, candidates, probe_steps)
     check_settings(repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit,
                    fp8_grad_limit=fp8_grad_limit, max_seconds=max_seconds)  # fmt: skip
     device_type = device_type or next((p.device.type for p in model.parameters()), "cpu")
-    dtype, choices, skipped = measure_and_choose(
-        model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
-        include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
-        fp8_grad_limit=fp8_grad_limit, deadline=start + max_seconds)  # fmt: skip
-    run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
-                            steps=probe_steps, optimizer=optimizer)  # fmt: skip
-    level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
+    with as_found():  # the random streams and the global hooks as the caller had them
+        dtype, choices, skipped = measure_and_choose(
+            model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
+            include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
+            fp8_grad_limit=fp8_grad_limit, deadline=start + max_seconds)  # fmt: skip
+        run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
+                                steps=probe_steps, optimizer=optimizer)  # fmt: skip
+        level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
     return build_plan(dtype, level, device_type, budget, choices, skipped, figures, backed, start)
 
 
@@ -288,14 +294,14 @@ def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, le
     opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(list(net.parameters()))
     if level is not None:
         low = DTYPES[dtype]
-        extra: dict[str, Any] = {"keep_fp32": kept} if level in ("O2", "O2K") and kept else {}
-        policy = Policy(dtype=low, module_rules={name: torch.float32 for name in kept})
+        exact = [exact_name(name) for name in kept]  # names matched as they are, never as globs
+        extra: dict[str, Any] = {"keep_fp32": exact} if level in ("O2", "O2K") and kept else {}
+        policy = Policy(dtype=low, module_rules={name: torch.float32 for name in exact})
         recipe = for_modules(fp8, None, "ampkit.tune") if fp8 else None
         net, opt = initialize(net, opt, opt_level=level, dtype=low, policy=policy, fp8=recipe, **extra)
     losses, times = [], []
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with measure.seeded(0):
             for step in range(steps):
                 measure.sync(device_type)
                 start = time.perf_counter()
