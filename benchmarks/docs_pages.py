@@ -103,6 +103,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--size", "tiny", "--rounds", "2", "--steps", "2", "--json", "{json}"),
     ),
     Benchmark(
+        "host_overhead", "Host time of a training step", "host_overhead.py",
+        ("--device", "cpu", "--workload", "tiny,lm", "--rounds", "3", "--steps", "4", "--warmup", "5",
+         "--count-steps", "2", "--profile-steps", "2", "--json", "{json}"),
+    ),
+    Benchmark(
         "o2_op_casting", "O2's op-level casting inside the model", "o2_op_casting.py",
         ("--size", "tiny", "--steps", "20", "--rounds", "2", "--per-block", "1", "--json", "{json}"),
     ),
@@ -404,6 +409,58 @@ def render_doctor_overhead(result: dict[str, Any]) -> str:
     return "".join(out) + "\n"
 
 
+def render_host_overhead(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    cuda = s["device"] == "cuda"
+    where = (f"on {result['machine'].get('device_name')}" if cuda else
+             f"on a {KINDS[machine_kind(result['machine'])]}") if "machine" in result else f"on {s['device']}"  # fmt: skip
+    targets = ", ".join(f"{arm} ≤ {t:.2f}×" for arm, t in result["targets"].items())
+    out = [f"{s['dtype']} {where}, {_threads(s['threads'])}. CPU time per step (`time.process_time`): median of "
+           f"{s['rounds']} interleaved rounds x {s['steps']} steps per arm, each block on a fresh set-up warmed up "
+           f"by {s['warmup']} steps; *vs torch_amp*: against `torch.autocast` + `torch.amp.GradScaler` + fused "
+           f"AdamW. Targets: {targets}. *Host reads*: calls that read a tensor's value into Python during a step "
+           f"(`item`, `__bool__`, `tolist`, `__float__`, `__int__`, `cpu` off the CPU), counted over "
+           f"{s['count_steps']} steps: on a GPU each waits for the device; on the CPU they include reads of "
+           "tensors that stay on the CPU on a GPU too (optimizer step counters), which the sites below tell "
+           "apart.\n\n"]  # fmt: skip
+    for wl in result["workloads"]:
+        out.append(f"### {wl['workload']}\n\n{wl['description']}; {wl['param_tensors']} parameter tensors, "
+                   f"{wl['params']:,} parameters.\n\n")  # fmt: skip
+        header = ["arm", "CPU ms/step", "vs torch_amp", "host reads/step"] + (
+            ["host ms/step", "wall ms/step"] if cuda else []) + ["target", "met"]  # fmt: skip
+        rows = []
+        for r in wl["rows"]:
+            met = "—" if r["met"] is None else ("yes" if r["met"] else "**no**")
+            rows.append([r["arm"], _cell(r["cpu_ms"]), _cell(r["vs_torch_amp"], ".3f"), _cell(r["host_reads"], ".1f"),
+                         *([_cell(r.get("host_ms")), _cell(r.get("wall_ms"))] if cuda else []),
+                         "—" if r["target"] is None else f"≤ {r['target']:.2f}×", met])  # fmt: skip
+        out.append(md_table(header, rows, "l" + "r" * (len(header) - 2) + "l"))
+        sites = [[arm, f"`{site}`", _cell(n, ".1f")] for arm, reads in wl["reads"].items()
+                 for site, n in list(reads["by_site"].items())[:4]]  # fmt: skip
+        if sites:
+            out.append("\nWhere the host reads come from (the 4 most frequent sites per arm), reads per step:\n\n")
+            out.append(md_table(["arm", "site", "reads/step"], sites, "llr"))
+        if wl["profile"]:
+            prof = wl["profile"]
+            steps = next(iter(prof.values()))["steps"]
+            out.append(f"\n#### {wl['workload']}: where ampkit's host time goes\n\n`cProfile` over {steps} steps per arm "
+                       "(the profiler slows Python more than torch's C++: its times locate ampkit's cost, they do "
+                       "not measure a step). *ampkit own*: the time spent in ampkit's own functions, callees "
+                       "excluded.\n\n")  # fmt: skip
+            rows = [[arm, _cell(p["profiled_ms"]), _cell(p["ampkit_own_ms"]), _cell(p["ampkit_share"], ".0%")]
+                    for arm, p in prof.items()]  # fmt: skip
+            out.append(md_table(["arm", "profiled ms/step", "ampkit own ms/step", "ampkit share"], rows))
+            for arm, p in prof.items():
+                if not p["top"] or arm in ("torch_amp", "pure16"):
+                    continue
+                out.append(f"\n{arm}: the ampkit functions with the most cumulative time, per step:\n\n")
+                rows = [[f"`{t['function']}`", _cell(t["calls_per_step"], ".1f"), _cell(t["cum_ms"], ".3f"),
+                         _cell(t["own_ms"], ".3f")] for t in p["top"]]  # fmt: skip
+                out.append(md_table(["function", "calls/step", "cumulative ms", "own ms"], rows))
+        out.append("\n")
+    return "".join(out)
+
+
 def render_o2_op_casting(result: dict[str, Any]) -> str:
     s = result["settings"]
     out = [f"`{s['workload']}` ({s['size']}): {s['description']}; {s['dtype']}, {_threads(s['threads'])}.\n\n",
@@ -529,6 +586,7 @@ RENDERERS: dict[str, Callable[[Any], str]] = {
     "scaler_overhead": render_scaler_overhead,
     "engine_overhead": render_engine_overhead,
     "doctor_overhead": render_doctor_overhead,
+    "host_overhead": render_host_overhead,
     "o2_op_casting": render_o2_op_casting,
     "inference": render_inference,
     "compile": render_compile,

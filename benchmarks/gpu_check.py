@@ -20,9 +20,12 @@ stage           what it runs
 ==============  ==========================================================================
 
 Named with ``--stages`` only (not in the default plan): ``bench-fp16`` / ``bench-bf16``
-(``ampkit bench --device cuda``), ``step-limit`` and ``tune`` (``benchmarks/tune.py
+(``ampkit bench --device cuda``), ``step-limit``, ``tune`` (``benchmarks/tune.py
 --device cuda`` on ``wide`` and ``lm``: ``ampkit.tune`` with bf16 and fp8 as
-candidates, the plan against every uniform level; how many linears it puts in fp8).
+candidates, the plan against every uniform level; how many linears it puts in fp8) and
+``host`` (``benchmarks/host_overhead.py --device cuda``: the host time of a step of a
+tiny transformer and of the bench's ``lm`` at each ampkit level against torch's own AMP,
+the host reads per step and where ampkit's host time goes).
 
 Written into ``--out`` (default ``gpu-check-out``): each stage's own files, the log of
 each stage, and ``gpu-check.json`` + ``gpu-check.md``: the machine, every stage's
@@ -77,6 +80,10 @@ def plan(out: Path, python: str = sys.executable, device: str = "cuda") -> list[
     speed = (python, str(ROOT / "benchmarks" / "gpu_speed.py"), "--device", device, "--json", str(out / "speed.json"),
              "--profile", "ampkit-O1-fp16,ampkit-O2")  # fmt: skip
     fp8 = (python, str(ROOT / "benchmarks" / "fp8.py"), "--device", device, "--json", str(out / "fp8.json"), "--profile")
+    host = (python, str(ROOT / "benchmarks" / "host_overhead.py"), "--device", device, "--workload", "tiny,lm",
+            "--json", str(out / "host_overhead.json"))  # fmt: skip
+    host += (("--rounds", "1", "--steps", "2", "--warmup", "2", "--count-steps", "1", "--profile-steps", "1") if cpu
+             else ("--rounds", "3", "--steps", "10"))  # fmt: skip
     if cpu:
         smoke += ("--steps", "12", "--only", "train/O1/bf16,explain,fp8/current")
         speed += ("--tiny", "--steps", "2", "--warmup", "1", "--arms", "fp32,autocast-bf16,ampkit-O1-bf16",
@@ -95,6 +102,7 @@ def plan(out: Path, python: str = sys.executable, device: str = "cuda") -> list[
         Stage("tune", (python, str(ROOT / "benchmarks" / "tune.py"), "--device", device, "--workloads", "wide,lm",
                        "--size", "tiny" if cpu else "quick", "--candidates", "bf16,fp8", "--json",
                        str(out / "tune.json")), 150, "tune.json", False),  # fmt: skip
+        Stage("host", host, 150, "host_overhead.json", False),
     ]
 
 
@@ -156,6 +164,11 @@ def headline(name: str, out: Path) -> dict[str, Any]:
                                     "speed_vs_fp32": {a: v["speed_vs_fp32"] for a, v in r["arms"].items()},
                                     "deviation": {a: v["deviation"] for a, v in r["arms"].items()}}
                     for r in results}  # fmt: skip
+        if name == "host":
+            record = json.loads((out / "host_overhead.json").read_text())
+            keys = ("cpu_ms", "vs_torch_amp", "host_reads", "host_ms", "wall_ms", "met")
+            return {wl["workload"]: {r["arm"]: {k: r.get(k) for k in keys} for r in wl["rows"]}
+                    for wl in record["workloads"]}  # fmt: skip
         if name == "fp8":
             rows = json.loads((out / "fp8.json").read_text())["rows"]
             return {r["mode"]: {"step_s": r["step_s"], "vs_first": r.get("vs_first"), "peak_mib": r.get("peak_mib")} for r in rows}

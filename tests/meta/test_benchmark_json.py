@@ -6,6 +6,7 @@ timing."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import math
@@ -145,6 +146,55 @@ def test_doctor_overhead_json_holds_the_printed_table(tmp_path):
         f"{row['check_over_off']:.2f}"]  # fmt: skip
     assert row["check_over_off"] == pytest.approx(row["check_ms"] / row["off_ms"])
     renders("doctor_overhead", record, "lm", f"{row['check_ms']:.1f}")
+
+
+def test_host_overhead_json_holds_the_printed_tables_and_profile(tmp_path):
+    arms = ["torch_amp", "pure16", "O1_init", "O1_scope"]
+    stdout, record = run_script("host_overhead.py", ["--workload", "tiny", "--device", "cpu", "--rounds", "1",
+                                                     "--steps", "1", "--warmup", "1", "--count-steps", "1",
+                                                     "--profile-steps", "1", "--arms", ",".join(arms)], tmp_path)  # fmt: skip
+    s = record["settings"]
+    assert (s["device"], s["dtype"], s["rounds"], s["steps"], s["warmup"], s["threads"]) == ("cpu", "bfloat16", 1, 1, 1, 1)
+    assert record["targets"] == {"O1_init": 1.10, "O1_scope": 1.10, "O2": 1.10, "O2K": 1.20}
+    (wl,) = record["workloads"]
+    assert (wl["workload"], wl["param_tensors"]) == ("tiny", 150) and [r["arm"] for r in wl["rows"]] == arms
+    assert f"; {wl['param_tensors']} param tensors, {wl['params']:,} params" in stdout
+    printed = _rows_by_first_word(stdout, arms)
+    ref = wl["rows"][0]["cpu_ms"]
+    for row in wl["rows"]:
+        target = ["-"] if row["target"] is None else [f"<={row['target']:.2f}x", "met" if row["met"] else "missed"]
+        assert printed[row["arm"]] == [f"{row['cpu_ms']:.2f}", f"{row['vs_torch_amp']:.3f}x",
+                                       f"{row['host_reads']:.1f}", *target]  # fmt: skip
+        assert row["vs_torch_amp"] == pytest.approx(row["cpu_ms"] / ref) and "wall_ms" not in row
+        assert row["met"] == (None if row["target"] is None else row["vs_torch_amp"] <= row["target"])
+        reads = wl["reads"][row["arm"]]
+        assert row["host_reads"] == sum(reads["by_method"].values()) == sum(reads["by_site"].values())
+    assert wl["rows"][0]["vs_torch_amp"] == 1.0
+    assert list(wl["profile"]) == arms
+    for arm, prof in wl["profile"].items():
+        assert (f"profile {arm}: {prof['profiled_ms']:.2f} ms/step profiled, ampkit's own code "
+                f"{prof['ampkit_own_ms']:.2f} ms") in stdout  # fmt: skip
+        assert len(prof["top"]) <= 12 and all(t["function"].startswith("ampkit/") for t in prof["top"])
+        assert [t["cum_ms"] for t in prof["top"]] == sorted((t["cum_ms"] for t in prof["top"]), reverse=True)
+    assert wl["profile"]["O1_scope"]["top"] and wl["profile"]["O1_scope"]["ampkit_own_ms"] > 0
+    renders("host_overhead", record, "O1_scope", f"{wl['rows'][3]['cpu_ms']:.2f}", "torch_amp")
+
+
+def test_host_overhead_counts_reads_only_while_open_and_restores_the_methods():
+    host = load_file(BENCH / "host_overhead.py")
+    before = {name: getattr(torch.Tensor, name) for name in host.READ_METHODS}
+    counts: collections.Counter = collections.Counter()
+    x = torch.ones(())
+    with host.counting_reads(counts):
+        x.item()
+        bool(x)
+        float(x)
+        torch.ones(2).cpu()  # already on the CPU: no read
+    x.item()
+    assert sorted(m for m, _ in counts) == ["__bool__", "__float__", "item"] and sum(counts.values()) == 3
+    assert all("test_benchmark_json.py" in site for _, site in counts)
+    assert {name: getattr(torch.Tensor, name) for name in host.READ_METHODS} == before
+    assert not set(host.READ_METHODS) & set(torch.Tensor.__dict__)
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ def test_the_default_plan_runs_the_cheap_stages_first_within_its_budget(tmp_path
     default = [s for s in stages if s.default]
     assert [s.name for s in default] == ["smoke", "tests", "speed", "fp8"]
     assert sum(s.limit_s for s in default) <= 375
-    assert [s.name for s in stages if not s.default] == ["bench-fp16", "bench-bf16", "step-limit", "tune"]
+    assert [s.name for s in stages if not s.default] == ["bench-fp16", "bench-bf16", "step-limit", "tune", "host"]
     (tune,) = [s for s in stages if s.name == "tune"]
     assert tune.argv[tune.argv.index("--candidates") + 1] == "bf16,fp8"
     assert all("cuda" in s.argv for s in stages)
@@ -53,7 +53,7 @@ def test_the_default_plan_runs_the_cheap_stages_first_within_its_budget(tmp_path
             "fp32", "torch-autocast", "ampkit-O1", "ampkit-O2", "ampkit-O2K", "bf16"}  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", ["smoke", "speed", "bench-fp16", "step-limit", "fp8", "tune"])
+@pytest.mark.parametrize("stage", ["smoke", "speed", "bench-fp16", "step-limit", "fp8", "tune", "host"])
 def test_each_stage_command_is_accepted_by_its_script(tmp_path, stage):
     """On a CPU-only machine each command fails with its script's own "no CUDA GPU"
     line: proof that every option the plan passes exists."""
