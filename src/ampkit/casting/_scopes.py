@@ -25,7 +25,7 @@ from ampkit.errors import PolicyError, StateError
 from . import _scope_api
 from ._function_mode import _PythonOpMode
 from ._kernels import _skip_kernel_frames, _state, drop_code_of_other_keys, kernel_registry
-from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks
+from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks, remove_step_hook
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import thread_records
 from .policy import Policy, check_compute_dtype, check_device_type
@@ -489,6 +489,7 @@ def _reset_engine() -> None:
     if threading.active_count() == 1 and not _state.scopes:
         kernel_registry.clear()
         module_hooks.remove()
+        remove_step_hook()  # the optimizer step hook too: no global hook of ampkit's stays
 
 
 def release_kernels() -> None:
@@ -528,6 +529,7 @@ def release_kernels() -> None:
         )
     kernel_registry.clear()
     module_hooks.remove()
+    remove_step_hook()
 
 
 # the lower parts of the engine open and replay scopes through this (they cannot import it)

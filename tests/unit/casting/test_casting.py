@@ -840,3 +840,26 @@ def test_a_kernel_registered_over_ampkits_is_found_and_replaced_with_a_warning()
         amp.reset()
         amp.casting.release_kernels()
         tc.destroy_library(lib)
+
+
+def test_reset_leaves_no_global_optimizer_hook():
+    """The optimizer step hook that drops cached casts is ampkit's only global optimizer
+    hook: ``amp.reset()`` (in a process's only thread) removes it with the module hooks,
+    and the next scope installs it again."""
+    import threading
+
+    from torch.optim import optimizer as torch_optimizer
+
+    if threading.active_count() != 1:
+        pytest.skip("reset keeps global hooks while other threads live")
+    amp.reset()
+    before = dict(torch_optimizer._global_optimizer_post_hooks)
+    model = nn.Linear(4, 4)
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1))
+    amp.init(torch.bfloat16)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert len(torch_optimizer._global_optimizer_post_hooks) == len(before) + 1
+    amp.reset()
+    assert dict(torch_optimizer._global_optimizer_post_hooks) == before
