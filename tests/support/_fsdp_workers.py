@@ -371,7 +371,7 @@ def job_dcp_corrupt(rank: int, world: int, outdir: Path) -> dict:
             _dcp_load(model, opt, outdir / name)
             res[name] = "loaded"
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            res[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            res[name] = f"{type(e).__name__}: {str(e)[:600]}"
         res[f"{name}_kept"] = bitwise_equal(before, _amp_snapshot())
         res[f"{name}_weights_kept"] = bitwise_equal(weights, snapshot(p.detach().to_local() for p in model.parameters()))
     res["payload_ran"] = marker.exists()

@@ -148,6 +148,21 @@ def _require_same_entries(expected: Any, saved: Any) -> None:
         )
 
 
+def _require_same_scaler_kind(template: Any, saved: Any) -> None:
+    """Raise StateError where a saved loss scaler is static and this session's dynamic or
+    the reverse: a bf16 run's checkpoint (static scale 1) loaded into an fp16 run would
+    switch its loss scaling off, and the entries of the two are the same."""
+    for i, (mine, theirs) in enumerate(zip(template.get("trainers", []), saved.get("trainers", []))):
+        for j, (a, b) in enumerate(zip(mine.get("scalers", []), theirs.get("scalers", []))):
+            if isinstance(a, dict) and isinstance(b, dict) and a.get("dynamic") != b.get("dynamic"):
+                kinds = {True: "a dynamic loss scale (fp16)", False: "a static loss scale (bf16 or fp32)"}
+                raise StateError(
+                    f"ampkit's checkpoint has {kinds.get(b.get('dynamic'), '?')} for trainer {i}'s loss {j}, this "
+                    f"session {kinds.get(a.get('dynamic'), '?')}: it was saved by a run in another dtype. Set up the "
+                    "same dtype as the run that saved it. Nothing was loaded."
+                )
+
+
 def _ensure_buffers() -> None:
     """Every compensated optimizer of the session with all its buffers (zeros where a
     parameter was not stepped yet): the state's entries are then the same before the
@@ -275,7 +290,9 @@ class AmpState:
         expected: dict[str, torch.Tensor] = {}
         _flatten(template, "", expected, copy=False)
         _require_same_entries(expected, state_dict)
-        apply = prepare_load_state_dict(_rebuild(template, "", state_dict))
+        rebuilt = _rebuild(template, "", state_dict)
+        _require_same_scaler_kind(template, rebuilt)
+        apply = prepare_load_state_dict(rebuilt)
         if self.defer:
             self._pending = apply
         else:
@@ -353,7 +370,6 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
         reader = checkpoint_reader(str(path))
         metadata = reader.read_metadata()
         amp.expect(metadata)
-        _require_same_dtypes(metadata, {"model": state["model"], "optim": state["optim"]})
     except AmpError as err:  # refused on every rank below, before any collective of dcp.load
         refused = err
     if not _any_rank(refused is not None):
@@ -367,7 +383,7 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
         except AmpError as err:  # this rank's shards or ampkit's state: refused on every rank below
             refused = err
         except CheckpointException as exc:
-            refused = StateError(f"the checkpoint {str(path)!r} cannot be loaded: {_first_failure(exc)}")
+            refused = StateError(_first_failure(exc, path))
     if _any_rank(refused is not None):
         if not had_state:
             optimizer.state.clear()  # get_state_dict stepped a fresh optimizer to build its state
@@ -375,26 +391,6 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
         raise refused or StateError(message)
     _set_state_dicts(model, optimizer, state["model"], state["optim"])
     amp.apply()
-
-
-def _require_same_dtypes(metadata: Any, state: Any, prefix: str = "") -> None:
-    """Raise StateError where the checkpoint saved a tensor in another dtype than this
-    run's (an fp16 run's checkpoint loaded into a bf16 run: DCP would convert silently)."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            _require_same_dtypes(metadata, value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            _require_same_dtypes(metadata, value, f"{prefix}.{i}")
-    elif isinstance(state, torch.Tensor):
-        entry = metadata.state_dict_metadata.get(prefix)
-        saved = getattr(getattr(entry, "properties", None), "dtype", None)
-        if saved is not None and saved != state.dtype:
-            raise StateError(
-                f"the checkpoint saved {prefix!r} as {saved}; this run holds it as {state.dtype}: it was saved by a "
-                "run with another dtype or opt level. Set up the same level and dtype as the run that saved it. "
-                "Nothing was loaded."
-            )
 
 
 def _other_rank_refusal(refused: Exception | None) -> str:
@@ -410,8 +406,9 @@ def _other_rank_refusal(refused: Exception | None) -> str:
     return "another rank refused its part of the checkpoint (see that rank's error). Nothing was loaded."
 
 
-def _first_failure(exc: Any) -> str:
-    """What a ``CheckpointException`` says, one line (ampkit's own refusal where it is one)."""
+def _first_failure(exc: Any, path: Any) -> str:
+    """What a ``CheckpointException`` says, one line: ampkit's own refusal as it is, any
+    other error with the checkpoint named."""
     from ampkit.errors import AmpError
 
     for failure in getattr(exc, "failures", {}).values():
@@ -419,8 +416,9 @@ def _first_failure(exc: Any) -> str:
         if isinstance(error, AmpError):
             return str(error)
         text = str(error).strip().splitlines()
-        return f"{type(error).__name__}: {text[0] if text else ''}. Nothing was loaded."
-    return f"{exc}. Nothing was loaded."
+        return (f"the checkpoint {str(path)!r} cannot be loaded: {type(error).__name__}: "
+                f"{text[0] if text else ''}. Nothing was loaded.")  # fmt: skip
+    return f"the checkpoint {str(path)!r} cannot be loaded: {exc}. Nothing was loaded."
 
 
 #: Optimizer state entries that are sums of squares (never negative), by torch's names.

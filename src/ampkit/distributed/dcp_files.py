@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
 import pickle
 import stat
@@ -78,9 +79,13 @@ def _refused(path: Any, why: str) -> StateError:
     )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that builds DCP's metadata classes and nothing else (no function
-    of the file's choosing is ever called)."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that builds DCP's metadata classes and nothing else: no function of
+    the file's choosing is ever called, and state is set (``BUILD``) only on instances of
+    the allowed classes, never on a class itself (which would change it for the whole
+    process). Python's own unpickler, whose opcodes can be refused one by one."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
@@ -88,6 +93,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # BUILD pops the state (the top), then sets it on this
+        if isinstance(target, type) or f"{type(target).__module__}.{type(target).__qualname__}" not in _BUILDABLE:
+            raise pickle.UnpicklingError(f"it sets the state of a {type(target).__name__}, which DCP metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+#: The classes whose instances ``.metadata`` may set state on: DCP's dataclasses, each
+#: instance made fresh by the same pickle (not the enum, whose members are shared).
+_BUILDABLE = {
+    f"{module}.{name}" for module, name in _ALLOWED if module.startswith("torch.distributed") and name != "_MEM_FORMAT_ENCODING"
+}
 
 
 def _is_count(value: Any) -> bool:
@@ -133,6 +153,8 @@ def _check_metadata(md: Any, path: Any) -> None:
         )
         if not ok:
             raise _refused(path, f"the entry {fqn!r} is malformed in .metadata")
+        if not _tiles(entry.size, [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]):
+            raise _refused(path, f"the chunks of {fqn!r} do not cover it exactly once")
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise _refused(path, ".metadata has no storage table")
@@ -144,11 +166,10 @@ def _check_metadata(md: Any, path: Any) -> None:
             raise _refused(path, f"an entry is stored in {name!r}, which is not a file name inside the folder")
         if not (_is_count(info.offset) and _is_count(info.length)):
             raise _refused(path, f"the entry {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not (
-            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
-        ):
-            raise _refused(path, f"the entry {index.fqn!r} has malformed transforms")
+        if getattr(info, "transform_descriptors", None):  # compression: save_checkpoint never writes it
+            raise _refused(path, f"the entry {index.fqn!r} is stored transformed (compressed), which ampkit does not read")
+        if isinstance(entries.get(index.fqn), BytesStorageMetadata) and info.length > MAX_BYTES_ENTRY:
+            raise _refused(path, f"the entry {index.fqn!r} is {info.length} bytes, more than {MAX_BYTES_ENTRY}")
     planner_data = getattr(md, "planner_data", None)
     if planner_data is not None and not (
         isinstance(planner_data, dict)
@@ -158,6 +179,26 @@ def _check_metadata(md: Any, path: Any) -> None:
         )
     ):
         raise _refused(path, "the planner table of .metadata is malformed")
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if getattr(md, "storage_meta", None) is not None and not isinstance(md.storage_meta, StorageMeta):
+        raise _refused(path, "the storage record of .metadata is malformed")
+
+
+def _tiles(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """Whether ``chunks`` (offsets, sizes) cover a tensor of ``size`` exactly once: their
+    volumes add up to its number of elements and no two overlap."""
+    volume = sum(math.prod(sizes) for _, sizes in chunks)
+    if volume != math.prod(size):
+        return False
+    live = [c for c in chunks if math.prod(c[1])]
+    if len(live) > 4096:  # more shards than any world writes one tensor in
+        return False
+    for i, (off_a, size_a) in enumerate(live):
+        for off_b, size_b in live[i + 1 :]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(off_a, size_a, off_b, size_b)):
+                return False
+    return True
 
 
 def _regular(path: Path, folder: Any) -> int:
@@ -275,8 +316,13 @@ def _verify_files(reader: Any, names: Iterable[str]) -> None:
     """Check each file against the saved checksums (once per reader)."""
     folder = Path(reader.path)
     sums: dict[str, str] | None = reader.ampkit_sums
+    ends: dict[str, int] = {}
+    for info in (getattr(reader, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name in sorted(set(names) - reader.ampkit_verified):
-        _regular(folder / name, folder)
+        size = _regular(folder / name, folder)
+        if name in ends and size != ends[name]:
+            raise _refused(folder, f"{name} holds {size} bytes; its entries end at byte {ends[name]}")
         if sums is None:
             if str(folder) not in _warned_unsummed:
                 _warned_unsummed.add(str(folder))
@@ -299,7 +345,16 @@ def _planner_class() -> type:
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
         class AmpkitCheckpointPlanner(DefaultLoadPlanner):
-            """DCP's default load planner with non-tensor entries read weights-only."""
+            """DCP's default load planner with every entry checked against what it loads
+            into and non-tensor entries read weights-only."""
+
+            def __init__(self, strict: bool = True) -> None:
+                super().__init__()
+                self.ampkit_strict = strict
+
+            def create_local_plan(self) -> Any:
+                _check_entries(self.state_dict, self.metadata, self.ampkit_strict)
+                return super().create_local_plan()
 
             def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
                 obj = _load_entry(read_item.dest_index.fqn, value)
@@ -312,11 +367,46 @@ def _planner_class() -> type:
     return _classes["planner"]
 
 
-def checkpoint_planner() -> Any:
-    """DCP's default load planner, except that a non-tensor entry is read with
-    ``torch.load(weights_only=True)``, at most ``MAX_BYTES_ENTRY`` (1 MiB) bytes (a larger or
-    not weights-only entry raises :class:`~ampkit.StateError`)."""
-    return _planner_class()()
+def checkpoint_planner(strict: bool = True) -> Any:
+    """DCP's default load planner, except that every entry must be what it loads into (a
+    tensor of the same shape and dtype where the state dict holds a tensor, a non-tensor
+    entry elsewhere) and a non-tensor entry is read with ``torch.load(weights_only=True)``,
+    at most ``MAX_BYTES_ENTRY`` (1 MiB) bytes; anything else raises
+    :class:`~ampkit.StateError`. ``strict`` (default True): the checkpoint may hold no
+    entry the state dict lacks (False: a partial load, e.g. the model alone)."""
+    return _planner_class()(strict)
+
+
+def _check_entries(state: dict[str, Any], metadata: Any, strict: bool) -> None:
+    """Raise StateError where a checkpoint entry is not what the (flattened) state dict
+    it loads into holds: a tensor's kind, shape and dtype, or a non-tensor's kind."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    for fqn, value in state.items():
+        entry = saved.get(fqn)
+        if entry is None:
+            continue  # missing: DCP's own check names it
+        if isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                raise StateError(f"the checkpoint's entry {fqn!r} is not a tensor, where this run holds one. "
+                                 "Nothing was loaded: the checkpoint is corrupt or from another model.")  # fmt: skip
+            if tuple(entry.size) != tuple(value.size()) or entry.properties.dtype != value.dtype:
+                raise StateError(
+                    f"the checkpoint's entry {fqn!r} is a {entry.properties.dtype} tensor of shape {tuple(entry.size)}; "
+                    f"this run's is {value.dtype} {tuple(value.size())}: it was saved by another model, level or "
+                    "dtype. Set up the run as the one that saved it. Nothing was loaded."
+                )
+        elif not isinstance(entry, BytesStorageMetadata):
+            raise StateError(f"the checkpoint's entry {fqn!r} is a tensor, where this run holds a "
+                             f"{type(value).__name__}. Nothing was loaded: the checkpoint is corrupt.")  # fmt: skip
+    if strict:
+        extra = sorted(set(saved) - set(state))
+        if extra:
+            raise StateError(
+                f"the checkpoint holds entries this run does not have ({extra[:4]}): it was saved by another model, "
+                "optimizer or level. Set up the run as the one that saved it. Nothing was loaded."
+            )
 
 
 def _load_entry(fqn: str, value: io.BytesIO) -> Any:

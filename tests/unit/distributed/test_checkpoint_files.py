@@ -137,7 +137,7 @@ def test_roundtrip_and_fresh_optimizer(saved, setup):
     "src, level, dtype",
     [("O2K", "O1", torch.float16), ("O2K", "O1", torch.bfloat16), ("O2K", "O3", torch.bfloat16),
      ("O2K", "O0", torch.bfloat16), ("O2", "O1", torch.float16), ("O2-fp16", "O2", torch.bfloat16),
-     ("O1", "O2K", torch.bfloat16)],
+     ("O1", "O2K", torch.bfloat16), ("O1", "O1", torch.float16)],
 )  # fmt: skip
 def test_another_levels_checkpoint_is_refused(saved, tmp_path, src, level, dtype):
     msg = _refused(tmp_path, saved / src, level, dtype)
@@ -275,3 +275,119 @@ def test_an_absurd_master_is_refused_by_amp_load_state_dict():
     with pytest.raises(ampkit.StateError, match="master"):
         ampkit.load_state_dict(sd)
     assert _same(before, _snapshot(model, opt))
+
+
+def _edited(saved: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the O2K checkpoint whose ``.metadata`` ``edit(md)`` changed, rehashed."""
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    meta = folder / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    edit(md)
+    meta.write_bytes(pickle.dumps(md))
+    _resum(folder)
+    return folder
+
+
+def _first(md, suffix: str) -> str:
+    return next(k for k in md.state_dict_metadata if k.endswith(suffix))
+
+
+def test_an_entry_of_another_kind_or_shape_is_refused(saved, tmp_path):
+    """A tensor entry turned into a non-tensor one (which DCP would read as whatever the
+    bytes hold, of any shape: the update then writes past the buffer), a tensor of
+    another shape or dtype, and an entry this run lacks are refused before any read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    def as_bytes(md):
+        md.state_dict_metadata[_first(md, "exp_avg_sq")] = BytesStorageMetadata()
+
+    def reshaped(md):
+        entry = md.state_dict_metadata[_first(md, "exp_avg")]
+        entry.size = torch.Size([1])
+        entry.chunks[0].sizes = torch.Size([1])
+        entry.chunks[0].offsets = torch.Size([0])
+
+    def retyped(md):
+        md.state_dict_metadata[_first(md, "exp_avg")].properties.dtype = torch.float64
+
+    def extra(md):
+        md.state_dict_metadata["model.extra.weight"] = md.state_dict_metadata[_first(md, "0.weight")]
+
+    for edit, words in ((as_bytes, "not a tensor"), (reshaped, "shape"), (retyped, "float64"), (extra, "does not have")):
+        msg = _refused(tmp_path, _edited(saved, tmp_path / edit.__name__, edit))
+        assert words in msg, (edit.__name__, msg)
+
+
+def test_metadata_cannot_change_a_class_for_the_process(saved, tmp_path):
+    """A ``.metadata`` pickle that sets state (BUILD) on an allowed *class* rather than an
+    instance is refused, and the class is as it was (Path still works, MetadataIndex
+    still hashes, a later save and load work)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def glob(module: str, name: str) -> bytes:
+        return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+    payload = (b"\x80\x02" + glob("pathlib", "PosixPath") + b"N}X" + (6).to_bytes(4, "little") + b"is_dir"
+               + glob("torch", "Size") + b"s\x86b0"
+               + glob("torch.distributed.checkpoint.metadata", "MetadataIndex") + b"N}X"
+               + (8).to_bytes(4, "little") + b"__hash__Ns\x86b0N.")  # fmt: skip
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    (folder / ".metadata").write_bytes(payload)
+    _resum(folder)
+    assert "sets the state of a type" in _refused(tmp_path, folder)
+    assert Path(tmp_path).is_dir() is True
+    hash(MetadataIndex("x"))
+    model, opt = _build("O2K")
+    load_checkpoint(saved / "O2K", model, opt)
+
+
+@pytest.mark.parametrize("how", ["none", "half", "twice"])
+def test_chunks_that_do_not_cover_a_tensor_once_are_refused(saved, tmp_path, how):
+    """A tensor's chunks must cover it exactly once: none (the run's own values would stay),
+    half (a mix of two runs) or one chunk twice is refused."""
+
+    def edit(md):
+        entry = md.state_dict_metadata[_first(md, "0.weight")]
+        chunk = entry.chunks[0]
+        if how == "none":
+            entry.chunks = []
+        elif how == "half":
+            chunk.sizes = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+        else:
+            entry.chunks = [chunk, chunk]
+
+    assert "cover it exactly once" in _refused(tmp_path, _edited(saved, tmp_path, edit))
+
+
+def test_an_oversized_non_tensor_entry_is_refused_before_it_is_read(saved, tmp_path):
+    def edit(md):
+        index = next(i for i in md.storage_data if i.fqn.endswith(".lr"))
+        md.storage_data[index].length = 512 << 20
+
+    assert "more than" in _refused(tmp_path, _edited(saved, tmp_path, edit))
+
+
+def test_a_data_file_longer_than_its_entries_is_refused(saved, tmp_path):
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    with open(next(folder.glob("*.distcp")), "ab") as f:
+        f.write(b"\0" * 4096)
+    _resum(folder)
+    assert "entries end at byte" in _refused(tmp_path, folder)
+
+
+@pytest.mark.parametrize("value", [3, "x", b"\0"])
+def test_a_malformed_storage_record_is_refused(saved, tmp_path, value):
+    def edit(md):
+        md.storage_meta = value
+
+    assert "storage record" in _refused(tmp_path, _edited(saved, tmp_path, edit))
+
+
+def test_a_compressed_entry_is_refused(saved, tmp_path):
+    def edit(md):
+        next(iter(md.storage_data.values())).transform_descriptors = ["stream.zstd/1"]
+
+    assert "compressed" in _refused(tmp_path, _edited(saved, tmp_path, edit))
