@@ -91,29 +91,18 @@ __all__ = [
     "traced_frame_code",
     "traced_object",
     "tracing_for_compile",
-    "TORCH_RELEASE",
-    "release_of",
-    "GRAPH_AUTOCAST_SWITCHES",
-    "warn_no_graph_switches",
-    "BATCH_NORM_BASE",
-    "INSTANCE_NORM_BASE",
-    "CONV_TRANSPOSE_BASE",
+    "TORCH_RELEASE", "release_of", "GRAPH_AUTOCAST_SWITCHES", "warn_no_graph_switches",
+    "BATCH_NORM_BASE", "INSTANCE_NORM_BASE", "CONV_TRANSPOSE_BASE",
     "dispatch_key_overloads",
     "wrapper_tensor",
     "is_optional_type",
     "aten_to_copy",
     "dispatch_key_registrations",
-    "sparse_values",
-    "tensor_hooks_of",
-    "fused_optimizer_devices",
-    "mark_step_supports_amp_scaling",
-    "mark_optimizer_stepped",
-    "step_wrapped_by_lr_scheduler",
-    "mark_step_wrapped_by_lr_scheduler",
-    "optimizer_step_hooks",
-    "instance_step_hooks_suspended",
-    "active_ddp_module",
-    "cpu_has_native_16bit",
+    "sparse_values", "tensor_hooks_of", "post_accumulate_hooks_first",
+    "fused_optimizer_devices", "mark_step_supports_amp_scaling", "mark_optimizer_stepped",
+    "step_wrapped_by_lr_scheduler", "mark_step_wrapped_by_lr_scheduler",
+    "optimizer_step_hooks", "instance_step_hooks_suspended",
+    "active_ddp_module", "cpu_has_native_16bit",
 ]
 
 # ---------------------------------------------------------------------------
@@ -771,6 +760,17 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
 def tensor_hooks_of(t: torch.Tensor) -> dict[int, Any]:
     """``t._backward_hooks``: the hooks ``Tensor.register_hook`` added (empty if none)."""
     return getattr(t, "_backward_hooks", None) or {}
+
+
+def post_accumulate_hooks_first(t: torch.Tensor, hook_id: int) -> dict[int, Any]:
+    """Put ``t``'s post-accumulate-grad hook ``hook_id`` before its others (kept in order)
+    and return ``t._post_accumulate_grad_hooks``, which torch runs in storage order
+    (``PyDict_Next``; ``move_to_end`` would not do): the others are popped and put back
+    (their handles delete by id). If it changes, user hooks may run before ampkit's."""
+    hooks = t._post_accumulate_grad_hooks
+    for key in [k for k in hooks if k != hook_id]:
+        hooks[key] = hooks.pop(key)
+    return hooks
 
 
 def fused_optimizer_devices() -> list[str]:

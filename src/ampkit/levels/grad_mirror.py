@@ -171,6 +171,8 @@ class GradMirror:
                     continue
                 self._reconcile_one(model_p, master, link)
                 g = master.grad
+                if g is not None and model_p.grad is not None and not g.is_sparse:
+                    continue  # shown already (a hook read it), kept in line by the merge
                 model_p.grad = None if g is None else g.detach().to(model_p.dtype)
                 link.show(model_p.grad)
                 link.keep(g)

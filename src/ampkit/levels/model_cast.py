@@ -112,13 +112,7 @@ KeepRule = type[nn.Module] | str
 def matches_rule(module: nn.Module, name: str, rules: Sequence[KeepRule]) -> bool:
     """Whether ``module`` (qualified ``name``) matches one of ``rules``: a module class it
     is an instance of, or a glob its name matches (``"blocks.*.attn"``)."""
-    for rule in rules:
-        if isinstance(rule, str):
-            if fnmatch.fnmatchcase(name, rule):
-                return True
-        elif isinstance(module, rule):
-            return True
-    return False
+    return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else isinstance(module, r) for r in rules)
 
 
 def kept_fp32_modules(
@@ -224,11 +218,7 @@ def _takes_low_precision_input(module: nn.Module) -> bool:
 
 
 def _is_cast_target(t: object, dtypes: tuple[torch.dtype, ...] | None) -> bool:
-    return (
-        isinstance(t, torch.Tensor)
-        and t.is_floating_point()
-        and (dtypes is None or t.dtype in dtypes)
-    )
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and (dtypes is None or t.dtype in dtypes)
 
 
 def cast_tensors(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | None = None) -> Any:
@@ -387,23 +377,24 @@ _ENTRIES = threading.local()
 
 
 def _entry_stack() -> list[tuple[nn.Module, Any]]:
-    stack = getattr(_ENTRIES, "stack", None)
-    if stack is None:
-        stack = _ENTRIES.stack = []
-    return stack
+    if not hasattr(_ENTRIES, "stack"):
+        _ENTRIES.stack = []
+    return _ENTRIES.stack
 
 
 class EntryCasts:
     """Forward pre-hook (with kwargs) of a cast model and of its *entry points*: the
-    submodules with 16-bit weights a script may call directly, outside a call of the
-    model (a LightningModule's ``training_step`` calling ``self.net(x)`` rather than
-    ``self(x)``): the model's children, through containers (``ModuleList``,
-    ``ModuleDict``). Inside a call of the model (or of another entry point) it does
+    submodules with 16-bit weights a script may call directly, outside a call of the model
+    (a LightningModule's ``training_step`` calling ``self.net(x)``): the model's children,
+    through containers (``ModuleList``, ``ModuleDict``). Inside a call of the model (or of
+    another entry point), or a checkpoint's recomputation of one in backward, it does
     nothing. Called from outside, the entry point is entered as the model would be: its
     floating inputs are cast to ``dtype``, its forward runs under the model's op-level
-    casting (``device_type``; None: none, as at O3), and :class:`EntryExit` casts its
-    16-bit outputs to ``cast_outputs`` (None: left as they are). ``top``: the hook of
-    the model itself, which only marks its calls. Picklable, like :class:`CastInputs`."""
+    casting (``device_type``; None: none, as at O3), and :class:`EntryExit` casts its 16-bit
+    outputs to ``cast_outputs`` (None: left as they are). ``top``: the hook of the model
+    itself, which only marks its calls. Picklable, like :class:`CastInputs`."""
+
+    called_outside = False  # set by its first call from outside with grad enabled
 
     def __init__(
         self,
@@ -430,6 +421,11 @@ class EntryCasts:
         if self.top or stack:
             stack.append((module, None))
             return None
+        if torch.is_grad_enabled() and not self.called_outside:
+            if torch_compat.current_graph_task_id() != -1:  # in backward: a checkpoint recomputes
+                stack.append((module, None))  # a call made inside the model, which cast nothing
+                return None
+            self.called_outside = True  # its recomputations take this path again
         scope: Any = True
         if self.device_type is not None:
             scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))

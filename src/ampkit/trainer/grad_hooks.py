@@ -11,7 +11,9 @@ Every parameter backward accumulates into gets two hooks while its optimizer is 
 - a pre-hook on the parameter's gradient accumulator (``AccumulateGrad``): it runs only
   when backward is about to add into ``p.grad`` (not for ``torch.autograd.grad``, whose
   results stay scaled, as with ``torch.amp``);
-- a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``).
+- a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``), moved before
+  the parameter's own ones: those read the real gradient (the sum so far) in ``p.grad``,
+  unscaled or shown from the master at once (O2 under DDP: the local grad, still scaled).
 
 **Parameters stepped as they are** (fp32 under O0/O1, 16-bit under O3/O2K, fp32 norm
 layers under O2). With a scale ``S != 1`` the pre-hook multiplies a gradient the
@@ -21,9 +23,9 @@ final callback queued behind DistributedDataParallel's, so DDP has all-reduced t
 -- the gradients it touched are multiplied by ``1/S`` in one fused pass per (device,
 dtype): the unscale pass ``step()`` used to run, moved to the end of each backward;
 gradient accumulation pays one more pass per micro-batch (the rescale) and gets real
-gradients between micro-batches. Under DDP's ``no_sync`` the
-local sums stay in ``p.grad`` as DDP requires, so the synchronized backward reduces the
-whole sum. With ``S == 1`` (bf16) the hooks do nothing.
+gradients between micro-batches. Under DDP's ``no_sync`` the local sums stay in ``p.grad``
+as DDP requires, so the synchronized backward reduces the whole sum. With ``S == 1``
+(bf16) the hooks do nothing.
 
 **Parameters with an fp32 master** (O2): see :class:`ampkit.levels.master.MasterWeights`. The
 post-accumulate hook moves each 16-bit gradient into its master's fp32 gradient as it is
@@ -203,7 +205,7 @@ def drop_guards() -> None:
 class _Param:
     """One parameter backward accumulates into (the model's, for a mastered one)."""
 
-    __slots__ = ("param", "stepped", "master", "node", "handles", "scale", "loss_id", "pre_task", "model")
+    __slots__ = ("param", "stepped", "master", "node", "handles", "scale", "loss_id", "pre_task", "model", "hooks")
 
     def __init__(self, param: nn.Parameter, stepped: nn.Parameter, model: weakref.ref | None) -> None:
         self.param = param
@@ -217,6 +219,7 @@ class _Param:
         self.loss_id: int | None = None
         self.pre_task = -2  # graph task in which the pre-hook last ran
         self.model = model
+        self.hooks: dict[int, Any] = {}  # param's post-accumulate hooks, ampkit's first
 
 
 class GradPath:
@@ -307,6 +310,15 @@ class GradPath:
                 "only be unscaled once. Give each parameter to one optimizer."
             )
         rec = _Param(param, stepped, self._model_of.get(id(param)))
+        pre, post = self._closures(rec)
+        rec.node = _accumulator(param)
+        handle = param.register_post_accumulate_grad_hook(post)
+        rec.hooks = torch_compat.post_accumulate_hooks_first(param, handle.id)
+        rec.handles = [rec.node.register_prehook(pre), handle]
+        self._params[id(param)] = rec
+        _OWNER[id(param)] = weakref.ref(self)
+
+    def _closures(self, rec: _Param) -> tuple[Callable[[Any], None], Callable[[torch.Tensor], None]]:
         me = weakref.ref(self)
 
         def pre(grad_outputs: Any) -> None:
@@ -319,10 +331,7 @@ class GradPath:
             if path is not None:
                 path._after_accumulate(rec)
 
-        rec.node = _accumulator(param)
-        rec.handles = [rec.node.register_prehook(pre), param.register_post_accumulate_grad_hook(post)]
-        self._params[id(param)] = rec
-        _OWNER[id(param)] = me
+        return pre, post
 
     def _unhook(self, rec: _Param) -> None:
         for handle in rec.handles:
@@ -351,9 +360,7 @@ class GradPath:
     def _current(self) -> tuple[int | None, float]:
         state = self._state()
         loss_id = state.step_grads.pending if state is not None else None
-        if loss_id is None:
-            return None, 1.0
-        return loss_id, state._slots[loss_id].scaler.scale
+        return (None, 1.0) if loss_id is None else (loss_id, state._slots[loss_id].scaler.scale)
 
     def _unscaler(self, loss_id: int | None, scale: float) -> Callable[[list[torch.Tensor]], None] | None:
         """In-place ``* (1/scale)`` and inf/NaN check of a list of same-device, same-dtype
@@ -435,8 +442,14 @@ class GradPath:
             if not self.masters.grads.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
                 self._mark_checked(rec.stepped, loss_id)
             # else: held on the model or a view of the master's grad, checked by the step
+            if len(rec.hooks) > 1:  # hooks after this one read p.grad: real, in 16 bits
+                self.masters.grads.show([rec.param])
             return
         if scale != 1.0:
+            if len(rec.hooks) > 1 and _ddp_sync_of(rec.model) is None:  # hooks after this one read it
+                torch_compat.foreach_mul_([rec.param.grad], 1.0 / scale)  # as the end of backward would
+                rec.scale = None
+                return
             rec.scale, rec.loss_id = scale, loss_id
             self._touch(task, rec)
 
@@ -449,17 +462,10 @@ class GradPath:
                 "after ampkit.initialize (e.g. model.to(...) afterwards): the masters would "
                 "train a stale copy. Move the model to its device before initialize."
             )
-        me = weakref.ref(self)
-
-        def pre(grad_outputs: Any) -> None:
-            path = me()
-            if path is not None:
-                path._before_accumulate(rec)
-
         if rec.handles:
             rec.handles[0].remove()
         rec.node = _accumulator(rec.param)
-        rec.handles[0] = rec.node.register_prehook(pre)
+        rec.handles[0] = rec.node.register_prehook(self._closures(rec)[0])
 
     def _touch(self, task: int, rec: _Param) -> None:
         touched = self._open.get(task)
@@ -479,9 +485,7 @@ class GradPath:
         touched.append(rec)
 
     def _end_backward(self, task: int) -> None:
-        touched = self._open.pop(task, None)
-        if touched:
-            self._process(touched, absorb_raw=False)
+        self._process(self._open.pop(task, []), absorb_raw=False)
 
     def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
         """Unscale the scaled grads of ``touched`` (fused, per device and dtype; checked
@@ -489,11 +493,7 @@ class GradPath:
         show mirrors."""
         by_scale: dict[float, list[_Param]] = {}
         shown: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for rec in touched:
-            if id(rec) in seen:
-                continue
-            seen.add(id(rec))
+        for rec in dict.fromkeys(touched):  # each once, in order
             if rec.master is not None:
                 if rec.scale is not None:
                     if not absorb_raw and _ddp_sync_of(rec.model) is False:
@@ -526,9 +526,7 @@ class GradPath:
         for task in list(self._open):
             self._end_backward(task)
         if absorb_raw:
-            raw = [r for r in self._params.values() if r.scale is not None]
-            if raw:
-                self._process(raw, absorb_raw=True)
+            self._process([r for r in self._params.values() if r.scale is not None], absorb_raw=True)
 
     # -- the step's check -----------------------------------------------------------------
     def _mark_checked(self, stepped: torch.Tensor, loss_id: int | None) -> None:

@@ -1,5 +1,6 @@
 """Finding the models an optimizer trains (O2/O2K cast models, not optimizers):
-the smallest live modules that own its parameters (:func:`_models_of`)."""
+the smallest live modules that own its parameters (:func:`_models_of`), whose names a
+tuning plan uses."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def _is_wrapper(module: nn.Module) -> bool:
 def _models_of(params: list[torch.Tensor]) -> tuple[list[nn.Module], str | None]:
     """The smallest modules that together own ``params``: for each root module (no
     other module's child) owning some of them, its smallest descendant that owns all
-    of its share. Returns (models, None) or ([], why not)."""
+    of its share and shares none with a sibling. A child holding every parameter is not
+    the model when a sibling uses some of them too (GPT-2's ``lm_head`` tied to
+    ``transformer.wte``): the script trains the parent, whose forward calls both.
+    Returns (models, None) or ([], why not)."""
     wanted = {id(p) for p in params}
     modules = _live_modules()
     children = {id(c) for m in modules for c in m.children()}
@@ -42,13 +46,8 @@ def _models_of(params: list[torch.Tensor]) -> tuple[list[nn.Module], str | None]
                 "before it is wrapped (build the optimizer before the wrapper to use it)"
             )
         model = root
-        descended = True
-        while descended:
-            descended = False
-            for child in model.children():
-                if own <= {id(p) for p in child.parameters()}:
-                    model, descended = child, True
-                    break
+        while (child := _sole_owner(model, own)) is not None:
+            model = child
         models.append(model)
         covered |= own
     missing = len(wanted - covered)
@@ -58,3 +57,13 @@ def _models_of(params: list[torch.Tensor]) -> tuple[list[nn.Module], str | None]
             "parameters re-created after the optimizer was built)"
         )
     return models, None
+
+
+def _sole_owner(module: nn.Module, own: set[int]) -> nn.Module | None:
+    """The child of ``module`` that owns all of ``own`` while no other child owns any of
+    them (None: there is none)."""
+    shares = [(child, {id(p) for p in child.parameters()} & own) for child in module.children()]
+    holders = [(child, held) for child, held in shares if held]
+    if len(holders) == 1 and holders[0][1] == own:
+        return holders[0][0]
+    return None

@@ -256,6 +256,9 @@ def tune_script(
                 raise AmpError(f"no probe run succeeded: {error}; see why with `ampkit run --level fp32 --steps "
                                f"{steps} {path}`.")  # fmt: skip
             (failures if error else succeeded).append(error or level or "fp32")
+            if error and level is not None:  # in the plan's report: a failed run is no silent inf
+                said = skipped.get(level)
+                skipped[level] = f"{said}; and {error}" if said else f"a confirming run failed (no result): {error}"
             return result
 
         level, figures, choices, backed = confirm(run, dtype, choices, steps, budget, max_backoffs)
