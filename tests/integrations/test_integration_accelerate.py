@@ -416,12 +416,17 @@ def test_a_planted_custom_checkpoint_pickle_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("corruption", ["payload", "truncated", "empty", "not_a_state", "nan_master", "missing_entry"])
+@pytest.mark.parametrize(
+    "corruption",
+    ["payload", "truncated", "empty", "not_a_state", "nan_master", "missing_entry", "fifo", "devzero", "folder"],
+)
 def test_a_bad_ampkit_state_file_is_refused_before_anything_is_loaded(tmp_path, corruption):
     """load_state reads and validates ampkit's file before Accelerate loads the models:
     a file with a pickle payload (never run), truncated, empty, not ampkit's, with a
-    NaN fp32 master or an entry deleted raises AccelerateCheckpointError and leaves the
-    model, masters, optimizer state and loss scale as they were."""
+    NaN fp32 master or an entry deleted, or no regular file at all (a FIFO, which would
+    block, a link to /dev/zero, which never ends, a folder) raises
+    AccelerateCheckpointError and leaves the model, masters, optimizer state and loss
+    scale as they were."""
     acc, model, opt, folder = _saved_checkpoint(tmp_path)
     path = folder / amp_accelerate.STATE_NAME
     marker = tmp_path / "payload_ran"
@@ -437,11 +442,21 @@ def test_a_bad_ampkit_state_file_is_refused_before_anything_is_loaded(tmp_path, 
     elif corruption == "nan_master":
         good["trainers"][0]["optimizers"][0]["extra"]["master_weights"]["masters"][0][2].view(-1)[0] = float("nan")
         torch.save(good, path)
+    elif corruption in ("fifo", "devzero", "folder"):
+        path.unlink()
+        if corruption == "fifo":
+            os.mkfifo(path)
+        elif corruption == "devzero":
+            path.symlink_to("/dev/zero")
+        else:
+            path.mkdir()
     else:
         del good["trainers"][0]["optimizers"][0]["extra"]
         torch.save(good, path)
     before = _everything(model, opt)
-    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=amp_accelerate.STATE_NAME) as err:
+    says = {"fifo": r"a FIFO \(named pipe\)", "devzero": "a character device", "folder": "a folder"}.get(corruption)
+    match = amp_accelerate.STATE_NAME + ("" if says is None else f" is {says}, not a regular file")
+    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=match) as err:
         acc.load_state(str(folder))
     if corruption == "empty":  # the message docs/guides/troubleshooting.md shows
         assert str(err.value) == (
@@ -451,6 +466,23 @@ def test_a_bad_ampkit_state_file_is_refused_before_anything_is_loaded(tmp_path, 
     assert not marker.exists()
     after = _everything(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_save_state_refuses_a_symlink_at_its_file_and_leaves_its_target_alone(tmp_path):
+    """A symlink planted where save_state writes ampkit's state: refused
+    (AccelerateCheckpointError naming the file) before Accelerate writes anything, and
+    the file it points to is untouched (ampkit writes regular files, never through a link)."""
+    acc, model, opt, folder = _saved_checkpoint(tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM")
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / amp_accelerate.STATE_NAME).symlink_to(victim)
+    with pytest.raises(amp_accelerate.AccelerateCheckpointError, match=f"{amp_accelerate.STATE_NAME}.*symbolic link"):
+        acc.save_state(str(again))
+    assert victim.read_text() == "VICTIM"
+    assert (again / amp_accelerate.STATE_NAME).is_symlink()
+    assert sorted(p.name for p in again.iterdir()) == [amp_accelerate.STATE_NAME]
 
 
 def test_a_checkpoint_without_ampkit_state_warns(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import runpy
 import shutil
 from pathlib import Path
@@ -279,15 +280,18 @@ def o2k_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "corruption", ["payload", "truncated", "empty", "nan_weight", "wrong_shape", "wrong_dtype", "no_amp", "nan_state"]
-)
+    "corruption",
+    ["payload", "truncated", "empty", "nan_weight", "wrong_shape", "wrong_dtype", "no_amp", "nan_state",
+     "huge_weight", "sparse_weight"],
+)  # fmt: skip
 def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path, o2k_checkpoint, corruption):
-    """ampkit.pt is read weights-only and validated whole -- its 16-bit weights (dtype,
-    shape, finite) -- before HF loads the checkpoint's weights: a malicious (never run),
-    truncated, empty or inconsistent file raises HfIntegrationError naming the file, and
-    the model holds its own weights. A state that does not fit ampkit's session is
-    refused once ampkit is set up, still before HF loads the checkpoint's weights or
-    optimizer state and before any of ampkit's state is applied."""
+    """ampkit.pt is read weights-only and validated whole -- its 16-bit weights (dense,
+    dtype, shape, finite, no larger than ABSURD_MAGNITUDE) -- before HF loads the
+    checkpoint's weights: a malicious (never run), truncated, empty or inconsistent file
+    raises HfIntegrationError naming the file, and the model holds its own weights. A
+    state that does not fit ampkit's session is refused once ampkit is set up, still
+    before HF set up the resumed run (trainer.state, LR scheduler), loaded the
+    checkpoint's weights or optimizer state, and before any of ampkit's state is applied."""
     folder = tmp_path / "ckpt"
     shutil.copytree(o2k_checkpoint, folder)
     path = folder / AMPKIT_NAME
@@ -312,15 +316,23 @@ def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path
         value = torch.zeros(before[name].shape, dtype=torch.bfloat16)
         if corruption == "nan_weight":
             value[0, 0] = float("nan")
+        elif corruption == "huge_weight":
+            value[0, 0] = 3e38  # finite in bf16, yet no run that trains saves one
+        elif corruption == "sparse_weight":
+            value = value.to_sparse()
         elif corruption == "wrong_shape":
             value = value[:3]
         else:
             value = value.float()
         saved["weights16"] = {name: value}
         torch.save(saved, path)
-    with pytest.raises(HfIntegrationError, match=AMPKIT_NAME):
+    says = {"huge_weight": "magnitude 3e", "sparse_weight": "sparse_coo tensor"}.get(corruption, "")
+    with pytest.raises(HfIntegrationError, match=f"{AMPKIT_NAME}.*{says}"):
         trainer.train(resume_from_checkpoint=str(folder))
     assert not marker.exists()
+    # the trainer's state, LR scheduler and optimizer hyperparameters: as the fresh trainer had them
+    assert trainer.state.global_step == 0 and trainer.state.log_history == []
+    assert trainer.lr_scheduler is None
     if corruption == "nan_state":
         # ampkit's state is checked against the session ampkit sets up with the optimizer,
         # before HF loads the checkpoint's weights and optimizer state: nothing applied
@@ -333,17 +345,27 @@ def test_a_bad_ampkit_file_refuses_the_resume_before_any_weight_changes(tmp_path
 
 def _weights_and_optimizer(trainer):
     """What a refused resume must leave bitwise as it was: the model's tensors, the fp32
-    masters, the optimizer state and ampkit's counters and scale."""
+    masters, the optimizer state and hyperparameters (``lr`` included), ampkit's counters
+    and scale, the LR scheduler (the same object, in the same state) and ``trainer.state``
+    (the same object: global step, epoch, log history)."""
     opt = trainer.amp_optimizer
     return {
         "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "masters": [p.detach().clone() for p in amp.master_params(opt)],
         "optimizer": copy.deepcopy(opt.state_dict()["state"]),
+        "param_groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "stats": amp.stats(opt),
+        "scheduler": (trainer.lr_scheduler, copy.deepcopy(trainer.lr_scheduler.state_dict())),
+        "state": (trainer.state, copy.deepcopy(vars(trainer.state))),
+        "trainer_optimizer": trainer.optimizer,
     }
 
 
 def _assert_bitwise(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["scheduler"][0] is b["scheduler"][0] and a["scheduler"][1] == b["scheduler"][1]
+    assert a["state"][0] is b["state"][0] and a["state"][1] == b["state"][1]
+    assert a["trainer_optimizer"] is b["trainer_optimizer"]
     assert a["stats"] == b["stats"]
     assert a["model"].keys() == b["model"].keys()
     for name in a["model"]:
@@ -369,9 +391,37 @@ def _corrupt_state(saved, corruption):
         del extra["compensation"]
     elif corruption == "weights16_entry_removed":
         del saved["weights16"][sorted(saved["weights16"])[0]]
+    elif corruption == "extra_key":
+        trainer_state["evil"] = 1
+    elif corruption == "scale_nan":
+        trainer_state["scalers"][0]["scale"] = float("nan")
+    elif corruption == "steps_negative":
+        trainer_state["optimizers"][0]["steps"] = -5
     else:
         raise AssertionError(corruption)
     return saved
+
+
+def _plant(path, kind):
+    """Put a FIFO, a symlink to /dev/zero, a folder or a dangling symlink at ``path``."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "devzero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(path.with_name("gone.pt"))
+
+
+#: What the refusal of each planted special file says about it.
+_NOT_REGULAR = {
+    "fifo": "is a FIFO .named pipe., not a regular file",
+    "devzero": "is a character device, not a regular file",
+    "folder": "is a folder, not a regular file",
+    "dangling": "does not exist .a symbolic link to a missing file.",
+}
 
 
 @pytest.mark.parametrize(
@@ -381,33 +431,78 @@ def _corrupt_state(saved, corruption):
         ("O2", "master_removed"),
         ("O2", "master_nan"),
         ("O2", "scaler_field_removed"),
+        ("O2", "extra_key"),
+        ("O2K", "scale_nan"),
+        ("O2K", "steps_negative"),
         ("O2K", "compensation_removed"),
         ("O2K", "weights16_entry_removed"),
+        ("O2", "fifo"),
+        ("O2", "devzero"),
+        ("O2K", "folder"),
+        ("O2K", "dangling"),
     ],
 )
 def test_a_refused_resume_leaves_the_trained_model_and_optimizer_bitwise_as_they_were(tmp_path, level, corruption):
     """A trainer that trained on resumes from one of its own checkpoints whose ampkit.pt
-    is truncated or lacks (or spoils) one entry: HfIntegrationError names the file, and
-    the model's weights, the fp32 masters, the optimizer state and ampkit's counters are
-    bitwise as before -- HF loaded neither the checkpoint's weights nor its optimizer
-    state (ampkit's whole file is checked, against the session, first)."""
-    options = dict(amp_level=level, save_strategy="steps", save_steps=2, logging_steps=100)
+    is truncated, lacks (or spoils) one entry, holds a key ampkit's state does not have, or
+    is no regular file (a FIFO, a link to /dev/zero, a folder, a link to nothing):
+    HfIntegrationError names the file, and everything is as before -- the model's weights,
+    the fp32 masters, the optimizer state and its param_groups (HF's new LR scheduler
+    would reset ``lr``), the LR scheduler, trainer.state (global step, epoch, log history:
+    HF reads trainer_state.json) and ampkit's counters. ampkit's whole file is checked,
+    against the session, before HF sets up any of the resumed run. With the file put
+    right, the same trainer then resumes."""
+    options = dict(amp_level=level, save_strategy="steps", save_steps=2, logging_steps=1)
     trainer = _trainer(tmp_path / "a", steps=4, **options)
     trainer.train()
     folder = tmp_path / "a" / "checkpoint-2"
     path = folder / AMPKIT_NAME
+    good = path.read_bytes()
     if corruption == "truncated":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif corruption in _NOT_REGULAR:
+        _plant(path, corruption)
     else:
         torch.save(_corrupt_state(torch.load(path, weights_only=True), corruption), path)
     before = _weights_and_optimizer(trainer)
+    assert trainer.state.global_step == 4 and trainer.state.log_history  # the checkpoint's are 2 and shorter
     # the checkpoint's weights differ from the trained ones: a load would show
     saved_weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
     fp32 = fp32_state_dict(trainer.model, trainer.amp_optimizer, _hf_param_groups(trainer))
     assert any(not torch.equal(saved_weights[k], fp32[k]) for k in saved_weights)
-    with pytest.raises(HfIntegrationError, match=AMPKIT_NAME):
+    with pytest.raises(HfIntegrationError, match=f"{AMPKIT_NAME}.*{_NOT_REGULAR.get(corruption, '')}"):
         trainer.train(resume_from_checkpoint=str(folder))
     _assert_bitwise(_weights_and_optimizer(trainer), before)
+
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    else:
+        path.unlink()
+    path.write_bytes(good)
+    trainer.train(resume_from_checkpoint=str(folder))
+    assert trainer.state.global_step == 4
+    assert amp.stats(trainer.amp_optimizer).steps == 4
+
+
+def test_a_save_refuses_a_symlink_at_ampkit_pt_and_leaves_its_target_alone(tmp_path):
+    """A symlink planted where a checkpoint's ampkit.pt goes: the save refuses it
+    (HfIntegrationError naming the file) before HF writes the checkpoint's weights, and
+    the file it points to is untouched (ampkit writes regular files, never through a link)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM")
+    folder = tmp_path / "out" / "checkpoint-2"
+    folder.mkdir(parents=True)
+    (folder / AMPKIT_NAME).symlink_to(victim)
+    trainer = _trainer(tmp_path / "out", steps=2, amp_level="O2", save_strategy="steps", save_steps=2, logging_steps=100)
+    with pytest.raises(HfIntegrationError, match=f"{AMPKIT_NAME}.*symbolic link"):
+        trainer.train()
+    assert victim.read_text() == "VICTIM"
+    assert (folder / AMPKIT_NAME).is_symlink()
+    assert not (folder / "model.safetensors").exists()
+    # the writer itself refuses it too (a link planted after save_model's check)
+    with pytest.raises(HfIntegrationError, match="symbolic link"):
+        trainer._save_scaler(str(folder))
+    assert victim.read_text() == "VICTIM"
 
 
 def test_an_o2k_file_missing_one_16bit_weight_is_refused(tmp_path, o2k_checkpoint):

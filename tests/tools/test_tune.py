@@ -337,6 +337,40 @@ def test_malformed_plans_are_refused_naming_the_field(tmp_path, fixed_times, edi
         TunePlan.load(path)
 
 
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        ({"budget": math.nan}, "budget is nan"),
+        ({"budget": -1}, "budget is -1"),
+        ({"budget": "inf"}, "budget is str, not a number"),
+        ({"seconds": math.inf}, "seconds is inf"),
+        ({"seconds": -0.5}, "seconds is -0.5"),
+        ({"version": 1.0}, "version 1.0"),
+        ({"version": True}, "version True"),
+        ({"device_type": "../../etc"}, "device_type '../../etc'; one of cpu, cuda"),
+        ({"device_type": "meta"}, "device_type 'meta'; one of cpu, cuda"),
+        ({"modules": [{"name": "", "kind": "", "dtype": "bf16", "fp32_ms": 1.0, "low_ms": 1.0, "loss_deviation": 0.0,
+                       "grad_deviation": 0.0, "reason": ""}]}, "module's name is empty"),  # fmt: skip
+    ],
+)
+def test_plan_values_no_tuner_writes_are_refused_in_one_line(tmp_path, edit, needle):
+    doc = {**TunePlan.by_hand(["0"], ["2"], level="O2").to_dict(), **edit}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    for load in (lambda: TunePlan.load(path), lambda: TunePlan.from_dict(json.loads(path.read_text()))):
+        with pytest.raises(PlanError, match=needle) as info:
+            load()
+        assert "\n" not in str(info.value)
+
+
+def test_plans_for_each_device_with_zero_budget_and_time_still_load(tmp_path):
+    for device_type in ("cpu", "cuda"):
+        plan = TunePlan.by_hand(["0"], ["2"], level="O2", device_type=device_type)
+        assert (plan.budget, plan.seconds) == (0.0, 0.0)
+        plan.save(tmp_path / "plan.json")
+        assert TunePlan.load(tmp_path / "plan.json").to_dict() == plan.to_dict()  # NaN times: compare as written
+
+
 def test_missing_and_truncated_plan_files_are_refused(tmp_path, fixed_times):
     with pytest.raises(PlanError, match="cannot read"):
         TunePlan.load(tmp_path / "none.json")

@@ -7,7 +7,8 @@ an empty file in the folder: ``os.access`` says yes to root where nothing can be
 created, in ``/proc``) and again just before the write; the content goes to a temp
 file created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``, so a planted symlink at
 the temp name is never followed), then ``os.replace`` puts it in place (which replaces
-a name, never writes through a link).
+a name, never writes through a link). A name ending in a separator (``"out/"``), ``.``
+or ``..`` is a folder's and refused; a regular file replaced keeps its permission bits.
 
 Reading (:func:`read_file`): regular files only (a FIFO would block, ``/dev/zero`` never
 ends), at most ``limit`` bytes, every failure -- missing, special, too large, not UTF-8,
@@ -116,6 +117,14 @@ def check_target(path: Any, what: str, error: type[AmpError] = OutputPathError) 
     work that fills the file); ``what`` names the file in the message."""
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         raise error(f"{what}: expected a file path (str or os.PathLike), got {type(path).__name__} {path!r:.60}.")
+    name = os.fsdecode(os.fspath(path))
+    if not name:
+        raise error(f"cannot write {what} to '': the name is empty; give a file name.")
+    if name.replace(os.altsep or os.sep, os.sep).rsplit(os.sep, 1)[-1] in ("", ".", ".."):
+        # Path("new/") is Path("new"): a name ending in a separator, "." or ".." is a folder's
+        if os.path.isdir(name):
+            raise error(f"cannot write {what} to {name!r}: it is a folder; give a file name.")
+        raise error(f"cannot write {what} to {name!r}: it ends in {name[-1]!r}, which names a folder; give a file name.")
     out = Path(path)
     problem = target_problem(out)
     if problem is not None:
@@ -129,7 +138,8 @@ def write_file(
     """Write ``path`` by calling ``fill(f)`` on a temp file opened for binary writing,
     then moving it into place. Refuses (``error``) a target that is not a regular file;
     never follows a symlink; an OS error while writing raises ``error`` and leaves the
-    target as it was."""
+    target as it was. A regular file replaced keeps its permission bits (``rwx`` for
+    owner, group and others); a new file gets ``0o644`` less the umask."""
     out = check_target(path, what, error)
     parent = out.parent if str(out.parent) else Path(".")
     try:
@@ -141,6 +151,9 @@ def write_file(
             fill(f)
             f.flush()
             os.fsync(f.fileno())
+            old = _regular_mode(out)
+            if old is not None:
+                os.fchmod(f.fileno(), stat.S_IMODE(old) & 0o777)
         problem = target_problem(out, probe=False)  # still a regular file or absent
         if problem is not None:
             raise error(f"cannot write {what} to {str(out)!r}: {problem}.")
@@ -153,6 +166,16 @@ def write_file(
         except OSError:
             pass
     return out
+
+
+def _regular_mode(path: Path) -> int | None:
+    """The mode of the regular file at ``path``; None when there is none (absent, or
+    something else: refused by the check that follows)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return mode if stat.S_ISREG(mode) else None
 
 
 def write_text(path: Any, text: str, what: str, error: type[AmpError] = OutputPathError) -> Path:

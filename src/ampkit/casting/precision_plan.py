@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ampkit._internal.files import check_target, read_json, write_file, write_text
+from ampkit.casting.lists import DEFAULT_LISTS
 from ampkit.casting.policy import Policy, exact_name
 from ampkit.errors import AmpError
 
@@ -291,21 +292,21 @@ class TunePlan:
         naming the first field that is wrong (every field's type is checked)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise PlanError(f"not an ampkit tuning plan (no \"format\": \"{FORMAT}\"); write one with ampkit.tune.")
-        if doc.get("version") != VERSION:
+        if type(doc.get("version")) is not int or doc["version"] != VERSION:  # 1.0 or true is not the integer 1
             raise PlanError(f"tuning plan version {_shown(doc.get('version'))}: this ampkit reads version {VERSION}.")
         try:
             modules = tuple(_choice(m) for m in _field(doc, "modules", list))
             plan = cls(
                 dtype=_dtype(_field(doc, "dtype", str)),
                 level=_level(_field(doc, "level", str)),
-                device_type=_field(doc, "device_type", str),
-                budget=_number(_field(doc, "budget", (int, float)), "budget"),
+                device_type=_device_type(_field(doc, "device_type", str)),
+                budget=_at_least_zero(_field(doc, "budget", (int, float)), "budget", "a relative loss deviation"),
                 modules=modules,
                 skipped=_names_to(_field(doc, "skipped", dict), "skipped", _text),
                 predicted_deviation=_number(doc.get("predicted_deviation"), "predicted_deviation"),
                 probe=_names_to(_field(doc, "probe", dict), "probe", _number),
                 backed_off=tuple(_text(x, "an entry of backed_off") for x in _field(doc, "backed_off", list)),
-                seconds=_number(_field(doc, "seconds", (int, float)), "seconds"),
+                seconds=_at_least_zero(_field(doc, "seconds", (int, float)), "seconds", "the tuner's wall time"),
                 machine=_machine(doc.get("machine")),
             )
         except RecursionError:
@@ -396,8 +397,24 @@ def _field(doc: dict, name: str, kind: type | tuple[type, ...]) -> Any:
         raise PlanError(f"tuning plan: the field {name!r} is missing.")
     value = doc[name]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise PlanError(f"tuning plan: {name} is {type(value).__name__}, not {getattr(kind, '__name__', kind)}.")
+        wanted = "a number" if kind == (int, float) else getattr(kind, "__name__", kind)
+        raise PlanError(f"tuning plan: {name} is {type(value).__name__}, not {wanted}.")
     return value
+
+
+def _at_least_zero(value: int | float, name: str, what: str) -> float:
+    """A plan's ``budget`` or ``seconds``: a finite number, zero or more."""
+    number = _number(value, name)
+    if not (math.isfinite(number) and number >= 0):
+        raise PlanError(f"tuning plan: {name} is {_shown(value)}; {what} is a finite number, zero or more.")
+    return number
+
+
+def _device_type(name: str) -> str:
+    """A plan's ``device_type``: one ampkit has op lists for (what :func:`ampkit.tune` records)."""
+    if name not in DEFAULT_LISTS:
+        raise PlanError(f"tuning plan: device_type {_shown(name)}; one of {', '.join(DEFAULT_LISTS)}.")
+    return name
 
 
 def _dtype(name: str) -> str:
@@ -416,8 +433,11 @@ def _choice(m: Any) -> ModuleChoice:
     if not isinstance(m, dict):
         raise PlanError(f"tuning plan: a module entry is {type(m).__name__}, not an object.")
     dtype = _field(m, "dtype", str)
+    name = _field(m, "name", str)
+    if not name:
+        raise PlanError("tuning plan: a module's name is empty (the whole model); a plan names the modules below it.")
     return ModuleChoice(
-        name=_field(m, "name", str), kind=_field(m, "kind", str), dtype=dtype if dtype == FP8 else _dtype(dtype),
+        name=name, kind=_field(m, "kind", str), dtype=dtype if dtype == FP8 else _dtype(dtype),
         fp32_ms=_number(m.get("fp32_ms"), "fp32_ms"), low_ms=_number(m.get("low_ms"), "low_ms"),
         loss_deviation=_number(m.get("loss_deviation"), "loss_deviation"),
         grad_deviation=_number(m.get("grad_deviation"), "grad_deviation"), reason=_field(m, "reason", str),

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from ampkit._internal import torch_compat
+from ampkit._internal.files import write_file
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8 import Fp8Recipe
@@ -70,7 +71,7 @@ from ampkit.trainer.extensions import AfterStep
 from ampkit.trainer.session import prepare_load_state_dict, state_dict
 
 from . import require
-from ._files import read_checkpoint_file
+from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
 
 _accelerate = require("accelerate", "accelerate")
 _optimizer_module = require("accelerate.optimizer", "accelerate")
@@ -138,7 +139,9 @@ def check_accelerator(accelerator: Any) -> None:
 
 def _save_hook(accelerator: Any) -> Any:
     """Accelerate's save pre-hook (``hook(models, weights, output_dir)``): ampkit's state
-    into ``output_dir/STATE_NAME``, written by the process that writes the models."""
+    into ``output_dir/STATE_NAME``, written by the process that writes the models, before
+    Accelerate writes anything; never through a link (a symlink, FIFO or folder at that
+    name refuses the save with :class:`AccelerateCheckpointError`)."""
     ref = weakref.ref(accelerator)
 
     def hook(models: Any, weights: Any, output_dir: str) -> None:
@@ -147,15 +150,20 @@ def _save_hook(accelerator: Any) -> Any:
             return
         each_node = bool(getattr(acc.project_configuration, "save_on_each_node", False))
         if acc.is_local_main_process if each_node else acc.is_main_process:
-            torch.save(state_dict(), os.path.join(output_dir, STATE_NAME))
+            state = state_dict()
+            write_file(
+                os.path.join(output_dir, STATE_NAME), lambda f: torch.save(state, f),
+                f"ampkit's checkpoint state ({STATE_NAME})", AccelerateCheckpointError,
+            )
 
     return hook
 
 
 def _load_hook(record: _Prepared) -> Any:
-    """Accelerate's load pre-hook (``hook(models, input_dir)``): read and validate the
-    whole of ampkit's state before Accelerate loads the models; keep its loader for
-    after the models and optimizers are loaded."""
+    """Accelerate's load pre-hook (``hook(models, input_dir)``): read (a regular file of
+    a size the session's state can take; a FIFO, device, folder or link to one is
+    refused) and validate the whole of ampkit's state before Accelerate loads the
+    models; keep its loader for after the models and optimizers are loaded."""
     rec = weakref.ref(record)
 
     def hook(models: Any, input_dir: str) -> None:
@@ -164,7 +172,7 @@ def _load_hook(record: _Prepared) -> Any:
             return
         record.pending = None
         path = os.path.join(input_dir, STATE_NAME)
-        if not os.path.isfile(path):
+        if not checkpoint_file_present(path):
             legacy = sorted(f for f in os.listdir(input_dir) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f))
             warnings.warn(
                 f"ampkit: {input_dir} holds no {STATE_NAME} (saved without ampkit's state, or with "
@@ -180,7 +188,7 @@ def _load_hook(record: _Prepared) -> Any:
                 stacklevel=3,
             )
             return
-        saved = read_checkpoint_file(path, AccelerateCheckpointError)
+        saved = read_checkpoint_file(path, AccelerateCheckpointError, limit=checkpoint_read_limit(record.tensors()))
         try:
             record.pending = prepare_load_state_dict(saved)
         except AmpError as exc:
@@ -221,6 +229,11 @@ class _Prepared:
         self.checkpointed = False
         # the loader of the ampkit state load_state's pre-hook validated, until applied
         self.pending: Callable[[], None] | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The parameters of the optimizers set up (those still alive): what bounds the
+        size of ampkit's state in a checkpoint."""
+        return [p for ref in self.optimizers if (opt := ref()) is not None for g in opt.param_groups for p in g["params"]]
 
     def session_alive(self) -> bool:
         """Whether an optimizer set up by an earlier call is still managed (the

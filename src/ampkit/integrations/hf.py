@@ -36,9 +36,12 @@ or hook of the Trainer:
   :func:`ampkit.state_dict` (loss scalers, step counters, fp32 masters, compensation,
   fp8 state) and every 16-bit weight the optimizer steps as it is (O2K, O3);
   ``resume_from_checkpoint`` and ``load_best_model_at_end`` load it back, so a resumed
-  run continues bit for bit. The file is read and checked whole, against the session
-  ampkit set up, before HF loads the checkpoint's weights or optimizer state: a bad
-  file refuses the resume with the model and optimizer as they were.
+  run continues bit for bit. On a resume ampkit is set up first (``create_optimizer``,
+  as ``train()`` would next) and the file is read and checked whole against that
+  session before HF sets up anything of the resumed run -- its ``trainer.state``, LR
+  scheduler, weights or optimizer state: a bad file refuses the resume with the model,
+  the optimizer (state and ``param_groups``), the LR scheduler and ``trainer.state`` as
+  they were. A link, FIFO or folder at its name refuses the save (never written through).
 - ``save_model`` (checkpoints included) writes the fp32 weights the run trained
   (:func:`fp32_state_dict`: the masters under O2, weight + compensation under O2K) with
   ``"dtype": "float32"`` in ``config.json``, so ``from_pretrained`` loads them back as
@@ -68,6 +71,7 @@ import torch
 from torch import nn
 
 from ampkit._internal.env import dtype_from_env
+from ampkit._internal.files import check_target, write_file
 from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
 from ampkit.casting.precision_plan import TunePlan
@@ -80,7 +84,7 @@ from ampkit.trainer.session import prepare_load_state_dict
 from ampkit.trainer.session import state_dict as amp_state_dict
 
 from . import require
-from ._files import read_checkpoint_file
+from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
 from .hf_arguments import (
     AmpkitArguments,
     AmpkitSeq2SeqTrainingArguments,
@@ -133,13 +137,13 @@ TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
     "_save_scaler": ("output_dir",),
     "_load_scaler": ("checkpoint",),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
-    "_load_optimizer_and_scheduler": ("checkpoint",),
     "_load_best_model": (),
     "_save": ("output_dir", "state_dict"),
 }
 
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
+_AMPKIT_WHAT = f"ampkit's checkpoint state ({AMPKIT_NAME})"
 #: /2: ``weights16`` holds every 16-bit weight stepped as it is, so a missing one is
 #: seen (/1 held only those the fp32 weights do not round back to).
 _FORMAT = "ampkit.integrations.hf/2"
@@ -161,13 +165,13 @@ class _Setup:
 
 @dataclasses.dataclass
 class _Resume:
-    """A resume under way: the checkpoint, its read :data:`AMPKIT_NAME`, the model HF
-    loads the weights into, and (once checked against the session) what applies it."""
+    """A resume under way: the checkpoint, its read :data:`AMPKIT_NAME`, the session it
+    was checked against, and what applies it (after HF loaded the optimizer state)."""
 
     checkpoint: str
     saved: dict[str, Any]
-    model: nn.Module | None
-    apply: Callable[[], None] | None = None
+    setup: _Setup | None
+    apply: Callable[[], None] | None  # None: ampkit was not set up
 
 
 class AmpkitTrainerMixin:
@@ -197,6 +201,7 @@ class AmpkitTrainerMixin:
             for name, on in (
                 ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
                 ("FSDP", getattr(self, "is_fsdp_enabled", False)),
+                ("FSDP on XLA", getattr(self, "is_fsdp_xla_enabled", False)),
                 ("SageMaker model parallelism", is_sagemaker_mp_enabled()),
             )
             if on
@@ -368,7 +373,10 @@ class AmpkitTrainerMixin:
         if setup is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(self._ampkit_state(setup), os.path.join(output_dir, AMPKIT_NAME))
+        state = self._ampkit_state(setup)
+        write_file(
+            os.path.join(output_dir, AMPKIT_NAME), lambda f: torch.save(state, f), _AMPKIT_WHAT, HfIntegrationError
+        )
 
     def _ampkit_state(self, setup: _Setup) -> dict[str, Any]:
         model = self._setup_model(setup)
@@ -399,55 +407,49 @@ class AmpkitTrainerMixin:
         return model
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """HF's load of the checkpoint's model weights, held back until ampkit's file
-        has been checked whole. The file is read (weights only) and checked here:
-        readable, whole, of this run's level and dtype, its 16-bit weights known, shaped
-        as the model's and finite. Its state can only be checked against ampkit's
-        session, set up afterwards with the optimizer; so HF's weights wait until then
-        (``_load_optimizer_and_scheduler``), and a bad file refuses the resume before HF
-        changed any weight or optimizer state. A checkpoint without the file is loaded
-        by HF at once (ampkit's fp32 state then starts from its weights)."""
+        """HF's load of the checkpoint's model weights, once ampkit's file has been read
+        and checked whole: readable, of this run's level and dtype, its 16-bit weights the
+        model's, its state fitting ampkit's session (set up here by ``create_optimizer``,
+        which ``train()`` calls next and which then keeps that setup). ``train()`` calls
+        this before it sets up the resumed run (``trainer.state``, callbacks, a new LR
+        scheduler that resets ``lr``), so a bad file refuses the resume with all of that
+        as it was. A checkpoint without the file is loaded by HF alone."""
+        self._ampkit_resume = None
         saved = self._read_ampkit_file(resume_from_checkpoint)
         if saved is None:
-            self._ampkit_resume = None
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
-        self._ampkit_resume = _Resume(resume_from_checkpoint, saved, model)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """ampkit's file checked against the session, then HF's checkpoint weights,
-        then HF's optimizer and scheduler state (see ``_load_from_checkpoint``)."""
-        self._ampkit_resume_weights(checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        # the optimizer the Trainer has, or the one it builds from the arguments, as train()
+        # does next; ampkit is set up with it unless it already is
+        self.create_optimizer()
+        setup = self._ampkit  # None: a subclass's own create_optimizer set nothing up
+        apply = None if setup is None else self._prepare_ampkit_load(resume_from_checkpoint, saved)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        self._ampkit_resume = _Resume(resume_from_checkpoint, saved, setup, apply)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        """HF's scaler file, then ampkit's state (after the optimizer state)."""
-        self._ampkit_resume_weights(checkpoint)
+        """HF's scaler file, then ampkit's state checked by ``_load_from_checkpoint``
+        (after HF loaded the optimizer state)."""
         super()._load_scaler(checkpoint)  # type: ignore[misc]
         resume, self._ampkit_resume = self._ampkit_resume, None
-        if resume is not None and resume.checkpoint == checkpoint and resume.apply is not None:
-            resume.apply()
-
-    def _ampkit_resume_weights(self, checkpoint: str | None) -> None:
-        """For the resume under way from ``checkpoint``, once: check ampkit's file
-        against the session (raises, nothing loaded), then let HF load the weights."""
-        resume = self._ampkit_resume
-        if resume is None or resume.checkpoint != checkpoint or resume.apply is not None:
+        if resume is None or resume.checkpoint != checkpoint:
             return
-        if self._ampkit is not None:
-            resume.apply = self._prepare_ampkit_load(resume.checkpoint, resume.saved)
-        else:  # ampkit was not set up (no optimizer of its own): HF's weights only
-            resume.apply = lambda: None
-        super()._load_from_checkpoint(resume.checkpoint, resume.model)  # type: ignore[misc]
+        apply = resume.apply
+        if resume.setup is not self._ampkit:  # set up anew since the check: check again
+            apply = None if self._ampkit is None else self._prepare_ampkit_load(resume.checkpoint, resume.saved)
+        if apply is not None:
+            apply()
 
     def _read_ampkit_file(self, checkpoint: str) -> dict[str, Any] | None:
         """``checkpoint``'s :data:`AMPKIT_NAME`, read with ``torch.load(weights_only=True)``
-        and checked without ampkit's session: this integration's format, every entry
+        (a regular file, at most :func:`checkpoint_read_limit` of the model's size) and
+        checked without ampkit's session: this integration's format, every entry
         present, this run's ``amp_level``/``amp_dtype``, 16-bit weights the model has
-        (same shape, finite). None, with a warning, when the checkpoint has no such
-        file. Raises :class:`HfIntegrationError`; changes nothing."""
+        (same shape, finite, sane). None, with a warning, when the checkpoint has
+        nothing of that name; a FIFO, device, folder or link to one there is refused.
+        Raises :class:`HfIntegrationError`; changes nothing."""
         path = os.path.join(checkpoint, AMPKIT_NAME)
-        if not os.path.isfile(path):
+        if not checkpoint_file_present(path):
             warnings.warn(
                 f"ampkit: {checkpoint} holds no {AMPKIT_NAME} (saved without ampkit?): the "
                 f"loss scale and step counters start afresh, {self.amp_level}'s fp32 state from "
@@ -456,7 +458,10 @@ class AmpkitTrainerMixin:
                 stacklevel=3,
             )
             return None
-        saved = read_checkpoint_file(path, HfIntegrationError, map_location=self.args.device)
+        if not isinstance(self.model, nn.Module):
+            raise HfIntegrationError("the Trainer has no model to resume; pass model= or model_init=.")
+        limit = checkpoint_read_limit([*self.model.parameters(), *self.model.buffers()])
+        saved = read_checkpoint_file(path, HfIntegrationError, map_location=self.args.device, limit=limit)
         if isinstance(saved, Mapping) and saved.get("format") == "ampkit.integrations.hf/1":
             raise HfIntegrationError(
                 f"{path} was written by an earlier ampkit (format ampkit.integrations.hf/1), which "
@@ -476,8 +481,6 @@ class AmpkitTrainerMixin:
                 f"{saved.get('dtype')!r}; this run is set up at amp_level={self.amp_level!r}, "
                 f"amp_dtype={dtype!r}. Resume with the arguments the checkpoint was trained with."
             )
-        if not isinstance(self.model, nn.Module):
-            raise HfIntegrationError("the Trainer has no model to resume; pass model= or model_init=.")
         _check_weights16(path, saved["weights16"], self.model.state_dict(keep_vars=True), self.amp_dtype)
         return dict(saved)
 
@@ -525,6 +528,9 @@ class AmpkitTrainerMixin:
         weights with ``config.json`` dtype float32 (default, and always for the
         checkpoints HF saves with ``_internal_call=True``), or the :func:`ampkit.convert`
         inference model (``"converted"``)."""
+        target = os.path.join(output_dir, AMPKIT_NAME) if _internal_call and output_dir is not None else None
+        if target is not None and self._ampkit is not None and self.args.should_save and os.path.lexists(target):
+            check_target(target, _AMPKIT_WHAT, HfIntegrationError)  # refused before HF writes the checkpoint
         self._ampkit_save_mode = "fp32" if _internal_call else getattr(self.args, "amp_save_weights", "fp32")
         try:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]

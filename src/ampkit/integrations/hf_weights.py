@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.files import write_text
+from ampkit._internal.validate import ABSURD_MAGNITUDE
 from ampkit.inference.conversion import fp32_weights
 from ampkit.levels.setup import master_params
 from ampkit.trainer.session import state_dict as amp_state_dict
@@ -104,16 +106,20 @@ def fp32_state_dict(
 def _write_config_dtype(model: Any, output_dir: str, dtype: torch.dtype) -> None:
     """Rewrite ``config.json`` in ``output_dir`` with ``dtype`` (``save_pretrained``
     writes the dtype of the model's first parameter, bf16 for an O2 model whose saved
-    weights are fp32); the model's in-memory config keeps what HF set."""
+    weights are fp32) as ``save_pretrained`` writes it, through ampkit's writer (a link
+    at its name is refused, never followed); the model's in-memory config keeps what HF
+    set."""
     config = getattr(model, "config", None)
-    if config is None or not os.path.isfile(os.path.join(output_dir, "config.json")):
+    path = os.path.join(output_dir, "config.json")
+    if config is None or not os.path.lexists(path):
         return
     before = config.dtype
     config.dtype = str(dtype).split(".")[1]
     try:
-        config.save_pretrained(output_dir)
+        text = config.to_json_string(use_diff=True)
     finally:
         config.dtype = before
+    write_text(path, text, "the model's config.json", HfIntegrationError)
 
 
 def _stepped16_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -139,10 +145,12 @@ def _check_weights16(
     expected: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's exact 16-bit weights, each checked against the model's tensor of
-    that name: known, same shape, finite (a training step never writes inf/NaN: ampkit
-    skips those steps), and of the model's dtype -- or, before ampkit cast the model
-    (``dtype`` given), of ``dtype``. With ``expected`` (:func:`_stepped16_names` of the
-    set-up model), exactly those names: one missing would resume from a rounded copy."""
+    that name: dense (strided), known, same shape, finite (a training step never writes
+    inf/NaN: ampkit skips those steps), no larger in magnitude than
+    :data:`~ampkit._internal.validate.ABSURD_MAGNITUDE`, and of the model's dtype -- or,
+    before ampkit cast the model (``dtype`` given), of ``dtype``. With ``expected``
+    (:func:`_stepped16_names` of the set-up model), exactly those names: one missing
+    would resume from a rounded copy."""
     if not isinstance(weights16, Mapping):
         raise HfIntegrationError(f"{path}: 'weights16' is {type(weights16).__name__}, not a dict of tensors.")
     unknown = sorted(str(k) for k in weights16 if k not in state)
@@ -162,9 +170,22 @@ def _check_weights16(
     for name, value in weights16.items():
         target = state[name]
         want = dtype if dtype is not None else target.dtype
+        if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_meta):
+            kind = "on the meta device (no data)" if value.is_meta else f"a {value.layout} tensor"
+            raise HfIntegrationError(
+                f"{path}: weight {name!r} is {kind}, where ampkit saves a dense (strided) tensor: the "
+                "file was edited or not written by ampkit. Nothing was loaded; resume from another checkpoint."
+            )
         if not isinstance(value, torch.Tensor) or value.dtype != want or value.shape != target.shape:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise HfIntegrationError(f"{path}: weight {name!r} is {got} where the model has {want} {tuple(target.shape)}.")
         if not bool(torch.isfinite(value).all()):
             raise HfIntegrationError(f"{path}: weight {name!r} holds inf/NaN, which no training step writes.")
+        largest = float(value.abs().amax()) if value.numel() else 0.0
+        if largest > ABSURD_MAGNITUDE:
+            raise HfIntegrationError(
+                f"{path}: weight {name!r} holds values of magnitude {largest:.3g}, beyond {ABSURD_MAGNITUDE:.3g} "
+                "(past it a square overflows fp32; no run that trains saves one). Nothing was loaded: the "
+                "checkpoint is corrupt; resume from an earlier one."
+            )
     return dict(weights16)

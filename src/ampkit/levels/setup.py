@@ -368,12 +368,39 @@ def _attach_trainer(
     )
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
+        if level.fast_kernels and isinstance(opt, torch.optim.Adam):  # first: around every other extension
+            managed.add_extension(_FloatLrForForeach(opt))
         if mw is not None:
             managed.add_extension(_MasterStep(mw, models))
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
             managed.add_extension(_CompensationState(comp))
+
+
+class _FloatLrForForeach(StepExtension):
+    """A tensor ``lr`` (``Adam(lr=torch.tensor(1e-3))``) on an Adam/AdamW param group
+    that ampkit's fast kernels switched to ``foreach=True``: torch's foreach Adam refuses
+    a tensor lr unless ``capturable``, so for the update alone the group holds the lr's
+    value as a float (what the step computes with is then exactly the run with
+    ``lr=lr.item()``), and the user's tensor is put back right after, also when the step
+    raises (schedulers and ``state_dict`` see it as before)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._swapped: list[tuple[dict, torch.Tensor]] = []
+
+    def before_update(self, args: tuple, kwargs: dict) -> None:
+        for group in self.optimizer.param_groups:
+            lr = group.get("lr")
+            if group.get("foreach") and not group.get("capturable") and torch.is_tensor(lr) and lr.numel() == 1:
+                self._swapped.append((group, lr))
+                group["lr"] = float(lr.item())
+
+    def after_update(self) -> None:
+        for group, lr in self._swapped:
+            group["lr"] = lr
+        self._swapped = []
 
 
 class _CompensationState(StepExtension):
@@ -436,11 +463,7 @@ class _MasterStep(StepExtension):
             rule = one_pass.rule_for(opt, group)
             if rule is None:
                 continue
-            items = []
-            for master in list.__iter__(group["params"]):  # bookkeeping: no grads derived
-                model_p = model_of.get(id(master))
-                if model_p is not None and one_pass.fits(opt, rule, master, model_p, model_p.grad):
-                    items.append((master, model_p, model_p.grad))
+            items = one_pass.select(opt, group, rule, model_of)
             one_pass.step_params(opt, group, rule, items)
             written.extend((m, p) for m, p, _ in items)
         self._written = {id(m) for m, _ in written}

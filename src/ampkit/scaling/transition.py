@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
@@ -138,9 +139,13 @@ def _checked_inputs(
 
 def _overflow(found_inf: Any, where: str) -> bool:
     """``found_inf`` as a bool: a bool as it is, a 0-dim bool or real tensor as
-    ``value > 0``; anything else (a str, a NaN or negative flag) is :class:`ScalerError`."""
+    ``value > 0``, a numpy bool as the bool it holds; anything else (a str, a NaN or
+    negative flag) is :class:`ScalerError`."""
     if isinstance(found_inf, bool):
         return found_inf
+    numpy = sys.modules.get("numpy")  # a numpy bool can only exist once numpy is imported
+    if numpy is not None and isinstance(found_inf, numpy.bool_):
+        return bool(found_inf)
     hint = "pass a bool, or the 0-dim found-inf tensor unscale_ returns"
     if not isinstance(found_inf, torch.Tensor):
         raise ScalerError(

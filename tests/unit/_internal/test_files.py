@@ -21,13 +21,12 @@ import pytest
 from ampkit._internal import files
 from ampkit._internal import inductor_compat as ic
 from ampkit._internal.paths import output_path, unwritable_reason
-from ampkit.errors import AmpError, OutputPathError
+from ampkit.errors import OutputPathError, StateError
 
 VICTIM_TEXT = "the victim's own content\n"
 
 
-class ReadError(AmpError):
-    """The error the reads below ask for."""
+ReadError = StateError  # an AmpError the reader raises (any subclass does)
 
 
 def _within(seconds: float, fn, fifo: Path | None = None):
@@ -90,6 +89,34 @@ def test_a_regular_file_is_written_and_replaced_whole(tmp_path):
     files.write_text(str(path), "two", "the file")
     assert path.read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temp file left
+
+
+def test_a_name_ending_in_a_separator_dot_or_dot_dot_is_a_folder_and_refused(tmp_path, monkeypatch):
+    """``Path("new/")`` is ``Path("new")``: the writer sees the name as given, and a name
+    ending in ``/``, ``/.`` or ``/..`` names a folder, so nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("new/", str(tmp_path / "new") + "/", "new/.", "new/..", ".", "..", ""):
+        for write in (lambda n: files.write_text(n, "x", "the file"), lambda n: files.check_target(n, "the file")):
+            with pytest.raises(OutputPathError, match="(names a folder|is a folder|the name is empty); give a file name") as info:
+                write(name)
+            assert "\n" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    files.write_text("new", "x", "the file")  # the same name without the slash is a file's
+    assert (tmp_path / "new").read_text() == "x"
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o755, 0o444])
+def test_a_replaced_file_keeps_its_permission_bits(tmp_path, mode):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    os.chmod(path, mode)
+    files.write_text(path, "new", "the file")
+    assert path.read_text() == "new" and stat.S_IMODE(os.lstat(path).st_mode) == mode
+    fresh = tmp_path / "fresh.json"
+    files.write_text(fresh, "x", "the file")  # a new file: 0o644 less the umask, as before
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.lstat(fresh).st_mode) == 0o644 & ~umask
 
 
 def test_a_fifo_is_refused_and_stays_a_fifo(fifo):

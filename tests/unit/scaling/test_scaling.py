@@ -484,6 +484,21 @@ def test_next_state_takes_flag_tensors_and_agrees_with_the_scaler(cfg, events):
         assert scaler.state() == want[0]
 
 
+@pytest.mark.parametrize("overflow", [True, False])
+def test_numpy_bools_are_flags_for_next_state_and_update(overflow):
+    """A numpy bool (``np.bool_``, what comparing numpy values gives) is the flag it
+    holds, to ``next_state`` and ``LossScaler.update`` alike."""
+    np = pytest.importorskip("numpy")
+    from ampkit.scaling import next_state
+
+    scaler = LossScaler(init_scale=2.0**10)
+    state, config = scaler.state(), scaler.config()
+    assert next_state(state, config, np.bool_(overflow)) == next_state(state, config, overflow)
+    scaler.update(np.bool_(overflow))
+    assert scaler.state() == next_state(state, config, overflow)[0]
+    assert scaler.scale == (2.0**9 if overflow else 2.0**10)
+
+
 @pytest.mark.parametrize("flag", ["False", "", None, 1.5j, float("nan"), -1.0, torch.ones(2)])
 def test_loss_scaler_update_refuses_what_is_no_flag(flag):
     """``LossScaler.update`` takes a bool or a 0-dim found-inf tensor: a string such as
