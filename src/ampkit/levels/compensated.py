@@ -41,7 +41,7 @@ from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.managed import managed_state
 
 from . import update_kernels as _kernels
-from .one_pass import adam_scalars, rule_for, sgd_scalars
+from .one_pass import adam_plan, rule_for, sgd_scalars
 from .update_kernels import Kernel, flat, same_layout
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
@@ -345,9 +345,8 @@ class CompensatedUpdates:
 
     def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
         g, w = p.grad, p.detach()
-        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse:
-            return False
-        if type(g) is not type(w):  # a sharded parameter with a full grad, or the reverse
+        # type: a sharded parameter with a full grad, or the reverse
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or type(g) is not type(w):
             return False
         local = local_tensor(w)
         if flat(local) is None:
@@ -387,9 +386,10 @@ class CompensatedUpdates:
 
     def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
               gs: list, run: dict) -> None:
-        for idx, scalars in adam_scalars(optimizer, group, params):
-            ms = [flat(local_tensor(optimizer.state[params[i]]["exp_avg"])) for i in idx]
-            vs = [flat(local_tensor(optimizer.state[params[i]]["exp_avg_sq"])) for i in idx]
+        states, plan = adam_plan(optimizer, group, params)
+        for idx, scalars in plan:
+            ms = [flat(local_tensor(states[i]["exp_avg"])) for i in idx]
+            vs = [flat(local_tensor(states[i]["exp_avg_sq"])) for i in idx]
             _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
 
     def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,

@@ -44,7 +44,7 @@ from ampkit._internal.validate import (
 from ampkit.errors import AmpError, StateError
 
 from .grad_mirror import GradMirror
-from .rounding import compared_ahead, rounds_to
+from .rounding import compared_ahead, unrounded
 
 __all__ = ["MasterWeights", "MODEL_GRADS", "MASTER_GRADS"]
 
@@ -295,10 +295,10 @@ class MasterWeights:
         else:
             pairs = [(p, m) for p in params if (m := self._masters.get(id(p))) is not None]
         with torch.no_grad(), compared_ahead(pairs):
-            for model_p, master in pairs:
-                if not rounds_to(model_p, master):
-                    master.copy_(model_p)
-                    self._published[id(master)] = torch_compat.tensor_version(master)
+            for i in unrounded(pairs):
+                model_p, master = pairs[i]
+                master.copy_(model_p)
+                self._published[id(master)] = torch_compat.tensor_version(master)
 
     # -- the grads (the mirror's, for code that holds the masters) -----------------------
 

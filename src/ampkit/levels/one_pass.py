@@ -44,10 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import torch_compat
+
 from . import update_kernels as _kernels
 from .update_kernels import Kernel, flat, same_layout
 
-__all__ = ["rule_for", "fits", "step_params", "scalar", "adam_scalars", "sgd_scalars"]
+__all__ = ["rule_for", "fits", "select", "step_params", "scalar", "adam_scalars", "adam_plan", "sgd_scalars"]
 
 
 def _adam(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
@@ -145,19 +147,33 @@ def adam_scalars(optimizer: torch.optim.Optimizer, group: dict[str, Any], params
     kernels' scalars: 1-beta1, beta2, 1-beta2, eps, lr/bias_correction1,
     sqrt(bias_correction2), 1-lr*wd (decoupled decay; else 1), wd (L2; else 0),
     -1 if maximize else 1."""
+    return adam_plan(optimizer, group, params)[1]
+
+
+def adam_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[nn.Parameter],
+              ) -> tuple[list[dict[str, Any]], list[tuple[list[int], torch.Tensor]]]:  # fmt: skip
+    """:func:`adam_scalars`, with the state of each of ``params`` (in order) first. The
+    scalars are computed once per distinct step count (params of a group normally
+    share one), not once per parameter."""
     beta1, beta2 = (scalar(b) for b in group["betas"])
     lr, eps, wd = scalar(group["lr"]), scalar(group["eps"]), scalar(group["weight_decay"])
     assert lr is not None and eps is not None and wd is not None and beta1 is not None and beta2 is not None
     decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
-    by_step: dict[float, list[int]] = {}
-    for i, p in enumerate(params):
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        by_step.setdefault(float(state["step"]), []).append(i)
+    states = [optimizer.state[p] for p in params]
+    if not all(states):
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    values = _advance_steps(states)
+    by_step: dict[float, list[int]]
+    if len(set(values)) == 1:
+        by_step = {values[0]: list(range(len(values)))}
+    else:
+        by_step = {}
+        for i, step in enumerate(values):
+            by_step.setdefault(step, []).append(i)
     sign = -1.0 if group.get("maximize") else 1.0
     out = []
     for step, idx in by_step.items():
@@ -169,7 +185,27 @@ def adam_scalars(optimizer: torch.optim.Optimizer, group: dict[str, Any], params
             dtype=torch.float32,
         )  # fmt: skip
         out.append((idx, scalars))
-    return out
+    return states, out
+
+
+def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
+    """``state["step"] += 1`` for each of ``states``, and the new counts as floats. Where
+    the steps are distinct 0-dim fp32 tensors on one device (torch's layout), one
+    stacked add, copied back, and one read of all counts (not one per parameter: each
+    read waits for the device where the steps live there); otherwise one by one."""
+    steps = [state["step"] for state in states]
+    if steps and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 for t in steps):
+        try:
+            stacked = torch.stack(steps)
+        except RuntimeError:  # several devices
+            stacked = None
+        if stacked is not None and len({id(t) for t in steps}) == len(steps):
+            stacked += 1
+            torch_compat.foreach_copy_(steps, list(stacked.unbind()))
+            return stacked.tolist()
+    for state in states:
+        state["step"] += 1
+    return [float(state["step"]) for state in states]
 
 
 def sgd_scalars(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[nn.Parameter]) -> list[tuple[list[int], torch.Tensor]] | torch.Tensor:
@@ -222,6 +258,50 @@ def fits(optimizer: torch.optim.Optimizer, rule: str, master: nn.Parameter, mode
     return same_layout(tensors)
 
 
+def select(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], rule: str, model_of: dict[int, torch.Tensor],
+) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]:
+    """``(master, model_param, grad16)`` for each master of ``group`` (in order) that
+    has a model parameter in ``model_of`` (``id(master) ->`` it) whose grad :func:`fits`
+    the one-pass kernel: the same checks in one loop over the group."""
+    state_of = optimizer.state
+    keys = _STATE_KEYS[rule]
+    allowed = {"step", *keys}
+    out = []
+    for master in list.__iter__(group["params"]):  # bookkeeping: no grads derived
+        model_p = model_of.get(id(master))
+        if model_p is None:
+            continue
+        g = model_p.grad
+        if (g is None or g.is_sparse or g.dtype == torch.float32 or master.dtype != torch.float32
+                or g.dtype != model_p.dtype):  # fmt: skip
+            continue
+        shape, stride, device = master.shape, master.stride(), master.device
+        if not (g.shape == shape and g.stride() == stride and g.device == device and model_p.shape == shape
+                and model_p.stride() == stride and model_p.device == device) or flat(master) is None:  # fmt: skip
+            continue
+        state = state_of.get(master)
+        if state and not _state_fits(state, rule, keys, allowed, shape, stride, device):
+            continue
+        out.append((master, model_p, g))
+    return out
+
+
+def _state_fits(state: dict, rule: str, keys: tuple[str, ...], allowed: set[str], shape: torch.Size,
+                stride: tuple[int, ...], device: torch.device) -> bool:  # fmt: skip
+    """:func:`fits`'s check of existing optimizer state."""
+    if rule == "adam" and ("step" not in state or not allowed.issuperset(state)):
+        return False
+    for key in keys:
+        v = state.get(key)
+        if v is None and rule == "sgd":
+            continue
+        if not (torch.is_tensor(v) and v.dtype == torch.float32 and v.shape == shape and v.stride() == stride
+                and v.device == device):  # fmt: skip
+            return False
+    return True
+
+
 def step_params(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -257,9 +337,15 @@ def _views(its: Sequence[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]) -> tu
 
 def _step_adam(optimizer: torch.optim.Optimizer, group: dict, its: Sequence, kernel: Kernel, run: dict) -> None:
     ws, gs, ps = _views(its)
-    for idx, scalars in adam_scalars(optimizer, group, [master for master, _, _ in its]):
-        ms = [flat(optimizer.state[its[i][0]]["exp_avg"]) for i in idx]
-        vs = [flat(optimizer.state[its[i][0]]["exp_avg_sq"]) for i in idx]
+    states, plan = adam_plan(optimizer, group, [master for master, _, _ in its])
+    for idx, scalars in plan:
+        if len(idx) == len(its):  # one step count for all (the usual case): no reindexing
+            ms = [flat(state["exp_avg"]) for state in states]
+            vs = [flat(state["exp_avg_sq"]) for state in states]
+            kernel([ws, gs, ps, ms, vs], scalars, **run)
+            continue
+        ms = [flat(states[i]["exp_avg"]) for i in idx]
+        vs = [flat(states[i]["exp_avg_sq"]) for i in idx]
         kernel([[ws[i] for i in idx], [gs[i] for i in idx], [ps[i] for i in idx], ms, vs], scalars, **run)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ from ampkit._internal import torch_compat
 
 from .update_kernels import rounds_to_bf16
 
-__all__ = ["rounds_to", "compared_ahead", "COMPARED_ONE_BY_ONE"]
+__all__ = ["rounds_to", "unrounded", "compared_ahead", "COMPARED_ONE_BY_ONE"]
 
 _COMPARE_CHUNK = 1 << 16
 
@@ -86,3 +86,39 @@ def rounds_to(low: torch.Tensor, g: torch.Tensor) -> bool:
             torch.equal(a[i : i + _COMPARE_CHUNK], b[i : i + _COMPARE_CHUNK].to(low.dtype))
             for i in range(0, a.numel(), _COMPARE_CHUNK)
         )
+
+
+def unrounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The positions of the ``(low, g)`` pairs for which :func:`rounds_to` is False.
+    Small contiguous pairs on the CPU (below ``_COMPARE_CHUNK`` elements, a model's
+    biases and norms) are compared together, up to ``_COMPARE_CHUNK`` elements per
+    comparison of their concatenations: one call per batch instead of one per pair
+    (a batch that differs is compared pair by pair to find which)."""
+    out: list[int] = []
+    on_cpu = "cpu" in COMPARED_ONE_BY_ONE  # else compared ahead (compared_ahead): rounds_to answers
+    batches: dict[tuple[torch.dtype, torch.dtype], list[list[int]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for i, (low, g) in enumerate(pairs):
+        n = low.numel()
+        if (on_cpu and 0 < n < _COMPARE_CHUNK and low.is_cpu and g.is_cpu and not (low.is_sparse or g.is_sparse)
+                and low.shape == g.shape and low.is_contiguous() and g.is_contiguous()):  # fmt: skip
+            key = (low.dtype, g.dtype)
+            batch = batches.setdefault(key, [[]])
+            size = sizes.get(key, 0) + n
+            if size > _COMPARE_CHUNK:
+                batch.append([])
+                size = n
+            batch[-1].append(i)
+            sizes[key] = size
+        elif not rounds_to(low, g):
+            out.append(i)
+    with torch.no_grad():
+        for (dtype, _), batch_list in batches.items():
+            for batch in batch_list:
+                if len(batch) > 1:
+                    lows = torch.cat([pairs[i][0].view(-1) for i in batch])  # no_grad: views of their own
+                    highs = torch.cat([pairs[i][1].view(-1) for i in batch])
+                    if torch.equal(lows, highs.to(dtype)):
+                        continue
+                out.extend(i for i in batch if not rounds_to(*pairs[i]))
+    return sorted(out)
