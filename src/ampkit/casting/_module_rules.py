@@ -144,14 +144,19 @@ class _ModuleHooks:
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if torch.compiler.is_dynamo_compiling():  # True only in code dynamo traces
             return _compiled_pre(module, args)
-        if not _state.scopes:
+        state = _state
+        scopes = state.scopes
+        if not scopes:
             return None
-        frame = _state.scopes[-1]
-        if not _state.module_stack and not _is_compiled_module(module):
+        frame = scopes[-1]
+        modules = state.module_stack
+        if not modules and not _is_compiled_module(module):
             # (a torch.compile'd module: compiled code keeps no cast cache, and with the
             # cache switch left off dynamo tells this scope from plain torch.autocast)
             _start_cache_epoch(module, frame)
-        _state.module_stack.append(module)
+        modules.append(module)
+        if frame.policy is None or not frame.policy.module_rules or not frame.rules:
+            return None  # no rule to look up (the common case: one check per module call)
         # a torch.compile'd module's own rule is the model's inside it, applied here,
         # eagerly, around the compiled call (compiled code then skips it)
         inner = torch_compat.compiled_module_inner(module)
@@ -173,11 +178,14 @@ class _ModuleHooks:
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
             return _compiled_post(module)
-        if _state.rule_stack and _state.rule_stack[-1][0] is module:
-            _state.rule_stack.pop()[1].close()
-        if _state.module_stack and _state.module_stack[-1] is module:
-            _state.module_stack.pop()
-            if not _state.module_stack:
+        state = _state
+        rules = state.rule_stack
+        if rules and rules[-1][0] is module:
+            rules.pop()[1].close()
+        modules = state.module_stack
+        if modules and modules[-1] is module:
+            modules.pop()
+            if not modules:
                 _end_cache_epoch(module)
         return None
 

@@ -40,7 +40,7 @@ import torch
 
 from ampkit._internal import torch_compat
 
-__all__ = ["use_fastest_kernel", "FUSED_OPTIMIZERS"]
+__all__ = ["use_fastest_kernel", "FUSED_OPTIMIZERS", "nonfinite_flag", "unscale_and_flag"]
 
 #: Optimizer classes (exactly these, not subclasses that may override ``step``)
 #: with a fused implementation in torch.
@@ -191,8 +191,9 @@ def nonfinite_flag(
     times 1 (the same values; a NaN may come back with other bits)."""
     total: torch.Tensor | None = None
     for (device, dtype), tensors in groups.items():
-        small = [t for t in tensors if 0 < t.numel() < READ_ONLY_NUMEL]
-        large = [t for t in tensors if t.numel() >= READ_ONLY_NUMEL]
+        sizes = [t.numel() for t in tensors]
+        small = [t for t, n in zip(tensors, sizes) if 0 < n < READ_ONLY_NUMEL]
+        large = [t for t, n in zip(tensors, sizes) if n >= READ_ONLY_NUMEL] if max(sizes, default=0) >= READ_ONLY_NUMEL else []
         flags = []
         if small or not large:
             found = torch.zeros((), dtype=torch.float32, device=device)
@@ -205,3 +206,36 @@ def nonfinite_flag(
         for flag in flags:
             total = flag if total is None else torch.maximum(total, flag.to(total.device))
     return total
+
+
+def unscale_and_flag(
+    tensors: list[torch.Tensor],
+    flags: dict[torch.device, torch.Tensor],
+    inv: float,
+    constants: dict[tuple[torch.device, float], torch.Tensor],
+) -> None:
+    """In-place ``* inv`` and inf/NaN check of same-device, same-dtype ``tensors``, the
+    flag kept (as a maximum) in ``flags[device]``; ``constants`` caches the 0-dim factor
+    tensors. With ``inv == 1`` tensors from ``READ_ONLY_NUMEL`` elements are only read;
+    with ``inv > 1`` (a scale below 1, where finite grads can overflow once unscaled)
+    the products are checked again. No host sync but the CPU read-only check's."""
+    device = tensors[0].device
+    found = flags.get(device)
+    if found is None:
+        found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+    if inv == 1.0:  # nothing to multiply: large tensors are only read
+        large = [t for t in tensors if t.numel() >= READ_ONLY_NUMEL]
+        if large:
+            flag = nonfinite_flag({(device, tensors[0].dtype): large})
+            if flag is not None:
+                torch.maximum(found, flag, out=found)
+            tensors = [t for t in tensors if t.numel() < READ_ONLY_NUMEL]
+            if not tensors:
+                return
+    for factor in (inv, 1.0) if inv > 1.0 else (inv,):
+        factor_t = constants.get((device, factor))
+        if factor_t is None:
+            if len(constants) > 16:
+                constants.clear()
+            factor_t = constants[(device, factor)] = torch.full((), factor, dtype=torch.float32, device=device)
+        torch_compat.amp_unscale_and_check_(tensors, found, factor_t)

@@ -1,53 +1,47 @@
 """The gradient path: the gradients user code can see are real ones.
 
 A loss scale ``S`` multiplies every gradient backward produces. Code that runs between
-backward and ``optimizer.step()`` -- ``clip_grad_norm_(model.parameters())``,
-``clip_grad_value_``, grad-norm logging, edits of ``p.grad`` -- was written for real
-gradients: it must see them unscaled, and, under O2, on the parameters it names (the
-model's), with its changes reaching the fp32 masters the optimizer steps.
+backward and ``optimizer.step()`` (clipping, grad-norm logging, edits of ``p.grad``) was
+written for real gradients: it must see them unscaled and, under O2, on the parameters
+it names (the model's), with its changes reaching the fp32 masters the optimizer steps.
 
-Every parameter backward accumulates into gets two hooks while its optimizer is managed:
+Each parameter backward accumulates into gets two hooks while its optimizer is managed
+and a scaler of it is not at 1 or masters take its grads (otherwise they would do
+nothing; each ``scale_loss`` puts them on or off): a pre-hook on its ``AccumulateGrad``
+node (it runs only when backward adds into ``p.grad``, not for ``torch.autograd.grad``,
+whose results stay scaled, as with ``torch.amp``), and a post-accumulate-grad hook moved
+before the parameter's own ones, which read the real gradient (the sum so far) in
+``p.grad``, unscaled or shown from the master at once (O2 under DDP: still scaled).
 
-- a pre-hook on the parameter's gradient accumulator (``AccumulateGrad``): it runs only
-  when backward is about to add into ``p.grad`` (not for ``torch.autograd.grad``, whose
-  results stay scaled, as with ``torch.amp``);
-- a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``), moved before
-  the parameter's own ones: those read the real gradient (the sum so far) in ``p.grad``,
-  unscaled or shown from the master at once (O2 under DDP: the local grad, still scaled).
+**Parameters stepped as they are** (fp32 under O0/O1, 16-bit under O3/O2K, fp32 norms
+under O2). The pre-hook multiplies a gradient the parameter already holds by ``S`` (exact
+for power-of-two scales), so backward adds ``S*g`` onto ``S*previous``. When the pass
+ends -- in an autograd final callback queued behind DistributedDataParallel's, so DDP has
+all-reduced the sums -- the gradients it touched are multiplied by ``1/S`` in one fused
+pass per (device, dtype); accumulation pays one more pass per micro-batch and gets real
+gradients between micro-batches. Under DDP's ``no_sync`` the local sums stay in
+``p.grad`` as DDP requires.
 
-**Parameters stepped as they are** (fp32 under O0/O1, 16-bit under O3/O2K, fp32 norm
-layers under O2). With a scale ``S != 1`` the pre-hook multiplies a gradient the
-parameter already holds by ``S`` (exact for the power-of-two scales loss scalers use), so
-backward adds ``S*g`` onto ``S*previous``. When the backward pass ends -- in an autograd
-final callback queued behind DistributedDataParallel's, so DDP has all-reduced the sums
--- the gradients it touched are multiplied by ``1/S`` in one fused pass per (device,
-dtype): the unscale pass ``step()`` used to run, moved to the end of each backward;
-gradient accumulation pays one more pass per micro-batch (the rescale) and gets real
-gradients between micro-batches. Under DDP's ``no_sync`` the local sums stay in ``p.grad``
-as DDP requires, so the synchronized backward reduces the whole sum. With ``S == 1``
-(bf16) the hooks do nothing.
-
-**Parameters with an fp32 master** (O2): see :class:`ampkit.levels.master.MasterWeights`. The
+**Parameters with an fp32 master** (O2, :class:`ampkit.levels.master.MasterWeights`): the
 post-accumulate hook moves each 16-bit gradient into its master's fp32 gradient as it is
-produced (unscaled and checked in fp32, accumulated in fp32) and frees it; when the
-backward pass ends the model parameters get 16-bit copies to read and edit; edits and
-clearing through either side are merged before the step. Under DDP (seen by a forward
-pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until DDP has reduced
-them, and move into the masters after the synchronized backward.
+produced (unscaled and checked in fp32) and frees it; when the pass ends the model
+parameters get 16-bit copies to read and edit, merged back before the step. Under DDP
+(seen by a forward pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until
+DDP has reduced them, and move into the masters after the synchronized backward.
 
-The overflow check reads the memory the optimizer steps, when the step (or
-``ampkit.unscale``) closes the grads: code may have changed a gradient between backward
-and the step through ``.data`` (``p.grad.data[i] = x``, ``p.grad.data.div_(...)``), which
-changes no version counter, so a check made at the end of backward cannot vouch for it.
-The end-of-pass work on parameters stepped as they are therefore only multiplies by
-``1/S``, and the step reads those grads once, in one fused read-only pass per (device,
-dtype). A master's fp32 grad, which user code reaches only through
-``ampkit.master_params``, is checked as backward moves it in (tensor and version
-remembered) and read again only when it was replaced or changed in place.
+The overflow check reads the memory the optimizer steps when the step (or
+``ampkit.unscale``) closes the grads: an edit through ``.data`` (``p.grad.data[i] = x``)
+changes no version counter, so a check at the end of backward cannot vouch for it. The
+step reads those grads once, in one fused pass per (device, dtype). A master's fp32 grad,
+reached only through ``ampkit.master_params``, is checked as backward moves it in and
+read again only when it was replaced or changed in place since.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -60,7 +54,7 @@ from ampkit._internal.dtypes import torch_class
 from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import group_grads
 
-from .fused_step import READ_ONLY_NUMEL, nonfinite_flag
+from .fused_step import unscale_and_flag
 
 if TYPE_CHECKING:
     from ampkit.levels.master import MasterWeights
@@ -82,14 +76,17 @@ def has_grad_path(param: torch.Tensor) -> bool:
     return ref is not None and ref() is not None
 
 
-def _task() -> int:
-    return torch_compat.current_graph_task_id()
+_task = torch_compat.current_graph_task_id
 
 
 def _accumulator(p: torch.Tensor) -> Any:
     """The ``AccumulateGrad`` node of leaf ``p`` (kept alive by the caller)."""
     with torch.enable_grad():
         return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _stepped(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    return itertools.chain.from_iterable(group["params"] for group in opt.param_groups)
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -213,8 +210,7 @@ class _Param:
         self.master = stepped if stepped is not param else None
         self.node: Any = None
         self.handles: list[Any] = []
-        # p.grad currently holds `scale` times its real value (None: real), the scale of
-        # loss `loss_id`'s scaler.
+        # p.grad holds `scale` (loss `loss_id`'s scale) times its real value; None: real
         self.scale: float | None = None
         self.loss_id: int | None = None
         self.pre_task = -2  # graph task in which the pre-hook last ran
@@ -231,9 +227,8 @@ class GradPath:
         self._state = weakref.ref(state)
         self.masters: MasterWeights | None = None
         self._params: dict[int, _Param] = {}  # id(backward param) -> record
-        # ids of parameters left without hooks: FSDP2's sharded DTensor parameters, whose
-        # grads FSDP assigns after reduce-scatter (no accumulator runs for them). Their
-        # grads stay scaled until the step unscales them, as before these hooks.
+        # ids of parameters left without hooks: FSDP2's sharded DTensor parameters (FSDP
+        # assigns their grads, no accumulator runs); the step unscales their grads.
         self._unhooked: set[int] = set()
         self._model_of: dict[int, weakref.ref[nn.Module]] = {}
         # graph task -> records its backward touched, processed when the task ends.
@@ -246,6 +241,10 @@ class GradPath:
         self._checked: dict[int, tuple[weakref.ref, int]] = {}
         self._followed = False  # an unscale outside ampkit was followed (after_outside_unscale)
         self._active = True
+        self._armed = False  # whether the records' hooks are on (see _arm)
+        # refresh's last walk: the params it saw (none: walk again), those frozen then
+        self._seen: list[torch.Tensor] = []
+        self._frozen: list[torch.Tensor] = []
 
     # -- setup ------------------------------------------------------------------------
     def set_masters(self, masters: MasterWeights, models: list[nn.Module]) -> None:
@@ -269,34 +268,37 @@ class GradPath:
         for rec in list(self._params.values()):
             self._unhook(rec)
         self._params.clear()
+        self._seen = []
         self.refresh()
 
     def refresh(self) -> None:
-        """Hook the parameters now in the optimizer's param groups (cheap when the
-        groups did not change)."""
+        """Hook the parameters now in the optimizer's param groups (one identity
+        comparison when the groups and the frozen parameters did not change)."""
         state = self._state()
         if state is None or not self._active:
             return
-        opt = state.optimizer
         mw = self.masters
         if mw is not None:
             mw.refresh()
+        self._arm(mw is not None or any(slot.scaler.scale != 1.0 for slot in state._slots))
         backward = state.backward_params if mw is None else None
-        if backward is not None:
-            pairs = [(p, p) for p in backward]
-        else:
-            pairs = []
-            for group in opt.param_groups:
-                for stepped in group["params"]:
-                    model_p = mw.model_param_of(stepped) if mw is not None else None
-                    pairs.append((model_p if model_p is not None else stepped, stepped))
-        for param, stepped in pairs:
-            # Every call: a parameter frozen before may have been unfrozen since.
-            if param.requires_grad and id(param) not in self._params:
+        params = list(backward if backward is not None else _stepped(state.optimizer))
+        same = mw is None and len(params) == len(self._seen) and all(map(operator.is_, params, self._seen))
+        if same and not any(p.requires_grad for p in self._frozen):
+            return
+        self._seen, frozen = [], []
+        for stepped in params:
+            model_p = mw.model_param_of(stepped) if mw is not None else None
+            param = stepped if model_p is None else model_p
+            if not param.requires_grad:  # frozen: looked at again by every refresh
+                frozen.append(param)
+            elif id(param) not in self._params:
                 if _is_dtensor(param):
                     self._unhooked.add(id(stepped))
                 else:
                     self._hook(param, stepped)
+        self._frozen = frozen
+        self._seen = params if mw is None else []
 
     def _hook(self, param: nn.Parameter, stepped: nn.Parameter) -> None:
         if len(_OWNER) > 4096:  # optimizers dropped without ampkit.reset
@@ -309,14 +311,32 @@ class GradPath:
                 "a parameter is in two optimizers managed by ampkit; its gradient can "
                 "only be unscaled once. Give each parameter to one optimizer."
             )
-        rec = _Param(param, stepped, self._model_of.get(id(param)))
-        pre, post = self._closures(rec)
-        rec.node = _accumulator(param)
-        handle = param.register_post_accumulate_grad_hook(post)
-        rec.hooks = torch_compat.post_accumulate_hooks_first(param, handle.id)
-        rec.handles = [rec.node.register_prehook(pre), handle]
-        self._params[id(param)] = rec
+        rec = self._params[id(param)] = _Param(param, stepped, self._model_of.get(id(param)))
         _OWNER[id(param)] = weakref.ref(self)
+        if self._armed:
+            self._attach(rec)
+
+    def _arm(self, armed: bool) -> None:
+        """Put the hooks of every record on (``armed``) or off; a record whose parameter
+        was frozen meanwhile is dropped (refresh records it again once it needs grads)."""
+        if armed == self._armed:
+            return
+        self._armed = armed
+        self._seen = []
+        for key, rec in list(self._params.items()):
+            if not armed:
+                self._detach(rec)
+            elif rec.param.requires_grad:
+                self._attach(rec)
+            else:
+                del self._params[key]
+
+    def _attach(self, rec: _Param) -> None:
+        pre, post = self._closures(rec)
+        rec.node = _accumulator(rec.param)
+        handle = rec.param.register_post_accumulate_grad_hook(post)
+        rec.hooks = torch_compat.post_accumulate_hooks_first(rec.param, handle.id)
+        rec.handles = [rec.node.register_prehook(pre), handle]
 
     def _closures(self, rec: _Param) -> tuple[Callable[[Any], None], Callable[[torch.Tensor], None]]:
         me = weakref.ref(self)
@@ -333,11 +353,14 @@ class GradPath:
 
         return pre, post
 
-    def _unhook(self, rec: _Param) -> None:
+    def _detach(self, rec: _Param) -> None:
         for handle in rec.handles:
             handle.remove()
         rec.handles = []
         rec.node = None
+
+    def _unhook(self, rec: _Param) -> None:
+        self._detach(rec)
         if _OWNER.get(id(rec.param)) is not None and _OWNER[id(rec.param)]() is self:
             del _OWNER[id(rec.param)]
 
@@ -359,7 +382,7 @@ class GradPath:
     # -- the current scale ----------------------------------------------------------------
     def _current(self) -> tuple[int | None, float]:
         state = self._state()
-        loss_id = state.step_grads.pending if state is not None else None
+        loss_id = state.step_grads._pending if state is not None else None
         return (None, 1.0) if loss_id is None else (loss_id, state._slots[loss_id].scaler.scale)
 
     def _unscaler(self, loss_id: int | None, scale: float) -> Callable[[list[torch.Tensor]], None] | None:
@@ -369,64 +392,38 @@ class GradPath:
         if loss_id is None:
             return None if scale == 1.0 else (lambda ts: torch_compat.foreach_mul_(ts, 1.0 / scale))
         flags = self._found.setdefault(loss_id, {})
-        inv = 1.0 / scale if scale != 1.0 else 1.0
-
-        def run(tensors: list[torch.Tensor]) -> None:
-            device = tensors[0].device
-            found = flags.get(device)
-            if found is None:
-                found = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            if inv == 1.0:  # nothing to multiply: large tensors are only read
-                large = [t for t in tensors if t.numel() >= READ_ONLY_NUMEL]
-                if large:
-                    flag = nonfinite_flag({(device, tensors[0].dtype): large})
-                    if flag is not None:
-                        torch.maximum(found, flag, out=found)
-                    tensors = [t for t in tensors if t.numel() < READ_ONLY_NUMEL]
-                    if not tensors:
-                        return
-            inv_t = self._inv.get((device, inv))
-            if inv_t is None:
-                if len(self._inv) > 16:
-                    self._inv.clear()
-                inv_t = self._inv[(device, inv)] = torch.full((), inv, dtype=torch.float32, device=device)
-            torch_compat.amp_unscale_and_check_(tensors, found, inv_t)
-            if inv > 1.0:  # a scale below 1: finite grads can overflow once unscaled
-                one = self._inv.get((device, 1.0))
-                if one is None:
-                    one = self._inv[(device, 1.0)] = torch.ones((), dtype=torch.float32, device=device)
-                torch_compat.amp_unscale_and_check_(tensors, found, one)
-
-        return run
+        return functools.partial(unscale_and_flag, flags=flags, inv=1.0 / scale, constants=self._inv)
 
     # -- hooks ------------------------------------------------------------------------------
     def _before_accumulate(self, rec: _Param) -> None:
-        task = _task()
-        rec.pre_task = task
-        loss_id, scale = self._current()
+        rec.pre_task = task = _task()
         p = rec.param
-        if rec.master is not None:
-            mw = self.masters
-            assert mw is not None
-            if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
-                if not mw.grads.settle_raw(p):
-                    rec.scale = None
-                elif scale != rec.scale:
-                    with torch.no_grad():
-                        p.grad.mul_(scale / rec.scale)
-                    rec.scale, rec.loss_id = scale, loss_id
+        if rec.master is None:
+            if p.grad is None:  # backward assigns its (scaled) gradient: nothing to do
                 return
-            mw.grads.settle(p)
+            loss_id, scale = self._current()
+            if scale == 1.0 and rec.scale is None:
+                return
+            with torch.no_grad():
+                if rec.scale is None:
+                    p.grad.mul_(scale)
+                elif rec.scale != scale:
+                    p.grad.mul_(scale / rec.scale)
+            rec.scale, rec.loss_id = scale, loss_id
+            self._touch(task, rec)
             return
-        if p.grad is None or scale == 1.0 and rec.scale is None:
+        loss_id, scale = self._current()
+        mw = self.masters
+        assert mw is not None
+        if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
+            if not mw.grads.settle_raw(p):
+                rec.scale = None
+            elif scale != rec.scale:
+                with torch.no_grad():
+                    p.grad.mul_(scale / rec.scale)
+                rec.scale, rec.loss_id = scale, loss_id
             return
-        with torch.no_grad():
-            if rec.scale is None:
-                p.grad.mul_(scale)
-            elif rec.scale != scale:
-                p.grad.mul_(scale / rec.scale)
-        rec.scale, rec.loss_id = scale, loss_id
-        self._touch(task, rec)
+        mw.grads.settle(p)
 
     def _after_accumulate(self, rec: _Param) -> None:
         task = _task()
@@ -546,6 +543,8 @@ class GradPath:
 
     def unhooked(self, params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
         """Those of ``params`` that have a grad and no hooks (still scaled)."""
+        if not self._unhooked:
+            return []
         return [p for p in params if id(p) in self._unhooked and p.grad is not None]
 
     def unchecked(self, params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
@@ -554,8 +553,10 @@ class GradPath:
         multiplied, grads produced at a scale of 1, held 16-bit grads), and a master's
         fp32 grad checked when backward moved it in only if it was replaced or changed
         in place since (those count as checked again from now on)."""
-        out = []
         masters = self.masters
+        if masters is None and not self._checked:  # no check at backward vouches for any
+            return [p for p in params if p.grad is not None]
+        out = []
         for p in params:
             g = p.grad
             if g is None or (masters is not None and masters.grads.is_placeholder(p)):

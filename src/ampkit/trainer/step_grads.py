@@ -114,8 +114,7 @@ class StepGrads:
     def grad_params(self) -> Iterator[torch.Tensor]:
         """The params whose grads the step unscales, checks and steps: those currently
         in ``optimizer.param_groups`` (fp32 masters under O2), in order."""
-        for group in self.owner.optimizer.param_groups:
-            yield from group["params"]
+        return itertools.chain.from_iterable(group["params"] for group in self.owner.optimizer.param_groups)
 
     def segment_flags(self) -> list[torch.Tensor]:
         """The found-inf flags (0-dim tensors, > 0 on inf/NaN) of this step's segments
