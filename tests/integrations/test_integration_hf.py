@@ -887,3 +887,27 @@ def test_an_fp8_plan_naming_gpt2s_conv1d_is_refused_before_training_changes_anyt
     after = trainer.model.state_dict()
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_a_resume_without_ampkit_pt_after_ampkit_was_set_up_takes_the_masters_from_the_loaded_weights(tmp_path):
+    """A fresh O2 trainer whose resume was refused (ampkit set up, the model cast) retries
+    from a checkpoint without ampkit.pt: HF loads the checkpoint's weights into the
+    16-bit model, and every fp32 master is those weights widened, not the masters built
+    before the refusal (which the next step would otherwise write back over them)."""
+    options = dict(amp_level="O2", save_strategy="steps", save_steps=2, logging_steps=1)
+    _trainer(tmp_path / "a", steps=4, **options).train()
+    folder = tmp_path / "a" / "checkpoint-2"
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    torch.save(_corrupt_state(torch.load(bad / AMPKIT_NAME, weights_only=True), "extra_key"), bad / AMPKIT_NAME)
+    (folder / AMPKIT_NAME).unlink()
+    trainer = _trainer(tmp_path / "b", steps=4, **options)
+    with pytest.raises(HfIntegrationError):
+        trainer.train(resume_from_checkpoint=str(bad))
+    stale = [m.detach().clone() for m in amp.master_params(trainer.amp_optimizer)]
+    with pytest.warns(UserWarning, match=f"holds no {AMPKIT_NAME}"):
+        trainer._load_from_checkpoint(str(folder))
+    mw = amp.levels.master_weights_of(trainer.amp_optimizer)
+    pairs = [(p, m) for p in trainer.model.parameters() if mw is not None and (m := mw.master_of(p)) is not None]
+    assert pairs and all(torch.equal(m, p.detach().float()) for p, m in pairs)
+    assert any(not torch.equal(a, b) for a, b in zip(stale, amp.master_params(trainer.amp_optimizer)))

@@ -405,6 +405,102 @@ def job_doctor(rank: int, world: int, outdir: Path) -> dict:
     return {"report": doc, "stats": stats}
 
 
+def _sweep_cases(state: dict, rank: int) -> list[tuple[str, Any]]:
+    """(name, mutated state) per corruption of one entry: a tensor's first element (in
+    rank 1's shard alone for a sharded one) set to -1 and to one of 1e38, NaN, inf in
+    turn; a non-tensor
+    entry replaced by a string, NaN or -1."""
+    out = []
+
+    def walk(tree: Any, path: tuple) -> None:
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, (*path, k))
+            return
+        if isinstance(tree, list) and not all(isinstance(v, (int, float, str)) for v in tree):
+            for i, v in enumerate(tree):
+                walk(v, (*path, i))
+            return
+        if path[-1] == "params":
+            return
+        if isinstance(tree, torch.Tensor):
+            if not tree.is_floating_point():
+                return
+            for bad in (-1.0, (1e38, float("nan"), float("inf"))[len(out) % 3]):  # two a tensor: the suite's time
+                out.append((f"{'.'.join(map(str, path))}={bad}", _replaced(state, path, _poisoned(tree, bad, rank))))
+        else:
+            for bad in ("0.1", float("nan"), -1.0):
+                out.append((f"{'.'.join(map(str, path))}={bad!r}", _replaced(state, path, bad)))
+
+    walk(state, ())
+    return out
+
+
+def _poisoned(t: torch.Tensor, bad: float, rank: int) -> torch.Tensor:
+    out = t.clone()
+    local = out.to_local() if hasattr(out, "to_local") else out
+    if local.numel() and (rank == 1 or not hasattr(out, "to_local")):
+        local.view(-1)[0] = bad
+    return out
+
+
+def _replaced(tree: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(tree, dict):
+        return {**tree, head: _replaced(tree[head], rest, value)}
+    items = list(tree)
+    items[head] = _replaced(items[head], rest, value)
+    return items
+
+
+def job_dcp_sweep(rank: int, world: int, outdir: Path) -> dict:
+    """Every floating entry of an O2K checkpoint (model, optimizer, ampkit) corrupted in
+    turn (in rank 1's shard alone where sharded) and every non-tensor entry replaced,
+    saved with fresh checksums, loaded on both ranks: each is refused by every rank with
+    nothing changed, or accepted and the next step leaves every value finite."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ampkit
+    from ampkit.distributed.checkpoint import AmpState
+    from ampkit.distributed.dcp_files import write_checksums
+
+    model, opt = build("O2K")
+    for n in range(2):
+        step(model, opt, rank, n, True)
+    ampkit.distributed.save_checkpoint(outdir / "good", model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "amp": AmpState().state_dict()}
+    counts = {"cases": 0, "refused": 0, "accepted": 0}
+    raw, changed, harmful = [], [], []
+    for i, (name, mutated) in enumerate(_sweep_cases(state, rank)):
+        folder = outdir / f"case{i}"
+        dcp.save(mutated, checkpoint_id=str(folder))
+        write_checksums(folder, rank, rank == 0)
+        dist.barrier()
+        counts["cases"] += 1
+        before = _local_state(model, opt) + _amp_snapshot()
+        try:
+            _dcp_load(model, opt, folder)
+        except ampkit.AmpError:
+            counts["refused"] += 1
+            if not bitwise_equal(before, _local_state(model, opt) + _amp_snapshot()):
+                changed.append(name)
+            continue
+        except BaseException as e:  # noqa: BLE001 - counted: must be none
+            raw.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        counts["accepted"] += 1
+        step(model, opt, rank, 9, True)
+        if not all(bool(torch.isfinite(t).all()) for t in _local_state(model, opt) if t.is_floating_point()):
+            harmful.append(name)
+        _dcp_load(model, opt, outdir / "good")
+    ampkit.reset()
+    return {**counts, "raw": raw, "changed": changed, "harmful": harmful}
+
+
 def job_refusals(rank: int, world: int, outdir: Path) -> dict:
     """What FSDP2 cannot do is refused before anything changes: O2K's stochastic rounding
     and optimizers without a one-pass update; torch's own fully_shard at O2; a level other
@@ -550,6 +646,7 @@ JOBS: dict[str, Callable[[int, int, Path], dict]] = {
     "doctor": job_doctor,
     "train": job_train, "skip": job_skip, "dcp_save": job_dcp_save, "dcp_resume": job_dcp_resume,
     "dcp_corrupt": job_dcp_corrupt,
+    "dcp_sweep": job_dcp_sweep,
 }  # fmt: skip
 
 

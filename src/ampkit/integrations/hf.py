@@ -78,7 +78,7 @@ from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
 from ampkit.inference.conversion import convert
 from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import initialize, master_params
+from ampkit.levels.setup import initialize, master_params, master_weights_of
 from ampkit.trainer.api import scale_loss, unscale
 from ampkit.trainer.session import prepare_load_state_dict
 from ampkit.trainer.session import state_dict as amp_state_dict
@@ -418,6 +418,8 @@ class AmpkitTrainerMixin:
         saved = self._read_ampkit_file(resume_from_checkpoint)
         if saved is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            if self._ampkit is not None and (masters := master_weights_of(self._ampkit.optimizer)) is not None:
+                masters.reset_from_model()  # set up before (a refused resume): masters from these weights
             return
         # the optimizer the Trainer has, or the one it builds from the arguments, as train()
         # does next; ampkit is set up with it unless it already is

@@ -284,6 +284,17 @@ class MasterWeights:
             for _, p in changed:
                 self._published[id(p)] = torch_compat.tensor_version(p)
 
+    def reset_from_model(self) -> None:
+        """Every master set to its model weight (widened), low bits and all: after the
+        model's weights were loaded from elsewhere while these masters stood (a resume
+        with no fp32 state of ampkit's for them)."""
+        pairs = self._pairs()
+        with torch.no_grad():
+            if pairs:
+                torch_compat.foreach_copy_([m for _, m in pairs], [p for p, _ in pairs])
+            for _, master in pairs:
+                self._published[id(master)] = torch_compat.tensor_version(master)
+
     def sync_from_model(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Re-derive the master of each model parameter (of ``params``; default: all)
         whose 16-bit value is no longer its master rounded, i.e. that was changed
