@@ -407,8 +407,7 @@ def job_doctor(rank: int, world: int, outdir: Path) -> dict:
 
 def _sweep_cases(state: dict, rank: int) -> list[tuple[str, Any]]:
     """(name, mutated state) per corruption of one entry: a tensor's first element (in
-    rank 1's shard alone for a sharded one) set to -1 and to one of 1e38, NaN, inf in
-    turn; a non-tensor
+    rank 1's shard alone for a sharded one) set to -1, 1e38, NaN or inf in turn; a non-tensor
     entry replaced by a string, NaN or -1."""
     out = []
 
@@ -426,8 +425,8 @@ def _sweep_cases(state: dict, rank: int) -> list[tuple[str, Any]]:
         if isinstance(tree, torch.Tensor):
             if not tree.is_floating_point():
                 return
-            for bad in (-1.0, (1e38, float("nan"), float("inf"))[len(out) % 3]):  # two a tensor: the suite's time
-                out.append((f"{'.'.join(map(str, path))}={bad}", _replaced(state, path, _poisoned(tree, bad, rank))))
+            bad = (-1.0, 1e38, float("nan"), float("inf"))[len(out) % 4]  # one a tensor, in turn: the suite's time
+            out.append((f"{'.'.join(map(str, path))}={bad}", _replaced(state, path, _poisoned(tree, bad, rank))))
         else:
             for bad in ("0.1", float("nan"), -1.0):
                 out.append((f"{'.'.join(map(str, path))}={bad!r}", _replaced(state, path, bad)))

@@ -137,12 +137,12 @@ def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_both_ranks(tmp_path):
-    """Every floating entry of a 2-rank O2K checkpoint corrupted in turn (-1, and 1e38,
-    NaN or inf; in rank 1's shard alone where sharded) and every non-tensor entry replaced
+    """Every floating entry of a 2-rank O2K checkpoint corrupted in turn (-1, 1e38, NaN or
+    inf, one each; in rank 1's shard alone where sharded) and every non-tensor entry replaced
     (a string, NaN, -1), rehashed: both ranks refuse each alike with nothing changed, or
     accept it and train finite; 0 raw errors."""
     r0, r1 = _launch("dcp_sweep", tmp_path, timeout=550)
-    assert r0["cases"] > 100, r0["cases"]
+    assert r0["cases"] > 60, r0["cases"]
     for r in (r0, r1):
         assert not r["raw"], r["raw"][:5]
         assert not r["changed"], r["changed"][:5]
