@@ -487,7 +487,7 @@ OVERSIZED_FILES: dict[str, int] = {
     "levels/compensated.py": 663,
     "levels/model_cast.py": 718,
     "tools/compat/apex.py": 826,
-    "trainer/grad_hooks.py": 645,
+    "trainer/grad_hooks.py": 644,
 }
 #: Functions over the budget today (``path::Class.method``), the same rule.
 OVERSIZED_FUNCTIONS: dict[str, int] = {
