@@ -297,9 +297,9 @@ class TunePlan:
         try:
             modules = tuple(_choice(m) for m in _field(doc, "modules", list))
             plan = cls(
-                dtype=_dtype(_field(doc, "dtype", str)),
-                level=_level(_field(doc, "level", str)),
-                device_type=_device_type(_field(doc, "device_type", str)),
+                dtype=_one_of(_field(doc, "dtype", str), "dtype", DTYPES),
+                level=_one_of(_field(doc, "level", str), "level", LEVELS),
+                device_type=_one_of(_field(doc, "device_type", str), "device_type", DEFAULT_LISTS),
                 budget=_at_least_zero(_field(doc, "budget", (int, float)), "budget", "a relative loss deviation"),
                 modules=modules,
                 skipped=_names_to(_field(doc, "skipped", dict), "skipped", _text),
@@ -410,22 +410,11 @@ def _at_least_zero(value: int | float, name: str, what: str) -> float:
     return number
 
 
-def _device_type(name: str) -> str:
-    """A plan's ``device_type``: one ampkit has op lists for (what :func:`ampkit.tune` records)."""
-    if name not in DEFAULT_LISTS:
-        raise PlanError(f"tuning plan: device_type {_shown(name)}; one of {', '.join(DEFAULT_LISTS)}.")
-    return name
-
-
-def _dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise PlanError(f"tuning plan: dtype {_shown(name)}; one of {', '.join(DTYPES)}.")
-    return name
-
-
-def _level(name: str) -> str:
-    if name not in LEVELS:
-        raise PlanError(f"tuning plan: level {_shown(name)}; one of {', '.join(LEVELS)}.")
+def _one_of(name: str, field: str, choices: Any) -> str:
+    """A plan's ``field`` if it is one of ``choices`` (``device_type``: one ampkit has op
+    lists for, what :func:`ampkit.tune` records), else :class:`PlanError`."""
+    if name not in choices:
+        raise PlanError(f"tuning plan: {field} {_shown(name)}; one of {', '.join(choices)}.")
     return name
 
 
@@ -437,7 +426,7 @@ def _choice(m: Any) -> ModuleChoice:
     if not name:
         raise PlanError("tuning plan: a module's name is empty (the whole model); a plan names the modules below it.")
     return ModuleChoice(
-        name=name, kind=_field(m, "kind", str), dtype=dtype if dtype == FP8 else _dtype(dtype),
+        name=name, kind=_field(m, "kind", str), dtype=dtype if dtype == FP8 else _one_of(dtype, "dtype", DTYPES),
         fp32_ms=_number(m.get("fp32_ms"), "fp32_ms"), low_ms=_number(m.get("low_ms"), "low_ms"),
         loss_deviation=_number(m.get("loss_deviation"), "loss_deviation"),
         grad_deviation=_number(m.get("grad_deviation"), "grad_deviation"), reason=_field(m, "reason", str),

@@ -303,19 +303,29 @@ def _copy_leaf(leaf: Any) -> Any:
     return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
-def _require_finite(tree: Any, where: str) -> None:
+def _require_sane(tree: Any, where: str, bounded: bool = True) -> None:
+    """Raise StateError for a floating tensor in ``tree`` holding inf/NaN, or (where
+    ``bounded``: not a param group's value, not a sum of squares, which may reach fp32's
+    range) a magnitude past :data:`ABSURD_MAGNITUDE`. One reduction per tensor."""
     if isinstance(tree, dict):
         for k, v in tree.items():
-            _require_finite(v, f"{where}.{k}")
+            _require_sane(v, f"{where}.{k}", bounded and k != "param_groups" and k not in _NONNEGATIVE_STATE)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            _require_finite(v, f"{where}.{i}")
+            _require_sane(v, f"{where}.{i}", bounded)
     elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
         local = local_tensor(tree)
-        if not bool(torch.isfinite(local).all()):
+        largest = float(local.abs().amax()) if local.numel() else 0.0  # NaN when any value is
+        if not math.isfinite(largest):
             raise StateError(
                 f"the checkpoint's {where} holds inf/NaN values. Nothing was loaded: the checkpoint is "
                 "corrupt or was saved after training diverged; load an earlier one."
+            )
+        if bounded and largest > ABSURD_MAGNITUDE:
+            raise StateError(
+                f"the checkpoint's {where} holds values of magnitude {largest:.3g}, beyond "
+                f"{ABSURD_MAGNITUDE:.3g} (past it a square overflows fp32; no run that trains saves one). Nothing "
+                "was loaded: the checkpoint is corrupt; load an earlier one."
             )
 
 
@@ -375,11 +385,9 @@ def load_checkpoint(path: str | Any, model: torch.nn.Module, optimizer: torch.op
     if not _any_rank(refused is not None):
         try:
             dcp.load(state, storage_reader=reader, planner=checkpoint_planner())
-            _require_finite(state["model"], "model")
-            _require_finite(state["optim"], "optimizer state")
+            _require_sane(state["model"], "model")
+            _require_sane(state["optim"], "optimizer state")
             _require_possible_optim(state["optim"], optim_sd)
-            _require_sane_magnitudes(state["model"], "model")
-            _require_sane_magnitudes(state["optim"].get("state") or {}, "optimizer state")
         except AmpError as err:  # this rank's shards or ampkit's state: refused on every rank below
             refused = err
         except CheckpointException as exc:
@@ -426,26 +434,6 @@ _NONNEGATIVE_STATE = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_
 #: Hyperparameters that are never negative (where a param group has them).
 _NONNEGATIVE_GROUP = ("lr", "eps", "momentum", "dampening", "alpha", "lr_decay", "initial_accumulator_value",
                       "rho", "lambd", "t0")  # fmt: skip
-
-
-def _require_sane_magnitudes(tree: Any, where: str) -> None:
-    """Raise StateError for a weight or optimizer value (not a sum of squares, which
-    may reach fp32's range) larger than :data:`ABSURD_MAGNITUDE`."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k not in _NONNEGATIVE_STATE:
-                _require_sane_magnitudes(v, f"{where}.{k}")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _require_sane_magnitudes(v, f"{where}.{i}")
-    elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
-        local = local_tensor(tree)
-        if local.numel() and float(local.abs().amax()) > ABSURD_MAGNITUDE:
-            raise StateError(
-                f"the checkpoint's {where} holds values of magnitude {float(local.abs().amax()):.3g}, beyond "
-                f"{ABSURD_MAGNITUDE:.3g} (past it a square overflows fp32; no run that trains saves one). Nothing "
-                "was loaded: the checkpoint is corrupt; load an earlier one."
-            )
 
 
 def _require_possible_optim(loaded: Any, template: Any) -> None:
