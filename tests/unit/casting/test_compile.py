@@ -36,9 +36,6 @@ SWITCH_BREAK = re.compile(r"`[\w.]*autocast[\w.]*`")  # torch.set_autocast_dtype
 
 #: torch 2.10's Inductor fails its own stride check on a bf16 CPU convolution compiled
 #: under autocast (torch.autocast alike); see the test that shows it
-TORCH_2_10_CONV_BUG = torch_compat.TORCH_RELEASE == (2, 10)
-
-
 def _assert_breaks(at_most: int = 0) -> None:
     """No more than ``at_most`` graph breaks, where dynamo records autocast switches in
     the graph (torch >= 2.12); before, any number, each at an autocast switch."""
@@ -278,7 +275,9 @@ def test_explain_on_a_compiled_model_explains_the_eager_one():
 
 # --- training: every level, the bench CNN and a small transformer ---------------------
 def _cnn():
-    return DigitsCNN(width=4), lambda g: (torch.randn(8, 1, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+    # three input channels: a one-channel image meets an inductor layout bug on some torch
+    # releases and CPUs (see the test of it below), which is torch's and not under test here
+    return DigitsCNN(width=4, in_channels=3), lambda g: (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
 
 
 def _transformer():
@@ -341,8 +340,6 @@ def test_compiled_models_train_as_eager_at_every_level(make, backend):
     # policy); O0 (fp32), O3 (all 16-bit) and O2K (O2's forward) add compile time only.
     levels = LEVELS if backend == FAST else ["O1", "O2", "init"]
     runs = [*((lv, None) for lv in levels), ("O1", custom)]
-    if make is _cnn and backend == "inductor" and TORCH_2_10_CONV_BUG:
-        runs = [("O2", None)]  # casting at the op: torch's own bug, see the test below
     for level, policy in runs:
         eager, want = _train(make, level, compiled=False, policy=policy)
         comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
@@ -354,23 +351,32 @@ def test_compiled_models_train_as_eager_at_every_level(make, backend):
     _assert_breaks()
 
 
-@pytest.mark.skipif(not TORCH_2_10_CONV_BUG, reason="torch 2.10 only")
-def test_torch_2_10_inductor_fails_a_bf16_conv_under_torch_autocast_as_under_op_level_casting():
-    """Why the CNN is compiled at O2 only under torch 2.10: Inductor there predicts the
-    layout of a bf16 CPU convolution's output wrongly and its own stride check fails,
-    under plain ``torch.autocast`` as under ampkit's op-level casting (O1, ``amp.init``).
-    O2, whose convolutions get bf16 weights, compiles and trains (the test above)."""
-    x = torch.randn(8, 1, 16, 16)
-    for use_ampkit in (False, True):
-        amp.reset()
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = DigitsCNN(width=4)
-        compiled = torch.compile(model)
-        scope = amp.autocast(device_type="cpu") if use_ampkit else torch.autocast("cpu", dtype=BF16)
-        with pytest.raises(Exception, match="expected size .* stride"), scope:
-            compiled(x)
+def _first_compiled_step(use_ampkit: bool) -> str:
+    """What a compiled one-channel CNN's first bf16 step does: "ok" or the error's class."""
     amp.reset()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(DigitsCNN(width=4))
+    scope = amp.autocast(device_type="cpu") if use_ampkit else torch.autocast("cpu", dtype=BF16)
+    try:
+        with scope:
+            out = compiled(torch.randn(8, 1, 16, 16))
+        assert out.dtype == BF16
+        return "ok"
+    except AssertionError as err:
+        assert "expected size" in str(err) and "stride" in str(err), err
+        return type(err).__name__
+    finally:
+        amp.reset()
+
+
+def test_a_one_channel_cnn_compiles_under_op_level_casting_as_under_torch_autocast():
+    """Why the CNN above takes three input channels: on torch 2.10 and 2.11 (CPUs with
+    native bf16 convolutions) Inductor predicts the layout of a one-channel bf16 convolution's
+    output wrongly and its own stride check fails, under plain ``torch.autocast``. ampkit's
+    op-level casting (O1, ``amp.init``) fares exactly as torch's autocast does on this torch
+    and CPU: both compile and run, or both hit torch's check."""
+    assert _first_compiled_step(use_ampkit=True) == _first_compiled_step(use_ampkit=False)
 
 
 def test_fp16_scaler_skips_an_overflowing_step_of_a_compiled_model():
