@@ -386,6 +386,8 @@ class _FloatLrForForeach(StepExtension):
     ``lr=lr.item()``), and the user's tensor is put back right after, also when the step
     raises (schedulers and ``state_dict`` see it as before)."""
 
+    device_skip = True  # acts on foreach groups only; a step skipped on the device has none
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._swapped: list[tuple[dict, torch.Tensor]] = []

@@ -273,6 +273,33 @@ class LossScaler:
         self._inv_scale = to_fp32(1.0 / self.init_scale)
         # Set while a trainer (init_trainer) drives this scaler, so two cannot share it.
         self._attached = False
+        self._on_read: Callable[[], None] | None = None  # see on_read
+
+    @property
+    def _state(self) -> ScalerState:
+        """The state machine's state, after the reader of :meth:`on_read` ran."""
+        self._before_read()
+        return self._current
+
+    @_state.setter
+    def _state(self, value: ScalerState) -> None:
+        self._current = value
+
+    def _before_read(self) -> None:
+        reader = self.__dict__.get("_on_read")
+        if reader is not None:
+            reader()
+
+    def on_read(self, reader: Callable[[], None] | None) -> None:
+        """Call ``reader()`` before every read of the scale, its tensors or the counters
+        (a trainer records there the outcome of steps its optimizers skipped on the
+        device, :mod:`ampkit.trainer.device_skip`); ``None`` removes it. Not pickled."""
+        self._on_read = reader
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_on_read", None)
+        return state
 
     def _apply_config(self, cfg: dict[str, Any]) -> None:
         self._config = {key: cfg[key] for key in CONFIG_KEYS}  # read by every update()
@@ -282,8 +309,10 @@ class LossScaler:
         state = dict(state)
         if "_config" not in state:
             state["_config"] = {key: state.pop(key) for key in CONFIG_KEYS if key in state}
-        if "_state" not in state:
-            state["_state"] = ScalerState(*(state.pop(f"_{key}") for key in _STATE_KEYS))
+        if "_state" in state:
+            state["_current"] = state.pop("_state")
+        elif "_current" not in state:
+            state["_current"] = ScalerState(*(state.pop(f"_{key}") for key in _STATE_KEYS))
         self.__dict__.update(state)
 
     def config(self) -> dict[str, Any]:
@@ -320,6 +349,7 @@ class LossScaler:
     @property
     def inv_scale(self) -> float:
         """``1/S`` computed in float64 and rounded to fp32 (what unscaling multiplies by)."""
+        self._before_read()
         return self._inv_scale
 
     @property
@@ -349,6 +379,7 @@ class LossScaler:
 
     def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
         """``S`` as a float32 0-dim tensor on ``device``. Cached: do not modify it."""
+        self._before_read()
         device = torch.device(device)
         t = self._scale_tensors.get(device)
         if t is None:
@@ -360,6 +391,7 @@ class LossScaler:
     def inv_scale_tensor(self, device: torch.device | str) -> torch.Tensor:
         """``1/S`` (float64 reciprocal rounded to fp32) as a float32 0-dim tensor on
         ``device``. Cached: do not modify it."""
+        self._before_read()
         device = torch.device(device)
         t = self._inv_tensors.get(device)
         if t is None:
@@ -413,6 +445,7 @@ class LossScaler:
     def detach(self) -> None:
         """The trainer driving this scaler let it go (``amp.reset``, a new ``init_trainer``)."""
         self._attached = False
+        self._on_read = None
 
     def update(self, found_inf: bool) -> None:
         """Feed one step's event to the state machine (see the module docstring):
@@ -453,6 +486,13 @@ class LossScaler:
                 "for inf/NaN, lower the learning rate, lower the scale (init_scale, "
                 "backoff_factor, hysteresis), or run the overflowing ops in float32 / bfloat16."
             )
+
+    def overflow_raises(self) -> bool:
+        """Whether an overflow event fed to :meth:`update` now would raise
+        :class:`~ampkit.NumericsError` (the scale at its floor, or the overflow one more
+        than ``max_consecutive_skips`` in a row); changes nothing."""
+        event = _transition(self._state, self._config, True)[1]
+        return event.kind == "at_floor" or event.too_many_skips
 
     def state(self) -> ScalerState:
         """The current state (what :meth:`state_dict` holds besides the configuration)."""

@@ -48,6 +48,7 @@ from ampkit.casting.engine import current_policy
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
+from . import device_skip as _device_skip
 from . import extensions as _extensions
 from . import session as _session
 from .loss_slots import LossSlot, Trainer
@@ -302,6 +303,8 @@ def scale_loss(
             "a loss to one ampkit.init_trainer call."
         )
     scaler = states[0]._slots[loss_id].scaler
+    for state in states:
+        _device_skip.settle(state)  # the previous step's outcome (its scale) first
     for state in states:
         state.step_grads.check_before_backward()
     for state in states:

@@ -72,6 +72,13 @@ class StepExtension:
             restores it. Default: ``None``."""
 
     state_name: str | None = None
+    #: True: this extension is right also on a step skipped on the device
+    #: (:mod:`ampkit.trainer.device_skip`): its :meth:`before_update` and
+    #: :meth:`after_update` then run around an update whose outcome is not known yet, and
+    #: :meth:`after_step` runs when the host records the outcome (at the next
+    #: ``scale_loss`` or ``step()`` at the latest). False (the default) keeps every step
+    #: of its optimizers decided on the host.
+    device_skip: bool = False
 
     # --- hook points ----------------------------------------------------------------
     def on_scale_loss(
@@ -236,3 +243,27 @@ def set_default_agreement(agreement: StepAgreement | None) -> None:
 def default_agreement() -> StepAgreement | None:
     """What :func:`set_default_agreement` installed last (None before)."""
     return _AGREEMENT[0]
+
+
+def update_with(extensions: Sequence[StepExtension], inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run the optimizer's own ``inner(*args, **kwargs)`` between the ``before_update``
+    and ``after_update`` of ``extensions`` (in order); returns what it returns. When it,
+    or a ``before_update``, raises halfway (an optimizer hook, a param group it refuses,
+    ...), what the extensions took off goes back (``after_update`` of those started),
+    each leaves the parameters consistent with what was stepped (``on_error``), and the
+    exception propagates."""
+    started: list[StepExtension] = []
+    try:
+        for ext in extensions:
+            ext.before_update(args, kwargs)
+            started.append(ext)
+        result = inner(*args, **kwargs)
+    except BaseException:
+        for ext in started:
+            ext.after_update()
+        for ext in started:
+            ext.on_error()
+        raise
+    for ext in extensions:
+        ext.after_update()
+    return result

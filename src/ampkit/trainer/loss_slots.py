@@ -11,6 +11,7 @@ from ampkit._internal.validate import is_count
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
+from .device_skip import settle
 from .session import require_keys
 from .stats import SkipReport
 
@@ -30,6 +31,14 @@ class LossSlot:
         self.owed: list[ManagedOptimizer] = []
         self.reports: list[bool | None] = []
         self.skips = SkipReport()
+        scaler.on_read(self.settle_owed)
+
+    def settle_owed(self) -> None:
+        """Record the pending outcome of every optimizer that owes this scaler its event
+        (steps skipped on the device, ``ampkit.trainer.device_skip.settle``)."""
+        for state in tuple(self.owed):
+            if state.pending_outcome is not None:
+                settle(state)
 
     def expect(self, state: ManagedOptimizer) -> None:
         if not any(s is state for s in self.owed):

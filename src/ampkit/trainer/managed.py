@@ -8,8 +8,6 @@ where how a step runs is told."""
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,14 +19,16 @@ from ampkit._internal.validate import MAX_COUNT, is_count, require_flag
 from ampkit.errors import NumericsError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
-from .decision import StepAgreement, decide
-from .extensions import StepExtension, _owners
+from . import device_skip
+from .decision import Segment, StepAgreement, decide
+from .extensions import StepExtension, _owners, update_with
 from .fused_step import use_fastest_kernel
 from .grad_hooks import GradPath
 from .schedulers import mark_step_called
 from .session import ExtraRegister, ExtraState, require_keys
 from .stats import StepStats
 from .step_grads import StepGrads, StepStage
+from .torch_scaler import refuse_unseen_torch_unscale
 
 __all__ = [
     "ManagedOptimizer",
@@ -95,8 +95,11 @@ class ManagedOptimizer:
         self.backward_params: Iterable[torch.Tensor] | None = None
         self.agreement = agreement
         self.steps = 0
-        self.skipped = 0
-        self.last_skipped = False
+        self._skipped = 0
+        self._last_skipped = False
+        #: the segments of a step skipped on the device whose outcome the host has not
+        #: recorded yet (:mod:`ampkit.trainer.device_skip`)
+        self.pending_outcome: list[Segment] | None = None
         self._extra = ExtraState("extra optimizer state", "this run")
         self._active = True
         self.step_grads = StepGrads(self, slots)
@@ -114,6 +117,19 @@ class ManagedOptimizer:
         if fast_kernels:
             self.kernels = use_fastest_kernel(optimizer)
             self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped so far (a step skipped on the device counts once it is settled,
+        which reading this does)."""
+        device_skip.settle(self)
+        return self._skipped
+
+    @property
+    def last_skipped(self) -> bool:
+        """Whether the last step was skipped (settles a step skipped on the device)."""
+        device_skip.settle(self)
+        return self._last_skipped
 
     # --- the step's grads (step_grads), for extensions -------------------------------
     @property
@@ -234,6 +250,7 @@ class ManagedOptimizer:
         (if something wrapped ours since, ours stays but only forwards)."""
         if not self._active:
             return
+        device_skip.settle(self)
         self._active = False
         self.grad_path.remove()
         if self._kernel_hook is not None:
@@ -255,11 +272,12 @@ class ManagedOptimizer:
 
     def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         opt = self.optimizer
+        device_skip.settle(self)  # the previous step's outcome, if still pending
         mark_step_called(opt)
         if not self._active:
             return inner(*args, **kwargs)
         if self.grad_path.masters is not None:
-            self._refuse_unseen_torch_unscale()
+            refuse_unseen_torch_unscale(self.grad_path)
         # The optimizer's own step hooks keep torch's contract around ampkit's work:
         # pre-hooks run first, on every call as torch runs them, before anything is
         # checked or updated -- what they do to the grads (on the model or the
@@ -280,7 +298,16 @@ class ManagedOptimizer:
         grads.unscale()
         if was_unscaled:
             grads.check_edits()
-        events, skip = self._resolve_step()
+        segments = grads.take_segments()
+        agreement = self.agreement.agreement(self, segments) if self.agreement is not None else None
+        if agreement is None and device_skip.fits(self, closure, post_hooks):
+            self.grad_path.before_step()
+            try:
+                with torch_compat.instance_step_hooks_suspended(opt):
+                    return device_skip.step(self, inner, args, kwargs, segments)
+            finally:
+                self.grad_path.after_step()
+        events, skip = decide(segments, len(self._slots), agreement)
         shown = False
 
         def updated() -> None:
@@ -313,75 +340,45 @@ class ManagedOptimizer:
         updated: Callable[[], None] | None = None,
     ) -> Any:
         self.steps += 1
-        report = self._slots[0].skips
         if skip:
-            self.skipped += 1
-            self.last_skipped = True
-            self._after_step(True)
-            try:
-                self._report(events)  # may raise NumericsError; the step stays skipped
-            finally:
-                report.note(self, skipped=True)
+            self.record_outcome(events, True)
             return loss
-        self.last_skipped = False
-        self._report(events)  # clean events never raise
-        report.note(self, skipped=False)
+        self.record_outcome(events, False, after_step=False)
         if closure is not None:
             kwargs = {**kwargs, "closure": self._replay_closure(closure, loss)}
-        extensions = tuple(self._extensions)
-        started: list[StepExtension] = []
-        try:
-            for ext in extensions:
-                ext.before_update(args, kwargs)
-                started.append(ext)
-            result = inner(*args, **kwargs)
-        except BaseException:
-            # The step raised halfway (an optimizer hook, a param group it refuses, ...):
-            # what the extensions took off goes back, and each leaves the parameters
-            # consistent with what was stepped before the exception propagates.
-            for ext in started:
-                ext.after_update()
-            for ext in started:
-                ext.on_error()
-            raise
-        for ext in extensions:
-            ext.after_update()
+        result = update_with(tuple(self._extensions), inner, args, kwargs)
         if updated is not None:
             updated()
         self._after_step(False)
         return result
 
-    def _refuse_unseen_torch_unscale(self) -> None:
-        """O2: raise, before anything changes, when ``torch.amp.GradScaler.step`` calls
-        this step after unscaling the masters' grads where ampkit could not see it (its
-        fused kernel leaves version counters alone; ``ampkit run`` tells ampkit, a
-        script's own ``initialize`` cannot): the model's grads would still show the
-        scaled values and the step would take them for an edit."""
-        if self.grad_path.take_followed():
-            return
-        scaler = _torch_scaler_stepping()
-        if scaler is None or not scaler.is_enabled():
-            return
-        raise StateError(
-            "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
-            "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "
-            "it, so the model's grads (what clip_grad_norm_(model.parameters()) reads) "
-            "still held the scaled values and the step would mix the two. Use "
-            "ampkit.GradScaler, which has torch.amp.GradScaler's interface (from ampkit "
-            "import GradScaler), or ampkit.scale_loss and optimizer.step(); or run the "
-            "unmodified script under `ampkit run --level O2`."
-        )
+    def record_outcome(self, events: dict[int, bool | None], skipped: bool, after_step: bool = True) -> None:
+        """Record a decided step (already counted in ``steps``): the skip counters, the
+        loss ids' events to their scalers (may raise :class:`~ampkit.NumericsError`; the
+        step stays as decided), the skip log, and unless ``after_step=False`` the
+        extensions' ``after_step(skipped)`` (first, for a skipped step)."""
+        self._skipped += skipped
+        self._last_skipped = skipped
+        if skipped and after_step:
+            self._after_step(True)
+        try:
+            self._report(events)  # clean events never raise
+        finally:
+            self._slots[0].skips.note(self, skipped=skipped)
+        if not skipped and after_step:
+            self._after_step(False)
 
     def skipped_elsewhere(self) -> None:
         """A step that a GradScaler outside ampkit skipped without calling
         ``optimizer.step()`` (torch.amp.GradScaler found inf/NaN grads): counted as a
         skipped step, as if ampkit had decided it (counters, skip hooks; LR schedulers
         see a called step), and the next backward starts a fresh step."""
+        device_skip.settle(self)
         mark_step_called(self.optimizer)
         self.step_grads.start_fresh_step()
         self.steps += 1
-        self.skipped += 1
-        self.last_skipped = True
+        self._skipped += 1
+        self._last_skipped = True
         self._after_step(True)
 
     def _replay_closure(self, closure: Callable[[], Any], first_loss: Any) -> Callable[[], Any]:
@@ -451,6 +448,7 @@ class ManagedOptimizer:
     def prepare_load(self, state_dict: Any, where: str) -> Callable[[], None]:
         """Validate a :meth:`state_dict` (counters, extra state via the ``check_fn`` of
         each :meth:`register_extra_state`); return the function that loads it."""
+        device_skip.settle(self)  # a pending outcome belongs to the run before the load
         require_keys(state_dict, ("steps", "skipped", "last_skipped"), where, optional=("extra",))
         steps, skipped, last = state_dict["steps"], state_dict["skipped"], state_dict["last_skipped"]
         if not (is_count(steps) and is_count(skipped) and 0 <= skipped <= steps <= MAX_COUNT):
@@ -465,8 +463,7 @@ class ManagedOptimizer:
 
         def apply() -> None:
             self.steps = int(steps)
-            self.skipped = int(skipped)
-            self.last_skipped = last
+            self._skipped, self._last_skipped = int(skipped), last
             self.step_grads.start_fresh_step()
             self._extra.load(extra)
 
@@ -542,20 +539,6 @@ def managed_state(optimizer: torch.optim.Optimizer) -> ManagedOptimizer:
             "ampkit.init_trainer (or ampkit.initialize) first."
         )
     return state
-
-
-def _torch_scaler_stepping() -> Any:
-    """The ``torch.amp.GradScaler`` whose ``step`` is on the calling thread's stack a
-    few frames up (it calls ``optimizer.step()``), or None."""
-    code = inspect.unwrap(torch.amp.GradScaler.step).__code__  # under a wrapper (ampkit run) too
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return None
-        if frame.f_code is code:
-            return frame.f_locals.get("self")
-        frame = frame.f_back
-    return None
 
 
 _GRADSCALER_ATTR = "_ampkit_gradscaler_skipped"

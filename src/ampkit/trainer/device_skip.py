@@ -1,0 +1,117 @@
+"""Steps skipped on the device: no host read of the step's found-inf flag inside ``step()``.
+
+torch's fused optimizer kernels (Adam, AdamW, Adagrad, SGD with ``fused=True``) take the
+step's found-inf flag as a tensor: when it is set, the kernel leaves the parameters and
+the optimizer state as they were, on the device, with no host sync (the step counts are
+raised and lowered again, an exact +1 - 1). ``fits`` tells whether a step can go that
+way; ``step`` runs it so: the update with the flag, and the outcome (the skip
+counters, the loss scalers' events, the extensions' ``after_step(skipped)``, the skip log)
+left *pending*. ``settle`` records a pending outcome, reading the flag on the host
+then: at the next ``scale_loss`` or ``step()`` of the optimizer (by then the device has
+long passed the flag), or when anything asks for what it changes first (the
+``skipped``/``last_skipped`` counters, ``amp.step_skipped``, ``amp.stats``, a loss
+scaler's scale or state, a state dict, ``release``). What a reader sees is what the
+host-decided step shows; only the moment the host learns it moves.
+
+A step is decided on the host as before (one read of its flag in ``step()``) when any of
+these holds: a parameter group is not fused (foreach and for-loop kernels take no flag),
+the optimizer is not exactly one of the classes above, a parameter with a grad has no
+optimizer state yet (a skipped first step must leave none, where the fused kernel would
+create zeros), the step has a closure or optimizer post-hooks, an extension acts around
+the update or asks to be told at once (all but those with ``device_skip = True``),
+fp32 master weights hold the parameters (O2/O2K), the ranks of a multi-process run
+agree on the step, or an overflow would make a loss scaler raise
+(:meth:`~ampkit.LossScaler.overflow_raises`: the scale at its floor, or the skip one past
+``max_consecutive_skips``), so that :class:`~ampkit.NumericsError` comes from ``step()``
+as always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .decision import Segment, decide
+from .extensions import update_with
+
+if TYPE_CHECKING:
+    from .managed import ManagedOptimizer
+
+__all__ = ["FOUND_INF_OPTIMIZERS", "fits", "step", "settle"]
+
+#: Optimizer classes (exactly these) whose fused kernel takes a found-inf flag.
+FOUND_INF_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.SGD,
+)
+
+
+def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks: Sequence[Any]) -> bool:
+    """Whether this step of ``state``'s optimizer can be skipped on the device (the
+    module docstring lists what sends it to the host). No host sync."""
+    opt = state.optimizer
+    if closure is not None or post_hooks or state.grad_path.masters is not None:
+        return False
+    if type(opt) not in FOUND_INF_OPTIMIZERS:  # their fused kernels take found_inf (torch >= 2.3)
+        return False
+    if not all(ext.device_skip for ext in state.extensions):
+        return False
+    if any(scaler.overflow_raises() for scaler in state.scalers):
+        return False  # the error is raised by the step that overflows, as on the host
+    groups = opt.param_groups
+    if not all(group.get("fused") for group in groups):
+        return False
+    if len(opt.state) == sum(len(group["params"]) for group in groups):
+        return True  # every parameter has state already (the usual step after the first)
+    return all(p in opt.state for group in groups for p in group["params"] if p.grad is not None)
+
+
+def _found(segments: Sequence[Segment]) -> torch.Tensor | None:
+    """The step's found-inf flag as the fused kernels take it: a float32 0-dim tensor,
+    1.0 when any segment overflowed, else 0.0; ``None`` when no segment has a flag."""
+    flags = [flag for _, flag in segments if flag is not None]
+    if not flags:
+        return None
+    if len(flags) == 1:
+        return (flags[0] > 0).to(torch.float32)
+    device = flags[0].device
+    return (torch.stack([f.to(device, non_blocking=True).float() for f in flags]).amax() > 0).to(torch.float32)
+
+
+def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs: dict, segments: list[Segment]) -> Any:
+    """Run the optimizer's own step with the step's found-inf flag handed to its fused
+    kernel (as ``torch.amp.GradScaler`` hands it: ``found_inf`` and ``grad_scale=None``,
+    the grads being unscaled already) and leave the outcome pending on ``state``. If the
+    step raises, the outcome is settled at once and the exception propagates."""
+    opt = state.optimizer
+    found = _found(segments)
+    state.steps += 1
+    state.pending_outcome = segments
+    if found is not None:
+        opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
+    try:
+        return update_with(state.extensions, inner, args, kwargs)
+    except BaseException:
+        settle(state)
+        raise
+    finally:
+        for name in ("grad_scale", "found_inf"):
+            opt.__dict__.pop(name, None)
+
+
+def settle(state: ManagedOptimizer) -> None:
+    """Record ``state``'s pending outcome, if any: read the flag (one host read, of a
+    step the device has finished by the time anything asks, in the usual loop), then
+    count the step skipped or taken, report the loss ids' events to their scalers (may
+    raise :class:`~ampkit.NumericsError`), note the skip log and run the extensions'
+    ``after_step``. Nothing happens when nothing is pending."""
+    segments = state.pending_outcome
+    if segments is None:
+        return
+    state.pending_outcome = None
+    events, skipped = decide(segments, len(state.scalers))
+    state.record_outcome(events, skipped)

@@ -1,0 +1,53 @@
+"""O2 master weights under ``torch.amp.GradScaler``: its ``step`` unscales the masters'
+grads with a fused kernel ampkit cannot see, before it calls the managed ``step()``."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampkit.errors import StateError
+
+if TYPE_CHECKING:
+    from .grad_hooks import GradPath
+
+__all__ = ["refuse_unseen_torch_unscale"]
+
+
+def refuse_unseen_torch_unscale(grad_path: GradPath) -> None:
+    """O2: raise, before anything changes, when ``torch.amp.GradScaler.step`` calls
+    this step after unscaling the masters' grads where ampkit could not see it (its
+    fused kernel leaves version counters alone; ``ampkit run`` tells ampkit, a
+    script's own ``initialize`` cannot): the model's grads would still show the
+    scaled values and the step would take them for an edit."""
+    if grad_path.take_followed():
+        return
+    scaler = _torch_scaler_stepping()
+    if scaler is None or not scaler.is_enabled():
+        return
+    raise StateError(
+        "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
+        "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "
+        "it, so the model's grads (what clip_grad_norm_(model.parameters()) reads) "
+        "still held the scaled values and the step would mix the two. Use "
+        "ampkit.GradScaler, which has torch.amp.GradScaler's interface (from ampkit "
+        "import GradScaler), or ampkit.scale_loss and optimizer.step(); or run the "
+        "unmodified script under `ampkit run --level O2`."
+    )
+
+
+def _torch_scaler_stepping() -> Any:
+    """The ``torch.amp.GradScaler`` whose ``step`` is on the calling thread's stack a
+    few frames up (it calls ``optimizer.step()``), or None."""
+    code = inspect.unwrap(torch.amp.GradScaler.step).__code__  # under a wrapper (ampkit run) too
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None

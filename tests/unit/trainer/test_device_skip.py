@@ -1,0 +1,257 @@
+"""Steps skipped on the device (ampkit.trainer.device_skip): with a fused optimizer the
+step reads nothing on the host, and what anyone reads afterwards -- parameters, optimizer
+state, the skip signal, the counters, the scale, a state dict -- is bitwise what the same
+step decided on the host shows."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkit as amp
+from ampkit import LossScaler, NumericsError
+from ampkit.trainer.api import managed_state
+from ampkit.trainer.extensions import StepExtension
+
+INF = float("inf")
+# Tensor methods that copy a value to the host: on a GPU each waits for the device.
+READS = ("item", "__bool__", "tolist", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def counting_reads(counts: collections.Counter) -> Iterator[None]:
+    """Count the host reads made while open, by the file of the calling frame."""
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, original):
+        def reader(self, *args, **kwargs):
+            counts[sys._getframe(1).f_code.co_filename.rsplit("/", 1)[-1]] += 1
+            return original(self, *args, **kwargs)
+
+        return reader
+
+    for name, original in saved.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),  # ampkit picks fused
+    "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "SGD-fused": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+}
+
+
+def _run(opt_name: str, dtype: torch.dtype, on_host: bool, plan: list, scaler=None):
+    """Train with ``plan[i]`` (None or a value written into a grad element) at step i;
+    ``on_host``: a no-op step post-hook makes every step decided on the host. Returns
+    what a reader sees after each step, and the host reads inside each backward+step."""
+    amp.reset()
+    model = _model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, loss_scale=scaler)
+    if on_host:
+        opt.register_step_post_hook(lambda *args: None)
+    seen, reads = [], []
+    g = torch.Generator().manual_seed(1)
+    for value in plan:
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        counts: collections.Counter = collections.Counter()
+        with counting_reads(counts):
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            if value is not None:
+                model[0].weight.grad[1, 2] = value  # an edit by index, after the hooks ran
+            opt.step()
+        reads.append(sum(counts.values()))
+        seen.append((
+            [p.detach().clone() for p in model.parameters()],
+            {k: v.clone() for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)},
+            amp.step_skipped(opt),
+            amp.stats(opt),
+        ))
+    amp.reset()
+    return seen, reads
+
+
+def _same(a, b) -> None:
+    for (pa, sa, ka, ta), (pb, sb, kb, tb) in zip(a, b, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        assert (ka, ta) == (kb, tb)
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_fused_step_reads_nothing_and_shows_what_the_host_decided_step_shows(opt_name, dtype):
+    """After the first step (which creates the optimizer state on the host: a skipped
+    first step must leave none), no host read in backward + step, skipped steps
+    included; params, state, signal and stats bitwise those of host-decided steps."""
+    plan = [None, None, INF, None, float("nan"), -INF, None, None]
+    device, device_reads = _run(opt_name, dtype, on_host=False, plan=plan)
+    host, host_reads = _run(opt_name, dtype, on_host=True, plan=plan)
+    _same(device, host)
+    assert device_reads[1:] == [0] * (len(plan) - 1), device_reads
+    assert host_reads[1:] == [1] * (len(plan) - 1), host_reads  # the decision, read in step()
+    assert [s[2] for s in device] == [v is not None for v in plan]
+    stats = device[-1][3]
+    assert (stats.steps, stats.skipped) == (8, 3)
+    if dtype == torch.float16:  # three backoffs of the default dynamic scale
+        assert stats.scales == (2.0**16 / 8,)
+
+
+def test_foreach_groups_and_a_closure_are_decided_on_the_host():
+    """SGD (ampkit picks foreach: torch's fused SGD is not the loop's) and a closure
+    step read the flag once in step(), as before."""
+    _, reads = _run("Adam", torch.bfloat16, on_host=False, plan=[None, None])
+    assert reads == [1, 0]
+    amp.reset()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1")
+    assert [g["fused"] for g in opt.param_groups] == [None]
+    assert _reads_per_step(model, opt, 2) == [1, 1]
+    amp.reset()
+
+
+def _reads_per_step(model, opt, steps: int) -> list[int]:
+    """Host reads inside each of ``steps`` scale_loss + backward + step."""
+    reads = []
+    for _ in range(steps):
+        counts: collections.Counter = collections.Counter()
+        with counting_reads(counts):
+            with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+                s.backward()
+            opt.step()
+        reads.append(sum(counts.values()))
+    return reads
+
+
+def _pending_skip():
+    """A dynamically scaled AdamW run (fp32 model, the trainer alone) whose last step
+    was skipped on the device, nothing read since."""
+    amp.reset()
+    model = _model()
+    opt = amp.init_trainer(torch.optim.AdamW(model.parameters(), lr=1e-2), LossScaler(init_scale=2.0**10))
+    for value in (None, INF):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+            s.backward()
+        if value is not None:
+            model[2].bias.grad[0] = value
+        opt.step()
+    assert managed_state(opt).pending_outcome is not None  # the outcome is still on the device
+    return model, opt
+
+
+def test_every_reader_sees_a_pending_skip():
+    """The counters, the scaler's scale, amp.stats and a state dict each record the
+    pending outcome before they answer."""
+    _, opt = _pending_skip()
+    scaler = managed_state(opt).scalers[0]
+    assert scaler.scale == 2.0**9  # backed off, read straight from the scaler
+    _, opt = _pending_skip()
+    assert amp.state_dict()["trainers"][0]["optimizers"][0]["skipped"] == 1
+    _, opt = _pending_skip()
+    assert managed_state(opt).skipped == 1 and amp.step_skipped(opt)
+    amp.reset()
+
+
+def test_a_load_after_a_pending_skip_is_not_undone_by_it():
+    """A state dict loaded while the outcome of the step before is pending: the outcome
+    is recorded first, so the loaded counters and scale stand."""
+    _, opt = _pending_skip()
+    saved = amp.state_dict()
+    assert saved["trainers"][0]["optimizers"][0]["skipped"] == 1
+    _, opt = _pending_skip()
+    fresh = amp.state_dict()
+    fresh["trainers"][0]["optimizers"][0].update(steps=5, skipped=0, last_skipped=False)
+    _, opt = _pending_skip()
+    amp.load_state_dict(fresh)
+    stats = amp.stats(opt)
+    assert (stats.steps, stats.skipped, stats.last_skipped) == (5, 0, False)
+    assert stats.scales == (2.0**9,)
+    amp.reset()
+
+
+class _Told(StepExtension):
+    device_skip = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def after_step(self, skipped: bool) -> None:
+        self.calls.append(("after_step", skipped))
+
+
+def test_an_extension_that_allows_it_hears_the_outcome_at_the_next_scale_loss():
+    amp.reset()
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O1")
+    told = managed_state(opt).add_extension(_Told())
+    for value in (None, None, INF, None):
+        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+            told.calls.append(("scale_loss", False))
+            s.backward()
+        if value is not None:
+            model[0].bias.grad[0] = value
+        opt.step()
+        opt.zero_grad()
+    amp.step_skipped(opt)
+    assert told.calls == [
+        ("scale_loss", False), ("after_step", False),  # the first step: decided on the host
+        ("scale_loss", False), ("after_step", False),  # the second: told at the next scale_loss
+        ("scale_loss", False), ("after_step", True),
+        ("scale_loss", False), ("after_step", False),  # told when the signal was read
+    ]
+    amp.reset()
+
+
+def test_an_extension_that_does_not_allow_it_keeps_the_host_decision():
+    class Plain(StepExtension):
+        pass
+
+    amp.reset()
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O1")
+    managed_state(opt).add_extension(Plain())
+    assert _reads_per_step(model, opt, 3) == [1, 1, 1]
+    amp.reset()
+
+
+def test_a_step_that_would_raise_is_decided_on_the_host_and_raises_in_step():
+    """At the scale's floor an overflow raises NumericsError: such a step is decided on
+    the host, so the error comes from step() itself, as it always did."""
+    amp.reset()
+    model = _model()
+    opt = amp.init_trainer(torch.optim.AdamW(model.parameters()), LossScaler(init_scale=1.0, min_scale=1.0))
+    with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()
+    with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+        s.backward()
+    model[0].bias.grad[0] = INF
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NumericsError, match="floor"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert amp.step_skipped(opt)
+    amp.reset()
