@@ -39,7 +39,7 @@ from .extensions import update_with
 if TYPE_CHECKING:
     from .managed import ManagedOptimizer
 
-__all__ = ["FOUND_INF_OPTIMIZERS", "fits", "step", "settle"]
+__all__ = ["FOUND_INF_OPTIMIZERS", "fits", "step", "settle", "settle_on_state_dict"]
 
 #: Optimizer classes (exactly these) whose fused kernel takes a found-inf flag.
 FOUND_INF_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -115,3 +115,19 @@ def settle(state: ManagedOptimizer) -> None:
     state.pending_outcome = None
     events, skipped = decide(segments, len(state.scalers))
     state.record_outcome(events, skipped)
+
+
+def settle_on_state_dict(state: ManagedOptimizer) -> tuple[Any, Any]:
+    """Hooks on ``state``'s optimizer that settle a pending outcome before its own
+    ``state_dict()`` and ``load_state_dict()`` run (a scheduler held by ampkit may have
+    stepped the learning rate ahead of a step that turns out skipped; a load must not
+    be undone by the outcome of a step before it). Returns the two hook handles."""
+
+    def before_save(optimizer: torch.optim.Optimizer) -> None:
+        settle(state)
+
+    def before_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        settle(state)
+
+    opt = state.optimizer
+    return opt.register_state_dict_pre_hook(before_save), opt.register_load_state_dict_pre_hook(before_load)

@@ -117,6 +117,8 @@ class ManagedOptimizer:
         if fast_kernels:
             self.kernels = use_fastest_kernel(optimizer)
             self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+        # the optimizer's own state_dict/load_state_dict see a pending outcome recorded
+        self._settle_hooks = device_skip.settle_on_state_dict(self)
 
     @property
     def skipped(self) -> int:
@@ -253,8 +255,9 @@ class ManagedOptimizer:
         device_skip.settle(self)
         self._active = False
         self.grad_path.remove()
-        if self._kernel_hook is not None:
-            self._kernel_hook.remove()
+        for hook in (self._kernel_hook, *self._settle_hooks):
+            if hook is not None:
+                hook.remove()
         opt = self.optimizer
         for name, ours, previous in (
             ("step", self._step_function, self._previous_step),

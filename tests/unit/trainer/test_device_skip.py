@@ -58,14 +58,20 @@ OPTIMIZERS = {
 }
 
 
-def _run(opt_name: str, dtype: torch.dtype, on_host: bool, plan: list, scaler=None):
+def _run(opt_name: str, dtype: torch.dtype, on_host: bool, plan: list, scheduler: bool = False):
     """Train with ``plan[i]`` (None or a value written into a grad element) at step i;
     ``on_host``: a no-op step post-hook makes every step decided on the host. Returns
     what a reader sees after each step, and the host reads inside each backward+step."""
     amp.reset()
     model = _model()
     opt = OPTIMIZERS[opt_name](model.parameters())
-    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, loss_scale=scaler)
+    if scheduler:  # O1 by amp.init, a scheduler held by ampkit (stepped on taken steps only)
+        amp.init(dtype=dtype, device_type="cpu")
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=len(plan) + 1,
+                                                    cycle_momentum=opt_name != "Adagrad")
+        amp.init_trainer(opt, LossScaler() if dtype == torch.float16 else 1.0, schedulers=[sched])
+    else:
+        model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype)
     if on_host:
         opt.register_step_post_hook(lambda *args: None)
     seen, reads = [], []
@@ -82,10 +88,11 @@ def _run(opt_name: str, dtype: torch.dtype, on_host: bool, plan: list, scaler=No
                 model[0].weight.grad[1, 2] = value  # an edit by index, after the hooks ran
             opt.step()
         reads.append(sum(counts.values()))
+        skipped = amp.step_skipped(opt)  # read first: a held scheduler is put back on a skip
         seen.append((
-            [p.detach().clone() for p in model.parameters()],
+            [p.detach().clone() for p in model.parameters()] + [torch.tensor(g["lr"]) for g in opt.param_groups],
             {k: v.clone() for s in opt.state.values() for k, v in s.items() if torch.is_tensor(v)},
-            amp.step_skipped(opt),
+            skipped,
             amp.stats(opt),
         ))
     amp.reset()
@@ -99,15 +106,17 @@ def _same(a, b) -> None:
         assert (ka, ta) == (kb, tb)
 
 
+@pytest.mark.parametrize("scheduler", [False, True], ids=["", "held-scheduler"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_a_fused_step_reads_nothing_and_shows_what_the_host_decided_step_shows(opt_name, dtype):
+def test_a_fused_step_reads_nothing_and_shows_what_the_host_decided_step_shows(opt_name, dtype, scheduler):
     """After the first step (which creates the optimizer state on the host: a skipped
     first step must leave none), no host read in backward + step, skipped steps
-    included; params, state, signal and stats bitwise those of host-decided steps."""
+    included; params, learning rates (a held OneCycleLR, which also sets betas or
+    momentum), state, signal and stats bitwise those of host-decided steps."""
     plan = [None, None, INF, None, float("nan"), -INF, None, None]
-    device, device_reads = _run(opt_name, dtype, on_host=False, plan=plan)
-    host, host_reads = _run(opt_name, dtype, on_host=True, plan=plan)
+    device, device_reads = _run(opt_name, dtype, on_host=False, plan=plan, scheduler=scheduler)
+    host, host_reads = _run(opt_name, dtype, on_host=True, plan=plan, scheduler=scheduler)
     _same(device, host)
     assert device_reads[1:] == [0] * (len(plan) - 1), device_reads
     assert host_reads[1:] == [1] * (len(plan) - 1), host_reads  # the decision, read in step()
@@ -254,4 +263,55 @@ def test_a_step_that_would_raise_is_decided_on_the_host_and_raises_in_step():
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert amp.step_skipped(opt)
+    amp.reset()
+
+
+def _held_scheduler_pending(skip: bool):
+    """An fp32 AdamW run (the trainer alone) with a StepLR held by ampkit; its last step
+    skipped (``skip``) or taken, on the device, nothing read since."""
+    amp.reset()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    amp.init_trainer(opt, LossScaler(init_scale=2.0**10), schedulers=[sched])
+    for value in (None, INF if skip else None):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+            s.backward()
+        if value is not None:
+            model[2].bias.grad[0] = value
+        opt.step()
+    assert managed_state(opt).pending_outcome is not None
+    return opt, sched
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "taken"])
+def test_a_held_schedulers_own_state_dict_records_the_pending_outcome_first(skip):
+    """Saved first thing after the step (before anything of ampkit is read), a held
+    scheduler's and the optimizer's state hold the learning rate of the decided step:
+    advanced once per taken step, not for the skipped one."""
+    opt, sched = _held_scheduler_pending(skip)
+    state = sched.state_dict()
+    want_epoch, want_lr = (1, 0.05) if skip else (2, 0.025)
+    assert (state["last_epoch"], state["_last_lr"]) == (want_epoch, [want_lr])
+    assert opt.state_dict()["param_groups"][0]["lr"] == want_lr
+    assert "state_dict" not in vars(sched)  # nothing of ampkit's left on the scheduler
+    amp.reset()
+    opt, sched = _held_scheduler_pending(skip)
+    assert opt.state_dict()["param_groups"][0]["lr"] == want_lr  # the optimizer's first
+    assert sched.get_last_lr() == [want_lr]
+    amp.reset()
+
+
+def test_a_load_while_a_skip_is_pending_is_not_undone_by_it():
+    """Loaded while the skipped step's outcome is pending, the scheduler's and the
+    optimizer's states stand: the outcome is recorded before either load."""
+    opt, sched = _held_scheduler_pending(skip=False)
+    saved_sched, saved_opt = sched.state_dict(), opt.state_dict()
+    opt, sched = _held_scheduler_pending(skip=True)
+    sched.load_state_dict(saved_sched)
+    assert sched.state_dict()["last_epoch"] == 2 and amp.step_skipped(opt)
+    opt, sched = _held_scheduler_pending(skip=True)
+    opt.load_state_dict(saved_opt)
+    assert amp.step_skipped(opt) and opt.param_groups[0]["lr"] == 0.025
     amp.reset()
