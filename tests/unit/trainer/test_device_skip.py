@@ -154,13 +154,16 @@ def _reads_per_step(model, opt, steps: int) -> list[int]:
     return reads
 
 
-def _pending_skip():
-    """A dynamically scaled AdamW run (fp32 model, the trainer alone) whose last step
-    was skipped on the device, nothing read since."""
+def _pending(skip: bool = True, scheduler: bool = False):
+    """A dynamically scaled AdamW run (fp32 model, the trainer alone; with ``scheduler``
+    a StepLR held by ampkit) whose last step was skipped (``skip``) or taken on the
+    device, nothing read since. Returns the optimizer and the scheduler (or None)."""
     amp.reset()
     model = _model()
-    opt = amp.init_trainer(torch.optim.AdamW(model.parameters(), lr=1e-2), LossScaler(init_scale=2.0**10))
-    for value in (None, INF):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1 if scheduler else 1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    amp.init_trainer(opt, LossScaler(init_scale=2.0**10), schedulers=[sched] if scheduler else None)
+    for value in (None, INF if skip else None):
         opt.zero_grad()
         with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
             s.backward()
@@ -168,18 +171,18 @@ def _pending_skip():
             model[2].bias.grad[0] = value
         opt.step()
     assert managed_state(opt).pending_outcome is not None  # the outcome is still on the device
-    return model, opt
+    return opt, sched
 
 
 def test_every_reader_sees_a_pending_skip():
     """The counters, the scaler's scale, amp.stats and a state dict each record the
     pending outcome before they answer."""
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     scaler = managed_state(opt).scalers[0]
     assert scaler.scale == 2.0**9  # backed off, read straight from the scaler
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     assert amp.state_dict()["trainers"][0]["optimizers"][0]["skipped"] == 1
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     assert managed_state(opt).skipped == 1 and amp.step_skipped(opt)
     amp.reset()
 
@@ -187,13 +190,13 @@ def test_every_reader_sees_a_pending_skip():
 def test_a_load_after_a_pending_skip_is_not_undone_by_it():
     """A state dict loaded while the outcome of the step before is pending: the outcome
     is recorded first, so the loaded counters and scale stand."""
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     saved = amp.state_dict()
     assert saved["trainers"][0]["optimizers"][0]["skipped"] == 1
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     fresh = amp.state_dict()
     fresh["trainers"][0]["optimizers"][0].update(steps=5, skipped=0, last_skipped=False)
-    _, opt = _pending_skip()
+    opt, _ = _pending()
     amp.load_state_dict(fresh)
     stats = amp.stats(opt)
     assert (stats.steps, stats.skipped, stats.last_skipped) == (5, 0, False)
@@ -266,38 +269,19 @@ def test_a_step_that_would_raise_is_decided_on_the_host_and_raises_in_step():
     amp.reset()
 
 
-def _held_scheduler_pending(skip: bool):
-    """An fp32 AdamW run (the trainer alone) with a StepLR held by ampkit; its last step
-    skipped (``skip``) or taken, on the device, nothing read since."""
-    amp.reset()
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    amp.init_trainer(opt, LossScaler(init_scale=2.0**10), schedulers=[sched])
-    for value in (None, INF if skip else None):
-        opt.zero_grad()
-        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
-            s.backward()
-        if value is not None:
-            model[2].bias.grad[0] = value
-        opt.step()
-    assert managed_state(opt).pending_outcome is not None
-    return opt, sched
-
-
 @pytest.mark.parametrize("skip", [True, False], ids=["skipped", "taken"])
 def test_a_held_schedulers_own_state_dict_records_the_pending_outcome_first(skip):
     """Saved first thing after the step (before anything of ampkit is read), a held
     scheduler's and the optimizer's state hold the learning rate of the decided step:
     advanced once per taken step, not for the skipped one."""
-    opt, sched = _held_scheduler_pending(skip)
+    opt, sched = _pending(skip, scheduler=True)
     state = sched.state_dict()
     want_epoch, want_lr = (1, 0.05) if skip else (2, 0.025)
     assert (state["last_epoch"], state["_last_lr"]) == (want_epoch, [want_lr])
     assert opt.state_dict()["param_groups"][0]["lr"] == want_lr
     assert "state_dict" not in vars(sched)  # nothing of ampkit's left on the scheduler
     amp.reset()
-    opt, sched = _held_scheduler_pending(skip)
+    opt, sched = _pending(skip, scheduler=True)
     assert opt.state_dict()["param_groups"][0]["lr"] == want_lr  # the optimizer's first
     assert sched.get_last_lr() == [want_lr]
     amp.reset()
@@ -306,12 +290,12 @@ def test_a_held_schedulers_own_state_dict_records_the_pending_outcome_first(skip
 def test_a_load_while_a_skip_is_pending_is_not_undone_by_it():
     """Loaded while the skipped step's outcome is pending, the scheduler's and the
     optimizer's states stand: the outcome is recorded before either load."""
-    opt, sched = _held_scheduler_pending(skip=False)
+    opt, sched = _pending(skip=False, scheduler=True)
     saved_sched, saved_opt = sched.state_dict(), opt.state_dict()
-    opt, sched = _held_scheduler_pending(skip=True)
+    opt, sched = _pending(skip=True, scheduler=True)
     sched.load_state_dict(saved_sched)
     assert sched.state_dict()["last_epoch"] == 2 and amp.step_skipped(opt)
-    opt, sched = _held_scheduler_pending(skip=True)
+    opt, sched = _pending(skip=True, scheduler=True)
     opt.load_state_dict(saved_opt)
     assert amp.step_skipped(opt) and opt.param_groups[0]["lr"] == 0.025
     amp.reset()
