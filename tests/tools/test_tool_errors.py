@@ -219,3 +219,17 @@ def test_a_script_that_closes_stderr_keeps_its_exit_code(tmp_path):
                           env={"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_version_names_the_packaged_version_and_the_torch_it_runs_on():
+    """``ampkit --version`` (a fresh process, exit 0) prints pyproject's version, which is
+    ``ampkit.__version__``, and the torch it imported."""
+    import re
+    import subprocess
+    import sys
+
+    packaged = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert amp.__version__ == packaged
+    out = subprocess.run([sys.executable, "-m", "ampkit", "--version"], capture_output=True, text=True,
+                         timeout=120, check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+    assert out.stdout.startswith(f"ampkit {packaged} (torch {torch.__version__}, python ")

@@ -40,12 +40,25 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
+def _version() -> str:
+    """``ampkit X (torch Y, python Z)``: what ``ampkit --version`` prints."""
+    import platform
+
+    import torch
+
+    from ampkit import __version__
+
+    return f"{PROG} {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ampkit`` argument parser (sub-commands ``bench``, ``convert``, ``doctor``, ``run``,
     ``warmup`` and ``tune``)."""
     from ampkit.tools.bench.recipes import PRECISIONS
 
     parser = _Parser(prog=PROG, description="ampkit: automatic mixed precision for PyTorch.")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print ampkit's version and the torch it runs on, then exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     bench = sub.add_parser(
         "bench",
