@@ -422,16 +422,19 @@ def render_host_overhead(result: dict[str, Any]) -> str:
            f"(`item`, `__bool__`, `tolist`, `__float__`, `__int__`, `cpu` off the CPU), counted over "
            f"{s['count_steps']} steps: on a GPU each waits for the device; on the CPU they include reads of "
            "tensors that stay on the CPU on a GPU too (optimizer step counters), which the sites below tell "
-           "apart.\n\n"]  # fmt: skip
+           "apart. *Earlier step's flag*: reads of the inf/NaN flag of a step skipped on the device, made "
+           "during the next step (`ampkit.trainer.device_skip.settle`), when the device has passed it; not in "
+           "the host reads.\n\n"]  # fmt: skip
     for wl in result["workloads"]:
         out.append(f"### {wl['workload']}\n\n{wl['description']}; {wl['param_tensors']} parameter tensors, "
                    f"{wl['params']:,} parameters.\n\n")  # fmt: skip
-        header = ["arm", "CPU ms/step", "vs torch_amp", "host reads/step"] + (
+        header = ["arm", "CPU ms/step", "vs torch_amp", "host reads/step", "earlier step's flag"] + (
             ["host ms/step", "wall ms/step"] if cuda else []) + ["target", "met"]  # fmt: skip
         rows = []
         for r in wl["rows"]:
             met = "—" if r["met"] is None else ("yes" if r["met"] else "**no**")
             rows.append([r["arm"], _cell(r["cpu_ms"]), _cell(r["vs_torch_amp"], ".3f"), _cell(r["host_reads"], ".1f"),
+                         _cell(r.get("host_reads_earlier", 0.0), ".1f"),
                          *([_cell(r.get("host_ms")), _cell(r.get("wall_ms"))] if cuda else []),
                          "—" if r["target"] is None else f"≤ {r['target']:.2f}×", met])  # fmt: skip
         out.append(md_table(header, rows, "l" + "r" * (len(header) - 2) + "l"))

@@ -46,7 +46,10 @@ update kernels itself. Measured per arm:
    (``Tensor.item``, ``__bool__``, ``tolist``, ``__float__``, ``__int__``, and
    ``Tensor.cpu`` of a tensor not on the CPU), counted over ``--count-steps`` steps by
    wrapping those methods for that time only, with the code that made each call. On a
-   CPU they cost nothing much; on a GPU each one waits for the device.
+   CPU they cost nothing much; on a GPU each one waits for the device. Reads of the
+   flag of a step skipped on the device, which ``ampkit.trainer.device_skip.settle``
+   makes during a later step (the device has passed it), are counted apart
+   (``host_reads_earlier``) and named so among the sites.
 3. Profile (``--profile``, the default): ``cProfile`` over ``--profile-steps`` steps
    of each arm; per arm the profiled time per step, the part spent in ampkit's own
    code (its functions' own time; the ``lm`` model's code, which lives in
@@ -57,7 +60,7 @@ update kernels itself. Measured per arm:
 Targets (host time per step against ``torch_amp``): ampkit O1 (``O1_init`` and
 ``O1_scope``) <= 1.10x, O2 <= 1.10x, O2K <= 1.20x. ``--json FILE`` also writes the
 machine (CPU, its 16-bit flags, torch, date, command), the settings and, per workload,
-the rows (``cpu_ms``, ``vs_torch_amp``, ``host_reads``, on CUDA ``host_ms`` and
+the rows (``cpu_ms``, ``vs_torch_amp``, ``host_reads``, ``host_reads_earlier``, on CUDA ``host_ms`` and
 ``wall_ms``; the target and whether it is met), the reads by method and by calling
 site, and the profile.
 
@@ -88,6 +91,7 @@ from torch import nn
 import ampkit as amp
 from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, make_workload
+from ampkit.trainer import device_skip
 
 ARMS = ("torch_amp", "pure16", "O1_init", "O1_scope", "O2", "O2K", "O3")
 AMPKIT_ARMS = ("O1_init", "O1_scope", "O2", "O2K", "O3")
@@ -97,6 +101,8 @@ LR = 1e-3
 TOP = 12  # ampkit functions per arm in the profile
 READ_METHODS = ("item", "__bool__", "tolist", "__float__", "__int__", "cpu")
 AMPKIT_DIR = Path(amp.__file__).resolve().parent
+SETTLE_CODE = device_skip.settle.__code__
+EARLIER = " [an earlier step's flag]"
 TORCH_DIR = Path(torch.__file__).resolve().parent
 BENCH_DIR = AMPKIT_DIR / "tools" / "bench"  # the lm workload's model code: not ampkit's step
 
@@ -269,6 +275,18 @@ def _site(frame: Any) -> str:
     return f"{path_s}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
+def _of_an_earlier_step(frame: Any) -> bool:
+    """Whether a read comes from ``ampkit.trainer.device_skip.settle``: the flag of a
+    step skipped on the device, recorded during a later one (the device has passed it)."""
+    for _ in range(16):
+        if frame is None:
+            return False
+        if frame.f_code is SETTLE_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def counting_reads(counts: collections.Counter) -> Iterator[None]:
     """While open, every host read (see ``READ_METHODS``) adds 1 to ``counts[(method,
@@ -279,7 +297,8 @@ def counting_reads(counts: collections.Counter) -> Iterator[None]:
     def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def reader(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if name != "cpu" or self.device.type != "cpu":
-                counts[(name, _site(sys._getframe(1)))] += 1
+                frame = sys._getframe(1)
+                counts[(name, _site(frame) + (EARLIER if _of_an_earlier_step(frame) else ""))] += 1
             return original(self, *args, **kwargs)
 
         return reader
@@ -306,7 +325,8 @@ def host_reads(step: Step, batch: tuple[torch.Tensor, torch.Tensor], n: int) -> 
     for (method, site), c in counts.items():
         by_method[method] += c
         by_site[site] += c
-    return {"per_step": sum(counts.values()) / n,
+    earlier = sum(c for (_, site), c in counts.items() if site.endswith(EARLIER))
+    return {"per_step": (sum(counts.values()) - earlier) / n, "earlier_per_step": earlier / n,
             "by_method": {m: c / n for m, c in by_method.most_common()},
             "by_site": {s: c / n for s, c in by_site.most_common()}}  # fmt: skip
 
@@ -366,7 +386,8 @@ def measure(wl: Workload, arms: list[str], args: argparse.Namespace, dtype: torc
         cpu_ms = statistics.median(cpu[arm]) * 1e3
         ratio = cpu_ms / (ref * 1e3) if ref else float("nan")
         row: dict[str, Any] = {"arm": arm, "cpu_ms": cpu_ms, "vs_torch_amp": ratio,
-                               "host_reads": reads[arm]["per_step"]}  # fmt: skip
+                               "host_reads": reads[arm]["per_step"],
+                               "host_reads_earlier": reads[arm]["earlier_per_step"]}  # fmt: skip
         if cuda:
             row["host_ms"] = statistics.median(host[arm]) * 1e3
             row["wall_ms"] = statistics.median(wall[arm]) * 1e3
@@ -393,14 +414,15 @@ def _target(row: dict[str, Any]) -> str:
 def print_table(result: dict[str, Any], cuda: bool) -> None:
     print(f"\n{result['workload']}: {result['description']}; {result['param_tensors']} param tensors, "
           f"{result['params']:,} params")  # fmt: skip
-    head = f"{'arm':<10} {'cpu ms/step':>12} {'vs torch_amp':>13} {'host reads/step':>16}"
+    head = f"{'arm':<10} {'cpu ms/step':>12} {'vs torch_amp':>13} {'host reads/step':>16} {'earlier flag':>13}"
     if cuda:
         head += f" {'host ms/step':>13} {'wall ms/step':>13}"
     head += "  target"
     print(head)
     print("-" * len(head))
     for r in result["rows"]:
-        line = f"{r['arm']:<10} {r['cpu_ms']:>12.2f} {r['vs_torch_amp']:>12.3f}x {r['host_reads']:>16.1f}"
+        line = (f"{r['arm']:<10} {r['cpu_ms']:>12.2f} {r['vs_torch_amp']:>12.3f}x {r['host_reads']:>16.1f} "
+                f"{r['host_reads_earlier']:>13.1f}")  # fmt: skip
         if cuda:
             line += f" {r['host_ms']:>13.2f} {r['wall_ms']:>13.2f}"
         print(f"{line}  {_target(r)}")

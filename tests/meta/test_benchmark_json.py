@@ -149,6 +149,7 @@ def test_doctor_overhead_json_holds_the_printed_table(tmp_path):
 
 
 def test_host_overhead_json_holds_the_printed_tables_and_profile(tmp_path):
+    host = load_file(BENCH / "host_overhead.py")
     arms = ["torch_amp", "pure16", "O1_init", "O1_scope"]
     stdout, record = run_script("host_overhead.py", ["--workload", "tiny", "--device", "cpu", "--rounds", "1",
                                                      "--steps", "1", "--warmup", "1", "--count-steps", "1",
@@ -164,11 +165,13 @@ def test_host_overhead_json_holds_the_printed_tables_and_profile(tmp_path):
     for row in wl["rows"]:
         target = ["-"] if row["target"] is None else [f"<={row['target']:.2f}x", "met" if row["met"] else "missed"]
         assert printed[row["arm"]] == [f"{row['cpu_ms']:.2f}", f"{row['vs_torch_amp']:.3f}x",
-                                       f"{row['host_reads']:.1f}", *target]  # fmt: skip
+                                       f"{row['host_reads']:.1f}", f"{row['host_reads_earlier']:.1f}", *target]  # fmt: skip
         assert row["vs_torch_amp"] == pytest.approx(row["cpu_ms"] / ref) and "wall_ms" not in row
         assert row["met"] == (None if row["target"] is None else row["vs_torch_amp"] <= row["target"])
         reads = wl["reads"][row["arm"]]
-        assert row["host_reads"] == sum(reads["by_method"].values()) == sum(reads["by_site"].values())
+        total = row["host_reads"] + row["host_reads_earlier"]
+        assert total == sum(reads["by_method"].values()) == sum(reads["by_site"].values())
+        assert row["host_reads_earlier"] == sum(n for site, n in reads["by_site"].items() if site.endswith(host.EARLIER))
     assert wl["rows"][0]["vs_torch_amp"] == 1.0
     assert list(wl["profile"]) == arms
     for arm, prof in wl["profile"].items():

@@ -139,6 +139,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
     def _enter(self) -> autocast:
         _skip_kernel_frames()  # once per process; returns at once after
         resolved = _resolve(self.policy, self.device_type, self._intercept_all) if self.enabled else None
+        if resolved is not None and self.policy.dtype not in _entered_dtypes:
+            _entered_dtypes.add(self.policy.dtype)
         frame = self._make_frame(resolved)
         if resolved is not None:
             kernel_registry.ensure(self.device_type, resolved.intercepted)
@@ -472,10 +474,21 @@ def _stop_global() -> None:
         scope.__exit__(None, None, None)
 
 
+#: The compute dtypes of the enabled scopes entered since the last reset (any thread).
+_entered_dtypes: set[torch.dtype] = set()
+
+
+def entered_dtypes() -> frozenset[torch.dtype]:
+    """The compute dtypes of the enabled ``ampkit.autocast`` scopes entered in this
+    process (any thread) since the last :func:`ampkit.reset`."""
+    return frozenset(_entered_dtypes)
+
+
 @_reset.on_reset
 def _reset_engine() -> None:
     global _warned_fp16_cpu
     _warned_fp16_cpu = False  # warn once per ampkit session (reset starts a new one)
+    _entered_dtypes.clear()
     _stop_global()
     for stack in reversed(_state.rule_stack):
         stack[1].close()

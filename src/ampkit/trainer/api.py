@@ -37,14 +37,16 @@ installs, is given to every managed optimizer here).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ampkit._internal.validate import is_count, is_real
+from ampkit._internal.where import user_stacklevel
 from ampkit._internal.wrappers import unwrap_optimizers
-from ampkit.casting.engine import current_policy
+from ampkit.casting.engine import current_policy, entered_dtypes
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
@@ -76,11 +78,17 @@ def _as_list(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
-def _default_scale(optimizers: list[torch.optim.Optimizer]) -> float | None:
-    """``init_trainer``'s default: 1.0 (static) when the compute dtype is bf16, None
-    (dynamic) for fp16 or when it cannot be told (fp32 parameters, no ``amp.init``)."""
+#: ``_default_scale`` when the compute dtype cannot be told yet (fp32 parameters, no
+#: ``amp.init``): a dynamic scale until the first ``scale_loss`` looks at the scopes.
+_UNTOLD = "untold"
+
+
+def _default_scale(optimizers: list[torch.optim.Optimizer], scopes: frozenset = frozenset()) -> float | str | None:
+    """``init_trainer``'s default: 1.0 (static) when the compute dtype is bf16 (of the
+    parameters, ``amp.init``, or the ``scopes`` entered), None (dynamic) for fp16,
+    :data:`_UNTOLD` when it cannot be told."""
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    dtypes = {p.dtype for p in params if p.is_floating_point()} | scopes
     for device_type in {p.device.type for p in params}:
         try:
             policy = current_policy(device_type)
@@ -88,9 +96,39 @@ def _default_scale(optimizers: list[torch.optim.Optimizer]) -> float | None:
             policy = None
         if policy is not None:
             dtypes.add(policy.dtype)
-    if torch.float16 in dtypes or torch.bfloat16 not in dtypes:
+    if torch.float16 in dtypes:
         return None
-    return 1.0
+    return 1.0 if torch.bfloat16 in dtypes else _UNTOLD
+
+
+def _follow_scopes(states: list[ManagedOptimizer], slots: list[LossSlot]) -> None:
+    """The default scale of a trainer whose compute dtype ``init_trainer`` could not
+    tell, settled by its first ``scale_loss`` from the ampkit scopes entered so far: bf16
+    only, a static scale of 1 (as ``init_trainer`` picks for bf16); else the dynamic scale
+    stays. A static scale chosen so becomes dynamic again (init 2**16, warned once) at the
+    first ``scale_loss`` after an fp16 scope."""
+    entered = entered_dtypes()
+    for slot in slots:
+        if slot.follow_scopes == "first":
+            optimizers = [s.optimizer for s in states]
+            slot.follow_scopes = None
+            if entered and _default_scale(optimizers, entered) == 1.0:
+                slot.scaler.configure(dynamic=False, init_scale=1.0)
+                slot.scaler.set_scale(1.0)
+                slot.follow_scopes = "watch"
+        elif slot.follow_scopes == "watch" and torch.float16 in entered:
+            slot.follow_scopes = None
+            fresh = LossScaler()
+            slot.scaler.configure(**fresh.config())
+            slot.scaler.set_scale(fresh.scale)
+            warnings.warn(
+                f"ampkit: {slot.scaler.name} kept a static scale of 1 since the first scale_loss "
+                "ran after bf16 scopes only; an fp16 scope has run since, so it scales "
+                f"dynamically from now on (init {fresh.scale:g}). Pass scaler= to init_trainer "
+                "to choose.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 def _build_scalers(scaler: Any, num_losses: int) -> list[LossScaler]:
@@ -140,7 +178,11 @@ def init_trainer(
             1 when it is bf16 -- bf16 parameters in the optimizer, or ``amp.init``
             casting in bf16 -- since bf16 has fp32's range; otherwise a dynamic
             :class:`LossScaler` per loss: init 2**16, growth 2 every 2000 clean steps,
-            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way), a
+            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way.
+            Where neither tells (fp32 parameters, no ``amp.init``), the first
+            ``scale_loss`` looks at the ``ampkit.autocast`` scopes entered so far: bf16
+            ones only, the static 1; any fp16 one or none, dynamic; a static 1 chosen so
+            turns dynamic, with a warning, after a later fp16 scope), a
             :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
             its configuration), a list of ``num_losses`` LossScalers, or a number (a
             static scale for every loss).
@@ -208,11 +250,14 @@ def init_trainer(
     if len({id(o) for o in optimizers}) != len(optimizers):
         raise StateError("init_trainer: the same optimizer appears twice in the list.")
     scheds = check_schedulers(schedulers, optimizers)
-    scalers = _build_scalers(_default_scale(optimizers) if scaler is None else scaler, int(num_losses))
+    default = _default_scale(optimizers) if scaler is None else scaler
+    scalers = _build_scalers(None if default is _UNTOLD else default, int(num_losses))
     for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
         if s.name == "loss scaler":
             s.name = f"loss scaler {i}"
     slots = [LossSlot(s) for s in scalers]
+    for slot in slots:
+        slot.follow_scopes = "first" if default is _UNTOLD else None
     states = []
     for opt in optimizers:
         state = ManagedOptimizer(opt, slots, _extensions.default_agreement(), fast_kernels)
@@ -302,6 +347,8 @@ def scale_loss(
             f"loss_id={loss_id}; a loss can only be scaled once. Pass optimizers that share "
             "a loss to one ampkit.init_trainer call."
         )
+    if states[0]._slots[loss_id].follow_scopes is not None:
+        _follow_scopes(states, states[0]._slots)
     scaler = states[0]._slots[loss_id].scaler
     for state in states:
         _device_skip.settle(state)  # the previous step's outcome (its scale) first

@@ -31,6 +31,10 @@ class LossSlot:
         self.owed: list[ManagedOptimizer] = []
         self.reports: list[bool | None] = []
         self.skips = SkipReport()
+        #: "first" while the default scale waits for the first scale_loss to tell bf16
+        #: scopes; "watch" once that chose a static 1 for them (an fp16 scope makes it
+        #: dynamic again); None otherwise (``ampkit.trainer.api``)
+        self.follow_scopes: str | None = None
         scaler.on_read(self.settle_owed)
 
     def settle_owed(self) -> None:
