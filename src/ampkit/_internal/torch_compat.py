@@ -1,14 +1,11 @@
 """Every place ampkit relies on torch internals, behind one small name each.
 
-Each function or constant here states what ampkit assumes of torch and what breaks if
-a torch release changes it; ``tests/unit/_internal/test_torch_compat.py`` checks each assumption
-against the installed torch, so a release that breaks one fails a test named for it
-instead of a casting or training test far away. Code elsewhere in ampkit reaches
-torch's private modules, attributes and ops only through this module (the process-wide
-patches of ``ampkit run`` stay with the launcher).
-
-Functions that touch torch.compile's internals (dynamo) import them lazily and only
-when dynamo is already loaded: importing ampkit never imports dynamo.
+Each function or constant here states what ampkit assumes of torch and what breaks if a
+torch release changes it; ``tests/unit/_internal/test_torch_compat.py`` checks each
+assumption against the installed torch, so a release that breaks one fails a test named
+for it. Code elsewhere reaches torch's private modules, attributes and ops only through
+this module (``ampkit run``'s process-wide patches stay with the launcher). Functions
+that touch dynamo's internals import them lazily, only when dynamo is loaded already.
 """
 
 from __future__ import annotations
@@ -794,23 +791,26 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
-    """The step pre- and post-hooks registered on ``optimizer`` itself
-    (``register_step_pre_hook``/``register_step_post_hook``), in registration order:
-    ``optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``, the dicts
-    torch's ``Optimizer.profile_hook_step`` wrapper of every ``step`` reads at each call.
-    If torch renames them, a managed step would run these hooks twice or not at all."""
+    """The step pre- and post-hooks registered on ``optimizer`` itself, in order: the dicts
+    ``_optimizer_step_pre_hooks``/``_post_hooks`` that torch's ``profile_hook_step`` reads
+    at each ``step``; renamed, a managed step would run them twice or not at all."""
     pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     post = getattr(optimizer, "_optimizer_step_post_hooks", None)
     return (list(pre.values()) if pre else [], list(post.values()) if post else [])
 
 
+def global_optimizer_step_hooks() -> int:
+    """How many ``torch.optim.optimizer._global_optimizer_pre_hooks``/``_post_hooks`` are set."""
+    from torch.optim import optimizer as o
+
+    return len(getattr(o, "_global_optimizer_pre_hooks", ())) + len(getattr(o, "_global_optimizer_post_hooks", ()))
+
+
 @contextlib.contextmanager
 def instance_step_hooks_suspended(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Within the block, calling ``optimizer.step`` runs none of the step hooks
-    registered on the optimizer itself (the caller ran them at their own place); they
-    come back afterwards, hooks registered meanwhile included. Global optimizer hooks
-    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) are not suspended:
-    they are process-wide, and other threads may be stepping."""
+    """Within the block, ``optimizer.step`` runs none of the optimizer's own step hooks
+    (the caller ran them); they come back after, new ones included. Global hooks are
+    not suspended: they are process-wide, other threads may be stepping."""
     names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
     saved = [optimizer.__dict__.get(name) for name in names]
     if not any(saved):

@@ -297,6 +297,7 @@ class LossScaler:
         self._on_read = reader
 
     def __getstate__(self) -> dict[str, Any]:
+        self._before_read()
         state = dict(self.__dict__)
         state.pop("_on_read", None)
         return state
@@ -490,8 +491,9 @@ class LossScaler:
     def overflow_raises(self) -> bool:
         """Whether an overflow event fed to :meth:`update` now would raise
         :class:`~ampkit.NumericsError` (the scale at its floor, or the overflow one more
-        than ``max_consecutive_skips`` in a row); changes nothing."""
-        event = _transition(self._state, self._config, True)[1]
+        than ``max_consecutive_skips`` in a row); changes nothing. Judged on the state as
+        last updated: a trainer's pending outcome and the step asking are one event."""
+        event = _transition(self._current, self._config, True)[1]
         return event.kind == "at_floor" or event.too_many_skips
 
     def state(self) -> ScalerState:
@@ -556,6 +558,7 @@ class LossScaler:
         return the function that applies it (which cannot fail). Lets a caller validate
         several objects before changing any. Raises :class:`~ampkit.ScalerError` as
         :meth:`load_state_dict` does."""
+        self._before_read()  # a pending outcome updates the state it had, not the loaded one
         require_fields(state_dict, (*_STATE_KEYS, *CONFIG_KEYS), self.name, ScalerError,
                        source="LossScaler.state_dict()")
         cfg = _check_config({k: state_dict[k] for k in CONFIG_KEYS}, self.name)

@@ -107,6 +107,8 @@ def _follow_scopes(states: list[ManagedOptimizer], slots: list[LossSlot]) -> Non
     only, a static scale of 1 (as ``init_trainer`` picks for bf16); else the dynamic scale
     stays. A static scale chosen so becomes dynamic again (init 2**16, warned once) at the
     first ``scale_loss`` after an fp16 scope."""
+    if all(slot.follow_scopes is None for slot in slots):
+        return
     entered = entered_dtypes()
     for slot in slots:
         if slot.follow_scopes == "first":
@@ -178,31 +180,26 @@ def init_trainer(
             1 when it is bf16 -- bf16 parameters in the optimizer, or ``amp.init``
             casting in bf16 -- since bf16 has fp32's range; otherwise a dynamic
             :class:`LossScaler` per loss: init 2**16, growth 2 every 2000 clean steps,
-            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way.
-            Where neither tells (fp32 parameters, no ``amp.init``), the first
-            ``scale_loss`` looks at the ``ampkit.autocast`` scopes entered so far: bf16
-            ones only, the static 1; any fp16 one or none, dynamic; a static 1 chosen so
-            turns dynamic, with a warning, after a later fp16 scope), a
+            backoff 0.5, floor 1, cap 2**24; every step skips on inf/NaN either way; fp32
+            parameters, no ``amp.init``: the first ``scale_loss`` tells it from the scopes
+            entered, bf16 only giving static 1 until an fp16 scope (warned)), a
             :class:`LossScaler` (used for loss 0; the other loss ids get fresh copies of
             its configuration), a list of ``num_losses`` LossScalers, or a number (a
             static scale for every loss).
         num_losses (int): how many losses get their own scaler (``loss_id`` in
             ``scale_loss``). Default: ``1``.
         schedulers (list of LRScheduler | None): per-step LR schedulers of these
-            optimizers for ampkit to step: each one's ``step()`` is called right after
-            every real (not skipped) step of its optimizer, so the schedule advances only
-            on steps that updated the parameters; the loop then calls no ``sched.step()``
-            of its own (ampkit warns once if it does). Without it, write
-            ``if not amp.step_skipped(opt): sched.step()``. ReduceLROnPlateau and
+            optimizers for ampkit to step right after each real (not skipped) step of
+            their optimizer; the loop calls no ``sched.step()`` of its own (warned once
+            if it does). Without it, write ``if not amp.step_skipped(opt): sched.step()``. ReduceLROnPlateau and
             epoch-level schedulers stay with the loop (a ReduceLROnPlateau here raises). Default: ``None``.
         fast_kernels (bool): param groups built with ``foreach`` and ``fused``
             both unset (torch's defaults) step with torch's fastest kernel for the same
             optimizer: ``fused=True`` for Adam, AdamW and Adagrad on fp32/fp64
-            parameters, else ``foreach=True`` (see ``ampkit.trainer.fused_step``);
-            re-applied after ``optimizer.load_state_dict``. The fused kernel's results
-            may differ from the per-parameter loop in the last bits, depending on the
-            CPU kind (AVX2: bitwise; AVX-512: ~0.15% of the elements of an AdamW step).
-            False leaves the optimizer exactly as built. Default: ``True``.
+            parameters, else ``foreach=True`` (``ampkit.trainer.fused_step``; again after
+            ``optimizer.load_state_dict``); fused results may differ from the loop's in
+            the last bits on AVX-512 CPUs (~0.15% of an AdamW step's elements; AVX2:
+            bitwise). False leaves the optimizer exactly as built. Default: ``True``.
         doctor (bool | None): watch these optimizers with the process-wide
             :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
             registered as ``"doctor"`` (``ampkit.trainer.extensions.register_attacher``;
@@ -251,13 +248,11 @@ def init_trainer(
         raise StateError("init_trainer: the same optimizer appears twice in the list.")
     scheds = check_schedulers(schedulers, optimizers)
     default = _default_scale(optimizers) if scaler is None else scaler
-    scalers = _build_scalers(None if default is _UNTOLD else default, int(num_losses))
+    scalers = _build_scalers(None if default is _UNTOLD else default, int(num_losses))  # untold: dynamic so far
     for i, s in enumerate(scalers):  # everything checked: from here on nothing fails
         if s.name == "loss scaler":
             s.name = f"loss scaler {i}"
-    slots = [LossSlot(s) for s in scalers]
-    for slot in slots:
-        slot.follow_scopes = "first" if default is _UNTOLD else None
+    slots = [LossSlot(s, follow_scopes=default is _UNTOLD) for s in scalers]
     states = []
     for opt in optimizers:
         state = ManagedOptimizer(opt, slots, _extensions.default_agreement(), fast_kernels)
@@ -347,8 +342,7 @@ def scale_loss(
             f"loss_id={loss_id}; a loss can only be scaled once. Pass optimizers that share "
             "a loss to one ampkit.init_trainer call."
         )
-    if states[0]._slots[loss_id].follow_scopes is not None:
-        _follow_scopes(states, states[0]._slots)
+    _follow_scopes(states, states[0]._slots)
     scaler = states[0]._slots[loss_id].scaler
     for state in states:
         _device_skip.settle(state)  # the previous step's outcome (its scale) first

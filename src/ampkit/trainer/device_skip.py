@@ -17,7 +17,9 @@ A step is decided on the host as before (one read of its flag in ``step()``) whe
 these holds: a parameter group is not fused (foreach and for-loop kernels take no flag),
 the optimizer is not exactly one of the classes above, a parameter with a grad has no
 optimizer state yet (a skipped first step must leave none, where the fused kernel would
-create zeros), the step has a closure or optimizer post-hooks, an extension acts around
+create zeros), ``torch.amp.GradScaler`` steps it (it hands its own flag), the step is
+compiled, process-wide optimizer step hooks are registered (they run on taken steps
+only), the step has a closure or optimizer post-hooks, an extension acts around
 the update or asks to be told at once (all but those with ``device_skip = True``),
 fp32 master weights hold the parameters (O2/O2K), the ranks of a multi-process run
 agree on the step, or an overflow would make a loss scaler raise
@@ -32,6 +34,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ampkit._internal import torch_compat
+from ampkit.casting.engine import step_hook_installed
 
 from .decision import Segment, decide
 from .extensions import update_with
@@ -58,6 +63,10 @@ def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks:
         return False
     if type(opt) not in FOUND_INF_OPTIMIZERS:  # their fused kernels take found_inf (torch >= 2.3)
         return False
+    if "found_inf" in opt.__dict__ or "grad_scale" in opt.__dict__:
+        return False  # torch.amp.GradScaler.step hands its own flag (and maybe the scale)
+    if torch.compiler.is_compiling() or torch_compat.global_optimizer_step_hooks() > step_hook_installed():
+        return False  # a compiled step; others' hooks of every step (taken ones only), not ours
     if not all(ext.device_skip for ext in state.extensions):
         return False
     if any(scaler.overflow_raises() for scaler in state.scalers):
@@ -65,9 +74,16 @@ def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks:
     groups = opt.param_groups
     if not all(group.get("fused") for group in groups):
         return False
-    if len(opt.state) == sum(len(group["params"]) for group in groups):
-        return True  # every parameter has state already (the usual step after the first)
-    return all(p in opt.state for group in groups for p in group["params"] if p.grad is not None)
+    # a parameter about to get its first state (an empty dict left by a read counts as
+    # none) is stepped on the host: a skipped step must create none. SGD without
+    # momentum keeps no state.
+    have = opt.state
+    return all(
+        p.grad is None or have.get(p)
+        for group in groups
+        if not (type(opt) is torch.optim.SGD and group["momentum"] == 0)
+        for p in group["params"]
+    )
 
 
 def _found(segments: Sequence[Segment]) -> torch.Tensor | None:

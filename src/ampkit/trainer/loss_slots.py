@@ -26,7 +26,7 @@ class LossSlot:
     for the current iteration (those that received this loss's grads and have not
     stepped yet). The scaler updates when the last of them steps."""
 
-    def __init__(self, scaler: LossScaler) -> None:
+    def __init__(self, scaler: LossScaler, follow_scopes: bool = False) -> None:
         self.scaler = scaler
         self.owed: list[ManagedOptimizer] = []
         self.reports: list[bool | None] = []
@@ -34,7 +34,7 @@ class LossSlot:
         #: "first" while the default scale waits for the first scale_loss to tell bf16
         #: scopes; "watch" once that chose a static 1 for them (an fp16 scope makes it
         #: dynamic again); None otherwise (``ampkit.trainer.api``)
-        self.follow_scopes: str | None = None
+        self.follow_scopes: str | None = "first" if follow_scopes else None
         scaler.on_read(self.settle_owed)
 
     def settle_owed(self) -> None:

@@ -127,11 +127,21 @@ class ManagedOptimizer:
         device_skip.settle(self)
         return self._skipped
 
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        device_skip.settle(self)
+        self._skipped = value
+
     @property
     def last_skipped(self) -> bool:
         """Whether the last step was skipped (settles a step skipped on the device)."""
         device_skip.settle(self)
         return self._last_skipped
+
+    @last_skipped.setter
+    def last_skipped(self, value: bool) -> None:
+        device_skip.settle(self)
+        self._last_skipped = value
 
     # --- the step's grads (step_grads), for extensions -------------------------------
     @property
@@ -171,6 +181,7 @@ class ManagedOptimizer:
             raise StateError(f"add_extension: expected a StepExtension, got {type(ext).__name__}.")
         if any(e is ext for e in self._extensions):
             return ext
+        device_skip.settle(self)  # a step before it is none of its business
         if ext.state_name is not None:
             self._extra.register(ext.state_name, ext.state_dict, ext.load_state_dict, ext.check_state_dict)
         self._extensions.append(ext)

@@ -114,9 +114,9 @@ def test_a_scaler_pickled_with_its_configuration_as_attributes_loads():
     import pickle
 
     s = LossScaler(init_scale=4.0, growth_interval=2, hysteresis=2)
-    old = dict(s.__dict__)
+    old = {k: v for k, v in vars(s).items() if k not in ("_current", "_on_read")}
     old.update(old.pop("_config"))  # the 0.3 layout: configuration and state as attributes
-    old.update({f"_{key}": value for key, value in old.pop("_state")._asdict().items()})
+    old.update({f"_{key}": value for key, value in s.state()._asdict().items()})
     clone = LossScaler.__new__(LossScaler)
     clone.__setstate__(old)
     clone = pickle.loads(pickle.dumps(clone))

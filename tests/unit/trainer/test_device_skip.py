@@ -299,3 +299,111 @@ def test_a_load_while_a_skip_is_pending_is_not_undone_by_it():
     opt.load_state_dict(saved_opt)
     assert amp.step_skipped(opt) and opt.param_groups[0]["lr"] == 0.025
     amp.reset()
+
+
+def _o1_adamw(dtype=torch.float16):
+    amp.reset()
+    torch.manual_seed(0)
+    model = _model()
+    return amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level="O1", dtype=dtype)
+
+
+@pytest.mark.filterwarnings("ignore:ampkit. float16 on CPU")
+def test_torch_gradscaler_on_a_managed_fused_optimizer_keeps_its_own_flag():
+    """torch's recipe (scale, unscale_, clip, step, update) on an optimizer ampkit made
+    fused: GradScaler hands the kernel its own flag and scale, which ampkit leaves alone."""
+    model, opt = _o1_adamw()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 8)).float().pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    moved = max((a - b).abs().max().item() for a, b in zip(before, model.parameters()))
+    assert 0 < moved < 0.1  # three AdamW steps of lr 1e-2 on unscaled grads
+    assert not {"found_inf", "grad_scale"} & set(vars(opt))
+    amp.reset()
+
+
+@pytest.mark.filterwarnings("ignore:ampkit. float16 on CPU")
+def test_a_compiled_step_is_decided_on_the_host_and_a_skip_leaves_the_weights():
+    import torch._dynamo
+
+    model, opt = _o1_adamw()
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend="eager")
+    for bad in (False, False, True, False):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean() * (INF if bad else 1.0), opt) as s:
+            s.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        step()
+        assert amp.step_skipped(opt) == bad
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) == bad
+    torch._dynamo.reset()
+    amp.reset()
+
+
+@pytest.mark.parametrize("name", ["Adam", "SGD-fused"])
+def test_an_empty_state_left_by_a_read_is_no_state(name):
+    """``opt.state[p]`` read before the first step leaves ``{}``: that step (skipped) is
+    still decided on the host and creates no state; the next taken one starts clean."""
+    amp.reset()
+    model = _model()
+    opt = amp.init_trainer(OPTIMIZERS[name](model.parameters()), 1.0)
+    for p in model.parameters():
+        assert opt.state[p] == {}  # a read (logging, a checkpoint tool) leaves an empty entry
+    with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+        s.backward()
+    model[0].bias.grad[0] = INF
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert amp.step_skipped(opt) and all(not opt.state[p] for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    amp.reset()
+
+
+def test_a_pickled_or_reloaded_scaler_holds_the_pending_outcome():
+    """A copy of an attached scaler taken while a skip is pending, and a state dict
+    loaded over it, see the outcome applied under the configuration it happened in."""
+    import pickle
+
+    opt, _ = _pending()
+    scaler = managed_state(opt).scalers[0]
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert (copy.scale, copy.num_overflows) == (2.0**9, 1)
+    opt, _ = _pending()
+    scaler = managed_state(opt).scalers[0]
+    loaded = {**LossScaler(init_scale=32.0, backoff_factor=0.25).state_dict()}
+    scaler.load_state_dict(loaded)
+    assert scaler.state_dict() == loaded
+    assert managed_state(opt).skipped == 1
+    amp.reset()
+
+
+def test_global_step_hooks_and_late_extensions_see_taken_steps_only():
+    """Process-wide step hooks run on taken steps only, so such a step is decided on
+    the host; an extension added while a skip is pending is not told of it."""
+    calls = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda *a: calls.append("post"))
+    try:
+        model, opt = _o1_adamw(torch.bfloat16)
+        for bad in (False, True, False):
+            with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as s:
+                s.backward()
+            if bad:
+                model[0].bias.grad[0] = INF
+            opt.step()
+            opt.zero_grad()
+        assert calls == ["post", "post"]
+    finally:
+        handle.remove()
+    opt, _ = _pending()
+    late = managed_state(opt).add_extension(_Told())
+    assert amp.step_skipped(opt) and late.calls == []
+    amp.reset()
