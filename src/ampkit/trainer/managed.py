@@ -20,7 +20,7 @@ from ampkit.errors import NumericsError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
 
 from . import device_skip
-from .decision import Segment, StepAgreement, decide
+from .decision import Agreement, Segment, StepAgreement, decide
 from .extensions import StepExtension, _owners, update_with
 from .fused_step import use_fastest_kernel
 from .grad_hooks import GradPath
@@ -44,6 +44,21 @@ if TYPE_CHECKING:
 
 _ATTR = "_ampkit_managed"
 _MISSING = object()
+
+
+def _settled(name: str, doc: str) -> Any:
+    """A counter of :class:`ManagedOptimizer` kept in attribute ``name``, read and set
+    after a step skipped on the device is settled (``device_skip.settle``)."""
+
+    def get(self: ManagedOptimizer) -> Any:
+        device_skip.settle(self)
+        return getattr(self, name)
+
+    def put(self: ManagedOptimizer, value: Any) -> None:
+        device_skip.settle(self)
+        setattr(self, name, value)
+
+    return property(get, put, doc=doc + " Settles a step skipped on the device first.")
 
 
 class ManagedOptimizer:
@@ -120,28 +135,8 @@ class ManagedOptimizer:
         # the optimizer's own state_dict/load_state_dict see a pending outcome recorded
         self._settle_hooks = device_skip.settle_on_state_dict(self)
 
-    @property
-    def skipped(self) -> int:
-        """Steps skipped so far (a step skipped on the device counts once it is settled,
-        which reading this does)."""
-        device_skip.settle(self)
-        return self._skipped
-
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        device_skip.settle(self)
-        self._skipped = value
-
-    @property
-    def last_skipped(self) -> bool:
-        """Whether the last step was skipped (settles a step skipped on the device)."""
-        device_skip.settle(self)
-        return self._last_skipped
-
-    @last_skipped.setter
-    def last_skipped(self, value: bool) -> None:
-        device_skip.settle(self)
-        self._last_skipped = value
+    skipped = _settled("_skipped", "Steps skipped so far (int).")
+    last_skipped = _settled("_last_skipped", "Whether the last step was skipped (bool).")
 
     # --- the step's grads (step_grads), for extensions -------------------------------
     @property
@@ -312,8 +307,7 @@ class ManagedOptimizer:
         grads.unscale()
         if was_unscaled:
             grads.check_edits()
-        segments = grads.take_segments()
-        agreement = self.agreement.agreement(self, segments) if self.agreement is not None else None
+        segments, agreement = self._segments()
         if agreement is None and device_skip.fits(self, closure, post_hooks):
             self.grad_path.before_step()
             try:
@@ -431,10 +425,15 @@ class ManagedOptimizer:
         """Read this step's found-inf flags (the step's one host sync) and attribute them
         to loss ids (:func:`ampkit.trainer.decision.decide`, agreed across ranks when the
         ``agreement`` asks). Returns ({loss_id: True/False/None(unknown)}, skip)."""
+        segments, agreement = self._segments()
+        return decide(segments, len(self._slots), agreement)
+
+    def _segments(self) -> tuple[list[Segment], Agreement | None]:
+        """This step's checked segments (taken off the step's grads) and the agreement
+        the ranks run over them (None: this process decides alone)."""
         segments = self.step_grads.take_segments()
         plugin = self.agreement
-        agreement = plugin.agreement(self, segments) if plugin is not None else None
-        return decide(segments, len(self._slots), agreement)
+        return segments, plugin.agreement(self, segments) if plugin is not None else None
 
     def _report(self, events: dict[int, bool | None]) -> None:
         errors: list[NumericsError] = []
