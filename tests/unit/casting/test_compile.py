@@ -34,8 +34,6 @@ BACKENDS = pytest.mark.parametrize("backend", [FAST, "inductor"])
 #: those breaks (and only those) on such a torch; dtypes and values are checked alike.
 SWITCH_BREAK = re.compile(r"`[\w.]*autocast[\w.]*`")  # torch.set_autocast_dtype, autocast._enter, ...
 
-#: torch 2.10's Inductor fails its own stride check on a bf16 CPU convolution compiled
-#: under autocast (torch.autocast alike); see the test that shows it
 def _assert_breaks(at_most: int = 0) -> None:
     """No more than ``at_most`` graph breaks, where dynamo records autocast switches in
     the graph (torch >= 2.12); before, any number, each at an autocast switch."""
@@ -275,7 +273,7 @@ def test_explain_on_a_compiled_model_explains_the_eager_one():
 
 # --- training: every level, the bench CNN and a small transformer ---------------------
 def _cnn():
-    # three input channels: a one-channel image meets an inductor layout bug on some torch
+    # three input channels: a one-channel image meets an inductor layout bug on more torch
     # releases and CPUs (see the test of it below), which is torch's and not under test here
     return DigitsCNN(width=4, in_channels=3), lambda g: (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
 
@@ -340,43 +338,75 @@ def test_compiled_models_train_as_eager_at_every_level(make, backend):
     # policy); O0 (fp32), O3 (all 16-bit) and O2K (O2's forward) add compile time only.
     levels = LEVELS if backend == FAST else ["O1", "O2", "init"]
     runs = [*((lv, None) for lv in levels), ("O1", custom)]
+    torch_bug = []
     for level, policy in runs:
         eager, want = _train(make, level, compiled=False, policy=policy)
-        comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
+        try:
+            comp, got = _train(make, level, compiled=True, policy=policy, backend=backend)
+        except AssertionError as err:
+            # Inductor's own stride check on a bf16 CPU convolution (torch's bug on some
+            # releases and CPU kinds): acceptable only where torch's own bf16 paths hit it too
+            if not (_is_stride_check(err) and make is _cnn and _torch_hits_stride_check(in_channels=3)):
+                raise
+            torch_bug.append(level if policy is None else f"{level}+custom")
+            continue
         assert got == want, (level, policy)  # each layer's output dtype, op for op
         if backend == FAST:
             assert eager == comp, (level, policy)  # aot_eager computes what eager does
         else:  # fused kernels round differently: within bf16 noise
             assert all(abs(a - b) <= 0.02 * abs(a) for a, b in zip(eager, comp)), (level, policy, eager, comp)
     _assert_breaks()
+    if torch_bug:
+        pytest.skip(
+            f"torch {torch.__version__}'s Inductor fails its own stride check on this CPU's bf16 "
+            f"convolution under torch.autocast or in a bf16 model too; levels {torch_bug} not compared")
 
 
-def _first_compiled_step(use_ampkit: bool) -> str:
-    """What a compiled one-channel CNN's first bf16 step does: "ok" or the error's class."""
+def _is_stride_check(err: AssertionError) -> bool:
+    return "expected size" in str(err) and "stride" in str(err)
+
+
+def _first_compiled_step(use_ampkit: bool, in_channels: int = 1, cast_model: bool = False) -> str:
+    """What a compiled CNN's first bf16 forward does under a scope (ampkit's or torch's),
+    or as a bf16 model without one: "ok" or the error's class."""
     amp.reset()
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled = torch.compile(DigitsCNN(width=4))
-    scope = amp.autocast(device_type="cpu") if use_ampkit else torch.autocast("cpu", dtype=BF16)
+    model = DigitsCNN(width=4, in_channels=in_channels)
+    x = torch.randn(8, in_channels, 16, 16)
+    if cast_model:
+        model, x, scope = model.to(BF16), x.to(BF16), contextlib.nullcontext()
+    else:
+        scope = amp.autocast(device_type="cpu") if use_ampkit else torch.autocast("cpu", dtype=BF16)
+    compiled = torch.compile(model)
     try:
         with scope:
-            out = compiled(torch.randn(8, 1, 16, 16))
+            out = compiled(x)
         assert out.dtype == BF16
         return "ok"
     except AssertionError as err:
-        assert "expected size" in str(err) and "stride" in str(err), err
+        assert _is_stride_check(err), err
         return type(err).__name__
     finally:
         amp.reset()
+        torch._dynamo.reset()
 
 
-def test_a_one_channel_cnn_compiles_under_op_level_casting_as_under_torch_autocast():
-    """Why the CNN above takes three input channels: on torch 2.10 and 2.11 (CPUs with
-    native bf16 convolutions) Inductor predicts the layout of a one-channel bf16 convolution's
-    output wrongly and its own stride check fails, under plain ``torch.autocast``. ampkit's
-    op-level casting (O1, ``amp.init``) fares exactly as torch's autocast does on this torch
-    and CPU: both compile and run, or both hit torch's check."""
-    assert _first_compiled_step(use_ampkit=True) == _first_compiled_step(use_ampkit=False)
+def _torch_hits_stride_check(in_channels: int) -> bool:
+    """Whether torch's own bf16 paths (torch.autocast, a bf16 model) fail Inductor's
+    stride check on the CNN here."""
+    return any(_first_compiled_step(False, in_channels, cast) != "ok" for cast in (False, True))
+
+
+@pytest.mark.parametrize("in_channels", [1, 3])
+def test_a_cnn_compiles_under_op_level_casting_as_under_torch_autocast(in_channels):
+    """On some torch releases and CPU kinds (2.10 and 2.11 with a one-channel input, 2.15
+    with three, on CPUs with native bf16 convolutions) Inductor predicts the layout of a
+    bf16 convolution's output wrongly and its own stride check fails, under plain
+    ``torch.autocast``. ampkit's op-level casting (O1, ``amp.init``) fares exactly as
+    torch's autocast does on this torch and CPU: both compile and run, or both hit torch's
+    check. (The training test above compares levels only where torch's paths compile.)"""
+    assert _first_compiled_step(True, in_channels) == _first_compiled_step(False, in_channels)
 
 
 def test_fp16_scaler_skips_an_overflowing_step_of_a_compiled_model():
