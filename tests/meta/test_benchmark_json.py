@@ -297,10 +297,15 @@ def test_ddp_json_holds_the_printed_table_and_targets(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_first_step_json_holds_the_printed_table(tmp_path):
-    stdout, record = run_script("first_step.py", ["--size", "tiny"], tmp_path, timeout=800)
+    """fp32 (every row's reference) and O2K (a level that compiles: its cold and warm first
+    steps differ) stand for the four levels the docs run records; O1 and O2 add no column."""
+    bad = subprocess.run([sys.executable, str(BENCH / "first_step.py"), "--levels", "O2K,fp32"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "fp32 first" in bad.stderr, bad.stderr
+    stdout, record = run_script("first_step.py", ["--size", "tiny", "--levels", "fp32,O2K"], tmp_path, timeout=800)
     assert (record["workload"], record["size"]) == ("lm", "tiny") and record["warmup_s"] > 0
     levels = [r["level"] for r in record["rows"]]
-    assert levels == ["fp32", "O1", "O2", "O2K"]
+    assert levels == ["fp32", "O2K"] and "`ampkit warmup` (O2K, AdamW)" in stdout
     printed = _rows_by_first_word(stdout, levels)
     fp32 = record["rows"][0]
     for row in record["rows"]:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +39,16 @@ def free_port() -> int:
 
 
 def launch(
-    job: str, outdir: Path, world_size: int = 2, timeout: float = 90.0, script: Path = HERE / "_dist_workers.py"
+    job: str, outdir: Path, world_size: int = 2, timeout: float = 90.0, script: Path = HERE / "_dist_workers.py",
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Run ``job`` of ``script`` (this file, or another with the same command line and
-    ``rank{r}.pt`` results) on ``world_size`` fresh processes; return each rank's
-    results. Fails (with every rank's output) on a non-zero exit or after ``timeout``
-    seconds, killing the processes it started."""
+    ``rank{r}.pt`` results) on ``world_size`` fresh processes, with ``env`` added to their
+    environment; return each rank's results. Fails (with every rank's output) on a non-zero
+    exit or after ``timeout`` seconds, killing the processes it started."""
     outdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     procs, logs = [], []
     for rank in range(world_size):
         log = open(outdir / f"rank{rank}.log", "w")
@@ -75,6 +76,22 @@ def launch(
         )
         raise AssertionError(f"job {job!r} {'timed out' if timed_out else 'failed'}:\n{outputs}")
     return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def launch_several(jobs: Sequence[str], outdir: Path, **kwargs: Any) -> dict[str, list[dict]]:
+    """Run ``jobs`` one after another in one :func:`launch` (:func:`job_several`: one
+    process start, process group and set of compiled kernels for them all); return each
+    job's per-rank results, to be read through :func:`ran`."""
+    ranks = launch("several", outdir, env={"AMPKIT_TEST_JOBS": ",".join(jobs)}, **kwargs)
+    return {job: [rank[job] for rank in ranks] for job in jobs}
+
+
+def ran(parts: list[dict]) -> list[dict]:
+    """A job's per-rank results from :func:`launch_several`, after checking that it ran:
+    ``AssertionError`` with its traceback where it failed (or did not run after one that did)."""
+    for part in parts:
+        assert FAILED not in part, part[FAILED]
+    return parts
 
 
 # --- helpers (worker side) -------------------------------------------------------------------
@@ -622,7 +639,33 @@ def job_ddp_grads(rank: int, world: int, outdir: Path) -> dict:
     return res
 
 
+#: The key of a :func:`job_several` part whose job raised, or did not run after one that did.
+FAILED = "__failed__"
+
+
+def job_several(rank: int, world: int, outdir: Path) -> dict:
+    """The jobs named in ``AMPKIT_TEST_JOBS`` (comma-separated), one after another in these
+    processes, each in a folder of its own: ``{job: its results}``. A job that raises ends
+    the run (the ranks may disagree on what comes next): its part holds the traceback under
+    :data:`FAILED`, and each later job's part says it did not run."""
+    out: dict[str, Any] = {}
+    failed = None
+    for name in os.environ["AMPKIT_TEST_JOBS"].split(","):
+        if failed is not None:
+            out[name] = {FAILED: f"not run: job {failed!r} failed before it"}
+            continue
+        folder = outdir / name
+        folder.mkdir(exist_ok=True)
+        try:
+            out[name] = JOBS[name](rank, world, folder)
+        except Exception:  # noqa: BLE001 - the test shows it as the job's failure
+            out[name] = {FAILED: traceback.format_exc()}
+            failed = name
+    return out
+
+
 JOBS: dict[str, Callable[[int, int, Path], dict]] = {
+    "several": job_several,
     "ddp_grads": job_ddp_grads,
     "ddp": job_ddp,
     "checkpoint": job_checkpoint,

@@ -9,6 +9,8 @@ Run by ``_dist_workers.launch(job, outdir, world_size, script=<this file>)`` as
 from __future__ import annotations
 
 import os
+import random
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -405,11 +407,12 @@ def job_doctor(rank: int, world: int, outdir: Path) -> dict:
     return {"report": doc, "stats": stats}
 
 
-def _sweep_cases(state: dict, rank: int) -> list[tuple[str, Any]]:
-    """(name, mutated state) per corruption of one entry: a tensor's first element (in
+def _sweep_cases(state: dict, rank: int, model: nn.Module) -> list[tuple[str, str, Any]]:
+    """(name, kind, mutated state) per corruption of one entry: a tensor's first element (in
     rank 1's shard alone for a sharded one) set to -1, 1e38, NaN or inf in turn; a non-tensor
-    entry replaced by a string, NaN or -1."""
-    out = []
+    entry replaced by a string, NaN or -1. The kind (:func:`_sweep_kind`) is what the case
+    exercises."""
+    out: list[tuple[str, str, Any]] = []
 
     def walk(tree: Any, path: tuple) -> None:
         if isinstance(tree, dict):
@@ -426,13 +429,37 @@ def _sweep_cases(state: dict, rank: int) -> list[tuple[str, Any]]:
             if not tree.is_floating_point():
                 return
             bad = (-1.0, 1e38, float("nan"), float("inf"))[len(out) % 4]  # one a tensor, in turn: the suite's time
-            out.append((f"{'.'.join(map(str, path))}={bad}", _replaced(state, path, _poisoned(tree, bad, rank))))
+            out.append((f"{'.'.join(map(str, path))}={bad}", _sweep_kind(model, path, bad),
+                        _replaced(state, path, _poisoned(tree, bad, rank))))  # fmt: skip
         else:
             for bad in ("0.1", float("nan"), -1.0):
-                out.append((f"{'.'.join(map(str, path))}={bad!r}", _replaced(state, path, bad)))
+                out.append((f"{'.'.join(map(str, path))}={bad!r}", _sweep_kind(model, path, bad),
+                            _replaced(state, path, bad)))  # fmt: skip
 
     walk(state, ())
     return out
+
+
+def _sweep_kind(model: nn.Module, path: tuple, bad: Any) -> str:
+    """What a corruption exercises: the section (model, optim, amp), the type of the layer
+    a model entry or optimizer state belongs to (Linear, LayerNorm, Embedding), the entry's
+    own name with its indices dropped (``weight``, ``exp_avg_sq``, ``lr``,
+    ``trainers/#/scalers/#/scale``) and the bad value. Entries that differ only in which
+    layer of a type or which index they belong to are the same kind."""
+    fqn = path[1] if path[0] == "model" else path[2] if path[:2] == ("optim", "state") else None
+    layer = type(model.get_submodule(fqn.rsplit(".", 1)[0])).__name__ if fqn else "-"
+    entry = re.sub(r"\d+", "#", str(path[-1]).rsplit(".", 1)[-1])
+    return f"{path[0]} {layer} {entry}={bad!r}"
+
+
+def _sampled(cases: list[tuple[str, str, Any]], seed: int = 0) -> list[tuple[str, str, Any]]:
+    """One case of every kind, drawn with a fixed seed (the same on every rank): the sweep's
+    time goes to kinds, not to the layers that repeat one."""
+    by_kind: dict[str, list[tuple[str, str, Any]]] = {}
+    for case in cases:
+        by_kind.setdefault(case[1], []).append(case)
+    rng = random.Random(seed)
+    return [rng.choice(group) for group in by_kind.values()]
 
 
 def _poisoned(t: torch.Tensor, bad: float, rank: int) -> torch.Tensor:
@@ -455,10 +482,11 @@ def _replaced(tree: Any, path: tuple, value: Any) -> Any:
 
 
 def job_dcp_sweep(rank: int, world: int, outdir: Path) -> dict:
-    """Every floating entry of an O2K checkpoint (model, optimizer, ampkit) corrupted in
-    turn (in rank 1's shard alone where sharded) and every non-tensor entry replaced,
-    saved with fresh checksums, loaded on both ranks: each is refused by every rank with
-    nothing changed, or accepted and the next step leaves every value finite."""
+    """The floating entries of an O2K checkpoint (model, optimizer, ampkit) corrupted (in
+    rank 1's shard alone where sharded) and the non-tensor entries replaced, one case of
+    every kind (:func:`_sweep_kind`, drawn with a fixed seed), saved with fresh checksums,
+    loaded on both ranks: each is refused by every rank with nothing changed, or accepted
+    and the next step leaves every value finite."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -472,9 +500,11 @@ def job_dcp_sweep(rank: int, world: int, outdir: Path) -> dict:
     ampkit.distributed.save_checkpoint(outdir / "good", model, opt)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd, "amp": AmpState().state_dict()}
-    counts = {"cases": 0, "refused": 0, "accepted": 0}
+    every = _sweep_cases(state, rank, model)
+    cases = _sampled(every)
+    counts = {"cases": 0, "refused": 0, "accepted": 0, "entries": len(every)}
     raw, changed, harmful = [], [], []
-    for i, (name, mutated) in enumerate(_sweep_cases(state, rank)):
+    for i, (name, _, mutated) in enumerate(cases):
         folder = outdir / f"case{i}"
         dcp.save(mutated, checkpoint_id=str(folder))
         write_checksums(folder, rank, rank == 0)
@@ -497,7 +527,8 @@ def job_dcp_sweep(rank: int, world: int, outdir: Path) -> dict:
             harmful.append(name)
         _dcp_load(model, opt, outdir / "good")
     ampkit.reset()
-    return {**counts, "raw": raw, "changed": changed, "harmful": harmful}
+    return {**counts, "raw": raw, "changed": changed, "harmful": harmful, "kinds": sorted({k for _, k, _ in every}),
+            "swept": sorted(k for _, k, _ in cases)}  # fmt: skip
 
 
 def job_refusals(rank: int, world: int, outdir: Path) -> dict:

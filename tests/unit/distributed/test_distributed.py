@@ -37,23 +37,31 @@ def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return workers.launch("ddp", tmp_path_factory.mktemp("ddp"), timeout=150)
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The jobs one after another in a single launch of 2 ranks: one process start,
+    process group and set of compiled kernels for them all."""
+    return workers.launch_several(("ddp", "fsdp", "ddp_grads", "checkpoint"), tmp_path_factory.mktemp("dist"),
+                                  timeout=300)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return workers.launch("checkpoint", tmp_path_factory.mktemp("checkpoint"), timeout=150)
+def ddp(launched: dict[str, list[dict]]) -> list[dict]:
+    return workers.ran(launched["ddp"])
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return workers.launch("fsdp", tmp_path_factory.mktemp("fsdp"), timeout=150)
+def checkpoint(launched: dict[str, list[dict]]) -> list[dict]:
+    return workers.ran(launched["checkpoint"])
 
 
 @pytest.fixture(scope="module")
-def ddp_grads(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return workers.launch("ddp_grads", tmp_path_factory.mktemp("ddp_grads"), timeout=150)
+def fsdp(launched: dict[str, list[dict]]) -> list[dict]:
+    return workers.ran(launched["fsdp"])
+
+
+@pytest.fixture(scope="module")
+def ddp_grads(launched: dict[str, list[dict]]) -> list[dict]:
+    return workers.ran(launched["ddp_grads"])
 
 
 def _err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

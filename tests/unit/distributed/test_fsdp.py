@@ -5,7 +5,6 @@ reshard onto another world size and are refused whole when corrupt."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import _dist_workers as workers  # noqa: E402
@@ -20,27 +19,34 @@ LEVEL_SETUPS = ("O1", "O2", "O2K", "O3", "O1-fp16", "O2-fp16", "O2-fp8")
 
 
 def _launch(job: str, outdir: Path, world: int = 2, timeout: float = 400, **env: str) -> list[dict]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return workers.launch(job, outdir, world_size=world, timeout=timeout, script=SCRIPT)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return workers.launch(job, outdir, world_size=world, timeout=timeout, script=SCRIPT, env=env)
+
+
+#: The jobs run one after another in a single launch of 2 ranks (``job_several``): one
+#: process start, process group and set of compiled update kernels for them all; each test
+#: reads its job's part. The sweep and the resumes (fresh processes, other world sizes)
+#: launch their own.
+ONE_LAUNCH = ("train", "dcp_save", "unscale", "doctor", "refusals", "skip", "accumulate", "dcp_corrupt")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return _launch("train", tmp_path_factory.mktemp("fsdp_train"))
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, workers.launch_several(ONE_LAUNCH, out, timeout=600, script=SCRIPT)
+
+
+def _job(launched: tuple[Path, dict[str, list[dict]]], job: str) -> list[dict]:
+    return workers.ran(launched[1][job])
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("fsdp_dcp")
-    return out, _launch("dcp_save", out)
+def trained(launched: tuple[Path, dict[str, list[dict]]]) -> list[dict]:
+    return _job(launched, "train")
+
+
+@pytest.fixture(scope="module")
+def saved(launched: tuple[Path, dict[str, list[dict]]]) -> tuple[Path, list[dict]]:
+    return launched[0] / "dcp_save", _job(launched, "dcp_save")
 
 
 def _mean_last(losses: list[float]) -> float:
@@ -85,8 +91,8 @@ def test_each_level_stores_and_computes_what_it_promises(trained):
 
 
 @pytest.mark.timeout(400)
-def test_a_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
-    r0, r1 = _launch("skip", tmp_path)
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(launched):
+    r0, r1 = _job(launched, "skip")
     for setup in LEVEL_SETUPS:
         a, b = r0[setup], r1[setup]
         assert a["skipped"] == b["skipped"] == [False, False, False, True, False, False], setup
@@ -118,8 +124,8 @@ def test_dcp_checkpoints_resume_and_reshard(saved, tmp_path, world):
 
 
 @pytest.mark.timeout(400)
-def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
-    for r in _launch("dcp_corrupt", tmp_path):
+def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(launched):
+    for r in _job(launched, "dcp_corrupt"):
         assert r["truncated"].startswith("StateError: ") and "entries end at byte" in r["truncated"]
         assert r["nan"].startswith("StateError: compensation buffer")
         assert r["nan_weight"].startswith("StateError: ")  # one rank's shard: every rank refuses
@@ -137,12 +143,15 @@ def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_both_ranks(tmp_path):
-    """Every floating entry of a 2-rank O2K checkpoint corrupted in turn (-1, 1e38, NaN or
-    inf, one each; in rank 1's shard alone where sharded) and every non-tensor entry replaced
-    (a string, NaN, -1), rehashed: both ranks refuse each alike with nothing changed, or
-    accept it and train finite; 0 raw errors."""
+    """The floating entries of a 2-rank O2K checkpoint corrupted (-1, 1e38, NaN or inf, one
+    each; in rank 1's shard alone where sharded) and the non-tensor entries replaced (a
+    string, NaN, -1), rehashed, one case of every kind (section, layer type, entry name and
+    bad value; drawn with a fixed seed among the layers that repeat a kind): both ranks
+    refuse each alike with nothing changed, or accept it and train finite; 0 raw errors."""
     r0, r1 = _launch("dcp_sweep", tmp_path, timeout=550)
     assert r0["cases"] > 60, r0["cases"]
+    assert r0["swept"] == r0["kinds"] == r1["swept"], (r0["swept"], r0["kinds"])  # every kind once, on both ranks
+    assert r0["entries"] > r0["cases"]
     for r in (r0, r1):
         assert not r["raw"], r["raw"][:5]
         assert not r["changed"], r["changed"][:5]
@@ -152,12 +161,12 @@ def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_bo
 
 
 @pytest.mark.timeout(400)
-def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(tmp_path):
+def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(launched):
     """fp16 O2 under FSDP2, rank 1's second block overflowing from step 3: both ranks
     skip; each report names blocks.1.mlp and rank 1 (the module check and the op-level
     check), and nothing else (no FSDP2 buffer, no attention mask, no grad that arrived
     through the reduce-scatter)."""
-    for r in _launch("doctor", tmp_path):
+    for r in _job(launched, "doctor"):
         assert r["stats"] == (4, 2)
         events = [(e["step"], e["module"], e["ranks"]) for e in r["report"]["events"]]
         assert events == [(3, "blocks.1.mlp", [1]), (4, "blocks.1.mlp", [1])]
@@ -166,8 +175,8 @@ def test_the_doctor_names_the_module_and_the_rank_on_a_sharded_model(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_what_fsdp2_cannot_do_is_refused_before_anything_changes(tmp_path):
-    ranks = _launch("refusals", tmp_path)
+def test_what_fsdp2_cannot_do_is_refused_before_anything_changes(launched):
+    ranks = _job(launched, "refusals")
     assert ranks[0]["rank0_file"] == "accepted"  # rank 0's own ampkit.state_dict() file
     assert ranks[1]["rank0_file"].startswith("StateError: this compensation state holds the FSDP2 shards of rank 0")
     for r in ranks:
@@ -181,11 +190,11 @@ def test_what_fsdp2_cannot_do_is_refused_before_anything_changes(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_gradient_accumulation_without_sync_trains_like_fp32_and_skips_together(tmp_path):
+def test_gradient_accumulation_without_sync_trains_like_fp32_and_skips_together(launched):
     """Two micro-batches a step, the first with FSDP2's gradient sync off; a NaN loss in
     rank 1's unsynced micro-batch of step 5 skips that step on both ranks (the fp32
     reference leaves that step out), and every level ends within 1% of fp32."""
-    for r in _launch("accumulate", tmp_path):
+    for r in _job(launched, "accumulate"):
         ref = sum(r["fp32"]["losses"][-5:]) / 5
         for setup in ("O1", "O2", "O2K", "O2-fp16"):
             got = r[setup]
@@ -194,11 +203,11 @@ def test_gradient_accumulation_without_sync_trains_like_fp32_and_skips_together(
 
 
 @pytest.mark.timeout(400)
-def test_fp16_sharded_grads_are_scaled_until_unscale_as_the_guide_says(tmp_path):
+def test_fp16_sharded_grads_are_scaled_until_unscale_as_the_guide_says(launched):
     """docs/guides/distributed.md: under FSDP2 with fp16 the sharded grads hold
     scale x grad after backward; amp.unscale makes them real (the fp32 run's norm) and
     the step after it is bitwise the step without it."""
-    for r in _launch("unscale", tmp_path):
+    for r in _job(launched, "unscale"):
         assert r["scaled_norm"] == pytest.approx(65536 * r["fp32_norm"], rel=0.01)
         assert r["unscaled_norm"] == pytest.approx(r["fp32_norm"], rel=1e-3)
         assert r["same_steps"]

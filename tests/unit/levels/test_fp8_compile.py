@@ -242,17 +242,18 @@ def test_the_bitwise_checks_hold_under_each_cpu_kind(capability, tmp_path):
     env.pop("ATEN_CPU_CAPABILITY", None)
     if capability != "default":
         env["ATEN_CPU_CAPABILITY"] = capability
-    probe = (
-        "import torch; from torch._inductor.cpu_vec_isa import pick_vec_isa; "
-        "print(torch.backends.cpu.get_cpu_capability(), pick_vec_isa())"
+    # One interpreter: what ATen and inductor run on there (its first line), then pytest.
+    run = (
+        "import sys, torch, pytest; from torch._inductor.cpu_vec_isa import pick_vec_isa; "
+        "print('ISA', torch.backends.cpu.get_cpu_capability(), pick_vec_isa(), flush=True); "
+        "sys.exit(pytest.main(sys.argv[1:]))"
     )
-    seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
-    if capability == "avx2":
-        assert seen == ["AVX2", "avx2"]  # ATen and inductor both on AVX2
-    root = ROOT
     checks = "(equals_eager_bitwise and O1-hybrid) or through_a_gelu"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", checks]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=850)
+    cmd = [sys.executable, "-c", run, "-q", "-p", "no:cacheprovider", __file__, "-k", checks]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
+    seen = next((line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("ISA ")), None)
+    if capability == "avx2":
+        assert seen == ["AVX2", "avx2"], proc.stdout[-2000:] + proc.stderr[-2000:]  # ATen and inductor both on AVX2
     assert proc.returncode == 0 and "\n4 passed" in proc.stdout, f"under {seen}:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
 
 

@@ -26,7 +26,10 @@ READS = ("item", "__bool__", "tolist", "__float__", "__int__")
 
 @contextlib.contextmanager
 def counting_reads(counts: collections.Counter) -> Iterator[None]:
-    """Count the host reads made while open, by the file of the calling frame."""
+    """Count the host reads made while open, by the file of the calling frame; on exit
+    torch.Tensor is as it was (a method it inherits is not left in its own dict)."""
+    missing = object()
+    own = {name: torch.Tensor.__dict__.get(name, missing) for name in READS}
     saved = {name: getattr(torch.Tensor, name) for name in READS}
 
     def wrap(name, original):
@@ -41,8 +44,11 @@ def counting_reads(counts: collections.Counter) -> Iterator[None]:
     try:
         yield
     finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
+        for name, original in own.items():
+            if original is missing:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
