@@ -484,7 +484,7 @@ FUNCTION_BUDGET = 80  # lines per function or method (its def to its last line)
 #: grows past its recorded size fails, and one back within the budget must leave the list).
 OVERSIZED_FILES: dict[str, int] = {
     "_internal/torch_compat.py": 860,
-    "levels/compensated.py": 663,
+    "levels/compensated.py": 660,
     "levels/model_cast.py": 718,
     "tools/compat/apex.py": 826,
     "trainer/grad_hooks.py": 644,

@@ -50,8 +50,7 @@ __all__ = [
     "forward_hook_dicts",
     "forward_pre_hooks_of",
     "forward_pre_hooks_with_kwargs",
-    "foreach_copy_",
-    "foreach_mul_",
+    "flatten_dense", "unflatten_dense", "foreach_copy_", "foreach_mul_",
     "global_autocast_enabled_in_guard",
     "guard_attr_equals",
     "guards_name",
@@ -142,18 +141,15 @@ their ``__objclass__``. If renamed, op names given as tensor methods stop resolv
 (:func:`ampkit.canonical_op` of ``torch.Tensor.add``)."""
 
 TorchDispatchMode = TorchDispatchMode
-"""``torch.utils._python_dispatch.TorchDispatchMode``: ``ampkit.explain`` and the
-diagnosis checker record aten ops below autograd and autocast with it. If it moves,
-those two cannot import."""
-
+"""``torch.utils._python_dispatch.TorchDispatchMode``: ``ampkit.explain`` and the diagnosis
+checker record aten ops below autograd and autocast with it (if it moves, they cannot import)."""
 
 tree_flatten = tree_flatten
-"""``torch.utils._pytree.tree_flatten``: the leaves of nested lists, tuples and dicts
-(as torch itself flattens op arguments); used to find the tensors of a dispatched op."""
+"""``torch.utils._pytree.tree_flatten``: the leaves of nested lists, tuples and dicts (as
+torch flattens op arguments); used to find the tensors of a dispatched op."""
 
 tree_map = tree_map
 """``torch.utils._pytree.tree_map``: ``fn`` applied to every leaf of a nested structure."""
-
 
 def tensor_version(t: torch.Tensor) -> int:
     """``t._version``: the counter torch bumps on every in-place change of ``t``'s data.
@@ -266,6 +262,10 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 
 foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 """``torch._foreach_mul_(tensors, scalar)``: scales lists of tensors in one kernel."""
+flatten_dense: Callable[..., Any] = torch._C._nn.flatten_dense_tensors
+"""``flatten_dense(tensors)``: one 1-D tensor of their elements, each in logical order (one C++ call)."""
+unflatten_dense: Callable[..., Any] = torch._C._nn.unflatten_dense_tensors
+"""``unflatten_dense(flat, like)``: views of ``flat`` shaped as ``like`` (its inverse)."""
 
 #: dtypes torch's fused unscale-and-check kernel takes, per device type (the CUDA kernel
 #: dispatches float, double and half only: bf16 grads raise NotImplementedError there)

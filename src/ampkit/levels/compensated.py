@@ -9,14 +9,13 @@ in-place kernel for Kahan on bf16 Adam/AdamW/SGD (:mod:`ampkit.levels.update_ker
 no full-size temporary), and the real optimizer run on fp32 copies of a bounded chunk at
 a time for any other optimizer whose update is per parameter. On an optimizer ampkit
 manages it is a step extension (``before_update``/``after_update``: a skipped step never
-reaches it); on an unmanaged one, a step pre-hook and post-hook. The formulas, memory and
-which optimizers take which path: ``docs/concepts/fp32.md`` ("Compensated updates").
-
-How the step is intercepted without replacing ``optimizer.step``: right before the
-optimizer's own step, its class-level ``step`` runs once per chunk with every grad
-outside the chunk set aside (torch optimizers skip parameters whose ``.grad`` is None),
-then every grad is set aside so the step the user called finds nothing left to do;
-right after it the grads come back.
+reaches it; fp32 parameters of its groups step with torch's fused kernel where it fits);
+on an unmanaged one, a step pre-hook and post-hook. Formulas, memory, which optimizers
+take which path: ``docs/concepts/fp32.md`` ("Compensated updates"). Without replacing
+``optimizer.step``: right before it, its class-level ``step`` runs once per chunk with
+every grad outside the chunk set aside (torch skips parameters whose ``.grad`` is None),
+then every grad is set aside so the step the user called finds nothing to do; right
+after it the grads come back.
 """
 
 from __future__ import annotations
@@ -38,11 +37,12 @@ from ampkit._internal.validate import (
 )
 from ampkit.errors import AmpError, StateError
 from ampkit.trainer.extensions import StepExtension
+from ampkit.trainer.fused_step import fuse_wide_parts
 from ampkit.trainer.managed import managed_state
 
 from . import update_kernels as _kernels
 from .one_pass import adam_plan, rule_for, sgd_scalars
-from .update_kernels import Kernel, flat, same_layout
+from .update_kernels import Kernel, flat
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
 
@@ -60,9 +60,7 @@ def stochastic_round(
     dropped fraction of a bf16 unit, so ``E[result] == x``. Non-finite values
     round to nearest."""
     if dtype != torch.bfloat16 or x.dtype != torch.float32:
-        raise AmpError(
-            f"stochastic rounding goes from float32 to bfloat16, got {x.dtype} -> {dtype}."
-        )
+        raise AmpError(f"stochastic rounding goes from float32 to bfloat16, got {x.dtype} -> {dtype}.")
     bits = x.view(torch.int32)
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     # Adding noise below the 16 kept bits then truncating rounds the magnitude
@@ -72,9 +70,7 @@ def stochastic_round(
     return out.to(torch.bfloat16)
 
 
-def kahan_round(
-    target: torch.Tensor, compensation: torch.Tensor
-) -> torch.Tensor:
+def kahan_round(target: torch.Tensor, compensation: torch.Tensor) -> torch.Tensor:
     """Return ``round(target + compensation)`` in ``compensation``'s dtype and
     store the rounding error into ``compensation`` in place. ``target`` (fp32) is
     overwritten with scratch values."""
@@ -219,6 +215,7 @@ class CompensatedUpdates:
         if managed is not None and managed.optimizer is optimizer:
             self._extension = _CompensatedStep(self)
             managed.add_extension(self._extension)
+            self._handles = fuse_wide_parts(optimizer, managed.kernels)  # the fp32 rest: fused where it fits
         else:
             self._handles = [
                 optimizer.register_step_pre_hook(self._pre_step),
@@ -344,15 +341,14 @@ class CompensatedUpdates:
         return plan
 
     def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
-        g, w = p.grad, p.detach()
-        # type: a sharded parameter with a full grad, or the reverse
+        g, w = p.grad, p.detach()  # type(g) is not type(w): a sharded parameter with a full grad, or the reverse
         if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or type(g) is not type(w):
             return False
         local = local_tensor(w)
-        if flat(local) is None:
+        if not local.is_contiguous() and flat(local) is None:
             return False
         state = optimizer.state.get(p)
-        tensors = [local, local_tensor(g)]
+        tensors = [local_tensor(g)]
         buf = self._buffers.get(id(p))
         if buf is not None:
             tensors.append(local_tensor(buf))
@@ -366,7 +362,8 @@ class CompensatedUpdates:
                 if not torch.is_tensor(v) or v.dtype != _BF:
                     return False
                 tensors.append(local_tensor(v))
-        return same_layout(tensors)
+        shape, stride, device = local.shape, local.stride(), local.device  # same_layout, inline: per parameter
+        return all(t.shape == shape and t.stride() == stride and t.device == device for t in tensors)
 
     def _step_dedicated(
         self, optimizer: torch.optim.Optimizer, group: dict, rule: str, params: list[nn.Parameter]
@@ -375,9 +372,9 @@ class CompensatedUpdates:
         mode = _kernels.resolve_mode(self.kernel)
         run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
         # FSDP2's DTensor shards: the update is elementwise, so each rank steps its local shard
-        ws = [flat(local_tensor(p.detach())) for p in params]
-        cs = [flat(local_tensor(self._buffer_for(p, p.detach()))) for p in params]
-        gs = [flat(local_tensor(p.grad)) for p in params]  # type: ignore[arg-type]
+        ws = [local_tensor(p.detach()) for p in params]
+        cs = [local_tensor(self._buffer_for(p, p.detach())) for p in params]
+        gs = [local_tensor(p.grad) for p in params]  # type: ignore[arg-type]
         with torch.no_grad():
             if rule == "adam":
                 self._adam(optimizer, group, params, ws, cs, gs, run)
@@ -388,8 +385,8 @@ class CompensatedUpdates:
               gs: list, run: dict) -> None:
         states, plan = adam_plan(optimizer, group, params)
         for idx, scalars in plan:
-            ms = [flat(local_tensor(states[i]["exp_avg"])) for i in idx]
-            vs = [flat(local_tensor(states[i]["exp_avg_sq"])) for i in idx]
+            ms = [local_tensor(states[i]["exp_avg"]) for i in idx]
+            vs = [local_tensor(states[i]["exp_avg_sq"]) for i in idx]
             _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
 
     def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
@@ -399,7 +396,7 @@ class CompensatedUpdates:
             SGD_PLAIN([ws, cs, gs], plan, **run)
             return
         for idx, scalars in plan:
-            bufs = [flat(local_tensor(optimizer.state[params[i]]["momentum_buffer"])) for i in idx]
+            bufs = [local_tensor(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
             _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
                  nesterov=bool(group.get("nesterov")), **run)
 

@@ -28,12 +28,11 @@ from .rounding import compared_ahead, rounds_to
 
 __all__ = ["GradMirror"]
 
-#: Device types where ampkit keeps 16-bit grads it would otherwise free and allocate
-#: again (:meth:`MasterWeights.absorb`, :meth:`MasterWeights.hide`): CPU, where every
-#: fresh large tensor is page-faulted in (no caching allocator). Costs up to 2 bytes
-#: per parameter during backward and the step; elsewhere they are freed at once.
+#: Device types where ampkit keeps 16-bit grads it would otherwise free and allocate again
+#: (:meth:`GradMirror.absorb`, :meth:`GradMirror.hide`): CPU, where every fresh large tensor
+#: is page-faulted in (no caching allocator); up to 2 bytes per parameter during backward
+#: and the step. Elsewhere they are freed at once.
 KEEP_ASIDE_DEVICES: tuple[str, ...] = ("cpu",)
-
 #: Device types where ``master_grads="on_demand"`` holds grads in 16 bits (measured on
 #: CPU; elsewhere every grad gets its fp32 copy as with ``"always"``).
 ON_DEMAND_DEVICES: tuple[str, ...] = ("cpu",)
@@ -48,10 +47,8 @@ class GradMirror:
         masters: ``id(model parameter) -> master``, the masters' own table (shared:
             parameters added later are seen).
         model_of: ``id(master) -> model parameter``, likewise.
-        pairs: returns ``(model parameter, master)`` in ``param_groups`` order (held
-            weakly: the mirror does not keep its masters alive).
-        model_grads: ``"copy"`` or ``"view"``; master_grads: ``"on_demand"`` or
-            ``"always"`` (see :class:`~ampkit.levels.master.MasterWeights`)."""
+        pairs: returns ``(model parameter, master)`` in ``param_groups`` order (held weakly).
+        model_grads, master_grads: see :class:`~ampkit.levels.master.MasterWeights`."""
 
     def __init__(
         self,
@@ -71,7 +68,6 @@ class GradMirror:
     def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         pairs = self._pairs_of()
         return pairs() if pairs is not None else []
-
 
     def _linked(self, model_params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, nn.Parameter, _Link]]:
         """(model param, its master, their link) for those of ``model_params`` with a master."""
@@ -184,6 +180,8 @@ class GradMirror:
         if master is None:
             return
         link = self._link(model_p)
+        if model_p.grad is None and master.grad is None and link.clear():
+            return  # nothing on either side, none left there (the usual case after zero_grad)
         if link.held and master.grad is None:  # cleared through the optimizer: both sides go
             self._release(model_p, master, link)
             return
@@ -556,6 +554,9 @@ class _Link:
         self.held = False
         self.placeholder = None
         self.zeroed = False
+
+    def clear(self) -> bool:  # nothing was left on either side
+        return self._shown is None and self._kept is None and not self.held and self.aside is None and not self.viewing
 
     def hold(self, master: nn.Parameter) -> None:
         """Hold the gradient the model shows: the master gets a placeholder grad (the

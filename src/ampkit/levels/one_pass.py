@@ -329,23 +329,25 @@ def step_params(
 
 
 def _views(its: Sequence[tuple[nn.Parameter, torch.Tensor, torch.Tensor]]) -> tuple[list, list, list]:
-    ws = [flat(model_p.detach()) for _, model_p, _ in its]
-    gs = [flat(g) for _, _, g in its]
-    ps = [flat(master.detach()) for master, _, _ in its]
+    """The model weights, grads and masters of ``its`` (same layout per item, as
+    :func:`select` checked), as the kernels take them."""
+    ws = [model_p for _, model_p, _ in its]
+    gs = [g for _, _, g in its]
+    ps = [master for master, _, _ in its]
     return ws, gs, ps
 
 
 def _step_adam(optimizer: torch.optim.Optimizer, group: dict, its: Sequence, kernel: Kernel, run: dict) -> None:
     ws, gs, ps = _views(its)
-    states, plan = adam_plan(optimizer, group, [master for master, _, _ in its])
+    states, plan = adam_plan(optimizer, group, ps)
     for idx, scalars in plan:
         if len(idx) == len(its):  # one step count for all (the usual case): no reindexing
-            ms = [flat(state["exp_avg"]) for state in states]
-            vs = [flat(state["exp_avg_sq"]) for state in states]
+            ms = [state["exp_avg"] for state in states]
+            vs = [state["exp_avg_sq"] for state in states]
             kernel([ws, gs, ps, ms, vs], scalars, **run)
             continue
-        ms = [flat(states[i]["exp_avg"]) for i in idx]
-        vs = [flat(states[i]["exp_avg_sq"]) for i in idx]
+        ms = [states[i]["exp_avg"] for i in idx]
+        vs = [states[i]["exp_avg_sq"] for i in idx]
         kernel([[ws[i] for i in idx], [gs[i] for i in idx], [ps[i] for i in idx], ms, vs], scalars, **run)
 
 
@@ -356,6 +358,6 @@ def _step_sgd(optimizer: torch.optim.Optimizer, group: dict, its: Sequence, low:
         _kernel("sgd_plain", low)([ws, gs, ps], plan, **run)
         return
     for idx, scalars in plan:
-        bufs = [flat(optimizer.state[its[i][0]]["momentum_buffer"]) for i in idx]
+        bufs = [optimizer.state[its[i][0]]["momentum_buffer"] for i in idx]
         _kernel("sgd", low)([[ws[i] for i in idx], [gs[i] for i in idx], [ps[i] for i in idx], bufs], scalars,
                             nesterov=bool(group.get("nesterov")), **run)

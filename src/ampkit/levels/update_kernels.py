@@ -26,11 +26,13 @@ compiled kernel is run on random data beside the eager function and must match
 it bit for bit; otherwise (and when compiling fails) the eager mode is used, with
 a warning.
 
-Tensors are passed flattened (see :func:`flat`). Each compiled call costs tens of
-microseconds of Python and guard overhead, so when there are more than
-``BATCH_MIN_COUNT`` tensors below ``DIRECT_NUMEL`` elements, those are
-concatenated into shared flat buffers, run in one call, and copied back (at most
-``batch_numel`` elements per call: the only temporary memory a kernel call uses). Results are deterministic for a given mode;
+Tensors are passed as they are (dense, one layout across a call's roles) or flattened
+(see :func:`flat`). Each compiled call costs tens of microseconds of Python and guard
+overhead, so when there are more than ``BATCH_MIN_COUNT`` tensors below
+``DIRECT_NUMEL`` elements, those are concatenated into shared flat buffers (one C++
+call per role), run in one call, and copied back (one multi-tensor copy per written
+role; at most ``batch_numel`` elements per call: the only temporary memory a kernel
+call uses). Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
 """
@@ -213,64 +215,83 @@ class Kernel:
         batch_numel: int,
         **static: object,
     ) -> None:
-        """Apply the kernel to ``tensors[role][i]`` for every ``i`` (flat, dense views
-        with equal lengths across roles)."""
+        """Apply the kernel to ``tensors[role][i]`` for every ``i``: dense tensors with
+        one shape and layout across roles (:func:`same_layout`), or their flat views
+        (:func:`flat`). Small ones are joined per role in one C++ call each (no
+        per-tensor Python), large ones flattened and run one by one."""
         if not tensors or not tensors[0]:
             return
         run: Callable[..., None] | None = None
         if mode == "compiled":
             run = self._compiled_fn(static, scalars.numel(), tensors[0][0].device, scalars.device)
-        count = len(tensors[0])
         small: list[int] = []
-        for i in range(count):
-            n = tensors[0][i].numel()
-            if n == 0:
-                continue
-            if n < DIRECT_NUMEL:
-                small.append(i)
-            elif run is not None:
-                run(*[role[i] for role in tensors], scalars, **static)
-            else:
-                for start in range(0, n, chunk_numel):
-                    self.fn(*[role[i][start : start + chunk_numel] for role in tensors], scalars, **static)
-        if len(small) <= BATCH_MIN_COUNT:
-            for i in small:
-                self._one(run, [role[i] for role in tensors], scalars, static)
-            return
-        batch: list[int] = []
-        size = 0
-        for i in small + [-1]:
-            n = tensors[0][i].numel() if i >= 0 else 0
-            if batch and (i < 0 or size + n > batch_numel):
-                self._run_batch(run, tensors, batch, scalars, static)
-                batch, size = [], 0
-            if i >= 0:
-                batch.append(i)
-                size += n
+        total = 0  # elements of the small ones
+        with torch.no_grad():
+            for i, t in enumerate(tensors[0]):
+                n = t.numel()
+                if n == 0:
+                    continue
+                if n < DIRECT_NUMEL:
+                    small.append(i)
+                    total += n
+                    continue
+                args = [_flat(role[i]) for role in tensors]
+                if run is not None:
+                    run(*args, scalars, **static)
+                else:
+                    for start in range(0, n, chunk_numel):
+                        self.fn(*[a[start : start + chunk_numel] for a in args], scalars, **static)
+            if len(small) <= BATCH_MIN_COUNT:
+                for i in small:
+                    self._one(run, [_flat(role[i]) for role in tensors], scalars, static)
+                return
+            if len(small) == len(tensors[0]) and total <= batch_numel:
+                self._run_batch(run, tensors, None, scalars, static)  # the usual case: all in one call
+                return
+            batch: list[int] = []
+            size = 0
+            for i in small + [-1]:
+                n = tensors[0][i].numel() if i >= 0 else 0
+                if batch and (i < 0 or size + n > batch_numel):
+                    self._run_batch(run, tensors, batch, scalars, static)
+                    batch, size = [], 0
+                if i >= 0:
+                    batch.append(i)
+                    size += n
 
     def _one(self, run: Callable[..., None] | None, args: list[torch.Tensor], scalars: torch.Tensor,
              static: dict) -> None:  # fmt: skip
-        """One call on one small tensor per role. A one-element tensor runs op by op even
-        in compiled mode: the compiled kernel is traced for sizes of 2 and more, and a
-        size of 1 would compile (and cache) a second specialised copy."""
+        """One call on one small tensor per role (flat). A one-element tensor runs op by
+        op even in compiled mode: the compiled kernel is traced for sizes of 2 and more,
+        and a size of 1 would compile (and cache) a second specialised copy."""
         (run if run is not None and args[0].numel() > 1 else self.fn)(*args, scalars, **static)
 
     def _run_batch(
         self,
         run: Callable[..., None] | None,
         tensors: Sequence[Sequence[torch.Tensor]],
-        batch: list[int],
+        batch: list[int] | None,
         scalars: torch.Tensor,
         static: dict,
     ) -> None:
-        if len(batch) == 1:
-            self._one(run, [role[batch[0]] for role in tensors], scalars, static)
+        """The tensors at ``batch`` (None: all) joined per role, run in one call, and the
+        mutated roles copied back."""
+        roles = [list(role) if batch is None else [role[i] for i in batch] for role in tensors]
+        if len(roles[0]) == 1:
+            self._one(run, [_flat(role[0]) for role in roles], scalars, static)
             return
-        joined = [torch.cat([role[i] for i in batch]) for role in tensors]
+        joined = [torch_compat.flatten_dense(role) for role in roles]
         (run or self.fn)(*joined, scalars, **static)
-        sizes = [tensors[0][i].numel() for i in batch]
         for pos in self.mutated:
-            torch_compat.foreach_copy_([tensors[pos][i] for i in batch], list(joined[pos].split(sizes)))
+            torch_compat.foreach_copy_(roles[pos], torch_compat.unflatten_dense(joined[pos], roles[pos]))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """:func:`flat` of ``t`` without autograd history (a compiled kernel traced for
+    plain tensors would compile again for a parameter); ``t`` is dense."""
+    view = flat(t.detach())
+    assert view is not None, "update kernels take dense tensors"
+    return view
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -35,12 +35,13 @@ foreach is torch's default.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
 from ampkit._internal import torch_compat
 
-__all__ = ["use_fastest_kernel", "FUSED_OPTIMIZERS", "nonfinite_flag", "unscale_and_flag"]
+__all__ = ["use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "FUSED_OPTIMIZERS", "nonfinite_flag", "unscale_and_flag"]
 
 #: Optimizer classes (exactly these, not subclasses that may override ``step``)
 #: with a fused implementation in torch.
@@ -140,6 +141,55 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
     if optimizer.param_groups and all(bool(g.get("fused")) for g in optimizer.param_groups):
         torch_compat.mark_step_supports_amp_scaling(optimizer)
     return choices
+
+
+def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Switch to torch's fused kernel a param group that :func:`use_fastest_kernel` set
+    to ``foreach`` because it holds 16-bit parameters, when something else steps those
+    and takes their grads off before torch's step (O2K's compensated updates): torch's
+    step then sees only the group's fp32/fp64 parameters (normalization layers), which
+    get the fused kernel under the same conditions as a wholly fp32 group (class,
+    device, the probe). Parameters on the CPU only: the step counters ``foreach`` kept
+    on the host would not follow a CUDA group to the device. Returns whether it switched
+    (``foreach`` back to unset, ``fused=True``)."""
+    if type(optimizer) not in FUSED_OPTIMIZERS or group.get("foreach") is not True or group.get("fused"):
+        return False
+    if group.get("differentiable") or group.get("capturable"):
+        return False
+    params = group["params"]
+    if not all(p.device.type == "cpu" and not p.is_sparse for p in params) or "cpu" not in _fused_devices():
+        return False
+    kinds = {(p.dtype, p.device) for p in params if p.dtype in _FUSED_DTYPES}
+    if not kinds or not all(_fused_agrees(type(optimizer), optimizer.defaults, group, d, dev) for d, dev in kinds):
+        return False
+    group["foreach"], group["fused"] = None, True
+    return True
+
+
+def fuse_wide_parts(optimizer: torch.optim.Optimizer, kernels: list[str]) -> list[Any]:
+    """:func:`fuse_wide_part` for each group that ``kernels`` (:func:`use_fastest_kernel`'s
+    choices, updated in place) says was set to ``foreach``, now and after every
+    ``load_state_dict`` that brings back groups saved with ``foreach`` and ``fused``
+    unset (which :func:`use_fastest_kernel`, hooked first, sets to ``foreach`` again).
+    Returns the hooks' handles."""
+    for i, choice in enumerate(kernels):
+        if choice == "foreach" and fuse_wide_part(optimizer, optimizer.param_groups[i]):
+            kernels[i] = "fused"
+    unset: list[int] = []
+
+    def before_load(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups", []) if isinstance(state_dict, dict) else []
+        unset[:] = [i for i, g in enumerate(groups) if isinstance(g, dict) and g.get("foreach") is None
+                    and g.get("fused") is None]  # fmt: skip
+
+    def after_load(opt: torch.optim.Optimizer) -> None:
+        for i in unset:
+            if i < len(opt.param_groups):
+                fuse_wide_part(opt, opt.param_groups[i])
+        unset.clear()
+
+    return [optimizer.register_load_state_dict_pre_hook(before_load),
+            optimizer.register_load_state_dict_post_hook(after_load)]  # fmt: skip
 
 
 # --- the overflow check when nothing needs unscaling ------------------------------------

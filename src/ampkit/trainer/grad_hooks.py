@@ -234,6 +234,7 @@ class GradPath:
         # graph task -> records its backward touched, processed when the task ends.
         self._open: dict[int, list[_Param]] = {}
         self._stepping = False  # between before_step and after_step
+        self._pass: tuple[int, int | None, float] = (-2, None, 1.0)  # graph task, its loss id and scale
         # this step's inf/NaN flags from the hooks, per loss id and device
         self._found: dict[int, dict[torch.device, torch.Tensor]] = {}
         self._inv: dict[tuple[torch.device, float], torch.Tensor] = {}
@@ -258,8 +259,8 @@ class GradPath:
         self._reinstall()
 
     def held_params(self) -> list[nn.Parameter]:
-        """The model parameters whose 16-bit grad is held as the gradient of their
-        master (O2, ``master_grads="on_demand"``): the step checks and reads these."""
+        """The model parameters whose 16-bit grad is held as their master's gradient (O2,
+        ``master_grads="on_demand"``): the step checks and reads these."""
         if self.masters is None:
             return []
         return [model_p for _, model_p in self.masters.grads.held()]
@@ -283,7 +284,7 @@ class GradPath:
         self._arm(mw is not None or any(slot.scaler.scale != 1.0 for slot in state._slots))
         backward = state.backward_params if mw is None else None
         params = list(backward if backward is not None else _stepped(state.optimizer))
-        same = mw is None and len(params) == len(self._seen) and all(map(operator.is_, params, self._seen))
+        same = len(params) == len(self._seen) and all(map(operator.is_, params, self._seen))
         if same and not any(p.requires_grad for p in self._frozen):
             return
         self._seen, frozen = [], []
@@ -298,7 +299,7 @@ class GradPath:
                 else:
                     self._hook(param, stepped)
         self._frozen = frozen
-        self._seen = params if mw is None else []
+        self._seen = params
 
     def _hook(self, param: nn.Parameter, stepped: nn.Parameter) -> None:
         if len(_OWNER) > 4096:  # optimizers dropped without ampkit.reset
@@ -412,10 +413,10 @@ class GradPath:
             rec.scale, rec.loss_id = scale, loss_id
             self._touch(task, rec)
             return
-        loss_id, scale = self._current()
         mw = self.masters
         assert mw is not None
         if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
+            loss_id, scale = self._current()
             if not mw.grads.settle_raw(p):
                 rec.scale = None
             elif scale != rec.scale:
@@ -429,7 +430,9 @@ class GradPath:
         task = _task()
         if rec.pre_task != task:
             self._replace_node(rec)
-        loss_id, scale = self._current()
+        if self._pass[0] != task or task < 0:  # one loss and scale for the whole backward pass
+            self._pass = (task, *self._current())
+        _, loss_id, scale = self._pass
         if rec.master is not None:
             self._touch(task, rec)
             if _ddp_sync_of(rec.model) is not None:
@@ -485,9 +488,8 @@ class GradPath:
         self._process(self._open.pop(task, []), absorb_raw=False)
 
     def _process(self, touched: list[_Param], absorb_raw: bool) -> None:
-        """Unscale the scaled grads of ``touched`` (fused, per device and dtype; checked
-        by the step), move reduced 16-bit grads into masters (checked as they move),
-        show mirrors."""
+        """Unscale the scaled grads of ``touched`` (fused, per device and dtype; checked by
+        the step), move reduced 16-bit grads into masters (checked as they move), show mirrors."""
         by_scale: dict[float, list[_Param]] = {}
         shown: list[nn.Parameter] = []
         for rec in dict.fromkeys(touched):  # each once, in order
@@ -576,18 +578,16 @@ class GradPath:
             self.masters.grads.reconcile(self._mastered())
 
     def before_zero_grad(self) -> None:
-        """Before ``optimizer.zero_grad()`` (O2): the grads of a backward whose end was
-        not seen (an exception inside it) are taken in first, so that the zeroing
-        reaches them too."""
+        """Before ``optimizer.zero_grad()`` (O2): the grads of a backward whose end was not
+        seen (an exception inside it) are taken in first, so the zeroing reaches them."""
         if self.masters is not None and self._open and not self._stepping:
             self.finish()
 
     def after_zero_grad(self, set_to_none: bool) -> None:
         """After ``optimizer.zero_grad(set_to_none)`` (O2): the model's grads show what it
-        did to the masters' (cleared: None; zeroed in place: zeros), and 16-bit grads
-        held for DDP to reduce (backward passes under ``no_sync``, which the masters
-        have not seen yet) are cleared or zeroed with them. Not while the step runs (a
-        closure's ``zero_grad``): the step's own merge handles that."""
+        did to the masters' (cleared: None; zeroed in place: zeros), and 16-bit grads held
+        for DDP to reduce (``no_sync`` backward passes the masters have not seen) are
+        cleared or zeroed with them. Not while the step runs (a closure's ``zero_grad``)."""
         if self.masters is None or self._stepping:
             return
         raw = [r for r in self._params.values() if r.master is not None and r.scale is not None]
@@ -605,9 +605,9 @@ class GradPath:
         return [r.param for r in self._params.values() if r.master is not None and r.scale is None]
 
     def before_outside_unscale(self) -> None:
-        """Before code outside ampkit unscales the stepped grads in place (a
-        GradScaler's ``unscale_``): finish pending work and, O2, merge the model's grad
-        edits into the masters, so the unscale acts on the grads the step will use."""
+        """Before code outside ampkit unscales the stepped grads in place (a GradScaler's
+        ``unscale_``): finish pending work and, O2, merge the model's grad edits into the
+        masters, so the unscale acts on the grads the step will use."""
         self.finish(absorb_raw=True)
         if self.masters is not None:
             self.masters.grads.materialize()  # it unscales the masters' grads
@@ -622,7 +622,7 @@ class GradPath:
 
     def take_followed(self) -> bool:
         """Whether :meth:`after_outside_unscale` ran since the last call."""
-        followed, self._followed = self._followed, False
+        self._followed, followed = False, self._followed
         return followed
 
     def before_step(self) -> None:

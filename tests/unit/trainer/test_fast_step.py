@@ -230,3 +230,51 @@ def test_fused_adamw_against_the_loop_per_cpu_kind():
         assert differing == 0.0, capability
     else:
         assert differing < 0.01, (capability, differing)
+
+
+def _o2k(**opt_kw):
+    amp.reset()
+    model = _model()
+    return amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2, **opt_kw), "O2K")
+
+
+def test_o2k_steps_its_fp32_rest_with_the_fused_kernel_bitwise():
+    """O2K's group holds bf16 weights (its compensated kernel steps them) and fp32 norm
+    parameters: on the CPU torch's step sees only the latter, fused (no per-parameter
+    step-count reads of the foreach kernel), and computes exactly torch's fused AdamW on
+    the same grads."""
+    model, opt = _o2k()
+    assert managed_state(opt).kernels == ["fused"]
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+    norm = model[1]
+    assert norm.weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    ref = [nn.Parameter(p.detach().clone()) for p in norm.parameters()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for i in range(4):
+        opt.zero_grad()
+        with amp.scale_loss(_loss(model, i).float(), opt) as loss:
+            loss.backward()
+        grads = [p.grad.clone() for p in norm.parameters()]
+        opt.step()
+        for r, g in zip(ref, grads):
+            r.grad = g
+        ref_opt.step()
+        for p, r in zip(norm.parameters(), ref):
+            assert torch.equal(p, r)
+            assert all(torch.equal(opt.state[p][k], ref_opt.state[r][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert all(bool(torch.isfinite(w).all()) for w in model[0].parameters())
+    amp.reset()
+
+
+def test_o2k_fp32_rest_fused_again_after_a_plain_load_pinned_groups_left_alone():
+    model, opt = _o2k()
+    plain = torch.optim.AdamW(_model().parameters(), lr=1e-2).state_dict()
+    opt.load_state_dict(plain)  # groups saved with foreach and fused unset
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+    pinned = torch.optim.AdamW(_model().parameters(), lr=1e-2, foreach=True).state_dict()
+    opt.load_state_dict(pinned)
+    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+    model, opt = _o2k(foreach=True)  # the user's choice
+    assert managed_state(opt).kernels == ["as built"] and opt.param_groups[0]["foreach"] is True
+    assert not opt.param_groups[0]["fused"]
+    amp.reset()
