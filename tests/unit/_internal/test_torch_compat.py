@@ -664,3 +664,20 @@ def test_a_torch_that_cannot_switch_autocast_in_a_graph_is_warned_about_once(mon
     assert len(said) == 1
     tc.warn_no_graph_switches.cache_clear()
     amp.reset()
+
+
+def test_flatten_dense_joins_in_logical_order_and_unflatten_copies_back():
+    """The update kernels' batch path: one flat tensor of several (a channels-last one
+    included) in each one's logical order, and views of it shaped as they are, which
+    foreach_copy_ writes back into the originals' own layouts."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(3, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g).to(memory_format=torch.channels_last),
+          torch.randn(5, generator=g).to(torch.bfloat16).float()]  # fmt: skip
+    flat = tc.flatten_dense(ts)
+    assert flat.dim() == 1 and torch.equal(flat, torch.cat([t.reshape(-1) for t in ts]))
+    views = tc.unflatten_dense(flat * 2, ts)
+    assert [v.shape for v in views] == [t.shape for t in ts]
+    want = [t * 2 for t in ts]
+    tc.foreach_copy_(ts, list(views))
+    assert all(torch.equal(t, w) for t, w in zip(ts, want))
+    assert ts[1].is_contiguous(memory_format=torch.channels_last)
