@@ -6,7 +6,8 @@
     python examples/plain_digits.py                           # the script as it is
 
 An MLP on scikit-learn's 8x8 digits with Adam, a cosine LR schedule and a held-out
-accuracy at the end (needs scikit-learn: pip install 'ampkit[cli]').
+accuracy at the end (needs scikit-learn: pip install scikit-learn, or ampkit's cli
+extra: pip install -e '.[cli]' in ampkit's clone).
 """
 
 import argparse

@@ -18,7 +18,8 @@ What ampkit adds to an ordinary training loop (lines marked ``# ampkit``):
         scaled.backward()
     opt.step()                      # skips itself if the gradients overflowed
 
-Needs scikit-learn for the data (pip install 'ampkit[cli]').
+Needs scikit-learn for the data (pip install scikit-learn, or ampkit's cli extra:
+pip install -e '.[cli]' in ampkit's clone).
 """
 
 from __future__ import annotations

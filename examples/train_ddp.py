@@ -19,7 +19,8 @@ What ampkit adds to an ordinary DDP loop (lines marked ``# ampkit``)::
         scaled.backward()
     opt.step()                                                 # skips on every rank together
 
-Needs scikit-learn for the data (pip install 'ampkit[cli]').
+Needs scikit-learn for the data (pip install scikit-learn, or ampkit's cli extra:
+pip install -e '.[cli]' in ampkit's clone).
 """
 
 from __future__ import annotations

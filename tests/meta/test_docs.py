@@ -390,7 +390,7 @@ def _sphinx_missing() -> str | None:
         try:
             importlib.import_module(module)
         except ImportError:
-            return f"{module} is not installed (pip install 'ampkit[docs]')"
+            return f"{module} is not installed (pip install -e '.[docs]')"
     return None
 
 

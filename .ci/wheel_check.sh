@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The package as a user installs it, after `make test` (whose venv has build and twine):
+# `python -m build` makes the sdist and, from it, the wheel; `twine check --strict` reads
+# both. A fresh venv (no system site-packages) gets the Makefile's pinned torch the way
+# `make test` installs it, then `pip install` of the wheel alone (as the install docs say:
+# pip must keep that torch, which is checked). From a folder outside the source tree,
+# `ampkit --version` must print the package's version, every op table must load from the
+# installed package, and the README's quick start must print what the README shows
+# (.ci/readme_quickstart.py). One summary line; exit 1 on a failure; the venv and the
+# build are deleted at the end. About a minute on 2 cores, most of it installing torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+start=$(date +%s)
+py=${AMPKIT_BUILD_PYTHON:-$root/.venv/bin/python}  # the venv `make test` built (the test extra)
+torch_pin=$(sed -n 's/^TORCH *:= *//p' Makefile)    # torch==2.13.0, as `make test` installs it
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
+work=$(mktemp -d "${TMPDIR:-/tmp}/ampkit-wheel-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1
+unset PYTHONPATH
+
+fail() {
+    echo "wheel-check: FAILED ($(( $(date +%s) - start )) s): $*"
+    exit 1
+}
+
+# the sdist, then the wheel built from it (what a user of the sdist gets); no build
+# isolation: the build-system's setuptools comes from the venv, nothing is downloaded
+"$py" -m build --no-isolation --outdir "$work/dist" . > "$work/build.log" 2>&1 ||
+    { tail -n 30 "$work/build.log"; fail "python -m build"; }
+wheel="$work/dist/ampkit-$version-py3-none-any.whl"
+sdist="$work/dist/ampkit-$version.tar.gz"
+[ -f "$wheel" ] && [ -f "$sdist" ] || fail "no ampkit-$version wheel and sdist in: $(ls "$work/dist")"
+"$py" -m twine check --strict "$wheel" "$sdist" > "$work/twine.log" 2>&1 || { cat "$work/twine.log"; fail "twine check"; }
+
+# a fresh venv with the pinned torch, installed as the Makefile's $(VENV)/.installed does
+"${PYTHON:-python3}" -m venv "$work/venv"
+vpy="$work/venv/bin/python"
+grep -q '^include-system-site-packages = false' "$work/venv/pyvenv.cfg" || fail "the venv sees system site-packages"
+pip_log="$work/pip.log"
+"$vpy" -m pip install -q --upgrade pip >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip upgrade"; }
+"$vpy" -m pip install -q "$torch_pin" >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip install $torch_pin"; }
+torch_before=$("$vpy" -W ignore -c 'import torch; print(torch.__version__)')
+"$vpy" -m pip install -q "$wheel" >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip install of the wheel"; }
+torch_after=$("$vpy" -W ignore -c 'import torch; print(torch.__version__)')
+[ "$torch_before" = "$torch_after" ] || fail "installing the wheel moved torch from $torch_before to $torch_after"
+"$vpy" -m pip check > /dev/null || fail "pip check: $("$vpy" -m pip check)"
+
+# outside the source tree: the installed package, its command and its data files
+mkdir "$work/run"
+cd "$work/run"
+# stderr (torch's own notices, e.g. that numpy is absent: the core needs torch alone) to a log
+log="$work/run.log"
+where=$("$vpy" -c 'import ampkit; print(ampkit.__file__)' 2>> "$log") || { cat "$log"; fail "import ampkit"; }
+case "$where" in "$work/venv/"*) ;; *) fail "ampkit imported from $where, not from the venv" ;; esac
+shown=$("$work/venv/bin/ampkit" --version 2>> "$log") || { cat "$log"; fail "ampkit --version"; }
+case "$shown" in "ampkit $version "*) ;; *) fail "ampkit --version printed '$shown', not ampkit $version" ;; esac
+"$vpy" -c 'from ampkit.casting import lists
+missing = sorted(set(lists.RELEASES) - set(lists.TABLES))
+assert not missing, f"op tables missing from the installed package: {missing}"' 2>> "$log" ||
+    { cat "$log"; fail "the op tables"; }
+quickstart=$("$py" "$root/.ci/readme_quickstart.py" "$root/README.md" --python "$vpy" --workdir "$work/run") ||
+    { echo "$quickstart"; fail "the README's quick start"; }
+
+echo "wheel-check: passed ($(( $(date +%s) - start )) s): ampkit-$version sdist and wheel pass twine check;" \
+    "the wheel installed beside torch $torch_after (kept) prints '$shown';" \
+    "the op tables load; ${quickstart#readme-quickstart: }"
