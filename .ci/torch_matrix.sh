@@ -6,8 +6,9 @@
 # tests, and every level's training smoke on the CPU. Each venv also holds one end of the
 # integrations' supported ranges (pyproject's extras): the oldest Lightning, transformers
 # and Accelerate beside torch 2.9, 2.10 and 2.11, the newest beside 2.15, and runs the three
-# integration test files. One summary line per release at the end; exit 1 if any release
-# failed a check.
+# integration test files; the newest release also gets the built wheel installed beside
+# its torch (.ci/wheel_check.sh). One summary line per release at the end; exit 1 if any
+# release failed a check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RELEASES="${AMPKIT_TORCH_MATRIX:-2.9.1 2.10.0 2.11.0 2.15.0}"
@@ -48,6 +49,9 @@ for v in $RELEASES; do
     "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/test_integration_hf.py \
         tests/integrations/test_integration_accelerate.py tests/integrations/test_integration_lightning.py 2>&1 | tee "$log-integrations.log" || ok=0
     unset PYTHONPATH
+    if [ "$v" = "${RELEASES##* }" ]; then  # the newest torch: the built wheel installed beside it
+        PIP_CONSTRAINT=/dev/null AMPKIT_WHEEL_VENV="$venv" bash .ci/wheel_check.sh 2>&1 | tee "$log-wheel.log" || ok=0
+    fi
     took=$(( $(date +%s) - start ))
     "$venv/bin/python" .ci/matrix_report.py record --release "$v" --summary torch-matrix-summary.json \
         --check-log "$log-check.log" --subset-log "$log-subset.log" --smoke-json "$log.json" \

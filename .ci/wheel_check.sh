@@ -8,6 +8,8 @@
 # installed package, and the README's quick start must print what the README shows
 # (.ci/readme_quickstart.py). One summary line; exit 1 on a failure; the venv and the
 # build are deleted at the end. About a minute on 2 cores, most of it installing torch.
+# With AMPKIT_WHEEL_VENV=DIR (the torch matrix, for its newest torch) the wheel goes into
+# that existing venv instead (its torch kept, checked alike) and is uninstalled after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -34,13 +36,18 @@ sdist="$work/dist/ampkit-$version.tar.gz"
 [ -f "$wheel" ] && [ -f "$sdist" ] || fail "no ampkit-$version wheel and sdist in: $(ls "$work/dist")"
 "$py" -m twine check --strict "$wheel" "$sdist" > "$work/twine.log" 2>&1 || { cat "$work/twine.log"; fail "twine check"; }
 
-# a fresh venv with the pinned torch, installed as the Makefile's $(VENV)/.installed does
-"${PYTHON:-python3}" -m venv "$work/venv"
-vpy="$work/venv/bin/python"
-grep -q '^include-system-site-packages = false' "$work/venv/pyvenv.cfg" || fail "the venv sees system site-packages"
 pip_log="$work/pip.log"
-"$vpy" -m pip install -q --upgrade pip >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip upgrade"; }
-"$vpy" -m pip install -q "$torch_pin" >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip install $torch_pin"; }
+venv=${AMPKIT_WHEEL_VENV:-$work/venv}
+if [ -n "${AMPKIT_WHEEL_VENV:-}" ]; then  # an existing venv with its own torch
+    venv=$(cd "$AMPKIT_WHEEL_VENV" && pwd)
+    trap '"$venv/bin/python" -m pip uninstall -q -y ampkit > /dev/null 2>&1; rm -rf "$work"' EXIT
+else  # a fresh venv with the pinned torch, installed as the Makefile's $(VENV)/.installed does
+    "${PYTHON:-python3}" -m venv "$venv"
+    grep -q '^include-system-site-packages = false' "$venv/pyvenv.cfg" || fail "the venv sees system site-packages"
+    "$venv/bin/python" -m pip install -q --upgrade pip >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip upgrade"; }
+    "$venv/bin/python" -m pip install -q "$torch_pin" >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip install $torch_pin"; }
+fi
+vpy="$venv/bin/python"
 torch_before=$("$vpy" -W ignore -c 'import torch; print(torch.__version__)')
 "$vpy" -m pip install -q "$wheel" >> "$pip_log" 2>&1 || { tail -n 30 "$pip_log"; fail "pip install of the wheel"; }
 torch_after=$("$vpy" -W ignore -c 'import torch; print(torch.__version__)')
@@ -53,8 +60,8 @@ cd "$work/run"
 # stderr (torch's own notices, e.g. that numpy is absent: the core needs torch alone) to a log
 log="$work/run.log"
 where=$("$vpy" -c 'import ampkit; print(ampkit.__file__)' 2>> "$log") || { cat "$log"; fail "import ampkit"; }
-case "$where" in "$work/venv/"*) ;; *) fail "ampkit imported from $where, not from the venv" ;; esac
-shown=$("$work/venv/bin/ampkit" --version 2>> "$log") || { cat "$log"; fail "ampkit --version"; }
+case "$where" in "$venv/"*) ;; *) fail "ampkit imported from $where, not from the venv" ;; esac
+shown=$("$venv/bin/ampkit" --version 2>> "$log") || { cat "$log"; fail "ampkit --version"; }
 case "$shown" in "ampkit $version "*) ;; *) fail "ampkit --version printed '$shown', not ampkit $version" ;; esac
 "$vpy" -c 'from ampkit.casting import lists
 missing = sorted(set(lists.RELEASES) - set(lists.TABLES))
