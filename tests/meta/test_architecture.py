@@ -483,7 +483,7 @@ FUNCTION_BUDGET = 80  # lines per function or method (its def to its last line)
 #: Files over the budget today, with their size: an entry may only shrink (a file that
 #: grows past its recorded size fails, and one back within the budget must leave the list).
 OVERSIZED_FILES: dict[str, int] = {
-    "_internal/torch_compat.py": 860,
+    "_internal/torch_compat.py": 859,
     "levels/compensated.py": 660,
     "levels/model_cast.py": 718,
     "tools/compat/apex.py": 826,

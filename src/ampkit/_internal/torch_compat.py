@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import operator
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -151,11 +152,10 @@ torch flattens op arguments); used to find the tensors of a dispatched op."""
 tree_map = tree_map
 """``torch.utils._pytree.tree_map``: ``fn`` applied to every leaf of a nested structure."""
 
-def tensor_version(t: torch.Tensor) -> int:
-    """``t._version``: the counter torch bumps on every in-place change of ``t``'s data.
-    The cast cache and the master-weight/grad bookkeeping compare it to tell a tensor
-    changed; if it stopped counting, stale casts or grads would be reused."""
-    return t._version
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""``tensor_version(t)`` is ``t._version``, the counter torch bumps on every in-place change of
+``t``'s data (read in C: no Python frame, on the step's hot paths). The cast cache and the
+master-weight/grad bookkeeping compare it; if it stopped counting, stale casts or grads would be reused."""
 
 
 def tensor_is_view(t: torch.Tensor) -> bool:
@@ -320,10 +320,9 @@ def autograd_engine() -> Any:
     return torch.autograd.Variable._execution_engine
 
 
-def current_graph_task_id() -> int:
-    """``torch._C._current_graph_task_id()``: the id of the backward pass running in
-    this thread, -1 outside one (a forward run inside backward is a recomputation)."""
-    return torch._C._current_graph_task_id()
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""``current_graph_task_id()``: the id of the backward pass running in this thread, -1
+outside one (a forward run inside backward is a recomputation); torch's own function."""
 
 
 def current_autograd_node() -> Any:
