@@ -45,6 +45,6 @@ clean:
 
 # On a machine with a CUDA GPU, offline, with the machine's own python and torch (no venv):
 # every level's smoke test, the cuda-marked tests, speed and memory, fp8; one JSON +
-# markdown summary in gpu-check-out/ (about 6 minutes on an H200). Refuses without a GPU.
+# markdown summary in gpu-check-out/ (the stages' time limits sum to 6 min 15 s). Refuses without a GPU.
 gpu-check:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py --out gpu-check-out
