@@ -58,7 +58,7 @@ _LOG = logging.getLogger("ampkit")
 ANNOUNCED_DEVICES: set[str] = set()
 #: A compile still running after this many seconds is announced (at WARNING, once per
 #: device type and process); every compile is logged when it ends, with its duration
-#: (INFO; WARNING from ``SLOW_COMPILE_S``).
+#: (INFO; WARNING from ``SLOW_COMPILE_S`` and for the compile that was announced).
 ANNOUNCE_AFTER_S = 2.0
 SLOW_COMPILE_S = 5.0
 
@@ -161,6 +161,7 @@ class Kernel:
             if key in self._compiled:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
+            announced = device.type in ANNOUNCED_DEVICES
             timer = _announce_later(device.type)
             start = time.perf_counter()
             try:
@@ -176,9 +177,11 @@ class Kernel:
                 if timer is not None:
                     timer.cancel()
             took = time.perf_counter() - start
+            # a compile whose start was announced says it ended at the same level
+            announced = not announced and device.type in ANNOUNCED_DEVICES
             if compiled is not None:
                 _LOG.log(
-                    logging.WARNING if took >= SLOW_COMPILE_S else logging.INFO,
+                    logging.WARNING if took >= SLOW_COMPILE_S or announced else logging.INFO,
                     "ampkit: compiled the %s update kernel for %s in %.1f s (inductor's on-disk cache: %s; "
                     "a later process with the same cache compiles it in seconds).",
                     self.name, device.type, took, inductor_compat.inductor_cache_dir(),
