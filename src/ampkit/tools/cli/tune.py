@@ -3,7 +3,10 @@ on this machine (``ampkit.tune``'s steps: capture the model and its first calls 
 short fp32 run, measure each module's time and sensitivity, then confirm candidates by
 running the script with ``ampkit run --plan`` and comparing its own loss with fp32's).
 Writes the plan as JSON (``--out``), prints its table, and ``--png`` draws it; run the
-script with it by ``ampkit run --plan PLAN.json script.py``.
+script with it by ``ampkit run --plan PLAN.json script.py``. While it works it says on
+stderr what it measures: a line as each stage begins and ends, and a status line (done
+so far, time left, what is measured now) at least every 5 s (a rich progress bar on a
+terminal where rich is installed); ``--no-progress`` turns that off.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                              "run (default: 600); a run past it is stopped and the tuning ends with an error")
     parser.add_argument("--include-emulated", action="store_true",
                         help="measure bf16/fp16 even where this CPU emulates them")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="say nothing on stderr while tuning (default: a line per stage and a status "
+                             "line at least every 5 s)")
     add_script_arguments(parser)
     return parser  # fmt: skip
 
@@ -68,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = tune_script(args.script, list(args.args), steps=args.steps, budget=args.budget,
                            max_seconds=args.max_seconds, include_emulated=args.include_emulated,
-                           timeout=args.timeout)  # fmt: skip
+                           timeout=args.timeout, progress=not args.no_progress)  # fmt: skip
     except AmpError as err:
         raise UsageError(f"ampkit tune: {err}") from None
     print(plan.report())

@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ampkit.errors import AmpError
@@ -22,13 +22,14 @@ POLL_S = 0.05
 TAIL_BYTES = 4096
 
 
-def run_bounded(cmd: Sequence[str], log: Path, timeout: float, what: str,
-                then: tuple[Path, float, str] | None = None) -> int:  # fmt: skip
+def run_bounded(cmd: Sequence[str], log: Path, timeout: float, what: str, then: tuple[Path, float, str] | None = None,
+                watch: Callable[[], None] | None = None) -> int:  # fmt: skip
     """Run ``cmd`` (stdin empty, stdout and stderr to ``log``) and return its exit code.
     Past ``timeout`` seconds it is stopped, with every process it started, and
     :class:`ampkit.AmpError` says that ``what`` ran too long. With ``then``
     ``(marker, seconds, what next)``, once the file ``marker`` exists the bound becomes
-    ``seconds`` from then, for ``what next``."""
+    ``seconds`` from then, for ``what next``. ``watch`` is called every ``POLL_S``
+    seconds while the child runs, and once after it ends."""
     with open(log, "xb") as out:  # a new file in the tuner's own folder
         proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=os.name == "posix")  # fmt: skip
@@ -41,7 +42,11 @@ def run_bounded(cmd: Sequence[str], log: Path, timeout: float, what: str,
             if time.monotonic() > deadline:
                 raise AmpError(f"{what} ran past its time limit of {bound:g} s and was stopped; give it longer "
                                "with --timeout (timeout= in Python) if it needs it.")  # fmt: skip
+            if watch is not None:
+                watch()
             time.sleep(POLL_S)
+        if watch is not None:
+            watch()
         return proc.returncode
     finally:
         _stop(proc)

@@ -22,6 +22,8 @@ from ampkit.casting.precision_plan import DTYPES, FP8
 from ampkit.levels.fp8.recipe import Fp8Recipe, convertible
 from ampkit.levels.fp8.training import converted
 
+from .progress import Progress
+
 __all__ = ["Batch", "Call", "LossFn", "FP8_CAPABILITY", "output_energy", "candidate_modules", "fp8_linears",
            "native_dtypes", "module_times", "sensitivities", "loss_of", "scope", "seeded", "deviation", "sync"]  # fmt: skip
 
@@ -207,7 +209,7 @@ def _fastest(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], p
 
 def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: Batch, loss_fn: LossFn | None,
                  dtypes: Sequence[str], device_type: str, repeats: int, deadline: float,
-                 ) -> dict[str, dict[str, float]]:  # fmt: skip
+                 report: Progress | None = None) -> dict[str, dict[str, float]]:  # fmt: skip
     """``{name: {"fp32": ms, "bf16": ms, ..., "fp8": ms}}``: each module's forward +
     backward alone on the inputs it saw on ``batch``, the fastest of ``repeats`` runs
     after one warm-up, under ``ampkit.autocast`` in each 16-bit dtype of ``dtypes``; with
@@ -215,7 +217,10 @@ def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: 
     :class:`ampkit.Fp8Recipe`) under the first 16-bit dtype's autocast. A module the
     forward never calls (``nn.MultiheadAttention``'s ``out_proj``: its parent uses the
     weights directly) has an empty entry; modules not reached before ``deadline``
-    (``time.perf_counter()``) are left out."""
+    (``time.perf_counter()``) are left out. ``report`` is told of each module and dtype
+    as it is timed, and of each module done."""
+    report = report if report is not None else Progress(False)
+    report.now("the first batch, to record each module's inputs")
     inputs = _captured(model, modules, batch, loss_fn)
     policies: dict[str, Policy | None] = {"fp32": None}
     for name in dtypes:
@@ -227,16 +232,22 @@ def module_times(model: nn.Module, modules: list[tuple[str, nn.Module]], batch: 
     for name, module in modules:
         if name not in inputs:  # never called: its parent uses its parameters directly
             out[name] = {}
+            report.advance()
             continue
         if time.perf_counter() > deadline:
             continue
         args, kwargs = inputs[name]
-        times = {key: _fastest(module, args, kwargs, policy, device_type, repeats) for key, policy in policies.items()}
+        times = {}
+        for key, policy in policies.items():
+            report.now(f"{name} ({type(module).__name__}) in {key}")
+            times[key] = _fastest(module, args, kwargs, policy, device_type, repeats)
         if name in fp8:
+            report.now(f"{name} ({type(module).__name__}) in fp8")
             with converted(Fp8Recipe(), [(name, module)]):
                 times[FP8] = _fastest(module, args, kwargs, policies[companion], device_type, repeats)
         module.zero_grad(set_to_none=True)
         out[name] = times
+        report.advance()
     return out
 
 
@@ -260,18 +271,22 @@ def deviation(value: float, ref: float) -> float:
 
 def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batch], loss_fn: LossFn | None,
                   dtype: str, device_type: str, deadline: float, companion: str = "bf16",
-                  ) -> dict[str, tuple[float, float]]:  # fmt: skip
+                  report: Progress | None = None) -> dict[str, tuple[float, float]]:  # fmt: skip
     """``{name: (loss deviation, grad deviation)}`` with only that module in ``dtype``
     (every other module pinned to fp32 by a module rule), against fp32, averaged over
     ``batches``. ``dtype`` ``"fp8"``: the module (a linear) converted to fp8, its output
-    in ``companion``. Modules not reached before ``deadline`` are left out."""
+    in ``companion``. Modules not reached before ``deadline`` are left out. ``report`` is
+    told of each module as it is measured, and when it is done."""
+    report = report if report is not None else Progress(False)
     low = DTYPES[companion if dtype == FP8 else dtype]
     base = default_policy(device_type, low)
+    report.now(f"the fp32 reference over {len(batches)} batches")
     refs = [_loss_and_grad(model, b, loss_fn, None, device_type, seed) for seed, b in enumerate(batches)]
     out: dict[str, tuple[float, float]] = {}
     for name in names:
         if time.perf_counter() > deadline:
             break
+        report.now(f"{name} ({type(model.get_submodule(name)).__name__}) alone in {dtype}")
         policy = base.override(module_rules={exact_name(name): low, "*": torch.float32})  # the name exactly
         loss_dev = grad_dev = 0.0
         lowered = (converted(Fp8Recipe(), [(name, model.get_submodule(name))]) if dtype == FP8
@@ -284,4 +299,5 @@ def sensitivities(model: nn.Module, names: Sequence[str], batches: Sequence[Batc
             norm = float(ref_grad.norm())
             grad_dev += float((grad - ref_grad).norm()) / max(norm, 1e-30) if finite else math.inf
         out[name] = (loss_dev / len(batches), grad_dev / len(batches))
+        report.advance()
     return out

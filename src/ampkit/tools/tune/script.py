@@ -43,9 +43,10 @@ from ampkit.tools.run import RunConfig, run_script
 
 from . import measure
 from .children import last_words, run_bounded
+from .progress import Progress
 from .search import Probe, build_plan, check_budget, check_settings, confirm
 
-__all__ = ["capture", "check_timeout", "tune_script"]
+__all__ = ["capture", "check_timeout", "confirming_run", "tune_script"]
 
 
 def capture(path: str | Path, args: Sequence[str], steps: int, calls: int = 4) -> tuple[nn.Module, list[measure.Call]]:
@@ -119,8 +120,8 @@ def _end_if_forked(pid: int, code: int) -> None:
     exit_now(code)
 
 
-def _child_run(script: Path, args: Sequence[str], plan: TunePlan | None, level: str, dtype: str, steps: int,
-               tmp: Path, timeout: float) -> tuple[Probe, str]:  # fmt: skip
+def confirming_run(script: Path, args: Sequence[str], plan: TunePlan | None, level: str, dtype: str, steps: int,
+                   tmp: Path, timeout: float) -> tuple[Probe, str]:  # fmt: skip
     """``ampkit run`` of the script in a child process, stopped past ``timeout`` seconds
     (:class:`ampkit.AmpError`): its probe and ``""``, or an infinite loss and why it failed."""
     report = tmp / f"run-{level}-{len(list(tmp.iterdir()))}.json"
@@ -153,19 +154,50 @@ def _child_run(script: Path, args: Sequence[str], plan: TunePlan | None, level: 
     return Probe(sum(finite[-k:]) / k, float(doc["iteration_ms_median"])), ""
 
 
-def _captured_choices(path: Path, args: Sequence[str], tmp: Path, timeout: float,
+class _Relay:
+    """Called while the capture process runs: begins ``report``'s measuring stage once the
+    capture is done (the ``marker`` file exists), and passes on each line the process
+    writes to ``lines`` (its own stages)."""
+
+    def __init__(self, report: Progress, lines: Path, marker: Path) -> None:
+        self.report, self.lines, self.marker = report, lines, marker
+        self.offset, self.partial, self.measuring = 0, b"", False
+
+    def __call__(self) -> None:
+        if not self.measuring and self.marker.exists():
+            self.measuring = True
+            self.report.begin("measuring", "the script's model, in the capture process (its stages follow)")
+        try:
+            with open(self.lines, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:  # not written yet
+            return
+        self.offset += len(data)
+        *done, self.partial = (self.partial + data).split(b"\n")
+        for line in done:
+            self.report.relay(line.decode("utf-8", "replace"))
+
+
+def _captured_choices(path: Path, args: Sequence[str], tmp: Path, timeout: float, report: Progress,
                       **settings: Any) -> tuple[str, str, list[ModuleChoice], dict[str, str]]:  # fmt: skip
     """Steps 1 and 2 in a child process (:mod:`.worker`), the capture bounded by
     ``timeout`` seconds and the measuring by ``max_seconds`` more: the plan's dtype, the
     device type, the choices and the dtypes skipped. :class:`ampkit.AmpError` where the
-    script failed, exited before its steps were seen, or ran too long."""
+    script failed, exited before its steps were seen, or ran too long. Each is a stage
+    of ``report``, the child's own measuring stages passed on."""
     spec, marker, result, log = tmp / "capture.json", tmp / "captured", tmp / "result.json", tmp / "capture.log"
+    lines = tmp / "progress.log"
     write_text(spec, json.dumps({"script": str(path), "args": list(args), "captured": str(marker),
-                                 "result": str(result), **settings}), "ampkit tune's capture spec")  # fmt: skip
+                                 "result": str(result), "progress": str(lines) if report.on else None,
+                                 **settings}), "ampkit tune's capture spec")  # fmt: skip
     steps = settings["capture_steps"]
+    report.begin("capture", f"running the script's first {steps} steps in fp32 in a child process, to find its "
+                 "model and the inputs it is called with")  # fmt: skip
     code = run_bounded([sys.executable, "-m", "ampkit.tools.tune.worker", str(spec)], log, timeout,
                        f"the script's capture run (its first {steps} steps, in fp32)",
-                       then=(marker, settings["max_seconds"] + timeout, "measuring the script's model"))  # fmt: skip
+                       then=(marker, settings["max_seconds"] + timeout, "measuring the script's model"),
+                       watch=_Relay(report, lines, marker) if report.on else None)  # fmt: skip
     if not result.exists():
         said = last_words(log)
         if not marker.exists():
@@ -176,6 +208,7 @@ def _captured_choices(path: Path, args: Sequence[str], tmp: Path, timeout: float
     doc = read_json(result, "ampkit tune's capture result", AmpError)
     if "error" in doc:
         raise AmpError(doc["error"])
+    report.end()
     return doc["dtype"], doc["device_type"], [ModuleChoice(**c) for c in doc["choices"]], doc["skipped"]
 
 
@@ -184,6 +217,22 @@ def check_timeout(timeout: Any) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise AmpError(f"timeout {timeout!r}: the seconds each run of the script may take, a number > 0 "
                        "(default 600; inf for no bound).")  # fmt: skip
+
+
+#: Why ``ampkit tune script.py`` does not try fp8 (in :attr:`TunePlan.skipped`).
+NO_FP8 = ("ampkit tune script.py does not try fp8: ampkit run converts fp8 linears at O2/O2K only, and the "
+          "confirming runs start at O1; tune the model with ampkit.tune in the script for fp8")  # fmt: skip
+
+
+def _check(path: Path, steps: Any, budget: Any, timeout: Any, **settings: Any) -> None:
+    """:func:`tune_script`'s settings checked before anything runs (:class:`ampkit.AmpError`)."""
+    if not path.is_file():
+        raise AmpError(f"ampkit tune: no such script {str(path)!r}.")
+    check_budget(budget)
+    check_settings(**settings)
+    check_timeout(timeout)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
+        raise AmpError(f"steps {steps!r}: at least 4 (the step time is a median after the third).")
 
 
 def tune_script(
@@ -200,6 +249,7 @@ def tune_script(
     max_seconds: float = 300.0,
     include_emulated: bool = False,
     timeout: float = 600.0,
+    progress: bool | None = None,
 ) -> TunePlan:
     """A per-module plan for an unmodified training script (see the module docstring).
 
@@ -219,6 +269,9 @@ def tune_script(
             measuring then gets ``max_seconds`` more, and each confirming run); one that
             takes longer is stopped, with what it started, and the tuning ends with
             :class:`ampkit.AmpError`. Default: ``600.0``.
+        progress (bool | None): as :func:`ampkit.tune` (``ampkit tune`` passes True):
+            the capture, the measuring stages of the capture process and each
+            confirming run, with a status line at least every 5 s. Default: ``None``.
 
     Raises:
         AmpError: a bad setting; the script fails, exits before its first
@@ -227,23 +280,16 @@ def tune_script(
     """
     start = time.perf_counter()
     path = Path(script)
-    if not path.is_file():
-        raise AmpError(f"ampkit tune: no such script {str(path)!r}.")
-    check_budget(budget)
-    check_settings(repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit, max_seconds=max_seconds)
-    check_timeout(timeout)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 4:
-        raise AmpError(f"steps {steps!r}: at least 4 (the step time is a median after the third).")
-    with tempfile.TemporaryDirectory(prefix="ampkit-tune-") as folder:
+    _check(path, steps, budget, timeout, repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit,
+           max_seconds=max_seconds)  # fmt: skip
+    with Progress(progress, "ampkit tune") as report, tempfile.TemporaryDirectory(prefix="ampkit-tune-") as folder:
         tmp = Path(folder)
         dtype, device_type, choices, skipped = _captured_choices(
-            path, args, tmp, timeout, capture_steps=capture_steps, candidates=[c for c in candidates if c != "fp8"],
-            include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
-            max_seconds=max_seconds)  # fmt: skip
+            path, args, tmp, timeout, report, capture_steps=capture_steps,
+            candidates=[c for c in candidates if c != "fp8"], include_emulated=include_emulated, repeats=repeats,
+            budget=budget, grad_limit=grad_limit, max_seconds=max_seconds)  # fmt: skip
         if "fp8" in candidates:  # its confirming runs start at O1, where ampkit run converts no linear
-            skipped["fp8"] = ("ampkit tune script.py does not try fp8: ampkit run converts fp8 linears at O2/O2K "
-                              "only, and the confirming runs start at O1; tune the model with ampkit.tune "
-                              "in the script for fp8")  # fmt: skip
+            skipped["fp8"] = NO_FP8
         names = [c.name for c in choices]
         failures: list[str] = []
         succeeded: list[str] = []
@@ -251,7 +297,7 @@ def tune_script(
         def run(level: str | None, kept: list[str], fp8: Sequence[str] = ()) -> Probe:  # fp8: never chosen here
             plan = None if level is None else TunePlan.by_hand(
                 [n for n in names if n not in kept], list(kept), dtype=dtype, level=level, device_type=device_type)  # fmt: skip
-            result, error = _child_run(path, args, plan, level or "fp32", dtype, steps, tmp, timeout)
+            result, error = confirming_run(path, args, plan, level or "fp32", dtype, steps, tmp, timeout)
             if error and level is None and not succeeded:  # no reference to compare with: nothing else is worth running
                 raise AmpError(f"no probe run succeeded: {error}; see why with `ampkit run --level fp32 --steps "
                                f"{steps} {path}`.")  # fmt: skip
@@ -261,7 +307,8 @@ def tune_script(
                 skipped[level] = f"{said}; and {error}" if said else f"a confirming run failed (no result): {error}"
             return result
 
-        level, figures, choices, backed = confirm(run, dtype, choices, steps, budget, max_backoffs)
+        level, figures, choices, backed = confirm(run, dtype, choices, steps, budget, max_backoffs, report=report,
+                                                  what="running the script (a child `ampkit run` each)")  # fmt: skip
     if failures and succeeded == ["fp32"] * len(succeeded):  # an O0 plan would hide the failures
         raise AmpError(f"no probe run succeeded: every run in {dtype} failed ({len(failures)}), the first: "
                        f"{failures[0]}; no plan is made.")  # fmt: skip

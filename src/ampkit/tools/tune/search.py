@@ -41,8 +41,10 @@ from ampkit.trainer.session import current_session
 from . import measure
 from .measure import Batch, LossFn
 from .process_state import as_found
+from .progress import Progress, count
 
-__all__ = ["Probe", "build_plan", "check_budget", "check_settings", "choose", "confirm", "measure_and_choose", "probe", "tune", "worse_by"]
+__all__ = ["Probe", "build_plan", "check_budget", "check_settings", "choose", "confirm", "expected_runs",
+           "measure_and_choose", "probe", "tune", "worse_by"]  # fmt: skip
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -63,6 +65,7 @@ def tune(
     max_backoffs: int = 4,
     max_seconds: float = 300.0,
     include_emulated: bool = False,
+    progress: bool | None = None,
 ) -> TunePlan:
     """The fastest per-module precision plan whose training loss stays within ``budget``
     of fp32's, measured on this device.
@@ -96,60 +99,68 @@ def tune(
         max_seconds (float): a bound on the measuring phases; modules not measured
             in time stay fp32 (their reason says so). The probes run in full. Default: ``300.0``.
         include_emulated (bool): measure bf16/fp16/fp8 on a CPU that emulates them. Default: ``False``.
+        progress (bool | None): a line per stage, a status line at least every 5 s: ``None``
+            logs them (``"ampkit"`` logger, INFO); ``True`` shows them on stderr (a rich bar
+            on a terminal, with rich installed), unlogged; ``False``: none. Default: ``None``.
 
     Returns:
         A :class:`TunePlan`; ``ampkit.initialize(model, optimizer, plan=plan)`` applies
         it (``plan.policy()``, the op-level part alone, where no linear is in fp8).
 
     Raises:
-        AmpError: no batches, an unknown candidate, a non-positive budget, a setting out
-            of range (``repeats`` < 1, ``max_backoffs`` < 0, a negative or NaN limit
-            or ``max_seconds``) or a model without candidate modules, before anything
-            is measured.
+        AmpError: no batches, an unknown candidate, a non-positive budget, a setting out of range
+            (``repeats`` < 1, ``max_backoffs`` < 0, a negative or NaN limit or ``max_seconds``, a
+            ``progress`` not a bool or None) or a model without candidate modules, before anything is measured.
 
     The process is left as it was found, however the tuning ends: the random streams
     (torch's, CUDA's, Python's ``random``, numpy's) and torch's global module and
     optimizer hooks (``tools.tune.process_state.as_found``).
     """
     start = time.perf_counter()
-    _validate(model, batches, budget, candidates, probe_steps)
-    check_settings(repeats=repeats, max_backoffs=max_backoffs, grad_limit=grad_limit,
-                   fp8_grad_limit=fp8_grad_limit, max_seconds=max_seconds)  # fmt: skip
-    device_type = device_type or next((p.device.type for p in model.parameters()), "cpu")
-    with as_found():  # the random streams and the global hooks as the caller had them
+    device_type = _validate(model, batches, budget, candidates, probe_steps, device_type, repeats=repeats,
+                            max_backoffs=max_backoffs, grad_limit=grad_limit, fp8_grad_limit=fp8_grad_limit,
+                            max_seconds=max_seconds)  # fmt: skip
+    with Progress(progress, "ampkit.tune") as report, as_found():  # as_found: the random streams and hooks
         dtype, choices, skipped = measure_and_choose(
             model, batches[: min(len(batches), 4)], loss_fn, candidates=candidates, device_type=device_type,
             include_emulated=include_emulated, repeats=repeats, budget=budget, grad_limit=grad_limit,
-            fp8_grad_limit=fp8_grad_limit, deadline=start + max_seconds)  # fmt: skip
+            fp8_grad_limit=fp8_grad_limit, deadline=start + max_seconds, report=report)  # fmt: skip
         run = functools.partial(probe, model, batches, loss_fn, dtype=dtype, device_type=device_type,
                                 steps=probe_steps, optimizer=optimizer)  # fmt: skip
-        level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs)
+        level, figures, choices, backed = confirm(run, dtype, choices, probe_steps, budget, max_backoffs, report=report)
     return build_plan(dtype, level, device_type, budget, choices, skipped, figures, backed, start)
 
 
 def measure_and_choose(model: nn.Module, calib: Sequence[Batch], loss_fn: LossFn | None, *,
                        candidates: Sequence[str], device_type: str, include_emulated: bool, repeats: int,
                        budget: float, grad_limit: float, deadline: float, fp8_grad_limit: float = 0.25,
-                       ) -> tuple[str, list[ModuleChoice], dict[str, str]]:  # fmt: skip
+                       report: Progress | None = None) -> tuple[str, list[ModuleChoice], dict[str, str]]:  # fmt: skip
     """Steps 1 and 2 on a copy of ``model``: each candidate module timed on ``calib[0]``
     and its sensitivities over ``calib`` for each 16-bit dtype this hardware computes
     natively (and each linear's in fp8 where it does, beside the first 16-bit dtype),
     then :func:`choose`; the dtype whose choice saves the most time. Returns that dtype
-    (``"fp32"`` when none was tried), the choices and the dtypes skipped."""
+    (``"fp32"`` when none was tried), the choices and the dtypes skipped. Each measuring
+    stage is a stage of ``report``."""
+    report = report if report is not None else Progress(False)
     dtypes, skipped = measure.native_dtypes(candidates, device_type, include_emulated)
     work = copy.deepcopy(model)
     modules = measure.candidate_modules(work)
-    times = measure.module_times(work, modules, calib[0], loss_fn, dtypes, device_type, repeats, deadline)
+    what = f"{count(len(modules), 'modules')} alone, forward + backward, in {', '.join(['fp32', *dtypes])}"
+    with report.stage("timing", f"{what} ({_runs(repeats)} after a warm-up)", len(modules), "modules"):
+        times = measure.module_times(work, modules, calib[0], loss_fn, dtypes, device_type, repeats, deadline,
+                                     report=report)  # fmt: skip
     low_dtypes = [d for d in dtypes if d != FP8]
     fp8_sens: dict[str, tuple[float, float]] = {}
     if FP8 in dtypes:
         linears = [n for n in measure.fp8_linears(modules) if FP8 in times.get(n, {})]
-        fp8_sens = measure.sensitivities(work, linears, calib, loss_fn, FP8, device_type, deadline,
-                                         companion=low_dtypes[0])  # fmt: skip
+        with _sensitivity_stage(report, FP8, len(linears), len(calib), "linears"):
+            fp8_sens = measure.sensitivities(work, linears, calib, loss_fn, FP8, device_type, deadline,
+                                             companion=low_dtypes[0], report=report)  # fmt: skip
     options = []
     for dtype in low_dtypes:
-        sens = measure.sensitivities(work, [n for n, _ in modules if times.get(n)], calib, loss_fn, dtype,
-                                     device_type, deadline)  # fmt: skip
+        names = [n for n, _ in modules if times.get(n)]
+        with _sensitivity_stage(report, dtype, len(names), len(calib), "modules"):
+            sens = measure.sensitivities(work, names, calib, loss_fn, dtype, device_type, deadline, report=report)
         options.append(choose(dtype, modules, times, sens, budget, grad_limit,
                               fp8_sens if dtype == low_dtypes[0] else None, fp8_grad_limit))  # fmt: skip
     if not options:  # nothing to try: every module stays fp32
@@ -159,6 +170,15 @@ def measure_and_choose(model: nn.Module, calib: Sequence[Batch], loss_fn: LossFn
         skipped[FP8] = (f"measured beside {low_dtypes[0]}; the plan chose {dtype}, which saves more "
                         "without fp8")  # fmt: skip
     return dtype, choices, skipped
+
+
+def _runs(repeats: int) -> str:
+    return f"the fastest of {repeats} runs" if repeats > 1 else "1 run"
+
+
+def _sensitivity_stage(report: Progress, dtype: str, n: int, batches: int, unit: str) -> Any:
+    return report.stage(f"sensitivity in {dtype}", f"{count(n, unit)}, each alone in {dtype}: how far the loss and the "
+                        f"gradient move from fp32's over {count(batches, 'batches')}", n, unit)  # fmt: skip
 
 
 def build_plan(dtype: str, level: str, device_type: str, budget: float, choices: list[ModuleChoice],
@@ -198,7 +218,9 @@ def check_settings(**settings: Any) -> None:
 
 
 def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candidates: Sequence[str],
-              probe_steps: int) -> None:  # fmt: skip
+              probe_steps: int, device_type: str | None, **settings: Any) -> str:  # fmt: skip
+    """:func:`tune`'s arguments checked, then its numeric ``settings`` (:func:`check_settings`);
+    returns the device type (default: the model's parameters')."""
     if not isinstance(model, nn.Module):
         raise AmpError(f"ampkit.tune needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(batches, Sequence) or len(batches) == 0:
@@ -214,6 +236,8 @@ def _validate(model: nn.Module, batches: Sequence[Batch], budget: float, candida
                          "already: call ampkit.tune before ampkit.init/initialize/init_trainer (or after ampkit.reset()).")
     if not measure.candidate_modules(model):
         raise AmpError("this model has no module with parameters of its own below the root: nothing to tune.")
+    check_settings(**settings)
+    return device_type or next((p.device.type for p in model.parameters()), "cpu")
 
 
 def _assess(name: str, dtype: str, times: dict[str, dict[str, float]], sens: dict[str, tuple[float, float]],
@@ -335,15 +359,54 @@ def _backed(c: ModuleChoice, why: str) -> ModuleChoice:
     return dataclasses.replace(c, dtype="fp32", reason=why)
 
 
+def _levels(dtype: str) -> tuple[str, ...]:
+    return ("O1", "O2", "O2K") if dtype == "bf16" else ("O1", "O2")
+
+
+def expected_runs(dtype: str, choices: Sequence[ModuleChoice]) -> int:
+    """How many runs :func:`confirm` makes when the plan needs no back-off and no
+    timing again: fp32's; everything lowered at each level; the plan at each level
+    where it lowers a module."""
+    if dtype == "fp32":
+        return 1
+    return 1 + len(_levels(dtype)) * (2 if any(c.dtype != "fp32" for c in choices) else 1)
+
+
+def _run_name(dtype: str, level: str | None, kept: Sequence[str], fp8: Sequence[str]) -> str:
+    if level is None:
+        return "fp32"
+    return f"the plan at {level}" if kept or fp8 else f"everything in {dtype} at {level}"
+
+
 def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], steps: int, budget: float,
-            max_backoffs: int) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
+            max_backoffs: int, *, report: Progress | None = None, what: str = "training copies of the model",
+            ) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
     """Probe the module plan at O1 against fp32, putting the most sensitive lowered module
     back to fp32 while it misses the budget; then run the settled plan, and everything
     lowered, at each level, and keep the fastest run within the budget (O0, nothing
     lowered, where fp32 is faster than every one). ``run(level, kept=names, fp8=names)`` trains
     (``level`` None: fp32) and returns a :class:`Probe`; a run that cannot go returns
     one with an infinite loss. Returns the level, the figures, the choices and the
-    modules put back."""
+    modules put back. The runs are a stage of ``report`` (``what``: how they run)."""
+    report = report if report is not None else Progress(False)
+    total = expected_runs(dtype, choices)
+    lowered = "the plan and everything" if any(c.dtype != "fp32" for c in choices) else "everything"
+    which = "fp32" if dtype == "fp32" else f"fp32, then {lowered} in {dtype} at {', '.join(_levels(dtype))}"
+    with report.stage("confirming", f"{what}, {steps} steps a run: {which} (about {count(total, 'runs')})",
+                      total, "runs"):  # fmt: skip
+
+        def counted(level: str | None, kept: list[str], fp8: Sequence[str] = ()) -> Probe:
+            report.now(_run_name(dtype, level, kept, fp8))
+            result = run(level, kept=kept, fp8=fp8)
+            report.advance()
+            return result
+
+        return _confirm(counted, dtype, choices, steps, budget, max_backoffs)
+
+
+def _confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], steps: int, budget: float,
+             max_backoffs: int) -> tuple[str, dict[str, float], list[ModuleChoice], list[str]]:  # fmt: skip
+    """:func:`confirm`'s runs and choice."""
     ref = run(None, kept=[], fp8=[])
     figures = {"steps": float(steps), "fp32_loss": ref.loss, "fp32_ms": ref.step_ms}
     if dtype == "fp32":
@@ -353,7 +416,7 @@ def confirm(run: Callable[..., Probe], dtype: str, choices: list[ModuleChoice], 
     choices, backed, settled = _back_off(run, ref, choices, budget, max_backoffs)
     kept = [c.name for c in choices if c.dtype == "fp32"]
     fp8 = [c.name for c in choices if c.dtype == FP8]
-    for level in ("O1", "O2", "O2K") if dtype == "bf16" else ("O1", "O2"):
+    for level in _levels(dtype):
         if settled is not None:
             runs["plan", level] = settled if level == "O1" else run(level, kept=kept, fp8=fp8)
         if level != "O1":

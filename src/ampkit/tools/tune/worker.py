@@ -3,11 +3,14 @@ ampkit.tools.tune.worker SPEC.json`` runs the script's first steps (:func:`.scri
 touches the spec's ``captured`` file, measures and chooses on the captured model
 (:func:`.search.measure_and_choose`) and writes the outcome as JSON to the spec's
 ``result`` file: ``{"dtype", "device_type", "choices", "skipped"}``, or ``{"error"}``.
+Where the spec names a ``progress`` file, the measuring stages' lines are appended to it
+(:class:`.progress.Progress`), for the tuner to pass on.
 The script runs here, not in the tuning process, so that nothing it does (``os._exit``,
 a fork, a hang) reaches the tuner: a result that never comes is the tuner's to explain."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -19,6 +22,7 @@ from ampkit._internal.files import read_json, write_text
 from ampkit.errors import AmpError
 
 from . import measure
+from .progress import Progress
 from .script import capture
 from .search import measure_and_choose
 
@@ -45,11 +49,15 @@ def _measured(spec: dict[str, Any], start: float) -> dict[str, Any]:
     if not measure.candidate_modules(model):
         raise AmpError(f"the script's model ({type(model).__name__}) has no module with parameters of its own below "
                        "its root: nothing to tune.")  # fmt: skip
+    lines = spec.get("progress")
     try:
-        dtype, choices, skipped = measure_and_choose(
-            model, calls, measure.output_energy, candidates=spec["candidates"], device_type=device_type,
-            include_emulated=spec["include_emulated"], repeats=spec["repeats"], budget=spec["budget"],
-            grad_limit=spec["grad_limit"], deadline=start + spec["max_seconds"])  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            stream = stack.enter_context(open(lines, "a", encoding="utf-8")) if lines else None
+            report = stack.enter_context(Progress(True if lines else False, "", stream=stream))
+            dtype, choices, skipped = measure_and_choose(
+                model, calls, measure.output_energy, candidates=spec["candidates"], device_type=device_type,
+                include_emulated=spec["include_emulated"], repeats=spec["repeats"], budget=spec["budget"],
+                grad_limit=spec["grad_limit"], deadline=start + spec["max_seconds"], report=report)  # fmt: skip
     except AmpError:
         raise
     except Exception as exc:  # the model's own code failed on the calls it was given in the script
