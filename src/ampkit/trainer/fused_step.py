@@ -25,7 +25,9 @@ bf16/fp16 leaves most elements unchanged, and fused SGD with momentum fails when
 only some parameters have a momentum buffer (a layer unfrozen mid-training);
 fused Adam on fp16 gives NaN where the loop does not. Those groups, and 16-bit
 parameters generally, get ``foreach`` (the same per-element arithmetic as the
-loop).
+loop); where something else steps a group's 16-bit parameters (O2K's compensated
+updates), its fp32 rest is fused on the CPU under the same conditions
+(:func:`fuse_wide_part`).
 
 Memory: fused kernels allocate nothing; foreach implementations allocate
 full-size temporaries during the step (e.g. Adam's denominator), as on CUDA where
