@@ -15,7 +15,6 @@ import contextlib
 import functools
 import json
 import logging
-import operator
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -152,10 +151,11 @@ torch flattens op arguments); used to find the tensors of a dispatched op."""
 tree_map = tree_map
 """``torch.utils._pytree.tree_map``: ``fn`` applied to every leaf of a nested structure."""
 
-tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
-"""``tensor_version(t)`` is ``t._version``, the counter torch bumps on every in-place change of
-``t``'s data (read in C: no Python frame, on the step's hot paths). The cast cache and the
-master-weight/grad bookkeeping compare it; if it stopped counting, stale casts or grads would be reused."""
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``: the counter torch bumps on every in-place change of ``t``'s data.
+    The cast cache and the master-weight/grad bookkeeping compare it; if it stopped
+    counting, stale casts or grads would be reused. A function (dynamo traces it)."""
+    return t._version
 
 
 def tensor_is_view(t: torch.Tensor) -> bool:

@@ -30,6 +30,9 @@ as always.
 
 from __future__ import annotations
 
+import atexit
+import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +43,16 @@ from ampkit.casting.engine import step_hook_installed
 
 from .decision import Segment, decide
 from .extensions import update_with
+from .stats import flush_skip_reports
 
 if TYPE_CHECKING:
     from .managed import ManagedOptimizer
 
 __all__ = ["FOUND_INF_OPTIMIZERS", "fits", "step", "settle", "settle_on_state_dict"]
+
+# Module state: the managed optimizers whose last step's outcome is pending (held weakly),
+# recorded at interpreter exit if nothing asked before (a run whose last step was skipped).
+_PENDING: weakref.WeakSet[ManagedOptimizer] = weakref.WeakSet()
 
 #: Optimizer classes (exactly these) whose fused kernel takes a found-inf flag.
 FOUND_INF_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -107,6 +115,7 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
     found = _found(segments)
     state.steps += 1
     state.pending_outcome = segments
+    _PENDING.add(state)
     if found is not None:
         opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
     try:
@@ -129,8 +138,22 @@ def settle(state: ManagedOptimizer) -> None:
     if segments is None:
         return
     state.pending_outcome = None
+    _PENDING.discard(state)
     events, skipped = decide(segments, len(state.scalers))
     state.record_outcome(events, skipped)
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """At interpreter exit: record the outcomes still pending (a last step skipped on the
+    device is counted and logged like any other), then log the skips no summary line has
+    reported yet. Failures are logged, not raised: the process is ending."""
+    for state in list(_PENDING):
+        try:
+            settle(state)
+        except Exception as exc:  # NumericsError at the scale's floor, a device already gone
+            logging.getLogger("ampkit").warning("ampkit: the last step's outcome at exit: %s", exc)
+    flush_skip_reports()
 
 
 def settle_on_state_dict(state: ManagedOptimizer) -> tuple[Any, Any]:

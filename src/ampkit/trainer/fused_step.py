@@ -37,6 +37,7 @@ foreach is torch's default.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,9 +141,16 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
             choices.append("foreach")
         else:
             choices.append("as built")
-    if optimizer.param_groups and all(bool(g.get("fused")) for g in optimizer.param_groups):
+    # torch's marker: every group fused over parameters the fused kernel steps (not a group
+    # whose 16-bit parameters O2K's own kernel steps: they would miss grad_scale/found_inf)
+    if optimizer.param_groups and all(
+        bool(g.get("fused")) and all(p.dtype in _FUSED_DTYPES for p in g["params"]) for g in optimizer.param_groups
+    ):
         torch_compat.mark_step_supports_amp_scaling(optimizer)
     return choices
+
+
+_WIDE_PART_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
@@ -153,8 +161,9 @@ def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     get the fused kernel under the same conditions as a wholly fp32 group (class,
     device, the probe). Parameters on the CPU only: the step counters ``foreach`` kept
     on the host would not follow a CUDA group to the device. Returns whether it switched
-    (``foreach`` back to unset, ``fused=True``)."""
-    if type(optimizer) not in FUSED_OPTIMIZERS or group.get("foreach") is not True or group.get("fused"):
+    (``foreach`` back to unset, ``fused=True``). Adam and AdamW only: Adagrad steps
+    sparse grads (``nn.Embedding(sparse=True)``), which its fused kernel refuses."""
+    if type(optimizer) not in _WIDE_PART_OPTIMIZERS or group.get("foreach") is not True or group.get("fused"):
         return False
     if group.get("differentiable") or group.get("capturable"):
         return False
@@ -173,10 +182,13 @@ def fuse_wide_parts(optimizer: torch.optim.Optimizer, kernels: list[str]) -> lis
     choices, updated in place) says was set to ``foreach``, now and after every
     ``load_state_dict`` that brings back groups saved with ``foreach`` and ``fused``
     unset (which :func:`use_fastest_kernel`, hooked first, sets to ``foreach`` again).
-    Returns the hooks' handles."""
+    Returns handles whose ``remove()`` removes the hooks and puts ``foreach`` back on the
+    groups still fused this way (the optimizer then steps its 16-bit parameters itself)."""
+    fused: list[dict] = []  # the groups switched here
     for i, choice in enumerate(kernels):
         if choice == "foreach" and fuse_wide_part(optimizer, optimizer.param_groups[i]):
             kernels[i] = "fused"
+            fused.append(optimizer.param_groups[i])
     unset: list[int] = []
 
     def before_load(opt: torch.optim.Optimizer, state_dict: dict) -> None:
@@ -185,13 +197,32 @@ def fuse_wide_parts(optimizer: torch.optim.Optimizer, kernels: list[str]) -> lis
                     and g.get("fused") is None]  # fmt: skip
 
     def after_load(opt: torch.optim.Optimizer) -> None:
+        fused[:] = [g for g in fused if any(g is h for h in opt.param_groups)]
         for i in unset:
-            if i < len(opt.param_groups):
-                fuse_wide_part(opt, opt.param_groups[i])
+            if i < len(opt.param_groups) and fuse_wide_part(opt, opt.param_groups[i]):
+                fused.append(opt.param_groups[i])
         unset.clear()
 
+    def unfuse() -> None:
+        for group in fused:
+            if group.get("fused") and any(group is g for g in optimizer.param_groups):
+                group["foreach"], group["fused"] = True, None
+        fused.clear()
+
     return [optimizer.register_load_state_dict_pre_hook(before_load),
-            optimizer.register_load_state_dict_post_hook(after_load)]  # fmt: skip
+            optimizer.register_load_state_dict_post_hook(after_load), _Undo(unfuse)]  # fmt: skip
+
+
+class _Undo:
+    """A handle whose ``remove()`` runs a function once."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def remove(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 # --- the overflow check when nothing needs unscaling ------------------------------------

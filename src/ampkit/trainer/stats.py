@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from ampkit._internal.where import user_stacklevel
 if TYPE_CHECKING:
     from .managed import ManagedOptimizer
 
-__all__ = ["StepStats", "SkipReport", "SKIP_SUMMARY_SECONDS"]
+__all__ = ["StepStats", "SkipReport", "SKIP_SUMMARY_SECONDS", "flush_skip_reports"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,20 @@ class StepStats:
 SKIP_SUMMARY_SECONDS = 60.0
 
 _LOG = logging.getLogger("ampkit")
+# Module state: reports holding skips no line has told yet, with their optimizer's state
+# (both weakly): flush_skip_reports tells them (at interpreter exit).
+_UNTOLD: weakref.WeakKeyDictionary[SkipReport, weakref.ref[ManagedOptimizer]] = weakref.WeakKeyDictionary()
+
+
+def flush_skip_reports() -> None:
+    """Log the skipped steps each live report has counted but not told yet (the summary
+    line is at most every :data:`SKIP_SUMMARY_SECONDS`: a run that ends sooner would
+    never say them)."""
+    for report, ref in list(_UNTOLD.items()):
+        state = ref()
+        if state is not None and report.pending:
+            report.summarize(state, "until the end")
+        _UNTOLD.pop(report, None)
 
 
 class SkipReport:
@@ -69,14 +84,18 @@ class SkipReport:
             return
         if skipped:
             self.pending += 1
+            _UNTOLD[self] = weakref.ref(state)
         if self.pending and time.monotonic() - self.last >= SKIP_SUMMARY_SECONDS:
-            elapsed = time.monotonic() - self.last
-            count, self.pending, self.last = self.pending, 0, time.monotonic()
-            self._emit(
-                "ampkit: %d more optimizer step(s) skipped in the last %.0f s (%d of %d "
-                "steps so far); loss scale now %s.",
-                count, elapsed, state.skipped, state.steps, _scales(state),
-            )
+            self.summarize(state, "in the last %.0f s" % (time.monotonic() - self.last))
+
+    def summarize(self, state: ManagedOptimizer, when: str) -> None:
+        """Log the count of skips not told yet (``when``: the span they fall in)."""
+        count, self.pending, self.last = self.pending, 0, time.monotonic()
+        _UNTOLD.pop(self, None)
+        self._emit(
+            "ampkit: %d more optimizer step(s) skipped %s (%d of %d steps so far); loss scale now %s.",
+            count, when, state.skipped, state.steps, _scales(state),
+        )
 
     @staticmethod
     def _emit(msg: str, *args: Any) -> None:

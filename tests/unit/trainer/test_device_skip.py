@@ -413,3 +413,43 @@ def test_global_step_hooks_and_late_extensions_see_taken_steps_only():
     late = managed_state(opt).add_extension(_Told())
     assert amp.step_skipped(opt) and late.calls == []
     amp.reset()
+
+
+_ENDS_WITH_SKIPS = """
+import torch, torch.nn.functional as F
+import ampkit as amp
+from ampkit.trainer.api import managed_state
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level="O1", dtype=torch.bfloat16)
+g = torch.Generator().manual_seed(1)
+for i in range({steps}):
+    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+    opt.zero_grad()
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    if i in {bad}:
+        model[0].weight.grad[0, 0] = float("nan")
+    opt.step()
+assert managed_state(opt).pending_outcome is not None  # the last step: nothing read it
+"""
+
+
+@pytest.mark.parametrize("bad, told", [
+    ([3], ["optimizer step 4 skipped"]),  # only the last step: decided on the device, never read
+    ([1, 2, 3], ["optimizer step 2 skipped", "2 more optimizer step(s) skipped until the end (3 of 4 steps so far)"]),
+])
+def test_skips_nobody_read_before_the_process_ends_are_logged_at_exit(tmp_path, bad, told):
+    """A run whose last step was skipped on the device (its outcome pending: nothing asked)
+    records it at exit and the skip log says it; skips after the first that no summary
+    line told yet (one at most every SKIP_SUMMARY_SECONDS) are told at exit too."""
+    import subprocess
+
+    script = tmp_path / "ends_with_skips.py"
+    script.write_text(_ENDS_WITH_SKIPS.format(steps=4, bad=bad))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "skipped" in line]
+    assert len(lines) == len(told), done.stderr
+    assert all(want in line for want, line in zip(told, lines)), lines

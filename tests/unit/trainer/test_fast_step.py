@@ -278,3 +278,62 @@ def test_o2k_fp32_rest_fused_again_after_a_plain_load_pinned_groups_left_alone()
     assert managed_state(opt).kernels == ["as built"] and opt.param_groups[0]["foreach"] is True
     assert not opt.param_groups[0]["fused"]
     amp.reset()
+
+
+def test_o2k_fused_rest_never_marks_the_optimizer_for_torch_gradscaler():
+    """torch.amp.GradScaler hands grad_scale/found_inf to an optimizer marked as taking
+    them and unscales nothing itself: O2K's bf16 weights, stepped by its own kernel, would
+    train on scaled grads. An O2K group fused for its fp32 rest is never marked, also after
+    a load (which runs the kernel choice again); with torch's scaler a reloaded run trains
+    bitwise like the run without the reload."""
+    import torch.nn.functional as F
+
+    def train(reload: bool) -> list[torch.Tensor]:
+        model, opt = _o2k()
+        if reload:
+            opt.load_state_dict(opt.state_dict())
+        assert opt.param_groups[0]["fused"] is True
+        assert not getattr(opt, "_step_supports_amp_scaling", False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(torch.randn(4, 8, generator=g)).float(), torch.randn(4, 2, generator=g))).backward()
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(False), train(True), strict=True))
+    amp.reset()
+
+
+def test_o2k_adagrad_keeps_foreach_for_sparse_grads_and_reset_gives_the_group_back():
+    """Adagrad steps sparse grads, which its fused kernel refuses: an O2K Adagrad group
+    stays foreach and a sparse embedding trains. ampkit.reset() puts foreach back on a
+    group fused for O2K (its bf16 parameters are the optimizer's to step again)."""
+    import torch.nn.functional as F
+
+    class Sparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.norm, self.fc = nn.Embedding(20, 8, sparse=True), nn.LayerNorm(8), nn.Linear(8, 2)
+
+        def forward(self, i: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(self.emb(i).mean(1)))
+
+    amp.reset()
+    torch.manual_seed(0)
+    model = Sparse()
+    model, opt = amp.initialize(model, torch.optim.Adagrad(model.parameters(), lr=1e-2), "O2K")
+    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+    before = model.emb.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(torch.randint(0, 20, (4, 3))).float(), torch.randn(4, 2)), opt) as loss:
+            loss.backward()
+        opt.step()
+    assert not torch.equal(model.emb.weight, before)
+    model, opt = _o2k()
+    assert opt.param_groups[0]["fused"] is True
+    amp.reset()
+    assert opt.param_groups[0]["foreach"] is True and opt.param_groups[0]["fused"] is None
