@@ -70,7 +70,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(T|P|R|F)"),  # type variables of signatures
     # the standard library and builtins
     (r"py:.*", r"(typing|collections|collections\.abc|contextlib|enum|pathlib|os|types|threading|argparse|dataclasses|abc|warnings|re|io|json|datetime)\..*"),
-    (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|frozenset|object|type|None|NoneType|complex|slice|Ellipsis|NotImplemented|BaseException|Exception|RuntimeError|ValueError|TypeError|KeyError|ImportError|OSError|UserWarning|DeprecationWarning|RuntimeWarning|Warning)"),
+    (r"py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|frozenset|object|type|None|True|False|NoneType|complex|slice|Ellipsis|NotImplemented|BaseException|Exception|RuntimeError|ValueError|TypeError|KeyError|ImportError|OSError|UserWarning|DeprecationWarning|RuntimeWarning|Warning)"),
     (r"py:.*", r"(Any|Callable|Iterable|Iterator|Mapping|MutableMapping|Sequence|Generator|Hashable|Literal|Optional|Union|Self|TypeAlias|ClassVar|Final|Protocol|NamedTuple|ContextManager|AbstractContextManager|ModuleType|MappingProxyType|Path|PathLike|Enum|IntEnum|Number|Collection|Container|Sized|Awaitable|Coroutine)"),
     (r"py:.*", r"(np|numpy)(\..*)?"),
 ]

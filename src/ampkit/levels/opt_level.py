@@ -7,6 +7,7 @@ each level does: docs/guides/opt-levels.md."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
@@ -19,7 +20,7 @@ from ampkit.scaling.loss_scaler import check_scale
 
 from .master import MASTER_GRADS, MODEL_GRADS
 
-__all__ = ["LevelDefaults", "LossScale", "OPT_LEVELS", "OptLevel", "resolve_opt_level"]
+__all__ = ["LevelDefaults", "LossScale", "OPT_LEVELS", "OVERRIDES", "OptLevel", "check_override_names", "resolve_opt_level"]
 
 LossScale = float | Literal["dynamic"]
 
@@ -105,24 +106,26 @@ OPT_LEVELS: dict[str, LevelDefaults] = {
     "O2K": LevelDefaults(op_casting=False, casts_model=True, keep_norm_fp32=True, master_weights=False, compensation="kahan", fp16_loss_scale=1.0),
 }  # fmt: skip
 
-_OVERRIDES = (
+#: The settings ``initialize`` takes beyond the level, in the order of its signature (a
+#: test holds its keyword parameters to this list).
+OVERRIDES = (
     "dtype",
-    "op_casting",
     "cast_model_type",
     "keep_norm_fp32",
     "master_weights",
     "compensation",
+    "op_casting",
+    "policy",
     "loss_scale",
     "num_losses",
     "min_loss_scale",
     "max_loss_scale",
     "cast_model_outputs",
-    "fast_kernels",
-    "keep_fp32",
     "model_op_casting",
+    "keep_fp32",
+    "fast_kernels",
     "model_grads",
     "master_grads",
-    "policy",
 )
 
 _COMPENSATIONS = ("kahan", "stochastic")
@@ -132,6 +135,14 @@ def _check_dtype(value: Any, what: str) -> torch.dtype:
     if value not in LOW_PRECISION:
         raise AmpError(f"{what} must be torch.float16 or torch.bfloat16, got {value!r}.")
     return value
+
+
+def check_override_names(names: Iterable[str]) -> None:
+    """Raise :class:`AmpError` naming those of ``names`` that are no setting of
+    ``initialize``, with the list of valid ones."""
+    unknown = sorted(set(names) - set(OVERRIDES))
+    if unknown:
+        raise AmpError(f"initialize got unknown option(s) {unknown}; valid: {list(OVERRIDES)}.")
 
 
 def resolve_opt_level(
@@ -147,9 +158,7 @@ def resolve_opt_level(
             "16-bit, O2K bf16 model with compensated updates)."
         )
     name = opt_level.upper()
-    unknown = sorted(set(overrides) - set(_OVERRIDES))
-    if unknown:
-        raise AmpError(f"initialize got unknown option(s) {unknown}; valid: {list(_OVERRIDES)}.")
+    check_override_names(overrides)
     base = OPT_LEVELS[name]
     ov = {k: v for k, v in overrides.items() if v is not None}
     for flag in ("keep_norm_fp32", "master_weights", "op_casting", "fast_kernels", "model_op_casting"):

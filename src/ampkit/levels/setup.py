@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ from .model_cast import (
     params_to_cast,
     remove_op_casting,
 )
-from .opt_level import OPT_LEVELS, OptLevel, resolve_opt_level
+from .opt_level import OPT_LEVELS, OVERRIDES, OptLevel, check_override_names, resolve_opt_level
 from .plan import CAST_MODELS, MASTERS_ATTR, Plan, is_managed, make_plan, masters_of
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "is_managed", "master_params", "resolve_opt_level"]
@@ -141,9 +141,29 @@ def initialize(
     fp8: Fp8Recipe | bool | None = None,
     fresh: bool = True,
     plan: TunePlan | str | os.PathLike[str] | None = None,
-    **overrides: Any,
+    dtype: torch.dtype | None = None,
+    cast_model_type: torch.dtype | Literal[False] | None = None,
+    keep_norm_fp32: bool | None = None,
+    master_weights: bool | None = None,
+    compensation: Literal["kahan", "stochastic", False] | None = None,
+    op_casting: bool | None = None,
+    policy: Policy | None = None,
+    loss_scale: float | Literal["dynamic"] | None = None,
+    num_losses: int | None = None,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float | None = None,
+    cast_model_outputs: torch.dtype | None = torch.float32,
+    model_op_casting: bool | None = None,
+    keep_fp32: type[nn.Module] | str | list[type[nn.Module] | str] | tuple[type[nn.Module] | str, ...] | None = None,
+    fast_kernels: bool | None = None,
+    model_grads: Literal["copy", "view"] | None = None,
+    master_grads: Literal["on_demand", "always"] | None = None,
+    **unknown: NoReturn,
 ) -> tuple[Any, Any]:
     """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level``.
+
+    The settings after ``plan`` change one thing of the level each; left at None (their
+    default, ``cast_model_outputs`` aside) they take the level's own value, stated with each.
 
     Args:
         models: an ``nn.Module`` or a list of them, in fp32, already on their device.
@@ -179,36 +199,63 @@ def initialize(
             ``module_filter``; ``fp8=False`` runs them in the plan's 16-bit dtype), name
             rules relative to these models until :func:`ampkit.reset` (docs: tuning
             guide). Default: ``None``.
-        **overrides: change one setting of the level:
-
-            - ``dtype``: compute dtype; default: the ``AMPKIT_DTYPE`` environment
-              variable (``bf16``/``fp16``) if set, else bf16 on CPU, fp16 on CUDA.
-            - ``cast_model_type``: dtype to store the model in (None/False/fp32: fp32).
-            - ``keep_norm_fp32``: keep normalization layers fp32 in a cast model.
-            - ``master_weights``: fp32 master copies for a 16-bit model.
-            - ``compensation``: ``"kahan"`` or ``"stochastic"`` updates of bf16 weights.
-            - ``op_casting``: op-level casting (apex's ``patch_torch_functions``).
-            - ``policy``: an :class:`ampkit.Policy` for op-level casting.
-            - ``loss_scale``: ``"dynamic"`` or a number.
-            - ``num_losses``: loss scalers per optimizer, one per ``loss_id``.
-            - ``min_loss_scale``, ``max_loss_scale``: bounds of a dynamic scale.
-            - ``cast_model_outputs``: dtype of a cast model's outputs (default fp32).
-            - ``model_op_casting``: run the cast model's forward under op-level
-              casting in ``dtype`` (default True for O2/O2K, False for O3): the
-              policy's fp32 ops (softmax, norms, a loss computed in ``forward``) run in
-              fp32 inside the model. ``policy`` applies here too.
-            - ``keep_fp32``: module classes or qualified-name globs kept in fp32 like
-              norm layers (O2/O3/O2K), e.g. ``[MyLayerNorm, "blocks.*.attn"]``, each
-              with its whole subtree (weights fp32, matmuls in fp32); a glob matching
-              no module name raises :class:`AmpError`. With
-              ``keep_norm_fp32`` (O2/O2K) hand-written norm layers are found without it:
-              a class named ``*Norm*`` holding only vector parameters.
-            - ``fast_kernels``: step with torch's fused/foreach kernel where the
-              optimizer was built with neither pinned (default True, False at O0).
-            - ``model_grads``: ``"copy"`` (default) or ``"view"`` (bf16): how the 16-bit
-              model shows its grads under fp32 masters (O2); ``master_grads``:
-              ``"on_demand"`` (default) or ``"always"``: when the masters' fp32 grads
-              are made. Both: :class:`ampkit.levels.master.MasterWeights`.
+        dtype (torch.dtype | None): the compute dtype, ``torch.bfloat16`` or
+            ``torch.float16``. None: the ``AMPKIT_DTYPE`` environment variable
+            (``bf16``/``fp16``) if set, else bf16 at O2K and on CPU, fp16 on CUDA.
+            Default: ``None``.
+        cast_model_type (torch.dtype | False | None): the dtype the model's weights are
+            stored in, 16-bit, or ``False``/``torch.float32`` for fp32 (not cast). None:
+            ``dtype`` at O2/O3/O2K, fp32 at O0/O1. Default: ``None``.
+        keep_norm_fp32 (bool | None): keep normalization layers fp32 in a cast model
+            (raises for a model kept fp32). None: True at O2/O2K, False at O3. Default: ``None``.
+        master_weights (bool | None): step fp32 master copies of a 16-bit model's
+            weights. None: True at O2 (without ``compensation``), else False. Default: ``None``.
+        compensation (str | False | None): ``"kahan"`` or ``"stochastic"`` updates of
+            bf16 weights (:class:`ampkit.CompensatedUpdates`); ``False``: none. None:
+            ``"kahan"`` at O2K, else none. Default: ``None``.
+        op_casting (bool | None): op-level casting process-wide (``ampkit.init``;
+            apex's ``patch_torch_functions``). None: True at O1, else False. Default: ``None``.
+        policy (ampkit.Policy | None): what op-level casting does (``op_casting`` or
+            ``model_op_casting``; raises where neither is on). None: the default
+            :class:`ampkit.Policy` of the device. Default: ``None``.
+        loss_scale (float | str | None): ``"dynamic"`` or a static scale > 0. None: with
+            fp16, ``"dynamic"`` at O1/O2 and 1.0 at O0/O3/O2K; with bf16, 1.0 at every
+            level. Default: ``None``.
+        num_losses (int | None): loss scalers per optimizer, one per ``loss_id``. None: 1.
+            Default: ``None``.
+        min_loss_scale (float | None): the floor of a dynamic scale (raises with a static
+            one). None: :class:`ampkit.LossScaler`'s, 1. Default: ``None``.
+        max_loss_scale (float | None): the cap of a dynamic scale, ``math.inf`` allowed
+            (raises with a static one). None: :class:`ampkit.LossScaler`'s, 2**24.
+            Default: ``None``.
+        cast_model_outputs (torch.dtype | None): the dtype a cast model's floating-point
+            outputs are cast to; None keeps them in the model's 16-bit dtype (here None
+            is a value, not the level's default). Default: ``torch.float32``.
+        model_op_casting (bool | None): run the cast model's forward under op-level
+            casting in ``dtype``: the policy's fp32 ops (softmax, norms, a loss computed
+            in ``forward``) run in fp32 inside the model; ``policy`` applies here too.
+            None: True at O2/O2K with a cast model, else False (True raises for a model
+            kept fp32).
+            Default: ``None``.
+        keep_fp32 (type[nn.Module] | str | list | tuple | None): module classes or
+            qualified-name globs kept in fp32 like norm layers (O2/O3/O2K), e.g.
+            ``[MyLayerNorm, "blocks.*.attn"]``, each with its whole subtree (weights
+            fp32, matmuls in fp32); a glob matching no module name raises
+            :class:`AmpError`. With ``keep_norm_fp32`` (O2/O2K) hand-written norm layers
+            are found without it: a class named ``*Norm*`` holding only vector
+            parameters. None: none beyond the norm layers. Default: ``None``.
+        fast_kernels (bool | None): step with torch's fused (else foreach) kernel where
+            the optimizer was built with neither pinned. None: True, False at O0 (fp32
+            exactly as the script runs it). Default: ``None``.
+        model_grads (str | None): ``"copy"`` or ``"view"`` (bf16): how a 16-bit model
+            shows its grads under fp32 masters (O2;
+            :class:`ampkit.levels.master.MasterWeights`). None: ``"copy"``. Default: ``None``.
+        master_grads (str | None): ``"on_demand"`` or ``"always"``: when the masters'
+            fp32 grads are made (O2). None: ``"on_demand"``, ``"always"`` with
+            ``model_grads="view"``. Default: ``None``.
+        **unknown: takes no value: a keyword not named above raises :class:`AmpError`
+            listing the valid ones (and a type checker reports it, ``NoReturn`` admitting
+            no value), so a misspelt setting never passes silently.
 
     Returns:
         ``(models, optimizers)`` in the shape given (one object or a list;
@@ -223,6 +270,12 @@ def initialize(
             not in fp32, a ``device_type`` other than the models'. Every argument is checked before anything changes: a refused
             call leaves the models, the optimizers and the previous session as they were.
     """
+    given = locals()
+    check_override_names(unknown)
+    # None takes the level's value, except for cast_model_outputs, where it is a value.
+    overrides = {
+        name: given[name] for name in OVERRIDES if given[name] is not None or name == "cast_model_outputs"
+    }
     # Everything is validated before anything changes: a refused initialize leaves the
     # models, the optimizers and the previous session as they were.
     if plan is not None:

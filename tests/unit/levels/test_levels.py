@@ -5,11 +5,13 @@ add_param_group, the cast cache across eval, exact resume)."""
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import os
 import socket
 import subprocess
 import sys
+import typing
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,7 @@ from torch import nn
 
 import ampkit
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import OVERRIDES
 from ampkit.levels.setup import is_managed, resolve_opt_level
 
 LEVELS = ["O0", "O1", "O2", "O3", "O2K"]
@@ -246,6 +249,31 @@ def test_initialize_checks_its_arguments():
     with pytest.raises(AmpError, match="policy only applies"):
         ampkit.initialize(model, opt, opt_level="O2", policy=ampkit.Policy(), model_op_casting=False)
 
+
+
+def test_initialize_declares_each_setting_with_its_type():
+    """Every setting of a level is a typed keyword parameter of ``initialize`` (what an IDE
+    or a type checker sees), the same names as ``OVERRIDES`` in its order; None takes the
+    level's value except for ``cast_model_outputs`` (default fp32, None a value). A keyword
+    of no setting raises AmpError listing the valid ones, before anything changes."""
+    params = inspect.signature(ampkit.initialize).parameters
+    keywords = [p for p in params.values() if p.kind is p.KEYWORD_ONLY]
+    assert [p.name for p in keywords] == ["device_type", "fp8", "fresh", "plan", *OVERRIDES]
+    hints = typing.get_type_hints(ampkit.initialize)  # every annotation resolves
+    assert all(p.annotation is not p.empty and p.name in hints for p in keywords)
+    assert {n: params[n].default for n in OVERRIDES if params[n].default is not None} == {
+        "cast_model_outputs": torch.float32
+    }
+    (rest,) = [p for p in params.values() if p.kind is p.VAR_KEYWORD]
+    assert rest.name == "unknown" and hints["unknown"] is typing.NoReturn
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(AmpError, match=r"unknown option\(s\) \['keep_norm'\]; valid: \['dtype', "):
+        ampkit.initialize(model, opt, opt_level="O2", keep_norm=False)
+    assert all(p.dtype == FP32 for p in model.parameters()) and not is_managed(opt)
+    # None is the level's value: an O2 model stays as O2 casts it
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", keep_norm_fp32=None, master_weights=None)
+    assert ampkit.master_params(opt) and {p.dtype for p in model.parameters()} == {BF16, FP32}
 
 def _o1_run(**kw):
     torch.manual_seed(0)
