@@ -171,6 +171,14 @@ def test_a_plan_at_a_cast_level_keeps_its_modules_weights_in_fp32(fixed_times):
         assert model[4].lin.weight.dtype == torch.float32 and model[3].weight.dtype == torch.bfloat16
     finally:
         amp.reset()
+    # a rule of the caller's own beside the plan's: one string or class, or a list
+    for own in ("0", nn.Linear, ["0"]):
+        model = _model()
+        model, _ = amp.initialize(model, _sgd(model.parameters()), plan=plan, keep_fp32=own)
+        try:
+            assert model[4].lin.weight.dtype == torch.float32 and model[0].weight.dtype == torch.float32
+        finally:
+            amp.reset()
 
 
 def test_a_plan_slower_than_fp32_end_to_end_runs_at_o0(fixed_times):

@@ -310,7 +310,9 @@ def _with_tune_plan(
                 or (name in ("O2", "O2K") and out.get("model_op_casting", True))):  # fmt: skip
             out["policy"] = plan.policy(base=out.get("policy"))  # (else the caller's own scope casts)
         if name in ("O2", "O3", "O2K") and plan.kept_fp32:
-            out["keep_fp32"] = [*(out.get("keep_fp32") or []), *(exact_name(n) for n in plan.kept_fp32)]
+            given = out.get("keep_fp32") or []
+            given = [given] if isinstance(given, (str, type)) else list(given)  # one rule, or several
+            out["keep_fp32"] = [*given, *(exact_name(n) for n in plan.kept_fp32)]
     if plan.fp8 and fp8 is not False:
         fp8 = for_modules(plan.fp8, fp8, "initialize(plan=...)")
         chosen = {name for m in model_list for name, _ in fp8.choose(m)}
