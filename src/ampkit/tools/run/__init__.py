@@ -15,7 +15,8 @@ reference run of ``ampkit run --compare``). What each piece does and the limits:
 Modules: :mod:`.config` (what is applied), :mod:`.script` (running the script),
 :mod:`.runner` (the run's bookkeeping), :mod:`.patches` (the patches of torch),
 :mod:`.forward_scope`, :mod:`.scheduler_hold`, :mod:`.optimizers` with
-:mod:`.find_models`, and :mod:`.report` (the report and the exit summary).
+:mod:`.find_models`, :mod:`.steps` (each optimizer's steps, watched per optimizer),
+and :mod:`.report` (the report and the exit summary).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ built again over the same parameters, and reads their step counts back."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from torch import nn
 
 from ampkit.casting.precision_plan import PlanError
 from ampkit.errors import AmpError
+from ampkit.trainer.extensions import StepExtension
 
 from .config import RunConfig, RunRefused, _Refusal
 from .find_models import _models_of
@@ -50,15 +50,15 @@ class _Optimizers:
     management under ``config``'s level.
 
     ``note`` receives a sentence for the report (an optimizer left alone, a fallback to
-    O1); ``on_step(ref, skipped)`` is hooked into each managed optimizer's steps (taken
-    and skipped); ``forward`` (None at fp32) tells which models' graphs still wait for
-    their backward."""
+    O1); ``watch(opt)`` makes the extension added to each managed optimizer (the run's
+    view of its steps, :class:`~.steps._StepWatch`); ``forward`` (None at fp32) tells
+    which models' graphs still wait for their backward."""
 
     def __init__(
         self,
         config: RunConfig,
         note: Callable[[str], None],
-        on_step: Callable[[weakref.ref, bool], None],
+        watch: Callable[[torch.optim.Optimizer], StepExtension],
         forward: _ForwardScope | None,
     ) -> None:
         self.config = config
@@ -67,7 +67,7 @@ class _Optimizers:
         #: what ampkit applies: the level asked, or "O1" after a fallback
         self.level_applied = config.level
         self._note = note
-        self._on_step = on_step
+        self._watch = watch
         self._forward = forward
         self._scaler: Any = None
         self._o2_models: list[nn.Module] = []
@@ -75,6 +75,14 @@ class _Optimizers:
     def live(self) -> list[_OptRecord]:
         """The records of the managed optimizers still alive."""
         return [r for r in self.records if r.ref() is not None and r.level in ("O1", "O2", "O2K")]
+
+    def unmanaged(self) -> list[torch.optim.Optimizer]:
+        """The optimizers the script built that ampkit does not manage now (the fp32
+        run's, one left alone, one superseded and released), alive."""
+        return [opt for opt in self._alive() if not _is_managed(opt)]
+
+    def _alive(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt in (rec.ref() for rec in self.records) if opt is not None]
 
     def supersede(self, new: _OptRecord) -> None:
         """Earlier optimizers over the new one's parameters are dropped, managed ones
@@ -151,27 +159,20 @@ class _Optimizers:
         return out
 
     def _release_all(self) -> None:
-        from ampkit.trainer.api import managed_state, release
+        from ampkit.trainer.api import release
 
-        for rec in self.records:
-            opt = rec.ref()
-            if opt is None:
-                continue
-            try:
-                managed_state(opt)
-            except AmpError:
-                continue
-            release(opt)
+        for opt in self._alive():
+            if _is_managed(opt):
+                release(opt)
 
     def _restore(self, carried: dict[int, tuple[int, int, bool]], opts: list[torch.optim.Optimizer]) -> None:
         from ampkit.trainer.api import managed_state
-        from ampkit.trainer.extensions import AfterStep
 
         for opt in opts:
             st = managed_state(opt)
             if id(opt) in carried:
                 st.steps, st.skipped, st.last_skipped = carried[id(opt)]
-            st.add_extension(AfterStep(functools.partial(self._on_step, weakref.ref(opt))))
+            st.add_extension(self._watch(opt))
 
     def _setup_o1(self) -> None:
         """One ``init_trainer`` over every live managed optimizer (one shared scaler)."""
@@ -262,3 +263,13 @@ class _Optimizers:
             for p in self.model_params(opt):
                 owners[id(p)] = opt
         return owners
+
+
+def _is_managed(opt: torch.optim.Optimizer) -> bool:
+    from ampkit.trainer.api import managed_state
+
+    try:
+        managed_state(opt)
+    except AmpError:
+        return False
+    return True

@@ -10,9 +10,11 @@
   O2 masters' grads with a kernel that leaves version counters alone, and skips a step
   by not calling ``optimizer.step()``; ampkit is told of both
   (:func:`ampkit.trainer.outside_scalers.unscaled_in_place`, ``stepped_by_scaler``);
+  a disabled GradScaler (nanoGPT's, off unless the script trains in fp16) does neither,
+  and goes straight to torch's own.
 
-and registers torch's global optimizer step pre/post hooks (``before_step``,
-``after_step``: ``(opt, args, kwargs)``).
+The optimizers' steps are watched per optimizer (:mod:`.steps`), not by torch's
+process-wide optimizer step hooks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from ampkit.trainer.outside_scalers import stepped_by_scaler, unscaled_in_place
 
 __all__ = ["TorchPatches"]
 
-StepHook = Callable[[torch.optim.Optimizer, Any, Any], None]
-
 
 class TorchPatches:
     """The patches above; :meth:`install` once, :meth:`remove` (idempotent) after."""
@@ -37,26 +37,15 @@ class TorchPatches:
         self,
         on_optimizer: Callable[[torch.optim.Optimizer], None],
         on_backward: Callable[[Callable[..., Any], Any, tuple, dict], Any],
-        before_step: StepHook,
-        after_step: StepHook,
     ) -> None:
         self._on_optimizer = on_optimizer
         self._on_backward = on_backward
-        self._before_step = before_step
-        self._after_step = after_step
         self._orig_opt_init: Callable[..., None] | None = None
         self._orig_backward: Callable[..., Any] | None = None
         self._orig_unscale: Callable[..., None] | None = None
         self._orig_scaler_step: Callable[..., Any] | None = None
-        self._step_handle: Any = None
-        self._pre_handle: Any = None
 
     def install(self) -> None:
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-
         on_optimizer, on_backward = self._on_optimizer, self._on_backward
         orig_init = torch.optim.Optimizer.__init__
         self._orig_opt_init = orig_init
@@ -80,6 +69,8 @@ class TorchPatches:
 
         @functools.wraps(orig_unscale)
         def unscale_(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+            if not scaler.is_enabled():  # it changes nothing (nanoGPT's scaler off in bf16)
+                return orig_unscale(scaler, optimizer)
             with unscaled_in_place(optimizer):
                 orig_unscale(scaler, optimizer)
 
@@ -89,6 +80,8 @@ class TorchPatches:
 
         @functools.wraps(orig_scaler_step)
         def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if not scaler.is_enabled():  # it calls optimizer.step(): no step it skips
+                return orig_scaler_step(scaler, optimizer, *args, **kwargs)
             with stepped_by_scaler(optimizer):
                 return orig_scaler_step(scaler, optimizer, *args, **kwargs)
 
@@ -96,11 +89,9 @@ class TorchPatches:
         torch.autograd.backward = backward
         torch.amp.GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
         torch.amp.GradScaler.step = scaler_step  # type: ignore[method-assign]
-        self._step_handle = register_optimizer_step_post_hook(self._after_step)
-        self._pre_handle = register_optimizer_step_pre_hook(self._before_step)
 
     def remove(self) -> None:
-        """Put back what :meth:`install` replaced and remove its hooks."""
+        """Put back what :meth:`install` replaced."""
         if self._orig_opt_init is not None:
             torch.optim.Optimizer.__init__ = self._orig_opt_init  # type: ignore[method-assign]
             self._orig_opt_init = None
@@ -111,7 +102,3 @@ class TorchPatches:
             torch.amp.GradScaler.unscale_ = self._orig_unscale  # type: ignore[method-assign]
             torch.amp.GradScaler.step = self._orig_scaler_step  # type: ignore[method-assign]
             self._orig_unscale = self._orig_scaler_step = None
-        for handle in (self._step_handle, self._pre_handle):
-            if handle is not None:
-                handle.remove()
-        self._step_handle = self._pre_handle = None

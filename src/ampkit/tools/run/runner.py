@@ -25,6 +25,7 @@ from .optimizers import _Optimizers, _OptRecord
 from .patches import TorchPatches
 from .report import is_rank_zero, run_report
 from .scheduler_hold import _SchedulerHold
+from .steps import _StepEvents, _StepWatch, _UnmanagedSteps
 from .where import _user_site
 
 _LOG = logging.getLogger("ampkit")
@@ -49,9 +50,10 @@ class _Runner:
         self._in_backward = threading.local()
         self.forward = _ForwardScope(self.dtype, config.plan) if self.apply else None
         self.schedulers = _SchedulerHold() if self.apply else None
-        self.optimizers = _Optimizers(config, self._note, self._on_step, self.forward)
-        self._patches = TorchPatches(self._on_optimizer, self._on_backward, self._before_step, self._on_unmanaged_step)
-        self._step_started: float | None = None
+        events = _StepEvents(self._update_starts, self._update_seconds, self._on_step)
+        self.optimizers = _Optimizers(config, self._note, lambda opt: _StepWatch(events, opt), self.forward)
+        self._unmanaged = _UnmanagedSteps(events)
+        self._patches = TorchPatches(self._on_optimizer, self._on_backward)
         self.step_seconds = 0.0
         self.stopped_early: str | None = None
         self._events = 0
@@ -80,6 +82,7 @@ class _Runner:
         if threading.excepthook == self._thread_excepthook:
             threading.excepthook = self._excepthook
         self._patches.remove()
+        self._unmanaged.remove()
         if self.forward is not None:
             self.forward.remove()
         if self.schedulers is not None:
@@ -106,6 +109,15 @@ class _Runner:
         self._events += 1
         opts.records.append(record)
         opts.supersede(record)
+        try:
+            self._manage(record)
+        finally:
+            for other in opts.unmanaged():  # their steps are told by hooks of their own
+                self._unmanaged.watch(other)
+
+    def _manage(self, record: _OptRecord) -> None:
+        """Put the new optimizer of ``record`` under ampkit (at a level that applies)."""
+        opts = self.optimizers
         if not self.apply:
             return
         if threading.get_ident() != self._main:
@@ -132,35 +144,29 @@ class _Runner:
             self._managing = False
 
     # --- steps and iterations ----------------------------------------------------------
-    def _before_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step pre-hook (the optimizer's own update, taken steps only);
-        refuses the run at the first step when a plan fits no model the script called."""
-        self._step_started = time.perf_counter()
+    def _update_starts(self) -> None:
+        """Right before an optimizer's own update (taken steps, and steps skipped on the
+        device): refuses the run at the first one when a plan fits no model the script
+        called."""
         if self.forward is not None and self.forward.plan_matched() is False:
             raise _Refusal(RunRefused(
                 "the plan names modules that no model this script called has (e.g. "
                 f"{self.config.plan.modules[0].name!r}): names are relative to the model ampkit.tune was given "
                 "(or, for ampkit tune script.py, the outermost module the script calls); tune this script's model."))  # fmt: skip
 
-    def _on_unmanaged_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step post-hook: the time of the update; and the steps of
-        optimizers ampkit does not manage (the fp32 run; managed ones report through
-        their own hooks)."""
-        if self._step_started is not None:
-            self.step_seconds += time.perf_counter() - self._step_started
-            self._step_started = None
-        for rec in self.optimizers.records:
-            if rec.ref() is opt:
-                if rec.level in ("O1", "O2", "O2K"):
-                    return
-                rec.steps += 1
-                self._stepped(rec)
-                return
+    def _update_seconds(self, seconds: float) -> None:
+        self.step_seconds += seconds
 
-    def _on_step(self, ref: weakref.ref, skipped: bool) -> None:
-        rec = next((r for r in self.optimizers.records if r.ref() is ref()), None)
-        if rec is not None:
-            self._stepped(rec)
+    def _on_step(self, ref: weakref.ref) -> None:
+        """A ``step()`` of the optimizer ``ref`` refers to (see :mod:`.steps`); the steps
+        of one ampkit does not manage are counted here (managed ones count their own)."""
+        opt = ref()
+        rec = next((r for r in self.optimizers.records if r.ref() is opt), None) if opt is not None else None
+        if rec is None:
+            return
+        if rec.level not in ("O1", "O2", "O2K"):
+            rec.steps += 1
+        self._stepped(rec)
 
     def _stepped(self, rec: _OptRecord) -> None:
         """A step (taken or skipped) of ``rec``'s optimizer. The iterations are the
