@@ -73,11 +73,18 @@ def _fused_devices() -> list[str]:
 def _fused_fits(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     if type(optimizer) not in FUSED_OPTIMIZERS or "fused" not in group:
         return False
-    if group.get("differentiable") or group.get("capturable"):
-        return False
     devices = _fused_devices()
     params = group["params"]
     if not all(p.device.type in devices and p.dtype in _FUSED_DTYPES and not p.is_sparse for p in params):
+        return False
+    return _fused_steps_like_the_loop(optimizer, group, params)
+
+
+def _fused_steps_like_the_loop(optimizer: torch.optim.Optimizer, group: dict, params: list) -> bool:
+    """Whether ``group``'s fused step is the loop's for ``params`` (fp32/fp64): neither
+    ``differentiable`` nor ``capturable``, and the probe agrees for each of their (dtype,
+    device) kinds."""
+    if group.get("differentiable") or group.get("capturable"):
         return False
     kinds = {(p.dtype, p.device) for p in params}
     return all(_fused_agrees(type(optimizer), optimizer.defaults, group, d, dev) for d, dev in kinds)
@@ -165,13 +172,11 @@ def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     sparse grads (``nn.Embedding(sparse=True)``), which its fused kernel refuses."""
     if type(optimizer) not in _WIDE_PART_OPTIMIZERS or group.get("foreach") is not True or group.get("fused"):
         return False
-    if group.get("differentiable") or group.get("capturable"):
-        return False
     params = group["params"]
     if not all(p.device.type == "cpu" and not p.is_sparse for p in params) or "cpu" not in _fused_devices():
         return False
-    kinds = {(p.dtype, p.device) for p in params if p.dtype in _FUSED_DTYPES}
-    if not kinds or not all(_fused_agrees(type(optimizer), optimizer.defaults, group, d, dev) for d, dev in kinds):
+    wide = [p for p in params if p.dtype in _FUSED_DTYPES]
+    if not wide or not _fused_steps_like_the_loop(optimizer, group, wide):
         return False
     group["foreach"], group["fused"] = None, True
     return True
