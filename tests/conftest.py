@@ -1,6 +1,7 @@
 """Shared test setup: one thread per process (the CI box has 2 cores), a clean
 ampkit global state around every test, the `cuda` marker skipped without a GPU, and
-``tests/support`` (workers, reference models, ``locations``) importable.
+``tests/support`` (workers, reference models, ``locations``) importable, and no
+compiling ahead in the background (``AMPKIT_COMPILE_AHEAD=0``).
 
 The folders follow the source: ``unit/<subpackage>`` (one per subpackage of
 ``src/ampkit``, ``package`` for the package root's modules), ``scenarios`` (training
@@ -20,6 +21,10 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# No update-kernel compiles in the background from initialize on (the first step
+# compiles): a compile thread outliving its test would meet the next test's patches
+# of torch.compile. tests/unit/levels/test_compile_ahead.py turns it on where tested.
+os.environ.setdefault("AMPKIT_COMPILE_AHEAD", "0")
 
 
 def pytest_collection_modifyitems(config, items):

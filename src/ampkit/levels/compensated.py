@@ -40,6 +40,7 @@ from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.fused_step import fuse_wide_parts
 from ampkit.trainer.managed import managed_state
 
+from . import one_pass
 from . import update_kernels as _kernels
 from .one_pass import adam_plan, rule_for, sgd_scalars
 from .update_kernels import Kernel, flat
@@ -231,6 +232,14 @@ class CompensatedUpdates:
             self._extension.remove()
             self._extension = None
 
+    def kernels_ahead(self) -> list[_kernels.AheadJob]:
+        """The update kernels this optimizer's dedicated updates run (none with the
+        generic path or the eager kernels), for :func:`~ampkit.levels.update_kernels.compile_ahead`."""
+        if self.method != "kahan" or self.kernel in ("generic", "eager"):
+            return []
+        by_rule = {"adam": _ADAM, "sgd": _SGD, "sgd_plain": SGD_PLAIN}
+        return one_pass.kernels_ahead(self.optimizer, _BF, kernels=lambda rule, low: by_rule[rule])
+
     # -- which parameters ---------------------------------------------------------
 
     def _low_params(self) -> Iterator[tuple[int, int, nn.Parameter]]:
@@ -341,17 +350,28 @@ class CompensatedUpdates:
         return plan
 
     def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
-        g, w = p.grad, p.detach()  # type(g) is not type(w): a sharded parameter with a full grad, or the reverse
-        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse or type(g) is not type(w):
+        g = p.grad
+        if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse:
             return False
-        local = local_tensor(w)
+        plain = type(p) is nn.Parameter and type(g) is torch.Tensor  # (per parameter: kept lean)
+        if plain:
+            local = p
+        else:  # type(g) is not type(w): a sharded parameter with a full grad, or the reverse
+            w = p.detach()
+            if type(g) is not type(w):
+                return False
+            local, g = local_tensor(w), local_tensor(g)
+        shape, stride, device = local.shape, local.stride(), local.device  # same_layout, inline
+        if g.shape != shape or g.stride() != stride or g.device != device:
+            return False
         if not local.is_contiguous() and flat(local) is None:
             return False
-        state = optimizer.state.get(p)
-        tensors = [local_tensor(g)]
         buf = self._buffers.get(id(p))
         if buf is not None:
-            tensors.append(local_tensor(buf))
+            buf = buf if plain else local_tensor(buf)
+            if buf.shape != shape or buf.stride() != stride or buf.device != device:
+                return False
+        state = optimizer.state.get(p)
         if state:
             if rule == "adam" and "step" not in state:
                 return False
@@ -361,9 +381,10 @@ class CompensatedUpdates:
                     continue
                 if not torch.is_tensor(v) or v.dtype != _BF:
                     return False
-                tensors.append(local_tensor(v))
-        shape, stride, device = local.shape, local.stride(), local.device  # same_layout, inline: per parameter
-        return all(t.shape == shape and t.stride() == stride and t.device == device for t in tensors)
+                v = v if plain else local_tensor(v)
+                if v.shape != shape or v.stride() != stride or v.device != device:
+                    return False
+        return True
 
     def _step_dedicated(
         self, optimizer: torch.optim.Optimizer, group: dict, rule: str, params: list[nn.Parameter]
@@ -372,9 +393,14 @@ class CompensatedUpdates:
         mode = _kernels.resolve_mode(self.kernel)
         run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
         # FSDP2's DTensor shards: the update is elementwise, so each rank steps its local shard
-        ws = [local_tensor(p.detach()) for p in params]
-        cs = [local_tensor(self._buffer_for(p, p.detach())) for p in params]
-        gs = [local_tensor(p.grad) for p in params]  # type: ignore[arg-type]
+        if all(type(p) is nn.Parameter for p in params):  # plain tensors: as they are (the kernel detaches)
+            ws = params
+            cs = [self._buffer_for(p, p) for p in params]
+            gs = [p.grad for p in params]
+        else:
+            ws = [local_tensor(p.detach()) for p in params]
+            cs = [local_tensor(self._buffer_for(p, p.detach())) for p in params]
+            gs = [local_tensor(p.grad) for p in params]  # type: ignore[arg-type]
         with torch.no_grad():
             if rule == "adam":
                 self._adam(optimizer, group, params, ws, cs, gs, run)
@@ -384,9 +410,10 @@ class CompensatedUpdates:
     def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
               gs: list, run: dict) -> None:
         states, plan = adam_plan(optimizer, group, params)
+        plain = ws is params
         for idx, scalars in plan:
-            ms = [local_tensor(states[i]["exp_avg"]) for i in idx]
-            vs = [local_tensor(states[i]["exp_avg_sq"]) for i in idx]
+            ms = [states[i]["exp_avg"] if plain else local_tensor(states[i]["exp_avg"]) for i in idx]
+            vs = [states[i]["exp_avg_sq"] if plain else local_tensor(states[i]["exp_avg_sq"]) for i in idx]
             _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
 
     def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,

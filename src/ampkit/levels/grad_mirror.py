@@ -24,6 +24,7 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit.errors import AmpError
 
+from . import rounding as _rounding
 from .rounding import compared_ahead, rounds_to
 
 __all__ = ["GradMirror"]
@@ -210,7 +211,11 @@ class GradMirror:
         """Merge changes made through the model's 16-bit grads (of ``model_params``)
         into the masters'."""
         pairs = [(p, m) for p in model_params if (m := self._masters.get(id(p))) is not None]
-        with torch.no_grad(), compared_ahead([(p.grad, m.grad) for p, m in pairs]):
+        # held grads (the master's grad a placeholder) are not compared: their model grad
+        # is the gradient (on a GPU: no comparison kernels and no read of their results)
+        one_by_one = _rounding.COMPARED_ONE_BY_ONE
+        ahead = [(p.grad, m.grad) for p, m in pairs if p.device.type not in one_by_one and not self.is_placeholder(m)]
+        with torch.no_grad(), compared_ahead(ahead):
             for model_p, master in pairs:
                 self._reconcile_one(model_p, master, self._link(model_p))
 

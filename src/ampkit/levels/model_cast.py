@@ -228,6 +228,13 @@ def cast_tensors(obj: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...] | N
     def cast(x: Any) -> Any:
         return x.to(dtype) if _is_cast_target(x, only) and x.dtype != dtype else x
 
+    # a module's usual inputs and outputs (run per module call): no walk of the tree
+    if isinstance(obj, torch.Tensor):
+        return cast(obj)
+    if type(obj) is tuple and all(isinstance(x, torch.Tensor) for x in obj):
+        return tuple([cast(x) for x in obj])
+    if type(obj) is dict and not obj:
+        return {}
     return map_leaves(obj, cast, keep_types=True, mapping=dict)
 
 

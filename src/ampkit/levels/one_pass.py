@@ -38,7 +38,7 @@ creates them), so checkpoints load with either path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,9 +47,12 @@ from torch import nn
 from ampkit._internal import torch_compat
 
 from . import update_kernels as _kernels
-from .update_kernels import Kernel, flat, same_layout
+from .update_kernels import AheadJob, Kernel, flat, same_layout
 
-__all__ = ["rule_for", "fits", "select", "step_params", "scalar", "adam_scalars", "adam_plan", "sgd_scalars"]
+__all__ = [
+    "rule_for", "fits", "select", "step_params", "scalar", "adam_scalars", "adam_plan", "sgd_scalars",
+    "kernels_ahead",
+]
 
 
 def _adam(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
@@ -104,6 +107,33 @@ def _kernel(rule: str, low: torch.dtype) -> Kernel:
             k = Kernel("O2 SGD", _sgd_plain, mutated=(0, 2), example_dtypes=(low, low, _F32), exact=False)
         _KERNELS[key] = k
     return k
+
+
+def kernels_ahead(
+    optimizer: torch.optim.Optimizer, low: torch.dtype, devices: Sequence[str] | None = None,
+    kernels: Callable[[str, torch.dtype], Kernel] | None = None,
+) -> list[AheadJob]:
+    """The update kernels a one-pass step of ``optimizer`` runs for 16-bit grads of
+    dtype ``low`` (per param group with a rule and device type of its parameters, in
+    ``devices`` if given), as :func:`ampkit.levels.update_kernels.compile_ahead` takes
+    them; ``kernels(rule, low)`` picks the kernel of a rule (``"adam"``, ``"sgd"``,
+    ``"sgd_plain"``; default: this module's)."""
+    pick = kernels or _kernel
+    jobs: list[AheadJob] = []
+    for group in optimizer.param_groups:
+        rule = rule_for(optimizer, group)
+        if rule is None:
+            continue
+        if rule == "adam":
+            kernel, static, count = pick("adam", low), {}, 9
+        elif scalar(group.get("momentum")) == 0:
+            kernel, static, count = pick("sgd_plain", low), {}, 3
+        else:
+            kernel, static, count = pick("sgd", low), {"nesterov": bool(group.get("nesterov"))}, 6
+        for device in {p.device for p in group["params"]}:
+            if devices is None or device.type in devices:
+                jobs.append((kernel, static, count, device))
+    return jobs
 
 
 def scalar(x: Any) -> float | None:

@@ -52,9 +52,11 @@ from ampkit.trainer.managed import resolve_optimizer
 
 from . import fp8 as _fp8
 from . import one_pass
+from . import update_kernels as _update_kernels
 from .compensated import CompensatedUpdates
 from .fp8 import Fp8Recipe
 from .fp8.recipe import for_modules
+from .grad_mirror import ON_DEMAND_DEVICES
 from .master import MasterWeights
 from .model_cast import (
     add_fp32_scope,
@@ -421,16 +423,36 @@ def _attach_trainer(
     optim.init_trainer(
         opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
     )
+    ahead: list[_update_kernels.AheadJob] = []
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if level.fast_kernels and isinstance(opt, torch.optim.Adam):  # first: around every other extension
             managed.add_extension(_FloatLrForForeach(opt))
         if mw is not None:
             managed.add_extension(_MasterStep(mw, models))
+            ahead += _master_kernels(mw, scaler)
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
             managed.add_extension(_CompensationState(comp))
+            ahead += comp.kernels_ahead()
+    _update_kernels.compile_ahead(ahead)
+
+
+def _master_kernels(mw: MasterWeights, scaler: LossScaler) -> list[_update_kernels.AheadJob]:
+    """The kernels O2's first step will compile where it steps from held 16-bit grads
+    (one backward at a loss scale of 1, on ``ON_DEMAND_DEVICES``): the one-pass updates
+    and, for a large bf16 weight, the rounding check of the weight edits."""
+    mirror = mw.grads
+    if scaler.scale != 1.0 or mirror.master_grads != "on_demand" or mirror.model_grads != "copy":
+        return []
+    pairs = mw._pairs()
+    lows = {p.dtype for p, _ in pairs}
+    jobs = [job for low in lows for job in one_pass.kernels_ahead(mw.optimizer, low, ON_DEMAND_DEVICES)]
+    if any(p.dtype == torch.bfloat16 and p.device.type == "cpu" and p.numel() >= _update_kernels.ROUND_CHECK_NUMEL
+           for p, _ in pairs):  # fmt: skip
+        jobs.append((None, {}, 0, torch.device("cpu")))
+    return jobs
 
 
 class _FloatLrForForeach(StepExtension):

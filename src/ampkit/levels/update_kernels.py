@@ -29,28 +29,36 @@ a warning.
 Tensors are passed as they are (dense, one layout across a call's roles) or flattened
 (see :func:`flat`). Each compiled call costs tens of microseconds of Python and guard
 overhead, so when there are more than ``BATCH_MIN_COUNT`` tensors below
-``DIRECT_NUMEL`` elements, those are concatenated into shared flat buffers (one C++
-call per role), run in one call, and copied back (one multi-tensor copy per written
-role; at most ``batch_numel`` elements per call: the only temporary memory a kernel
-call uses). Results are deterministic for a given mode;
+``DIRECT_NUMEL`` elements, those are gathered into flat staging buffers (one
+multi-tensor copy per role), run in one call, and copied back (one multi-tensor copy
+per written role; at most ``batch_numel`` elements per role and call). The staging
+buffers and their views are kept for the next call with the same shapes (the views
+cost more to make than the copies: about 2 us each), at most ``STAGING_ENTRIES`` sets
+per kernel, dropped by :func:`ampkit.reset`. Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
+``initialize`` compiles the kernels a level's first step will take in a background
+thread (:func:`compile_ahead`; ``AMPKIT_COMPILE_AHEAD=0``: at the first step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 
 from ampkit._internal import inductor_compat, torch_compat
+from ampkit._internal import registry as _reset
 
-__all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode"]
+__all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR"]
 
 _LOG = logging.getLogger("ampkit")
 # Kernel registry: the device types whose kernel compiling has been announced in this
@@ -70,7 +78,18 @@ DIRECT_NUMEL = 1 << 14
 # Small tensors are batched only when there are more than this many: below it the
 # per-call overhead is small and batching's copies would cost memory for nothing.
 BATCH_MIN_COUNT = 8
+#: Sets of staging buffers a kernel keeps (one per list of shapes, dtypes, device and
+#: thread; the least recently used dropped): a model's param groups times its 16-bit dtypes.
+STAGING_ENTRIES = 4
 _lock = threading.Lock()
+_WITH_STAGING: weakref.WeakSet[Kernel] = weakref.WeakSet()
+
+
+@_reset.on_reset
+def release_staging() -> None:
+    """Drop every kernel's staging buffers (their memory goes back to the allocator)."""
+    for kernel in list(_WITH_STAGING):
+        kernel._staging.clear()
 
 
 def _announce_later(device_type: str) -> threading.Timer | None:
@@ -151,6 +170,8 @@ class Kernel:
         self.mutated = tuple(mutated)
         self.example_dtypes = tuple(example_dtypes)
         self._compiled: dict[tuple, Callable[..., None] | None] = {}
+        # (thread, device, dtypes, shapes) -> per role (flat buffer, its views shaped as the tensors)
+        self._staging: OrderedDict[tuple, list[tuple[torch.Tensor, list[torch.Tensor]]]] = OrderedDict()
 
     def _compiled_fn(self, static: dict, num_scalars: int, device: torch.device, scalars_device: torch.device,
                      ) -> Callable[..., None] | None:  # fmt: skip
@@ -283,10 +304,35 @@ class Kernel:
         if len(roles[0]) == 1:
             self._one(run, [_flat(role[0]) for role in roles], scalars, static)
             return
-        joined = [torch_compat.flatten_dense(role) for role in roles]
-        (run or self.fn)(*joined, scalars, **static)
+        staging = self._staging_for(roles)
+        for (_, views), role in zip(staging, roles):
+            torch_compat.foreach_copy_(views, role)
+        (run or self.fn)(*[buf for buf, _ in staging], scalars, **static)
         for pos in self.mutated:
-            torch_compat.foreach_copy_(roles[pos], torch_compat.unflatten_dense(joined[pos], roles[pos]))
+            torch_compat.foreach_copy_(roles[pos], staging[pos][1])
+
+    def _staging_for(self, roles: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """A flat buffer per role and its views shaped as the role's tensors (the roles
+        share shapes): kept from an earlier call with the same shapes, dtypes, device and
+        thread, else made (and the least recently used set dropped beyond ``STAGING_ENTRIES``)."""
+        first = roles[0]
+        key = (
+            threading.get_ident(), first[0].device, tuple(role[0].dtype for role in roles),
+            tuple([t.shape for t in first]),
+        )  # fmt: skip
+        staging = self._staging.get(key)
+        if staging is not None:
+            self._staging.move_to_end(key)
+            return staging
+        staging = []
+        for role in roles:
+            buf = torch_compat.flatten_dense(role)  # the role's size, dtype and device (values overwritten)
+            staging.append((buf, list(torch_compat.unflatten_dense(buf, role))))
+        self._staging[key] = staging
+        while len(self._staging) > STAGING_ENTRIES:
+            self._staging.popitem(last=False)
+        _WITH_STAGING.add(self)
+        return staging
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -327,6 +373,52 @@ def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
         cached = "compiled" if _compiler_available() else "eager"
         _PROCESS_MODE["auto"] = cached
     return cached
+
+
+#: ``AMPKIT_COMPILE_AHEAD=0``: no compiling in the background from ``initialize`` on
+#: (the first step compiles what it needs, as it does for anything not compiled ahead).
+COMPILE_AHEAD_VAR = "AMPKIT_COMPILE_AHEAD"
+#: A kernel to compile ahead: (kernel, its static arguments, the number of scalars,
+#: the device of its tensors); ``None`` in place of the kernel: the bf16 rounding check.
+AheadJob = tuple["Kernel | None", dict, int, torch.device]
+
+
+def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
+    """Start compiling ``jobs`` in a daemon thread and return it (None: nothing to do --
+    switched off by ``AMPKIT_COMPILE_AHEAD=0``, no job, each compiled already). The
+    first step takes the very kernels this builds (a step that needs one still being
+    compiled waits for it under the lock the compile holds, and compiles nothing
+    twice), so results are those of a compile at the first step, bit for bit; a compile
+    that fails is reported and falls back as it would at the step. Meanwhile the
+    thread shares the interpreter with training (the step's Python runs slower while it
+    compiles); what ``initialize``'s caller does before the first step -- the data
+    loader, the first batch, the forward and backward -- overlaps the compile."""
+    if os.environ.get(COMPILE_AHEAD_VAR, "").strip() == "0":
+        return None
+    todo: list[AheadJob] = []
+    for job in jobs:
+        kernel, static, _, device = job
+        done = bool(_round_check) if kernel is None else (device.type, "cpu", *sorted(static.items())) in kernel._compiled
+        if not done and job not in todo:
+            todo.append(job)
+    if not todo:
+        return None
+
+    def run() -> None:
+        if resolve_mode("auto") != "compiled":
+            return
+        for kernel, static, num_scalars, device in todo:
+            try:
+                if kernel is None:
+                    compiled_round_check()
+                else:
+                    kernel._compiled_fn(static, num_scalars, device, torch.device("cpu"))
+            except Exception as exc:  # reported by the compile itself; never raised in this thread
+                _LOG.debug("ampkit: compiling ahead stopped: %s", exc)
+
+    thread = threading.Thread(target=run, name="ampkit-compile-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _compiler_available() -> bool:

@@ -320,6 +320,49 @@ def test_comparisons_made_ahead_on_the_device_decide_as_one_by_one(monkeypatch):
     assert calls == []
 
 
+def test_held_grads_are_not_compared_ahead_only_the_weights_are(monkeypatch):
+    """Made ahead (as off the CPU), an O2 step with its grads held on the model
+    (``master_grads="on_demand"``, one backward) compares each weight with its master
+    and no grad: a held grad is the gradient, with nothing to compare it with (on a GPU
+    each comparison is a kernel, and their results one read that waits for the device).
+    bf16: a loss scale of 1 holds the grads (fp16's scaled grads are not held)."""
+    import ampkit as amp
+    from ampkit.levels import rounding
+
+    monkeypatch.setattr(rounding, "COMPARED_ONE_BY_ONE", frozenset())
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dtype = torch.bfloat16
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype)
+    from ampkit.levels.setup import master_weights_of
+
+    mw = master_weights_of(opt)
+    mastered = [p for p in model.parameters() if p.dtype == dtype]
+    assert len(mastered) == 4  # the linears' weights and biases; LayerNorm stays fp32
+    real_ne = torch.ne
+    compared: list[torch.dtype] = []
+
+    def counting_ne(a, b, *args, **kwargs):
+        compared.append(b.dtype)
+        return real_ne(a, b, *args, **kwargs)
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        assert len(mw.grads.held()) == 4
+        compared.clear()
+        monkeypatch.setattr(torch, "ne", counting_ne)
+        opt.step()
+        monkeypatch.setattr(torch, "ne", real_ne)
+        assert len(compared) == len(mastered), compared  # one per weight, none per grad
+    amp.reset()
+
+
 def test_the_grad_methods_of_0_3_forward_to_the_mirror_with_a_deprecation_warning():
     """0.3's ``MasterWeights.reconcile``/``show``/... are ``MasterWeights.grads``' today:
     the old names still run the same method, warning; unknown names still raise."""
