@@ -58,7 +58,10 @@ import torch
 from ampkit._internal import inductor_compat, torch_compat
 from ampkit._internal import registry as _reset
 
-__all__ = ["Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR"]
+__all__ = [
+    "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
+    "forget_compiled",
+]
 
 _LOG = logging.getLogger("ampkit")
 # Kernel registry: the device types whose kernel compiling has been announced in this
@@ -83,6 +86,20 @@ BATCH_MIN_COUNT = 8
 STAGING_ENTRIES = 4
 _lock = threading.Lock()
 _WITH_STAGING: weakref.WeakSet[Kernel] = weakref.WeakSet()
+
+
+# Kernel registry: every kernel made in this process (forget_compiled clears them).
+_ALL: weakref.WeakSet[Kernel] = weakref.WeakSet()
+
+
+def forget_compiled() -> None:
+    """Drop every kernel's compiled functions and the compiled rounding check: each is
+    compiled (and probed) again at its next use, e.g. after Inductor's settings changed
+    in this process. Kernels being compiled meanwhile keep their result."""
+    with _lock:
+        for kernel in list(_ALL):
+            kernel._compiled.clear()
+        _round_check.clear()
 
 
 @_reset.on_reset
@@ -172,6 +189,7 @@ class Kernel:
         self._compiled: dict[tuple, Callable[..., None] | None] = {}
         # (thread, device, dtypes, shapes) -> per role (flat buffer, its views shaped as the tensors)
         self._staging: OrderedDict[tuple, list[tuple[torch.Tensor, list[torch.Tensor]]]] = OrderedDict()
+        _ALL.add(self)
 
     def _compiled_fn(self, static: dict, num_scalars: int, device: torch.device, scalars_device: torch.device,
                      ) -> Callable[..., None] | None:  # fmt: skip

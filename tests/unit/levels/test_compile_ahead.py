@@ -1,7 +1,8 @@
 """Update kernels compiled in the background from ``initialize`` on: the first step
 takes the kernels built ahead (compiling none itself), with the results of a compile at
-the step; ``AMPKIT_COMPILE_AHEAD=0`` turns it off. The compile is replaced by a fake that
-records where it ran and returns the eager function (the real compile has its own tests)."""
+the step; ``AMPKIT_COMPILE_AHEAD=0`` turns it off. ``torch.compile`` is replaced by a fake
+that records where it ran and returns the eager function (the real compile has tests of
+its own)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,22 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.levels import compensated, one_pass
 from ampkit.levels import update_kernels as uk
 
 
 @pytest.fixture
 def fake_compile(monkeypatch):
-    """Fresh kernels (nothing compiled yet), 'compiled' mode, and a compile that records
-    (kernel name, static, thread name) and returns the op-by-op function."""
-    calls: list[tuple[str, tuple, str]] = []
+    """Nothing compiled yet, 'compiled' mode, and a ``torch.compile`` that records (the
+    kernel function's name, the thread) and returns the op-by-op function."""
+    calls: list[tuple[str, str]] = []
 
-    def compile_and_probe(self, static, num_scalars, device, scalars_device):
-        calls.append((self.name, tuple(sorted(static.items())), threading.current_thread().name))
-        fn = self.fn
+    def compile_(fn, **kwargs):
+        calls.append((fn.__name__, threading.current_thread().name))
         return lambda *args, **kw: fn(*args, **kw)
 
-    monkeypatch.setattr(uk.Kernel, "_compile_and_probe", compile_and_probe)
-    monkeypatch.setitem(uk._PROCESS_MODE, "auto", "compiled")
-    monkeypatch.setattr(one_pass, "_KERNELS", {})
-    for name in ("_ADAM", "_SGD", "SGD_PLAIN"):
-        old = getattr(compensated, name)
-        monkeypatch.setattr(compensated, name, uk.Kernel(old.name, old.fn, old.mutated, old.example_dtypes, old.exact))
-    monkeypatch.setattr(uk, "_round_check", [None])  # the rounding check: not under test here
+    uk.forget_compiled()
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(uk, "resolve_mode", lambda mode: "compiled" if mode == "auto" else mode)
     threads: list[threading.Thread] = []
     real = uk.compile_ahead
 
@@ -44,7 +39,10 @@ def fake_compile(monkeypatch):
         return thread
 
     monkeypatch.setattr(uk, "compile_ahead", recorded)
-    return calls, threads
+    yield calls, threads
+    for thread in threads:
+        thread.join(timeout=60)
+    uk.forget_compiled()  # nothing the fake built is left for later tests
 
 
 def _train(level: str, opt_cls, steps: int = 3, **opt_kw) -> list[torch.Tensor]:
@@ -66,11 +64,11 @@ def _train(level: str, opt_cls, steps: int = 3, **opt_kw) -> list[torch.Tensor]:
 
 
 CASES = [
-    ("O2", torch.optim.AdamW, {"lr": 1e-2}, ("O2 Adam/AdamW", ())),
-    ("O2", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}, ("O2 SGD", (("nesterov", True),))),
-    ("O2", torch.optim.SGD, {"lr": 1e-2}, ("O2 SGD", ())),
-    ("O2K", torch.optim.AdamW, {"lr": 1e-2}, ("Adam/AdamW", ())),
-    ("O2K", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}, ("SGD", (("nesterov", False),))),
+    ("O2", torch.optim.AdamW, {"lr": 1e-2}, "_adam"),
+    ("O2", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}, "_sgd"),
+    ("O2", torch.optim.SGD, {"lr": 1e-2}, "_sgd_plain"),
+    ("O2K", torch.optim.AdamW, {"lr": 1e-2}, "_adam_kahan"),
+    ("O2K", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}, "_sgd_kahan"),
 ]
 
 
@@ -79,19 +77,15 @@ def test_the_first_step_takes_the_kernels_compiled_ahead(monkeypatch, fake_compi
     calls, threads = fake_compile
     monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", "0")
     at_step = _train(level, opt_cls, **kw)
-    assert [c[:2] for c in calls] == [kernel] and calls[0][2] == threading.main_thread().name
+    assert calls == [(kernel, threading.main_thread().name)]
 
     calls.clear()
-    monkeypatch.setattr(one_pass, "_KERNELS", {})  # nothing compiled: compiled again, ahead this time
-    for name in ("_ADAM", "_SGD", "SGD_PLAIN"):
-        old = getattr(compensated, name)
-        monkeypatch.setattr(compensated, name, uk.Kernel(old.name, old.fn, old.mutated, old.example_dtypes, old.exact))
+    uk.forget_compiled()  # compiled again, ahead this time
     monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", "1")
     ahead = _train(level, opt_cls, **kw)
     assert len(threads) == 1
     threads[0].join(timeout=60)
-    assert [c[:2] for c in calls] == [kernel]  # once, by the thread: the step compiled nothing
-    assert calls[0][2] == "ampkit-compile-ahead"
+    assert calls == [(kernel, "ampkit-compile-ahead")]  # once, by the thread: the step compiled nothing
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ahead, at_step))
 
 
@@ -111,6 +105,6 @@ def test_nothing_is_compiled_ahead_where_the_first_step_compiles_nothing(monkeyp
     _train("O2", torch.optim.AdamW, steps=1, lr=1e-2)  # compiled already: no second thread
     assert len(threads) == 1 and len(calls) == 1
     monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", "0")
-    monkeypatch.setattr(one_pass, "_KERNELS", {})
+    uk.forget_compiled()
     _train("O2", torch.optim.AdamW, steps=1, lr=1e-2)
-    assert len(threads) == 1 and calls[-1][2] == threading.main_thread().name
+    assert len(threads) == 1 and calls[-1] == ("_adam", threading.main_thread().name)
