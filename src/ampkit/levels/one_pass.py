@@ -308,7 +308,8 @@ def select(
             continue
         shape, stride, device = master.shape, master.stride(), master.device
         if not (g.shape == shape and g.stride() == stride and g.device == device and model_p.shape == shape
-                and model_p.stride() == stride and model_p.device == device) or flat(master) is None:  # fmt: skip
+                and model_p.stride() == stride and model_p.device == device) or not (
+                    master.is_contiguous() or flat(master) is not None):  # fmt: skip
             continue
         state = state_of.get(master)
         if state and not _state_fits(state, rule, keys, allowed, shape, stride, device):

@@ -115,9 +115,9 @@ def unrounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
     with torch.no_grad():
         for (dtype, _), batch_list in batches.items():
             for batch in batch_list:
-                if len(batch) > 1:
-                    lows = torch.cat([pairs[i][0].view(-1) for i in batch])  # no_grad: views of their own
-                    highs = torch.cat([pairs[i][1].view(-1) for i in batch])
+                if len(batch) > 1:  # (contiguous: each joined in one C++ call)
+                    lows = torch_compat.flatten_dense([pairs[i][0] for i in batch])
+                    highs = torch_compat.flatten_dense([pairs[i][1] for i in batch])
                     if torch.equal(lows, highs.to(dtype)):
                         continue
                 out.extend(i for i in batch if not rounds_to(*pairs[i]))
