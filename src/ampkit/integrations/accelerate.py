@@ -60,18 +60,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 from ampkit._internal.files import write_file
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import initialize
+from ampkit.levels.setup import applied_level, initialize
 from ampkit.trainer.api import managed_state, scale_loss
-from ampkit.trainer.extensions import AfterStep
+from ampkit.trainer.extensions import AfterStep, StepExtension
 from ampkit.trainer.session import prepare_load_state_dict, state_dict
 
 from . import require
 from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
+from .banner import announce
 
 _accelerate = require("accelerate", "accelerate")
 _optimizer_module = require("accelerate.optimizer", "accelerate")
@@ -81,7 +83,15 @@ Accelerator = _accelerate.Accelerator
 AcceleratedOptimizer = _optimizer_module.AcceleratedOptimizer
 DistributedType = _utils.DistributedType
 
-__all__ = ["STATE_NAME", "AccelerateSetupError", "AccelerateCheckpointError", "backward", "check_accelerator", "prepare"]
+__all__ = [
+    "STATE_NAME",
+    "AccelerateSetupError",
+    "AccelerateCheckpointError",
+    "backward",
+    "check_accelerator",
+    "prepare",
+    "release",
+]
 
 #: The file ``accelerator.save_state`` writes ampkit's state to, in the checkpoint folder.
 STATE_NAME = "ampkit_state.pt"
@@ -229,6 +239,26 @@ class _Prepared:
         self.checkpointed = False
         # the loader of the ampkit state load_state's pre-hook validated, until applied
         self.pending: Callable[[], None] | None = None
+        # prepare calls of this session that brought optimizers (more than one: the hooked
+        # backward cannot tell which optimizers a loss trains)
+        self.groups = 0
+        self.scaled = _ScaledLosses()
+        # accelerator.backward as it was before the hook (None: not hooked)
+        self.unhooked: Callable[..., Any] | None = None
+
+    def live_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers set up for this Accelerator that ampkit still manages."""
+        out = []
+        for ref in self.optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            try:
+                managed_state(opt)
+            except StateError:
+                continue
+            out.append(opt)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """The parameters of the optimizers set up (those still alive): what bounds the
@@ -238,16 +268,27 @@ class _Prepared:
     def session_alive(self) -> bool:
         """Whether an optimizer set up by an earlier call is still managed (the
         session it joined was not ended by ``ampkit.reset`` or another initialize)."""
-        for ref in self.optimizers:
-            opt = ref()
-            if opt is None:
-                continue
-            try:
-                managed_state(opt)
-            except StateError:
-                continue
-            return True
-        return False
+        return bool(self.live_optimizers())
+
+
+class _ScaledLosses(StepExtension):
+    """On the optimizers :func:`prepare` set up: the tensors their ``scale_loss`` blocks
+    yielded (weakly, the last few), so the hooked ``accelerator.backward`` passes an
+    already scaled loss on as it is (:func:`backward`, or a loop's own
+    ``with amp.scale_loss(...)``) instead of scaling it twice."""
+
+    device_skip = True  # it only listens to scale_loss: right on a step skipped on the device too
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def on_scale_loss(self, optimizers: Sequence[Any], losses: Sequence[torch.Tensor], loss_id: int, scaled: Any) -> None:
+        items = scaled if isinstance(scaled, (list, tuple)) else [scaled]
+        alive = [r for r in self.refs if r() is not None][-15:]
+        self.refs = alive + [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
+
+    def holds(self, tensor: Any) -> bool:
+        return any(r() is tensor for r in self.refs)
 
 
 # Module state: what prepare did per Accelerator (weak keys: no Accelerator kept alive).
@@ -338,6 +379,67 @@ def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
     return None
 
 
+def _hook_backward(accelerator: Any, record: _Prepared) -> None:
+    """Make this Accelerator's own ``backward`` (an attribute of this instance; the class
+    is untouched) scale the loss as :func:`ampkit.scale_loss` does for the optimizers
+    :func:`prepare` set up; :func:`release` (or ``ampkit.reset``) puts it back."""
+    original = accelerator.backward
+    rec = weakref.ref(record)
+
+    @functools.wraps(original)
+    def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        record = rec()
+        optimizers = [] if record is None else record.live_optimizers()
+        if record is None or not optimizers or record.scaled.holds(loss):
+            return original(loss, **kwargs)  # no session, or scaled by a scale_loss block already
+        if record.groups > 1:
+            raise AccelerateSetupError(
+                f"this Accelerator's optimizers were set up by {record.groups} prepare calls, each "
+                "with its own loss scaler, so accelerator.backward cannot tell which of them a loss "
+                "trains; call amp_accelerate.backward(accelerator, loss, optimizer) with the "
+                "optimizer(s) of the loss (or prepare all models and optimizers in one call)."
+            )
+        with scale_loss(loss, optimizers) as scaled:
+            return original(scaled, **kwargs)
+
+    record.unhooked = original
+    accelerator.backward = backward
+
+
+def _unhook(accelerator: Any, record: _Prepared) -> None:
+    original, record.unhooked = record.unhooked, None
+    if original is None:
+        return
+    if getattr(original, "__self__", None) is accelerator and getattr(original, "__func__", None) is getattr(
+        type(accelerator), "backward", None
+    ):
+        vars(accelerator).pop("backward", None)  # the class's own method again
+    else:
+        accelerator.backward = original  # what was there before (another instance attribute)
+    for opt in record.live_optimizers():
+        managed_state(opt).remove_extension(record.scaled)
+
+
+def release(accelerator: Accelerator) -> None:
+    """Undo :func:`prepare`'s hook of ``accelerator.backward``: the Accelerator's own
+    method (or what stood there before) again, the loss no longer scaled by it. Nothing
+    else changes (ampkit's session and its checkpoint hooks stay; ``ampkit.reset`` ends
+    the session and releases every Accelerator). Nothing happens for an Accelerator
+    :func:`prepare` did not hook.
+
+    Args:
+        accelerator: the Accelerator given to :func:`prepare`."""
+    record = _PREPARED.get(accelerator)
+    if record is not None:
+        _unhook(accelerator, record)
+
+
+@_reset.on_reset
+def _release_all() -> None:
+    for accelerator, record in list(_PREPARED.items()):
+        _unhook(accelerator, record)
+
+
 def prepare(
     accelerator: Accelerator,
     *objects: Any,
@@ -411,8 +513,14 @@ def prepare(
         if record is None:
             record = _PREPARED[accelerator] = _Prepared()
         elif fresh:
-            record.optimizers = []
+            record.optimizers, record.groups = [], 0
         record.optimizers.extend(weakref.ref(o) for o in optimizers)
+        record.groups += 1 if optimizers else 0
+        for opt in optimizers:
+            managed_state(opt).add_extension(record.scaled)
+        level = applied_level()
+        if level is not None:
+            announce("Accelerate", "Accelerator", level.name, level.dtype)
     result = accelerator.prepare(*objects, device_placement=list(placements) if device_placement is not None else None)
     if not models:
         return result
@@ -423,6 +531,8 @@ def prepare(
         ddp = _ddp_of(out) if isinstance(out, nn.Module) else None
         if ddp is not None and any(ddp.module is m for m in models):
             register_ddp(ddp)
+    if record is not None and record.unhooked is None:
+        _hook_backward(accelerator, record)
     if checkpoint and record is not None and not record.checkpointed:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(record))
@@ -457,8 +567,10 @@ def backward(
     check_accelerator(accelerator)
     if not isinstance(retain_graph, bool):
         raise AccelerateSetupError(f"retain_graph must be True or False, got {retain_graph!r}.")
+    record = _PREPARED.get(accelerator)
+    own = accelerator.backward if record is None or record.unhooked is None else record.unhooked
     with scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
         if retain_graph:
-            accelerator.backward(scaled, retain_graph=True)
+            own(scaled, retain_graph=True)
         else:
-            accelerator.backward(scaled)
+            own(scaled)
