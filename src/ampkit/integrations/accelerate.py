@@ -1,6 +1,7 @@
-"""ampkit with Hugging Face Accelerate: set up before ``accelerator.prepare``, scaled backward.
+"""ampkit with Hugging Face Accelerate: set up before ``accelerator.prepare``, the loss
+scaled in ``accelerator.backward``.
 
-Accelerate's own loop, with two calls changed::
+Accelerate's own loop, with one call changed::
 
     import ampkit.integrations.accelerate as amp_accelerate
 
@@ -11,7 +12,7 @@ Accelerate's own loop, with two calls changed::
     for x, y in loader:
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
-        amp_accelerate.backward(accelerator, loss, optimizer)   # was accelerator.backward(loss)
+        accelerator.backward(loss)                               # the loss scaled by ampkit
         accelerator.clip_grad_norm_(model.parameters(), 1.0)     # real grads, every level
         optimizer.step()                                         # skips itself on inf/NaN
         scheduler.step()                                         # held on skipped steps
@@ -34,9 +35,16 @@ Accelerate would move them), :func:`ampkit.initialize` on the raw models and opt
   pre-hook), and loads it after the models and optimizers. Not through
   ``register_for_checkpointing``: Accelerate unpickles registered objects' files fully
   (``weights_only=False``), so a planted ``custom_checkpoint_0.pkl`` could run code.
-  ``checkpoint=False`` leaves that to you: save :func:`ampkit.state_dict` yourself.
+  ``checkpoint=False`` leaves that to you: save :func:`ampkit.state_dict` yourself;
+- makes this Accelerator's own ``backward(loss)`` scale the loss as
+  :func:`ampkit.scale_loss` does (loss id 0 of the optimizers set up): an attribute of
+  this instance wraps its method, the class untouched; :func:`release` (and
+  ``ampkit.reset``) puts the method back. A loss already scaled -- by :func:`backward`
+  or a loop's own ``ampkit.scale_loss`` block -- is passed on as it is.
 
-:func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`. Every
+:func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`, for a
+loss id other than 0 or optimizers of several :func:`prepare` calls; it keeps working
+where the hooked ``accelerator.backward`` would do (the loss is scaled once). Every
 ampkit call (``amp.step_skipped``, ``amp.stats``, ``amp.unscale``, ``amp.master_params``)
 takes the prepared ``AcceleratedOptimizer`` in place of the optimizer it wraps.
 
@@ -482,6 +490,9 @@ def prepare(
     The first call for an Accelerator starts a fresh ampkit session (like
     :func:`ampkit.initialize`); a later call for the same Accelerator adds its models and
     optimizers to that session (``initialize(..., fresh=False)``, which takes no ``fp8``).
+    From then on ``accelerator.backward(loss)`` scales the loss for the optimizers set up
+    (see the module docs; :func:`release` undoes it), and the first call of the process
+    logs one INFO line on the ``"ampkit"`` logger (:mod:`ampkit.integrations.banner`).
 
     Raises:
         AccelerateSetupError: an Accelerator with its own ``mixed_precision``, a
@@ -553,7 +564,11 @@ def backward(
     on ``loss * S`` inside :func:`ampkit.scale_loss` (``S``: the scale of ``loss_id``'s
     scaler, 1 for bf16 unless ``loss_scale="dynamic"``). Accelerate still divides the
     loss by its ``gradient_accumulation_steps``; ampkit's gradient path unscales the
-    grads when backward ends, so ``accelerator.clip_grad_norm_`` sees real ones.
+    grads when backward ends, so ``accelerator.clip_grad_norm_`` sees real ones. Since
+    :func:`prepare` scales the loss in ``accelerator.backward`` itself, this is needed
+    only for a ``loss_id`` other than 0 or the optimizers of one of several
+    :func:`prepare` calls; called anyway, it runs the Accelerator's own backward on the
+    loss it scaled (never scaled twice).
 
     Args:
         accelerator: the Accelerator of :func:`prepare` (``mixed_precision="no"``).

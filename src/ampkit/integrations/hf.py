@@ -1,19 +1,30 @@
 """ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install -e '.[hf]'``).
 
-::
+The stock ``Trainer`` and ``TrainingArguments``, one line added (:func:`enable`)::
+
+    from ampkit.integrations.hf import enable
+
+    trainer = Trainer(model=model, args=TrainingArguments("out"), train_dataset=train)  # not bf16=True
+    enable(trainer, "O2")
+    trainer.train()
+    trainer.save_model("final")     # fp32 weights, config dtype float32
+
+or ampkit's classes, the settings among the arguments (``--amp_level O2``)::
 
     from ampkit.integrations.hf import AmpkitTrainer, AmpkitTrainingArguments
 
     args = AmpkitTrainingArguments(output_dir="out", amp_level="O2")   # not bf16=True
     trainer = AmpkitTrainer(model=model, args=args, train_dataset=train)
-    trainer.train()
-    trainer.save_model("final")     # fp32 weights, config dtype float32
 
 :class:`AmpkitTrainer` is ``transformers.Trainer`` with :class:`AmpkitTrainerMixin`;
 put the mixin first to add the same to another Trainer subclass
 (``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``, arguments
-:class:`AmpkitSeq2SeqTrainingArguments`). What the mixin does, each through a method
-or hook of the Trainer:
+:class:`AmpkitSeq2SeqTrainingArguments`). :func:`enable` gives a trainer already built
+that class (the mixin first, its settings kept on the trainer, not in ``args``). Not a
+callback: HF hands its callbacks no trainer, and no callback event comes where ampkit
+must act (before Accelerate wraps the optimizer, inside ``backward``, before a resumed
+checkpoint's weights load). What the mixin does, each through a method or hook of the
+Trainer:
 
 - ``create_optimizer``: the optimizer the Trainer builds (or was given) and
   ``trainer.model`` go through :func:`ampkit.initialize` at ``amp_level`` before
@@ -183,7 +194,8 @@ class _Resume:
 class AmpkitTrainerMixin:
     """ampkit's mixed precision for a ``transformers.Trainer`` subclass; list it first:
     ``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``. Reads ``amp_level``,
-    ``amp_dtype``, ``amp_fp8`` and ``amp_save_weights`` from ``self.args``
+    ``amp_dtype``, ``amp_fp8``, ``amp_save_weights`` and ``amp_plan`` from the
+    :class:`AmpkitOptions` :func:`enable` kept on the trainer, else from ``self.args``
     (:class:`AmpkitArguments`; a plain ``TrainingArguments`` gets their defaults: O1,
     the device's dtype). See the module docstring for what each overridden method does.
 
@@ -210,15 +222,15 @@ class AmpkitTrainerMixin:
 
     @property
     def amp_level(self) -> str:
-        """The ampkit opt level of this trainer: ``args.amp_level`` (upper case), else
-        ``AMPKIT_LEVEL``, else ``"O1"``."""
+        """The ampkit opt level of this trainer: :func:`enable`'s, else ``args.amp_level``
+        (upper case), else ``AMPKIT_LEVEL``, else ``"O1"``."""
         return level_of(self._amp_source())
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
-        """The 16-bit compute dtype (None at O0): ``args.amp_dtype``, else
-        ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default (bf16 on CPU, fp16
-        on CUDA)."""
+        """The 16-bit compute dtype (None at O0): ``amp_dtype`` (:func:`enable`'s or the
+        arguments'), else ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default
+        (bf16 on CPU, fp16 on CUDA)."""
         if self.amp_level == "O0":
             return None
         chosen = dtype_of(getattr(self._amp_source(), "amp_dtype", None)) or dtype_from_env()
@@ -230,7 +242,8 @@ class AmpkitTrainerMixin:
 
     @property
     def amp_plan(self) -> TunePlan | None:
-        """The plan of ``args.amp_plan`` (read once per trainer), or None."""
+        """The plan at ``amp_plan`` (:func:`enable`'s or the arguments'; read once per
+        trainer), or None."""
         path = getattr(self._amp_source(), "amp_plan", None)
         if path is None:
             return None
@@ -246,7 +259,7 @@ class AmpkitTrainerMixin:
 
     def amp_fp8_recipe(self) -> Fp8Recipe | None:
         """The fp8 recipe passed to :func:`ampkit.initialize`: the default
-        :class:`ampkit.Fp8Recipe` when ``args.amp_fp8`` is True, else None. Override it
+        :class:`ampkit.Fp8Recipe` when ``amp_fp8`` is True, else None. Override it
         in a subclass for another recipe (e.g. ``Fp8Recipe(min_features=256)``)."""
         return Fp8Recipe() if getattr(self._amp_source(), "amp_fp8", False) else None
 
@@ -522,7 +535,7 @@ class AmpkitTrainerMixin:
     # -- saving the model ------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """HF's ``save_model``, writing ``args.amp_save_weights``: the trained fp32
+        """HF's ``save_model``, writing ``amp_save_weights``: the trained fp32
         weights with ``config.json`` dtype float32 (default, and always for the
         checkpoints HF saves with ``_internal_call=True``), or the :func:`ampkit.convert`
         inference model (``"converted"``)."""
