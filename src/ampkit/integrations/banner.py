@@ -43,7 +43,13 @@ def banner(framework: str, what: str, level: str, dtype: torch.dtype | None) -> 
 def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -> bool:
     """Log :func:`banner` at ``INFO`` on the ``"ampkit"`` logger the first time
     ``framework`` is set up in this process; True when it was logged now, False when
-    ``framework`` was announced before (it is in :data:`ANNOUNCED`)."""
+    ``framework`` was announced before (it is in :data:`ANNOUNCED`).
+
+    Args:
+        framework: the framework's name, the key of "once per process".
+        what: the object of the framework ampkit runs in (``"Trainer"``).
+        level: the opt level's name (``"O2"``).
+        dtype: the compute dtype (None: fp32)."""
     with _LOCK:
         if framework in ANNOUNCED:
             return False
