@@ -2,8 +2,8 @@
 
 When :mod:`ampkit.integrations.hf`, :mod:`~ampkit.integrations.accelerate` or
 :mod:`~ampkit.integrations.lightning` sets ampkit up inside its framework, it says so
-once per process and framework, at ``INFO`` on the ``"ampkit"`` logger (never through
-``print`` or ``warnings``)::
+once per process and framework (rank 0 alone in a distributed run), at ``INFO`` on the
+``"ampkit"`` logger (never through ``print`` or ``warnings``)::
 
     ampkit O2 (bf16) manages precision for this Trainer (Hugging Face); the framework's own mixed precision is off
 
@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.dtypes import dtype_name
 
 __all__ = ["ANNOUNCED", "LOGGER_NAME", "announce", "banner"]
@@ -43,7 +44,8 @@ def banner(framework: str, what: str, level: str, dtype: torch.dtype | None) -> 
 def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -> bool:
     """Log :func:`banner` at ``INFO`` on the ``"ampkit"`` logger the first time
     ``framework`` is set up in this process; True when it was logged now, False when
-    ``framework`` was announced before (it is in :data:`ANNOUNCED`).
+    ``framework`` was announced before (it is in :data:`ANNOUNCED`) or this process is
+    not rank 0 of a distributed run (which logs for all ranks).
 
     Args:
         framework: the framework's name, the key of "once per process".
@@ -54,5 +56,7 @@ def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -
         if framework in ANNOUNCED:
             return False
         ANNOUNCED.add(framework)
+    if not is_rank_zero():
+        return False
     logging.getLogger(LOGGER_NAME).info("%s", banner(framework, what, level, dtype))
     return True

@@ -696,8 +696,9 @@ def enable(
             "on top of ampkit. Launch with --mixed_precision no and choose the dtype with dtype=."
         )
     _refuse_backends(trainer)
+    enabled = _enabled_class(type(trainer))
+    trainer.__class__ = enabled
     trainer.__dict__["_ampkit_options"] = options
-    trainer.__class__ = _enabled_class(type(trainer))
     return trainer
 
 
