@@ -145,8 +145,8 @@ def check_arguments(args: TrainingArguments, options: AmpkitOptions | None = Non
 @dataclasses.dataclass(frozen=True)
 class AmpkitOptions:
     """ampkit's settings of a stock ``Trainer`` set up by
-    :func:`ampkit.integrations.hf.enable` (made by :func:`resolve_options`), named as the
-    fields of :class:`AmpkitArguments` so that one reader serves both.
+    :func:`ampkit.integrations.hf.enable` (resolved as :class:`AmpkitArguments` resolves
+    its fields), named as those fields so that one reader serves both.
 
     Attributes:
         amp_level (str): the opt level (upper case).
