@@ -372,6 +372,110 @@ def test_two_prepare_calls_share_one_session(tmp_path):
     assert len(ampkit_state["trainers"]) == 2
 
 
+# --- accelerator.backward, hooked by prepare ----------------------------------------------------
+
+
+def test_prepare_hooks_this_accelerators_backward_once_and_release_undoes_it(monkeypatch):
+    """After prepare, the Accelerator's own ``backward(loss)`` gets ``loss * S`` (fp16 O1:
+    S = 2**16) on this instance only; a loss already scaled (the old ``amp_accelerate.backward``,
+    or a loop's own ``amp.scale_loss`` block) is passed on as it is: the same grads all
+    three ways. ``release`` and ``ampkit.reset`` put the Accelerator's method back."""
+    seen = []
+    original = Accelerator.backward
+
+    def recording(self, loss, **kwargs):
+        seen.append(loss.detach().clone())
+        return original(self, loss, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "backward", recording)
+    acc = _accelerator()
+    other = Accelerator(cpu=True)
+    model, opt, _ = amp_accelerate.prepare(acc, *build(), opt_level="O1", dtype=torch.float16)
+    assert "backward" in vars(acc) and "backward" not in vars(other)
+    assert Accelerator.backward is recording  # the class is untouched
+    x, y = data()
+
+    def grads(backward) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[:32]).float(), y[:32])
+        backward(loss, opt)
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    def own_block(loss, opt):
+        with amp.scale_loss(loss, opt) as scaled:
+            acc.backward(scaled)
+
+    ways = [lambda loss, opt: acc.backward(loss), lambda loss, opt: amp_accelerate.backward(acc, loss, opt), own_block]
+    results = [grads(way) for way in ways]
+    assert len(seen) == 3
+    for (loss, g), passed in zip(results, seen):
+        assert torch.equal(passed, loss * 2.0**16)  # scaled once, never twice
+        assert all(torch.equal(a, b) for a, b in zip(g, results[0][1]))
+    assert all(torch.isfinite(t).all() for t in results[0][1])
+
+    amp_accelerate.release(acc)
+    assert "backward" not in vars(acc)
+    seen.clear()
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x[:32]).float(), y[:32])
+    acc.backward(loss)
+    assert torch.equal(seen[0], loss.detach())  # Accelerate's own backward again: unscaled
+    amp_accelerate.release(acc)  # twice: nothing
+
+    amp.reset()
+    acc2 = _accelerator()
+    amp_accelerate.prepare(acc2, *build(), opt_level="O2")
+    assert "backward" in vars(acc2)
+    amp.reset()
+    assert "backward" not in vars(acc2)
+
+
+def test_gradient_accumulation_with_the_hooked_backward():
+    """``accelerator.accumulate`` with the plain ``accelerator.backward(loss)`` (fp16 O1,
+    dynamic scale) trains bitwise as the old ``amp_accelerate.backward`` did: Accelerate
+    divides the scaled loss by its accumulation steps, ampkit steps once per two batches."""
+
+    def run(hooked: bool) -> tuple[list[float], list[torch.Tensor], amp.StepStats]:
+        acc = _accelerator(gradient_accumulation_steps=2)
+        model, opt, sched = amp_accelerate.prepare(acc, *build(), opt_level="O1", dtype=torch.float16)
+        x_all, y_all = data()
+        losses = []
+        for step in range(16):
+            i = (16 * step) % len(x_all)
+            with acc.accumulate(model):
+                loss = nn.functional.mse_loss(model(x_all[i : i + 16]).float(), y_all[i : i + 16])
+                acc.backward(loss) if hooked else amp_accelerate.backward(acc, loss, opt)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        out = ([p.detach().clone() for p in model.parameters()], amp.stats(opt))
+        amp.reset()
+        return losses, *out
+
+    old_losses, old_params, old_stats = run(hooked=False)
+    losses, params, stats = run(hooked=True)
+    assert losses == old_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, old_params))
+    assert stats == old_stats and stats.steps == 8 and stats.scales == (2.0**16,)
+
+
+def test_optimizers_of_two_prepare_calls_need_the_explicit_backward():
+    """Two prepare calls with optimizers: two loss scalers, so the hooked backward refuses
+    a loss (it cannot tell which optimizer it trains); the explicit function names it."""
+    acc = _accelerator()
+    g_model, g_opt = amp_accelerate.prepare(acc, *build()[:2], opt_level="O2")
+    d_model, d_opt = amp_accelerate.prepare(acc, *build()[:2], opt_level="O2")
+    x, y = data()
+    loss = nn.functional.mse_loss(g_model(x[:8]).float(), y[:8])
+    with pytest.raises(amp_accelerate.AccelerateSetupError, match=r"amp_accelerate.backward\(accelerator, loss, optimizer\)"):
+        acc.backward(loss)
+    assert all(p.grad is None for p in g_model.parameters())
+    amp_accelerate.backward(acc, loss, g_opt)
+    g_opt.step()
+    assert amp.stats(g_opt).steps == 1 and amp.stats(d_opt).steps == 0
+
+
 # --- untrusted checkpoint folders ----------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ from ampkit.integrations.hf import (  # noqa: E402
     AmpkitTrainerMixin,
     AmpkitTrainingArguments,
     HfIntegrationError,
+    enable,
     fp32_state_dict,
 )
 from ampkit.tools.cli.main import main  # noqa: E402
@@ -911,3 +912,142 @@ def test_a_resume_without_ampkit_pt_after_ampkit_was_set_up_takes_the_masters_fr
     pairs = [(p, m) for p in trainer.model.parameters() if mw is not None and (m := mw.master_of(p)) is not None]
     assert pairs and all(torch.equal(m, p.detach().float()) for p, m in pairs)
     assert any(not torch.equal(a, b) for a, b in zip(stale, amp.master_params(trainer.amp_optimizer)))
+
+
+# ---------------------------------------------------------------------------
+# enable(): the stock Trainer and TrainingArguments, one line added
+# ---------------------------------------------------------------------------
+def _enabled(out, steps=STEPS, opt_level="O2", train_n=64, dtype=None, plan=None, trainer_class=Trainer, **extra):
+    """The stock ``trainer_class`` with plain ``TrainingArguments``, made ampkit's by ``enable``."""
+    args = training_arguments(str(out), steps, **extra)
+    trainer = trainer_class(
+        model=build_model(), args=args,
+        train_dataset=CountingDataset(train_n, seed=0), eval_dataset=CountingDataset(32, seed=1),
+    )
+    assert enable(trainer, opt_level, dtype=dtype, plan=plan) is trainer
+    return trainer
+
+
+def test_enable_trains_bitwise_as_ampkit_trainer(tmp_path):
+    """The stock Trainer + ``enable(trainer, "O2")`` is AmpkitTrainer: the same weights,
+    fp32 masters, optimizer state, LR schedule and ampkit counters after the same steps."""
+    options = dict(logging_steps=100)
+    by_class = _trainer(tmp_path / "a", steps=8, amp_level="O2", **options)
+    by_class.train()
+    expected = _snapshot(by_class)
+    amp.reset()
+    enabled = _enabled(tmp_path / "b", steps=8, **options)
+    assert type(enabled) is AmpkitTrainer and type(enabled.args) is TrainingArguments
+    assert (enabled.amp_level, enabled.amp_dtype) == ("O2", torch.bfloat16)
+    enabled.train()
+    _assert_equal(_snapshot(enabled), expected)
+
+
+@pytest.mark.parametrize("case", ["O2", "O1-fp16"])
+def test_enable_skips_the_nan_step_and_holds_the_schedule(tmp_path, case):
+    level, dtype = ("O2", None) if case == "O2" else ("O1", torch.float16)
+    trainer = _enabled(tmp_path, steps=6, opt_level=level, dtype=dtype, logging_steps=100)
+    recorder = _inject_nan(trainer)
+    trainer.train()
+    before, skipped, after = recorder.records[NAN_AT - 1], recorder.records[NAN_AT], recorder.records[NAN_AT + 1]
+    assert [r["skipped"] for r in recorder.records] == [i == NAN_AT for i in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], skipped["params"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before["stepped"], skipped["stepped"], strict=True))
+    assert (before["last_epoch"], skipped["last_epoch"], after["last_epoch"]) == (NAN_AT, NAN_AT, NAN_AT + 1)
+    stats = amp.stats(trainer.amp_optimizer)
+    assert (stats.steps, stats.skipped) == (6, 1)
+    assert stats.scales == ((32768.0,) if case == "O1-fp16" else (1.0,))
+
+
+def test_enable_checkpoints_resume_bitwise_and_save_fp32_weights(tmp_path):
+    options = dict(save_strategy="steps", save_steps=4, logging_steps=100, train_n=40)
+    straight = _enabled(tmp_path / "a", steps=8, **options)
+    straight.train()
+    expected = _snapshot(straight)
+    checkpoint = tmp_path / "a" / "checkpoint-4"
+    assert torch.load(checkpoint / AMPKIT_NAME, weights_only=True)["level"] == "O2"
+    # save_model: the fp32 masters, config dtype float32
+    straight.save_model(str(tmp_path / "final"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
+    masters = dict(zip(sum(_hf_param_groups(straight), []), amp.master_params(straight.amp_optimizer), strict=True))
+    for name, p in GPT2LMHeadModel.from_pretrained(str(tmp_path / "final")).named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+    amp.reset()
+
+    resumed = _enabled(tmp_path / "b", steps=8, **options)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    _assert_equal(_snapshot(resumed), expected)
+    amp.reset()
+    other = _enabled(tmp_path / "c", steps=8, opt_level="O2K", **options)
+    with pytest.raises(HfIntegrationError, match="amp_level='O2'"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+
+
+def _stock(out, **extra):
+    return Trainer(model=build_model(), args=training_arguments(str(out), 2, **extra), train_dataset=CountingDataset(16, seed=0))
+
+
+@pytest.mark.parametrize(
+    ("options", "settings", "says", "error"),
+    [
+        (dict(bf16=True), {}, "Drop bf16=True", HfIntegrationError),
+        (dict(fp16=True), {}, "Drop fp16=True", HfIntegrationError),
+        ({}, dict(opt_level="O4"), "not an ampkit opt level", HfIntegrationError),
+        ({}, dict(dtype=torch.float32), "not a 16-bit dtype", HfIntegrationError),
+        ({}, dict(opt_level="O2K", dtype=torch.float16), "bf16 only", HfIntegrationError),
+        ({}, dict(save_weights="bf16"), "choose 'fp32'", HfIntegrationError),
+        ({}, dict(plan="BAD"), "not JSON", amp.PlanError),
+    ],
+)
+def test_enable_refuses_and_leaves_the_trainer_as_it_was(tmp_path, options, settings, says, error):
+    if settings.get("plan") == "BAD":
+        settings = dict(plan=tmp_path / "plan.json")
+        settings["plan"].write_text("{")
+    trainer = _stock(tmp_path / "out", **options)
+    with pytest.raises(error, match=says):
+        enable(trainer, **settings)
+    assert type(trainer) is Trainer and "_ampkit_options" not in vars(trainer)
+
+
+def test_enable_refuses_what_would_set_the_level_twice_or_too_late(tmp_path):
+    with pytest.raises(HfIntegrationError, match="takes a transformers.Trainer"):
+        enable(object(), "O2")
+    ampkit_args = _trainer(tmp_path / "a", steps=2, amp_level="O2")
+    with pytest.raises(HfIntegrationError, match="already trains under ampkit"):
+        enable(ampkit_args, "O2")
+    plain_args_with_amp = Trainer(model=build_model(), args=training_arguments(
+        str(tmp_path / "b"), 2, args_class=AmpkitTrainingArguments, amp_level="O2"))
+    with pytest.raises(HfIntegrationError, match="use AmpkitTrainer with those arguments"):
+        enable(plain_args_with_amp, "O2")
+    twice = enable(_stock(tmp_path / "c"), "O2")
+    with pytest.raises(HfIntegrationError, match="already trains under ampkit"):
+        enable(twice, "O1")
+    trained = _stock(tmp_path / "d")
+    trained.train()
+    with pytest.raises(HfIntegrationError, match="before trainer.train"):
+        enable(trained, "O2")
+
+
+def test_enable_takes_a_plan_and_refuses_its_fp8_conv1d_before_training(tmp_path):
+    path = tmp_path / "plan.json"
+    amp.TunePlan.by_hand(lowered=[], kept_fp32=["transformer.h.1.mlp.c_fc"],
+                         fp8=["transformer.h.0.mlp.c_fc"]).save(path)  # fmt: skip
+    trainer = _enabled(tmp_path / "out", steps=2, opt_level=None, plan=path)
+    assert trainer.amp_level == "O1"  # the plan's level (by_hand: O1)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(amp.PlanError, match=r"transformer.h.0.mlp.c_fc.*in fp8"):
+        trainer.train()
+    after = trainer.model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_enable_on_a_trainer_subclass(tmp_path):
+    class MyTrainer(Seq2SeqTrainer):
+        pass
+
+    args = Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
+    trainer = enable(MyTrainer(model=build_model(), args=args), "O2")
+    assert type(trainer).__name__ == "AmpkitMyTrainer"
+    assert isinstance(trainer, MyTrainer) and isinstance(trainer, AmpkitTrainerMixin)
+    again = enable(MyTrainer(model=build_model(), args=args), "O1")
+    assert type(again) is type(trainer)  # one class per Trainer class

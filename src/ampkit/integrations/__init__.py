@@ -5,10 +5,13 @@ module is imported, so ``import ampkit`` still needs torch alone:
 
 - :mod:`ampkit.integrations.lightning`: a Lightning ``Precision`` plugin
   (``pip install -e '.[lightning]'``).
-- :mod:`ampkit.integrations.hf`: a Hugging Face ``Trainer`` subclass and mixin
-  (``pip install -e '.[hf]'``).
-- :mod:`ampkit.integrations.accelerate`: ampkit set up around ``accelerator.prepare``
-  (``pip install -e '.[accelerate]'``).
+- :mod:`ampkit.integrations.hf`: ``enable(trainer, "O2")`` for a stock Hugging Face
+  ``Trainer``, or the ``AmpkitTrainer`` subclass and its mixin (``pip install -e '.[hf]'``).
+- :mod:`ampkit.integrations.accelerate`: ampkit set up around ``accelerator.prepare``,
+  the loss scaled in ``accelerator.backward`` (``pip install -e '.[accelerate]'``).
+
+Each logs one INFO line on the ``"ampkit"`` logger when ampkit takes over its
+framework's precision, once per process (:mod:`ampkit.integrations.banner`).
 
 A module whose framework is missing raises :class:`ampkit.integrations.MissingFramework`
 (an :class:`ampkit.AmpError`) naming the extra to install.

@@ -1,6 +1,7 @@
-"""ampkit with Hugging Face Accelerate: set up before ``accelerator.prepare``, scaled backward.
+"""ampkit with Hugging Face Accelerate: set up before ``accelerator.prepare``, the loss
+scaled in ``accelerator.backward``.
 
-Accelerate's own loop, with two calls changed::
+Accelerate's own loop, with one call changed::
 
     import ampkit.integrations.accelerate as amp_accelerate
 
@@ -11,7 +12,7 @@ Accelerate's own loop, with two calls changed::
     for x, y in loader:
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
-        amp_accelerate.backward(accelerator, loss, optimizer)   # was accelerator.backward(loss)
+        accelerator.backward(loss)                               # the loss scaled by ampkit
         accelerator.clip_grad_norm_(model.parameters(), 1.0)     # real grads, every level
         optimizer.step()                                         # skips itself on inf/NaN
         scheduler.step()                                         # held on skipped steps
@@ -34,9 +35,16 @@ Accelerate would move them), :func:`ampkit.initialize` on the raw models and opt
   pre-hook), and loads it after the models and optimizers. Not through
   ``register_for_checkpointing``: Accelerate unpickles registered objects' files fully
   (``weights_only=False``), so a planted ``custom_checkpoint_0.pkl`` could run code.
-  ``checkpoint=False`` leaves that to you: save :func:`ampkit.state_dict` yourself.
+  ``checkpoint=False`` leaves that to you: save :func:`ampkit.state_dict` yourself;
+- makes this Accelerator's own ``backward(loss)`` scale the loss as
+  :func:`ampkit.scale_loss` does (loss id 0 of the optimizers set up): an attribute of
+  this instance wraps its method, the class untouched; :func:`release` (and
+  ``ampkit.reset``) puts the method back. A loss already scaled -- by :func:`backward`
+  or a loop's own ``ampkit.scale_loss`` block -- is passed on as it is.
 
-:func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`. Every
+:func:`backward` is ``accelerator.backward`` inside :func:`ampkit.scale_loss`, for a
+loss id other than 0 or optimizers of several :func:`prepare` calls; it keeps working
+where the hooked ``accelerator.backward`` would do (the loss is scaled once). Every
 ampkit call (``amp.step_skipped``, ``amp.stats``, ``amp.unscale``, ``amp.master_params``)
 takes the prepared ``AcceleratedOptimizer`` in place of the optimizer it wraps.
 
@@ -60,18 +68,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 from ampkit._internal.files import write_file
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import initialize
+from ampkit.levels.setup import applied_level, initialize
 from ampkit.trainer.api import managed_state, scale_loss
-from ampkit.trainer.extensions import AfterStep
+from ampkit.trainer.extensions import AfterStep, StepExtension
 from ampkit.trainer.session import prepare_load_state_dict, state_dict
 
 from . import require
 from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
+from .banner import announce
 
 _accelerate = require("accelerate", "accelerate")
 _optimizer_module = require("accelerate.optimizer", "accelerate")
@@ -81,7 +91,15 @@ Accelerator = _accelerate.Accelerator
 AcceleratedOptimizer = _optimizer_module.AcceleratedOptimizer
 DistributedType = _utils.DistributedType
 
-__all__ = ["STATE_NAME", "AccelerateSetupError", "AccelerateCheckpointError", "backward", "check_accelerator", "prepare"]
+__all__ = [
+    "STATE_NAME",
+    "AccelerateSetupError",
+    "AccelerateCheckpointError",
+    "backward",
+    "check_accelerator",
+    "prepare",
+    "release",
+]
 
 #: The file ``accelerator.save_state`` writes ampkit's state to, in the checkpoint folder.
 STATE_NAME = "ampkit_state.pt"
@@ -229,6 +247,26 @@ class _Prepared:
         self.checkpointed = False
         # the loader of the ampkit state load_state's pre-hook validated, until applied
         self.pending: Callable[[], None] | None = None
+        # prepare calls of this session that brought optimizers (more than one: the hooked
+        # backward cannot tell which optimizers a loss trains)
+        self.groups = 0
+        self.scaled = _ScaledLosses()
+        # accelerator.backward as it was before the hook (None: not hooked)
+        self.unhooked: Callable[..., Any] | None = None
+
+    def live_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers set up for this Accelerator that ampkit still manages."""
+        out = []
+        for ref in self.optimizers:
+            opt = ref()
+            if opt is None:
+                continue
+            try:
+                managed_state(opt)
+            except StateError:
+                continue
+            out.append(opt)
+        return out
 
     def tensors(self) -> list[torch.Tensor]:
         """The parameters of the optimizers set up (those still alive): what bounds the
@@ -238,16 +276,27 @@ class _Prepared:
     def session_alive(self) -> bool:
         """Whether an optimizer set up by an earlier call is still managed (the
         session it joined was not ended by ``ampkit.reset`` or another initialize)."""
-        for ref in self.optimizers:
-            opt = ref()
-            if opt is None:
-                continue
-            try:
-                managed_state(opt)
-            except StateError:
-                continue
-            return True
-        return False
+        return bool(self.live_optimizers())
+
+
+class _ScaledLosses(StepExtension):
+    """On the optimizers :func:`prepare` set up: the tensors their ``scale_loss`` blocks
+    yielded (weakly, the last few), so the hooked ``accelerator.backward`` passes an
+    already scaled loss on as it is (:func:`backward`, or a loop's own
+    ``with amp.scale_loss(...)``) instead of scaling it twice."""
+
+    device_skip = True  # it only listens to scale_loss: right on a step skipped on the device too
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def on_scale_loss(self, optimizers: Sequence[Any], losses: Sequence[torch.Tensor], loss_id: int, scaled: Any) -> None:
+        items = scaled if isinstance(scaled, (list, tuple)) else [scaled]
+        alive = [r for r in self.refs if r() is not None][-15:]
+        self.refs = alive + [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
+
+    def holds(self, tensor: Any) -> bool:
+        return any(r() is tensor for r in self.refs)
 
 
 # Module state: what prepare did per Accelerator (weak keys: no Accelerator kept alive).
@@ -338,6 +387,67 @@ def _ddp_of(model: Any) -> nn.parallel.DistributedDataParallel | None:
     return None
 
 
+def _hook_backward(accelerator: Any, record: _Prepared) -> None:
+    """Make this Accelerator's own ``backward`` (an attribute of this instance; the class
+    is untouched) scale the loss as :func:`ampkit.scale_loss` does for the optimizers
+    :func:`prepare` set up; :func:`release` (or ``ampkit.reset``) puts it back."""
+    original = accelerator.backward
+    rec = weakref.ref(record)
+
+    @functools.wraps(original)
+    def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        record = rec()
+        optimizers = [] if record is None else record.live_optimizers()
+        if record is None or not optimizers or record.scaled.holds(loss):
+            return original(loss, **kwargs)  # no session, or scaled by a scale_loss block already
+        if record.groups > 1:
+            raise AccelerateSetupError(
+                f"this Accelerator's optimizers were set up by {record.groups} prepare calls, each "
+                "with its own loss scaler, so accelerator.backward cannot tell which of them a loss "
+                "trains; call amp_accelerate.backward(accelerator, loss, optimizer) with the "
+                "optimizer(s) of the loss (or prepare all models and optimizers in one call)."
+            )
+        with scale_loss(loss, optimizers) as scaled:
+            return original(scaled, **kwargs)
+
+    record.unhooked = original
+    accelerator.backward = backward
+
+
+def _unhook(accelerator: Any, record: _Prepared) -> None:
+    original, record.unhooked = record.unhooked, None
+    if original is None:
+        return
+    if getattr(original, "__self__", None) is accelerator and getattr(original, "__func__", None) is getattr(
+        type(accelerator), "backward", None
+    ):
+        vars(accelerator).pop("backward", None)  # the class's own method again
+    else:
+        accelerator.backward = original  # what was there before (another instance attribute)
+    for opt in record.live_optimizers():
+        managed_state(opt).remove_extension(record.scaled)
+
+
+def release(accelerator: Accelerator) -> None:
+    """Undo :func:`prepare`'s hook of ``accelerator.backward``: the Accelerator's own
+    method (or what stood there before) again, the loss no longer scaled by it. Nothing
+    else changes (ampkit's session and its checkpoint hooks stay; ``ampkit.reset`` ends
+    the session and releases every Accelerator). Nothing happens for an Accelerator
+    :func:`prepare` did not hook.
+
+    Args:
+        accelerator: the Accelerator given to :func:`prepare`."""
+    record = _PREPARED.get(accelerator)
+    if record is not None:
+        _unhook(accelerator, record)
+
+
+@_reset.on_reset
+def _release_all() -> None:
+    for accelerator, record in list(_PREPARED.items()):
+        _unhook(accelerator, record)
+
+
 def prepare(
     accelerator: Accelerator,
     *objects: Any,
@@ -380,6 +490,9 @@ def prepare(
     The first call for an Accelerator starts a fresh ampkit session (like
     :func:`ampkit.initialize`); a later call for the same Accelerator adds its models and
     optimizers to that session (``initialize(..., fresh=False)``, which takes no ``fp8``).
+    From then on ``accelerator.backward(loss)`` scales the loss for the optimizers set up
+    (see the module docs; :func:`release` undoes it), and the first call of the process
+    logs one INFO line on the ``"ampkit"`` logger (:mod:`ampkit.integrations.banner`).
 
     Raises:
         AccelerateSetupError: an Accelerator with its own ``mixed_precision``, a
@@ -411,8 +524,14 @@ def prepare(
         if record is None:
             record = _PREPARED[accelerator] = _Prepared()
         elif fresh:
-            record.optimizers = []
+            record.optimizers, record.groups = [], 0
         record.optimizers.extend(weakref.ref(o) for o in optimizers)
+        record.groups += 1 if optimizers else 0
+        for opt in optimizers:
+            managed_state(opt).add_extension(record.scaled)
+        level = applied_level()
+        if level is not None:
+            announce("Accelerate", "Accelerator", level.name, level.dtype)
     result = accelerator.prepare(*objects, device_placement=list(placements) if device_placement is not None else None)
     if not models:
         return result
@@ -423,6 +542,8 @@ def prepare(
         ddp = _ddp_of(out) if isinstance(out, nn.Module) else None
         if ddp is not None and any(ddp.module is m for m in models):
             register_ddp(ddp)
+    if record is not None and record.unhooked is None:
+        _hook_backward(accelerator, record)
     if checkpoint and record is not None and not record.checkpointed:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(record))
@@ -443,7 +564,11 @@ def backward(
     on ``loss * S`` inside :func:`ampkit.scale_loss` (``S``: the scale of ``loss_id``'s
     scaler, 1 for bf16 unless ``loss_scale="dynamic"``). Accelerate still divides the
     loss by its ``gradient_accumulation_steps``; ampkit's gradient path unscales the
-    grads when backward ends, so ``accelerator.clip_grad_norm_`` sees real ones.
+    grads when backward ends, so ``accelerator.clip_grad_norm_`` sees real ones. Since
+    :func:`prepare` scales the loss in ``accelerator.backward`` itself, this is needed
+    only for a ``loss_id`` other than 0 or the optimizers of one of several
+    :func:`prepare` calls; called anyway, it runs the Accelerator's own backward on the
+    loss it scaled (never scaled twice).
 
     Args:
         accelerator: the Accelerator of :func:`prepare` (``mixed_precision="no"``).
@@ -457,8 +582,10 @@ def backward(
     check_accelerator(accelerator)
     if not isinstance(retain_graph, bool):
         raise AccelerateSetupError(f"retain_graph must be True or False, got {retain_graph!r}.")
+    record = _PREPARED.get(accelerator)
+    own = accelerator.backward if record is None or record.unhooked is None else record.unhooked
     with scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
         if retain_graph:
-            accelerator.backward(scaled, retain_graph=True)
+            own(scaled, retain_graph=True)
         else:
-            accelerator.backward(scaled)
+            own(scaled)

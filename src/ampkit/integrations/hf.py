@@ -1,19 +1,30 @@
 """ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install -e '.[hf]'``).
 
-::
+The stock ``Trainer`` and ``TrainingArguments``, one line added (:func:`enable`)::
+
+    from ampkit.integrations.hf import enable
+
+    trainer = Trainer(model=model, args=TrainingArguments("out"), train_dataset=train)  # not bf16=True
+    enable(trainer, "O2")
+    trainer.train()
+    trainer.save_model("final")     # fp32 weights, config dtype float32
+
+or ampkit's classes, the settings among the arguments (``--amp_level O2``)::
 
     from ampkit.integrations.hf import AmpkitTrainer, AmpkitTrainingArguments
 
     args = AmpkitTrainingArguments(output_dir="out", amp_level="O2")   # not bf16=True
     trainer = AmpkitTrainer(model=model, args=args, train_dataset=train)
-    trainer.train()
-    trainer.save_model("final")     # fp32 weights, config dtype float32
 
 :class:`AmpkitTrainer` is ``transformers.Trainer`` with :class:`AmpkitTrainerMixin`;
 put the mixin first to add the same to another Trainer subclass
 (``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``, arguments
-:class:`AmpkitSeq2SeqTrainingArguments`). What the mixin does, each through a method
-or hook of the Trainer:
+:class:`AmpkitSeq2SeqTrainingArguments`). :func:`enable` gives a trainer already built
+that class (the mixin first, its settings kept on the trainer, not in ``args``). Not a
+callback: HF hands its callbacks no trainer, and no callback event comes where ampkit
+must act (before Accelerate wraps the optimizer, inside ``backward``, before a resumed
+checkpoint's weights load). What the mixin does, each through a method or hook of the
+Trainer:
 
 - ``create_optimizer``: the optimizer the Trainer builds (or was given) and
   ``trainer.model`` go through :func:`ampkit.initialize` at ``amp_level`` before
@@ -85,14 +96,17 @@ from ampkit.trainer.session import state_dict as amp_state_dict
 
 from . import require
 from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
+from .banner import announce
 from .hf_arguments import (
     AmpkitArguments,
+    AmpkitOptions,
     AmpkitSeq2SeqTrainingArguments,
     AmpkitTrainingArguments,
     HfIntegrationError,
     check_arguments,
     dtype_of,
     level_of,
+    resolve_options,
 )
 from .hf_callbacks import AmpkitSkipSignal, _RegisterDDP
 from .hf_weights import (
@@ -107,6 +121,7 @@ from .hf_weights import (
 
 transformers = require("transformers", "hf")
 
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from transformers import Trainer  # noqa: E402
 from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
 
@@ -114,6 +129,7 @@ __all__ = [
     "AMPKIT_NAME",
     "TRAINER_PRIVATES",
     "AmpkitArguments",
+    "AmpkitOptions",
     "AmpkitSeq2SeqTrainingArguments",
     "AmpkitSkipSignal",
     "AmpkitTrainer",
@@ -122,6 +138,7 @@ __all__ = [
     "HfIntegrationError",
     "check_arguments",
     "check_trainer_contract",
+    "enable",
     "fp32_state_dict",
 ]
 
@@ -177,7 +194,8 @@ class _Resume:
 class AmpkitTrainerMixin:
     """ampkit's mixed precision for a ``transformers.Trainer`` subclass; list it first:
     ``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``. Reads ``amp_level``,
-    ``amp_dtype``, ``amp_fp8`` and ``amp_save_weights`` from ``self.args``
+    ``amp_dtype``, ``amp_fp8``, ``amp_save_weights`` and ``amp_plan`` from the
+    :class:`AmpkitOptions` :func:`enable` kept on the trainer, else from ``self.args``
     (:class:`AmpkitArguments`; a plain ``TrainingArguments`` gets their defaults: O1,
     the device's dtype). See the module docstring for what each overridden method does.
 
@@ -194,39 +212,28 @@ class AmpkitTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         """HF's accelerator, then the checks: arguments valid, no DeepSpeed, FSDP or
         SageMaker model parallelism (each owns the weights' dtype and the optimizer)."""
-        check_arguments(self.args)
+        check_arguments(self.args, self.__dict__.get("_ampkit_options"))
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        refused = [
-            name
-            for name, on in (
-                ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
-                ("FSDP", getattr(self, "is_fsdp_enabled", False)),
-                ("FSDP on XLA", getattr(self, "is_fsdp_xla_enabled", False)),
-                ("SageMaker model parallelism", is_sagemaker_mp_enabled()),
-            )
-            if on
-        ]
-        if refused:
-            raise HfIntegrationError(
-                f"{refused[0]} keeps its own copy of the weights and optimizer (and casts "
-                "them itself), so ampkit cannot set them up; use its own mixed precision "
-                "with a plain Trainer, or DDP (no DeepSpeed/FSDP config) with ampkit."
-            )
+        _refuse_backends(self)
+
+    def _amp_source(self) -> Any:
+        """Where the ``amp_*`` settings come from: :func:`enable`'s options, else the arguments."""
+        return self.__dict__.get("_ampkit_options") or self.args
 
     @property
     def amp_level(self) -> str:
-        """The ampkit opt level of this trainer: ``args.amp_level`` (upper case), else
-        ``AMPKIT_LEVEL``, else ``"O1"``."""
-        return level_of(self.args)
+        """The ampkit opt level of this trainer: :func:`enable`'s, else ``args.amp_level``
+        (upper case), else ``AMPKIT_LEVEL``, else ``"O1"``."""
+        return level_of(self._amp_source())
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
-        """The 16-bit compute dtype (None at O0): ``args.amp_dtype``, else
-        ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default (bf16 on CPU, fp16
-        on CUDA)."""
+        """The 16-bit compute dtype (None at O0): ``amp_dtype`` (:func:`enable`'s or the
+        arguments'), else ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default
+        (bf16 on CPU, fp16 on CUDA)."""
         if self.amp_level == "O0":
             return None
-        chosen = dtype_of(getattr(self.args, "amp_dtype", None)) or dtype_from_env()
+        chosen = dtype_of(getattr(self._amp_source(), "amp_dtype", None)) or dtype_from_env()
         if chosen is not None:
             return chosen
         if self.amp_level == "O2K":
@@ -235,8 +242,9 @@ class AmpkitTrainerMixin:
 
     @property
     def amp_plan(self) -> TunePlan | None:
-        """The plan of ``args.amp_plan`` (read once per trainer), or None."""
-        path = getattr(self.args, "amp_plan", None)
+        """The plan at ``amp_plan`` (:func:`enable`'s or the arguments'; read once per
+        trainer), or None."""
+        path = getattr(self._amp_source(), "amp_plan", None)
         if path is None:
             return None
         cached = self.__dict__.get("_ampkit_plan")
@@ -251,9 +259,9 @@ class AmpkitTrainerMixin:
 
     def amp_fp8_recipe(self) -> Fp8Recipe | None:
         """The fp8 recipe passed to :func:`ampkit.initialize`: the default
-        :class:`ampkit.Fp8Recipe` when ``args.amp_fp8`` is True, else None. Override it
+        :class:`ampkit.Fp8Recipe` when ``amp_fp8`` is True, else None. Override it
         in a subclass for another recipe (e.g. ``Fp8Recipe(min_features=256)``)."""
-        return Fp8Recipe() if getattr(self.args, "amp_fp8", False) else None
+        return Fp8Recipe() if getattr(self._amp_source(), "amp_fp8", False) else None
 
     def create_optimizer(self, model: nn.Module | None = None) -> Any:
         """HF's optimizer (built from the arguments, or the one given to the Trainer),
@@ -290,6 +298,7 @@ class AmpkitTrainerMixin:
         initialize(model, raw, level, fp8=self.amp_fp8_recipe(), **overrides)
         device_type = next((t.device.type for t in model.parameters()), self.args.device.type)
         self._ampkit = _Setup(raw, weakref.ref(model), level, dtype, device_type, names)
+        announce("Hugging Face", "Trainer", level, dtype)
         if not any(isinstance(cb, AmpkitSkipSignal) for cb in self.callback_handler.callbacks):
             self.add_callback(AmpkitSkipSignal())
         if not any(isinstance(cb, _RegisterDDP) for cb in self.callback_handler.callbacks):
@@ -526,14 +535,14 @@ class AmpkitTrainerMixin:
     # -- saving the model ------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """HF's ``save_model``, writing ``args.amp_save_weights``: the trained fp32
+        """HF's ``save_model``, writing ``amp_save_weights``: the trained fp32
         weights with ``config.json`` dtype float32 (default, and always for the
         checkpoints HF saves with ``_internal_call=True``), or the :func:`ampkit.convert`
         inference model (``"converted"``)."""
         target = os.path.join(output_dir, AMPKIT_NAME) if _internal_call and output_dir is not None else None
         if target is not None and self._ampkit is not None and self.args.should_save and os.path.lexists(target):
             check_target(target, _AMPKIT_WHAT, HfIntegrationError)  # refused before HF writes the checkpoint
-        self._ampkit_save_mode = "fp32" if _internal_call else getattr(self.args, "amp_save_weights", "fp32")
+        self._ampkit_save_mode = "fp32" if _internal_call else getattr(self._amp_source(), "amp_save_weights", "fp32")
         try:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
         finally:
@@ -565,6 +574,132 @@ class AmpkitTrainerMixin:
 class AmpkitTrainer(AmpkitTrainerMixin, Trainer):
     """``transformers.Trainer`` trained with ampkit (:class:`AmpkitTrainerMixin`);
     takes HF's arguments, with :class:`AmpkitTrainingArguments` as ``args``."""
+
+
+def _refuse_backends(trainer: Any) -> None:
+    """Raise :class:`HfIntegrationError` when ``trainer``'s accelerator runs DeepSpeed,
+    FSDP or SageMaker model parallelism (each owns the weights' dtype and the optimizer)."""
+    refused = [
+        name
+        for name, on in (
+            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
+            ("FSDP", getattr(trainer, "is_fsdp_enabled", False)),
+            ("FSDP on XLA", getattr(trainer, "is_fsdp_xla_enabled", False)),
+            ("SageMaker model parallelism", is_sagemaker_mp_enabled()),
+        )
+        if on
+    ]
+    if refused:
+        raise HfIntegrationError(
+            f"{refused[0]} keeps its own copy of the weights and optimizer (and casts "
+            "them itself), so ampkit cannot set them up; use its own mixed precision "
+            "with a plain Trainer, or DDP (no DeepSpeed/FSDP config) with ampkit."
+        )
+
+
+# Module state: the ampkit class of each Trainer class enable() was given (made once).
+_ENABLED: dict[type, type] = {Trainer: AmpkitTrainer}
+
+
+def _enabled_class(cls: type) -> type:
+    """``cls`` with :class:`AmpkitTrainerMixin` first: :class:`AmpkitTrainer` for
+    ``transformers.Trainer``, else a class ``Ampkit<Name>`` made once per class."""
+    made = _ENABLED.get(cls)
+    if made is None:
+        doc = f"``{cls.__qualname__}`` with :class:`AmpkitTrainerMixin` (made by :func:`enable`)."
+        made = _ENABLED[cls] = type(f"Ampkit{cls.__name__}", (AmpkitTrainerMixin, cls), {"__doc__": doc})
+    return made
+
+
+def enable(
+    trainer: Trainer,
+    opt_level: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    fp8: bool = False,
+    save_weights: str = "fp32",
+    plan: str | os.PathLike[str] | None = None,
+) -> Trainer:
+    """Make a stock ``transformers.Trainer`` (or any subclass of it, built with a plain
+    ``TrainingArguments``) train under ampkit, as :class:`AmpkitTrainer` does; call it
+    before ``trainer.train()``::
+
+        trainer = enable(Trainer(model=model, args=args, train_dataset=train), "O2")
+
+    Everything :class:`AmpkitTrainerMixin` does then runs on this trainer: ampkit set up
+    in ``create_optimizer``, the loss scaled in HF's ``accelerator.backward``, skipped
+    steps held from HF's LR scheduler, ``ampkit.pt`` in every checkpoint (a bitwise
+    resume), fp32 weights from ``save_model``. HF's own ``bf16``/``fp16`` flags stay
+    refused. The trainer's class becomes its class with the mixin first
+    (:class:`AmpkitTrainer` for a ``transformers.Trainer``, ``Ampkit<Name>`` for a
+    subclass; ``isinstance(trainer, Trainer)`` still holds); ``trainer.args`` is left as
+    it is.
+
+    Args:
+        trainer: the Trainer, constructed, not trained yet (its optimizer not prepared
+            by Accelerate).
+        opt_level (str | None): ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"``;
+            None: the plan's level, else ``AMPKIT_LEVEL``, else ``"O1"``. Default: ``None``.
+        dtype (torch.dtype | None): ``torch.bfloat16`` or ``torch.float16``; None: the
+            plan's, else ``AMPKIT_DTYPE``, else the device's (bf16 on CPU, fp16 on CUDA;
+            O2K is always bf16). Default: ``None``.
+        fp8 (bool): fp8 linears (:class:`ampkit.Fp8Recipe`'s default choice), as
+            ``amp_fp8``. Default: ``False``.
+        save_weights (str): what ``trainer.save_model()`` writes: ``"fp32"`` (the
+            trained fp32 weights) or ``"converted"`` (the :func:`ampkit.convert`
+            inference model), as ``amp_save_weights``. Default: ``"fp32"``.
+        plan (str | os.PathLike | None): the path of an :func:`ampkit.tune` plan, as
+            ``amp_plan``. Default: ``None``.
+
+    Returns:
+        ``trainer`` itself.
+
+    Raises:
+        HfIntegrationError: not a ``transformers.Trainer``; already ampkit's (an
+            :class:`AmpkitTrainer`, the mixin, or enabled before); arguments of
+            :class:`AmpkitArguments` (their ``amp_*`` fields and these would both set
+            the level: use :class:`AmpkitTrainer`); a Trainer that already trained (its
+            optimizer prepared); HF's own ``bf16``/``fp16`` flags or Accelerate's
+            ``mixed_precision``; DeepSpeed, FSDP, SageMaker model parallelism; a bad
+            setting. Nothing is changed then.
+        ampkit.PlanError: a plan that cannot be read.
+    """
+    if not isinstance(trainer, Trainer):
+        raise HfIntegrationError(
+            f"enable() takes a transformers.Trainer, got {type(trainer).__name__}; pass the "
+            "Trainer you built (Trainer(model=..., args=...))."
+        )
+    if isinstance(trainer, AmpkitTrainerMixin):
+        raise HfIntegrationError(
+            f"this {type(trainer).__name__} already trains under ampkit (AmpkitTrainer, the "
+            "mixin, or enable() called before); its level is set once: drop this enable() call."
+        )
+    if isinstance(trainer.args, AmpkitArguments):
+        raise HfIntegrationError(
+            f"trainer.args is a {type(trainer.args).__name__}, whose amp_level/amp_dtype would "
+            "set the level besides enable()'s; use AmpkitTrainer with those arguments, or plain "
+            "TrainingArguments with enable()."
+        )
+    if isinstance(trainer.optimizer, AcceleratedOptimizer):
+        raise HfIntegrationError(
+            "this Trainer has trained already (its optimizer is prepared by Accelerate), so "
+            "ampkit cannot set it up before the wrap; call enable() right after building the "
+            "Trainer, before trainer.train()."
+        )
+    options = resolve_options(opt_level, dtype, fp8, save_weights, None if plan is None else os.fspath(plan))
+    check_arguments(trainer.args, options)
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
+    if mixed != "no":
+        raise HfIntegrationError(
+            f"this Trainer's Accelerator has mixed_precision={mixed!r} (from "
+            "ACCELERATE_MIXED_PRECISION or `accelerate launch --mixed_precision`): it would cast "
+            "on top of ampkit. Launch with --mixed_precision no and choose the dtype with dtype=."
+        )
+    _refuse_backends(trainer)
+    enabled = _enabled_class(type(trainer))
+    trainer.__class__ = enabled
+    trainer.__dict__["_ampkit_options"] = options
+    return trainer
 
 
 def check_trainer_contract(trainer_cls: type = Trainer) -> None:

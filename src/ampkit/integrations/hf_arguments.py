@@ -5,6 +5,7 @@ by, and documented as part of, :mod:`ampkit.integrations.hf`."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,12 +24,14 @@ __all__ = [
     "LEVELS",
     "SAVE_WEIGHTS",
     "AmpkitArguments",
+    "AmpkitOptions",
     "AmpkitSeq2SeqTrainingArguments",
     "AmpkitTrainingArguments",
     "HfIntegrationError",
     "check_arguments",
     "dtype_of",
     "level_of",
+    "resolve_options",
 ]
 
 LEVELS = ("O0", "O1", "O2", "O3", "O2K")
@@ -64,14 +67,21 @@ def level_of(args: Any) -> Any:
     return level.upper() if isinstance(level, str) else level
 
 
-def check_arguments(args: TrainingArguments) -> None:
-    """Raise :class:`HfIntegrationError` unless ``args`` can run under ampkit: its
-    ``amp_*`` fields (defaults where a plain ``TrainingArguments`` has none) are valid
-    and none of HF's own mixed-precision switches is on."""
-    level = level_of(args)
-    dtype = getattr(args, "amp_dtype", None)
-    fp8 = getattr(args, "amp_fp8", False)
-    save = getattr(args, "amp_save_weights", "fp32")
+def check_arguments(args: TrainingArguments, options: AmpkitOptions | None = None) -> None:
+    """Raise :class:`HfIntegrationError` unless ``args`` can run under ampkit: the
+    ``amp_*`` settings are valid and none of HF's own mixed-precision switches of
+    ``args`` is on.
+
+    Args:
+        args: the Trainer's arguments.
+        options: where the ``amp_*`` settings come from (:func:`ampkit.integrations.hf.enable`'s);
+            None: from ``args`` itself (defaults where a plain ``TrainingArguments`` has
+            none). Default: ``None``."""
+    source: Any = args if options is None else options
+    level = level_of(source)
+    dtype = getattr(source, "amp_dtype", None)
+    fp8 = getattr(source, "amp_fp8", False)
+    save = getattr(source, "amp_save_weights", "fp32")
     if not isinstance(level, str) or level.upper() not in LEVELS:
         raise HfIntegrationError(
             f"amp_level={level!r} is not an ampkit opt level; choose one of {', '.join(LEVELS)} "
@@ -130,6 +140,62 @@ def check_arguments(args: TrainingArguments) -> None:
             "`accelerate launch --mixed_precision`): it would cast on top of ampkit. Launch "
             "with --mixed_precision no and choose the dtype with amp_dtype."
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpkitOptions:
+    """ampkit's settings of a stock ``Trainer`` set up by
+    :func:`ampkit.integrations.hf.enable` (resolved as :class:`AmpkitArguments` resolves
+    its fields), named as those fields so that one reader serves both.
+
+    Attributes:
+        amp_level (str): the opt level (upper case).
+        amp_dtype (str | None): ``"bfloat16"``, ``"float16"``, or None (the device's).
+        amp_fp8 (bool): fp8 linears (:class:`ampkit.Fp8Recipe`'s default choice).
+        amp_save_weights (str): ``"fp32"`` or ``"converted"``.
+        amp_plan (str | None): the path of an :func:`ampkit.tune` plan, or None.
+    """
+
+    amp_level: str
+    amp_dtype: str | None
+    amp_fp8: bool
+    amp_save_weights: str
+    amp_plan: str | None
+
+
+def resolve_options(
+    opt_level: str | None,
+    dtype: torch.dtype | None,
+    fp8: bool,
+    save_weights: str,
+    plan: str | None,
+) -> AmpkitOptions:
+    """:class:`AmpkitOptions` as :class:`AmpkitArguments` resolves its fields: the plan's
+    level and dtype where ``opt_level``/``dtype`` are None (the plan read and checked),
+    then ``AMPKIT_LEVEL``/``AMPKIT_DTYPE``, then O1 and the device's dtype. Raises
+    :class:`HfIntegrationError` for a ``dtype`` that is not bf16 or fp16 (the other
+    values are checked by :func:`check_arguments`)."""
+    name: str | None = None
+    if dtype is not None:
+        names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if dtype not in names:
+            raise HfIntegrationError(
+                f"dtype={dtype!r} is not a 16-bit dtype ampkit computes in; pass "
+                "torch.bfloat16 or torch.float16, or None for the device's default."
+            )
+        name = names[dtype]
+    if plan is not None:
+        loaded = TunePlan.load(plan)
+        if opt_level is None:
+            opt_level = loaded.level
+        if name is None and loaded.lowered:
+            name = {"bf16": "bfloat16", "fp16": "float16"}[loaded.dtype]
+    level = level_of(SimpleNamespace(amp_level=opt_level))
+    if name is None and level != "O0":
+        env = dtype_from_env()
+        if env is not None:
+            name = str(env).removeprefix("torch.")
+    return AmpkitOptions(level, name, fp8, save_weights, plan)
 
 
 @dataclasses.dataclass

@@ -80,6 +80,16 @@ _COMPENSATED: weakref.WeakKeyDictionary[torch.optim.Optimizer, CompensatedUpdate
 
 _reset.on_reset(drop_guards)
 
+# Session state: the level the last initialize set up (empty after a reset).
+_APPLIED: list[OptLevel] = []
+_reset.on_reset(_APPLIED.clear)
+
+
+def applied_level() -> OptLevel | None:
+    """The :class:`OptLevel` (after overrides and plans) that the last :func:`initialize`
+    of the current session set up; None when none has since the last ``ampkit.reset``."""
+    return _APPLIED[-1] if _APPLIED else None
+
 
 @_reset.on_reset
 def _drop_compensation() -> None:
@@ -333,6 +343,7 @@ def _apply(plan: Plan, named_by_models: bool = False) -> None:
     level, model_list, opt_list = plan.level, plan.models, plan.optimizers
     if plan.fresh:
         _reset.reset()  # a new session: no leftovers of a previous initialize or init
+    _APPLIED[:] = [level]
     masters: list[MasterWeights | None] = [masters_of(opt) for opt in opt_list]
     if plan.shard_plan is not None:
         _setup_sharded(model_list[0], plan.shard_plan, level, plan.device_type, plan.policy)

@@ -22,6 +22,7 @@ from ampkit.levels.setup import OPT_LEVELS, master_params
 from ampkit.trainer import session
 from ampkit.trainer.api import stats, unscale
 
+from ..banner import announce
 from ._settings import Settings, device_type_of, lightning_precision_name
 from .schedulers import HeldScheduler
 
@@ -158,6 +159,8 @@ class PluginCore:
             self._mirror.remove()
             self._mirror = None
         self.level = self.settings.initialize(module, optimizers, device_type)
+        what = "Fabric" if "Fabric" in self.settings.owner else "Trainer"
+        announce("Lightning", what, self.level.name, self.level.dtype)
         self.device_type = device_type
         self._module = weakref.ref(module)
         self.optimizers = optimizers

@@ -1,0 +1,62 @@
+"""The one line an integration logs when ampkit takes over a framework's precision.
+
+When :mod:`ampkit.integrations.hf`, :mod:`~ampkit.integrations.accelerate` or
+:mod:`~ampkit.integrations.lightning` sets ampkit up inside its framework, it says so
+once per process and framework (rank 0 alone in a distributed run), at ``INFO`` on the
+``"ampkit"`` logger (never through ``print`` or ``warnings``)::
+
+    ampkit O2 (bf16) manages precision for this Trainer (Hugging Face); the framework's own mixed precision is off
+
+Show it with ``logging.basicConfig(level=logging.INFO)`` or
+``logging.getLogger("ampkit").setLevel(logging.INFO)`` and a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from ampkit._internal.dist import is_rank_zero
+from ampkit._internal.dtypes import dtype_name
+
+__all__ = ["ANNOUNCED", "LOGGER_NAME", "announce", "banner"]
+
+#: The logger the line goes to.
+LOGGER_NAME = "ampkit"
+#: The frameworks announced in this process (one line each, whatever the level).
+ANNOUNCED: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def banner(framework: str, what: str, level: str, dtype: torch.dtype | None) -> str:
+    """The line itself: ``level`` (``"O2"``) in ``dtype`` (None, or O0: fp32) manages
+    precision for ``what`` (``"Trainer"``, ``"Accelerator"``) of ``framework``
+    (``"Hugging Face"``, ``"Accelerate"``, ``"Lightning"``)."""
+    computes = "fp32" if dtype is None or level == "O0" else dtype_name(dtype)
+    return (
+        f"ampkit {level} ({computes}) manages precision for this {what} ({framework}); "
+        "the framework's own mixed precision is off"
+    )
+
+
+def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -> bool:
+    """Log :func:`banner` at ``INFO`` on the ``"ampkit"`` logger the first time
+    ``framework`` is set up in this process; True when it was logged now, False when
+    ``framework`` was announced before (it is in :data:`ANNOUNCED`) or this process is
+    not rank 0 of a distributed run (which logs for all ranks).
+
+    Args:
+        framework: the framework's name, the key of "once per process".
+        what: the object of the framework ampkit runs in (``"Trainer"``).
+        level: the opt level's name (``"O2"``).
+        dtype: the compute dtype (None: fp32)."""
+    with _LOCK:
+        if framework in ANNOUNCED:
+            return False
+        ANNOUNCED.add(framework)
+    if not is_rank_zero():
+        return False
+    logging.getLogger(LOGGER_NAME).info("%s", banner(framework, what, level, dtype))
+    return True
