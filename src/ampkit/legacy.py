@@ -38,7 +38,7 @@ LEGACY_MODULES: dict[str, str] = {
     "ampkit.fp8": "ampkit.levels.fp8",
     "ampkit.convert": "ampkit.inference.conversion",  # the package: it exports every class 0.2 pickled there
     "ampkit.levels": "ampkit.levels.setup",  # ampkit.levels is today's package; see below
-    "ampkit.distributed": "ampkit.distributed.core",  # likewise
+    "ampkit.distributed": "ampkit.levels.sharding",  # likewise (its FSDPGuard lives there today)
     "ampkit.compat": "ampkit.tools.compat",
     "ampkit.compat.apex": "ampkit.tools.compat.apex",
     "ampkit.bench": "ampkit.tools.bench",

@@ -45,7 +45,7 @@ SAFE_GLOBALS: dict[str, tuple[str, ...]] = {
     ),
     "ampkit.levels.setup": ("ResyncMasters",),
     "ampkit.trainer.grad_hooks": ("WatchDDP",),
-    "ampkit.distributed.core": ("FSDPGuard",),
+    "ampkit.levels.sharding": ("FSDPGuard",),
     # initialize(..., fp8=...): the switched class and its scale state
     "ampkit.levels.fp8.layer": ("Float8Linear",),
     "ampkit.levels.fp8.scales": ("LayerState", "TensorScale"),
@@ -67,14 +67,17 @@ ON_THEIR_IMPORT = frozenset({"ampkit.tools.compat.apex"})
 #: Modules that were one file in 0.3 and are packages today: a file written by 0.3 names
 #: their classes by the package (``ampkit.levels.fp8.Float8Linear``), which exports them.
 SPLIT_SINCE_0_3 = ("ampkit.levels.fp8",)
+#: Modules whose classes moved since 0.3: the module a file written by 0.3 names -> today's.
+MOVED_SINCE_0_3 = {"ampkit.distributed.core": "ampkit.levels.sharding"}
 
 
 def _legacy_names(cls: type) -> list[str]:
     """The paths under which ampkit 0.2 or 0.3 pickled ``cls``: ``<old>.<qualname>`` for
     each 0.2 module path whose module today is ``cls``'s own, or a package above it that
     exports ``cls`` (``ampkit.convert`` is the ``ampkit.inference.conversion`` package,
-    its classes live in the package's modules), and ``<package>.<qualname>`` for a 0.3
-    module split into a package since (:data:`SPLIT_SINCE_0_3`)."""
+    its classes live in the package's modules), ``<package>.<qualname>`` for a 0.3
+    module split into a package since (:data:`SPLIT_SINCE_0_3`), and ``<old>.<qualname>``
+    for a class moved since 0.3 (:data:`MOVED_SINCE_0_3`)."""
     from .legacy import LEGACY_MODULES
 
     def exports(package: str) -> bool:
@@ -86,6 +89,7 @@ def _legacy_names(cls: type) -> list[str]:
         if new == cls.__module__ or exports(new):
             out.append(f"{old}.{cls.__qualname__}")
     out.extend(f"{package}.{cls.__qualname__}" for package in SPLIT_SINCE_0_3 if exports(package))
+    out.extend(f"{old}.{cls.__qualname__}" for old, new in MOVED_SINCE_0_3.items() if new == cls.__module__)
     return out
 
 

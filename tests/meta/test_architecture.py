@@ -617,6 +617,110 @@ def test_the_size_budget_counts_code_lines_only(tmp_path):
     assert _over_budget(grown, FUNCTION_BUDGET, {}) == [f"{key}: {grown[key]} lines, over the budget of {FUNCTION_BUDGET}"]
 
 
+# --- no runtime import cycle ----------------------------------------------------------------
+# import-linter's layers see the module graph; an import inside a function runs later and can
+# still close a loop (a needs b at call time, b imports a). Here every import statement
+# counts, at module level or inside a function, except those under ``if TYPE_CHECKING:``
+# (they never run). An edge goes to the module imported, or to the package whose name it
+# imports; the import of a parent package that any submodule import runs first is not an
+# edge (the root imports every layer). Allowed cycles would be listed with their reason:
+#: ``frozenset({module, ...})`` of an allowed cycle -> why it must stay.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in (getattr(node.test, "id", None), getattr(node.test, "attr", None))
+            for stmt in node.body for n in ast.walk(stmt)}  # fmt: skip
+
+
+def import_graph(src: Path) -> dict[str, dict[str, int]]:
+    """``{module: {imported ampkit module: line}}`` from every import statement of ``src``
+    (``src`` is a copy of ``src/ampkit`` or the real one), function-level ones included."""
+    def is_module(dotted: str) -> bool:
+        path = src.joinpath(*dotted.split(".")[1:])
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    graph: dict[str, dict[str, int]] = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = ["ampkit", *path.relative_to(src).with_suffix("").parts]
+        me = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        skip, out = _type_checking_nodes(tree), graph.setdefault(me, {})
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import) and id(node) not in skip:
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and id(node) not in skip:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{module}.{a.name}" if is_module(f"{module}.{a.name}") else module for a in node.names]
+            for target in targets:
+                while target.split(".")[0] == "ampkit" and not is_module(target):
+                    target = target.rsplit(".", 1)[0]
+                if target.split(".")[0] == "ampkit" and target != me:
+                    out.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _cycle_report(graph: dict[str, dict[str, int]], cycles: list[list[str]]) -> str:
+    lines = []
+    for cycle in cycles:
+        lines.append(" <-> ".join(cycle))
+        lines += [f"    {a} -> {b} (line {graph[a][b]})" for a in cycle for b in graph[a] if b in cycle]
+    return "\n".join(lines)
+
+
+def test_no_import_cycle_at_run_time():
+    """No import, at module level or inside a function, closes a loop in ``src``; the
+    allowed ones (none today) are listed with their reason."""
+    graph = import_graph(SRC)
+    cycles = [c for c in import_cycles(graph) if frozenset(c) not in ALLOWED_CYCLES]
+    assert not cycles, "imports that close a loop (a function-level one included):\n" + _cycle_report(graph, cycles)
+    assert graph["ampkit.distributed.fsdp"]["ampkit.levels.model_cast"]  # a function-level import is seen
+
+
+def test_the_cycle_check_catches_a_planted_function_level_import(tmp_path):
+    src = tmp_path / "ampkit"
+    shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    scaler = src / "scaling" / "transition.py"
+    scaler.write_text(scaler.read_text() + "\n\ndef _planted():\n    from .loss_scaler import LossScaler\n")
+    checking = src / "levels" / "model_cast.py"
+    checking.write_text(checking.read_text() + "\nif TYPE_CHECKING:\n    from ampkit.levels.setup import initialize\n")
+    graph = import_graph(src)
+    assert import_cycles(graph) == [["ampkit.scaling.loss_scaler", "ampkit.scaling.transition"]], _cycle_report(
+        graph, import_cycles(graph))
+
+
 # One docstring convention: Google style as napoleon reads it (``Args:`` entries
 # ``name (type): what it is. Default: ``x``.``). A default in brackets after the type,
 # ``name (type) [x]:``, is dropped from the rendered page by napoleon's parser.

@@ -1236,7 +1236,6 @@ def test_bad_trainer_calls_change_nothing(data):
     calls: list[Callable[[], Any]] = [
         lambda: amp.init_trainer(fresh, scaler=data.draw(st.sampled_from([1e-40, NAN, -1.0, "x", True, [LossScaler()] * 2, attached]))),
         lambda: amp.init_trainer(fresh, num_losses=data.draw(st.sampled_from([0, True, 1.5, "2"]))),
-        lambda: amp.init_trainer(fresh, hold_schedulers_on_skip="yes"),
         lambda: amp.init_trainer([fresh, fresh]),
         lambda: amp.init_trainer(opt),  # already managed
         lambda: amp.init_trainer([]),

@@ -3,7 +3,9 @@
 - :data:`LOW_PRECISION`: the 16-bit floating dtypes ampkit computes or stores in.
 - :data:`DTYPE_NAMES` / :func:`dtype_name`: the short names ampkit prints (``"bf16"``).
 - :data:`DTYPES_BY_NAME`: the dtype a short name given on a command line or in a
-  config (``"bf16"``, ``"fp16"``, ``"fp32"``) stands for.
+  config (``"bf16"``, ``"fp16"``, ``"fp32"``) stands for; :data:`LOW_PRECISION_BY_NAME`:
+  the 16-bit ones under ampkit's names and torch's (``"bfloat16"``). The one name table:
+  every other module imports these.
 - :func:`default_device_type` / :func:`default_dtype`: what ampkit picks when the caller
   names no device or dtype (torch.autocast's own defaults).
 - :func:`cast_optimizer_state`: how an optimizer's per-parameter state follows its
@@ -26,6 +28,7 @@ __all__ = [
     "LOW_PRECISION",
     "DTYPE_NAMES",
     "DTYPES_BY_NAME",
+    "LOW_PRECISION_BY_NAME",
     "dtype_name",
     "default_device_type",
     "default_dtype",
@@ -45,13 +48,17 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "fp64",
 }
 
-#: The dtype each short name accepted from a user (CLI flag, spec field) stands for.
+#: The dtype each short name accepted from a user (CLI flag, plan or spec field) stands
+#: for: :data:`DTYPE_NAMES` reversed, fp64 aside (ampkit computes in none of it).
 #: Callers that accept fewer names (16-bit only) check the name against their own
 #: choices first.
-DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in DTYPE_NAMES.items() if d != torch.float64}
+
+#: The 16-bit dtypes by ampkit's short names and torch's own (``"bf16"`` and
+#: ``"bfloat16"``): what ``AMPKIT_DTYPE`` and the integrations' arguments accept.
+LOW_PRECISION_BY_NAME: dict[str, torch.dtype] = {
+    **{DTYPE_NAMES[d]: d for d in LOW_PRECISION},
+    **{str(d).removeprefix("torch."): d for d in LOW_PRECISION},
 }
 
 

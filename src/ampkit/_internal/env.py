@@ -11,14 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ampkit._internal.dtypes import LOW_PRECISION_BY_NAME
 from ampkit.errors import AmpError
 
 __all__ = ["LEVEL_VAR", "DTYPE_VAR", "level_from_env", "dtype_from_env"]
 
 LEVEL_VAR = "AMPKIT_LEVEL"
 DTYPE_VAR = "AMPKIT_DTYPE"
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
 def level_from_env(default: str, levels: Sequence[str]) -> str:
@@ -43,7 +42,7 @@ def dtype_from_env() -> torch.dtype | None:
     value = os.environ.get(DTYPE_VAR, "").strip()
     if not value:
         return None
-    dtype = _DTYPES.get(value.lower())
+    dtype = LOW_PRECISION_BY_NAME.get(value.lower())
     if dtype is None:
         raise AmpError(
             f"{DTYPE_VAR}={value!r} in the environment is no 16-bit dtype ampkit computes in; "

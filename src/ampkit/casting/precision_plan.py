@@ -17,16 +17,15 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.dtypes import DTYPES_BY_NAME as DTYPES
 from ampkit._internal.files import check_target, read_json, write_file, write_text
 from ampkit.casting.lists import DEFAULT_LISTS
 from ampkit.casting.policy import Policy, exact_name
 from ampkit.errors import AmpError
 
-__all__ = ["DTYPES", "FP8", "ModuleChoice", "PlanError", "TunePlan"]
+__all__ = ["FP8", "ModuleChoice", "PlanError", "TunePlan"]
 
-#: The dtype names a plan uses, and their torch dtypes.
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: A module's dtype in a plan: one of :data:`DTYPES`, or ``"fp8"`` for a linear whose
+#: A module's dtype in a plan: a name of ``DTYPES`` (fp32, bf16, fp16), or ``"fp8"`` for a linear whose
 #: matmuls run in fp8 (its output in the plan's 16-bit dtype).
 FP8 = "fp8"
 #: The levels a plan may name.

@@ -4,19 +4,16 @@ the checks that refuse wrappers a level cannot run under. ``ampkit.distributed``
 
 from __future__ import annotations
 
-from ampkit.levels import sharding as _sharding
+from ampkit.levels.sharding import (
+    FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
+    ShardPlan,
+    check_models,
+    shard_plan,
+)
 
 from .checkpoint import AmpState, load_checkpoint, save_checkpoint
-from .core import (
-    FSDPGuard,  # also 0.2's pickled path ampkit.distributed.FSDPGuard
-    SyncMode,
-    SyncPlan,
-    check_models,
-    register_ddp,
-    set_sync,
-    sync_plan,
-)
-from .fsdp import ShardPlan, check_plan, fully_shard, shard_plan
+from .core import SyncMode, SyncPlan, register_ddp, set_sync, sync_plan
+from .fsdp import fully_shard
 from .ranks import check_ranks_agree
 from .syncbn import convert_sync_batchnorm
 
@@ -37,6 +34,3 @@ __all__ = [
     "set_sync",
     "sync_plan",
 ]
-
-# initialize asks these of the distributed layer above it (ampkit.levels.sharding)
-_sharding.install(_sharding.DistributedChecks(check_models=check_models, check_plan=check_plan))

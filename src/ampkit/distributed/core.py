@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -37,7 +37,9 @@ from torch import nn
 from ampkit._internal.dtypes import torch_class
 from ampkit._internal.validate import require_choice
 from ampkit.errors import DistributedError
-from ampkit.levels.sharding import is_fsdp2
+from ampkit.levels.sharding import (
+    FSDPGuard as FSDPGuard,  # 0.3's pickled path ampkit.distributed.core.FSDPGuard
+)
 from ampkit.trainer import extensions as _extensions
 from ampkit.trainer import loss_slots as _trainer
 from ampkit.trainer import managed as _step
@@ -57,7 +59,6 @@ __all__ = [
     "register_ddp",
     "convert_sync_batchnorm",
     "check_ranks_agree",
-    "check_models",
 ]
 
 SyncMode = Literal["auto", "always", "never"]
@@ -331,97 +332,3 @@ class _DistributedAgreement:
 #: installed as the trainer's default when this module is imported.
 AGREEMENT = _DistributedAgreement()
 _extensions.set_default_agreement(AGREEMENT)
-
-
-# --- initialize-time checks --------------------------------------------------------------
-
-
-def _contains(model: nn.Module, cls: type | None) -> bool:
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
-
-
-def _is_fsdp1(model: nn.Module) -> bool:
-    return _contains(model, torch_class("torch.distributed.fsdp", "FullyShardedDataParallel"))
-
-
-def _fsdp_recipe(level_name: str) -> str:
-    return (
-        f"{level_name} stores the weights in other dtypes, and FSDP2 owns the sharded parameters, "
-        "so the level must be part of the sharding: shard the fp32 model with "
-        f"ampkit.distributed.fully_shard(model, opt_level={level_name!r}) (FSDP2 with the level's "
-        "MixedPrecisionPolicy per module), then build the optimizer and call ampkit.initialize "
-        "with the same level."
-    )
-
-
-def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool) -> None:
-    """Refuse distributed wrappers of ``models`` that an opt level (``level_name``;
-    ``casts_model``: whether it casts the model's weights) cannot work under (called by
-    :func:`ampkit.initialize` before it touches anything).
-
-    A level that casts the model (O2, O3, O2K) needs the plain model: wrap it in DDP
-    *after* ``initialize``; FSDP2 and FSDP1 models are refused with a recipe. O0/O1
-    (weights stay fp32) accept any wrapper. For cast levels, a forward pre-hook on each
-    model raises :class:`~ampkit.DistributedError` if ``fully_shard`` is applied to it
-    afterwards (its optimizer would be left training stale copies)."""
-    models = list(models)
-    if not casts_model:
-        return
-    ddp_cls = nn.parallel.DistributedDataParallel
-    for model in models:
-        if isinstance(model, ddp_cls):
-            raise DistributedError(
-                f"initialize got a DistributedDataParallel model at {level_name}, which casts "
-                "the weights: DDP's gradient buckets were built for the fp32 weights. Call "
-                "ampkit.initialize on the plain model first, then wrap it: "
-                "model = ampkit.distributed.register_ddp(DDP(model))."
-            )
-        if is_fsdp2(model):
-            from .fsdp import shard_plan
-
-            if shard_plan(model) is None:
-                raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
-            continue  # sharded for its level by ampkit.distributed.fully_shard (checked by initialize)
-        if _is_fsdp1(model):
-            raise DistributedError(
-                f"initialize got a FullyShardedDataParallel (FSDP1) model at {level_name}; "
-                "FSDP1 flattens and casts parameters itself. Use FSDP2 (fully_shard) with "
-                "O0/O1 and FSDP2's MixedPrecisionPolicy, or DDP."
-            )
-    for model in models:
-        if not is_fsdp2(model):
-            _install_fsdp_guard(model, level_name)
-
-
-# Module state: the FSDP guard hook of each model a cast level prepared (weak keys).
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-
-
-def _install_fsdp_guard(model: nn.Module, level_name: str) -> None:
-    old = _GUARDS.pop(model, None)
-    if old is not None:
-        old.remove()
-
-    _GUARDS[model] = model.register_forward_pre_hook(FSDPGuard(level_name))
-
-
-class FSDPGuard:
-    """Forward pre-hook of a model whose weights an opt level (``level_name``, named in
-    the error) cast: refuse to run once ``fully_shard`` replaced its parameters. A plain
-    object (picklable, copyable)."""
-
-    def __init__(self, level_name: str) -> None:
-        self.level_name = level_name
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if _is_fsdp2_root(module):
-            raise DistributedError(
-                f"this model was set up by ampkit.initialize at {self.level_name} and then "
-                f"sharded by fully_shard, which replaced its parameters. {_fsdp_recipe(self.level_name)}"
-            )
-
-
-def _is_fsdp2_root(module: nn.Module) -> bool:
-    fsdp2 = torch_class("torch.distributed.fsdp", "FSDPModule")
-    return fsdp2 is not None and isinstance(module, fsdp2)
-

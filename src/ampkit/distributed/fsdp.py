@@ -26,9 +26,8 @@ Order: ``fully_shard`` (this function) -> build the optimizer on the sharded par
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -37,33 +36,11 @@ from torch import nn
 from ampkit._internal.dtypes import default_dtype, torch_class
 from ampkit._internal.env import dtype_from_env
 from ampkit.errors import DistributedError
+from ampkit.levels.sharding import SHARD_PLAN_ATTR, ShardPlan, UnitRule
 
-__all__ = ["ShardPlan", "fully_shard", "shard_plan"]
+__all__ = ["fully_shard"]
 
 LEVELS = ("O0", "O1", "O2", "O3", "O2K")
-_PLAN_ATTR = "_ampkit_shard_plan"
-
-UnitRule = type[nn.Module] | str
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardPlan:
-    """How :func:`fully_shard` sharded a model: ``level``, ``dtype`` (the 16-bit compute
-    dtype), ``units`` (qualified names of the FSDP2 units, root last: ``""``), ``kept``
-    (qualified names of the modules kept fp32, each a unit) and ``keep_fp32`` (the
-    rules it was given)."""
-
-    level: str
-    dtype: torch.dtype
-    units: tuple[str, ...]
-    kept: tuple[str, ...]
-    keep_fp32: tuple[UnitRule, ...]
-
-
-def shard_plan(model: nn.Module) -> ShardPlan | None:
-    """The :class:`ShardPlan` :func:`fully_shard` left on ``model`` (None if it did not
-    shard it)."""
-    return model.__dict__.get(_PLAN_ATTR)
 
 
 def _default_units(model: nn.Module) -> list[str]:
@@ -200,26 +177,5 @@ def fully_shard(
         kept=tuple(names[id(m)] for m in kept_roots),
         keep_fp32=keep,
     )
-    model.__dict__[_PLAN_ATTR] = plan
+    model.__dict__[SHARD_PLAN_ATTR] = plan
     return model
-
-
-def check_plan(model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any]) -> ShardPlan:
-    """The plan of an FSDP2 model ``initialize`` sets up at ``level_name``: refuse one
-    that :func:`fully_shard` did not shard for this level and dtype."""
-    from .core import _fsdp_recipe
-
-    plan = shard_plan(model)
-    if plan is None:  # check_models refuses it first, with the same recipe
-        raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
-    if plan.level != level_name or plan.dtype != dtype:
-        raise DistributedError(
-            f"this model was sharded by ampkit.distributed.fully_shard for {plan.level} in {plan.dtype}; "
-            f"initialize asked for {level_name} in {dtype}. Pass the same opt_level and dtype to both."
-        )
-    if tuple(keep_fp32) and tuple(keep_fp32) != plan.keep_fp32:
-        raise DistributedError(
-            "keep_fp32 differs between ampkit.distributed.fully_shard and initialize; give it to "
-            "fully_shard (it decides which modules are fp32 units) and leave it out of initialize."
-        )
-    return plan

@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal.dtypes import LOW_PRECISION, dtype_name
 from ampkit._internal.install import install_hint
 from ampkit._internal.paths import output_path
 from ampkit._internal.tree import iter_tensors
@@ -244,7 +244,7 @@ def _store_16bit(proto: Any, dtype: torch.dtype) -> None:
     from onnx import numpy_helper
 
     np_dtype = ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16
-    suffix = "bf16" if dtype == torch.bfloat16 else "fp16"
+    suffix = dtype_name(dtype)
     graph = proto.graph
     kept, casts = [], []
     for init in graph.initializer:

@@ -2,20 +2,24 @@
 casting (:func:`cast_model`), fp32 master weights (:class:`MasterWeights`),
 compensated bf16 updates (:class:`CompensatedUpdates`) and fp8 (:mod:`.fp8`).
 
-Names resolve on first use (``ampkit.levels.initialize``), so importing one module of
-the package does not import the rest. :mod:`ampkit.distributed` sits above the levels;
-what ``initialize`` asks of it goes through ``ampkit.levels.sharding``."""
+:mod:`ampkit.distributed` sits above the levels."""
 
 from __future__ import annotations
 
-from ampkit._internal.lazy import lazy_exports
+from .compensated import CompensatedUpdates
+from .fp8 import Fp8Recipe
+from .master import MasterWeights
+from .model_cast import cast_model
+from .opt_level import OPT_LEVELS, OptLevel, resolve_opt_level
+from .setup import (
+    ResyncMasters,  # also 0.2's pickled path ampkit.levels.ResyncMasters
+    compensation_of,
+    initialize,
+    master_params,
+    master_weights_of,
+)
 
-_EXPORTS = {
-    "OptLevel": "opt_level", "OPT_LEVELS": "opt_level", "initialize": "setup", "master_params": "setup",
-    "resolve_opt_level": "opt_level", "master_weights_of": "setup", "compensation_of": "setup",
-    "ResyncMasters": "setup",  # also 0.2's pickled path ampkit.levels.ResyncMasters
-    "cast_model": "model_cast", "MasterWeights": "master", "CompensatedUpdates": "compensated",
-    "Fp8Recipe": "fp8",
-}
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [
+    "CompensatedUpdates", "Fp8Recipe", "MasterWeights", "OPT_LEVELS", "OptLevel", "ResyncMasters", "cast_model",
+    "compensation_of", "initialize", "master_params", "master_weights_of", "resolve_opt_level",
+]  # fmt: skip

@@ -257,7 +257,7 @@ def make_plan(
     plan = Plan(level, policy, device_type, model_list, opt_list, one_model, one_opt, fresh, _make_scaler(level))
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
-    sharding.checks().check_models(model_list, level.name, level.cast_model_type is not None)
+    sharding.check_models(model_list, level.name, level.cast_model_type is not None)
     if any(is_fsdp2(m) for m in model_list):
         _check_fsdp_optimizers(model_list, opt_list)
         if level.cast_model_type is not None:
@@ -314,7 +314,7 @@ def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optim
     it (before anything is changed); returns the shard plan."""
     if len(model_list) != 1:
         raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
-    plan = sharding.checks().check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
+    plan = sharding.check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
     if level.compensation is not None:
         # each rank steps its local shards with the one-pass update; the generic path (the
         # optimizer on fp32 copies) and stochastic rounding's per-rank draws are not sharded

@@ -40,17 +40,26 @@ and need no host sync; the caller syncs once per step to read the flag.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ampkit._internal.dist import is_rank_zero
-from ampkit._internal.validate import brief, is_real, require_count, require_fields, require_flag
+from ampkit._internal.validate import require_count, require_fields
 from ampkit.errors import NumericsError, ScalerError, StateError
 
-from .transition import ScaleEvent, ScalerState, _overflow, _transition, next_state, to_fp32
+from .transition import (
+    CONFIG_KEYS,
+    ScaleEvent,
+    ScalerState,
+    _check_config,
+    _overflow,
+    _transition,
+    check_scale,
+    next_state,
+    to_fp32,
+)
 from .unscale import group_grads, unscale_and_check_
 
 __all__ = [
@@ -68,93 +77,6 @@ _LOG = logging.getLogger("ampkit")
 
 
 _STATE_KEYS = ScalerState._fields  # the state fields of a state dict
-#: LossScaler's configuration: its constructor arguments, the keys of ``config()``.
-CONFIG_KEYS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_scale",
-    "max_scale",
-    "dynamic",
-    "max_consecutive_skips",
-)
-
-
-#: The smallest normal float32 number. A scale factor must be a normal fp32 number: a
-#: subnormal backoff factor (``1e-45``) takes any scale to the floor in one step, and a
-#: growth factor beyond fp32's range (``1e300``) never grows it (no product is finite).
-_FP32_TINY = 2.0**-126
-
-
-def check_scale(value: Any, what: str, error: type[Exception] = ScalerError, allow_inf: bool = False) -> float:
-    """``value`` rounded to fp32 if it is a usable loss scale, else ``error``.
-
-    A usable scale is a real number (not a bool) whose fp32 value is finite and > 0
-    and whose reciprocal -- what unscaling multiplies the grads by -- is finite in
-    fp32 too (scales below about 2.9e-39 have none). ``allow_inf`` also accepts
-    ``+inf`` (a cap that caps nothing)."""
-    if not is_real(value):
-        raise error(f"{what} must be a number, got {brief(value)} ({type(value).__name__}).")
-    scale = to_fp32(value)
-    if allow_inf and scale == math.inf:
-        return scale
-    if not (math.isfinite(scale) and scale > 0):
-        raise error(f"{what} must be a finite number > 0, got {brief(value)}.")
-    if not math.isfinite(to_fp32(1.0 / scale)):
-        raise error(
-            f"{what}={brief(value)} is too small: its reciprocal overflows float32, so unscaling "
-            "would turn every gradient into inf/NaN. Use a scale of at least 1e-38 "
-            "(scales below 1 are rarely useful)."
-        )
-    return scale
-
-
-def _check_config(cfg: dict[str, Any], name: str) -> dict[str, Any]:
-    """The scaler configuration in ``cfg`` (keys: ``CONFIG_KEYS``) validated and
-    normalized (fp32 scales, Python ints and bools), or :class:`ScalerError`."""
-
-    def bad(msg: str) -> ScalerError:
-        return ScalerError(f"{name}: {msg}")
-
-    def count(key: str, low: int) -> int:
-        return require_count(cfg[key], f"{name}: {key}", ScalerError, low=low)
-
-    out: dict[str, Any] = {}
-    out["init_scale"] = check_scale(cfg["init_scale"], f"{name}: init_scale")
-    out["min_scale"] = check_scale(cfg["min_scale"], f"{name}: min_scale")
-    out["max_scale"] = check_scale(cfg["max_scale"], f"{name}: max_scale", allow_inf=True)
-    growth, backoff = cfg["growth_factor"], cfg["backoff_factor"]
-    if not (is_real(growth) and 1.0 < growth and math.isfinite(to_fp32(growth))):
-        raise bad(
-            f"growth_factor must be a number > 1 that is finite in float32 (at most about "
-            f"3.4e38), got {brief(growth)}."
-        )
-    if not (is_real(backoff) and _FP32_TINY <= backoff < 1.0):
-        raise bad(
-            "backoff_factor must be a number in [2**-126, 1) (2**-126, about 1.2e-38, is "
-            f"float32's smallest normal number), got {brief(backoff)}."
-        )
-    out["growth_factor"] = float(growth)
-    out["backoff_factor"] = float(backoff)
-    out["growth_interval"] = count("growth_interval", 1)
-    out["hysteresis"] = count("hysteresis", 1)
-    skips = cfg["max_consecutive_skips"]
-    out["max_consecutive_skips"] = None if skips is None else count("max_consecutive_skips", 0)
-    out["dynamic"] = require_flag(cfg["dynamic"], f"{name}: dynamic", ScalerError)
-    out["consecutive_hysteresis"] = require_flag(
-        cfg["consecutive_hysteresis"], f"{name}: consecutive_hysteresis", ScalerError
-    )
-    if out["dynamic"] and not out["min_scale"] <= out["init_scale"] <= out["max_scale"]:
-        raise bad(
-            f"need min_scale <= init_scale <= max_scale, got {out['min_scale']} <= "
-            f"{out['init_scale']} <= {out['max_scale']}; adjust one of them."
-        )
-    return out
-
-
 def _check_state(sd: dict[str, Any], cfg: dict[str, Any], name: str) -> dict[str, Any]:
     """The state fields of a scaler state dict, validated against the (validated)
     configuration ``cfg``, or :class:`ScalerError`."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ampkit._internal import inductor_compat
+from ampkit._internal.dtypes import DTYPES_BY_NAME
 from ampkit.errors import AmpError
 
 __all__ = ["OPTIMIZERS", "LEVELS", "WarmResult", "warm"]
@@ -102,8 +103,7 @@ def warm(
     bad = [x for x in optimizers if x not in OPTIMIZERS]
     if bad or not optimizers:
         raise AmpError(f"optimizers {list(optimizers)!r}: choose from {', '.join(OPTIMIZERS)}.")
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if dtype not in dtypes:
+    if dtype not in ("bf16", "fp16"):
         raise AmpError(f"dtype {dtype!r}: choose bf16 or fp16.")
     if dtype == "fp16" and "O2K" in levels:
         raise AmpError("O2K computes in bf16 only; drop O2K or use --dtype bf16.")
@@ -113,7 +113,7 @@ def warm(
     for level in levels:
         for name in optimizers:
             start = time.perf_counter()
-            compiled = _one(level, dtypes[dtype], name, device)
+            compiled = _one(level, DTYPES_BY_NAME[dtype], name, device)
             out.append(WarmResult(level, dtype, name, device, time.perf_counter() - start, compiled))
     return out
 

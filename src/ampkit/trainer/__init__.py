@@ -1,23 +1,31 @@
 """The managed optimizer step: :func:`init_trainer`, :func:`scale_loss`,
-:func:`unscale`, :func:`step_skipped`, :func:`stats`, the skip decision, the session
+:func:`unscale`, :func:`step_skipped`, :func:`ampkit.stats`, the skip decision, the session
 state dict, scheduler holds and the fused steps. Above :mod:`ampkit.scaling`; below
 the levels (:mod:`ampkit.levels`), which extend a step through
 :mod:`ampkit.trainer.extensions`.
-
-Names resolve on first use (``ampkit.trainer.init_trainer``), so importing one module
-of the package does not import the rest."""
+"""
 
 from __future__ import annotations
 
-from ampkit._internal.lazy import lazy_exports
+from .api import (
+    ManagedOptimizer,
+    StepStats,
+    init_trainer,
+    managed_state,
+    release,
+    scale_loss,
+    step_skipped,
+    unscale,
+)
+from .extensions import StepExtension, add_global_extension, remove_global_extension
+from .grad_scaler import GradScaler
+from .session import current_session, load_state_dict, register_extra_state, state_dict
+from .step_grads import StepStage
 
-_EXPORTS = {
-    "ManagedOptimizer": "api", "StepStats": "api", "init_trainer": "api", "scale_loss": "api",
-    "unscale": "api", "step_skipped": "api", "stats": "api", "managed_state": "api", "release": "api",
-    "GradScaler": "grad_scaler", "current_session": "session", "register_extra_state": "session",
-    "state_dict": "session", "load_state_dict": "session",
-    "StepExtension": "extensions", "add_global_extension": "extensions",
-    "remove_global_extension": "extensions", "StepStage": "step_grads",
-}
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = [
+    "GradScaler", "ManagedOptimizer", "StepExtension", "StepStage", "StepStats", "add_global_extension",
+    "current_session", "init_trainer", "load_state_dict", "managed_state", "register_extra_state", "release",
+    "remove_global_extension", "scale_loss", "state_dict", "step_skipped", "unscale",
+]  # fmt: skip
+# ``ampkit.trainer.stats`` is the module (skip logging, the step counters); the function
+# is ``ampkit.stats``

@@ -167,7 +167,6 @@ def init_trainer(
     schedulers: Sequence[Any] | None = None,
     fast_kernels: bool = True,
     doctor: bool | None = None,
-    hold_schedulers_on_skip: bool | None = None,
 ) -> _Opts:
     """Put one or several optimizers under ampkit's loss scaling and step skipping.
 
@@ -206,9 +205,6 @@ def init_trainer(
             ``ampkit.tools.diagnosis`` registers it when imported, a
             :class:`~ampkit.StateError` if it is not); ``None``: on when the environment
             variable it registers (``AMPKIT_DOCTOR``) is ``1``. Off installs nothing. Default: ``None``.
-        hold_schedulers_on_skip: removed (it searched the heap for schedulers and
-            swapped their class); ``True`` raises a :class:`~ampkit.StateError` that says
-            what to write instead, ``False``/``None`` are accepted and do nothing.
 
     Returns the same optimizer object(s); their ``step()`` now skips itself on inf/NaN
     grads. Registers into the current AMP session (``ampkit.state_dict()``).
@@ -220,17 +216,6 @@ def init_trainer(
         raise StateError(f"init_trainer: num_losses must be an int >= 1, got {num_losses!r}.")
     if not isinstance(fast_kernels, bool):
         raise StateError(f"init_trainer: fast_kernels must be True or False, got {fast_kernels!r}.")
-    if hold_schedulers_on_skip is not None and not isinstance(hold_schedulers_on_skip, bool):
-        raise StateError(
-            f"init_trainer: hold_schedulers_on_skip must be True or False, got {hold_schedulers_on_skip!r}."
-        )
-    if hold_schedulers_on_skip:
-        raise StateError(
-            "init_trainer: hold_schedulers_on_skip is gone. Pass the per-step schedulers "
-            "instead, init_trainer(opt, schedulers=[sched]), and drop your sched.step() "
-            "(ampkit steps them after real steps only); or keep sched.step() in the loop "
-            "as: if not amp.step_skipped(opt): sched.step()"
-        )
     if doctor is not None and not isinstance(doctor, bool):
         raise StateError(f"init_trainer: doctor must be True, False or None, got {doctor!r}.")
     attach_doctor = _extensions.attacher("doctor") if _extensions.attacher_requested("doctor", doctor) else None

@@ -562,16 +562,6 @@ def test_schedulers_argument_is_checked_before_anything_changes():
             amp.stats(opt)  # nothing done
 
 
-def test_hold_schedulers_on_skip_says_what_to_write_instead():
-    opt = torch.optim.SGD(mlp().parameters(), lr=1.0)
-    with pytest.raises(StateError, match=r"schedulers=\[sched\].*amp.step_skipped\(opt\)"):
-        amp.init_trainer(opt, hold_schedulers_on_skip=True)
-    with pytest.raises(StateError, match="not managed by ampkit"):
-        amp.stats(opt)  # nothing done
-    amp.init_trainer(opt, hold_schedulers_on_skip=False)  # the old default still works
-    assert not amp.stats(opt).steps
-
-
 # --- several losses, several optimizers ------------------------------------------------
 def _two_loss_setup():
     model = mlp()

@@ -14,7 +14,7 @@ from torch import nn
 
 from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
-from ampkit._internal.dtypes import LOW_PRECISION
+from ampkit._internal.dtypes import LOW_PRECISION, dtype_name
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
 
@@ -26,7 +26,6 @@ from .measure import (
     Budget,
     _as_budget,
     _device_type,
-    _dtype_name,
     _outputs,
     output_error,
     weight_bytes,
@@ -59,7 +58,7 @@ def _warn_slow_cpu(dtype: torch.dtype) -> None:
         return
     _WARNED.add(key)
     warnings.warn(
-        f"ampkit.convert: this CPU has no {_dtype_name(dtype)} instructions (AVX512-BF16/AMX), so "
+        f"ampkit.convert: this CPU has no {dtype_name(dtype)} instructions (AVX512-BF16/AMX), so "
         f"the converted model computes slower than fp32 here (the weights still take half the "
         "memory). To serve on such a CPU, export with ampkit.export_onnx(..., precision='storage') "
         "(16-bit weights, fp32 compute) or run where the 16-bit kernels are native.",

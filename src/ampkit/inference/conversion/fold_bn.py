@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ampkit._internal import torch_compat
+from ampkit._internal.dtypes import dtype_name
 
-from .measure import _dtype_name
 from .report import FoldRecord
 
 _FOLDABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear)
@@ -114,7 +114,7 @@ def _fold_batchnorms(model: nn.Module, dtype_of: Mapping[str, torch.dtype]) -> l
         err_folded = _rounding_error(list(folded), dtype)
         unit = torch.finfo(dtype).eps / 2
         ok = math.isfinite(err_folded) and err_folded <= 2 * err_plain + unit
-        reason = "" if ok else f"folded weights round too coarsely in {_dtype_name(dtype)}"
+        reason = "" if ok else f"folded weights round too coarsely in {dtype_name(dtype)}"
         records.append(FoldRecord(layer_name, bn_name, ok, err_folded, err_plain, reason))
         if not ok:
             continue

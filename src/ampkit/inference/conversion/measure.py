@@ -12,18 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._internal.dtypes import dtype_name
 from ampkit.errors import AmpError
 
 from .errors import ConversionError, NonFiniteError
 
 __all__ = ["Budget", "OutputError", "output_error", "run_batch", "weight_bytes"]
-
-
-_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "-" if dtype is None else _NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +254,7 @@ def _outputs(model: nn.Module, calib: Sequence[Any], device_type: str) -> list[A
 def _describe(batch: Any) -> str:
     """A short description of a batch: tensor shapes and dtypes."""
     if isinstance(batch, torch.Tensor):
-        return f"tensor {list(batch.shape)} {_dtype_name(batch.dtype)}"
+        return f"tensor {list(batch.shape)} {dtype_name(batch.dtype)}"
     if isinstance(batch, Mapping):
         return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in list(batch.items())[:4]) + "}"
     if isinstance(batch, (list, tuple)):

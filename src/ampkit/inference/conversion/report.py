@@ -8,7 +8,9 @@ import dataclasses
 
 import torch
 
-from .measure import Budget, OutputError, _dtype_name
+from ampkit._internal.dtypes import dtype_name
+
+from .measure import Budget, OutputError
 
 __all__ = ["ConversionReport", "FoldRecord", "ModuleDecision"]
 
@@ -109,8 +111,8 @@ class ConversionReport:
 
     def __str__(self) -> str:
         lines = [
-            f"ampkit.convert: {_dtype_name(self.dtype)} weights, outputs "
-            f"{_dtype_name(self.output_dtype) if self.output_dtype else 'as computed'}; "
+            f"ampkit.convert: {dtype_name(self.dtype, none='-')} weights, outputs "
+            f"{dtype_name(self.output_dtype) if self.output_dtype else 'as computed'}; "
             f"weights {self.weight_bytes / 2**20:.2f} MiB vs fp32 {self.weight_bytes_fp32 / 2**20:.2f} MiB "
             f"({self.weight_bytes / max(1, self.weight_bytes_fp32):.2f}x)"
         ]

@@ -55,25 +55,36 @@ The package by layer of the feature: ``recipe`` (what to convert, how to scale),
 
 from __future__ import annotations
 
-from ampkit._internal.lazy import lazy_exports
+# besides the public names (``__all__``), 0.3's import paths (fp8 was one module:
+# ``from ampkit.levels.fp8 import TensorScale``), imported for their names alone
+# ruff: noqa: F401
+from .layer import Float8Linear
+from .observing import Fp8MatmulRecord, observe
+from .recipe import (
+    E4M3,
+    E5M2,
+    MAX_AMAX_HISTORY_LEN,
+    MAX_MARGIN,
+    ROLES,
+    WARN_MARGIN,
+    AmaxAlgo,
+    Fp8Format,
+    Fp8Granularity,
+    Fp8Recipe,
+    Fp8Scaling,
+    ModuleFilter,
+    check_level,
+    max_margin,
+)
+from .scales import (
+    LayerState,
+    Mode,
+    TensorScale,
+    quantize_rowwise,
+    quantize_tensorwise,
+    saturate,
+    scale_from_amax,
+)
+from .training import Fp8LayerInfo, Fp8Training, activate, current, layers, plan
 
-# name -> the module that defines it; besides the public names (``__all__``), those
-# ampkit's levels use (initialize's plan and activate), the safe-globals list and 0.3's
-# import paths (``from ampkit.levels.fp8 import TensorScale``)
-_EXPORTS = {
-    **dict.fromkeys(
-        ("E4M3", "E5M2", "MAX_AMAX_HISTORY_LEN", "MAX_MARGIN", "ROLES", "WARN_MARGIN", "AmaxAlgo", "Fp8Format",
-         "Fp8Granularity", "Fp8Recipe", "Fp8Scaling", "ModuleFilter", "check_level", "max_margin"),
-        "recipe",
-    ),
-    **dict.fromkeys(
-        ("LayerState", "Mode", "TensorScale", "quantize_rowwise", "quantize_tensorwise", "saturate", "scale_from_amax"),
-        "scales",
-    ),
-    **dict.fromkeys(("Fp8LayerInfo", "Fp8Training", "activate", "current", "layers", "plan"), "training"),
-    "Float8Linear": "layer",
-    "Fp8MatmulRecord": "observing",
-    "observe": "observing",
-}  # fmt: skip
 __all__ = ["Fp8Recipe", "Float8Linear", "Fp8LayerInfo", "Fp8MatmulRecord", "layers", "observe"]
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

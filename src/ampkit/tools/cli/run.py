@@ -79,8 +79,7 @@ def _default_dtype() -> str:
 def _config(args: argparse.Namespace) -> Any:
     """The run's settings: the options, else ``AMPKIT_LEVEL``/``AMPKIT_DTYPE``, else the
     defaults (O1; bf16, or fp16 on a GPU without bf16)."""
-    import torch
-
+    from ampkit._internal.dtypes import DTYPE_NAMES
     from ampkit._internal.env import dtype_from_env, level_from_env
     from ampkit.tools.run import RunConfig
 
@@ -94,7 +93,7 @@ def _config(args: argparse.Namespace) -> Any:
             args.dtype = args.dtype or (plan.dtype if plan.dtype != "fp32" else None)
         args.level = args.level or level_from_env("O1", LEVELS)
         env_dtype = None if args.dtype else dtype_from_env()
-        dtype = args.dtype or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(env_dtype) or _default_dtype()
+        dtype = args.dtype or DTYPE_NAMES.get(env_dtype) or _default_dtype()
         return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time, plan=plan)
     except AmpError as err:
         raise UsageError(f"ampkit run: {err}") from None

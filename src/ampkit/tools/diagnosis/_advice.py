@@ -92,10 +92,6 @@ def _pow2(x: float) -> str:
     return f"2.0**{k}" if math.isclose(2.0**k, x) else f"{x:g}"
 
 
-def _rule_key(f: Finding) -> Any:
-    return f.module if f.module else None
-
-
 def scale_for(current: float, largest: float, margin_bits: int = 3) -> float:
     """The power-of-two scale that puts ``largest`` (measured at ``current``) at least
     ``margin_bits`` binary orders below fp16's max."""

@@ -404,14 +404,5 @@ class OpChecker:
             return None
         return math.ldexp(0.5, nz[0] - _HIST_OFFSET), math.ldexp(1.0, nz[-1] - _HIST_OFFSET)
 
-    def fraction_below(self, threshold: float) -> float:
-        """Fraction of the non-zero fp32 magnitudes of the 16-bit backward results
-        that are below ``threshold`` (to a factor of 2)."""
-        total = int(self.hist.sum())
-        if not total:
-            return 0.0
-        _, exp = math.frexp(threshold)
-        return int(self.hist[: exp + _HIST_OFFSET].sum()) / total
-
     def flush_summary(self) -> dict[str, tuple[int, int, int]]:
         return {k: tuple(int(x) for x in v.tolist()) for k, v in self.flush.items()}  # type: ignore[misc]

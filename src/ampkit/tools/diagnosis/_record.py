@@ -36,12 +36,6 @@ _MAX_TENSORS = 4  # floating tensors recorded per module input/output structure
 MAX_RECORDS = 200_000  # module records kept between two steps
 
 
-def tiny_subnormal(dtype: torch.dtype) -> float:
-    """The smallest positive subnormal of ``dtype`` (fp16: 2**-24 ~ 5.96e-8)."""
-    info = torch.finfo(dtype)
-    return float(info.smallest_normal * info.eps)
-
-
 def abs_max(t: torch.Tensor) -> torch.Tensor:
     """``t.abs().amax()`` as fp32, in one pass without a temporary (inf/NaN propagate)."""
     lo, hi = torch.aminmax(t.detach())

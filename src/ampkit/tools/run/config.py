@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from ampkit._internal.dtypes import DTYPES_BY_NAME
 from ampkit._internal.script import ScriptError
 from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
@@ -17,9 +18,6 @@ __all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
 
 #: Levels ``ampkit run`` applies; ``fp32`` only observes (the ``--compare`` reference).
 LEVELS = ("fp32", "O1", "O2", "O2K")
-
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class RunRefused(AmpError):
@@ -66,7 +64,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise AmpError(f"unknown level {self.level!r}; choose one of {', '.join(LEVELS)}.")
-        if self.dtype not in _DTYPES:
+        if self.dtype not in ("bf16", "fp16"):
             raise AmpError(f"unknown dtype {self.dtype!r}; choose bf16 or fp16.")
         if self.level == "O2K" and self.dtype != "bf16":
             raise AmpError("O2K keeps bf16 weights with compensated updates: it is bf16 only; use --dtype bf16 or O2.")
@@ -87,4 +85,4 @@ class RunConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES_BY_NAME[self.dtype]
