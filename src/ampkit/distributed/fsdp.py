@@ -33,14 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.dtypes import default_dtype, torch_class
+from ampkit._internal.dtypes import torch_class
 from ampkit._internal.env import dtype_from_env
-from ampkit.errors import DistributedError
+from ampkit.errors import AmpError, DistributedError
+from ampkit.levels.opt_level import OPT_LEVELS, resolve_opt_level
 from ampkit.levels.sharding import SHARD_PLAN_ATTR, ShardPlan, UnitRule
 
 __all__ = ["fully_shard"]
 
-LEVELS = ("O0", "O1", "O2", "O3", "O2K")
+LEVELS = tuple(OPT_LEVELS)  # every level initialize knows
 
 
 def _default_units(model: nn.Module) -> list[str]:
@@ -74,6 +75,7 @@ def fully_shard(
     *,
     opt_level: str,
     dtype: torch.dtype | None = None,
+    keep_norm_fp32: bool | None = None,
     keep_fp32: Iterable[UnitRule] = (),
     units: Iterable[UnitRule] | None = None,
     mesh: Any = None,
@@ -87,8 +89,10 @@ def fully_shard(
         model: an fp32 model on its device (before any ``initialize``).
         opt_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"O2K"`` (see the module
             docstring for what each stores).
-        dtype: the 16-bit dtype (default: ``AMPKIT_DTYPE``, else bf16 on CPU and fp16 on
-            CUDA; O2K is bf16 only).
+        dtype: the 16-bit dtype (default: ``AMPKIT_DTYPE``, else as ``initialize``
+            chooses it: bf16 at O2K and on CPU, fp16 on CUDA; O2K is bf16 only).
+        keep_norm_fp32: keep the norm layers fp32 (default None: as the level has it,
+            True at O2/O2K); give ``initialize`` the same value.
         keep_fp32: module classes or qualified-name globs kept fp32 (O2/O3/O2K), on top
             of the norm layers O2/O2K keep; each becomes an FSDP2 unit of its own.
         units: module classes or qualified-name globs sharded as units of their own
@@ -127,18 +131,21 @@ def fully_shard(
             f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
         )
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    dtype = dtype or dtype_from_env() or default_dtype(device_type)
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
-    if opt_level == "O2K" and dtype != torch.bfloat16:
-        raise DistributedError("O2K stores bf16 weights with compensation; use dtype=torch.bfloat16, or O2 for fp16.")
+    try:  # what the level means: initialize's own answer for this device
+        level = resolve_opt_level(opt_level, device_type, dtype=dtype or dtype_from_env(), keep_norm_fp32=keep_norm_fp32)
+    except AmpError as exc:
+        raise DistributedError(str(exc)) from None
+    dtype = level.dtype
     keep = _check_rules("keep_fp32", keep_fp32)
     unit_rules = None if units is None else _check_rules("units", units)
     if keep:
         check_keep_fp32([model], [r for r in keep if isinstance(r, str)])
     names = {id(m): n for n, m in model.named_modules()}
-    casts = opt_level in ("O2", "O3", "O2K")
-    keep_norms = opt_level in ("O2", "O2K")
+    casts = level.cast_model_type is not None
+    keep_norms = level.keep_norm_fp32
+    masters = level.master_weights  # the fp32 shards are the masters; FSDP2 casts what it gathers
     kept = kept_fp32_modules(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
     kept_ids = {id(m) for m in kept}
     # the outermost kept modules are units; what is inside one stays in it
@@ -153,7 +160,7 @@ def fully_shard(
     by_name = dict(model.named_modules())
     unit_modules = [by_name[n] for n in unit_names if id(by_name[n]) not in kept_ids]
 
-    if opt_level in ("O3", "O2K"):  # the sharded parameters themselves are 16-bit
+    if casts and not masters:  # O3, O2K: the sharded parameters themselves are 16-bit
         cast_model(model, dtype, keep_norm_fp32=keep_norms, cast_outputs=torch.float32, keep_fp32=keep)
     kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
@@ -166,13 +173,14 @@ def fully_shard(
     # innermost first: kept modules, then the units, then the root
     for module in kept_roots:
         if any(True for _ in module.parameters()):
-            shard(module, mp_policy=fp32_policy if opt_level == "O2" else policy_cls(), **kw)
+            shard(module, mp_policy=fp32_policy if masters else policy_cls(), **kw)
     for module in sorted(unit_modules, key=lambda m: -names[id(m)].count(".")):
-        shard(module, **({"mp_policy": low_policy} if opt_level == "O2" else {}), **kw)
-    shard(model, **({"mp_policy": root_policy} if opt_level == "O2" else {}), **kw)
+        shard(module, **({"mp_policy": low_policy} if masters else {}), **kw)
+    shard(model, **({"mp_policy": root_policy} if masters else {}), **kw)
     plan = ShardPlan(
-        level=opt_level,
+        level=level.name,
         dtype=dtype,
+        keep_norm_fp32=keep_norms,
         units=tuple(names[id(m)] for m in unit_modules) + ("",),
         kept=tuple(names[id(m)] for m in kept_roots),
         keep_fp32=keep,

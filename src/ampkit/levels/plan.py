@@ -314,7 +314,7 @@ def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optim
     it (before anything is changed); returns the shard plan."""
     if len(model_list) != 1:
         raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
-    plan = sharding.check_plan(model_list[0], level.name, level.dtype, level.keep_fp32)
+    plan = sharding.check_plan(model_list[0], level.name, level.dtype, level.keep_fp32, level.keep_norm_fp32)
     if level.compensation is not None:
         # each rank steps its local shards with the one-pass update; the generic path (the
         # optimizer on fp32 copies) and stochastic rounding's per-rank draws are not sharded

@@ -40,14 +40,16 @@ def is_fsdp2(model: nn.Module) -> bool:
 class ShardPlan:
     """How :func:`ampkit.distributed.fully_shard` sharded a model: ``level``, ``dtype``
     (the 16-bit compute dtype), ``units`` (qualified names of the FSDP2 units, root last:
-    ``""``), ``kept`` (qualified names of the modules kept fp32, each a unit) and
-    ``keep_fp32`` (the rules it was given)."""
+    ``""``), ``kept`` (qualified names of the modules kept fp32, each a unit),
+    ``keep_fp32`` (the rules it was given) and ``keep_norm_fp32`` (whether the norm
+    layers were kept fp32)."""
 
     level: str
     dtype: torch.dtype
     units: tuple[str, ...]
     kept: tuple[str, ...]
     keep_fp32: tuple[UnitRule, ...]
+    keep_norm_fp32: bool = True
 
 
 def shard_plan(model: nn.Module) -> ShardPlan | None:
@@ -111,7 +113,9 @@ def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool
             _install_fsdp_guard(model, level_name)
 
 
-def check_plan(model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any]) -> ShardPlan:
+def check_plan(
+    model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any], keep_norm_fp32: bool | None = None
+) -> ShardPlan:
     """The plan of an FSDP2 model ``initialize`` sets up at ``level_name``: refuse one
     that :func:`ampkit.distributed.fully_shard` did not shard for this level and dtype."""
     plan = shard_plan(model)
@@ -121,6 +125,11 @@ def check_plan(model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32:
         raise DistributedError(
             f"this model was sharded by ampkit.distributed.fully_shard for {plan.level} in {plan.dtype}; "
             f"initialize asked for {level_name} in {dtype}. Pass the same opt_level and dtype to both."
+        )
+    if keep_norm_fp32 is not None and plan.keep_norm_fp32 != keep_norm_fp32:
+        raise DistributedError(
+            f"keep_norm_fp32 is {plan.keep_norm_fp32} in ampkit.distributed.fully_shard and {keep_norm_fp32} "
+            "in initialize; pass the same value to both (fully_shard decides which modules are fp32 units)."
         )
     if tuple(keep_fp32) and tuple(keep_fp32) != plan.keep_fp32:
         raise DistributedError(

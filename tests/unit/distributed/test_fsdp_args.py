@@ -3,11 +3,14 @@ process group needed), and AmpState's tensor encoding of ampkit's state round-tr
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from torch import nn
 
 import ampkit as amp
+from ampkit.levels import opt_level as opt_level_module
 
 
 def _model() -> nn.Module:
@@ -19,7 +22,7 @@ def _model() -> nn.Module:
     [
         ({"opt_level": "O4"}, "opt_level must be one of O0, O1, O2, O3, O2K"),
         ({"opt_level": "O2", "dtype": torch.float32}, "dtype must be torch.bfloat16 or torch.float16"),
-        ({"opt_level": "O2K", "dtype": torch.float16}, "O2K stores bf16 weights"),
+        ({"opt_level": "O2K", "dtype": torch.float16}, "compensated updates need bf16 weights"),
         ({"opt_level": "O2", "keep_fp32": ["nope.*"]}, "keep_fp32 glob 'nope.\\*' matches no module"),
         ({"opt_level": "O2", "units": ["blocks.*"]}, "units glob 'blocks.\\*' matches no module"),
         ({"opt_level": "O2", "units": [3]}, "units takes module classes or qualified-name globs"),
@@ -76,3 +79,45 @@ def test_amp_state_is_tensors_only_and_round_trips_with_type_checks():
     assert amp.stats(opt).steps == 2
     assert after.keys() == saved.keys() and all(torch.equal(after[k], saved[k]) for k in saved)  # bitwise
     amp.reset()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("level", "want"), [("O2K", torch.bfloat16), ("O2", torch.float16), ("O3", torch.float16)])
+def test_fully_shard_takes_the_dtype_and_norms_initialize_takes(monkeypatch, level, want):
+    """Without ``dtype``, ``fully_shard`` asks the level what ``initialize`` would use on
+    the model's device: with CUDA's default (fp16, answered here through the function
+    both ask), O2K is bf16 (compensation needs its range) and O2/O3 fp16 -- and the
+    sharded model then sets up with ``initialize``'s own defaults. ``keep_norm_fp32=False``
+    shards no fp32 norm unit, and an ``initialize`` that keeps the norms is refused."""
+    import torch.distributed as dist
+
+    import ampkit.distributed.fsdp as fsdp_module
+
+    cuda_default = lambda device_type: torch.float16  # noqa: E731
+    monkeypatch.setattr(opt_level_module, "default_dtype", cuda_default)
+    monkeypatch.setattr(fsdp_module, "default_dtype", cuda_default, raising=False)  # (a copy of its own, once)
+    assert opt_level_module.resolve_opt_level(level, "cpu").dtype == want
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        model = amp.distributed.fully_shard(_model(), opt_level=level)
+        plan = amp.distributed.shard_plan(model)
+        assert plan.dtype == want and plan.kept == (("1",) if level != "O3" else ())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # (O3 fp16: an eps fp16 holds)
+        amp.initialize(model, opt, opt_level=level)  # its defaults agree: not refused
+        amp.reset()
+        if level == "O2":
+            bare = amp.distributed.fully_shard(_model(), opt_level=level, keep_norm_fp32=False)
+            assert amp.distributed.shard_plan(bare).kept == () and not amp.distributed.shard_plan(bare).keep_norm_fp32
+            with pytest.raises(amp.DistributedError, match="keep_norm_fp32 is False in ampkit.distributed.fully_shard"):
+                amp.initialize(bare, torch.optim.AdamW(bare.parameters(), lr=1e-2), opt_level=level)
+            amp.initialize(bare, torch.optim.AdamW(bare.parameters(), lr=1e-2), opt_level=level, keep_norm_fp32=False)
+            amp.reset()
+    finally:
+        amp.reset()
+        dist.destroy_process_group()
