@@ -50,7 +50,7 @@ __all__ = [
     "forward_hook_dicts",
     "forward_pre_hooks_of",
     "forward_pre_hooks_with_kwargs",
-    "flatten_dense", "unflatten_dense", "foreach_copy_", "foreach_mul_",
+    "flatten_dense", "unflatten_dense", "foreach_copy_", "foreach_mul_", "foreach_add_",
     "global_autocast_enabled_in_guard",
     "guard_attr_equals",
     "guards_name",
@@ -262,6 +262,8 @@ foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 
 foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 """``torch._foreach_mul_(tensors, scalar)``: scales lists of tensors in one kernel."""
+foreach_add_: Callable[..., Any] = torch._foreach_add_
+"""``torch._foreach_add_(tensors, scalar)``: adds a number to lists of tensors in one kernel."""
 flatten_dense: Callable[..., Any] = torch._C._nn.flatten_dense_tensors
 """``flatten_dense(tensors)``: one 1-D tensor of their elements, each in logical order (one C++ call)."""
 unflatten_dense: Callable[..., Any] = torch._C._nn.unflatten_dense_tensors

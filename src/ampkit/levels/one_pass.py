@@ -225,14 +225,10 @@ def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
     read waits for the device where the steps live there); otherwise one by one."""
     steps = [state["step"] for state in states]
     if steps and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 for t in steps):
-        try:
-            stacked = torch.stack(steps)
-        except RuntimeError:  # several devices
-            stacked = None
-        if stacked is not None and len({id(t) for t in steps}) == len(steps):
-            stacked += 1
-            torch_compat.foreach_copy_(steps, list(stacked.unbind()))
-            return stacked.tolist()
+        devices = {t.device for t in steps}
+        if len(devices) == 1 and len({id(t) for t in steps}) == len(steps):
+            torch_compat.foreach_add_(steps, 1.0)  # in place, one call (exact: integers in fp32)
+            return torch.stack(steps).tolist()
     for state in states:
         state["step"] += 1
     return [float(state["step"]) for state in states]
