@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import runpy
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +86,7 @@ class _UnmanagedSteps:
         self.seen: dict[int, str] = {}
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(optimizer) in self.seen:
+        if id(optimizer) in self.seen or _stepped_by_ampkit():
             return
         try:
             managed_state(optimizer)
@@ -110,6 +111,23 @@ def run_doctor_command(script: Path | str, args: list[str]) -> str:
     import shlex
 
     return shlex.join(["ampkit", "run", "--doctor", str(script), *args])
+
+
+_TORCH = str(Path(torch.__file__).resolve().parent)
+_AMPKIT = str(Path(__file__).resolve().parents[2])
+
+
+def _stepped_by_ampkit() -> bool:
+    """Whether the step being taken was called by ampkit's own code (a throwaway
+    optimizer ``init_trainer`` steps to probe a fused kernel): the first frame outside
+    torch and contextlib is ampkit's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_TORCH) or name == contextlib.__file__):
+            return name.startswith(_AMPKIT)
+        frame = frame.f_back
+    return False
 
 
 def _script_line(script: Path) -> str | None:
