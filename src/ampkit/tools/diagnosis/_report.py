@@ -50,7 +50,7 @@ MARGIN_LEGEND = (
 
 
 def _columns_env() -> int:
-    """``$COLUMNS`` when it is a number of at least 40, else :data:`TEXT_WIDTH`."""
+    """``$COLUMNS`` when it is a number of at least 40, else ``TEXT_WIDTH``."""
     value = os.environ.get("COLUMNS", "").strip()
     return int(value) if value.isdigit() and int(value) >= 40 else TEXT_WIDTH
 
@@ -307,7 +307,7 @@ class DoctorReport:
 
     def table(self, width: int = TEXT_WIDTH) -> str:
         """The whole report as fixed-width text, no line wider than ``width`` columns
-        (default :data:`TEXT_WIDTH`, 160: a 1280-pixel window): prose wraps onto indented
+        (default ``TEXT_WIDTH``, 160: a 1280-pixel window): prose wraps onto indented
         lines, the margins table folds its module and type names, and a long comment in
         the advice code goes on as comment lines; a longer statement of advice code stays
         whole, so that it pastes as it is."""
@@ -397,7 +397,7 @@ class DoctorReport:
         """Print to ``file`` (default stdout): with rich on a terminal when it is
         installed (``ampkit[cli]``), fitted to the terminal's width; else as plain text
         (:meth:`table`, at most ``$COLUMNS`` columns when that is set to 40 or more, else
-        :data:`TEXT_WIDTH`)."""
+        ``TEXT_WIDTH``)."""
         import sys
 
         stream = file or sys.stdout
