@@ -79,3 +79,14 @@ def test_a_zero_deviation_is_written_0_at_the_floor_the_axis_states(figure):
 def test_save_png_writes_the_figure(tmp_path):
     out = _plan().save_png(tmp_path / "plan.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plan_by_hand_draws_without_a_budget_or_a_deviation():
+    """``TunePlan.by_hand``: budget 0, no deviation measured: the axis keeps a floor."""
+    fig = TunePlan.by_hand(["0"], ["1"]).figure()
+    try:
+        low, high = fig.axes[1].get_xlim()
+        assert 0 < low < high and "budget" not in " ".join(t.get_text() for t in fig.legends[0].get_texts())
+        assert [t.get_text() for t in fig.axes[1].texts] == ["not measured"] * 2
+    finally:
+        plt.close(fig)

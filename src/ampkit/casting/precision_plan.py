@@ -233,7 +233,8 @@ class TunePlan:
         the plan's dtype, or to fp8) or kept fp32 (the 16-bit time was measured, not
         used). Right, its loss deviation with only it lowered, on a log axis from a floor
         the axis label states: a deviation of exactly 0 is written "0" at the floor (no
-        bar), a non-finite one "inf" across the axis; the budget is a red line. The
+        bar), an infinite one "inf" across the axis, one not measured (NaN, a plan by
+        hand) "not measured"; the budget is a red line. The
         legend sits below both axes, over no bar. Uses matplotlib's Agg backend when
         none was chosen."""
         import matplotlib
@@ -465,18 +466,20 @@ def _deviation_axis(ax: Any, mods: list[ModuleChoice], budget: float, kinds: lis
     a decade below the smallest positive deviation (or the budget); 0 and inf written."""
     devs = [m.loss_deviation for m in mods]
     positive = [d for d in devs if math.isfinite(d) and d > 0]
-    floor = 10.0 ** math.floor(math.log10(min([*positive, budget]))) / 10
-    top = max([*positive, budget]) * 3
+    marks = [*positive, *([budget] if math.isfinite(budget) and budget > 0 else [])] or [1e-3]
+    floor = 10.0 ** math.floor(math.log10(min(marks))) / 10
+    top = max(marks) * 3
     colours = {"fp32": "tab:gray", FP8: "tab:orange", "lowered": "tab:blue"}
     for i, (d, kind) in enumerate(zip(devs, kinds)):
         if math.isfinite(d) and d > 0:
             ax.barh(i, d - floor, left=floor, color=colours[kind])
         else:
-            ax.text(floor * 1.15, i, "0" if d == 0 else ("inf" if not math.isfinite(d) else f"{d:.1e}"),
-                    va="center", fontsize=9)  # fmt: skip
-            if not math.isfinite(d):  # across the axis
+            word = "0" if d == 0 else "not measured" if math.isnan(d) else "inf" if math.isinf(d) else f"{d:.1e}"
+            ax.text(floor * 1.15, i, word, va="center", fontsize=9)
+            if math.isinf(d):  # across the axis
                 ax.barh(i, top - floor, left=floor, color=colours[kind], alpha=0.3)
-    ax.axvline(budget, color="red", linestyle="--", label=f"loss budget {budget:.1e}")
+    if floor < budget < math.inf:
+        ax.axvline(budget, color="red", linestyle="--", label=f"loss budget {budget:.1e}")
     ax.set_xscale("log")
     ax.set_xlim(floor, top)
     ax.set_xlabel(f'loss deviation with only this module lowered\n(log axis from {floor:.0e}; "0": none)')
