@@ -290,6 +290,9 @@ def md_table(header: list[str], rows: list[list[str]], align: str | None = None)
 
 
 def render_ampkit_bench(result: dict[str, Any]) -> str:
+    """One section per workload, its figures in two tables narrow enough for a 1280-pixel
+    window (:func:`split_precision_rows`): time and memory, then training; the note
+    column only where a row has a note."""
     from ampkit.tools.bench.report import fmt_precision_row
 
     out = []
@@ -301,10 +304,32 @@ def render_ampkit_bench(result: dict[str, Any]) -> str:
         rows = [fmt_precision_row(p, e, lm) for p, e in wl["precisions"].items()]
         out.append(f"### {name}\n\n{wl.get('description', '')}; {result['dtype']}, {wl['steps']} steps per "
                    f"precision, interleaved in blocks of {wl['block_steps']}.\n\n")  # fmt: skip
-        out.append(md_table(header, rows, "l" + "r" * (len(header) - 2) + "l"))
-        out.append("\n")
+        (time_header, time_rows), (train_header, train_rows) = split_precision_rows(header, rows)
+        out.append("Time and memory:\n\n" + md_table(time_header, time_rows) + "\n")
+        align = "l" + "r" * (len(train_header) - 1)
+        if train_header[-1] == "note":
+            align = align[:-1] + "l"
+        out.append("Training:\n\n" + md_table(train_header, train_rows, align) + "\n")
     out.append(f"{result.get('memory_method', '')}\n\n")
     return "".join(out)
+
+
+#: The columns of a workload's time-and-memory table (the rest go to its training table).
+TIME_COLUMNS = 7
+
+
+def split_precision_rows(
+    header: list[str], rows: list[list[str]]
+) -> tuple[tuple[list[str], list[list[str]]], tuple[list[str], list[list[str]]]]:
+    """A workload's columns cut in two tables that each start with the precision: the
+    first :data:`TIME_COLUMNS` (time and memory), then the rest (training), without the
+    last column (the note) when no row has one."""
+    time = (header[:TIME_COLUMNS], [r[:TIME_COLUMNS] for r in rows])
+    train_header = [header[0], *header[TIME_COLUMNS:]]
+    train_rows = [[r[0], *r[TIME_COLUMNS:]] for r in rows]
+    if not any(r[-1] for r in train_rows):
+        train_header, train_rows = train_header[:-1], [r[:-1] for r in train_rows]
+    return time, (train_header, train_rows)
 
 
 def render_step_limit(result: dict[str, Any]) -> str:

@@ -358,6 +358,51 @@ def test_benchmark_pages_are_what_docs_pages_writes() -> None:
     assert pages_on_disk == {b.name for b in docs_pages.BENCHMARKS}, "a page without a benchmark (or the reverse)"
 
 
+#: What a table of a page fits at 1280 pixels: furo's content column is 46em (736 px) wide
+#: there and its tables set text at 14 px, about 7 px a character, so ~100 characters,
+#: counting 3 a column for the padding and the rule.
+TABLE_CHARS_AT_1280 = 100
+
+
+def _md_tables(text: str) -> list[tuple[str, list[list[str]]]]:
+    """The Markdown tables of ``text``: (the paragraph line before each, its rows of cells)."""
+    tables, rows, before, last = [], [], "", ""
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            if not rows:
+                before = last
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if not all(set(c) <= set("-:") for c in cells):
+                rows.append(cells)
+        else:
+            if rows:
+                tables.append((before, rows))
+                rows = []
+            if line.strip():
+                last = line.strip()
+    return tables
+
+
+def test_benchmark_workload_tables_fit_a_1280_pixel_window() -> None:
+    """The per-workload tables of the results page (and of the ampkit bench pages) fit
+    furo's content column at 1280 pixels without wrapping a cell: each workload's
+    figures come in two tables, time and memory, then training."""
+    import docs_pages
+
+    for page in ("results.md", "ampkit-bench.md", "ampkit-bench-quick.md"):
+        tables = [(b, rows) for b, rows in _md_tables((docs_pages.DOCS / page).read_text())
+                  if b in ("Time and memory:", "Training:")]  # fmt: skip
+        assert tables, page
+        for before, rows in tables:
+            chars = sum(max(len(r[i]) for r in rows) + 3 for i in range(len(rows[0])))
+            assert chars <= TABLE_CHARS_AT_1280, f"{page}: a {before!r} table {chars} characters wide: {rows[0]}"
+    # what the rule catches: all the columns of a workload in one table
+    rows = [["precision", "ms/step", "min ms", "speedup", "time vs bf16", "peak MiB", "mem vs fp32",
+             "train loss", "eval loss", "test acc", "skipped", "loss scale"],
+            ["torch-autocast", "26.7", "24.8", "1.54×", "1.00×", "24.1", "0.59×", "0.0003", "0.0406", "98.61%", "0", "—"]]  # fmt: skip
+    assert sum(max(len(r[i]) for r in rows) + 3 for i in range(len(rows[0]))) > TABLE_CHARS_AT_1280
+
+
 def test_benchmark_records_name_machine_and_command() -> None:
     import docs_pages
 

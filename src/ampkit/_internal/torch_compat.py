@@ -56,6 +56,7 @@ __all__ = [
     "guards_name",
     "has_composite_implicit_kernel",
     "is_dataparallel_replica",
+    "is_fake_tensor",
     "is_parallel_apply_worker",
     "ModuleHookDicts",
     "mark_trace_constant",
@@ -156,6 +157,20 @@ def tensor_version(t: torch.Tensor) -> int:
     The cast cache and the master-weight/grad bookkeeping compare it; if it stopped
     counting, stale casts or grads would be reused. A function (dynamo traces it)."""
     return t._version
+
+
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch._subclasses.fake_tensor.FakeTensor``: the shape-only
+    tensors torch.compile traces with, which a compiled function's caches keep alive
+    after the compile. Their storage holds no data: reading its pointer answers 0 and
+    warns ("Accessing the data pointer of FakeTensor is deprecated", once per process),
+    so the bench's walk over every live tensor skips them first. By type (``issubclass``,
+    not ``isinstance``: nothing of the tensor is read). No FakeTensor exists before that
+    module is imported, so it is not imported here. If the class moved, fake tensors
+    would be read again and the warning would come back (the test says so)."""
+    module = sys.modules.get("torch._subclasses.fake_tensor")
+    cls = getattr(module, "FakeTensor", None)
+    return cls is not None and issubclass(type(t), cls)
 
 
 def tensor_is_view(t: torch.Tensor) -> bool:

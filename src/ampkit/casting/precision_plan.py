@@ -211,42 +211,61 @@ class TunePlan:
         return "\n".join(rows)
 
     def save_png(self, path: str | os.PathLike[str]) -> Path:
-        """Write a PNG of the plan: per module, its fp32 and 16-bit forward + backward time
-        (bars, coloured by the dtype chosen) and its loss deviation alone in 16 bits
-        against the budget. Needs matplotlib (``pip install -e '.[cli]'``). Raises
-        :class:`ampkit.OutputPathError` before drawing when ``path`` cannot be written
-        (a folder, a symlink, a FIFO or device, a missing or read-only folder)."""
+        """Write :meth:`figure` as a PNG. Needs matplotlib (``pip install -e '.[cli]'``).
+        Raises :class:`ampkit.OutputPathError` before drawing when ``path`` cannot be
+        written (a folder, a symlink, a FIFO or device, a missing or read-only folder)."""
         what = "the tuning plan's plot"
         target = check_target(path, what)
+        import matplotlib.pyplot as plt
+
+        fig = self.figure()
+        try:
+            write_file(target, lambda f: fig.savefig(f, dpi=100, format="png"), what)
+        finally:
+            plt.close(fig)
+        return target
+
+    def figure(self) -> Any:
+        """The plan as a matplotlib figure (what :meth:`save_png` writes; close it with
+        ``matplotlib.pyplot.close``). Left, per module, its forward + backward time in
+        fp32 and in 16 bits, each 16-bit bar labelled by what the plan did: lowered (to
+        the plan's dtype, or to fp8) or kept fp32 (the 16-bit time was measured, not
+        used). Right, its loss deviation with only it lowered, on a log axis from a floor
+        the axis label states: a deviation of exactly 0 is written "0" at the floor (no
+        bar), an infinite one "inf" across the axis, one not measured (NaN, a plan by
+        hand) "not measured"; the budget is a red line. The
+        legend sits below both axes, over no bar. Uses matplotlib's Agg backend when
+        none was chosen."""
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
 
         mods = list(self.modules)[::-1]
-        y = range(len(mods))
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * len(mods) + 1.5)), sharey=True)
-        colours = [{"fp32": "tab:gray", FP8: "tab:orange"}.get(m.dtype, "tab:blue") for m in mods]
-        ax1.barh([i + 0.2 for i in y], [m.fp32_ms for m in mods], height=0.4, color="lightgray", label="fp32")
-        ax1.barh([i - 0.2 for i in y], [m.low_ms if math.isfinite(m.low_ms) else 0.0 for m in mods], height=0.4,
-                 color=colours, label=f"lowered (blue: {self.dtype}, orange: fp8, grey: kept fp32)")  # fmt: skip
-        ax1.set_yticks(list(y), [f"{m.name} ({m.kind})" for m in mods])
+        y = list(range(len(mods)))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.35 * len(mods) + 2.0)), sharey=True)
+        ax1.barh([i + 0.2 for i in y], [m.fp32_ms for m in mods], height=0.4, color="lightgray", label="fp32 time")
+        low = self.dtype if self.dtype != "fp32" else "16-bit"
+        kinds = (("lowered", f"{low} time: lowered to {low}", "tab:blue", ""),
+                 (FP8, "fp8 time: lowered to fp8", "tab:orange", ""),
+                 ("fp32", f"{low} time (measured): kept fp32", "white", "//"))  # fmt: skip
+        for kind, label, colour, hatch in kinds:
+            rows = [i for i, m in zip(y, mods) if _plot_kind(m.dtype) == kind]
+            if rows:
+                ax1.barh([i - 0.2 for i in rows], [_finite(mods[i].low_ms) for i in rows], height=0.4, color=colour,
+                         edgecolor="tab:gray", hatch=hatch, label=label)  # fmt: skip
+        ax1.set_yticks(y, [f"{m.name} ({m.kind})" for m in mods])
         ax1.set_xlabel("forward + backward alone, ms")
-        ax1.legend(loc="best")
-        devs = [m.loss_deviation if math.isfinite(m.loss_deviation) else 0.0 for m in mods]
-        ax2.barh(list(y), [max(d, 1e-12) for d in devs], color=colours)
-        ax2.axvline(self.budget, color="red", linestyle="--", label=f"budget {self.budget:.1e}")
-        ax2.set_xscale("log")
-        ax2.set_xlabel("loss deviation with only this module lowered")
-        ax2.legend(loc="best")
+        _deviation_axis(ax2, mods, self.budget, [_plot_kind(m.dtype) for m in mods])
         fp8 = f" ({len(self.fp8)} in fp8)" if self.fp8 else ""
         fig.suptitle(f"ampkit.tune: {len(self.lowered)} of {len(self.modules)} modules in {self.dtype}{fp8} at {self.level}")
-        fig.tight_layout()
-        try:
-            write_file(target, lambda f: fig.savefig(f, dpi=100, format="png"), what)
-        finally:
-            plt.close(fig)
-        return target
+        handles = [h for ax in (ax1, ax2) for h in ax.get_legend_handles_labels()[0]]
+        legend = fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=3, fontsize=9,
+                            bbox_to_anchor=(0.5, 0.0), frameon=False)  # fmt: skip
+        fig.canvas.draw()  # the legend's height decides the room the axes leave below them
+        height = legend.get_window_extent().height / fig.bbox.height
+        fig.tight_layout(rect=(0.0, height + 0.01, 1.0, 1.0))
+        return fig
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain JSON types (non-finite numbers as strings)."""
@@ -431,3 +450,35 @@ def _choice(m: Any) -> ModuleChoice:
         grad_deviation=_number(m.get("grad_deviation"), "grad_deviation"), reason=_field(m, "reason", str),
     )  # fmt: skip
 
+
+def _plot_kind(dtype: str) -> str:
+    """A module's bar in the plan's plot: ``"fp32"`` (kept), ``"fp8"``, or ``"lowered"``."""
+    return dtype if dtype in ("fp32", FP8) else "lowered"
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def _deviation_axis(ax: Any, mods: list[ModuleChoice], budget: float, kinds: list[str]) -> None:
+    """The plot's right axis: each module's loss deviation alone, log scale from a floor
+    a decade below the smallest positive deviation (or the budget); 0 and inf written."""
+    devs = [m.loss_deviation for m in mods]
+    positive = [d for d in devs if math.isfinite(d) and d > 0]
+    marks = [*positive, *([budget] if math.isfinite(budget) and budget > 0 else [])] or [1e-3]
+    floor = 10.0 ** math.floor(math.log10(min(marks))) / 10
+    top = max(marks) * 3
+    colours = {"fp32": "tab:gray", FP8: "tab:orange", "lowered": "tab:blue"}
+    for i, (d, kind) in enumerate(zip(devs, kinds)):
+        if math.isfinite(d) and d > 0:
+            ax.barh(i, d - floor, left=floor, color=colours[kind])
+        else:
+            word = "0" if d == 0 else "not measured" if math.isnan(d) else "inf" if math.isinf(d) else f"{d:.1e}"
+            ax.text(floor * 1.15, i, word, va="center", fontsize=9)
+            if math.isinf(d):  # across the axis
+                ax.barh(i, top - floor, left=floor, color=colours[kind], alpha=0.3)
+    if floor < budget < math.inf:
+        ax.axvline(budget, color="red", linestyle="--", label=f"loss budget {budget:.1e}")
+    ax.set_xscale("log")
+    ax.set_xlim(floor, top)
+    ax.set_xlabel(f'loss deviation with only this module lowered\n(log axis from {floor:.0e}; "0": none)')

@@ -681,3 +681,53 @@ def test_flatten_dense_joins_in_logical_order_and_unflatten_copies_back():
     tc.foreach_copy_(ts, list(views))
     assert all(torch.equal(t, w) for t, w in zip(ts, want))
     assert ts[1].is_contiguous(memory_format=torch.channels_last)
+
+
+# --- fake tensors: told apart before their storage is read -------------------------------
+FAKE_WALK = r"""
+import gc, warnings, torch
+torch.set_num_threads(1)
+from ampkit._internal import torch_compat as tc
+from ampkit.tools.bench.memory import live_tensor_bytes, storage_ptrs
+
+@torch.compile(backend="aot_eager")
+def f(x):
+    return (x * 2).sin()
+
+f(torch.randn(8))  # a compile leaves fake tensors alive in its caches
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+with FakeTensorMode():
+    kept = torch.randn(3)  # and one held here, for sure
+fakes = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and tc.is_fake_tensor(o)]
+assert kept in fakes and not tc.is_fake_tensor(torch.ones(1)), len(fakes)
+real = torch.ones(1024)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # any warning, of torch's or ours, fails the walk
+    alive = live_tensor_bytes(torch.device("cpu"))
+    ptrs = storage_ptrs([kept, real])
+assert alive >= real.nbytes and ptrs == {real.untyped_storage().data_ptr()}, (alive, ptrs)
+# the warning the walk kept away is live in this process: reading a fake's pointer gives it
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    kept.untyped_storage().data_ptr()
+assert any("data pointer of FakeTensor" in str(w.message) for w in seen), [str(w.message) for w in seen]
+print("ok")
+"""
+
+
+def test_the_memory_walk_skips_fake_tensors_and_warns_nothing():
+    """``ampkit bench``'s memory count walks every live tensor; after a compile some are
+    FakeTensors, whose storage pointer warns (torch 2.15: "Accessing the data pointer of
+    FakeTensor is deprecated", once per bench worker). ``is_fake_tensor`` tells them apart
+    first: the walk runs with warnings as errors. A fresh interpreter, since torch warns
+    once per process: the last check proves the fake was there to warn."""
+    import os
+    import subprocess
+    import sys
+
+    from locations import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", FAKE_WALK], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout[-2000:] + proc.stderr[-3000:]

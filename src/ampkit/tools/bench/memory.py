@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ampkit._internal import torch_compat
+
 __all__ = [
     "MIB",
     "SavedActivations",
@@ -49,7 +51,11 @@ MIB = float(2**20)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """``(data_ptr, nbytes)`` of ``t``'s storage, or None for tensors without one."""
+    """``(data_ptr, nbytes)`` of ``t``'s storage, or None for tensors without one: sparse
+    and meta tensors, and the fake tensors torch.compile leaves alive (shapes only; their
+    storage's pointer is 0, and reading it warns)."""
+    if torch_compat.is_fake_tensor(t):
+        return None
     try:
         if t.is_sparse or t.device.type == "meta":
             return None

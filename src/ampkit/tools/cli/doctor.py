@@ -47,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"ampkit doctor: --png needs matplotlib; install the extra: {install_hint('cli')}")
     json_path, png_path = launch_path(args.json), launch_path(args.png)  # the script may change folder
     try:
-        code, reports = run_script(args.script, list(args.args))
+        outcome = run_script(args.script, list(args.args))
     except ScriptError as exc:
         raise UsageError(f"ampkit doctor: {exc}") from None
+    code, reports = outcome.code, outcome.reports
     sys.stdout.flush()
     if not reports:
-        print("ampkit doctor: the script never passed an optimizer to ampkit.init_trainer or "
-              "ampkit.initialize; nothing to report", file=sys.stderr)
+        print(nothing_to_report(args.script, list(args.args), outcome.unmanaged), file=sys.stderr)
         return code
     for report in reports:
         report.print()
@@ -63,3 +63,28 @@ def run(args: argparse.Namespace) -> int:
     if png_path is not None:
         write_output(png_path, last.save_png, "the plot", "ampkit doctor")
     return code
+
+
+def nothing_to_report(script: str, args: list[str], unmanaged: list[str]) -> str:
+    """What ``ampkit doctor`` says after a script that never set ampkit up: that the
+    doctor had no step to watch, the optimizers it stepped outside ampkit, and the two
+    ways to a report (``ampkit run --doctor``, or the lines to add)."""
+    from ampkit.tools.diagnosis._script import run_doctor_command
+
+    if unmanaged:
+        stepped = (f"it stepped {len(unmanaged)} optimizer(s) outside ampkit: {', '.join(unmanaged[:4])}"
+                   f"{' ...' if len(unmanaged) > 4 else ''}")  # fmt: skip
+    else:
+        stepped = "it stepped no optimizer ampkit manages"
+    return "\n".join([
+        "ampkit doctor: nothing to report: the script never set ampkit up (no optimizer was passed to "
+        "ampkit.init_trainer or ampkit.initialize), and the doctor watches only the steps ampkit manages; "
+        f"{stepped}.",
+        "  To diagnose the script as it is, with ampkit applied by the command (O1 bf16; --level, --dtype "
+        "to choose):",
+        f"    {run_doctor_command(script, args)}",
+        "  Or set ampkit up in the script, then run ampkit doctor again:",
+        "    import ampkit as amp",
+        "    amp.init()                    # once, before training: 16-bit compute",
+        "    amp.init_trainer(optimizer)   # after building the optimizer: loss scale, skipped steps",
+    ])

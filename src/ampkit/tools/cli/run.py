@@ -2,6 +2,8 @@
 script (see :mod:`ampkit.tools.run`), a summary on stderr at exit, ``--report`` JSON, and
 ``--compare``: the script run twice, fp32 then the chosen level, each in its own
 process, with the loss curves and iteration times side by side (a rich table and a PNG).
+``--doctor`` (or ``AMPKIT_DOCTOR=1``): :func:`ampkit.doctor` watches every optimizer the
+run manages, and its report is printed after the summary, as ``ampkit doctor`` prints it.
 
 Exit codes: the script's own (0, its ``sys.exit`` code, 1 after an uncaught exception);
 2 with one line on stderr for bad input (no such script, an unknown level, a combination
@@ -12,8 +14,10 @@ applied exactly (fp16 loss scaling for a manual ``p.data`` update: bf16 is propo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -62,6 +66,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="run the script twice, fp32 then --level, and show the loss curves and "
                              "iteration times side by side (needs the cli extra)")
+    parser.add_argument("--doctor", action="store_true",
+                        help="watch the run's steps with ampkit.doctor and print its report at the end, as "
+                             "ampkit doctor prints it (also on with AMPKIT_DOCTOR=1; not with --compare "
+                             "or --level fp32); --report then holds it under \"doctor\"")
     parser.add_argument("--png", type=Path, default=None, metavar="PATH",
                         help=f"with --compare: where to write the plot (default: {PNG_DEFAULT})")
     add_script_arguments(parser)
@@ -107,22 +115,70 @@ def run(args: argparse.Namespace) -> int:
         what = "no such file" if not Path(args.script).exists() else "not a file"
         raise UsageError(f"ampkit run: {what}: {args.script!r}")
     args.report = launch_path(args.report)  # where the command was started, wherever the script goes
+    doctor = _doctor_asked(args, config)
     if args.compare:
         return _compare(args, config)
     if args.png is not None:
         raise UsageError("ampkit run: --png goes with --compare")
+    from ampkit.tools.diagnosis._script import doctor_reports
     from ampkit.tools.run import RunRefused, ScriptError, is_rank_zero, run_script, write_report
 
-    try:
-        result = run_script(args.script, list(args.args), config)
-    except (ScriptError, RunRefused) as err:
-        raise UsageError(f"ampkit run: {err}") from None
+    with doctor_reports() if doctor else contextlib.nullcontext([]) as reports:
+        try:
+            result = run_script(args.script, list(args.args), config)
+        except (ScriptError, RunRefused) as err:
+            raise UsageError(f"ampkit run: {err}") from None
     _flush(sys.stdout)
     if is_rank_zero():
         _print_summary(result.summary())
+        if doctor:
+            _print_doctor(reports)
+            if reports:
+                result.report["doctor"] = reports[-1].to_dict()
         if args.report is not None:
             write_output(args.report, lambda path: write_report(result.report, path), "the JSON report", "ampkit run")
     return result.code
+
+
+def _doctor_asked(args: argparse.Namespace, config: Any) -> bool:
+    """Whether the doctor watches this run: ``--doctor``, or ``AMPKIT_DOCTOR=1`` (which
+    ``--compare`` leaves to neither of its runs: it says so)."""
+    from ampkit.tools.diagnosis import ENV, env_enabled
+
+    if args.doctor and args.compare:
+        raise UsageError(
+            "ampkit run: --doctor goes without --compare (the comparison runs the script twice, in child "
+            f"processes); diagnose the {config.level} run on its own: ampkit run --doctor --level {config.level} "
+            f"--dtype {config.dtype} SCRIPT"
+        )
+    if args.doctor and config.level == "fp32":
+        raise UsageError(
+            "ampkit run: --doctor watches the steps ampkit manages, and --level fp32 manages none; "
+            "choose a 16-bit level (--level O1, O2 or O2K)"
+        )
+    if args.doctor:
+        return True
+    if not env_enabled():
+        return False
+    if args.compare:
+        print(f"ampkit run --compare: {ENV}=1 is left out of both runs; for the doctor's report run "
+              f"ampkit run --doctor --level {config.level} SCRIPT", file=sys.stderr)  # fmt: skip
+        return False
+    return config.level != "fp32"
+
+
+def _print_doctor(reports: list[Any]) -> None:
+    """The doctor's report(s) on stdout (rich on a terminal), or one line on stderr
+    saying why there is none."""
+    if not reports:
+        _print_summary("ampkit run: the doctor saw no step (no optimizer was stepped under ampkit): nothing to report")
+        return
+    for report in reports:
+        try:
+            report.print()
+        except (OSError, ValueError):  # the script closed stdout
+            pass
+    _flush(sys.stdout)
 
 
 def _flush(stream: Any) -> None:
@@ -151,7 +207,10 @@ def _child(args: argparse.Namespace, level: str, dtype: str, report: Path) -> tu
     if args.time is not None:
         cmd += ["--time", repr(args.time)]
     cmd += [args.script, *args.args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    from ampkit.tools.diagnosis import ENV
+
+    env = {k: v for k, v in os.environ.items() if k != ENV}  # the comparison has no doctor
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,114 @@ def _fmt(x: float) -> str:
 
 def _bits(x: float) -> str:
     return "-" if math.isinf(x) else f"{x:.1f}"
+
+
+#: The width of the plain-text report (:meth:`DoctorReport.table`): 160 columns, a
+#: terminal filling a 1280-pixel-wide window.
+TEXT_WIDTH = 160
+
+#: What the margins table's columns are (printed under it).
+MARGIN_LEGEND = (
+    "act max, grad max: abs-max of the module's outputs and of the gradients at them; act room, grad room: "
+    "headroom below the dtype's largest value, in bits (binary orders of magnitude); subnormal, zero: "
+    "fractions of its parameters' gradient elements below the dtype's smallest normal, and exactly zero; "
+    "overflows: skipped steps whose first inf/NaN it produced; risk = max(act max / limit, grad max / limit, "
+    "subnormal), 1 or more once it overflowed."
+)
+
+
+def _columns_env() -> int:
+    """``$COLUMNS`` when it is a number of at least 40, else ``TEXT_WIDTH``."""
+    value = os.environ.get("COLUMNS", "").strip()
+    return int(value) if value.isdigit() and int(value) >= 40 else TEXT_WIDTH
+
+
+def _wrap(line: str, width: int, indent: str | None = None) -> list[str]:
+    """``line`` wrapped at ``width`` columns; continuation lines keep its indent plus
+    two spaces (or take ``indent``). Words longer than a line are split."""
+    if len(line) <= width:
+        return [line]
+    lead = line[: len(line) - len(line.lstrip())]
+    more = lead + "  " if indent is None else indent
+    return textwrap.wrap(line.lstrip(), width, initial_indent=lead, subsequent_indent=more,
+                         break_on_hyphens=False) or [line]  # fmt: skip
+
+
+def _code_lines(code: str, width: int, prefix: str) -> list[str]:
+    """``code``'s lines after ``prefix``; past ``width``, a trailing comment moves to a
+    line of its own and a comment line wraps onto more comment lines (code stays
+    whole: it must paste as it is)."""
+    out = []
+    lines = []
+    for line in code.splitlines():  # a long line's trailing comment goes on a line of its own
+        code_part, sep, comment = line.partition("  # ")
+        too_long = len(prefix) + len(line) > width
+        lines += [code_part.rstrip(), "# " + comment.strip()] if sep and too_long and code_part.strip() else [line]
+    for line in lines:
+        body = line.lstrip()
+        if len(prefix) + len(line) > width and body.startswith("#"):
+            lead = prefix + line[: len(line) - len(body)]
+            out += textwrap.wrap(body, width, initial_indent=lead, subsequent_indent=lead + "#   ",
+                                 break_on_hyphens=False)  # fmt: skip
+        else:
+            out.append(prefix + line)
+    return out
+
+
+def _fit_table(header: Sequence[str], rows: list[tuple[str, ...]], width: int, indent: str = "",
+               split: int = 7) -> list[str]:  # fmt: skip
+    """A fixed-width table (header, rule, rows) no wider than ``width`` when it can be:
+    the first two columns (names) fold onto more lines, the wider one first, at dots
+    where they can; where that would leave either under 16 columns, the columns from
+    ``split`` on go into a second table below, after the first column again."""
+    if len(header) > split and _name_room(header, rows, width, 2) < 16:
+        second = [(r[0], *r[split:]) for r in rows]
+        return [
+            *_columns(header[:split], [r[:split] for r in rows], width, indent, 2), "",
+            *_columns((header[0], *header[split:]), second, width, indent, 1),
+        ]
+    return _columns(header, rows, width, indent, 2)
+
+
+def _name_room(header: Sequence[str], rows: list[tuple[str, ...]], width: int, names: int) -> int:
+    """The columns left to the narrower of the ``names`` name columns once the table
+    fits ``width`` (folding the wider one first)."""
+    widths = [max(len(r[i]) for r in [tuple(header), *rows]) for i in range(len(header))]
+    over = sum(widths) + 2 * (len(header) - 1) - width
+    while over > 0 and max(widths[:names]) > 1:
+        widths[max(range(names), key=lambda i: widths[i])] -= 1
+        over -= 1
+    return min(widths[:names])
+
+
+def _columns(header: Sequence[str], rows: list[tuple[str, ...]], width: int, indent: str, names: int) -> list[str]:
+    cols = len(header)
+    widths = [max(len(r[i]) for r in [tuple(header), *rows]) for i in range(cols)]
+    over = sum(widths) + 2 * (cols - 1) - width
+    while over > 0 and max(widths[:names]) > 10:  # the wider name column gives a character
+        widths[max(range(names), key=lambda i: widths[i])] -= 1
+        over -= 1
+    out = []
+    for n, row in enumerate([tuple(header), *rows]):
+        cells = [_fold(c, widths[i]) if i < names else [c] for i, c in enumerate(row)]
+        for k in range(max(len(c) for c in cells)):
+            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)]
+            out.append(indent + "  ".join(parts).rstrip())
+        if n == 0:
+            out.append(indent + "  ".join("-" * w for w in widths))
+    return out
+
+
+def _fold(name: str, width: int) -> list[str]:
+    """``name`` cut into pieces of at most ``width`` characters, after a dot where one
+    falls in the last two thirds of a piece."""
+    pieces = []
+    while len(name) > width:
+        dot = name.rfind(".", width // 3, width)
+        cut = dot + 1 if dot >= 0 else width
+        pieces.append(name[:cut])
+        name = name[cut:]
+    return [*pieces, name]
 
 
 @dataclasses.dataclass
@@ -143,8 +254,10 @@ class DoctorReport:
         return text
 
     # --- text -------------------------------------------------------------------------------
-    _MARGIN_COLUMNS = ("module", "type", "dtype", "act abs-max", "headroom", "grad abs-max", "headroom",
-                       "grad subnormal", "grad zero", "overflows", "risk")
+    #: The margins table's columns: short, so that the table fits a 160-column terminal
+    #: (a 1280-pixel window); :data:`MARGIN_LEGEND` says what each one is.
+    _MARGIN_COLUMNS = ("module", "type", "dtype", "act max", "act room", "grad max", "grad room",
+                       "subnormal", "zero", "overflows", "risk")
 
     def _margin_rows(self, limit: int = 12) -> list[tuple[str, ...]]:
         rows = []
@@ -192,52 +305,54 @@ class DoctorReport:
             )
         return "(no change ampkit knows of addresses the findings above; look at the op they name)"
 
-    def table(self) -> str:
-        """The whole report as fixed-width text."""
-        out = [self._headline(), ""]
+    def table(self, width: int = TEXT_WIDTH) -> str:
+        """The whole report as fixed-width text, no line wider than ``width`` columns
+        (default ``TEXT_WIDTH``, 160: a 1280-pixel window): prose wraps onto indented
+        lines, the margins table folds its module and type names, and a long comment in
+        the advice code goes on as comment lines; a longer statement of advice code stays
+        whole, so that it pastes as it is."""
+        out = [*_wrap(self._headline(), width), ""]
         if self.findings or self.events:
             out.append("Findings:")
             for f in self.findings:
-                out.extend("  " + line for line in self._finding_lines(f))
+                for line in self._finding_lines(f):
+                    out.extend(_wrap("  " + line, width))
             if self.events:
                 shown = self.events[:3]
                 more = self.events_total - len(shown)
                 for f in shown:
-                    out.append("  [module level] " + f.summary())
+                    out.extend(_wrap("  [module level] " + f.summary(), width))
                 if more > 0:
                     out.append(f"  ... {more} more skipped step(s)")
             out.append("")
         if self.margins:
-            out.append("Margins (sorted by risk = max(act/limit, grad/limit, grad subnormal); headroom in bits):")
-            rows = [self._MARGIN_COLUMNS, *self._margin_rows()]
-            widths = [max(len(r[i]) for r in rows) for i in range(len(self._MARGIN_COLUMNS))]
-            for i, r in enumerate(rows):
-                out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-                if i == 0:
-                    out.append("  " + "  ".join("-" * w for w in widths))
+            out.extend(_wrap("Margins, per module, by risk (highest first):", width))
+            out.extend(_fit_table(self._MARGIN_COLUMNS, self._margin_rows(), width - 2, indent="  "))
+            out.extend(_wrap(MARGIN_LEGEND, width, indent="  "))
             out.append("")
         if self.fp8:
-            out.append("fp8 matmuls (last scale per operand; saturated = casts clamped to fp8's range):")
+            out.extend(_wrap("fp8 matmuls (last scale per operand; saturated = casts clamped to fp8's range):", width))
             for layer in self.fp8:
                 sc, am = layer.scales, layer.amax
-                out.append(
+                out.extend(_wrap(
                     f"  {layer.name} {layer.shape[0]}x{layer.shape[1]} [{layer.recipe}], {layer.calls} calls: "
-                    + ", ".join(f"{r} scale {_fmt(sc[r])} (amax {_fmt(am[r])}, {layer.saturated[r]} saturated)" for r in sc)
-                )
+                    + ", ".join(f"{r} scale {_fmt(sc[r])} (amax {_fmt(am[r])}, {layer.saturated[r]} saturated)" for r in sc),
+                    width,
+                ))
             out.append("")
         if self.misuse:
             out.append("Training-loop problems:")
             for m in self.misuse:
-                out.append(f"  [{m.kind}] {m.message}")
+                out.extend(_wrap(f"  [{m.kind}] {m.message}", width))
             out.append("")
         if self.advice:
             out.append("Advice:")
             for i, a in enumerate(self.advice, 1):
-                out.append(f"  {i}. {a.title}")
-                out.append(f"     evidence: {a.evidence}")
-                out.extend("     | " + line for line in a.code.splitlines())
+                out.extend(_wrap(f"  {i}. {a.title}", width, indent="     "))
+                out.extend(_wrap(f"     evidence: {a.evidence}", width))
+                out.extend(_code_lines(a.code, width, "     | "))
         else:
-            out.append(f"Advice: none {self._why_no_advice()}.")
+            out.extend(_wrap(f"Advice: none {self._why_no_advice()}.", width))
         return "\n".join(out).rstrip()
 
     def __str__(self) -> str:
@@ -245,6 +360,7 @@ class DoctorReport:
 
     def __rich__(self) -> Any:  # pragma: no cover - rendering only
         from rich.console import Group
+        from rich.markup import escape
         from rich.panel import Panel
         from rich.syntax import Syntax
         from rich.table import Table
@@ -254,26 +370,34 @@ class DoctorReport:
         if self.findings or self.events:
             lines = [line for f in self.findings for line in self._finding_lines(f)]
             lines += ["[module level] " + f.summary() for f in self.events[:3]]
-            parts.append(Panel("\n".join(lines), title="findings", border_style="red"))
+            if self.events_total > 3:
+                lines.append(f"... {self.events_total - 3} more skipped step(s)")
+            parts.append(Panel(Text("\n".join(lines)), title="findings", border_style="red"))
         if self.margins:
-            table = Table(title="margins (sorted by risk)")
-            for col in self._MARGIN_COLUMNS:
-                table.add_column(col, justify="left" if col in ("module", "type", "dtype") else "right")
-            for row in self._margin_rows():
+            table = Table(title="margins, per module, by risk (highest first)", caption=MARGIN_LEGEND,
+                          caption_justify="left")  # fmt: skip
+            rows = self._margin_rows()
+            for i, col in enumerate(self._MARGIN_COLUMNS):  # too narrow a terminal folds names, never cuts
+                name = col in ("module", "type")
+                table.add_column(col, justify="left" if name or col == "dtype" else "right", overflow="fold",
+                                 min_width=None if name else max(len(r[i]) for r in rows))  # fmt: skip
+            for row in rows:
                 table.add_row(*row)
             parts.append(table)
         for m in self.misuse:
-            parts.append(Panel(m.message, title=m.kind, border_style="yellow"))
+            parts.append(Panel(Text(m.message), title=escape(m.kind), border_style="yellow"))
         for i, a in enumerate(self.advice, 1):
             parts.append(Panel(
                 Group(Text(a.evidence, style="dim"), Syntax(a.code, "python", theme="ansi_dark", word_wrap=True)),
-                title=f"{i}. {a.title}", border_style="green",
+                title=escape(f"{i}. {a.title}"), border_style="green",
             ))
         return Group(*parts)
 
     def print(self, file: Any = None) -> None:
         """Print to ``file`` (default stdout): with rich on a terminal when it is
-        installed (``ampkit[cli]``), else as plain text."""
+        installed (``ampkit[cli]``), fitted to the terminal's width; else as plain text
+        (:meth:`table`, at most ``$COLUMNS`` columns when that is set to 40 or more, else
+        ``TEXT_WIDTH``)."""
         import sys
 
         stream = file or sys.stdout
@@ -282,7 +406,7 @@ class DoctorReport:
         except ImportError:
             Console = None  # noqa: N806
         if Console is None or not getattr(stream, "isatty", lambda: False)():
-            print(self.table(), file=stream)  # logs and pipes get plain text
+            print(self.table(_columns_env()), file=stream)  # logs and pipes get plain text
             return
         Console(file=stream).print(self)
 
