@@ -13,7 +13,7 @@ written with torch ops. It runs in one of two modes:
     Inductor's checks of the CPU's instruction sets run side by side), 1.2-1.5 s from
     the on-disk cache, which ``ampkit warmup`` fills ahead of a job; most of that is
     importing torch's compiler. Compiles run inside
-    :func:`ampkit._internal.inductor_compat.known_cpu_isa`, which answers Inductor's
+    ``ampkit._internal.inductor_compat.known_cpu_isa``, which answers Inductor's
     instruction-set checks from the answers an earlier process recorded.
 ``"eager"``
     The same function run op by op on slices of at most ``chunk_numel`` elements,
