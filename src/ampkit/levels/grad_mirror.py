@@ -212,7 +212,8 @@ class GradMirror:
         into the masters'."""
         pairs = [(p, m) for p in model_params if (m := self._masters.get(id(p))) is not None]
         # held grads (the master's grad a placeholder) are not compared: their model grad
-        # is the gradient (on a GPU: no comparison kernels and no read of their results)
+        # is the gradient (a device that holds grads and compares ahead would otherwise
+        # run a comparison kernel per grad and read the results for nothing)
         one_by_one = _rounding.COMPARED_ONE_BY_ONE
         ahead = [(p.grad, m.grad) for p, m in pairs if p.device.type not in one_by_one and not self.is_placeholder(m)]
         with torch.no_grad(), compared_ahead(ahead):
