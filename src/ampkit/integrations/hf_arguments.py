@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION_BY_NAME
 from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import OPT_LEVELS
 
 from . import require
 
@@ -34,13 +36,8 @@ __all__ = [
     "resolve_options",
 ]
 
-LEVELS = ("O0", "O1", "O2", "O3", "O2K")
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+LEVELS = tuple(OPT_LEVELS)  # every level initialize knows
+_DTYPES = LOW_PRECISION_BY_NAME  # ampkit's and torch's names of the 16-bit dtypes
 SAVE_WEIGHTS = ("fp32", "converted")
 
 
@@ -251,7 +248,7 @@ class AmpkitArguments:
             if self.amp_level is None:
                 self.amp_level = plan.level
             if self.amp_dtype is None and plan.lowered:
-                self.amp_dtype = {"bf16": "bfloat16", "fp16": "float16"}[plan.dtype]
+                self.amp_dtype = str(DTYPES_BY_NAME[plan.dtype]).removeprefix("torch.")
         self.amp_level = level_of(self)
         if self.amp_dtype is None and self.amp_level != "O0":
             env = dtype_from_env()  # an argument > the environment > the default
