@@ -36,7 +36,7 @@ from torch import nn
 from ampkit._internal.dtypes import torch_class
 from ampkit._internal.env import dtype_from_env
 from ampkit.errors import AmpError, DistributedError
-from ampkit.levels.opt_level import OPT_LEVELS, resolve_opt_level
+from ampkit.levels.opt_level import OPT_LEVELS, OptLevel, resolve_opt_level
 from ampkit.levels.sharding import SHARD_PLAN_ATTR, ShardPlan, UnitRule
 
 __all__ = ["fully_shard"]
@@ -68,6 +68,18 @@ def _check_rules(what: str, rules: Iterable[Any]) -> tuple[UnitRule, ...]:
                 f"{what} takes module classes or qualified-name globs (e.g. 'blocks.*'), got {rule!r}."
             )
     return out
+
+
+def _level_for(model: nn.Module, opt_level: str, dtype: torch.dtype | None, keep_norm_fp32: bool | None) -> OptLevel:
+    """What ``opt_level`` means for ``model`` on its device: ``initialize``'s own answer
+    (its default dtype there, its kept norms), as a :class:`DistributedError` if refused."""
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
+    try:
+        return resolve_opt_level(opt_level, device_type, dtype=dtype or dtype_from_env(), keep_norm_fp32=keep_norm_fp32)
+    except AmpError as exc:
+        raise DistributedError(str(exc)) from None
 
 
 def fully_shard(
@@ -130,13 +142,7 @@ def fully_shard(
             "16 bits); this one has parameters in "
             f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
         )
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
-        raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
-    try:  # what the level means: initialize's own answer for this device
-        level = resolve_opt_level(opt_level, device_type, dtype=dtype or dtype_from_env(), keep_norm_fp32=keep_norm_fp32)
-    except AmpError as exc:
-        raise DistributedError(str(exc)) from None
+    level = _level_for(model, opt_level, dtype, keep_norm_fp32)
     dtype = level.dtype
     keep = _check_rules("keep_fp32", keep_fp32)
     unit_rules = None if units is None else _check_rules("units", units)
