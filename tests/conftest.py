@@ -21,10 +21,10 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-# No update-kernel compiles in the background from initialize on (the first step
-# compiles): a compile thread outliving its test would meet the next test's patches
-# of torch.compile. tests/unit/levels/test_compile_ahead.py turns it on where tested.
-os.environ.setdefault("AMPKIT_COMPILE_AHEAD", "0")
+# No update-kernel compiles in the background from initialize on (the default; set here
+# against a developer's environment): a compile thread outliving its test would meet the
+# next test's patches of torch.compile. tests/unit/levels/test_compile_ahead.py turns it on.
+os.environ["AMPKIT_COMPILE_AHEAD"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -68,7 +68,6 @@ from torch import nn
 from torch.optim import optimizer as optim_module
 
 inf_at = int(os.environ.get("INF_AT", "-1"))
-save_at = int(os.environ.get("SAVE_AT", "-1"))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -83,9 +82,6 @@ for step in range(20):
     loss.backward()
     opt.step()
     sched.step()
-    if step == save_at:  # a checkpoint right after a step that may be pending
-        saved = sched.state_dict()
-        print("saved", saved["last_epoch"], saved["_last_lr"], sorted(k for k in saved if "state_dict" in k))
     opt.zero_grad()
 print("global_step_hooks", len(optim_module._global_optimizer_pre_hooks) + len(optim_module._global_optimizer_post_hooks))
 print(f"final_lr {sched.get_last_lr()[0]:.6g}")
@@ -119,20 +115,6 @@ def device_steps(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(device_skip, "step", counted)
     return calls
-
-
-def _run_on_the_host(script: Path, capsys, tmp_path: Path, device_steps: list[int]):
-    """``ampkit run script`` with every step decided on the host (a process-wide step hook
-    of the test's forces it): (stdout, report)."""
-    device_steps.clear()
-    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: None)
-    try:
-        code, out, err, report = _run([], script, capsys, tmp_path)
-    finally:
-        handle.remove()
-    assert code == 0, err
-    assert device_steps == []
-    return out, report
 
 
 def _line(out: str, key: str) -> str:
@@ -175,52 +157,18 @@ def test_managed_steps_are_skipped_on_the_device_as_without_the_run(capsys, tmp_
     assert report["iterations"] == 20 and report["scheduler_steps_held"] == 1
     assert "final_lr 0.00125\n" in out  # 19 real steps of StepLR(5, 0.5): three halvings
 
-    host_out, host_report = _run_on_the_host(script, capsys, tmp_path, device_steps)
+    device_steps.clear()
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: None)
+    try:
+        code, host_out, err, host_report = _run([], script, capsys, tmp_path)
+    finally:
+        handle.remove()
+    assert code == 0, err
+    assert device_steps == []
     assert _line(host_out, "weights") == _line(out, "weights")
     assert _line(host_out, "final_lr") == _line(out, "final_lr")
     for key in ("iterations", "scheduler_steps_held", "optimizers", "backward_calls", "losses"):
         assert host_report[key] == report[key], key
-
-
-@pytest.mark.parametrize("save_at", [-1, 5, 6])
-def test_a_scheduler_stepped_after_a_pending_step_does_not_wait_for_its_outcome(
-    capsys, tmp_path, monkeypatch, device_steps, save_at
-):
-    """The script's ``sched.step()`` right after a step skipped on the device does not
-    ask for the outcome (on a GPU that read waits for the device): the scheduler steps
-    ahead and is put back when the host records the step skipped, at the next step. The
-    held count, the final learning rate, the weights and a checkpoint of the scheduler
-    taken right after the pending step (its own ``state_dict`` records the outcome first)
-    are those of the run with every step decided on the host."""
-    script = _script(tmp_path, "scheduled.py", SCHEDULED)
-    monkeypatch.setenv("INF_AT", "5")
-    monkeypatch.setenv("SAVE_AT", str(save_at))
-    waited: list[str] = []
-    original = device_skip.settle
-
-    def settle(state):
-        if state.pending_outcome is not None:
-            frame = sys._getframe(1)
-            while frame is not None:
-                if frame.f_code.co_filename.endswith("scheduler_hold.py") and frame.f_code.co_name == "step":
-                    waited.append(frame.f_code.co_name)
-                    break
-                frame = frame.f_back
-        return original(state)
-
-    monkeypatch.setattr(device_skip, "settle", settle)
-    code, out, err, report = _run([], script, capsys, tmp_path)
-    assert code == 0, err
-    assert len(device_steps) == 19 and waited == []
-    assert report["scheduler_steps_held"] == 1 and report["optimizers"][0]["skipped"] == 1
-    assert "final_lr 0.00125\n" in out
-
-    host_out, host_report = _run_on_the_host(script, capsys, tmp_path, device_steps)
-    for key in ("weights", "final_lr") + (("saved",) if save_at >= 0 else ()):
-        assert _line(host_out, key) == _line(out, key), key
-    if save_at >= 0:
-        assert _line(out, "saved").endswith("[]")  # no settling method saved with the state
-    assert host_report["scheduler_steps_held"] == report["scheduler_steps_held"]
 
 
 def test_the_step_limit_stops_after_a_step_decided_on_the_device(capsys, tmp_path, device_steps):

@@ -37,8 +37,8 @@ cost more to make than the copies: about 2 us each), at most ``STAGING_ENTRIES``
 per kernel, dropped by :func:`ampkit.reset`. Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
-``initialize`` compiles the kernels a level's first step will take in a background
-thread (:func:`compile_ahead`; ``AMPKIT_COMPILE_AHEAD=0``: at the first step).
+With ``AMPKIT_COMPILE_AHEAD=1``, ``initialize`` compiles the kernels a level's first
+step will take in a background thread (:func:`compile_ahead`).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ BATCH_MIN_COUNT = 8
 #: thread; the least recently used dropped): a model's param groups times its 16-bit dtypes.
 STAGING_ENTRIES = 4
 _lock = threading.Lock()
+_staging_lock = threading.Lock()
 _WITH_STAGING: weakref.WeakSet[Kernel] = weakref.WeakSet()
 
 
@@ -105,8 +106,9 @@ def forget_compiled() -> None:
 @_reset.on_reset
 def release_staging() -> None:
     """Drop every kernel's staging buffers (their memory goes back to the allocator)."""
-    for kernel in list(_WITH_STAGING):
-        kernel._staging.clear()
+    with _staging_lock:
+        for kernel in list(_WITH_STAGING):
+            kernel._staging.clear()
 
 
 def _announce_later(device_type: str) -> threading.Timer | None:
@@ -331,26 +333,28 @@ class Kernel:
 
     def _staging_for(self, roles: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """A flat buffer per role and its views shaped as the role's tensors (the roles
-        share shapes): kept from an earlier call with the same shapes, dtypes, device and
+        share shapes; a role is of one dtype, as every caller groups them, and its first
+        tensor's dtype keys it): kept from an earlier call with the same shapes, dtypes, device and
         thread, else made (and the least recently used set dropped beyond ``STAGING_ENTRIES``)."""
         first = roles[0]
         key = (
             threading.get_ident(), first[0].device, tuple(role[0].dtype for role in roles),
             tuple([t.shape for t in first]),
         )  # fmt: skip
-        staging = self._staging.get(key)
-        if staging is not None:
-            self._staging.move_to_end(key)
+        with _staging_lock:  # threads share the LRU (each stages into its own buffers)
+            staging = self._staging.get(key)
+            if staging is not None:
+                self._staging.move_to_end(key)
+                return staging
+            staging = []
+            for role in roles:
+                buf = torch_compat.flatten_dense(role)  # the role's size, dtype and device (values overwritten)
+                staging.append((buf, list(torch_compat.unflatten_dense(buf, role))))
+            self._staging[key] = staging
+            while len(self._staging) > STAGING_ENTRIES:
+                self._staging.popitem(last=False)
+            _WITH_STAGING.add(self)
             return staging
-        staging = []
-        for role in roles:
-            buf = torch_compat.flatten_dense(role)  # the role's size, dtype and device (values overwritten)
-            staging.append((buf, list(torch_compat.unflatten_dense(buf, role))))
-        self._staging[key] = staging
-        while len(self._staging) > STAGING_ENTRIES:
-            self._staging.popitem(last=False)
-        _WITH_STAGING.add(self)
-        return staging
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -393,8 +397,10 @@ def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
     return cached
 
 
-#: ``AMPKIT_COMPILE_AHEAD=0``: no compiling in the background from ``initialize`` on
-#: (the first step compiles what it needs, as it does for anything not compiled ahead).
+#: ``AMPKIT_COMPILE_AHEAD=1``: ``initialize`` compiles the update kernels in the
+#: background (off by default: on a warm cache it gains nothing measurable, and a process
+#: that ends meanwhile waits for the compile to finish; on a cold cache the first step
+#: waits only for what is left).
 COMPILE_AHEAD_VAR = "AMPKIT_COMPILE_AHEAD"
 #: A kernel to compile ahead: (kernel, its static arguments, the number of scalars,
 #: the device of its tensors); ``None`` in place of the kernel: the bf16 rounding check.
@@ -402,8 +408,8 @@ AheadJob = tuple["Kernel | None", dict, int, torch.device]
 
 
 def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
-    """Start compiling ``jobs`` in a daemon thread and return it (None: nothing to do --
-    switched off by ``AMPKIT_COMPILE_AHEAD=0``, no job, each compiled already). The
+    """Start compiling ``jobs`` in a thread and return it (None: nothing to do -- not
+    switched on by ``AMPKIT_COMPILE_AHEAD=1``, no job, each compiled already). The
     first step takes the very kernels this builds (a step that needs one still being
     compiled waits for it under the lock the compile holds, and compiles nothing
     twice), so results are those of a compile at the first step, bit for bit; a compile
@@ -411,7 +417,7 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
     thread shares the interpreter with training (the step's Python runs slower while it
     compiles); what ``initialize``'s caller does before the first step -- the data
     loader, the first batch, the forward and backward -- overlaps the compile."""
-    if os.environ.get(COMPILE_AHEAD_VAR, "").strip() == "0":
+    if os.environ.get(COMPILE_AHEAD_VAR, "").strip() != "1":
         return None
     todo: list[AheadJob] = []
     for job in jobs:
@@ -427,14 +433,17 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
             return
         for kernel, static, num_scalars, device in todo:
             try:
-                if kernel is None:
-                    compiled_round_check()
-                else:
-                    kernel._compiled_fn(static, num_scalars, device, torch.device("cpu"))
+                with torch.no_grad():  # as the step calls them: one graph, no recompile there
+                    if kernel is None:
+                        compiled_round_check()
+                    else:
+                        kernel._compiled_fn(static, num_scalars, device, torch.device("cpu"))
             except Exception as exc:  # reported by the compile itself; never raised in this thread
                 _LOG.debug("ampkit: compiling ahead stopped: %s", exc)
 
-    thread = threading.Thread(target=run, name="ampkit-compile-ahead", daemon=True)
+    # not a daemon: a process ending mid-compile waits for it (a compile killed at exit
+    # aborts the interpreter)
+    thread = threading.Thread(target=run, name="ampkit-compile-ahead", daemon=False)
     thread.start()
     return thread
 

@@ -1,6 +1,7 @@
-"""Update kernels compiled in the background from ``initialize`` on: the first step
-takes the kernels built ahead (compiling none itself), with the results of a compile at
-the step; ``AMPKIT_COMPILE_AHEAD=0`` turns it off. ``torch.compile`` is replaced by a fake
+"""Update kernels compiled in the background from ``initialize`` on
+(``AMPKIT_COMPILE_AHEAD=1``): the first step takes the kernels built ahead (compiling
+none itself, built under the same grad mode), with the results of a compile at the step;
+off by default. ``torch.compile`` is replaced by a fake
 that records where it ran and returns the eager function (the real compile has tests of
 its own)."""
 
@@ -23,6 +24,7 @@ def fake_compile(monkeypatch):
     calls: list[tuple[str, str]] = []
 
     def compile_(fn, **kwargs):
+        assert not torch.is_grad_enabled()  # as the step runs them: no recompile for grad mode
         calls.append((fn.__name__, threading.current_thread().name))
         return lambda *args, **kw: fn(*args, **kw)
 
@@ -91,7 +93,7 @@ def test_the_first_step_takes_the_kernels_compiled_ahead(monkeypatch, fake_compi
 
 def test_nothing_is_compiled_ahead_where_the_first_step_compiles_nothing(monkeypatch, fake_compile):
     """fp16 O2 (a loss scale above 1: grads are not held, no one-pass step), O1 and
-    O3, ``AMPKIT_COMPILE_AHEAD=0``, and kernels compiled already: no thread."""
+    O3, the switch unset or 0, and kernels compiled already: no thread."""
     calls, threads = fake_compile
     monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", "1")
     for level, dtype in (("O2", torch.float16), ("O1", torch.bfloat16), ("O3", torch.bfloat16)):
@@ -104,7 +106,11 @@ def test_nothing_is_compiled_ahead_where_the_first_step_compiles_nothing(monkeyp
     threads[0].join(timeout=60)
     _train("O2", torch.optim.AdamW, steps=1, lr=1e-2)  # compiled already: no second thread
     assert len(threads) == 1 and len(calls) == 1
-    monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", "0")
-    uk.forget_compiled()
-    _train("O2", torch.optim.AdamW, steps=1, lr=1e-2)
-    assert len(threads) == 1 and calls[-1] == ("_adam", threading.main_thread().name)
+    for switch in ("0", None):  # off, and off by default
+        if switch is None:
+            monkeypatch.delenv("AMPKIT_COMPILE_AHEAD")
+        else:
+            monkeypatch.setenv("AMPKIT_COMPILE_AHEAD", switch)
+        uk.forget_compiled()
+        _train("O2", torch.optim.AdamW, steps=1, lr=1e-2)
+        assert len(threads) == 1 and calls[-1] == ("_adam", threading.main_thread().name)

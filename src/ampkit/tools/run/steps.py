@@ -59,9 +59,6 @@ class _StepWatch(StepExtension):
         self._started = 0.0
         self._handling: BaseException | None = None  # the exception handled around the update's start
         self._reported = False  # the pending step was reported at its update: its after_step passes
-        # called with the outcome when the host records a pending one (last first): the
-        # undos of schedulers stepped ahead of it (:mod:`.scheduler_hold`)
-        self.undo_if_skipped: list[Callable[[bool], None]] = []
 
     def on_add(self, optimizer: Any) -> None:
         self._owner = optimizer
@@ -89,9 +86,6 @@ class _StepWatch(StepExtension):
             self._reported = True
 
     def after_step(self, skipped: bool) -> None:
-        undos, self.undo_if_skipped = self.undo_if_skipped, []
-        for undo in reversed(undos):
-            undo(skipped)
         if self._reported:
             self._reported = False
             return
