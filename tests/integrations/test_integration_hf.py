@@ -565,15 +565,23 @@ def _inject_nan(trainer):
     return recorder
 
 
-@pytest.mark.parametrize("case", ["O2", "O1-fp16"])
-def test_nan_gradient_is_skipped_and_the_schedule_held(tmp_path, case):
-    trainer = _trainer(tmp_path, steps=6, logging_steps=100, **LEVELS[case])
+def _trained_over_the_nan(trainer):
+    """Train 6 steps with a NaN gradient at ``NAN_AT``: only that step is skipped, and it
+    leaves the weights and the stepped parameters bitwise as they were. Returns the
+    records before, at and after it."""
     recorder = _inject_nan(trainer)
     trainer.train()
     before, skipped, after = recorder.records[NAN_AT - 1], recorder.records[NAN_AT], recorder.records[NAN_AT + 1]
     assert [r["skipped"] for r in recorder.records] == [i == NAN_AT for i in range(6)]
     assert all(torch.equal(a, b) for a, b in zip(before["params"], skipped["params"], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before["stepped"], skipped["stepped"], strict=True))
+    return before, skipped, after
+
+
+@pytest.mark.parametrize("case", ["O2", "O1-fp16"])
+def test_nan_gradient_is_skipped_and_the_schedule_held(tmp_path, case):
+    trainer = _trainer(tmp_path, steps=6, logging_steps=100, **LEVELS[case])
+    before, skipped, after = _trained_over_the_nan(trainer)
     for index, state in before["optimizer"].items():
         for key, value in state.items():
             assert torch.equal(value, skipped["optimizer"][index][key]), (index, key)
@@ -947,12 +955,7 @@ def test_enable_trains_bitwise_as_ampkit_trainer(tmp_path):
 def test_enable_skips_the_nan_step_and_holds_the_schedule(tmp_path, case):
     level, dtype = ("O2", None) if case == "O2" else ("O1", torch.float16)
     trainer = _enabled(tmp_path, steps=6, opt_level=level, dtype=dtype, logging_steps=100)
-    recorder = _inject_nan(trainer)
-    trainer.train()
-    before, skipped, after = recorder.records[NAN_AT - 1], recorder.records[NAN_AT], recorder.records[NAN_AT + 1]
-    assert [r["skipped"] for r in recorder.records] == [i == NAN_AT for i in range(6)]
-    assert all(torch.equal(a, b) for a, b in zip(before["params"], skipped["params"], strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(before["stepped"], skipped["stepped"], strict=True))
+    before, skipped, after = _trained_over_the_nan(trainer)
     assert (before["last_epoch"], skipped["last_epoch"], after["last_epoch"]) == (NAN_AT, NAN_AT, NAN_AT + 1)
     stats = amp.stats(trainer.amp_optimizer)
     assert (stats.steps, stats.skipped) == (6, 1)
