@@ -435,19 +435,23 @@ def _attach_trainer(
         opt_list, scaler=scaler, num_losses=level.num_losses, fast_kernels=level.fast_kernels
     )
     ahead: list[_update_kernels.AheadJob] = []
+    compiling_ahead = _update_kernels.compile_ahead_enabled()  # (no jobs built when off: the default)
     for opt, mw in zip(opt_list, masters):
         managed = optim.managed_state(opt)
         if level.fast_kernels and isinstance(opt, torch.optim.Adam):  # first: around every other extension
             managed.add_extension(_FloatLrForForeach(opt))
         if mw is not None:
             managed.add_extension(_MasterStep(mw, models))
-            ahead += _master_kernels(mw, scaler)
+            if compiling_ahead:
+                ahead += _master_kernels(mw, scaler)
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
             managed.add_extension(_CompensationState(comp))
-            ahead += comp.kernels_ahead()
-    _update_kernels.compile_ahead(ahead)
+            if compiling_ahead:
+                ahead += comp.kernels_ahead()
+    if ahead:
+        _update_kernels.compile_ahead(ahead)
 
 
 def _master_kernels(mw: MasterWeights, scaler: LossScaler) -> list[_update_kernels.AheadJob]:

@@ -60,7 +60,7 @@ from ampkit._internal import registry as _reset
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
-    "forget_compiled",
+    "forget_compiled", "compile_ahead_enabled",
 ]
 
 _LOG = logging.getLogger("ampkit")
@@ -407,6 +407,12 @@ COMPILE_AHEAD_VAR = "AMPKIT_COMPILE_AHEAD"
 AheadJob = tuple["Kernel | None", dict, int, torch.device]
 
 
+def compile_ahead_enabled() -> bool:
+    """Whether ``AMPKIT_COMPILE_AHEAD=1`` asks for compiling ahead (callers skip building
+    the jobs when not)."""
+    return os.environ.get(COMPILE_AHEAD_VAR, "").strip() == "1"
+
+
 def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
     """Start compiling ``jobs`` in a thread and return it (None: nothing to do -- not
     switched on by ``AMPKIT_COMPILE_AHEAD=1``, no job, each compiled already). The
@@ -417,7 +423,7 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
     thread shares the interpreter with training (the step's Python runs slower while it
     compiles); what ``initialize``'s caller does before the first step -- the data
     loader, the first batch, the forward and backward -- overlaps the compile."""
-    if os.environ.get(COMPILE_AHEAD_VAR, "").strip() != "1":
+    if not compile_ahead_enabled():
         return None
     todo: list[AheadJob] = []
     for job in jobs:
