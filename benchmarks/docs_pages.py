@@ -591,13 +591,20 @@ def render_fsdp_memory(result: dict[str, Any]) -> str:
 
 
 def render_first_step(result: dict[str, Any]) -> str:
-    out = [f"`{result['workload']}` ({result['size']}), 1 thread; each arm a fresh process. *Cold*: an empty "
-           "`TORCHINDUCTOR_CACHE_DIR`; *warm*: a cache that `ampkit warmup` (O2 and O2K, AdamW) filled first, in "
-           f"{result['warmup_s']:.1f} s. *vs fp32*: the first step's extra seconds over fp32's.\n\n"]  # fmt: skip
-    rows = [[r["level"], _cell(r["cold_first_s"]), f"{r['cold_over_fp32_s']:+.2f}", _cell(r["warm_first_s"]),
-             f"{r['warm_over_fp32_s']:+.2f}", _cell(r["later_step_s"], ".3f")] for r in result["rows"]]  # fmt: skip
-    out.append(md_table(["level", "cold first step s", "vs fp32", "warm first step s", "vs fp32", "later step s"], rows))
-    return "".join(out) + "\n"
+    out = ["1 thread; each arm a fresh process. *Cold*: an empty `TORCHINDUCTOR_CACHE_DIR`; *warm*: a cache that "
+           f"`ampkit warmup` (O2 and O2K, AdamW) filled first, in {result['warmup_s']:.1f} s. *vs fp32*: the first "
+           "step's extra seconds over fp32's. *Notice*: whether ampkit printed its \"compiling the update kernels\" "
+           "line (after 2 s of compiling), on the cold / the warm cache.\n\n"]  # fmt: skip
+    for run in [result, *result.get("more", [])]:
+        out.append(f"### `{run['workload']}` ({run['size']})\n\n")
+        rows = [[r["level"], _cell(r["cold_first_s"]), f"{r['cold_over_fp32_s']:+.2f}", _cell(r["warm_first_s"]),
+                 f"{r['warm_over_fp32_s']:+.2f}", _cell(r["later_step_s"], ".3f"),
+                 "/".join(("yes" if r[k] else "no") if k in r else "–" for k in ("cold_notice", "warm_notice"))]
+                for r in run["rows"]]  # fmt: skip
+        out.append(md_table(["level", "cold first step s", "vs fp32", "warm first step s", "vs fp32", "later step s",
+                             "notice"], rows))  # fmt: skip
+        out.append("\n")
+    return "".join(out)
 
 
 def render_tune(result: dict[str, Any]) -> str:
@@ -869,10 +876,18 @@ def _first_step_parts(entry: dict[str, Any]) -> dict[str, str]:
 def snippet_first_step(entry: dict[str, Any], page_link: str) -> str:
     f = _first_step_parts(entry)
     plain = f" and {f['plain']}" if f["plain"] else ""
+    more = "".join(
+        f" On {'a 6-layer, 384-wide character GPT' if run['workload'] == 'chargpt' else run['workload']} the "
+        f"warm first step at {' and '.join(r['level'] for r in compiled)} took "
+        f"{_span([r['warm_first_s'] for r in compiled])} ({_span([r['warm_over_fp32_s'] for r in compiled])} more "
+        "than fp32's)."
+        for run in entry["result"].get("more", [])
+        if (compiled := [r for r in run["rows"] if r["level"] in ("O2", "O2K")])
+    )
     return (f"Measured with `benchmarks/first_step.py` ([the recorded page]({page_link})): {f['setting']}, one run. "
             f"The first step took {f['fp32']} in fp32{plain}; at {f['compiled']} {f['cold']} on an empty cache and "
             f"{f['warm']} ({f['warm_over']} more than fp32's) after `ampkit warmup` ({f['warmup']}); later steps "
-            f"{f['later']}. Another machine, model or load gives other figures.\n")  # fmt: skip
+            f"{f['later']}.{more} Another machine, model or load gives other figures.\n")  # fmt: skip
 
 
 def snippet_first_step_short(entry: dict[str, Any], page_link: str) -> str:

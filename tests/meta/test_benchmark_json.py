@@ -298,20 +298,27 @@ def test_ddp_json_holds_the_printed_table_and_targets(tmp_path):
 @pytest.mark.timeout(900)
 def test_first_step_json_holds_the_printed_table(tmp_path):
     """fp32 (every row's reference) and O2K (a level that compiles: its cold and warm first
-    steps differ) stand for the four levels the docs run records; O1 and O2 add no column."""
-    bad = subprocess.run([sys.executable, str(BENCH / "first_step.py"), "--levels", "O2K,fp32"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "fp32 first" in bad.stderr, bad.stderr
-    stdout, record = run_script("first_step.py", ["--size", "tiny", "--levels", "fp32,O2K"], tmp_path, timeout=800)
-    assert (record["workload"], record["size"]) == ("lm", "tiny") and record["warmup_s"] > 0
+    steps differ) stand for the four levels the docs run records; O1 and O2 add no column.
+    The character GPT stands for both models (the bench's ``lm`` is the same code with the
+    bench's own sizes); the notice column says whether ampkit announced a compile."""
+    for argv, message in ((["--levels", "O2K,fp32"], "fp32 first"), (["--workloads", "lm,gpt"], "distinct names")):
+        bad = subprocess.run([sys.executable, str(BENCH / "first_step.py"), *argv],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    stdout, record = run_script("first_step.py", ["--size", "tiny", "--levels", "fp32,O2K", "--workloads", "chargpt"],
+                                tmp_path, timeout=800)  # fmt: skip
+    assert (record["workload"], record["size"]) == ("chargpt", "6 layers × 384") and record["warmup_s"] > 0
+    assert record["more"] == []
     levels = [r["level"] for r in record["rows"]]
     assert levels == ["fp32", "O2K"] and "`ampkit warmup` (O2K, AdamW)" in stdout
     printed = _rows_by_first_word(stdout, levels)
     fp32 = record["rows"][0]
+    assert fp32["cold_notice"] is False and fp32["warm_notice"] is False  # fp32 compiles nothing
     for row in record["rows"]:
         assert printed[row["level"]] == [
             f"{row['cold_first_s']:.2f}", f"{row['cold_over_fp32_s']:+.2f}", f"{row['warm_first_s']:.2f}",
-            f"{row['warm_over_fp32_s']:+.2f}", f"{row['later_step_s']:.3f}"]  # fmt: skip
+            f"{row['warm_over_fp32_s']:+.2f}", f"{row['later_step_s']:.3f}",
+            f"{'yes' if row['cold_notice'] else 'no'}/{'yes' if row['warm_notice'] else 'no'}"]  # fmt: skip
         assert row["cold_over_fp32_s"] == pytest.approx(row["cold_first_s"] - fp32["cold_first_s"])
     renders("first_step", record, "O2K", "warm first step s")
 

@@ -275,6 +275,11 @@ def first_step_figures(entry: dict[str, Any], short: bool = False) -> list[Figur
                  *([Figure(f"{rows['O1']['cold_first_s']:.2f}", "O1", "O1's first step (s)")] if "O1" in rows else []),
                  Figure(f"{result['warmup_s']:.1f}", "warmup", "ampkit warmup (s)"),
                  Figure(_span([r["later_step_s"] for r in rows.values()], ".2f"), "later", "later steps (s)")]  # fmt: skip
+        for run in result.get("more", []):
+            more = [r for r in run["rows"] if r["level"] in ("O2", "O2K")]
+            figs += [Figure(_span([r["warm_first_s"] for r in more]), "character GPT", f"{run['workload']} warm (s)"),
+                     Figure(_span([r["warm_over_fp32_s"] for r in more]), "character GPT",
+                            f"{run['workload']} warm over fp32 (s)")]  # fmt: skip
     return figs
 
 

@@ -50,7 +50,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -138,6 +138,29 @@ def _announce_later(device_type: str) -> threading.Timer | None:
     return timer
 
 
+@contextlib.contextmanager
+def _compile_notice(device_type: str, what: str) -> Iterator[None]:
+    """Around one compile (and probe) of ``what`` for ``device_type``: announced once it
+    runs for ``ANNOUNCE_AFTER_S`` (see :func:`_announce_later`); when it succeeds, logged
+    with its duration, at WARNING where it was slow or the announcement was its own (a
+    "compiling" line is always followed by its "compiled" line, or by the error)."""
+    announced_before = device_type in ANNOUNCED_DEVICES
+    timer = _announce_later(device_type)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+    took = time.perf_counter() - start
+    announced = not announced_before and device_type in ANNOUNCED_DEVICES
+    _LOG.log(
+        logging.WARNING if took >= SLOW_COMPILE_S or announced else logging.INFO,
+        "ampkit: compiled the %s for %s in %.1f s (inductor's on-disk cache: %s; a later process with the "
+        "same cache compiles it in seconds).", what, device_type, took, inductor_compat.inductor_cache_dir(),
+    )
+
+
 def flat(t: torch.Tensor) -> torch.Tensor | None:
     """A 1-D view of every element of ``t`` in memory order, or None when ``t`` is
     not dense (gaps or overlaps between its elements)."""
@@ -202,31 +225,16 @@ class Kernel:
             if key in self._compiled:
                 return self._compiled[key]
             compiled: Callable[..., None] | None
-            announced = device.type in ANNOUNCED_DEVICES
-            timer = _announce_later(device.type)
-            start = time.perf_counter()
             try:
-                with inductor_compat.known_cpu_isa() if device.type == "cpu" else contextlib.nullcontext():
-                    compiled = self._compile_and_probe(static, num_scalars, device, scalars_device)
+                with _compile_notice(device.type, f"{self.name} update kernel"):
+                    with inductor_compat.known_cpu_isa() if device.type == "cpu" else contextlib.nullcontext():
+                        compiled = self._compile_and_probe(static, num_scalars, device, scalars_device)
             except Exception as exc:  # no compiler, unsupported platform, ...
                 _LOG.warning(
                     "ampkit: compiling the %s update kernel failed (%s: %s); using the "
                     "op-by-op version (same math, slower).", self.name, type(exc).__name__, exc
                 )
                 compiled = None
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            took = time.perf_counter() - start
-            # a compile whose start was announced says it ended at the same level
-            announced = not announced and device.type in ANNOUNCED_DEVICES
-            if compiled is not None:
-                _LOG.log(
-                    logging.WARNING if took >= SLOW_COMPILE_S or announced else logging.INFO,
-                    "ampkit: compiled the %s update kernel for %s in %.1f s (inductor's on-disk cache: %s; "
-                    "a later process with the same cache compiles it in seconds).",
-                    self.name, device.type, took, inductor_compat.inductor_cache_dir(),
-                )
             self._compiled[key] = compiled
             return compiled
 
@@ -507,7 +515,8 @@ def compiled_round_check() -> Callable[..., torch.Tensor] | None:
         if resolve_mode("auto") == "compiled":
             try:
                 fn = torch.compile(_bf16_mismatch, dynamic=True, fullgraph=True)
-                with inductor_compat.known_cpu_isa():  # the probes run on the CPU
+                # the probes run on the CPU (and compile it there)
+                with _compile_notice("cpu", "bf16 rounding check"), inductor_compat.known_cpu_isa():
                     for low, g in _round_probes():
                         expected = not torch.equal(low, g.to(torch.bfloat16))
                         if bool(fn(low, g)) != expected:

@@ -432,3 +432,26 @@ def test_a_fast_compile_is_not_announced_before_it_ends(monkeypatch, caplog):
     assert not any("compiling the optimizer update kernels" in m for m in messages)
     assert any("compiled the d update kernel for cpu in" in m for m in messages)
     assert update_kernels.ANNOUNCED_DEVICES == set()
+
+
+def test_the_rounding_checks_compile_is_announced_and_its_end_logged(monkeypatch, caplog):
+    """O2's first step compiles the bf16 rounding check (weights of 128k elements or more)
+    before any update kernel, and on a cold cache that is the long wait (Inductor's
+    instruction-set checks run there): it is announced like the update kernels, and
+    the announcement is followed by its "compiled" line."""
+    from ampkit.levels import update_kernels
+
+    if update_kernels.resolve_mode("auto") != "compiled":
+        pytest.skip("no C++ compiler: nothing is compiled")
+    monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
+    monkeypatch.setattr(update_kernels, "ANNOUNCE_AFTER_S", 0.0)  # announce at once: no timer to race
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    update_kernels.forget_compiled()
+    try:
+        with caplog.at_level("INFO", logger="ampkit"):
+            assert update_kernels.compiled_round_check() is not None
+    finally:
+        update_kernels.forget_compiled()  # not the eager stand-in for later tests
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [m for _, m in messages if "compiling the optimizer update kernels for cpu" in m]
+    assert [lvl for lvl, m in messages if "compiled the bf16 rounding check for cpu in" in m] == ["WARNING"]
