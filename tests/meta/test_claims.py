@@ -277,7 +277,10 @@ def first_step_figures(entry: dict[str, Any], short: bool = False) -> list[Figur
                  Figure(_span([r["later_step_s"] for r in rows.values()], ".2f"), "later", "later steps (s)")]  # fmt: skip
         for run in result.get("more", []):
             more = [r for r in run["rows"] if r["level"] in ("O2", "O2K")]
-            figs += [Figure(_span([r["warm_first_s"] for r in more]), "character GPT", f"{run['workload']} warm (s)"),
+            layers, width = run["size"].split(" layers × ")
+            figs += [Figure(layers, "character GPT", f"{run['workload']} layers"),
+                     Figure(width, "character GPT", f"{run['workload']} width"),
+                     Figure(_span([r["warm_first_s"] for r in more]), "character GPT", f"{run['workload']} warm (s)"),
                      Figure(_span([r["warm_over_fp32_s"] for r in more]), "character GPT",
                             f"{run['workload']} warm over fp32 (s)")]  # fmt: skip
     return figs
@@ -539,6 +542,10 @@ def test_checker_catches_a_wrong_first_step_figure() -> None:
     warm = _span([rows["O2"]["warm_first_s"], rows["O2K"]["warm_first_s"]])
     problems = quote.check(_swap(text, warm, "0.9–1.1"))
     assert any("warm first step of O2/O2K" in p for p in problems), problems
+    more = [r for r in record("first_step")["result"]["more"][0]["rows"] if r["level"] in ("O2", "O2K")]
+    gpt = _span([r["warm_first_s"] for r in more])
+    problems = quote.check(_swap(text, f"took {gpt} s", "took 0.7 s"))
+    assert any("chargpt warm (s)" in p for p in problems), problems
 
 
 def test_checker_catches_a_bench_quick_time_the_record_contradicts() -> None:
