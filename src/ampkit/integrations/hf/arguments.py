@@ -16,7 +16,7 @@ from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
 from ampkit.levels.opt_level import OPT_LEVELS
 
-from . import require
+from .. import require
 
 require("transformers", "hf")
 

@@ -17,8 +17,8 @@ from ampkit.inference.conversion import fp32_weights
 from ampkit.levels.setup import master_params
 from ampkit.trainer.session import state_dict as amp_state_dict
 
-from . import require
-from .hf_arguments import HfIntegrationError
+from .. import require
+from .arguments import HfIntegrationError
 
 require("accelerate", "hf")
 
