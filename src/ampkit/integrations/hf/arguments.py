@@ -12,9 +12,9 @@ import torch
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION_BY_NAME
 from ampkit._internal.env import dtype_from_env, level_from_env
-from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
 from ampkit.levels.opt_level import OPT_LEVELS
+from ampkit.levels.precision_plan import TunePlan
 
 from .. import require
 

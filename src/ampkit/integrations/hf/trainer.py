@@ -19,10 +19,10 @@ from ampkit._internal.env import dtype_from_env
 from ampkit._internal.files import check_target, write_file
 from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
-from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
 from ampkit.inference.conversion import convert
 from ampkit.levels.fp8 import Fp8Recipe
+from ampkit.levels.precision_plan import TunePlan
 from ampkit.levels.setup import initialize, master_params, master_weights_of
 from ampkit.trainer.api import scale_loss, unscale
 from ampkit.trainer.session import prepare_load_state_dict

@@ -15,9 +15,9 @@ from torch import nn
 from ampkit._internal.env import dtype_from_env, level_from_env
 from ampkit._internal.wrappers import unwrap_optimizer
 from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError, StateError
 from ampkit.levels import OptLevel, master_weights_of
+from ampkit.levels.precision_plan import TunePlan
 from ampkit.levels.setup import OPT_LEVELS, master_params
 from ampkit.trainer import session
 from ampkit.trainer.api import stats, unscale
