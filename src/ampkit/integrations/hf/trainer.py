@@ -16,20 +16,25 @@ import torch
 from torch import nn
 
 from ampkit._internal.env import dtype_from_env
-from ampkit._internal.files import check_target, write_file
+from ampkit._internal.files import check_target
 from ampkit._internal.install import install_hint
 from ampkit.casting.engine import autocast
-from ampkit.errors import AmpError
 from ampkit.inference.conversion import convert
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.levels.precision_plan import TunePlan
 from ampkit.levels.setup import initialize, master_params, master_weights_of
 from ampkit.trainer.api import scale_loss, unscale
-from ampkit.trainer.session import prepare_load_state_dict
 from ampkit.trainer.session import state_dict as amp_state_dict
 
 from .. import require
-from .._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
+from .._files import (
+    checkpoint_file_present,
+    checkpoint_read_limit,
+    checkpoint_what,
+    prepare_state_load,
+    read_checkpoint_file,
+    write_checkpoint_file,
+)
 from ..banner import announce
 from .arguments import (
     AmpkitArguments,
@@ -74,7 +79,6 @@ TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
 
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
-_AMPKIT_WHAT = f"ampkit's checkpoint state ({AMPKIT_NAME})"
 #: /2: ``weights16`` holds every 16-bit weight stepped as it is, so a missing one is
 #: seen (/1 held only those the fp32 weights do not round back to).
 _FORMAT = "ampkit.integrations.hf/2"
@@ -296,10 +300,7 @@ class AmpkitTrainerMixin:
         if setup is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        state = self._ampkit_state(setup)
-        write_file(
-            os.path.join(output_dir, AMPKIT_NAME), lambda f: torch.save(state, f), _AMPKIT_WHAT, HfIntegrationError
-        )
+        write_checkpoint_file(os.path.join(output_dir, AMPKIT_NAME), self._ampkit_state(setup), HfIntegrationError)
 
     def _ampkit_state(self, setup: _Setup) -> dict[str, Any]:
         model = self._setup_model(setup)
@@ -421,10 +422,7 @@ class AmpkitTrainerMixin:
         weights16 = _check_weights16(
             path, saved["weights16"], state, None, expected=_stepped16_names(model, setup.optimizer)
         )
-        try:
-            load_amp = prepare_load_state_dict(saved["amp"])
-        except AmpError as exc:
-            raise HfIntegrationError(f"{path}: {exc}") from None
+        load_amp = prepare_state_load(saved["amp"], path, HfIntegrationError)
 
         def apply() -> None:
             with torch.no_grad():
@@ -455,7 +453,7 @@ class AmpkitTrainerMixin:
         inference model (``"converted"``)."""
         target = os.path.join(output_dir, AMPKIT_NAME) if _internal_call and output_dir is not None else None
         if target is not None and self._ampkit is not None and self.args.should_save and os.path.lexists(target):
-            check_target(target, _AMPKIT_WHAT, HfIntegrationError)  # refused before HF writes the checkpoint
+            check_target(target, checkpoint_what(target), HfIntegrationError)  # refused before HF writes the checkpoint
         self._ampkit_save_mode = "fp32" if _internal_call else getattr(self._amp_source(), "amp_save_weights", "fp32")
         try:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
