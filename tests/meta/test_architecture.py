@@ -37,6 +37,8 @@ SUBPACKAGES = frozenset(
 #: (``from apex.amp import _amp_state``), which the drop-in answers as apex does.
 ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
 CONTRACT = "layers: tools > integrations > inference | distributed > levels > trainer > scaling > casting > _internal"
+FACE_CONTRACT = ("integrations use ampkit's public face: hf, lightning and accelerate import ampkit, ampkit.errors, "
+                 "ampkit.distributed and the integrations' shared modules")
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),
@@ -66,10 +68,14 @@ def test_layers_contract_is_kept():
 
 @needs_import_linter
 def test_layers_contract_catches_an_import_upwards(tmp_path):
+    """And the integrations' contract an import past the public face (one run of the
+    linter for both)."""
     src = tmp_path / "src"
     shutil.copytree(SRC, src / "ampkit", ignore=shutil.ignore_patterns("__pycache__"))
     policy = src / "ampkit" / "casting" / "policy.py"
     policy.write_text(policy.read_text() + "\n\nimport ampkit.tools.run  # noqa: E402,F401\n")
+    accelerate = src / "ampkit" / "integrations" / "accelerate.py"
+    accelerate.write_text(accelerate.read_text() + "\n\nimport ampkit.trainer.session  # noqa: E402,F401\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     # The copy must be the package analysed: it comes first on the path, and the check
     # below proves it was read (the real tree has no such import).
@@ -84,6 +90,8 @@ def test_layers_contract_catches_an_import_upwards(tmp_path):
     assert result.returncode != 0, out
     assert f"{CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "- ampkit.casting.policy -> ampkit.tools" in out, out
+    assert f"{FACE_CONTRACT} BROKEN" in " ".join(out.split()), out
+    assert "ampkit.integrations.accelerate is not allowed to import ampkit.trainer" in out, out
 
 
 # ---------------------------------------------------------------------------

@@ -68,15 +68,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal import registry as _reset
-from ampkit._internal import torch_compat
+from ampkit import Fp8Recipe, initialize, scale_loss, state_dict
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import applied_level, initialize
-from ampkit.trainer.api import managed_state, scale_loss
-from ampkit.trainer.extensions import AfterStep, StepExtension
-from ampkit.trainer.session import state_dict
 
 from . import require
 from ._files import (
@@ -86,6 +80,8 @@ from ._files import (
     read_checkpoint_file,
     write_checkpoint_file,
 )
+from ._shared import AfterStep, StepExtension, applied_level, managed_state, torch_compat
+from ._shared import registry as _reset
 from .banner import announce
 
 _accelerate = require("accelerate", "accelerate")

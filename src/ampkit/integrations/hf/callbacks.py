@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ampkit import step_skipped
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
-from ampkit.trainer.api import step_skipped
 
 from .. import require
 from .arguments import HfIntegrationError

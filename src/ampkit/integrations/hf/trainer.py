@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.env import dtype_from_env
-from ampkit._internal.files import check_target
-from ampkit._internal.install import install_hint
-from ampkit.casting.engine import autocast
-from ampkit.inference.conversion import convert
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.precision_plan import TunePlan
-from ampkit.levels.setup import initialize, master_params, master_weights_of
-from ampkit.trainer.api import scale_loss, unscale
-from ampkit.trainer.session import state_dict as amp_state_dict
+from ampkit import (
+    Fp8Recipe,
+    TunePlan,
+    autocast,
+    convert,
+    initialize,
+    master_params,
+    scale_loss,
+    unscale,
+)
+from ampkit import state_dict as amp_state_dict
 
 from .. import require
 from .._files import (
@@ -35,6 +36,7 @@ from .._files import (
     read_checkpoint_file,
     write_checkpoint_file,
 )
+from .._shared import check_target, dtype_from_env, install_hint, master_weights_of
 from ..banner import announce
 from .arguments import (
     AmpkitArguments,
