@@ -20,6 +20,8 @@ references to ampkit objects through the module that defines them.
   and ``docs/guides/`` before their first page).
 - Parameter defaults written ``name (type) [default]:`` are kept in the rendered
   parameter lists (napoleon alone drops the brackets).
+- A constant a package re-exports from a submodule is documented by its ``#:`` comment
+  where it is assigned (autodoc reads comments of the documented module only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import ast
 import importlib
 import inspect
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -348,11 +351,44 @@ def keep_bracketed_defaults(app: Sphinx, what: str, name: str, obj: Any, options
         lines[i] = _DEFAULT_IN_BRACKETS.sub(lambda m: f"{m.group(1)}: (default ``{m.group(2)}``){m.group(3)}", line)
 
 
+def _attribute_comment(module: str, attr: str) -> list[str] | None:
+    """The ``#:`` comment above ``attr``'s assignment in ``module`` (None: none there)."""
+    from sphinx.errors import PycodeError
+    from sphinx.pycode import ModuleAnalyzer
+
+    try:
+        docs = ModuleAnalyzer.for_module(module).find_attr_docs()
+    except PycodeError:
+        return None
+    found = docs.get(("", attr))
+    return None if found is None else list(found)
+
+
+def data_comment_of_defining_module(app: Sphinx, what: str, name: str, obj: Any, options: Any,
+                                    lines: list[str]) -> None:  # fmt: skip
+    """``autodoc-process-docstring``: a constant a package re-exports from a submodule
+    (``ampkit.integrations.hf.AMPKIT_NAME``, assigned in ``...hf.trainer``) is documented
+    by the ``#:`` comment where it is assigned. Autodoc reads comments only in the module
+    it documents, and otherwise shows the docstring of the value's type (``str``,
+    ``dict``)."""
+    if what != "data" or "." not in name:
+        return
+    module, attr = name.rsplit(".", 1)
+    if _attribute_comment(module, attr) is not None:
+        return
+    for sub in sorted(m for m in list(sys.modules) if m.startswith(module + ".")):
+        comment = _attribute_comment(sub, attr)
+        if comment is not None and getattr(sys.modules[sub], attr, None) is obj:
+            lines[:] = comment
+            return
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("config-inited", plain_napoleon_for_attributes)
     app.connect("builder-inited", generate)
     app.connect("source-read", drop_empty_globs)
     app.connect("autodoc-process-docstring", keep_bracketed_defaults, priority=400)
+    app.connect("autodoc-process-docstring", data_comment_of_defining_module, priority=300)
     app.connect("missing-reference", resolve_alias)
     app.connect("autodoc-process-signature", parseable_signature)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from ampkit import distributed, legacy, safe_globals
 from ampkit._internal.registry import reset
-from ampkit.casting.engine import autocast, checkpoint_context, current_policy, init, is_active
+from ampkit.casting.engine import autocast, checkpoint_context, current_policy, is_active
 from ampkit.casting.explanation import ExplainReport, explain
 from ampkit.casting.policy import Policy, canonical_op, default_policy
-from ampkit.casting.precision_plan import PlanError, TunePlan
 from ampkit.errors import (
     AmpError,
     DistributedError,
@@ -42,6 +41,8 @@ from ampkit.levels.compensated import CompensatedUpdates
 from ampkit.levels.fp8 import Fp8Recipe
 from ampkit.levels.master import MasterWeights
 from ampkit.levels.model_cast import cast_model
+from ampkit.levels.plan_init import init
+from ampkit.levels.precision_plan import PlanError, TunePlan
 from ampkit.levels.setup import OptLevel, initialize, master_params
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.tools.diagnosis import DoctorReport, doctor  # ampkit.doctor is the function

@@ -3,7 +3,8 @@ catches a violating import, no subpackage reaches into another's private names (
 names, ``sys.modules`` lookups, or the private attributes of another's objects),
 torch's private names are reached only through ``_internal/torch_compat.py`` (and ``inductor_compat.py``), and files
 and functions keep to a size budget in code lines (docstrings, comments and blank lines
-not counted) whose allow-list can only shrink.
+not counted) whose allow-list can only shrink, and the layers below ``levels`` name no
+opt level.
 
 Subpackages: ``_internal``, ``casting``, ``scaling``, ``trainer``, ``levels``,
 ``distributed``, ``inference`` and ``tools`` (its own subpackages count as one). The
@@ -36,6 +37,8 @@ SUBPACKAGES = frozenset(
 #: (``from apex.amp import _amp_state``), which the drop-in answers as apex does.
 ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
 CONTRACT = "layers: tools > integrations > inference | distributed > levels > trainer > scaling > casting > _internal"
+FACE_CONTRACT = ("integrations use ampkit's public face: hf, lightning and accelerate import ampkit, ampkit.errors, "
+                 "ampkit.distributed and the integrations' shared modules")
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),
@@ -65,10 +68,14 @@ def test_layers_contract_is_kept():
 
 @needs_import_linter
 def test_layers_contract_catches_an_import_upwards(tmp_path):
+    """And the integrations' contract an import past the public face (one run of the
+    linter for both)."""
     src = tmp_path / "src"
     shutil.copytree(SRC, src / "ampkit", ignore=shutil.ignore_patterns("__pycache__"))
     policy = src / "ampkit" / "casting" / "policy.py"
     policy.write_text(policy.read_text() + "\n\nimport ampkit.tools.run  # noqa: E402,F401\n")
+    accelerate = src / "ampkit" / "integrations" / "accelerate.py"
+    accelerate.write_text(accelerate.read_text() + "\n\nimport ampkit.trainer.session  # noqa: E402,F401\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     # The copy must be the package analysed: it comes first on the path, and the check
     # below proves it was read (the real tree has no such import).
@@ -83,6 +90,8 @@ def test_layers_contract_catches_an_import_upwards(tmp_path):
     assert result.returncode != 0, out
     assert f"{CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "- ampkit.casting.policy -> ampkit.tools" in out, out
+    assert f"{FACE_CONTRACT} BROKEN" in " ".join(out.split()), out
+    assert "ampkit.integrations.accelerate is not allowed to import ampkit.trainer" in out, out
 
 
 # ---------------------------------------------------------------------------
@@ -391,7 +400,7 @@ BOUNDARY_ALLOWED: dict[str, str] = {
     "_replace": "a namedtuple's copy with fields changed (Python)",
     "_asdict": "a namedtuple as a dict (Python)",
     "_Unpickler": "Python's own unpickler, whose BUILD the DCP metadata reader refuses on classes (distributed/dcp_files.py)",
-    "_is_overflow": "Accelerate's and HF Trainer's skip flag, set by integrations/accelerate.py and hf.py",
+    "_is_overflow": "Accelerate's and HF Trainer's skip flag, set by integrations/accelerate.py and hf/callbacks.py",
     "_is_accelerate_prepared": "Accelerate's marker on prepared models (integrations/accelerate.py)",
     "_wrap_closure": "Lightning's Precision hook (integrations/lightning/precision.py)",
 }
@@ -719,6 +728,40 @@ def test_the_cycle_check_catches_a_planted_function_level_import(tmp_path):
     graph = import_graph(src)
     assert import_cycles(graph) == [["ampkit.scaling.loss_scaler", "ampkit.scaling.transition"]], _cycle_report(
         graph, import_cycles(graph))
+
+
+# Opt levels are the levels layer's: the layers below it (casting, scaling, trainer,
+# _internal) name none in their code, so a level's meaning cannot be restated down there
+# (the tuning plan, which names levels, lives in levels/precision_plan.py).
+BELOW_LEVELS = ("_internal", "casting", "scaling", "trainer")
+
+
+def level_names_below_levels(src: Path, names: set[str]) -> list[str]:
+    """``path:line: 'O2'`` for each string constant in the code of the layers below
+    ``levels`` that is an opt level's name."""
+    found = []
+    for layer in BELOW_LEVELS:
+        for path in sorted((src / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                    found.append(f"{path.relative_to(src).as_posix()}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_layers_below_levels_name_no_opt_level():
+    from ampkit.levels import OPT_LEVELS
+
+    assert level_names_below_levels(SRC, set(OPT_LEVELS)) == []
+
+
+def test_the_level_name_check_catches_a_planted_name(tmp_path):
+    src = tmp_path / "ampkit"
+    shutil.copytree(SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    policy = src / "casting" / "policy.py"
+    policy.write_text(policy.read_text() + '\n\nLEVELS = ("O1", "O2K")  # planted\n')
+    lines = len(policy.read_text().splitlines())
+    assert level_names_below_levels(src, {"O1", "O2K"}) == [f"casting/policy.py:{lines}: 'O1'",
+                                                             f"casting/policy.py:{lines}: 'O2K'"]  # fmt: skip
 
 
 # One docstring convention: Google style as napoleon reads it (``Args:`` entries

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import ampkit as amp
-from ampkit.casting.precision_plan import PLAN_READ_LIMIT, PlanError, TunePlan
+from ampkit.levels.precision_plan import PLAN_READ_LIMIT, PlanError, TunePlan
 from ampkit.tools.tune import measure, search
 
 BUDGET = 0.01
@@ -677,7 +677,7 @@ def test_ampkit_tune_writes_relative_outputs_where_it_was_started(tmp_path, monk
 def test_close_step_times_are_timed_again_and_the_faster_timing_counts():
     """``confirm`` with scripted runs: O1 with the plan (6.0 ms) and everything at O1
     (6.3 ms) are within 10%: both run again, and the second timings (7.0, 5.9) decide."""
-    from ampkit.casting.precision_plan import ModuleChoice
+    from ampkit.levels.precision_plan import ModuleChoice
 
     first = {(None, False): 10.0, ("O1", True): 6.0, ("O1", False): 6.3, ("O2", True): 9.0, ("O2", False): 9.0,
              ("O2K", True): 8.0, ("O2K", False): 8.0}  # fmt: skip

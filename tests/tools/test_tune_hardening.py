@@ -19,7 +19,7 @@ import torch.optim.optimizer as optimizer_globals
 from torch import nn
 
 import ampkit as amp
-from ampkit.casting.precision_plan import PlanError, TunePlan
+from ampkit.levels.precision_plan import PlanError, TunePlan
 from ampkit.tools.tune import measure, search
 from ampkit.tools.tune.script import capture, tune_script
 
@@ -108,6 +108,24 @@ def test_a_plan_naming_a_module_the_model_lacks_is_refused_before_anything_chang
     assert seen == dict.fromkeys(NAMES, torch.bfloat16)
     with pytest.raises(PlanError, match="beside plan="):
         amp.init(model=model)
+
+
+def test_init_checks_its_own_arguments_before_the_plan():
+    """``ampkit.init`` applies a plan above the casting layer: a Policy given as the dtype
+    is still refused as such (a :class:`ampkit.PolicyError`, not the plan's dtype mismatch),
+    a policy that is no Policy likewise, and nothing is switched on."""
+    plan = TunePlan.by_hand(["d.a0"], ["d.x1"])
+    with pytest.raises(amp.PolicyError, match="a Policy goes by keyword"):
+        amp.init(amp.Policy(), plan=plan)
+    with pytest.raises(amp.PolicyError, match="policy must be an ampkit.Policy, got str"):
+        amp.init(plan=plan, policy="fp32")
+    assert not amp.is_active()
+    policy = amp.init(plan=plan, model=Keyed(), fp32_ops=["gelu"])  # a policy field on top of the plan's policy
+    try:
+        assert policy.dtype == torch.bfloat16 and policy.module_rules == {"d.x1": torch.float32}
+        assert "gelu" in policy.fp32_ops and amp.current_policy() == policy
+    finally:
+        amp.reset()
 
 
 # --- the tuner leaves no trace ---------------------------------------------------------------

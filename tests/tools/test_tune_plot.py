@@ -10,7 +10,7 @@ import math
 import pytest
 
 from ampkit import TunePlan
-from ampkit.casting.precision_plan import ModuleChoice
+from ampkit.levels.precision_plan import ModuleChoice
 
 matplotlib = pytest.importorskip("matplotlib")
 import matplotlib.pyplot as plt  # noqa: E402

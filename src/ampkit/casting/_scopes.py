@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import warnings
 import weakref
@@ -29,7 +28,6 @@ from ._module_rules import _end_cache_epoch, _install_step_hook, module_hooks, r
 from ._resolve import _Frame, _resolve, _Resolved
 from ._threads import thread_records
 from .policy import Policy, check_compute_dtype, check_device_type
-from .precision_plan import PlanError, TunePlan
 
 logger = logging.getLogger("ampkit")
 
@@ -368,55 +366,29 @@ class _Replay:
 # ---------------------------------------------------------------------------
 # Process-wide switch
 # ---------------------------------------------------------------------------
+def check_init_dtype(dtype: Any) -> None:
+    """:class:`ampkit.PolicyError` if ``dtype`` (:func:`ampkit.init`'s first argument) is a
+    :class:`Policy`, which goes by keyword."""
+    if isinstance(dtype, Policy):
+        raise PolicyError(
+            "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
+            "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
+        )
+
+
 def init(
     dtype: torch.dtype | None = None,
     device_type: str | None = None,
     *,
     policy: Policy | None = None,
     cache_enabled: bool = True,
-    plan: TunePlan | str | os.PathLike[str] | None = None,
-    model: nn.Module | list[nn.Module] | None = None,
     **policy_fields: Any,
 ) -> Policy:
-    """Turn op-level casting on for this thread until :func:`ampkit.reset`.
-
-    Equivalent to entering ``ampkit.autocast(policy, device_type)`` and never leaving.
-
-    Args:
-        dtype: compute dtype; default: the policy's, else the ``AMPKIT_DTYPE``
-            environment variable (``bf16``/``fp16``) if set, else bf16 on CPU, fp16 on CUDA.
-        device_type: ``"cpu"`` or ``"cuda"``; default ``"cuda"`` if available else ``"cpu"``.
-        policy: a base policy (default: the device's defaults).
-        cache_enabled: as in :class:`autocast`.
-        plan (ampkit.TunePlan | str | os.PathLike | None): a plan from
-            :func:`ampkit.tune` (or the path of a saved one): its module choices as
-            op-level casting (kept modules pinned to fp32 by a module rule added to
-            ``policy``), in its dtype. Weights are not cast here whatever the plan's level:
-            :func:`ampkit.initialize` applies that. Another ``dtype`` than the plan's, or
-            a plan with fp8 linears (converting them is ``initialize``'s), raises
-            :class:`ampkit.PlanError`. Its names are matched exactly, never as globs.
-            Default: ``None``.
-        model (nn.Module | list | None): with ``plan``, the model (or models) it
-            applies to: one that lacks a module the plan names is refused
-            (:class:`ampkit.PlanError`, before anything changes), and the plan's names
-            are relative to it, also when a child of it is called first (as with
-            :func:`ampkit.initialize`). Without it a name the model lacks pins nothing.
-            Default: ``None``.
-        **policy_fields: :class:`Policy` fields (``lower_ops``, ``fp32_ops``,
-            ``promote_ops``, ``conditional_fp32_ops``, ``module_rules``) applied on top.
-
-    Returns the policy in force. Calling ``init`` again in the thread replaces the
-    previous one. Per thread, like ``torch.autocast``: see :func:`ampkit.reset` for
-    what is per thread and what per process.
-    """
-    if isinstance(dtype, Policy):
-        raise PolicyError(
-            "ampkit.init's first argument is the compute dtype; a Policy goes by keyword: "
-            "ampkit.init(policy=my_policy) (or ampkit.init(my_policy.dtype, policy=my_policy))."
-        )
-    models = _plan_models(plan, model)
-    if plan is not None:
-        dtype, policy = _with_plan(TunePlan.coerce(plan, "ampkit.init(plan=...)"), models, dtype, policy)
+    """Turn op-level casting on for this thread until :func:`ampkit.reset`: the casting
+    layer's part of :func:`ampkit.init`, which documents the arguments (a tuning plan,
+    ``plan=`` and ``model=``, is applied there, above this layer). Returns the policy in
+    force."""
+    check_init_dtype(dtype)
     if dtype is None and policy is None:  # an argument > the environment > the default
         dtype = dtype_from_env()
     device = check_device_type(device_type or default_device_type())
@@ -433,39 +405,8 @@ def init(
     scope.__enter__()
     kernel_registry.verify()  # a kernel registered over ampkit's since would silently win
     _state.global_scope = scope
-    for m in models:  # the plan's names are the model's own
-        module_hooks.name_rules_relative_to(m)
     logger.info("ampkit: casting on for %s in %s", device, base.dtype)
     return base
-
-
-def _plan_models(plan: Any, model: Any) -> list[nn.Module]:
-    """``init``'s ``model`` as a list (empty: none); :class:`PlanError` for anything else,
-    or a model without a plan."""
-    if model is None:
-        return []
-    models = [model] if isinstance(model, nn.Module) else model
-    if plan is None or not isinstance(models, (list, tuple)) or not all(isinstance(m, nn.Module) for m in models):
-        raise PlanError("ampkit.init(model=...) takes the nn.Module (or a list of them) that plan= is applied to, "
-                        "beside plan=.")  # fmt: skip
-    return list(models)
-
-
-def _with_plan(plan: TunePlan, models: list[nn.Module], dtype: torch.dtype | None,
-               policy: Policy | None) -> tuple[torch.dtype | None, Policy | None]:  # fmt: skip
-    """``init``'s dtype and policy with ``plan`` applied (nothing changed yet); the plan
-    checked against ``models`` where given."""
-    if plan.fp8:
-        raise PlanError(f"ampkit.init(plan=...): the plan runs {len(plan.fp8)} linear(s) in fp8 "
-                        f"({', '.join(plan.fp8[:3])}{' ...' if len(plan.fp8) > 3 else ''}), which takes "
-                        "converting them: use ampkit.initialize(model, optimizer, plan=...).")  # fmt: skip
-    if models:
-        plan.check_model(models)
-    if not plan.lowered:
-        return dtype, policy
-    if policy is not None and not isinstance(policy, Policy):
-        raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
-    return plan.compute_dtype(dtype), plan.policy(base=policy)
 
 
 def _stop_global() -> None:

@@ -27,12 +27,21 @@ from ._module_rules import (
     step_hook_installed,
     unwrap_module,
 )
-from ._scopes import autocast, checkpoint_context, entered_dtypes, init, open_scope, release_kernels
+from ._scopes import (
+    autocast,
+    check_init_dtype,
+    checkpoint_context,
+    entered_dtypes,
+    init,
+    open_scope,
+    release_kernels,
+)
 
 __all__ = [  # the public API: autocast, init, checkpoint_context, is_active, current_policy, active_scopes
     "GRAPH_MARKER",
     "active_scopes",
     "autocast",
+    "check_init_dtype",
     "checkpoint_context",
     "current_policy",
     "drop_code_of_other_keys",

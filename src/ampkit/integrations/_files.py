@@ -1,8 +1,10 @@
-"""Reading ampkit's checkpoint files for the integrations: ``torch.load`` with
+"""ampkit's checkpoint files for the integrations. Reading: ``torch.load`` with
 ``weights_only=True`` only (tensors, containers and primitives: a file can never run
 code), of a regular file no larger than the state it can hold (a FIFO would block,
 ``/dev/zero`` never ends, a folder is no file), every way a file can be unreadable turned
-into the integration's own error."""
+into the integration's own error; the state read checked against ampkit's session before
+anything is loaded (:func:`prepare_state_load`). Writing: through ampkit's safe writer
+(:func:`write_checkpoint_file`)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,23 @@ import os
 import pickle
 import stat
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ampkit._internal.files import write_file
 from ampkit.errors import AmpError
+from ampkit.trainer.session import prepare_load_state_dict
 
-__all__ = ["checkpoint_file_present", "checkpoint_read_limit", "read_checkpoint_file"]
+__all__ = [
+    "checkpoint_file_present",
+    "checkpoint_read_limit",
+    "checkpoint_what",
+    "prepare_state_load",
+    "read_checkpoint_file",
+    "write_checkpoint_file",
+]
 
 #: What a checkpoint file of ampkit's may hold beyond its tensors' data: scalers,
 #: counters, fp8 histories, the zip's headers.
@@ -122,3 +133,24 @@ def _load(f: Any, name: str, error: type[AmpError], map_location: Any) -> Any:
             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'truncated or empty'}); "
             "it may be truncated (an interrupted save) or another file. Resume from an earlier checkpoint."
         ) from None
+
+
+def checkpoint_what(path: str | os.PathLike[str]) -> str:
+    """How messages name the checkpoint file ``path`` of ampkit's state."""
+    return f"ampkit's checkpoint state ({os.path.basename(os.fspath(path))})"
+
+
+def write_checkpoint_file(path: str | os.PathLike[str], state: Any, error: type[AmpError]) -> None:
+    """``torch.save(state)`` to ``path`` through ampkit's safe writer: replaced whole, never
+    written through a link; a symlink, FIFO or folder at ``path`` raises ``error``."""
+    write_file(path, lambda f: torch.save(state, f), checkpoint_what(path), error)
+
+
+def prepare_state_load(saved: Any, path: str | os.PathLike[str], error: type[AmpError]) -> Callable[[], None]:
+    """:func:`ampkit.state_dict`'s output ``saved`` (read from ``path``) checked against
+    the session, nothing changed; the function that loads it. A state that does not fit
+    raises ``error`` naming ``path``."""
+    try:
+        return prepare_load_state_dict(saved)
+    except AmpError as exc:
+        raise error(f"{os.fspath(path)}: {exc}") from None

@@ -68,19 +68,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal import registry as _reset
-from ampkit._internal import torch_compat
-from ampkit._internal.files import write_file
+from ampkit import Fp8Recipe, initialize, scale_loss, state_dict
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError, StateError
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import applied_level, initialize
-from ampkit.trainer.api import managed_state, scale_loss
-from ampkit.trainer.extensions import AfterStep, StepExtension
-from ampkit.trainer.session import prepare_load_state_dict, state_dict
 
 from . import require
-from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
+from ._files import (
+    checkpoint_file_present,
+    checkpoint_read_limit,
+    prepare_state_load,
+    read_checkpoint_file,
+    write_checkpoint_file,
+)
+from ._shared import AfterStep, StepExtension, applied_level, managed_state, torch_compat
+from ._shared import registry as _reset
 from .banner import announce
 
 _accelerate = require("accelerate", "accelerate")
@@ -168,11 +169,7 @@ def _save_hook(accelerator: Any) -> Any:
             return
         each_node = bool(getattr(acc.project_configuration, "save_on_each_node", False))
         if acc.is_local_main_process if each_node else acc.is_main_process:
-            state = state_dict()
-            write_file(
-                os.path.join(output_dir, STATE_NAME), lambda f: torch.save(state, f),
-                f"ampkit's checkpoint state ({STATE_NAME})", AccelerateCheckpointError,
-            )
+            write_checkpoint_file(os.path.join(output_dir, STATE_NAME), state_dict(), AccelerateCheckpointError)
 
     return hook
 
@@ -207,10 +204,7 @@ def _load_hook(record: _Prepared) -> Any:
             )
             return
         saved = read_checkpoint_file(path, AccelerateCheckpointError, limit=checkpoint_read_limit(record.tensors()))
-        try:
-            record.pending = prepare_load_state_dict(saved)
-        except AmpError as exc:
-            raise AccelerateCheckpointError(f"{path}: {exc}") from None
+        record.pending = prepare_state_load(saved, path, AccelerateCheckpointError)
 
     return hook
 

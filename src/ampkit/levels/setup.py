@@ -42,7 +42,6 @@ from ampkit._internal.dtypes import (
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, exact_name
-from ampkit.casting.precision_plan import PlanError, TunePlan
 from ampkit.errors import StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
@@ -67,6 +66,7 @@ from .model_cast import (
 )
 from .opt_level import OPT_LEVELS, OVERRIDES, OptLevel, check_override_names, resolve_opt_level
 from .plan import CAST_MODELS, MASTERS_ATTR, Plan, is_managed, make_plan, masters_of
+from .precision_plan import PlanError, TunePlan
 
 __all__ = ["OptLevel", "OPT_LEVELS", "initialize", "is_managed", "master_params", "resolve_opt_level"]
 

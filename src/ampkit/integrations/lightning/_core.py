@@ -12,16 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.env import dtype_from_env, level_from_env
-from ampkit._internal.wrappers import unwrap_optimizer
-from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import TunePlan
+from ampkit import OptLevel, Policy, TunePlan, master_params, stats, unscale
+from ampkit import load_state_dict as amp_load_state_dict
+from ampkit import state_dict as amp_state_dict
 from ampkit.errors import AmpError, StateError
-from ampkit.levels import OptLevel, master_weights_of
-from ampkit.levels.setup import OPT_LEVELS, master_params
-from ampkit.trainer import session
-from ampkit.trainer.api import stats, unscale
 
+from .._shared import (
+    OPT_LEVELS,
+    dtype_from_env,
+    level_from_env,
+    master_weights_of,
+    unwrap_optimizer,
+)
 from ..banner import announce
 from ._settings import Settings, device_type_of, lightning_precision_name
 from .schedulers import HeldScheduler
@@ -199,7 +201,7 @@ class PluginCore:
             "format": STATE_FORMAT,
             "opt_level": self.level.name,
             "dtype": str(self.level.dtype).replace("torch.", ""),
-            "ampkit": session.state_dict(),
+            "ampkit": amp_state_dict(),
         }
 
     def load_state_dict(self, state_dict: Any, owner: str) -> None:
@@ -217,7 +219,7 @@ class PluginCore:
             )
         if not self.optimizers:
             return  # inference: the weights come with the model's state dict
-        session.load_state_dict(state_dict["ampkit"])
+        amp_load_state_dict(state_dict["ampkit"])
 
 
 def _widen(module: nn.Module, old_optimizers: Sequence[torch.optim.Optimizer]) -> None:

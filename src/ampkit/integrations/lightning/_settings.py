@@ -12,12 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.dtypes import default_device_type
-from ampkit.casting.engine import autocast
-from ampkit.casting.policy import Policy
+from ampkit import Fp8Recipe, OptLevel, Policy, autocast, initialize
 from ampkit.errors import AmpError
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import OptLevel, initialize, resolve_opt_level
+
+from .._shared import default_device_type, resolve_opt_level
 
 __all__ = ["Settings", "device_type_of", "is_float_loss_scale"]
 

@@ -11,14 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.casting.policy import Policy
-from ampkit.casting.precision_plan import TunePlan
+from ampkit import Fp8Recipe, OptLevel, Policy, TunePlan, scale_loss
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
 from ampkit.integrations import require
-from ampkit.levels import OptLevel
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.trainer.api import scale_loss
 
 from ._core import hold, plugin_core, unwrap
 from ._settings import device_type_of

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampkit import step_skipped
 from ampkit.errors import StateError
-from ampkit.trainer.api import step_skipped
 
 __all__ = ["HeldScheduler"]
 

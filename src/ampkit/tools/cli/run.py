@@ -94,7 +94,7 @@ def _config(args: argparse.Namespace) -> Any:
     try:
         plan = None
         if getattr(args, "plan", None) is not None:
-            from ampkit.casting.precision_plan import TunePlan
+            from ampkit.levels.precision_plan import TunePlan
 
             plan = TunePlan.load(args.plan)
             args.level = args.level or {"O0": "fp32"}.get(plan.level, plan.level)

@@ -10,8 +10,8 @@ import torch
 
 from ampkit._internal.dtypes import DTYPES_BY_NAME
 from ampkit._internal.script import ScriptError
-from ampkit.casting.precision_plan import TunePlan
 from ampkit.errors import AmpError
+from ampkit.levels.precision_plan import TunePlan
 
 __all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.casting.precision_plan import PlanError
 from ampkit.errors import AmpError
+from ampkit.levels.precision_plan import PlanError
 from ampkit.trainer.extensions import StepExtension
 
 from .config import RunConfig, RunRefused, _Refusal

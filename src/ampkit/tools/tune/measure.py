@@ -19,9 +19,9 @@ from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import DTYPES_BY_NAME as DTYPES
 from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy, default_policy, exact_name
-from ampkit.casting.precision_plan import FP8
 from ampkit.levels.fp8.recipe import Fp8Recipe, convertible
 from ampkit.levels.fp8.training import converted
+from ampkit.levels.precision_plan import FP8
 
 from .progress import Progress
 

@@ -37,8 +37,8 @@ from torch import nn
 
 from ampkit._internal import torch_compat
 from ampkit._internal.files import read_json, write_text
-from ampkit.casting.precision_plan import ModuleChoice, TunePlan
 from ampkit.errors import AmpError
+from ampkit.levels.precision_plan import ModuleChoice, TunePlan
 from ampkit.tools.run import RunConfig, run_script
 
 from . import measure

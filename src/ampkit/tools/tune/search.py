@@ -31,9 +31,9 @@ from ampkit._internal.dtypes import DTYPES_BY_NAME as DTYPES
 from ampkit._internal.registry import reset
 from ampkit.casting.engine import is_active
 from ampkit.casting.policy import Policy, exact_name
-from ampkit.casting.precision_plan import FP8, ModuleChoice, TunePlan
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8.recipe import for_modules
+from ampkit.levels.precision_plan import FP8, ModuleChoice, TunePlan
 from ampkit.levels.setup import initialize
 from ampkit.tools.bench.machine import machine_info
 from ampkit.trainer.api import scale_loss

@@ -10,13 +10,17 @@ from typing import Any
 
 import torch
 
-from ampkit._internal.dtypes import DTYPES_BY_NAME, LOW_PRECISION_BY_NAME
-from ampkit._internal.env import dtype_from_env, level_from_env
-from ampkit.casting.precision_plan import TunePlan
+from ampkit import TunePlan
 from ampkit.errors import AmpError
-from ampkit.levels.opt_level import OPT_LEVELS
 
-from . import require
+from .. import require
+from .._shared import (
+    DTYPES_BY_NAME,
+    LOW_PRECISION_BY_NAME,
+    OPT_LEVELS,
+    dtype_from_env,
+    level_from_env,
+)
 
 require("transformers", "hf")
 

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from ampkit import step_skipped
 from ampkit.distributed import register_ddp
 from ampkit.errors import AmpError
-from ampkit.trainer.api import step_skipped
 
-from . import require
-from .hf_arguments import HfIntegrationError
-from .hf_weights import _raw_optimizer
+from .. import require
+from .arguments import HfIntegrationError
+from .weights import _raw_optimizer
 
 require("transformers", "hf")
 accelerate = require("accelerate", "hf")
@@ -24,7 +24,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 if TYPE_CHECKING:
-    from .hf import AmpkitTrainerMixin
+    from .trainer import AmpkitTrainerMixin
 
 __all__ = ["AmpkitSkipSignal"]
 

@@ -1,72 +1,6 @@
-"""ampkit inside Hugging Face Transformers' ``Trainer`` (``pip install -e '.[hf]'``).
-
-The stock ``Trainer`` and ``TrainingArguments``, one line added (:func:`enable`)::
-
-    from ampkit.integrations.hf import enable
-
-    trainer = Trainer(model=model, args=TrainingArguments("out"), train_dataset=train)  # not bf16=True
-    enable(trainer, "O2")
-    trainer.train()
-    trainer.save_model("final")     # fp32 weights, config dtype float32
-
-or ampkit's classes, the settings among the arguments (``--amp_level O2``)::
-
-    from ampkit.integrations.hf import AmpkitTrainer, AmpkitTrainingArguments
-
-    args = AmpkitTrainingArguments(output_dir="out", amp_level="O2")   # not bf16=True
-    trainer = AmpkitTrainer(model=model, args=args, train_dataset=train)
-
-:class:`AmpkitTrainer` is ``transformers.Trainer`` with :class:`AmpkitTrainerMixin`;
-put the mixin first to add the same to another Trainer subclass
-(``class MyTrainer(AmpkitTrainerMixin, Seq2SeqTrainer)``, arguments
-:class:`AmpkitSeq2SeqTrainingArguments`). :func:`enable` gives a trainer already built
-that class (the mixin first, its settings kept on the trainer, not in ``args``). Not a
-callback: HF hands its callbacks no trainer, and no callback event comes where ampkit
-must act (before Accelerate wraps the optimizer, inside ``backward``, before a resumed
-checkpoint's weights load). What the mixin does, each through a method or hook of the
-Trainer:
-
-- ``create_optimizer``: the optimizer the Trainer builds (or was given) and
-  ``trainer.model`` go through :func:`ampkit.initialize` at ``amp_level`` before
-  Accelerate wraps them (the raw ``torch.optim.Optimizer``, never the
-  ``AcceleratedOptimizer``).
-- ``autocast_smart_context_manager`` (the scope HF's ``compute_loss_context_manager``
-  enters around ``compute_loss`` in training and ``prediction_step`` in evaluation):
-  an :class:`ampkit.autocast` scope at O1, so casting covers the forward and the loss
-  only, never process-wide; O2/O3/O2K models run their own casting.
-- ``training_step``: the Trainer's ``accelerator.backward(loss)`` runs inside
-  :func:`ampkit.scale_loss` (the loss HF logs stays unscaled).
-- skipped steps: after every optimizer step the ``AcceleratedOptimizer`` reports
-  :func:`ampkit.step_skipped` as its own ``step_was_skipped`` (Accelerate's overflow
-  flag), so ``accelerator.optimizer_step_was_skipped`` is True on a skipped step and
-  HF does not step its LR scheduler (a :class:`AmpkitSkipSignal` callback).
-- ``max_grad_norm``: clipping runs on :func:`ampkit.master_params` (the fp32 masters
-  under O2) after :func:`ampkit.unscale`: real gradients at every level, summed over
-  ``gradient_accumulation_steps`` micro-batches.
-- checkpoints: ``ampkit.pt`` (:data:`AMPKIT_NAME`) beside ``optimizer.pt`` holds
-  :func:`ampkit.state_dict` (loss scalers, step counters, fp32 masters, compensation,
-  fp8 state) and every 16-bit weight the optimizer steps as it is (O2K, O3);
-  ``resume_from_checkpoint`` and ``load_best_model_at_end`` load it back, so a resumed
-  run continues bit for bit. On a resume ampkit is set up first (``create_optimizer``,
-  as ``train()`` would next) and the file is read and checked whole against that
-  session before HF sets up anything of the resumed run -- its ``trainer.state``, LR
-  scheduler, weights or optimizer state: a bad file refuses the resume with the model,
-  the optimizer (state and ``param_groups``), the LR scheduler and ``trainer.state`` as
-  they were. A link, FIFO or folder at its name refuses the save (never written through).
-- ``save_model`` (checkpoints included) writes the fp32 weights the run trained
-  (:func:`fp32_state_dict`: the masters under O2, weight + compensation under O2K) with
-  ``"dtype": "float32"`` in ``config.json``, so ``from_pretrained`` loads them back as
-  trained; ``amp_save_weights="converted"`` makes ``save_model`` write the
-  :func:`ampkit.convert` inference model instead (checkpoints stay fp32).
-
-Not supported (refused with :class:`HfIntegrationError` naming the alternative):
-HF's own ``bf16``/``fp16``/``*_full_eval`` and Accelerate's ``mixed_precision``
-(they would cast on top of ampkit), DeepSpeed, FSDP and SageMaker model parallelism
-(they own the optimizer and the weights' dtype), LOMO optimizers (they update inside
-backward). ``torch.distributed`` data
-parallelism (DDP) is set up as :mod:`ampkit.distributed` asks: ``initialize`` before
-the wrap, :func:`ampkit.distributed.register_ddp` after it.
-"""
+"""The Trainer mixin of the HF integration (:mod:`ampkit.integrations.hf`, which documents
+what it does): :class:`AmpkitTrainerMixin`, :class:`AmpkitTrainer`, :func:`enable` for a
+stock Trainer, and the check of the Trainer privates it overrides."""
 
 from __future__ import annotations
 
@@ -81,35 +15,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.env import dtype_from_env
-from ampkit._internal.files import check_target, write_file
-from ampkit._internal.install import install_hint
-from ampkit.casting.engine import autocast
-from ampkit.casting.precision_plan import TunePlan
-from ampkit.errors import AmpError
-from ampkit.inference.conversion import convert
-from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.setup import initialize, master_params, master_weights_of
-from ampkit.trainer.api import scale_loss, unscale
-from ampkit.trainer.session import prepare_load_state_dict
-from ampkit.trainer.session import state_dict as amp_state_dict
+from ampkit import (
+    Fp8Recipe,
+    TunePlan,
+    autocast,
+    convert,
+    initialize,
+    master_params,
+    scale_loss,
+    unscale,
+)
+from ampkit import state_dict as amp_state_dict
 
-from . import require
-from ._files import checkpoint_file_present, checkpoint_read_limit, read_checkpoint_file
-from .banner import announce
-from .hf_arguments import (
+from .. import require
+from .._files import (
+    checkpoint_file_present,
+    checkpoint_read_limit,
+    checkpoint_what,
+    prepare_state_load,
+    read_checkpoint_file,
+    write_checkpoint_file,
+)
+from .._shared import check_target, dtype_from_env, install_hint, master_weights_of
+from ..banner import announce
+from .arguments import (
     AmpkitArguments,
-    AmpkitOptions,
-    AmpkitSeq2SeqTrainingArguments,
-    AmpkitTrainingArguments,
     HfIntegrationError,
     check_arguments,
     dtype_of,
     level_of,
     resolve_options,
 )
-from .hf_callbacks import AmpkitSkipSignal, _RegisterDDP
-from .hf_weights import (
+from .callbacks import AmpkitSkipSignal, _RegisterDDP
+from .weights import (
     _check_weights16,
     _param_names,
     _raw_optimizer,
@@ -124,23 +62,6 @@ transformers = require("transformers", "hf")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from transformers import Trainer  # noqa: E402
 from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
-
-__all__ = [
-    "AMPKIT_NAME",
-    "TRAINER_PRIVATES",
-    "AmpkitArguments",
-    "AmpkitOptions",
-    "AmpkitSeq2SeqTrainingArguments",
-    "AmpkitSkipSignal",
-    "AmpkitTrainer",
-    "AmpkitTrainerMixin",
-    "AmpkitTrainingArguments",
-    "HfIntegrationError",
-    "check_arguments",
-    "check_trainer_contract",
-    "enable",
-    "fp32_state_dict",
-]
 
 #: The private methods of ``transformers.Trainer`` :class:`AmpkitTrainerMixin` overrides,
 #: each with the parameters its override takes and passes on. transformers may rename
@@ -160,7 +81,6 @@ TRAINER_PRIVATES: dict[str, tuple[str, ...]] = {
 
 #: The file ampkit's state is saved to in every checkpoint folder, beside ``optimizer.pt``.
 AMPKIT_NAME = "ampkit.pt"
-_AMPKIT_WHAT = f"ampkit's checkpoint state ({AMPKIT_NAME})"
 #: /2: ``weights16`` holds every 16-bit weight stepped as it is, so a missing one is
 #: seen (/1 held only those the fp32 weights do not round back to).
 _FORMAT = "ampkit.integrations.hf/2"
@@ -382,10 +302,7 @@ class AmpkitTrainerMixin:
         if setup is None or not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
-        state = self._ampkit_state(setup)
-        write_file(
-            os.path.join(output_dir, AMPKIT_NAME), lambda f: torch.save(state, f), _AMPKIT_WHAT, HfIntegrationError
-        )
+        write_checkpoint_file(os.path.join(output_dir, AMPKIT_NAME), self._ampkit_state(setup), HfIntegrationError)
 
     def _ampkit_state(self, setup: _Setup) -> dict[str, Any]:
         model = self._setup_model(setup)
@@ -507,10 +424,7 @@ class AmpkitTrainerMixin:
         weights16 = _check_weights16(
             path, saved["weights16"], state, None, expected=_stepped16_names(model, setup.optimizer)
         )
-        try:
-            load_amp = prepare_load_state_dict(saved["amp"])
-        except AmpError as exc:
-            raise HfIntegrationError(f"{path}: {exc}") from None
+        load_amp = prepare_state_load(saved["amp"], path, HfIntegrationError)
 
         def apply() -> None:
             with torch.no_grad():
@@ -541,7 +455,7 @@ class AmpkitTrainerMixin:
         inference model (``"converted"``)."""
         target = os.path.join(output_dir, AMPKIT_NAME) if _internal_call and output_dir is not None else None
         if target is not None and self._ampkit is not None and self.args.should_save and os.path.lexists(target):
-            check_target(target, _AMPKIT_WHAT, HfIntegrationError)  # refused before HF writes the checkpoint
+            check_target(target, checkpoint_what(target), HfIntegrationError)  # refused before HF writes the checkpoint
         self._ampkit_save_mode = "fp32" if _internal_call else getattr(self._amp_source(), "amp_save_weights", "fp32")
         try:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]

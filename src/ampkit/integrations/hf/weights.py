@@ -11,14 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._internal.files import write_text
-from ampkit._internal.validate import ABSURD_MAGNITUDE
-from ampkit.inference.conversion import fp32_weights
-from ampkit.levels.setup import master_params
-from ampkit.trainer.session import state_dict as amp_state_dict
+from ampkit import fp32_weights, master_params
+from ampkit import state_dict as amp_state_dict
 
-from . import require
-from .hf_arguments import HfIntegrationError
+from .. import require
+from .._shared import ABSURD_MAGNITUDE, write_text
+from .arguments import HfIntegrationError
 
 require("accelerate", "hf")
 
