@@ -603,8 +603,26 @@ def render_first_step(result: dict[str, Any]) -> str:
                 for r in run["rows"]]  # fmt: skip
         out.append(md_table(["level", "cold first step s", "vs fp32", "warm first step s", "vs fp32", "later step s",
                              "notice"], rows))  # fmt: skip
-        out.append("\n")
+        out.append(f"\n{_first_step_verdicts(run['rows'])}\n\n")
     return "".join(out)
+
+
+#: the first-step targets (issue "the first hour"): a compiled level's first step over fp32's
+FIRST_STEP_COLD_S, FIRST_STEP_WARM_S = 10.0, 2.0
+
+
+def _first_step_verdicts(rows: list[dict[str, Any]]) -> str:
+    """Each target, met or missed, per compiled level (O2, O2K) of one table."""
+    compiled = [r for r in rows if r["level"] in ("O2", "O2K")]
+
+    def verdict(key: str, limit: float, notice: str | None) -> str:
+        missed = [f"{r['level']} ({r[key]:+.2f} s{', notice' if notice and r.get(notice) else ''})" for r in compiled
+                  if r[key] > limit or (notice and r.get(notice))]  # fmt: skip
+        return "met" if not missed else "**missed** by " + ", ".join(missed)
+
+    return (f"Targets: cold, at most {FIRST_STEP_COLD_S:.0f} s over fp32: "
+            f"{verdict('cold_over_fp32_s', FIRST_STEP_COLD_S, None)}; warm, at most {FIRST_STEP_WARM_S:.0f} s over "
+            f"fp32 and no notice: {verdict('warm_over_fp32_s', FIRST_STEP_WARM_S, 'warm_notice')}.")  # fmt: skip
 
 
 def render_tune(result: dict[str, Any]) -> str:
@@ -663,6 +681,8 @@ def machine_lines(entry: dict[str, Any]) -> str:
         ["python", str(m.get("python"))],
         ["platform", str(m.get("platform"))],
         ["date (UTC)", str(m.get("date_utc"))],
+        *([["load average", "{} / {} / {} (1, 5, 15 min, as the record was written; {} logical CPUs)".format(
+            *m["load_avg"], m.get("cpu_count"))]] if m.get("load_avg") else []),
         ["command", f"`{shown_command(entry['command'])}`"],
         ["wall time", f"{entry['wall_seconds']:.0f} s"],
     ]

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ("fp32", "O1", "O2", "O2K")
 WORKLOADS = ("lm", "chargpt")
 CHARGPT = {"d_model": 384, "n_layers": 6, "n_heads": 6, "seq_len": 64, "batch_size": 4}
-NOTICE = "ampkit: compiling the optimizer update kernels"  # update_kernels' notice after 2 s
+NOTICE = "ampkit: compiling the "  # update_kernels' notice after 2 s of a compile
 COMPILED = ("O2", "O2K")  # the levels `ampkit warmup` warms
 
 ARM = """

@@ -21,8 +21,8 @@ X86_LINUX = sys.platform == "linux" and platform.machine() == "x86_64"
 # The AOT and FX graph cache counters of a process and the number of Inductor's checks of
 # the CPU's instruction sets (a build and a child process each), printed as its last line.
 HEAD = """
-import json, sys, torch
-torch.set_num_threads(1)
+import json, os, sys, torch
+torch.set_num_threads(int(os.environ.get("JOB_THREADS", "1")))
 """
 COUNTED = """
 from torch._dynamo.utils import counters
@@ -68,12 +68,13 @@ code = main(sys.argv[1:])
 """ + PRINT_COUNTS + "sys.exit(code)\n"
 
 
-def _env(cache: Path) -> dict:
-    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+def _env(cache: Path, threads: int = 1) -> dict:
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
+                JOB_THREADS=str(threads))  # fmt: skip
 
 
-def _job(level: str, cache: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", JOB, level], env=_env(cache), capture_output=True, text=True,
+def _job(level: str, cache: Path, threads: int = 1) -> dict:
+    out = subprocess.run([sys.executable, "-c", JOB, level], env=_env(cache, threads), capture_output=True, text=True,
                          timeout=240, check=True)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,11 +83,13 @@ def _job(level: str, cache: Path) -> dict:
 @pytest.mark.timeout(600)
 def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path):
     """The counters that find no miss in the jobs after the warm-up count the warm-up's
-    own misses and checks of the CPU on the empty cache (what each job would pay)."""
+    own misses and checks of the CPU on the empty cache (what each job would pay).
+    Inductor keeps a CPU kernel per thread count: a job at 2 threads finds the kernels
+    warmed at 2 (and would miss those of 1 thread alone)."""
     cache = tmp_path / "inductor"
     report = tmp_path / "w.json"
-    done = subprocess.run([sys.executable, "-c", WARMUP, "warmup", "--json", str(report)], env=_env(cache),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", WARMUP, "warmup", "--json", str(report), "--threads", "1",
+                           "--threads", "2"], env=_env(cache), capture_output=True, text=True, timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stderr
     cold = json.loads(done.stdout.strip().splitlines()[-1])
     assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0  # a cold cache: the update kernels' graphs miss
@@ -94,11 +97,11 @@ def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path):
         assert cold["isa_checks"] > 0  # a cold process pays Inductor's check of the CPU
     doc = json.loads(report.read_text())
     assert doc["cache_dir"] == str(cache)
-    assert [(r["level"], r["optimizer"], r["compiled"]) for r in doc["results"]] == [
-        ("O2", "adamw", True), ("O2K", "adamw", True)]  # fmt: skip
-    assert "Inductor's cache: " + str(cache) in done.stdout
-    for level in ("O2", "O2K"):
-        warm = _job(level, cache)
+    assert [(r["level"], r["optimizer"], r["threads"], r["compiled"]) for r in doc["results"]] == [
+        ("O2", "adamw", 1, True), ("O2K", "adamw", 1, True), ("O2", "adamw", 2, True), ("O2K", "adamw", 2, True)]  # fmt: skip
+    assert "Inductor's cache: " + str(cache) in done.stdout and "O2 bf16 adamw on cpu, 2 threads: " in done.stdout
+    for level, threads in (("O2", 1), ("O2K", 1), ("O2", 2)):
+        warm = _job(level, cache, threads)
         assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, (level, warm)
         if X86_LINUX:  # the recorded verdict answers for it (about 0.9 s on an AVX-512 CPU)
             assert warm["isa_checks"] == 0, (level, warm)
@@ -124,6 +127,23 @@ def test_bad_input_is_one_line_and_exit_2_before_compiling(argv, needle, capsys,
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "c").exists()  # nothing compiled
+
+
+def test_fp16_at_o2_says_it_compiled_nothing(capsys, tmp_path, monkeypatch):
+    """fp16 at O2 steps with torch's kernels (a dynamic loss scale rules out the one-pass
+    update): the warm-up says nothing was compiled instead of claiming it was."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+    report = tmp_path / "w.json"
+    assert main(["warmup", "--dtype", "fp16", "--threads", "1", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "O2 fp16 adamw on cpu, 1 thread: " in out and "nothing compiled" in out, out
+    assert [(r["level"], r["compiled"]) for r in json.loads(report.read_text())["results"]] == [("O2", False)]
+
+
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_a_thread_count_below_one_is_refused(threads, capsys):
+    assert main(["warmup", "--threads", threads]) == 2
+    assert "thread counts of 1 or more" in capsys.readouterr().err
 
 
 def test_an_unwritable_json_path_is_refused_first(capsys, tmp_path):

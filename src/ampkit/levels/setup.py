@@ -26,6 +26,7 @@ cast in place and get input/output cast hooks (:func:`ampkit.cast_model`), never
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from collections.abc import Iterator, Sequence
@@ -42,7 +43,7 @@ from ampkit._internal.dtypes import (
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
 from ampkit.casting.policy import Policy, exact_name
-from ampkit.errors import StateError
+from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
 from ampkit.trainer.extensions import StepExtension
@@ -64,7 +65,7 @@ from .model_cast import (
     params_to_cast,
     remove_op_casting,
 )
-from .opt_level import OPT_LEVELS, OVERRIDES, OptLevel, check_override_names, resolve_opt_level
+from .opt_level import OPT_LEVELS, OVERRIDES, OptLevel, resolve_opt_level
 from .plan import CAST_MODELS, MASTERS_ATTR, Plan, is_managed, make_plan, masters_of
 from .precision_plan import PlanError, TunePlan
 
@@ -283,7 +284,9 @@ def initialize(
             call leaves the models, the optimizers and the previous session as they were.
     """
     given = locals()
-    check_override_names(unknown)
+    if unknown:  # every keyword initialize takes is named, not only the level's settings
+        keywords = [n for n in inspect.signature(initialize).parameters if n not in ("models", "optimizers", "unknown")]
+        raise AmpError(f"initialize got unknown option(s) {sorted(unknown)}; valid: {keywords}.")
     # None takes the level's value, except for cast_model_outputs, where it is a value.
     overrides = {
         name: given[name] for name in OVERRIDES if given[name] is not None or name == "cast_model_outputs"

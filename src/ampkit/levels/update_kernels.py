@@ -8,11 +8,12 @@ written with torch ops. It runs in one of two modes:
     function into one loop that reads each input once and writes each output in
     place, with no full-size temporaries. One compilation per kernel, dtype combination
     and process; every tensor size of 2 elements or more reuses it (a one-element tensor
-    runs op by op, so that no second copy is compiled). ``benchmarks/first_step.py``,
-    2-core AVX-512 CPU: about 6 s on an empty Inductor cache (gcc compiling the C++,
-    Inductor's checks of the CPU's instruction sets run side by side), 1.2-1.5 s from
-    the on-disk cache, which ``ampkit warmup`` fills ahead of a job; most of that is
-    importing torch's compiler. Compiles run inside
+    runs op by op, so that no second copy is compiled). Seconds to a minute on an
+    empty Inductor cache (gcc compiling the C++; Inductor's checks of the CPU's
+    instruction sets run side by side), seconds from the on-disk cache, which ``ampkit
+    warmup`` fills ahead of a job (docs/benchmarks/first_step.md has the recorded
+    figures). Inductor's cache keeps a CPU kernel per thread count: warm up at the job's.
+    Compiles run inside
     ``ampkit._internal.inductor_compat.known_cpu_isa``, which answers Inductor's
     instruction-set checks from the answers an earlier process recorded.
 ``"eager"``
@@ -23,8 +24,8 @@ Inductor keeps intermediates in fp32: a round trip ``x.to(bfloat16).float()``
 inside a kernel is folded away, so a kernel that needs a rounding error computes
 the rounding explicitly (see ``ampkit.levels.compensated``). Before first use, the
 compiled kernel is run on random data beside the eager function and must match
-it bit for bit; otherwise (and when compiling fails) the eager mode is used, with
-a warning.
+it bit for bit; otherwise (and when compiling fails, or no C++ compiler is found) the
+eager mode is used, with a warning.
 
 Tensors are passed as they are (dense, one layout across a call's roles) or flattened
 (see :func:`flat`). Each compiled call costs tens of microseconds of Python and guard
@@ -60,7 +61,7 @@ from ampkit._internal import registry as _reset
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
-    "forget_compiled", "compile_ahead_enabled",
+    "forget_compiled", "compile_ahead_enabled", "compiled_functions",
 ]
 
 _LOG = logging.getLogger("ampkit")
@@ -111,7 +112,7 @@ def release_staging() -> None:
             kernel._staging.clear()
 
 
-def _announce_later(device_type: str) -> threading.Timer | None:
+def _announce_later(device_type: str, what: str) -> threading.Timer | None:
     """Announce, once per device type and process, a compile still running after
     ``ANNOUNCE_AFTER_S`` (at once when that is 0): the first compiled step can take a
     minute on a cold cache, and a silent minute looks like a hang. Returns the timer to
@@ -124,9 +125,10 @@ def _announce_later(device_type: str) -> threading.Timer | None:
             return
         ANNOUNCED_DEVICES.add(device_type)
         _LOG.warning(
-            "ampkit: compiling the optimizer update kernels for %s with torch.compile (the first step of "
-            "this process; up to a minute while inductor's on-disk cache at %s is cold, seconds once it "
-            "is warm).", device_type, inductor_compat.inductor_cache_dir()
+            "ampkit: compiling the %s for %s with torch.compile (once per process, at the first step that "
+            "needs it: up to a minute while inductor's on-disk cache at %s is cold, seconds once `ampkit "
+            "warmup` or an earlier process with the same torch and thread count filled it).",
+            what, device_type, inductor_compat.inductor_cache_dir()
         )
 
     if ANNOUNCE_AFTER_S <= 0:
@@ -145,13 +147,14 @@ def _compile_notice(device_type: str, what: str) -> Iterator[None]:
     with its duration, at WARNING where it was slow or the announcement was its own (a
     "compiling" line is always followed by its "compiled" line, or by the error)."""
     announced_before = device_type in ANNOUNCED_DEVICES
-    timer = _announce_later(device_type)
+    timer = _announce_later(device_type, what)
     start = time.perf_counter()
     try:
         yield
     finally:
         if timer is not None:
             timer.cancel()
+            timer.join()  # an announcement already under way is made before the end is logged
     took = time.perf_counter() - start
     announced = not announced_before and device_type in ANNOUNCED_DEVICES
     _LOG.log(
@@ -159,6 +162,21 @@ def _compile_notice(device_type: str, what: str) -> Iterator[None]:
         "ampkit: compiled the %s for %s in %.1f s (inductor's on-disk cache: %s; a later process with the "
         "same cache compiles it in seconds).", what, device_type, took, inductor_compat.inductor_cache_dir(),
     )
+
+
+def _failure_level() -> int:
+    """WARNING for a compile that failed; DEBUG once the main thread has ended (a compile
+    ahead still running at interpreter exit fails as Python shuts down: nothing to tell)."""
+    return logging.WARNING if threading.main_thread().is_alive() else logging.DEBUG
+
+
+def compiled_functions() -> int:
+    """How many compiled functions the kernels (and the rounding check) hold now in this
+    process: ``ampkit warmup`` tells a configuration that compiled something from one
+    that ran torch's kernels only."""
+    with _lock:
+        return sum(f is not None for kernel in _ALL for f in kernel._compiled.values()) + sum(
+            f is not None for f in _round_check)
 
 
 def flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -230,8 +248,8 @@ class Kernel:
                     with inductor_compat.known_cpu_isa() if device.type == "cpu" else contextlib.nullcontext():
                         compiled = self._compile_and_probe(static, num_scalars, device, scalars_device)
             except Exception as exc:  # no compiler, unsupported platform, ...
-                _LOG.warning(
-                    "ampkit: compiling the %s update kernel failed (%s: %s); using the "
+                _LOG.log(
+                    _failure_level(), "ampkit: compiling the %s update kernel failed (%s: %s); using the "
                     "op-by-op version (same math, slower).", self.name, type(exc).__name__, exc
                 )
                 compiled = None
@@ -402,6 +420,11 @@ def resolve_mode(mode: KernelMode) -> Literal["compiled", "eager"]:
     if cached is None:
         cached = "compiled" if _compiler_available() else "eager"
         _PROCESS_MODE["auto"] = cached
+        if cached == "eager":
+            _LOG.warning(
+                "ampkit: torch.compile finds no C++ compiler here, so O2/O2K's update kernels run op by op "
+                "(the same results, slower, more memory at the step); install gcc/g++ (or set CXX) to compile them."
+            )
     return cached
 
 
@@ -522,8 +545,8 @@ def compiled_round_check() -> Callable[..., torch.Tensor] | None:
                         if bool(fn(low, g)) != expected:
                             raise RuntimeError("the compiled comparison disagrees with the cast")
             except Exception as exc:  # no compiler, unsupported platform, ...
-                _LOG.warning(
-                    "ampkit: compiling the bf16 rounding check failed (%s: %s); comparing "
+                _LOG.log(
+                    _failure_level(), "ampkit: compiling the bf16 rounding check failed (%s: %s); comparing "
                     "op by op (same result, slower).", type(exc).__name__, exc
                 )
                 fn = None

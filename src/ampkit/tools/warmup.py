@@ -6,9 +6,13 @@ SGD through kernels that ``torch.compile`` builds at the first step: about 10-40
 cold cache (gcc compiles the C++), seconds from a warm one. A kernel is compiled once per
 process for each update rule (Adam/AdamW, SGD with momentum, SGD with Nesterov momentum,
 plain SGD), 16-bit dtype and device type; parameter shapes and hyperparameter values do
-not matter. The cache is Inductor's (``TORCHINDUCTOR_CACHE_DIR``, default
+not matter, but the thread count does: Inductor keeps a CPU kernel per thread count
+(``torch.get_num_threads()``; ``torchrun`` and ``OMP_NUM_THREADS=1`` make it 1), so a
+warm-up compiles at 1 thread and at this machine's default, or at the ``threads`` asked
+for. The cache is Inductor's (``TORCHINDUCTOR_CACHE_DIR``, default
 ``/tmp/torchinductor_<user>``): warm up with the same variable, torch and machine as
-the job, e.g. in a container image's build step.
+the job, e.g. in a container image's build step. fp16 at O2 with a dynamic loss scale
+(the default) steps with torch's kernels: nothing to compile, and the result says so.
 
 Each warm-up trains one step of a small model (a 512x256 linear layer and a LayerNorm)
 through the real ``initialize`` path, in this process, then resets ampkit: run it in a
@@ -44,14 +48,17 @@ LEVELS: tuple[str, ...] = ("O2", "O2K")
 @dataclasses.dataclass(frozen=True)
 class WarmResult:
     """One warmed configuration: ``level``, ``dtype`` (``"bf16"``/``"fp16"``),
-    ``optimizer`` (a key of :data:`OPTIMIZERS`), ``device``, ``seconds`` (the step,
-    compiles included) and ``compiled`` (False where the kernels fell back to torch's
-    ops: no compiler; the step then has nothing to warm)."""
+    ``optimizer`` (a key of :data:`OPTIMIZERS`), ``device``, ``threads`` (torch's thread
+    count it was compiled for), ``seconds`` (the step, compiles included) and
+    ``compiled`` (whether the step compiled anything: False where no C++ compiler is
+    found, or where the level steps with torch's kernels, e.g. fp16 at O2 with a
+    dynamic loss scale)."""
 
     level: str
     dtype: str
     optimizer: str
     device: str
+    threads: int
     seconds: float
     compiled: bool
 
@@ -67,10 +74,13 @@ def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _one(level: str, dtype: torch.dtype, optimizer: str, device: str) -> bool:
-    """Train one step at ``level``; whether the step ran compiled kernels."""
+    """Train one step at ``level``; whether the step compiled anything (everything is
+    compiled again: the warm-up writes what the job's first step will look up)."""
     import ampkit as amp
     from ampkit.levels import update_kernels
 
+    torch.compiler.reset()
+    update_kernels.forget_compiled()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 256), nn.LayerNorm(256)).to(device)  # 131k weights: every kernel
     opt = _optimizer(optimizer, list(model.parameters()))
@@ -82,7 +92,7 @@ def _one(level: str, dtype: torch.dtype, optimizer: str, device: str) -> bool:
         opt.step()
     finally:
         amp.reset()
-    return update_kernels.resolve_mode("auto") == "compiled"
+    return update_kernels.compiled_functions() > 0
 
 
 def warm(
@@ -90,13 +100,16 @@ def warm(
     dtype: str = "bf16",
     optimizers: Sequence[str] = ("adamw",),
     device: str = "cpu",
+    threads: Sequence[int] | None = None,
 ) -> list[WarmResult]:
     """Compile the update kernels of ``levels`` (``"O2"``, ``"O2K"``) x ``optimizers``
     (keys of :data:`OPTIMIZERS`) for ``dtype`` (``"bf16"`` default, or ``"fp16"``:
-    O2 only) on ``device`` (``"cpu"`` default, or ``"cuda"``) into Inductor's on-disk
-    cache. Sets ampkit up and resets it for each configuration: call it in a process of
-    its own. Raises :class:`ampkit.AmpError` for an unknown level, dtype, optimizer or
-    an unavailable device, before anything is compiled."""
+    O2 only) on ``device`` (``"cpu"`` default, or ``"cuda"``) at each of ``threads``
+    (torch thread counts; default None: 1 and this process's ``torch.get_num_threads()``)
+    into Inductor's on-disk cache. Sets ampkit up and resets it for each configuration,
+    and sets torch's thread count (restored at the end): call it in a process of its
+    own. Raises :class:`ampkit.AmpError` for an unknown level, dtype, optimizer, thread
+    count or an unavailable device, before anything is compiled."""
     bad = [x for x in levels if x not in LEVELS]
     if bad or not levels:
         raise AmpError(f"levels {list(levels)!r}: choose from {', '.join(LEVELS)} (the levels that compile kernels).")
@@ -109,12 +122,21 @@ def warm(
         raise AmpError("O2K computes in bf16 only; drop O2K or use --dtype bf16.")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise AmpError(f"device {device!r} is not available here; use cpu" + (" or cuda." if torch.cuda.is_available() else "."))
+    counts = sorted({1, torch.get_num_threads()} if threads is None else set(threads))
+    if not counts or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in counts):
+        raise AmpError(f"threads {list(threads or [])!r}: give thread counts of 1 or more.")
     out = []
-    for level in levels:
-        for name in optimizers:
-            start = time.perf_counter()
-            compiled = _one(level, DTYPES_BY_NAME[dtype], name, device)
-            out.append(WarmResult(level, dtype, name, device, time.perf_counter() - start, compiled))
+    before = torch.get_num_threads()
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            for level in levels:
+                for name in optimizers:
+                    start = time.perf_counter()
+                    compiled = _one(level, DTYPES_BY_NAME[dtype], name, device)
+                    out.append(WarmResult(level, dtype, name, device, n, time.perf_counter() - start, compiled))
+    finally:
+        torch.set_num_threads(before)
     return out
 
 

@@ -400,7 +400,7 @@ def test_compiling_the_update_kernels_is_announced_once_per_device_type(monkeypa
     with caplog.at_level("INFO", logger="ampkit"):
         for k in kernels:
             assert k._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu")) is not None
-    announced = [r for r in caplog.records if "compiling the optimizer update kernels for cpu" in r.getMessage()]
+    announced = [r for r in caplog.records if "compiling the a update kernel for cpu" in r.getMessage()]
     assert len(announced) == 1 and probed == ["cpu", "cpu"]
     assert inductor_compat.inductor_cache_dir() in announced[0].getMessage()
     done = [r for r in caplog.records if "update kernel for cpu in" in r.getMessage()]
@@ -429,7 +429,7 @@ def test_a_fast_compile_is_not_announced_before_it_ends(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="ampkit"):
         compensated.Kernel("d", halve_, (0,), (torch.float32,))._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu"))
     messages = [r.getMessage() for r in caplog.records]
-    assert not any("compiling the optimizer update kernels" in m for m in messages)
+    assert not any("ampkit: compiling the" in m for m in messages)
     assert any("compiled the d update kernel for cpu in" in m for m in messages)
     assert update_kernels.ANNOUNCED_DEVICES == set()
 
@@ -453,5 +453,98 @@ def test_the_rounding_checks_compile_is_announced_and_its_end_logged(monkeypatch
     finally:
         update_kernels.forget_compiled()  # not the eager stand-in for later tests
     messages = [(r.levelname, r.getMessage()) for r in caplog.records]
-    assert [m for _, m in messages if "compiling the optimizer update kernels for cpu" in m]
+    assert [m for _, m in messages if "compiling the bf16 rounding check for cpu" in m]
     assert [lvl for lvl, m in messages if "compiled the bf16 rounding check for cpu in" in m] == ["WARNING"]
+
+
+def test_an_announcement_under_way_is_made_before_the_compile_says_it_ended(monkeypatch, caplog):
+    """The announcement runs in a timer thread; a compile that ends while it is being made
+    waits for it, so the end is logged at the announcement's level (a "compiling" line
+    is never left without its "compiled" line)."""
+    import logging
+    import threading
+    import time
+
+    from ampkit.levels import compensated, update_kernels
+
+    monkeypatch.setattr(update_kernels, "ANNOUNCED_DEVICES", set())
+    monkeypatch.setattr(update_kernels, "ANNOUNCE_AFTER_S", 0.05)
+    started = threading.Event()
+    log = logging.getLogger("ampkit")  # the logger update_kernels writes to
+    real_warning = log.warning
+
+    def slow_warning(*args, **kwargs):  # the timer thread, descheduled while it announces
+        started.set()
+        time.sleep(0.3)
+        real_warning(*args, **kwargs)
+
+    monkeypatch.setattr(log, "warning", slow_warning)
+
+    def compile_until_announcing(fn, **kwargs):
+        assert started.wait(5)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_until_announcing)
+
+    def halve_(a: torch.Tensor, scalars: torch.Tensor) -> None:
+        a.mul_(0.5)
+
+    with caplog.at_level("INFO", logger="ampkit"):
+        compensated.Kernel("e", halve_, (0,), (torch.float32,))._compiled_fn({}, 1, torch.device("cpu"), torch.device("cpu"))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "update kernel for cpu" in r.getMessage()]
+    assert [lvl for lvl, _ in lines] == ["WARNING", "WARNING"], lines
+    assert "compiling the e update kernel" in lines[0][1] and "compiled the e update kernel" in lines[1][1]
+
+
+def test_a_compile_ahead_failing_as_the_interpreter_exits_warns_nothing(tmp_path):
+    """A compile still running when the main thread has ended fails as Python shuts down
+    (no new futures, no atexit registrations): that is logged at DEBUG, not as a
+    compile failure the user should act on."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, threading, torch\n"
+        "from ampkit.levels import update_kernels as uk\n"
+        "def fail(fn, **kw):\n"
+        "    raise RuntimeError('cannot schedule new futures after interpreter shutdown')\n"
+        "torch.compile = fail\n"
+        "k = uk.Kernel('late', lambda a, s: a.mul_(0.5), (0,), (torch.float32,))\n"
+        "main = threading.main_thread()\n"
+        "def later():\n"
+        "    main.join()\n"
+        "    k._compiled_fn({}, 1, torch.device('cpu'), torch.device('cpu'))\n"
+        "    print('compiled late', flush=True)\n"
+        "threading.Thread(target=later).start()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert out.returncode == 0 and "compiled late" in out.stdout, out.stderr
+    assert "failed" not in out.stderr, out.stderr
+
+
+def test_no_cpp_compiler_is_said_once(tmp_path):
+    """Where torch.compile finds no C++ compiler the kernels run op by op; the user is
+    told once, with what to install (it used to fall back in silence)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, ampkit as amp\n"
+        "torch.manual_seed(0)\n"
+        "for _ in range(2):\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(12)])\n"
+        "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+        "    model, opt = amp.initialize(model, opt, opt_level='O2', dtype=torch.bfloat16)\n"
+        "    loss = model(torch.randn(4, 8)).float().pow(2).mean()\n"
+        "    with amp.scale_loss(loss, opt) as s:\n"
+        "        s.backward()\n"
+        "    opt.step()\n"
+        "    assert all(p.isfinite().all() for p in model.parameters())\n"
+        "    amp.reset()\n"
+    )
+    env = {**os.environ, "CXX": "/bin/false", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("finds no C++ compiler") == 1, out.stderr

@@ -268,8 +268,10 @@ def test_initialize_declares_each_setting_with_its_type():
     assert rest.name == "unknown" and hints["unknown"] is typing.NoReturn
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(AmpError, match=r"unknown option\(s\) \['keep_norm'\]; valid: \['dtype', "):
+    with pytest.raises(AmpError, match=r"unknown option\(s\) \['keep_norm'\]; valid: \['opt_level', ") as err:
         ampkit.initialize(model, opt, opt_level="O2", keep_norm=False)
+    # every keyword initialize takes is listed, the misspelled level's included
+    assert all(f"'{n}'" in str(err.value) for n in ("opt_level", "device_type", "fp8", "fresh", "plan", "dtype"))
     assert all(p.dtype == FP32 for p in model.parameters()) and not is_managed(opt)
     # None is the level's value: an O2 model stays as O2 casts it
     model, opt = ampkit.initialize(model, opt, opt_level="O2", keep_norm_fp32=None, master_weights=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import sys
 from collections.abc import Mapping
@@ -61,7 +62,10 @@ def machine_info(device: str = "cpu", threads: int | None = None) -> dict[str, A
     ``device``, ``device_name``, ``cpu_flags``, ``cpu_capability`` (the ATen kernel
     level, e.g. ``"AVX512"``), ``threads`` (torch's intra-op threads unless given),
     ``malloc`` (:func:`~ampkit.tools.bench.allocator.allocator_info`: whether freed
-    memory stays in the process), ``torch``, ``python``, ``platform``, ``date_utc`` (ISO 8601, seconds) and
+    memory stays in the process), ``torch``, ``python``, ``platform``, ``date_utc`` (ISO 8601, seconds),
+    ``load_avg`` (the system's 1, 5 and 15-minute load averages as the record is written,
+    None where the platform has none: a figure timed on a shared machine says so),
+    ``cpu_count`` (logical CPUs) and
     ``command`` (this process's command line)."""
     return {
         "device": device,
@@ -75,6 +79,8 @@ def machine_info(device: str = "cpu", threads: int | None = None) -> dict[str, A
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "cpu_count": os.cpu_count(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv and sys.argv[0] else "",
     }
 

@@ -1,9 +1,10 @@
 """``ampkit warmup``: compile the O2/O2K optimizer update kernels into Inductor's on-disk
 cache (``TORCHINDUCTOR_CACHE_DIR``) ahead of a job, so that its first step loads them
-instead of compiling them (about 10 s on a cold cache, 2 s warm, measured on a 2-core
-CPU). Run it with the job's torch, cache folder and machine, e.g. in a container image's
-build step. Prints one line per configuration and the cache folder; ``--json`` also
-writes them.
+instead of compiling them (docs/benchmarks/first_step.md has recorded figures). Run it
+with the job's torch, cache folder and machine, e.g. in a container image's build step;
+Inductor keeps a CPU kernel per thread count, so it compiles at 1 thread and at this
+machine's default unless ``--threads`` names the job's. Prints one line per
+configuration and the cache folder; ``--json`` also writes them.
 """
 
 from __future__ import annotations
@@ -33,28 +34,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
                         help="16-bit dtype of the job (default: bf16; fp16 warms O2 only)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device type of the job (default: cpu)")
+    parser.add_argument("--threads", action="append", type=int, default=None, metavar="N",
+                        help="torch's thread count in the job, repeatable (default: 1 and this machine's default; "
+                             "torchrun and OMP_NUM_THREADS=1 give 1)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     return parser  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ampkit warmup``; returns 0 (raises UsageError for bad input)."""
-    import torch
 
     from ampkit.errors import AmpError
     from ampkit.tools.warmup import cache_dir, warm
 
     check_writable(args.json, "the JSON results", "ampkit warmup")
-    torch.set_num_threads(min(torch.get_num_threads(), 4))
     levels = args.level or (["O2"] if args.dtype == "fp16" else ["O2", "O2K"])
     try:
-        results = warm(levels, args.dtype, args.optimizer or ["adamw"], args.device)
+        results = warm(levels, args.dtype, args.optimizer or ["adamw"], args.device, args.threads)
     except AmpError as err:
         raise UsageError(f"ampkit warmup: {err}") from None
     folder = cache_dir()
     for r in results:
-        how = "compiled" if r.compiled else "nothing to compile: no C++ compiler, torch's kernels are used"
-        print(f"{r.level} {r.dtype} {r.optimizer} on {r.device}: {r.seconds:.1f} s ({how})")
+        how = "compiled" if r.compiled else "nothing compiled: this step runs torch's kernels (no C++ compiler, or a level that compiles none, e.g. fp16 at O2 with a dynamic loss scale)"
+        print(f"{r.level} {r.dtype} {r.optimizer} on {r.device}, {r.threads} thread{'s' if r.threads > 1 else ''}: "
+              f"{r.seconds:.1f} s ({how})")
     print(f"Inductor's cache: {folder}")
     if args.json is not None:
         doc = {"cache_dir": folder, "results": [dataclasses.asdict(r) for r in results]}
