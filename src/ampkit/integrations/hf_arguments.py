@@ -179,18 +179,24 @@ def resolve_options(
                 "torch.bfloat16 or torch.float16, or None for the device's default."
             )
         name = names[dtype]
-    if plan is not None:
-        loaded = checked_plan(plan, "plan")
-        if opt_level is None:
-            opt_level = loaded.level
-        if name is None and loaded.lowered:
-            name = {"bf16": "bfloat16", "fp16": "float16"}[loaded.dtype]
-    level = level_of(SimpleNamespace(amp_level=opt_level))
-    if name is None and not is_fp32_level(level):
-        env = dtype_from_env()
-        if env is not None:
-            name = str(env).removeprefix("torch.")
+    level, name = _level_and_dtype(opt_level, name, plan)
     return AmpkitOptions(level, name, fp8, save_weights, plan)
+
+
+def _level_and_dtype(level: Any, dtype: str | None, plan: str | None) -> tuple[Any, str | None]:
+    """``amp_level`` and ``amp_dtype`` resolved: the plan's (read and checked) where None,
+    then ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` (an argument > the environment > the default),
+    then O1 and None (the device's dtype)."""
+    if plan is not None:
+        loaded = checked_plan(plan, "amp_plan")
+        level = loaded.level if level is None else level
+        if dtype is None and loaded.lowered:
+            dtype = str(DTYPES_BY_NAME[loaded.dtype]).removeprefix("torch.")
+    level = level_of(SimpleNamespace(amp_level=level))
+    if dtype is None and not is_fp32_level(level):
+        env = dtype_from_env()
+        dtype = None if env is None else str(env).removeprefix("torch.")
+    return level, dtype
 
 
 @dataclasses.dataclass
@@ -241,17 +247,7 @@ class AmpkitArguments:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments class it is combined with
-        if self.amp_plan is not None:
-            plan = checked_plan(self.amp_plan, "amp_plan")
-            if self.amp_level is None:
-                self.amp_level = plan.level
-            if self.amp_dtype is None and plan.lowered:
-                self.amp_dtype = str(DTYPES_BY_NAME[plan.dtype]).removeprefix("torch.")
-        self.amp_level = level_of(self)
-        if self.amp_dtype is None and not is_fp32_level(self.amp_level):
-            env = dtype_from_env()  # an argument > the environment > the default
-            if env is not None:
-                self.amp_dtype = str(env).removeprefix("torch.")
+        self.amp_level, self.amp_dtype = _level_and_dtype(self.amp_level, self.amp_dtype, self.amp_plan)
         check_arguments(self)  # type: ignore[arg-type]
 
 
