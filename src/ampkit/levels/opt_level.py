@@ -79,11 +79,6 @@ class OptLevel:
     model_grads: str = "copy"
     master_grads: str = "on_demand"
 
-    @property
-    def defaults(self) -> LevelDefaults:
-        """The base settings of the level this was resolved from (:data:`OPT_LEVELS`)."""
-        return OPT_LEVELS[self.name]
-
 
 @dataclasses.dataclass(frozen=True)
 class LevelDefaults:

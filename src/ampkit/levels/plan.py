@@ -26,7 +26,7 @@ from . import fp8 as _fp8
 from . import one_pass, sharding
 from .master import MasterWeights
 from .model_cast import check_keep_fp32, kept_fp32_modules
-from .opt_level import OptLevel, level_or_env, resolve_opt_level
+from .opt_level import OptLevel, is_fp32_level, level_or_env, resolve_opt_level
 from .sharding import is_fsdp2
 
 __all__ = ["Plan", "make_plan", "masters_of", "CAST_MODELS", "MASTERS_ATTR", "is_managed"]
@@ -261,7 +261,7 @@ def make_plan(
         _check_fsdp_optimizers(model_list, opt_list)
         if level.cast_model_type is not None:
             plan.shard_plan = _check_sharded(model_list, opt_list, level)
-    recipe = _fp8.check_level(level.name, fp8, fp32=level.defaults.fp32)
+    recipe = _fp8.check_level(level.name, fp8, fp32=is_fp32_level(level.name))
     if recipe is not None:
         # a module the level keeps fp32 (keep_fp32, norm layers) stays out of fp8 too
         kept = [

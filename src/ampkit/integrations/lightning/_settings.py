@@ -17,7 +17,7 @@ from ampkit.casting.engine import autocast
 from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError
 from ampkit.levels.fp8 import Fp8Recipe
-from ampkit.levels.opt_level import is_fp32_level, level_names
+from ampkit.levels.opt_level import OPT_LEVELS, is_fp32_level, level_names
 from ampkit.levels.setup import OptLevel, initialize, resolve_opt_level
 
 __all__ = ["Settings", "device_type_of", "is_float_loss_scale"]
@@ -142,7 +142,8 @@ def lightning_precision_name(level: OptLevel) -> str:
     """Lightning's name for what a level computes in: ``"32-true"`` (O0),
     ``"bf16-true"``/``"16-true"`` (O3: everything 16-bit), ``"bf16-mixed"``/``"16-mixed"``
     (O1, O2, O2K: 16-bit compute, fp32 where it matters), as the level's data says."""
-    if level.defaults.fp32:
+    base = OPT_LEVELS[level.name]
+    if base.fp32:
         return "32-true"
     prefix = "bf16" if level.dtype == torch.bfloat16 else "16"
-    return f"{prefix}-mixed" if level.defaults.mixed else f"{prefix}-true"
+    return f"{prefix}-mixed" if base.mixed else f"{prefix}-true"

@@ -78,7 +78,7 @@ from ampkit.casting.policy import canonical_op
 from ampkit.errors import AmpError, PolicyError, StateError
 from ampkit.levels import setup as _levels
 from ampkit.levels.model_cast import cast_tensors
-from ampkit.levels.opt_level import defaults_of
+from ampkit.levels.opt_level import defaults_of, is_fp32_level
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
 from ampkit.trainer.step_grads import sum_flags
@@ -208,7 +208,7 @@ def _opt_properties(level: Any, cast_model_type: Any) -> OptProperties:
         cast_model_type=cast_model_type if cast_model_type is not None else level.cast_model_type,
         patch_torch_functions=level.op_casting,
         keep_batchnorm_fp32=level.keep_norm_fp32 if cast else None,
-        master_weights=level.master_weights if cast or level.defaults.fp32 else None,
+        master_weights=level.master_weights if cast or is_fp32_level(level.name) else None,
         loss_scale=level.loss_scale,
     )
 
