@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -36,12 +36,10 @@ from torch import nn
 from ampkit._internal.dtypes import torch_class
 from ampkit._internal.env import dtype_from_env
 from ampkit.errors import AmpError, DistributedError
-from ampkit.levels.opt_level import OPT_LEVELS, OptLevel, resolve_opt_level
+from ampkit.levels.opt_level import OptLevel, resolve_opt_level
 from ampkit.levels.sharding import SHARD_PLAN_ATTR, ShardPlan, UnitRule
 
 __all__ = ["fully_shard"]
-
-LEVELS = tuple(OPT_LEVELS)  # every level initialize knows
 
 
 def _default_units(model: nn.Module) -> list[str]:
@@ -70,14 +68,30 @@ def _check_rules(what: str, rules: Iterable[Any]) -> tuple[UnitRule, ...]:
     return out
 
 
-def _level_for(model: nn.Module, opt_level: str, dtype: torch.dtype | None, keep_norm_fp32: bool | None) -> OptLevel:
-    """What ``opt_level`` means for ``model`` on its device: ``initialize``'s own answer
-    (its default dtype there, its kept norms), as a :class:`DistributedError` if refused."""
+def _check_model(model: Any, fsdp_module: type) -> None:
+    """Refuse what is not an unsharded fp32 ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise DistributedError(f"fully_shard takes an nn.Module, got {type(model).__name__}.")
+    if any(isinstance(m, fsdp_module) for m in model.modules()):
+        raise DistributedError("this model is already sharded by fully_shard; pass the unsharded model.")
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        raise DistributedError(
+            "fully_shard(opt_level=...) takes an fp32 model (the level decides what is stored in "
+            "16 bits); this one has parameters in "
+            f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
+        )
+
+
+def _level_for(model: nn.Module, opt_level: str, overrides: dict[str, Any]) -> OptLevel:
+    """What ``opt_level`` with ``overrides`` means for ``model`` on its device:
+    ``initialize``'s own answer (its default dtype there, its storage, its checks), as a
+    :class:`DistributedError` if refused."""
     device_type = next((p.device.type for p in model.parameters()), "cpu")
+    dtype = overrides.get("dtype")
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         raise DistributedError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype!r}.")
     try:
-        return resolve_opt_level(opt_level, device_type, dtype=dtype or dtype_from_env(), keep_norm_fp32=keep_norm_fp32)
+        return resolve_opt_level(opt_level, device_type, **{**overrides, "dtype": dtype or dtype_from_env()})
     except AmpError as exc:
         raise DistributedError(str(exc)) from None
 
@@ -92,6 +106,9 @@ def fully_shard(
     units: Iterable[UnitRule] | None = None,
     mesh: Any = None,
     reshard_after_forward: bool = True,
+    cast_model_type: torch.dtype | Literal[False] | None = None,
+    master_weights: bool | None = None,
+    compensation: Literal["kahan", "stochastic", False] | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 for ``opt_level`` and return it (the same object,
     now an ``FSDPModule``); then build the optimizer on its parameters and call
@@ -111,6 +128,10 @@ def fully_shard(
             (default: the children of every ``nn.ModuleList``); the root is always one.
         mesh: the device mesh (default: FSDP2's, every rank of the default group).
         reshard_after_forward: passed to FSDP2's ``fully_shard`` (default True).
+        cast_model_type, master_weights, compensation: the storage overrides of
+            :func:`ampkit.initialize` (default None: the level's), checked as it checks
+            them; give ``initialize`` the same values (it refuses a model sharded for
+            another storage).
 
     Raises:
         DistributedError: no ``torch.distributed.fsdp`` in this torch, an unknown level,
@@ -130,26 +151,18 @@ def fully_shard(
     fsdp_module = torch_class("torch.distributed.fsdp", "FSDPModule")
     if shard is None or policy_cls is None or fsdp_module is None:
         raise DistributedError("this torch has no torch.distributed.fsdp.fully_shard (FSDP2); use DDP.")
-    if opt_level not in LEVELS:
-        raise DistributedError(f"opt_level must be one of {', '.join(LEVELS)}, got {opt_level!r}.")
-    if not isinstance(model, nn.Module):
-        raise DistributedError(f"fully_shard takes an nn.Module, got {type(model).__name__}.")
-    if any(isinstance(m, fsdp_module) for m in model.modules()):
-        raise DistributedError("this model is already sharded by fully_shard; pass the unsharded model.")
-    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
-        raise DistributedError(
-            "fully_shard(opt_level=...) takes an fp32 model (the level decides what is stored in "
-            "16 bits); this one has parameters in "
-            f"{sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})}."
-        )
-    level = _level_for(model, opt_level, dtype, keep_norm_fp32)
-    dtype = level.dtype
+    _check_model(model, fsdp_module)
     keep = _check_rules("keep_fp32", keep_fp32)
     unit_rules = None if units is None else _check_rules("units", units)
+    level = _level_for(model, opt_level, dict(
+        dtype=dtype, keep_norm_fp32=keep_norm_fp32, keep_fp32=keep, cast_model_type=cast_model_type,
+        master_weights=master_weights, compensation=compensation,
+    ))  # fmt: skip
+    dtype, cast = level.dtype, level.cast_model_type
     if keep:
         check_keep_fp32([model], [r for r in keep if isinstance(r, str)])
     names = {id(m): n for n, m in model.named_modules()}
-    casts = level.cast_model_type is not None
+    casts = cast is not None
     keep_norms = level.keep_norm_fp32
     masters = level.master_weights  # the fp32 shards are the masters; FSDP2 casts what it gathers
     kept = kept_fp32_modules(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
@@ -167,15 +180,15 @@ def fully_shard(
     unit_modules = [by_name[n] for n in unit_names if id(by_name[n]) not in kept_ids]
 
     if casts and not masters:  # O3, O2K: the sharded parameters themselves are 16-bit
-        cast_model(model, dtype, keep_norm_fp32=keep_norms, cast_outputs=torch.float32, keep_fp32=keep)
+        cast_model(model, cast, keep_norm_fp32=keep_norms, cast_outputs=torch.float32, keep_fp32=keep)
     kw: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kw["mesh"] = mesh
     # a kept unit computes in fp32 and hands its output back in the compute dtype, as O2's
     # kept modules do (activations stay 16-bit between layers)
     fp32_policy = policy_cls(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=dtype)
-    low_policy = policy_cls(param_dtype=dtype, reduce_dtype=torch.float32)
-    root_policy = policy_cls(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    low_policy = policy_cls(param_dtype=cast, reduce_dtype=torch.float32)
+    root_policy = policy_cls(param_dtype=cast, reduce_dtype=torch.float32, output_dtype=torch.float32)
     # innermost first: kept modules, then the units, then the root
     for module in kept_roots:
         if any(True for _ in module.parameters()):
@@ -187,6 +200,8 @@ def fully_shard(
         level=level.name,
         dtype=dtype,
         keep_norm_fp32=keep_norms,
+        cast_model_type=cast,
+        master_weights=masters,
         units=tuple(names[id(m)] for m in unit_modules) + ("",),
         kept=tuple(names[id(m)] for m in kept_roots),
         keep_fp32=keep,

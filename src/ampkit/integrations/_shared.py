@@ -6,9 +6,11 @@ import-linter contract "integrations use ampkit's public face" (``pyproject.toml
 refuses any other import of ampkit. Why each name is needed:
 
 - ``dtype_from_env``, ``level_from_env``, ``DTYPES_BY_NAME``, ``LOW_PRECISION_BY_NAME``,
-  ``default_device_type``, ``OPT_LEVELS``, ``resolve_opt_level``: the level and dtype an
-  integration runs at, from its arguments (dtype names), ``AMPKIT_LEVEL``/
-  ``AMPKIT_DTYPE``, or the device's default;
+  ``default_device_type``, ``OPT_LEVELS``, ``resolve_opt_level``, ``level_or_env``,
+  ``level_name``, ``level_names``, ``is_fp32_level``, ``checked_plan``: the level and
+  dtype an integration runs at, from its arguments (dtype names, a tuning plan),
+  ``AMPKIT_LEVEL``/``AMPKIT_DTYPE``, or the device's default, asked of the level data
+  (:data:`ampkit.levels.OPT_LEVELS`), never by comparing level names;
 - ``master_weights_of``, ``applied_level``: what :func:`ampkit.initialize` set up (an
   optimizer's fp32 masters, the level in force);
 - ``managed_state``, ``StepExtension``, ``AfterStep``: a framework's skip signal and
@@ -31,6 +33,13 @@ from ampkit._internal.install import install_hint
 from ampkit._internal.validate import ABSURD_MAGNITUDE
 from ampkit._internal.wrappers import unwrap_optimizer
 from ampkit.levels import OPT_LEVELS, master_weights_of, resolve_opt_level
+from ampkit.levels.opt_level import (
+    checked_plan,
+    is_fp32_level,
+    level_name,
+    level_names,
+    level_or_env,
+)
 from ampkit.levels.setup import applied_level
 from ampkit.trainer.api import managed_state
 from ampkit.trainer.extensions import AfterStep, StepExtension
@@ -44,10 +53,15 @@ __all__ = [
     "StepExtension",
     "applied_level",
     "check_target",
+    "checked_plan",
     "default_device_type",
     "dtype_from_env",
     "install_hint",
+    "is_fp32_level",
     "level_from_env",
+    "level_name",
+    "level_names",
+    "level_or_env",
     "managed_state",
     "master_weights_of",
     "registry",

@@ -20,6 +20,7 @@ import torch
 
 from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.dtypes import dtype_name
+from ampkit.levels.opt_level import is_fp32_level
 
 __all__ = ["ANNOUNCED", "LOGGER_NAME", "announce", "banner"]
 
@@ -31,10 +32,10 @@ _LOCK = threading.Lock()
 
 
 def banner(framework: str, what: str, level: str, dtype: torch.dtype | None) -> str:
-    """The line itself: ``level`` (``"O2"``) in ``dtype`` (None, or O0: fp32) manages
-    precision for ``what`` (``"Trainer"``, ``"Accelerator"``) of ``framework``
-    (``"Hugging Face"``, ``"Accelerate"``, ``"Lightning"``)."""
-    computes = "fp32" if dtype is None or level == "O0" else dtype_name(dtype)
+    """The line itself: ``level`` (``"O2"``) in ``dtype`` (None, or a level computing
+    nothing in 16 bits: fp32) manages precision for ``what`` (``"Trainer"``,
+    ``"Accelerator"``) of ``framework`` (``"Hugging Face"``, ``"Accelerate"``, ``"Lightning"``)."""
+    computes = "fp32" if dtype is None or is_fp32_level(level) else dtype_name(dtype)
     return (
         f"ampkit {level} ({computes}) manages precision for this {what} ({framework}); "
         "the framework's own mixed precision is off"

@@ -7,20 +7,25 @@ each level does: docs/guides/opt-levels.md."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ampkit._internal.dtypes import LOW_PRECISION, default_dtype
+from ampkit._internal.env import level_from_env
 from ampkit._internal.validate import require_choice
+from .precision_plan import PlanError, TunePlan
 from ampkit.errors import AmpError, ScalerError
 from ampkit.scaling.loss_scaler import check_scale
 
 from .master import MASTER_GRADS, MODEL_GRADS
 
-__all__ = ["LevelDefaults", "LossScale", "OPT_LEVELS", "OVERRIDES", "OptLevel", "check_override_names", "resolve_opt_level"]
+__all__ = [
+    "DEFAULT_LEVEL", "LevelDefaults", "LossScale", "OPT_LEVELS", "OVERRIDES", "OptLevel", "check_override_names",
+    "checked_plan", "defaults_of", "is_fp32_level", "level_choices", "level_name", "level_names", "level_or_env", "resolve_opt_level",
+]  # fmt: skip
 
 LossScale = float | Literal["dynamic"]
 
@@ -78,33 +83,121 @@ class OptLevel:
 @dataclasses.dataclass(frozen=True)
 class LevelDefaults:
     """The base settings of one level, named as :class:`OptLevel`'s fields; ``dtype``
-    and the loss scale are filled per device by :func:`resolve_opt_level`.
+    and the loss scale are filled per device by :func:`resolve_opt_level`. Every entry
+    point (``initialize``, ``fully_shard``, the framework integrations, tuning plans,
+    ``ampkit run``, ``ampkit warmup``) asks these, never a level's name.
 
     Attributes:
+        description: what the level is, in a few words (listed where a level is refused).
         op_casting: op-level casting (``ampkit.init``) on.
-        casts_model: the weights are stored in the compute dtype (``cast_model_type``).
+        casts_model: the weights are stored in the compute dtype (``cast_model_type``);
+            such a level honours ``keep_fp32``.
         keep_norm_fp32: normalization layers stay fp32 in the cast model.
         master_weights: fp32 master copies are stepped.
         compensation: ``"kahan"`` compensated bf16 updates, or None.
         fp16_loss_scale: the loss scale when the compute dtype is float16 (bf16: 1).
+        model_op_casting: the cast model's forward runs under op-level casting (the
+            policy's fp32 ops in fp32 inside the model).
+        bf16_only: the level computes in bf16 on every device (its default dtype; an
+            entry point given fp16 by name refuses it).
     """
 
+    description: str
     op_casting: bool
     casts_model: bool
     keep_norm_fp32: bool
     master_weights: bool
     compensation: str | None
     fp16_loss_scale: LossScale
+    model_op_casting: bool = False
+    bf16_only: bool = False
+
+    @property
+    def fp32(self) -> bool:
+        """Nothing in 16 bits (no op-level casting, no cast model): the script's fp32 as
+        written, with no compute dtype, no fp8 and the optimizer's own kernel."""
+        return not (self.op_casting or self.casts_model)
+
+    @property
+    def mixed(self) -> bool:
+        """Ops run under a casting policy, fp32 where it says: a policy and a tuning
+        plan apply, ``ampkit run`` and the tuner use the level (Lightning: ``-mixed``;
+        a cast model without it is pure 16-bit, ``-true``)."""
+        return self.op_casting or self.model_op_casting
+
+    @property
+    def steps_compiled(self) -> bool:
+        """The step runs ampkit's compiled update kernels (fp32 masters or compensation)."""
+        return self.master_weights or self.compensation is not None
 
 
-#: The base settings of each level.
+#: The base settings of each level; a level added here is one every entry point takes.
 OPT_LEVELS: dict[str, LevelDefaults] = {
-    "O0": LevelDefaults(op_casting=False, casts_model=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale=1.0),
-    "O1": LevelDefaults(op_casting=True, casts_model=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale="dynamic"),
-    "O2": LevelDefaults(op_casting=False, casts_model=True, keep_norm_fp32=True, master_weights=True, compensation=None, fp16_loss_scale="dynamic"),
-    "O3": LevelDefaults(op_casting=False, casts_model=True, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale=1.0),
-    "O2K": LevelDefaults(op_casting=False, casts_model=True, keep_norm_fp32=True, master_weights=False, compensation="kahan", fp16_loss_scale=1.0),
+    "O0": LevelDefaults("fp32 with inf/NaN steps skipped", op_casting=False, casts_model=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale=1.0),
+    "O1": LevelDefaults("op-level casting, fp32 weights", op_casting=True, casts_model=False, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale="dynamic"),
+    "O2": LevelDefaults("16-bit model with fp32 masters", op_casting=False, casts_model=True, keep_norm_fp32=True, master_weights=True, compensation=None, fp16_loss_scale="dynamic", model_op_casting=True),
+    "O3": LevelDefaults("pure 16-bit", op_casting=False, casts_model=True, keep_norm_fp32=False, master_weights=False, compensation=None, fp16_loss_scale=1.0),
+    "O2K": LevelDefaults("bf16 model with compensated updates", op_casting=False, casts_model=True, keep_norm_fp32=True, master_weights=False, compensation="kahan", fp16_loss_scale=1.0, model_op_casting=True, bf16_only=True),
 }  # fmt: skip
+
+#: The level when none is given and ``AMPKIT_LEVEL`` is unset.
+DEFAULT_LEVEL = "O1"
+
+
+def level_names(which: Callable[[LevelDefaults], bool] = lambda d: True) -> tuple[str, ...]:
+    """The names of the levels (of those ``which`` accepts), in :data:`OPT_LEVELS`' order."""
+    return tuple(name for name, d in OPT_LEVELS.items() if which(d))
+
+
+def level_choices(names: Iterable[str] | None = None) -> str:
+    """``"O0 (fp32 ...), O1 (...), ..."``: the levels (or ``names``) with what each is."""
+    return ", ".join(f"{n} ({OPT_LEVELS[n].description})" for n in (level_names() if names is None else names))
+
+
+def defaults_of(value: Any) -> LevelDefaults | None:
+    """The :class:`LevelDefaults` of the level ``value`` names (any case), None if none."""
+    return OPT_LEVELS.get(value.upper()) if isinstance(value, str) else None
+
+
+def is_fp32_level(value: Any) -> bool:
+    """Whether ``value`` names a level that computes nothing in 16 bits (False for a
+    name that is no level: that is refused where the level is resolved)."""
+    base = defaults_of(value)
+    return base is not None and base.fp32
+
+
+def level_name(value: Any, what: str = "opt_level", error: type[AmpError] = AmpError) -> str:
+    """``value`` as the name of a level (upper case); ``error`` naming every level
+    otherwise."""
+    if isinstance(value, str) and value.upper() in OPT_LEVELS:
+        return value.upper()
+    raise error(f"unknown {what} {value!r}: not an ampkit opt level; choose one of {level_choices()}.")
+
+
+def checked_plan(plan: Any, owner: str = "plan") -> TunePlan:
+    """``plan`` (an :class:`ampkit.TunePlan`, or the path of a saved one) with its level
+    checked: :class:`PlanError` unless it is a level whose ops run under a casting policy
+    (which pins the kept modules) lowering some modules, in bf16 where the level is
+    bf16-only, or an fp32 level lowering none."""
+    plan = TunePlan.coerce(plan, owner)
+    base = OPT_LEVELS.get(plan.level)
+    if base is None or not (base.fp32 or base.mixed) or base.fp32 == bool(plan.lowered) or (
+        base.bf16_only and plan.dtype != "bf16"
+    ):
+        raise PlanError(
+            f"tuning plan: level {plan.level!r} with {len(plan.lowered)} modules lowered in {plan.dtype}; "
+            f"{'/'.join(level_names(lambda d: d.fp32))} lowers nothing, "
+            f"{'/'.join(level_names(lambda d: d.mixed))} lower some, "
+            f"{'/'.join(level_names(lambda d: d.mixed and d.bf16_only))} in bf16 only."
+        )
+    return plan
+
+
+def level_or_env(value: str | None) -> str:
+    """``value``, else ``AMPKIT_LEVEL`` if set, else :data:`DEFAULT_LEVEL` (an argument >
+    the environment > the default); the level is not checked here."""
+    return level_from_env(DEFAULT_LEVEL, level_names()) if value is None else value
+
 
 #: The settings ``initialize`` takes beyond the level, in the order of its signature (a
 #: test holds its keyword parameters to this list).
@@ -151,13 +244,7 @@ def resolve_opt_level(
     """The :class:`OptLevel` that ``initialize(..., opt_level, **overrides)`` sets up
     for models on ``device_type``; raises :class:`AmpError` on nonsense (nothing is set
     up here)."""
-    if not isinstance(opt_level, str) or opt_level.upper() not in OPT_LEVELS:
-        raise AmpError(
-            f"unknown opt_level {opt_level!r}; choose one of {sorted(OPT_LEVELS)} "
-            "(O0 fp32, O1 op-level casting, O2 16-bit model with fp32 masters, O3 pure "
-            "16-bit, O2K bf16 model with compensated updates)."
-        )
-    name = opt_level.upper()
+    name = level_name(opt_level)
     check_override_names(overrides)
     base = OPT_LEVELS[name]
     ov = {k: v for k, v in overrides.items() if v is not None}
@@ -170,8 +257,7 @@ def resolve_opt_level(
     outputs = overrides.get("cast_model_outputs", torch.float32)
     if outputs is not None and outputs not in (torch.float32, *LOW_PRECISION):
         raise AmpError(f"cast_model_outputs must be a float dtype or None, got {outputs!r}.")
-    # O2/O2K: the policy's fp32 ops run in fp32 inside the cast model; O3 is pure 16-bit.
-    model_op_casting = ov.get("model_op_casting", cast is not None and name in ("O2", "O2K"))
+    model_op_casting = ov.get("model_op_casting", cast is not None and base.model_op_casting)
     if model_op_casting and cast is None:
         raise AmpError(
             f"model_op_casting runs a cast model's forward under op-level casting; {name} "
@@ -183,8 +269,8 @@ def resolve_opt_level(
         **storage,
         **_scaling(base, ov, dtype),
         cast_model_outputs=outputs,
-        # O0 is fp32 exactly as the script runs it: the optimizer's kernel too.
-        fast_kernels=ov.get("fast_kernels", name != "O0"),
+        # an fp32 level runs the script exactly as written: the optimizer's kernel too
+        fast_kernels=ov.get("fast_kernels", not base.fp32),
         keep_fp32=_check_keep_fp32(ov.get("keep_fp32", ()), name, cast),
         model_op_casting=bool(model_op_casting),
         **_grads(name, ov, cast, master),
@@ -194,8 +280,7 @@ def resolve_opt_level(
 def _storage(name: str, base: LevelDefaults, ov: dict[str, Any], device_type: str) -> dict[str, Any]:
     """How the weights are stored and stepped: ``dtype``, ``cast_model_type``,
     ``keep_norm_fp32``, ``compensation``, ``master_weights``."""
-    # O2K is bf16 by definition (compensation needs bf16's range), on any device.
-    default = torch.bfloat16 if base.compensation else default_dtype(device_type)
+    default = torch.bfloat16 if base.bf16_only else default_dtype(device_type)
     dtype = _check_dtype(ov.get("dtype", default), "dtype")
     cast = ov.get("cast_model_type", dtype if base.casts_model else None)
     if cast is False or cast == torch.float32:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ampkit._internal.dtypes import default_device_type
-from ampkit._internal.env import dtype_from_env, level_from_env
+from ampkit._internal.env import dtype_from_env
 from ampkit._internal.wrappers import unwrap_optimizers
 from ampkit.casting.policy import Policy, check_device_type
 from ampkit.errors import AmpError, DistributedError, PolicyError, StateError
@@ -26,7 +26,7 @@ from . import fp8 as _fp8
 from . import one_pass, sharding
 from .master import MasterWeights
 from .model_cast import check_keep_fp32, kept_fp32_modules
-from .opt_level import OPT_LEVELS, OptLevel, resolve_opt_level
+from .opt_level import OptLevel, is_fp32_level, level_or_env, resolve_opt_level
 from .sharding import is_fsdp2
 
 __all__ = ["Plan", "make_plan", "masters_of", "CAST_MODELS", "MASTERS_ATTR", "is_managed"]
@@ -223,8 +223,7 @@ def make_plan(
 ) -> Plan:
     """Check every argument of :func:`initialize` against the models, the optimizers and
     the running session; change nothing."""
-    if opt_level is None:  # an argument > the environment > the default
-        opt_level = level_from_env("O1", tuple(OPT_LEVELS))
+    opt_level = level_or_env(opt_level)  # an argument > the environment > the default
     if overrides.get("dtype") is None:
         env_dtype = dtype_from_env()
         if env_dtype is not None:
@@ -262,7 +261,7 @@ def make_plan(
         _check_fsdp_optimizers(model_list, opt_list)
         if level.cast_model_type is not None:
             plan.shard_plan = _check_sharded(model_list, opt_list, level)
-    recipe = _fp8.check_level(level.name, fp8)
+    recipe = _fp8.check_level(level.name, fp8, fp32=is_fp32_level(level.name))
     if recipe is not None:
         # a module the level keeps fp32 (keep_fp32, norm layers) stays out of fp8 too
         kept = [
@@ -314,7 +313,7 @@ def _check_sharded(model_list: list[nn.Module], opt_list: list[torch.optim.Optim
     it (before anything is changed); returns the shard plan."""
     if len(model_list) != 1:
         raise AmpError("initialize takes one FSDP2 model at a time (one call per sharded model).")
-    plan = sharding.check_plan(model_list[0], level.name, level.dtype, level.keep_fp32, level.keep_norm_fp32)
+    plan = sharding.check_plan(model_list[0], level)
     if level.compensation is not None:
         # each rank steps its local shards with the one-pass update; the generic path (the
         # optimizer on fp32 copies) and stochastic rounding's per-rank draws are not sharded

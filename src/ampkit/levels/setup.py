@@ -42,7 +42,7 @@ from ampkit._internal.dtypes import (
 )
 from ampkit._internal.validate import require_optimizer
 from ampkit.casting import engine as casting
-from ampkit.casting.policy import Policy, exact_name
+from ampkit.casting.policy import Policy
 from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
@@ -65,7 +65,14 @@ from .model_cast import (
     params_to_cast,
     remove_op_casting,
 )
-from .opt_level import OPT_LEVELS, OVERRIDES, OptLevel, resolve_opt_level
+from .opt_level import (
+    OPT_LEVELS,
+    OVERRIDES,
+    OptLevel,
+    checked_plan,
+    defaults_of,
+    resolve_opt_level,
+)
 from .plan import CAST_MODELS, MASTERS_ATTR, Plan, is_managed, make_plan, masters_of
 from .precision_plan import PlanError, TunePlan
 
@@ -313,21 +320,20 @@ def _with_tune_plan(
     (nothing changed yet): the plan's fp8 linears through ``fp8`` (None or True: the
     default recipe; a recipe: its format and scaling; False: none, they run in the
     plan's 16-bit dtype)."""
-    plan = TunePlan.coerce(plan, "initialize(plan=...)")
+    plan = checked_plan(plan, "initialize(plan=...)")
     model_list = [models] if isinstance(models, nn.Module) else list(models)
     plan.check_model(model_list)
     level = plan.level if opt_level is None else opt_level
     out = dict(overrides)
-    if plan.lowered:
+    base = defaults_of(level)  # (None: an unknown level, refused later)
+    if plan.lowered and base is not None:
         out["dtype"] = plan.compute_dtype(out.get("dtype"))
-        name = level.upper() if isinstance(level, str) else ""
-        if (out.get("op_casting") is True or (name == "O1" and out.get("op_casting", True))
-                or (name in ("O2", "O2K") and out.get("model_op_casting", True))):  # fmt: skip
+        if out.get("op_casting", base.op_casting) or (base.model_op_casting and out.get("model_op_casting", True)):
             out["policy"] = plan.policy(base=out.get("policy"))  # (else the caller's own scope casts)
-        if name in ("O2", "O3", "O2K") and plan.kept_fp32:
+        if base.casts_model and plan.kept_fp32:
             given = out.get("keep_fp32") or []
             given = [given] if isinstance(given, (str, type)) else list(given)  # one rule, or several
-            out["keep_fp32"] = [*given, *(exact_name(n) for n in plan.kept_fp32)]
+            out["keep_fp32"] = [*given, *plan.keep_fp32]
     if plan.fp8 and fp8 is not False:
         fp8 = for_modules(plan.fp8, fp8, "initialize(plan=...)")
         chosen = {name for m in model_list for name, _ in fp8.choose(m)}

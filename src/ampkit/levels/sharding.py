@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ampkit._internal.dtypes import torch_class
 from ampkit.errors import DistributedError
+
+if TYPE_CHECKING:
+    from .opt_level import OptLevel
 
 __all__ = ["FSDPGuard", "SHARD_PLAN_ATTR", "ShardPlan", "UnitRule", "check_models", "check_plan", "is_fsdp2",
            "shard_plan"]  # fmt: skip
@@ -41,8 +44,9 @@ class ShardPlan:
     """How :func:`ampkit.distributed.fully_shard` sharded a model: ``level``, ``dtype``
     (the 16-bit compute dtype), ``units`` (qualified names of the FSDP2 units, root last:
     ``""``), ``kept`` (qualified names of the modules kept fp32, each a unit),
-    ``keep_fp32`` (the rules it was given) and ``keep_norm_fp32`` (whether the norm
-    layers were kept fp32)."""
+    ``keep_fp32`` (the rules it was given), ``keep_norm_fp32`` (whether the norm
+    layers were kept fp32), ``cast_model_type`` (the 16-bit dtype the weights are
+    stored or gathered in; None: fp32) and ``master_weights`` (fp32 shards as masters)."""
 
     level: str
     dtype: torch.dtype
@@ -50,6 +54,8 @@ class ShardPlan:
     kept: tuple[str, ...]
     keep_fp32: tuple[UnitRule, ...]
     keep_norm_fp32: bool = True
+    cast_model_type: torch.dtype | None = None
+    master_weights: bool = False
 
 
 def shard_plan(model: nn.Module) -> ShardPlan | None:
@@ -113,11 +119,11 @@ def check_models(models: Iterable[nn.Module], level_name: str, casts_model: bool
             _install_fsdp_guard(model, level_name)
 
 
-def check_plan(
-    model: nn.Module, level_name: str, dtype: torch.dtype, keep_fp32: Sequence[Any], keep_norm_fp32: bool | None = None
-) -> ShardPlan:
-    """The plan of an FSDP2 model ``initialize`` sets up at ``level_name``: refuse one
-    that :func:`ampkit.distributed.fully_shard` did not shard for this level and dtype."""
+def check_plan(model: nn.Module, level: OptLevel) -> ShardPlan:
+    """The plan of an FSDP2 model ``initialize`` sets up at ``level`` (resolved): refuse
+    one that :func:`ampkit.distributed.fully_shard` did not shard for this level, dtype
+    and storage."""
+    level_name, dtype, keep_norm_fp32 = level.name, level.dtype, level.keep_norm_fp32
     plan = shard_plan(model)
     if plan is None:  # check_models refuses it first, with the same recipe
         raise DistributedError(f"initialize got an FSDP2 (fully_shard) model. {_fsdp_recipe(level_name)}")
@@ -126,12 +132,18 @@ def check_plan(
             f"this model was sharded by ampkit.distributed.fully_shard for {plan.level} in {plan.dtype}; "
             f"initialize asked for {level_name} in {dtype}. Pass the same opt_level and dtype to both."
         )
-    if keep_norm_fp32 is not None and plan.keep_norm_fp32 != keep_norm_fp32:
+    if (plan.cast_model_type, plan.master_weights) != (level.cast_model_type, level.master_weights):
+        raise DistributedError(
+            f"ampkit.distributed.fully_shard stored this model's weights as cast_model_type="
+            f"{plan.cast_model_type}, master_weights={plan.master_weights}; initialize asked for "
+            f"{level.cast_model_type}, {level.master_weights}. Pass the same overrides to both."
+        )
+    if plan.keep_norm_fp32 != keep_norm_fp32:
         raise DistributedError(
             f"keep_norm_fp32 is {plan.keep_norm_fp32} in ampkit.distributed.fully_shard and {keep_norm_fp32} "
             "in initialize; pass the same value to both (fully_shard decides which modules are fp32 units)."
         )
-    if tuple(keep_fp32) and tuple(keep_fp32) != plan.keep_fp32:
+    if tuple(level.keep_fp32) and tuple(level.keep_fp32) != plan.keep_fp32:
         raise DistributedError(
             "keep_fp32 differs between ampkit.distributed.fully_shard and initialize; give it to "
             "fully_shard (it decides which modules are fp32 units) and leave it out of initialize."

@@ -31,8 +31,9 @@ from torch import nn
 from ampkit._internal import inductor_compat
 from ampkit._internal.dtypes import DTYPES_BY_NAME
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import level_names
 
-__all__ = ["OPTIMIZERS", "LEVELS", "WarmResult", "warm"]
+__all__ = ["OPTIMIZERS", "WarmResult", "compiled_levels", "warm"]
 
 #: the optimizer configurations with a kernel of their own
 OPTIMIZERS: dict[str, str] = {
@@ -41,8 +42,12 @@ OPTIMIZERS: dict[str, str] = {
     "nesterov": "torch.optim.SGD with Nesterov momentum",
     "sgd-plain": "torch.optim.SGD without momentum",
 }
-#: the levels whose step runs compiled update kernels
-LEVELS: tuple[str, ...] = ("O2", "O2K")
+
+
+def compiled_levels(dtype: str = "bf16") -> tuple[str, ...]:
+    """The levels whose step runs compiled update kernels, those that compute in
+    ``dtype`` (``"bf16"``/``"fp16"``; a bf16-only level is no fp16 one)."""
+    return level_names(lambda d: d.steps_compiled and (dtype == "bf16" or not d.bf16_only))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,30 +101,33 @@ def _one(level: str, dtype: torch.dtype, optimizer: str, device: str) -> bool:
 
 
 def warm(
-    levels: Sequence[str] = LEVELS,
+    levels: Sequence[str] | None = None,
     dtype: str = "bf16",
     optimizers: Sequence[str] = ("adamw",),
     device: str = "cpu",
     threads: Sequence[int] | None = None,
 ) -> list[WarmResult]:
-    """Compile the update kernels of ``levels`` (``"O2"``, ``"O2K"``) x ``optimizers``
-    (keys of :data:`OPTIMIZERS`) for ``dtype`` (``"bf16"`` default, or ``"fp16"``:
-    O2 only) on ``device`` (``"cpu"`` default, or ``"cuda"``) at each of ``threads``
-    (torch thread counts; default None: 1 and this process's ``torch.get_num_threads()``)
-    into Inductor's on-disk cache. Sets ampkit up and resets it for each configuration,
-    and sets torch's thread count (restored at the end): call it in a process of its
-    own. Raises :class:`ampkit.AmpError` for an unknown level, dtype, optimizer, thread
-    count or an unavailable device, before anything is compiled."""
-    bad = [x for x in levels if x not in LEVELS]
+    """Compile the update kernels of ``levels`` (those of :func:`compiled_levels`, ``"O2"``
+    and ``"O2K"``; None: all of them for ``dtype``) x ``optimizers`` (keys of
+    :data:`OPTIMIZERS`) for ``dtype`` (``"bf16"`` default, or ``"fp16"``: not O2K) on
+    ``device`` (``"cpu"`` default, or ``"cuda"``) at each of ``threads`` (torch thread
+    counts; default None: 1 and this process's ``torch.get_num_threads()``) into
+    Inductor's on-disk cache. Sets ampkit up and resets it for each configuration, and
+    sets torch's thread count (restored at the end): call it in a process of its own.
+    Raises :class:`ampkit.AmpError` for an unknown level, dtype, optimizer, thread count
+    or an unavailable device, before anything is compiled."""
+    if dtype not in ("bf16", "fp16"):
+        raise AmpError(f"dtype {dtype!r}: choose bf16 or fp16.")
+    levels = compiled_levels(dtype) if levels is None else levels
+    bad = [x for x in levels if x not in compiled_levels()]
     if bad or not levels:
-        raise AmpError(f"levels {list(levels)!r}: choose from {', '.join(LEVELS)} (the levels that compile kernels).")
+        raise AmpError(f"levels {list(levels)!r}: choose from {', '.join(compiled_levels())} (the levels that compile kernels).")
     bad = [x for x in optimizers if x not in OPTIMIZERS]
     if bad or not optimizers:
         raise AmpError(f"optimizers {list(optimizers)!r}: choose from {', '.join(OPTIMIZERS)}.")
-    if dtype not in ("bf16", "fp16"):
-        raise AmpError(f"dtype {dtype!r}: choose bf16 or fp16.")
-    if dtype == "fp16" and "O2K" in levels:
-        raise AmpError("O2K computes in bf16 only; drop O2K or use --dtype bf16.")
+    bf16_only = [x for x in levels if x not in compiled_levels(dtype)]
+    if bf16_only:
+        raise AmpError(f"{', '.join(bf16_only)} computes in bf16 only; drop it or use --dtype bf16.")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise AmpError(f"device {device!r} is not available here; use cpu" + (" or cuda." if torch.cuda.is_available() else "."))
     counts = sorted({1, torch.get_num_threads()} if threads is None else set(threads))

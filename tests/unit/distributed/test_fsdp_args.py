@@ -20,7 +20,7 @@ def _model() -> nn.Module:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"opt_level": "O4"}, "opt_level must be one of O0, O1, O2, O3, O2K"),
+        ({"opt_level": "O4"}, "unknown opt_level 'O4': not an ampkit opt level; choose one of O0 .*O2K"),
         ({"opt_level": "O2", "dtype": torch.float32}, "dtype must be torch.bfloat16 or torch.float16"),
         ({"opt_level": "O2K", "dtype": torch.float16}, "compensated updates need bf16 weights"),
         ({"opt_level": "O2", "keep_fp32": ["nope.*"]}, "keep_fp32 glob 'nope.\\*' matches no module"),

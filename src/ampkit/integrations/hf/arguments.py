@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ampkit import TunePlan
 from ampkit.errors import AmpError
 
 from .. import require
@@ -18,8 +17,12 @@ from .._shared import (
     DTYPES_BY_NAME,
     LOW_PRECISION_BY_NAME,
     OPT_LEVELS,
+    checked_plan,
     dtype_from_env,
-    level_from_env,
+    is_fp32_level,
+    level_name,
+    level_names,
+    level_or_env,
 )
 
 require("transformers", "hf")
@@ -27,7 +30,6 @@ require("transformers", "hf")
 from transformers import Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
 
 __all__ = [
-    "LEVELS",
     "SAVE_WEIGHTS",
     "AmpkitArguments",
     "AmpkitOptions",
@@ -40,7 +42,6 @@ __all__ = [
     "resolve_options",
 ]
 
-LEVELS = tuple(OPT_LEVELS)  # every level initialize knows
 _DTYPES = LOW_PRECISION_BY_NAME  # ampkit's and torch's names of the 16-bit dtypes
 SAVE_WEIGHTS = ("fp32", "converted")
 
@@ -62,9 +63,7 @@ def level_of(args: Any) -> Any:
     """``args.amp_level`` upper-cased; when unset (a plain ``TrainingArguments``, or None),
     ``AMPKIT_LEVEL`` if set, else ``"O1"``. Anything else is returned as it is, for
     :func:`check_arguments` to refuse."""
-    level = getattr(args, "amp_level", None)
-    if level is None:
-        return level_from_env("O1", LEVELS)
+    level = level_or_env(getattr(args, "amp_level", None))
     return level.upper() if isinstance(level, str) else level
 
 
@@ -79,37 +78,33 @@ def check_arguments(args: TrainingArguments, options: AmpkitOptions | None = Non
             None: from ``args`` itself (defaults where a plain ``TrainingArguments`` has
             none). Default: ``None``."""
     source: Any = args if options is None else options
-    level = level_of(source)
+    level = level_name(level_of(source), "amp_level", HfIntegrationError)
+    base = OPT_LEVELS[level]
     dtype = getattr(source, "amp_dtype", None)
     fp8 = getattr(source, "amp_fp8", False)
     save = getattr(source, "amp_save_weights", "fp32")
-    if not isinstance(level, str) or level.upper() not in LEVELS:
-        raise HfIntegrationError(
-            f"amp_level={level!r} is not an ampkit opt level; choose one of {', '.join(LEVELS)} "
-            "(O1 casting in forward, O2 16-bit model with fp32 masters, O2K bf16 model with "
-            "compensated updates, O3 pure 16-bit, O0 fp32 with inf/NaN steps skipped)."
-        )
     if dtype is not None and dtype not in _DTYPES:
         raise HfIntegrationError(
             f"amp_dtype={dtype!r} is not a 16-bit dtype ampkit computes in; use 'bfloat16', "
             "'float16', or None for the device's default (bf16 on CPU, fp16 on CUDA)."
         )
-    if level.upper() == "O2K" and dtype_of(dtype) == torch.float16:
+    sixteen = ", ".join(level_names(lambda d: not d.fp32))
+    if base.bf16_only and dtype_of(dtype) == torch.float16:
         raise HfIntegrationError(
-            "amp_level='O2K' keeps bf16 weights with compensated updates, so it is bf16 only; "
-            "drop amp_dtype='float16', or use amp_level='O2' (fp32 masters) for fp16."
+            f"amp_level={level!r} ({base.description}) is bf16 only; drop amp_dtype='float16', "
+            f"or use a level that takes fp16 ({', '.join(level_names(lambda d: not d.bf16_only))})."
         )
-    if level.upper() == "O0" and dtype is not None:
+    if base.fp32 and dtype is not None:
         raise HfIntegrationError(
-            f"amp_level='O0' trains in fp32, so amp_dtype={dtype!r} has no effect; drop it or "
-            "choose a mixed-precision level (O1, O2, O2K, O3)."
+            f"amp_level={level!r} trains in fp32, so amp_dtype={dtype!r} has no effect; drop it or "
+            f"choose a mixed-precision level ({sixteen})."
         )
     if not isinstance(fp8, bool):
         raise HfIntegrationError(f"amp_fp8 must be True or False, got {fp8!r}.")
-    if fp8 and level.upper() == "O0":
+    if fp8 and base.fp32:
         raise HfIntegrationError(
-            "amp_fp8=True computes linears in fp8 on top of a mixed-precision level; O0 is fp32. "
-            "Use amp_level='O1' or 'O2' with amp_fp8=True."
+            f"amp_fp8=True computes linears in fp8 on top of a mixed-precision level; {level} is fp32. "
+            f"Use one of {sixteen} with amp_fp8=True."
         )
     if save not in SAVE_WEIGHTS:
         raise HfIntegrationError(
@@ -185,18 +180,24 @@ def resolve_options(
                 "torch.bfloat16 or torch.float16, or None for the device's default."
             )
         name = names[dtype]
-    if plan is not None:
-        loaded = TunePlan.load(plan)
-        if opt_level is None:
-            opt_level = loaded.level
-        if name is None and loaded.lowered:
-            name = {"bf16": "bfloat16", "fp16": "float16"}[loaded.dtype]
-    level = level_of(SimpleNamespace(amp_level=opt_level))
-    if name is None and level != "O0":
-        env = dtype_from_env()
-        if env is not None:
-            name = str(env).removeprefix("torch.")
+    level, name = _level_and_dtype(opt_level, name, plan)
     return AmpkitOptions(level, name, fp8, save_weights, plan)
+
+
+def _level_and_dtype(level: Any, dtype: str | None, plan: str | None) -> tuple[Any, str | None]:
+    """``amp_level`` and ``amp_dtype`` resolved: the plan's (read and checked) where None,
+    then ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` (an argument > the environment > the default),
+    then O1 and None (the device's dtype)."""
+    if plan is not None:
+        loaded = checked_plan(plan, "amp_plan")
+        level = loaded.level if level is None else level
+        if dtype is None and loaded.lowered:
+            dtype = str(DTYPES_BY_NAME[loaded.dtype]).removeprefix("torch.")
+    level = level_of(SimpleNamespace(amp_level=level))
+    if dtype is None and not is_fp32_level(level):
+        env = dtype_from_env()
+        dtype = None if env is None else str(env).removeprefix("torch.")
+    return level, dtype
 
 
 @dataclasses.dataclass
@@ -247,17 +248,7 @@ class AmpkitArguments:
 
     def __post_init__(self) -> None:
         super().__post_init__()  # type: ignore[misc]  # the TrainingArguments class it is combined with
-        if self.amp_plan is not None:
-            plan = TunePlan.load(self.amp_plan)
-            if self.amp_level is None:
-                self.amp_level = plan.level
-            if self.amp_dtype is None and plan.lowered:
-                self.amp_dtype = str(DTYPES_BY_NAME[plan.dtype]).removeprefix("torch.")
-        self.amp_level = level_of(self)
-        if self.amp_dtype is None and self.amp_level != "O0":
-            env = dtype_from_env()  # an argument > the environment > the default
-            if env is not None:
-                self.amp_dtype = str(env).removeprefix("torch.")
+        self.amp_level, self.amp_dtype = _level_and_dtype(self.amp_level, self.amp_dtype, self.amp_plan)
         check_arguments(self)  # type: ignore[arg-type]
 
 

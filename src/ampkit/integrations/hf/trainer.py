@@ -36,7 +36,16 @@ from .._files import (
     read_checkpoint_file,
     write_checkpoint_file,
 )
-from .._shared import check_target, dtype_from_env, install_hint, master_weights_of
+from .._shared import (
+    OPT_LEVELS,
+    check_target,
+    checked_plan,
+    dtype_from_env,
+    install_hint,
+    is_fp32_level,
+    master_weights_of,
+    resolve_opt_level,
+)
 from ..banner import announce
 from .arguments import (
     AmpkitArguments,
@@ -149,16 +158,12 @@ class AmpkitTrainerMixin:
     @property
     def amp_dtype(self) -> torch.dtype | None:
         """The 16-bit compute dtype (None at O0): ``amp_dtype`` (:func:`enable`'s or the
-        arguments'), else ``AMPKIT_DTYPE``, else bf16 at O2K, else the device's default
-        (bf16 on CPU, fp16 on CUDA)."""
-        if self.amp_level == "O0":
+        arguments'), else ``AMPKIT_DTYPE``, else the level's default on the device (bf16
+        at O2K, else bf16 on CPU, fp16 on CUDA)."""
+        if is_fp32_level(self.amp_level):
             return None
         chosen = dtype_of(getattr(self._amp_source(), "amp_dtype", None)) or dtype_from_env()
-        if chosen is not None:
-            return chosen
-        if self.amp_level == "O2K":
-            return torch.bfloat16
-        return torch.float16 if self.args.device.type == "cuda" else torch.bfloat16
+        return chosen or resolve_opt_level(self.amp_level, self.args.device.type).dtype
 
     @property
     def amp_plan(self) -> TunePlan | None:
@@ -169,7 +174,7 @@ class AmpkitTrainerMixin:
             return None
         cached = self.__dict__.get("_ampkit_plan")
         if cached is None or cached[0] != path:
-            cached = self.__dict__["_ampkit_plan"] = (path, TunePlan.load(path))
+            cached = self.__dict__["_ampkit_plan"] = (path, checked_plan(path, "amp_plan"))
         return cached[1]
 
     @property
@@ -209,7 +214,7 @@ class AmpkitTrainerMixin:
         overrides: dict[str, Any] = {}
         if dtype is not None:
             overrides["dtype"] = dtype
-        if level == "O1":
+        if OPT_LEVELS[level].op_casting:
             # casting only inside compute_loss (autocast_smart_context_manager), not process-wide
             overrides["op_casting"] = False
         plan = self.amp_plan
@@ -230,7 +235,7 @@ class AmpkitTrainerMixin:
         """The scope HF enters around ``compute_loss`` (training and ``prediction_step``):
         :class:`ampkit.autocast` in ``amp_dtype`` at O1; nothing at other levels (O2,
         O3, O2K models cast their own forward; O0 is fp32)."""
-        if self.amp_level != "O1":
+        if not OPT_LEVELS[self.amp_level].op_casting:
             return nullcontext()
         device_type = self._ampkit.device_type if self._ampkit is not None else self.args.device.type
         plan = self.amp_plan

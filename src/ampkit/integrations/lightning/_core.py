@@ -18,9 +18,10 @@ from ampkit import state_dict as amp_state_dict
 from ampkit.errors import AmpError, StateError
 
 from .._shared import (
-    OPT_LEVELS,
+    checked_plan,
     dtype_from_env,
-    level_from_env,
+    is_fp32_level,
+    level_or_env,
     master_weights_of,
     unwrap_optimizer,
 )
@@ -75,9 +76,8 @@ def plugin_core(
     ``AMPKIT_LEVEL``/``AMPKIT_DTYPE`` if set, else O1 and the level's default dtype."""
     if plan is not None:
         plan, opt_level, dtype, policy = _with_plan(owner, plan, opt_level, dtype, policy)
-    if opt_level is None:  # an argument > the environment > the default
-        opt_level = level_from_env("O1", tuple(OPT_LEVELS))
-    if dtype is None and opt_level.upper() != "O0":
+    opt_level = level_or_env(opt_level)
+    if dtype is None and not is_fp32_level(opt_level):
         dtype = dtype_from_env()
     return PluginCore(
         Settings(
@@ -98,7 +98,7 @@ def _with_plan(owner: str, plan: Any, opt_level: str | None, dtype: torch.dtype 
     """The plan (loaded), and the plugin's level, dtype and policy with it applied: its
     level and dtype where none is given, its kept modules pinned to fp32 in the policy
     of the plugin's step scope (``initialize(plan=...)`` does the rest at setup)."""
-    plan = TunePlan.coerce(plan, f"{owner}(plan=...)")
+    plan = checked_plan(plan, f"{owner}(plan=...)")
     opt_level = plan.level if opt_level is None else opt_level
     if not plan.lowered:
         return plan, opt_level, dtype, policy

@@ -15,7 +15,7 @@ from torch import nn
 from ampkit import Fp8Recipe, OptLevel, Policy, autocast, initialize
 from ampkit.errors import AmpError
 
-from .._shared import default_device_type, resolve_opt_level
+from .._shared import OPT_LEVELS, default_device_type, is_fp32_level, level_names, resolve_opt_level
 
 __all__ = ["Settings", "device_type_of", "is_float_loss_scale"]
 
@@ -77,8 +77,9 @@ class Settings:
             raise AmpError(f"{self.owner}(policy=...) takes an ampkit.Policy, got {type(self.policy).__name__}.")
         if self.fp8 is not None and not isinstance(self.fp8, (bool, Fp8Recipe)):
             raise AmpError(f"{self.owner}(fp8=...) takes an ampkit.Fp8Recipe, True or None, got {self.fp8!r}.")
-        if isinstance(self.opt_level, str) and self.opt_level.upper() == "O0" and self.fp8 not in (None, False):
-            raise AmpError(f"{self.owner}: fp8 needs a level that computes in 16 bits (O1, O2, O2K, O3), not O0.")
+        if is_fp32_level(self.opt_level) and self.fp8 not in (None, False):
+            raise AmpError(f"{self.owner}: fp8 needs a level that computes in 16 bits "
+                           f"({', '.join(level_names(lambda d: not d.fp32))}), not {self.opt_level.upper()}.")
         level = self.level(default_device_type())
         if self.policy is not None and not (level.op_casting or level.model_op_casting):
             raise AmpError(
@@ -137,8 +138,9 @@ class Settings:
 def lightning_precision_name(level: OptLevel) -> str:
     """Lightning's name for what a level computes in: ``"32-true"`` (O0),
     ``"bf16-true"``/``"16-true"`` (O3: everything 16-bit), ``"bf16-mixed"``/``"16-mixed"``
-    (O1, O2, O2K: 16-bit compute, fp32 where it matters)."""
-    if level.name == "O0":
+    (O1, O2, O2K: 16-bit compute, fp32 where it matters), as the level's data says."""
+    base = OPT_LEVELS[level.name]
+    if base.fp32:
         return "32-true"
     prefix = "bf16" if level.dtype == torch.bfloat16 else "16"
-    return f"{prefix}-true" if level.name == "O3" else f"{prefix}-mixed"
+    return f"{prefix}-mixed" if base.mixed else f"{prefix}-true"

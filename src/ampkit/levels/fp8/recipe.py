@@ -246,8 +246,9 @@ def _check_int(name: str, value: Any, low: int, high: int | None, why: str) -> N
     raise PolicyError(f"Fp8Recipe.{name} must be {bound}, got {value!r}: {why}.")
 
 
-def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:
-    """``initialize``'s ``fp8=`` argument: a recipe, True (the default recipe), or None/False."""
+def check_level(level_name: str, recipe: Any, *, fp32: bool) -> Fp8Recipe | None:
+    """``initialize``'s ``fp8=`` argument: a recipe, True (the default recipe), or
+    None/False; refused at a level computing nothing in 16 bits (``fp32``)."""
     if recipe is None or recipe is False:
         return None
     if recipe is True:
@@ -256,9 +257,9 @@ def check_level(level_name: str, recipe: Any) -> Fp8Recipe | None:
         raise AmpError(
             f"fp8 must be an ampkit.Fp8Recipe, True or None, got {type(recipe).__name__}."
         )
-    if level_name == "O0":
+    if fp32:
         raise AmpError(
-            "fp8 runs its chosen linears in 8 bits and every other op as the level says; O0 is "
+            f"fp8 runs its chosen linears in 8 bits and every other op as the level says; {level_name} is "
             "fp32 exactly as written. Use O1 (fp32 weights) or O2 (16-bit model, fp32 masters)."
         )
     return recipe

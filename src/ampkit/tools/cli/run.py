@@ -42,15 +42,16 @@ from ._common import (
 __all__ = ["add_parser", "run"]
 
 PNG_DEFAULT = Path("ampkit-compare.png")
-LEVELS = ("O1", "O2", "O2K", "fp32")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from ampkit.levels.opt_level import DEFAULT_LEVEL, level_choices
+    from ampkit.tools.run.config import FP32, run_levels
+
     parser = add_command(sub, "run", "train an unmodified script in mixed precision (and --compare it with fp32)", __doc__)
-    parser.add_argument("--level", choices=LEVELS, default=None,
-                        help="O1: casting in forward passes, fp32 weights (default: $AMPKIT_LEVEL, else O1); "
-                             "O2: 16-bit models with fp32 master weights; O2K: bf16 models with compensated "
-                             "updates; fp32: nothing applied (the script as it is, observed)")
+    parser.add_argument("--level", choices=run_levels(), default=None,
+                        help=f"{level_choices(run_levels()[:-1])}, or {FP32} (nothing applied: the script as it "
+                             f"is, observed); default: $AMPKIT_LEVEL, else {DEFAULT_LEVEL}")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                         help="16-bit compute dtype (default: $AMPKIT_DTYPE, else bf16; fp16 on a GPU "
                              "without bf16)")
@@ -89,17 +90,16 @@ def _config(args: argparse.Namespace) -> Any:
     defaults (O1; bf16, or fp16 on a GPU without bf16)."""
     from ampkit._internal.dtypes import DTYPE_NAMES
     from ampkit._internal.env import dtype_from_env, level_from_env
-    from ampkit.tools.run import RunConfig
+    from ampkit.levels.opt_level import DEFAULT_LEVEL, checked_plan, is_fp32_level
+    from ampkit.tools.run.config import FP32, RunConfig, run_levels
 
     try:
         plan = None
         if getattr(args, "plan", None) is not None:
-            from ampkit.levels.precision_plan import TunePlan
-
-            plan = TunePlan.load(args.plan)
-            args.level = args.level or {"O0": "fp32"}.get(plan.level, plan.level)
+            plan = checked_plan(args.plan, "--plan")
+            args.level = args.level or (FP32 if is_fp32_level(plan.level) else plan.level)
             args.dtype = args.dtype or (plan.dtype if plan.dtype != "fp32" else None)
-        args.level = args.level or level_from_env("O1", LEVELS)
+        args.level = args.level or level_from_env(DEFAULT_LEVEL, run_levels())
         env_dtype = None if args.dtype else dtype_from_env()
         dtype = args.dtype or DTYPE_NAMES.get(env_dtype) or _default_dtype()
         return RunConfig(level=args.level, dtype=dtype, max_steps=args.steps, time_budget=args.time, plan=plan)

@@ -23,11 +23,12 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from ampkit.tools.warmup import LEVELS, OPTIMIZERS
+    from ampkit.tools.warmup import OPTIMIZERS, compiled_levels
 
     parser = add_command(sub, "warmup", "compile O2/O2K's update kernels into Inductor's cache ahead of a job", __doc__)
-    parser.add_argument("--level", action="append", choices=LEVELS, default=None,
-                        help="a level to warm, repeatable (default: both O2 and O2K)")
+    parser.add_argument("--level", action="append", choices=compiled_levels(), default=None,
+                        help=f"a level to warm, repeatable (default: {' and '.join(compiled_levels())}, "
+                             "those that compute in --dtype)")
     parser.add_argument("--optimizer", action="append", choices=tuple(OPTIMIZERS), default=None,
                         help="an update rule to warm, repeatable (default: adamw; "
                              + "; ".join(f"{k}: {v}" for k, v in OPTIMIZERS.items()) + ")")
@@ -43,14 +44,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``ampkit warmup``; returns 0 (raises UsageError for bad input)."""
-
     from ampkit.errors import AmpError
     from ampkit.tools.warmup import cache_dir, warm
 
     check_writable(args.json, "the JSON results", "ampkit warmup")
-    levels = args.level or (["O2"] if args.dtype == "fp16" else ["O2", "O2K"])
     try:
-        results = warm(levels, args.dtype, args.optimizer or ["adamw"], args.device, args.threads)
+        results = warm(args.level, args.dtype, args.optimizer or ["adamw"], args.device, args.threads)
     except AmpError as err:
         raise UsageError(f"ampkit warmup: {err}") from None
     folder = cache_dir()

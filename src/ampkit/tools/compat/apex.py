@@ -78,6 +78,7 @@ from ampkit.casting.policy import canonical_op
 from ampkit.errors import AmpError, PolicyError, StateError
 from ampkit.levels import setup as _levels
 from ampkit.levels.model_cast import cast_tensors
+from ampkit.levels.opt_level import defaults_of, is_fp32_level
 from ampkit.scaling.loss_scaler import LossScaler
 from ampkit.trainer import api as optim
 from ampkit.trainer.step_grads import sum_flags
@@ -207,7 +208,7 @@ def _opt_properties(level: Any, cast_model_type: Any) -> OptProperties:
         cast_model_type=cast_model_type if cast_model_type is not None else level.cast_model_type,
         patch_torch_functions=level.op_casting,
         keep_batchnorm_fp32=level.keep_norm_fp32 if cast else None,
-        master_weights=level.master_weights if cast or level.name == "O0" else None,
+        master_weights=level.master_weights if cast or is_fp32_level(level.name) else None,
         loss_scale=level.loss_scale,
     )
 
@@ -299,7 +300,8 @@ def initialize(
     if cast_model_type in (torch.float16, torch.bfloat16):
         overrides["dtype"] = cast_model_type
     # apex ignored keep_batchnorm_fp32 when nothing is cast (O0/O1 defaults).
-    if isinstance(opt_level, str) and opt_level.upper() in ("O0", "O1") and cast_model_type is None:
+    base = defaults_of(opt_level)
+    if base is not None and not base.casts_model and cast_model_type is None:
         overrides.pop("keep_norm_fp32")
     lower, fp32, promote = registrations
     level = _levels.resolve_opt_level(
@@ -325,7 +327,7 @@ def initialize(
     if join:
         _detach_session()
     out_models, out_opts = ampkit.initialize(models, optimizers, opt_level, fresh=not join, **overrides)
-    if level.cast_model_type is not None and level.name in ("O0", "O1", "O2", "O3"):
+    if level.cast_model_type is not None and level.compensation is None:  # (compensated weights: not apex's)
         _fp32_state_dicts(model_list)
     # a fresh ampkit.initialize reset the process-wide state; keep what was registered.
     _state.lower, _state.fp32, _state.promote = registrations

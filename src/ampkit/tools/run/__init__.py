@@ -21,18 +21,18 @@ and :mod:`.report` (the report and the exit summary).
 
 from __future__ import annotations
 
-from .config import LEVELS, RunConfig, RunRefused, ScriptError
+from .config import RunConfig, RunRefused, ScriptError, run_levels
 from .report import format_summary, is_rank_zero, write_report
 from .script import RunResult, run_script
 
 __all__ = [
-    "LEVELS",
     "RunConfig",
     "RunRefused",
     "RunResult",
     "ScriptError",
     "format_summary",
     "is_rank_zero",
+    "run_levels",
     "run_script",
     "write_report",
 ]

@@ -11,13 +11,25 @@ import torch
 from ampkit._internal.dtypes import DTYPES_BY_NAME
 from ampkit._internal.script import ScriptError
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import OPT_LEVELS, checked_plan, level_choices, level_names
 from ampkit.levels.precision_plan import TunePlan
 
-__all__ = ["LEVELS", "RunConfig", "RunRefused", "ScriptError"]
+__all__ = ["FP32", "RunConfig", "RunRefused", "ScriptError", "run_levels"]
+
+#: The level of ``ampkit run`` that applies nothing, only observes (the ``--compare`` reference).
+FP32 = "fp32"
 
 
-#: Levels ``ampkit run`` applies; ``fp32`` only observes (the ``--compare`` reference).
-LEVELS = ("fp32", "O1", "O2", "O2K")
+def run_levels() -> tuple[str, ...]:
+    """The levels ``ampkit run`` applies: those whose ops run under a casting policy (a
+    script's own fp32 code stays fp32 where the policy says), then ``fp32``."""
+    return (*level_names(lambda d: d.mixed), FP32)
+
+
+def casts_model(level: str) -> bool:
+    """Whether ``ampkit run`` sets the optimizer up with the models it trains at ``level``
+    (the level stores the model in 16 bits)."""
+    return level in OPT_LEVELS and OPT_LEVELS[level].casts_model
 
 
 class RunRefused(AmpError):
@@ -62,12 +74,14 @@ class RunConfig:
     plan: TunePlan | None = None
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise AmpError(f"unknown level {self.level!r}; choose one of {', '.join(LEVELS)}.")
+        if self.level not in run_levels():
+            raise AmpError(f"unknown level {self.level!r}; choose one of {FP32} (nothing applied), "
+                           f"{level_choices(run_levels()[:-1])}.")  # fmt: skip
         if self.dtype not in ("bf16", "fp16"):
             raise AmpError(f"unknown dtype {self.dtype!r}; choose bf16 or fp16.")
-        if self.level == "O2K" and self.dtype != "bf16":
-            raise AmpError("O2K keeps bf16 weights with compensated updates: it is bf16 only; use --dtype bf16 or O2.")
+        if self.level != FP32 and OPT_LEVELS[self.level].bf16_only and self.dtype != "bf16":
+            raise AmpError(f"{self.level} ({OPT_LEVELS[self.level].description}) is bf16 only; use --dtype bf16 "
+                           "or another level.")  # fmt: skip
         if self.max_steps is not None and self.max_steps < 1:
             raise AmpError(f"max_steps must be at least 1, got {self.max_steps}.")
         if self.time_budget is not None and not self.time_budget > 0:
@@ -75,11 +89,12 @@ class RunConfig:
         if self.plan is not None:
             if not isinstance(self.plan, TunePlan):
                 raise AmpError(f"plan must be an ampkit.TunePlan, got {type(self.plan).__name__}.")
-            if self.plan.lowered and self.plan.dtype != self.dtype and self.level != "fp32":
+            checked_plan(self.plan)
+            if self.plan.lowered and self.plan.dtype != self.dtype and self.level != FP32:
                 raise AmpError(f"the plan lowers modules to {self.plan.dtype}; run it with dtype {self.plan.dtype}.")
-            if self.plan.fp8 and self.level not in ("O2", "O2K"):
+            if self.plan.fp8 and not casts_model(self.level):
                 raise AmpError(f"the plan runs {len(self.plan.fp8)} linear(s) in fp8; ampkit run converts them where "
-                               "it sets the optimizer up (--level O2 or O2K), not at "
+                               f"it sets the optimizer up (--level {' or '.join(filter(casts_model, run_levels()))}), not at "
                                f"{self.level}: run with --level O2, or call ampkit.initialize(model, optimizer, "
                                "plan=...) in the script.")  # fmt: skip
 

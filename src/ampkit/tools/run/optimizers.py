@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import OPT_LEVELS
 from ampkit.levels.precision_plan import PlanError
 from ampkit.trainer.extensions import StepExtension
 
-from .config import RunConfig, RunRefused, _Refusal
+from .config import RunConfig, RunRefused, _Refusal, casts_model
 from .find_models import _models_of
 from .forward_scope import _ForwardScope
 
@@ -74,7 +75,7 @@ class _Optimizers:
 
     def live(self) -> list[_OptRecord]:
         """The records of the managed optimizers still alive."""
-        return [r for r in self.records if r.ref() is not None and r.level in ("O1", "O2", "O2K")]
+        return [r for r in self.records if r.ref() is not None and r.level in OPT_LEVELS]
 
     def unmanaged(self) -> list[torch.optim.Optimizer]:
         """The optimizers the script built that ampkit does not manage now (the fp32
@@ -119,7 +120,7 @@ class _Optimizers:
                 f"of a model {self.config.level} cast for an earlier optimizer, whose fp32 masters it "
                 "cannot rebuild from them. Run with --level O1."
             )
-        if self.level_applied in ("O2", "O2K"):
+        if casts_model(self.level_applied):
             why = self._setup_cast(record)
             if why is None:
                 return
@@ -252,7 +253,7 @@ class _Optimizers:
     def collect_stats(self) -> None:
         """:meth:`fold_stats` for every managed record (before the run is undone)."""
         for rec in self.records:
-            if rec.level in ("O1", "O2", "O2K"):
+            if rec.level in OPT_LEVELS:
                 self.fold_stats(rec)
 
     def param_owners(self) -> dict[int, torch.optim.Optimizer]:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ampkit._internal.files import write_text
 
+from .config import FP32, casts_model
+
 if TYPE_CHECKING:
     from .forward_scope import _ForwardScope
     from .optimizers import _OptRecord
@@ -33,7 +35,7 @@ def run_report(runner: _Runner, code: int, script: str, args: list[str], wall: f
         )
     times = runner.iter_times
     level_applied = opts.level_applied
-    if level_applied in ("O2", "O2K") and not any(r.level == level_applied for r in opts.records):
+    if casts_model(level_applied) and not any(r.level == level_applied for r in opts.records):
         level_applied = "O1"  # no optimizer: casting in forward passes only
     return {
         "script": script,
@@ -41,7 +43,7 @@ def run_report(runner: _Runner, code: int, script: str, args: list[str], wall: f
         "exit_code": code,
         "level": config.level,
         "level_applied": level_applied,
-        "dtype": config.dtype if config.level != "fp32" else "fp32",
+        "dtype": config.dtype if config.level != FP32 else "fp32",
         "wall_seconds": wall,
         "stopped_early": runner.stopped_early,
         "iterations": runner.iterations,

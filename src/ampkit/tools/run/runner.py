@@ -17,6 +17,7 @@ import torch
 
 from ampkit._internal import registry as _reset
 from ampkit.errors import AmpError
+from ampkit.levels.opt_level import OPT_LEVELS
 
 from .config import RunConfig, RunRefused, _Refusal, _StopScript
 from .forward_scope import _ForwardScope
@@ -164,7 +165,7 @@ class _Runner:
         rec = next((r for r in self.optimizers.records if r.ref() is opt), None) if opt is not None else None
         if rec is None:
             return
-        if rec.level not in ("O1", "O2", "O2K"):
+        if rec.level not in OPT_LEVELS:  # (fp32, superseded: not managed)
             rec.steps += 1
         self._stepped(rec)
 

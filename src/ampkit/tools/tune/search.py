@@ -33,6 +33,7 @@ from ampkit.casting.engine import is_active
 from ampkit.casting.policy import Policy, exact_name
 from ampkit.errors import AmpError, StateError
 from ampkit.levels.fp8.recipe import for_modules
+from ampkit.levels.opt_level import OPT_LEVELS, level_names
 from ampkit.levels.precision_plan import FP8, ModuleChoice, TunePlan
 from ampkit.levels.setup import initialize
 from ampkit.tools.bench.machine import machine_info
@@ -320,7 +321,7 @@ def probe(model: nn.Module, batches: Sequence[Batch], loss_fn: LossFn | None, le
     if level is not None:
         low = DTYPES[dtype]
         exact = [exact_name(name) for name in kept]  # names matched as they are, never as globs
-        extra: dict[str, Any] = {"keep_fp32": exact} if level in ("O2", "O2K") and kept else {}
+        extra: dict[str, Any] = {"keep_fp32": exact} if OPT_LEVELS[level].casts_model and kept else {}
         policy = Policy(dtype=low, module_rules={name: torch.float32 for name in exact})
         recipe = for_modules(fp8, None, "ampkit.tune") if fp8 else None
         net, opt = initialize(net, opt, opt_level=level, dtype=low, policy=policy, fp8=recipe, **extra)
@@ -361,7 +362,8 @@ def _backed(c: ModuleChoice, why: str) -> ModuleChoice:
 
 
 def _levels(dtype: str) -> tuple[str, ...]:
-    return ("O1", "O2", "O2K") if dtype == "bf16" else ("O1", "O2")
+    """The levels the probe tries: those a plan runs at (ops under a casting policy) in ``dtype``."""
+    return level_names(lambda d: d.mixed and (dtype == "bf16" or not d.bf16_only))
 
 
 def expected_runs(dtype: str, choices: Sequence[ModuleChoice]) -> int:
