@@ -87,8 +87,9 @@ class OptimizerRule:
             never stepped by a rule.
         plan: ``fn(optimizer, group, params) -> Plan``: one step's bookkeeping for
             ``params`` of ``group`` (state created, counts advanced, the scalars).
-        fused: torch's fused kernel steps the family's fp32/fp64 groups exactly as its
-            per-parameter loop (checked by a probe per configuration).
+        fused: the family's fp32/fp64 groups built with ``fused`` and ``foreach`` unset
+            may take torch's fused kernel (where a probe per configuration finds it
+            steps as the per-parameter loop does).
         fused_wide_part: the fused kernel also steps the fp32 rest of a group whose
             16-bit parameters something else steps (O2K's compensated updates).
     """
