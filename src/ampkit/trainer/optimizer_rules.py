@@ -1,21 +1,10 @@
 """How each optimizer family is stepped where ampkit steps it: one table of rules.
 
 Each :class:`OptimizerRule` in :data:`RULES` describes one family of ``torch.optim``
-classes (exactly those classes: a subclass may change ``step``):
-
-- which param groups it steps (``updates_for``: the group settings its kernels
-  support, and the updates a supported group's step takes);
-- the optimizer state it keeps per parameter, in torch's layout (``state_keys``,
-  ``counted``);
-- one step's scalar hyperparameters (``plan``: state created as torch creates it, step
-  counts advanced, the scalars once per distinct step count);
-- its elementwise updates (:class:`Update`): the one-pass kernel of O2
-  (:mod:`ampkit.levels.one_pass`: 16-bit grad, fp32 master and state) and the
-  compensated kernel of O2K (``ampkit.levels.compensated``: bf16 weight, Kahan
-  compensation and state), with their scalar count and static arguments;
-- whether torch's fused kernel steps its fp32 groups (``fused``, ``fused_wide_part``:
-  ``ampkit.trainer.fused_step``).
-
+classes: the group settings it supports, its per-parameter state, one step's scalars,
+its elementwise updates (:class:`Update`: the one-pass kernel of O2,
+:mod:`ampkit.levels.one_pass`, and the compensated kernel of O2K, ``CompensatedUpdates``)
+and whether torch's fused kernel steps its fp32 groups (``ampkit.trainer.fused_step``).
 Adding an optimizer family is one rule appended to :data:`RULES`; the readers look the
 table up when a step runs (once per param group, never per parameter).
 """
