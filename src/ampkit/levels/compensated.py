@@ -5,8 +5,9 @@ small learning rate pure-bf16 training stalls. :class:`CompensatedUpdates` keeps
 rounding takes: ``"kahan"`` (a bf16 compensation buffer per parameter, the value trained
 being ``w + c``), ``"stochastic"`` (unbiased random rounding from a saved generator) or
 ``"nearest"`` (the reference). Two ways to step, per parameter group: a dedicated
-in-place kernel for Kahan on bf16 Adam/AdamW/SGD (:mod:`ampkit.levels.update_kernels`;
-no full-size temporary), and the real optimizer run on fp32 copies of a bounded chunk at
+in-place kernel for Kahan on bf16 Adam/AdamW/SGD (the optimizers with a rule in
+:mod:`ampkit.trainer.optimizer_rules`, run by :mod:`ampkit.levels.update_kernels`; no
+full-size temporary), and the real optimizer run on fp32 copies of a bounded chunk at
 a time for any other optimizer whose update is per parameter. On an optimizer ampkit
 manages it is a step extension (``before_update``/``after_update``: a skipped step never
 reaches it; fp32 parameters of its groups step with torch's fused kernel where it fits);
@@ -39,10 +40,10 @@ from ampkit.errors import AmpError, StateError
 from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.fused_step import fuse_wide_parts
 from ampkit.trainer.managed import managed_state
+from ampkit.trainer.optimizer_rules import OptimizerRule, Update, rule_for
 
 from . import one_pass
 from . import update_kernels as _kernels
-from .one_pass import adam_plan, rule_for, sgd_scalars
 from .update_kernels import Kernel, flat
 
 __all__ = ["CompensatedUpdates", "Method", "stochastic_round", "kahan_round"]
@@ -81,77 +82,21 @@ def kahan_round(target: torch.Tensor, compensation: torch.Tensor) -> torch.Tenso
     return stored
 
 
-# --- dedicated updates: the optimizers' math, fused with the Kahan rounding ------------
-
-
-def _split_bf16(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` rounded to 8 significant bits (a bf16 value, still in fp32), by
-    Veltkamp splitting: ``t = x * (2**16 + 1); x - ... = t - (t - x)``.
-
-    Arithmetic rather than ``x.to(bfloat16).float()``: Inductor folds that round
-    trip away (it keeps intermediates in fp32), its ``emulate_precision_casts`` mode
-    runs the kernel ~1.7x slower, and integer bit tricks cost ~2x (the bit casts go
-    through memory). Exact for |x| < 2**112; the result is round-to-nearest (ties
-    may go either way, unlike the cast's ties-to-even). Needs fp32 arithmetic
-    without contraction into fused multiply-adds, which Inductor's default
-    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit.levels.update_kernels` checks."""
-    t = x * 65537.0
-    return t - (t - x)
-
-
-def _kahan_store(w: torch.Tensor, c: torch.Tensor, total: torch.Tensor) -> None:
-    """``w = round(total)``, ``c = round(total - w)`` (``total`` fp32, ``w`` and ``c``
-    bf16; ``w``'s rounding is exact: the value is already a bf16 value)."""
-    rounded = _split_bf16(total)
-    c.copy_(total - rounded)
-    w.copy_(rounded)
-
-
-def _adam_kahan(
-    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor
-) -> None:
-    """Adam/AdamW on bf16 ``w`` (+ compensation ``c``) and bf16 moments ``m``, ``v``.
-    ``s``: 1-beta1, beta2, 1-beta2, eps, lr/bias_correction1, sqrt(bias_correction2),
-    1-lr*wd (decoupled decay; else 1), wd (L2 decay; else 0), -1 if maximize else 1."""
-    wf = w.float()
-    gf = g.float() * s[8] + wf * s[7]
-    mf = m.float()
-    mf = mf + (gf - mf) * s[0]
-    vf = v.float() * s[1] + gf * gf * s[2]
-    denom = vf.sqrt() / s[5] + s[3]
-    _kahan_store(w, c, wf * s[6] - (mf / denom) * s[4] + c.float())
-    m.copy_(mf)
-    v.copy_(vf)
-
-
-def _sgd_kahan(
-    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool
-) -> None:
-    """SGD with momentum on bf16 ``w`` (+ ``c``) and a bf16 momentum buffer. ``s``: lr,
-    wd, buffer decay (momentum; 0 on the first step), buffer gain (1-dampening; 1 on
-    the first step), -1 if maximize else 1, momentum."""
-    wf = w.float()
-    gf = g.float() * s[4] + wf * s[1]
-    bf = buf.float() * s[2] + gf * s[3]
-    update = gf + bf * s[5] if nesterov else bf
-    _kahan_store(w, c, wf - update * s[0] + c.float())
-    buf.copy_(bf)
-
-
-def sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
-    """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
-    wf = w.float()
-    gf = g.float() * s[2] + wf * s[1]
-    _kahan_store(w, c, wf - gf * s[0] + c.float())
-
+# --- dedicated updates: the kernels of ampkit.trainer.optimizer_rules, Kahan-rounded -----
 
 _BF = torch.bfloat16
-_ADAM = Kernel("Adam/AdamW", _adam_kahan, mutated=(0, 1, 3, 4), example_dtypes=(_BF,) * 5)
-_SGD = Kernel("SGD", _sgd_kahan, mutated=(0, 1, 3), example_dtypes=(_BF,) * 4)
-SGD_PLAIN = Kernel("SGD", sgd_plain_kahan, mutated=(0, 1), example_dtypes=(_BF,) * 3)
+_DEDICATED: dict[Update, Kernel] = {}
 
 
-_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+def _kernel(update: Update) -> Kernel:
+    """The compensated kernel of ``update`` (made once): roles weight, compensation, grad
+    and state, all bf16; all but the grad written."""
+    k = _DEDICATED.get(update)
+    if k is None:
+        n = len(update.state_keys)
+        k = _DEDICATED[update] = Kernel(update.name, update.compensated, mutated=(0, 1, *range(3, 3 + n)),
+                                        example_dtypes=(_BF,) * (3 + n))  # fmt: skip
+    return k
 
 
 class CompensatedUpdates:
@@ -237,8 +182,7 @@ class CompensatedUpdates:
         generic path or the eager kernels), for :func:`~ampkit.levels.update_kernels.compile_ahead`."""
         if self.method != "kahan" or self.kernel in ("generic", "eager"):
             return []
-        by_rule = {"adam": _ADAM, "sgd": _SGD, "sgd_plain": SGD_PLAIN}
-        return one_pass.kernels_ahead(self.optimizer, _BF, kernels=lambda rule, low: by_rule[rule])
+        return one_pass.kernels_ahead(self.optimizer, _BF, kernels=lambda update, low: _kernel(update))
 
     # -- which parameters ---------------------------------------------------------
 
@@ -334,7 +278,7 @@ class CompensatedUpdates:
 
     # -- dedicated updates ----------------------------------------------------------
 
-    def _plan(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, str, list[nn.Parameter]]]:
+    def _plan(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, OptimizerRule, list[nn.Parameter]]]:
         """(group, rule, params) for the parameters a dedicated update steps; the rest
         take the generic path. Reads only: nothing is changed here."""
         if self.method != "kahan" or self.kernel == "generic":
@@ -349,7 +293,7 @@ class CompensatedUpdates:
                 plan.append((group, rule, params))
         return plan
 
-    def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: str) -> bool:
+    def _fits(self, optimizer: torch.optim.Optimizer, p: nn.Parameter, rule: OptimizerRule) -> bool:
         g = p.grad
         if g is None or p.dtype != _BF or g.dtype != _BF or g.is_sparse:
             return False
@@ -373,11 +317,11 @@ class CompensatedUpdates:
                 return False
         state = optimizer.state.get(p)
         if state:
-            if rule == "adam" and "step" not in state:
+            if rule.counted and "step" not in state:
                 return False
-            for key in _STATE_KEYS[rule]:
+            for key in rule.state_keys:
                 v = state.get(key)
-                if v is None and rule == "sgd":
+                if v is None and not rule.counted:
                     continue
                 if not torch.is_tensor(v) or v.dtype != _BF:
                     return False
@@ -387,13 +331,14 @@ class CompensatedUpdates:
         return True
 
     def _step_dedicated(
-        self, optimizer: torch.optim.Optimizer, group: dict, rule: str, params: list[nn.Parameter]
+        self, optimizer: torch.optim.Optimizer, group: dict, rule: OptimizerRule, params: list[nn.Parameter]
     ) -> None:
-        assert self.kernel != "generic"
+        assert self.kernel != "generic" and rule.plan is not None
         mode = _kernels.resolve_mode(self.kernel)
         run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
         # FSDP2's DTensor shards: the update is elementwise, so each rank steps its local shard
-        if all(type(p) is nn.Parameter for p in params):  # plain tensors: as they are (the kernel detaches)
+        plain = all(type(p) is nn.Parameter for p in params)
+        if plain:  # plain tensors: as they are (the kernel detaches)
             ws = params
             cs = [self._buffer_for(p, p) for p in params]
             gs = [p.grad for p in params]
@@ -402,30 +347,18 @@ class CompensatedUpdates:
             cs = [local_tensor(self._buffer_for(p, p.detach())) for p in params]
             gs = [local_tensor(p.grad) for p in params]  # type: ignore[arg-type]
         with torch.no_grad():
-            if rule == "adam":
-                self._adam(optimizer, group, params, ws, cs, gs, run)
-            else:
-                self._sgd(optimizer, group, params, ws, cs, gs, run)
-
-    def _adam(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
-              gs: list, run: dict) -> None:
-        states, plan = adam_plan(optimizer, group, params)
-        plain = ws is params
-        for idx, scalars in plan:
-            ms = [states[i]["exp_avg"] if plain else local_tensor(states[i]["exp_avg"]) for i in idx]
-            vs = [states[i]["exp_avg_sq"] if plain else local_tensor(states[i]["exp_avg_sq"]) for i in idx]
-            _ADAM([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], ms, vs], scalars, **run)
-
-    def _sgd(self, optimizer: torch.optim.Optimizer, group: dict, params: list, ws: list, cs: list,
-             gs: list, run: dict) -> None:
-        plan = sgd_scalars(optimizer, group, params)
-        if isinstance(plan, torch.Tensor):
-            SGD_PLAIN([ws, cs, gs], plan, **run)
-            return
-        for idx, scalars in plan:
-            bufs = [local_tensor(optimizer.state[params[i]]["momentum_buffer"]) for i in idx]
-            _SGD([[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx], bufs], scalars,
-                 nesterov=bool(group.get("nesterov")), **run)
+            states, plan = rule.plan(optimizer, group, params)
+            for update, idx, scalars in plan:
+                static = update.static_args(group) if update.static_keys else {}
+                keys = update.state_keys
+                if idx is None:  # every parameter (the usual case): no reindexing
+                    tensors = [ws, cs, gs, *[[s[key] if plain else local_tensor(s[key]) for s in states]
+                                             for key in keys]]  # fmt: skip
+                else:
+                    tensors = [[ws[i] for i in idx], [cs[i] for i in idx], [gs[i] for i in idx],
+                               *[[states[i][key] if plain else local_tensor(states[i][key]) for i in idx]
+                                 for key in keys]]  # fmt: skip
+                _kernel(update)(tensors, scalars, **static, **run)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._inside or self._set_aside is None:

@@ -22,7 +22,7 @@ written with torch ops. It runs in one of two modes:
 
 Inductor keeps intermediates in fp32: a round trip ``x.to(bfloat16).float()``
 inside a kernel is folded away, so a kernel that needs a rounding error computes
-the rounding explicitly (see ``ampkit.levels.compensated``). Before first use, the
+the rounding explicitly (see ``ampkit.trainer.optimizer_rules``). Before first use, the
 compiled kernel is run on random data beside the eager function and must match
 it bit for bit; otherwise (and when compiling fails, or no C++ compiler is found) the
 eager mode is used, with a warning.
@@ -498,7 +498,7 @@ ROUND_CHECK_NUMEL = 1 << 17
 
 def _split(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x`` rounded to nearest with ``24 - log2(factor - 1)`` significant bits (Veltkamp
-    splitting; see ``ampkit.levels.compensated._split_bf16``; ties may go either way)."""
+    splitting; see ``ampkit.trainer.optimizer_rules._split_bf16``; ties may go either way)."""
     t = x * factor
     return t - (t - x)
 

@@ -11,8 +11,8 @@ group whose ``foreach`` and ``fused`` are both unset (None), and leaves every gr
 the user pinned as it is. ``ampkit.init_trainer`` (hence ``ampkit.initialize``,
 except at O0) calls it unless ``fast_kernels=False``.
 
-Fused only where it is the same optimizer: the class is Adam, AdamW or Adagrad
-(exactly), every parameter is fp32 or fp64 on a device torch has fused kernels
+Fused only where it is the same optimizer: the class has a rule with ``fused`` in
+:mod:`ampkit.trainer.optimizer_rules` (Adam, AdamW or Adagrad, exactly), every parameter is fp32 or fp64 on a device torch has fused kernels
 for, and a probe (the fused and the per-parameter step on the same random
 tensors, the group's own hyperparameters, run once per configuration) gives the
 same result within 1e-5 of the update. Whether it is bitwise depends on the CPU
@@ -44,15 +44,10 @@ import torch
 
 from ampkit._internal import torch_compat
 
-__all__ = ["use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "FUSED_OPTIMIZERS", "nonfinite_flag", "unscale_and_flag"]
+from .optimizer_rules import rule_of
 
-#: Optimizer classes (exactly these, not subclasses that may override ``step``)
-#: with a fused implementation in torch.
-FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-)
+__all__ = ["use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "nonfinite_flag", "unscale_and_flag"]
+
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # (class, dtype, device type, hyperparameters) -> whether fused matches the loop.
 # Module state: a memo of probe results, the same answer every time in a process.
@@ -71,7 +66,8 @@ def _fused_devices() -> list[str]:
 
 
 def _fused_fits(optimizer: torch.optim.Optimizer, group: dict) -> bool:
-    if type(optimizer) not in FUSED_OPTIMIZERS or "fused" not in group:
+    rule = rule_of(type(optimizer))
+    if rule is None or not rule.fused or "fused" not in group:
         return False
     devices = _fused_devices()
     params = group["params"]
@@ -157,9 +153,6 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
     return choices
 
 
-_WIDE_PART_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
-
-
 def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     """Switch to torch's fused kernel a param group that :func:`use_fastest_kernel` set
     to ``foreach`` because it holds 16-bit parameters, when something else steps those
@@ -168,9 +161,11 @@ def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     get the fused kernel under the same conditions as a wholly fp32 group (class,
     device, the probe). Parameters on the CPU only: the step counters ``foreach`` kept
     on the host would not follow a CUDA group to the device. Returns whether it switched
-    (``foreach`` back to unset, ``fused=True``). Adam and AdamW only: Adagrad steps
-    sparse grads (``nn.Embedding(sparse=True)``), which its fused kernel refuses."""
-    if type(optimizer) not in _WIDE_PART_OPTIMIZERS or group.get("foreach") is not True or group.get("fused"):
+    (``foreach`` back to unset, ``fused=True``). Rules with ``fused_wide_part`` only
+    (Adam, AdamW): Adagrad steps sparse grads (``nn.Embedding(sparse=True)``), which its
+    fused kernel refuses."""
+    rule = rule_of(type(optimizer))
+    if rule is None or not rule.fused_wide_part or group.get("foreach") is not True or group.get("fused"):
         return False
     params = group["params"]
     if not all(p.device.type == "cpu" and not p.is_sparse for p in params) or "cpu" not in _fused_devices():

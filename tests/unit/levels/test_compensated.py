@@ -253,16 +253,18 @@ def test_compiled_and_eager_kernels_agree_and_batching_changes_nothing(monkeypat
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
-    from ampkit.levels import compensated
+    from ampkit.levels import update_kernels as _kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    fresh = compensated.Kernel("SGD", compensated.sgd_plain_kahan, (0, 1), (BF16,) * 3)
-    monkeypatch.setattr(compensated, "SGD_PLAIN", fresh)
+    _kernels.forget_compiled()  # the SGD kernel compiles (and fails) at its next use
     monkeypatch.setattr(torch, "compile", broken)
-    with caplog.at_level("WARNING", logger="ampkit"):
-        fallback = _run_kernel(torch.optim.SGD, {"lr": 0.01}, "compiled")
+    try:
+        with caplog.at_level("WARNING", logger="ampkit"):
+            fallback = _run_kernel(torch.optim.SGD, {"lr": 0.01}, "compiled")
+    finally:
+        _kernels.forget_compiled()  # the fallback is not kept for later tests
     assert "compiling the SGD update kernel failed" in caplog.text
     eager = _run_kernel(torch.optim.SGD, {"lr": 0.01}, "eager")
     for p, q in zip(fallback[0].parameters(), eager[0].parameters()):

@@ -383,7 +383,8 @@ def test_eager_and_compiled_kernels_agree():
         opt = torch.optim.AdamW([master], lr=1e-2, weight_decay=0.1)
         g = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-2).to(BF16)
         for _ in range(2):
-            one_pass.step_params(opt, opt.param_groups[0], "adam", [(master, model_p, g)], mode=mode)
+            group = opt.param_groups[0]
+            one_pass.step_params(opt, group, one_pass.rule_for(opt, group), [(master, model_p, g)], mode=mode)
         return master.detach(), model_p.detach()
 
     (a, wa), (b, wb) = run("compiled"), run("eager")

@@ -1,0 +1,352 @@
+"""How each optimizer family is stepped where ampkit steps it: one table of rules.
+
+Each :class:`OptimizerRule` in :data:`RULES` describes one family of ``torch.optim``
+classes: the group settings it supports, its per-parameter state, one step's scalars,
+its elementwise updates (:class:`Update`: the one-pass kernel of O2,
+:mod:`ampkit.levels.one_pass`, and the compensated kernel of O2K, ``CompensatedUpdates``)
+and whether torch's fused kernel steps its fp32 groups (``ampkit.trainer.fused_step``).
+Adding an optimizer family is one rule appended to :data:`RULES`; the readers look the
+table up when a step runs (once per param group, never per parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ampkit._internal import torch_compat
+
+__all__ = ["Update", "OptimizerRule", "RULES", "rule_for", "rule_of", "scalar", "Plan"]
+
+#: A step's bookkeeping for a list of parameters: their state dicts (None where the
+#: update reads no state) and, per distinct scalar set, ``(update, positions, scalars)``
+#: (positions None: every parameter).
+Plan = tuple["list[dict[str, Any]] | None", "list[tuple[Update, list[int] | None, torch.Tensor]]"]
+
+
+@dataclass(frozen=True, eq=False)
+class Update:
+    """One elementwise update of a family, as two kernels over 1-D tensors of equal length.
+
+    Attributes:
+        name: for messages (``"Adam/AdamW"``).
+        one_pass: ``fn(w16, g16, p32, *state32, scalars, **static)``: the fp32 master
+            ``p32`` and its fp32 state stepped from the 16-bit grad ``g16``, the 16-bit
+            model weight ``w16`` set to the master rounded (all written in place).
+        compensated: ``fn(w, c, g, *state, scalars, **static)`` on a bf16 weight ``w``
+            with its Kahan compensation ``c``, bf16 grad ``g`` and bf16 state: ``w + c``
+            is the value trained.
+        state_keys: the state tensors both kernels read and write, in argument order.
+        num_scalars: the length of the fp32 ``scalars`` tensor.
+        static_keys: group settings passed as bool keyword arguments (one compiled kernel
+            per value).
+    """
+
+    name: str
+    one_pass: Callable[..., None]
+    compensated: Callable[..., None]
+    state_keys: tuple[str, ...]
+    num_scalars: int
+    static_keys: tuple[str, ...] = ()
+
+    def static_args(self, group: dict[str, Any]) -> dict[str, bool]:
+        """The static keyword arguments of the kernels for a param group."""
+        return {key: bool(group.get(key)) for key in self.static_keys}
+
+
+@dataclass(frozen=True, eq=False)
+class OptimizerRule:
+    """How one optimizer family is stepped outside its own ``step``.
+
+    Attributes:
+        name: the family (``"adam"``).
+        classes: the optimizer classes of the family (exactly these).
+        state_keys: the per-parameter state tensors (shaped like the parameter) its
+            updates keep; a parameter whose state holds them in another dtype or layout
+            steps as the optimizer does.
+        counted: whether the state holds a ``"step"`` count from the first step (and,
+            for the one-pass update, nothing beyond it and ``state_keys``); if not, a
+            state tensor may be absent until an update creates it.
+        updates_for: ``fn(group) -> updates | None``: the updates a param group's step
+            takes, None where the group has a setting the kernels do not support (then
+            the optimizer steps it). ``differentiable`` and ``capturable`` groups are
+            never stepped by a rule.
+        plan: ``fn(optimizer, group, params) -> Plan``: one step's bookkeeping for
+            ``params`` of ``group`` (state created, counts advanced, the scalars).
+        fused: the family's fp32/fp64 groups built with ``fused`` and ``foreach`` unset
+            may take torch's fused kernel (where a probe per configuration finds it
+            steps as the per-parameter loop does).
+        fused_wide_part: the fused kernel also steps the fp32 rest of a group whose
+            16-bit parameters something else steps (O2K's compensated updates).
+    """
+
+    name: str
+    classes: tuple[type[torch.optim.Optimizer], ...]
+    state_keys: tuple[str, ...] = ()
+    counted: bool = False
+    updates_for: Callable[[dict[str, Any]], tuple[Update, ...] | None] | None = None
+    plan: Callable[[torch.optim.Optimizer, dict[str, Any], Sequence[torch.Tensor]], Plan] | None = None
+    fused: bool = False
+    fused_wide_part: bool = False
+
+
+def scalar(x: Any) -> float | None:
+    """A hyperparameter as a float, or None if it is not a plain number (a CPU 0-dim
+    tensor counts)."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if torch.is_tensor(x) and x.numel() == 1 and not x.requires_grad and x.device.type == "cpu":
+        return float(x.item())
+    return None
+
+
+def rule_of(cls: type) -> OptimizerRule | None:
+    """The rule of optimizer class ``cls`` (exactly one of its ``classes``), or None."""
+    for rule in RULES:
+        if cls in rule.classes:
+            return rule
+    return None
+
+
+def rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> OptimizerRule | None:
+    """The rule whose updates step this param group of ``optimizer`` (its class is one
+    of the rule's, the rule has updates and supports the group's settings: plain-number
+    hyperparameters, neither ``differentiable`` nor ``capturable``), or None: the
+    optimizer steps the group as usual."""
+    if group.get("differentiable") or group.get("capturable"):
+        return None
+    cls = type(optimizer)
+    for rule in RULES:
+        if cls in rule.classes:
+            return rule if rule.updates_for is not None and rule.updates_for(group) is not None else None
+    return None
+
+
+def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
+    """``state["step"] += 1`` for each of ``states``, and the new counts as floats. Where
+    the steps are distinct 0-dim fp32 tensors on one device (torch's layout), one
+    stacked add, copied back, and one read of all counts (not one per parameter: each
+    read waits for the device where the steps live there); otherwise one by one."""
+    steps = [state["step"] for state in states]
+    if steps and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 for t in steps):
+        devices = {t.device for t in steps}
+        if len(devices) == 1 and len({id(t) for t in steps}) == len(steps):
+            torch_compat.foreach_add_(steps, 1.0)  # in place, one call (exact: integers in fp32)
+            return torch.stack(steps).tolist()
+    for state in states:
+        state["step"] += 1
+    return [float(state["step"]) for state in states]
+
+
+# --- Adam / AdamW ------------------------------------------------------------------------
+
+
+def _adam(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> None:
+    """Adam/AdamW on fp32 master ``p`` with 16-bit grad ``g``; fp32 moments ``m``, ``v``;
+    16-bit model weight ``w`` set to ``p`` rounded. ``s``: see :func:`_adam_plan`."""
+    gf = g.float() * s[8] + p * s[7]
+    mf = m + (gf - m) * s[0]
+    vf = v * s[1] + gf * gf * s[2]
+    denom = vf.sqrt() / s[5] + s[3]
+    pf = p * s[6] - (mf / denom) * s[4]
+    p.copy_(pf)
+    m.copy_(mf)
+    v.copy_(vf)
+    w.copy_(pf)
+
+
+def _split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to 8 significant bits (a bf16 value, still in fp32), by
+    Veltkamp splitting: ``t = x * (2**16 + 1); x - ... = t - (t - x)``.
+
+    Arithmetic rather than ``x.to(bfloat16).float()``: Inductor folds that round
+    trip away (it keeps intermediates in fp32), its ``emulate_precision_casts`` mode
+    runs the kernel ~1.7x slower, and integer bit tricks cost ~2x (the bit casts go
+    through memory). Exact for |x| < 2**112; the result is round-to-nearest (ties
+    may go either way, unlike the cast's ties-to-even). Needs fp32 arithmetic
+    without contraction into fused multiply-adds, which Inductor's default
+    ``-ffp-contract=off`` gives; the compile probe in :mod:`ampkit.levels.update_kernels` checks."""
+    t = x * 65537.0
+    return t - (t - x)
+
+
+def _kahan_store(w: torch.Tensor, c: torch.Tensor, total: torch.Tensor) -> None:
+    """``w = round(total)``, ``c = round(total - w)`` (``total`` fp32, ``w`` and ``c``
+    bf16; ``w``'s rounding is exact: the value is already a bf16 value)."""
+    rounded = _split_bf16(total)
+    c.copy_(total - rounded)
+    w.copy_(rounded)
+
+
+def _adam_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+) -> None:
+    """Adam/AdamW on bf16 ``w`` (+ compensation ``c``) and bf16 moments ``m``, ``v``.
+    ``s``: see :func:`_adam_plan`."""
+    wf = w.float()
+    gf = g.float() * s[8] + wf * s[7]
+    mf = m.float()
+    mf = mf + (gf - mf) * s[0]
+    vf = v.float() * s[1] + gf * gf * s[2]
+    denom = vf.sqrt() / s[5] + s[3]
+    _kahan_store(w, c, wf * s[6] - (mf / denom) * s[4] + c.float())
+    m.copy_(mf)
+    v.copy_(vf)
+
+
+ADAM = Update("Adam/AdamW", _adam, _adam_kahan, ("exp_avg", "exp_avg_sq"), 9)
+
+
+def _adam_updates(group: dict[str, Any]) -> tuple[Update, ...] | None:
+    """Not amsgrad, two betas, plain-number hyperparameters."""
+    betas = group.get("betas", ())
+    if group.get("amsgrad") or len(betas) != 2:
+        return None
+    values = [group.get("lr"), betas[0], betas[1], group.get("eps"), group.get("weight_decay")]
+    return (ADAM,) if all(scalar(v) is not None for v in values) else None
+
+
+def _adam_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[torch.Tensor]) -> Plan:
+    """One Adam/AdamW step's bookkeeping: state created as torch creates it (``step`` a
+    0-dim fp32 tensor, moments like the parameter), each ``step`` advanced, and per
+    distinct step count (params of a group normally share one; computed once per count,
+    not per parameter) the scalars: 1-beta1, beta2, 1-beta2, eps, lr/bias_correction1,
+    sqrt(bias_correction2), 1-lr*wd (decoupled decay; else 1), wd (L2; else 0), -1 if
+    maximize else 1."""
+    beta1, beta2 = (scalar(b) for b in group["betas"])
+    lr, eps, wd = scalar(group["lr"]), scalar(group["eps"]), scalar(group["weight_decay"])
+    assert lr is not None and eps is not None and wd is not None and beta1 is not None and beta2 is not None
+    decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
+    states = [optimizer.state[p] for p in params]
+    if not all(states):
+        for p, state in zip(params, states):
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    values = _advance_steps(states)
+    by_step: dict[float, list[int] | None]
+    if len(set(values)) == 1:
+        by_step = {values[0]: None}
+    else:
+        by_step = {}
+        for i, step in enumerate(values):
+            by_step.setdefault(step, []).append(i)  # type: ignore[union-attr]
+    sign = -1.0 if group.get("maximize") else 1.0
+    out = []
+    for step, idx in by_step.items():
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        scalars = torch.tensor(
+            [1 - beta1, beta2, 1 - beta2, eps, lr / bc1, bc2**0.5,
+             1 - lr * wd if decoupled else 1.0, 0.0 if decoupled else wd, sign],
+            dtype=torch.float32,
+        )  # fmt: skip
+        out.append((ADAM, idx, scalars))
+    return states, out
+
+
+# --- SGD ---------------------------------------------------------------------------------
+
+
+def _sgd(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool) -> None:
+    """SGD with momentum. ``s``: lr, wd, buffer decay (momentum; 0 on the first step),
+    buffer gain (1-dampening; 1 on the first step), -1 if maximize else 1, momentum."""
+    gf = g.float() * s[4] + p * s[1]
+    bf = buf * s[2] + gf * s[3]
+    update = gf + bf * s[5] if nesterov else bf
+    pf = p - update * s[0]
+    p.copy_(pf)
+    buf.copy_(bf)
+    w.copy_(pf)
+
+
+def _sgd_plain(w: torch.Tensor, g: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> None:
+    """SGD without momentum. ``s``: lr, wd, -1 if maximize else 1."""
+    gf = g.float() * s[2] + p * s[1]
+    pf = p - gf * s[0]
+    p.copy_(pf)
+    w.copy_(pf)
+
+
+def _sgd_kahan(
+    w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, s: torch.Tensor, nesterov: bool
+) -> None:
+    """SGD with momentum on bf16 ``w`` (+ ``c``) and a bf16 momentum buffer. ``s``: as
+    :func:`_sgd`'s."""
+    wf = w.float()
+    gf = g.float() * s[4] + wf * s[1]
+    bf = buf.float() * s[2] + gf * s[3]
+    update = gf + bf * s[5] if nesterov else bf
+    _kahan_store(w, c, wf - update * s[0] + c.float())
+    buf.copy_(bf)
+
+
+def _sgd_plain_kahan(w: torch.Tensor, c: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> None:
+    """SGD without momentum on bf16 ``w`` (+ ``c``). ``s``: lr, wd, -1 if maximize else 1."""
+    wf = w.float()
+    gf = g.float() * s[2] + wf * s[1]
+    _kahan_store(w, c, wf - gf * s[0] + c.float())
+
+
+SGD_MOMENTUM = Update("SGD", _sgd, _sgd_kahan, ("momentum_buffer",), 6, ("nesterov",))
+SGD_PLAIN = Update("SGD", _sgd_plain, _sgd_plain_kahan, (), 3)
+
+
+def _sgd_update(momentum: float | None) -> Update:
+    """The SGD update for a group's momentum: without momentum no buffer is kept."""
+    return SGD_PLAIN if momentum == 0 else SGD_MOMENTUM
+
+
+def _sgd_updates(group: dict[str, Any]) -> tuple[Update, ...] | None:
+    """Plain-number hyperparameters (nesterov, dampening, weight decay, maximize: all)."""
+    values = [scalar(v) for v in (group.get("lr"), group.get("momentum"), group.get("dampening"),
+                                  group.get("weight_decay"))]  # fmt: skip
+    return None if None in values else (_sgd_update(values[1]),)
+
+
+def _sgd_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: Sequence[torch.Tensor]) -> Plan:
+    """One SGD step's bookkeeping. Without momentum the plain update's scalars (lr, wd,
+    -1 if maximize else 1); with momentum, buffers created as torch creates them and
+    the scalars of first steps and later ones: lr, wd, buffer decay (momentum; 0 on the
+    first step), buffer gain (1-dampening; 1 on the first step), -1 if maximize else 1,
+    momentum."""
+    lr, momentum = scalar(group["lr"]), scalar(group["momentum"])
+    dampening, wd = scalar(group["dampening"]), scalar(group["weight_decay"])
+    assert lr is not None and momentum is not None and dampening is not None and wd is not None
+    sign = -1.0 if group.get("maximize") else 1.0
+    update = _sgd_update(momentum)
+    if not update.state_keys:
+        return None, [(update, None, torch.tensor([lr, wd, sign], dtype=torch.float32))]
+    states = [optimizer.state[p] for p in params]
+    first: list[int] = []
+    later: list[int] = []
+    for i, state in enumerate(states):
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(params[i], memory_format=torch.preserve_format)
+            first.append(i)
+        else:
+            later.append(i)
+    return states, [
+        (update, idx if len(idx) < len(states) else None,
+         torch.tensor([lr, wd, decay, gain, sign, momentum], dtype=torch.float32))
+        for idx, decay, gain in ((first, 0.0, 1.0), (later, momentum, 1 - dampening))
+        if idx
+    ]  # fmt: skip
+
+
+# --- the table ---------------------------------------------------------------------------
+
+#: Every optimizer family ampkit steps itself or hands to torch's fused kernel (why SGD
+#: has no ``fused`` and Adagrad no ``fused_wide_part``: ``ampkit.trainer.fused_step``).
+RULES: tuple[OptimizerRule, ...] = (
+    OptimizerRule("adam", (torch.optim.Adam, torch.optim.AdamW), ("exp_avg", "exp_avg_sq"), counted=True,
+                  updates_for=_adam_updates, plan=_adam_plan, fused=True, fused_wide_part=True),
+    OptimizerRule("sgd", (torch.optim.SGD,), ("momentum_buffer",), updates_for=_sgd_updates, plan=_sgd_plan),
+    OptimizerRule("adagrad", (torch.optim.Adagrad,), fused=True),
+)  # fmt: skip
