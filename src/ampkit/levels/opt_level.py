@@ -16,11 +16,11 @@ from torch import nn
 from ampkit._internal.dtypes import LOW_PRECISION, default_dtype
 from ampkit._internal.env import level_from_env
 from ampkit._internal.validate import require_choice
-from .precision_plan import PlanError, TunePlan
 from ampkit.errors import AmpError, ScalerError
 from ampkit.scaling.loss_scaler import check_scale
 
 from .master import MASTER_GRADS, MODEL_GRADS
+from .precision_plan import PlanError, TunePlan
 
 __all__ = [
     "DEFAULT_LEVEL", "LevelDefaults", "LossScale", "OPT_LEVELS", "OVERRIDES", "OptLevel", "check_override_names",

@@ -73,7 +73,6 @@ def test_the_new_level_s_facts_are_asked_not_its_name(o2x, monkeypatch):
     cast model runs pure 16-bit, which Lightning names ``-true`` and ``ampkit run`` (which
     relies on the policy inside the model) does not offer."""
     from ampkit.integrations.hf.arguments import check_arguments, resolve_options
-
     from ampkit.tools.run import RunConfig, run_levels
     from ampkit.tools.warmup import compiled_levels, warm
 
