@@ -4,9 +4,11 @@ hook leaves the framework's own bf16 flag with non-finite weights, while ampkit'
 keeps every weight finite, counts one skipped step and ends bitwise where the same run
 without the bad step ends (its ``train`` called again with one step fewer and no NaN).
 
-Also the banner: each integration logs one INFO line on the ``"ampkit"`` logger when
-ampkit takes over the framework's precision, once per process and framework (the demo
-sets ampkit up twice), never on stdout."""
+Also the banner: each integration says one line when ampkit takes over the framework's
+precision, once per process and framework (the demo sets ampkit up twice), never on
+stdout: run as a reader runs the page (no logging configured), on stderr through
+logging's last-resort handler; where logging is configured, at INFO on the ``"ampkit"``
+logger and not on stderr."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import re
 import pytest
 import torch
 from locations import ROOT
+from logging_setup import configured_logging, unconfigured_logging
 
 import ampkit as amp
 from ampkit.integrations import banner
@@ -26,11 +29,12 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 def _demo(page: str) -> dict:
     """Run the first Python block of ``docs/integrations/<page>`` (the NaN demo) as a
-    reader would, in the current folder; its names."""
+    reader would, in the current folder, with no logging configured; its names."""
     code = BLOCK.search((PAGES / page).read_text())
     assert code is not None, page
     names: dict = {"__name__": "__main__"}
-    exec(compile(code.group(1), str(PAGES / page), "exec"), names)
+    with unconfigured_logging():
+        exec(compile(code.group(1), str(PAGES / page), "exec"), names)
     return names
 
 
@@ -50,23 +54,43 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.fixture
-def banners(monkeypatch, caplog):
-    """A process that has announced nothing yet; the banners logged from here on."""
+def banners(monkeypatch, capsys):
+    """A process that has announced nothing yet; the banner lines on stderr from here on
+    (and that none is on stdout)."""
     monkeypatch.setattr(banner, "ANNOUNCED", set())
-    caplog.set_level(logging.INFO, logger="ampkit")
 
     def lines() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name == "ampkit" and "manages precision" in r.getMessage()]
+        captured = capsys.readouterr()
+        assert "manages precision" not in captured.out  # never printed
+        return [line for line in captured.err.splitlines() if "manages precision" in line]
 
     return lines
 
 
-def _check_banner(lines: list[str], expected: str, capsys) -> None:
+def _check_banner(lines: list[str], expected: str, page: str) -> None:
     assert lines == [expected]  # one line although ampkit was set up twice
-    assert "manages precision" not in capsys.readouterr().out  # logged, never printed
+    assert f"```text\n{expected}\n```" in (PAGES / page).read_text()  # the line the page quotes
 
 
-def test_hf_page_demo(tmp_path, monkeypatch, banners, capsys):
+def test_the_banner_goes_to_stderr_once_without_logging_and_to_the_handler_with_it(banners, monkeypatch):
+    expected = banner.banner("Accelerate", "Accelerator", "O2", torch.bfloat16)
+    with unconfigured_logging():
+        assert banner.announce("Accelerate", "Accelerator", "O2", torch.bfloat16)
+        assert not banner.announce("Accelerate", "Accelerator", "O2", torch.bfloat16)
+    assert banners() == [expected]
+    monkeypatch.setattr(banner, "ANNOUNCED", set())
+    with configured_logging(logging.INFO) as handler:
+        assert banner.announce("Accelerate", "Accelerator", "O2", torch.bfloat16)
+        assert not banner.announce("Accelerate", "Accelerator", "O2", torch.bfloat16)
+    assert [(r.name, r.levelno, r.getMessage()) for r in handler.records] == [("ampkit", logging.INFO, expected)]
+    assert banners() == []  # not also on stderr
+    monkeypatch.setattr(banner, "ANNOUNCED", set())
+    with configured_logging(logging.WARNING) as handler:  # the application's logging hides INFO
+        assert banner.announce("Accelerate", "Accelerator", "O2", torch.bfloat16)
+    assert handler.records == [] and banners() == []
+
+
+def test_hf_page_demo(tmp_path, monkeypatch, banners):
     transformers = pytest.importorskip("transformers")
     from ampkit.integrations.hf import AmpkitTrainer
 
@@ -84,17 +108,18 @@ def test_hf_page_demo(tmp_path, monkeypatch, banners, capsys):
     skipped = _weights(run.model, run.amp_optimizer)
     assert run.model.net[0].weight.dtype == torch.bfloat16  # O2: bf16 model, fp32 masters
 
-    clean = demo["train"](ampkit=True, steps=5, nan_at=None)
+    with unconfigured_logging():  # ampkit set up a second time: no second line
+        clean = demo["train"](ampkit=True, steps=5, nan_at=None)
     assert amp.stats(clean.amp_optimizer).skipped == 0
     assert _same(skipped, _weights(clean.model, clean.amp_optimizer))
     _check_banner(
         banners(),
         "ampkit O2 (bf16) manages precision for this Trainer (Hugging Face); the framework's own mixed precision is off",
-        capsys,
+        "hf.md",
     )
 
 
-def test_accelerate_page_demo(tmp_path, monkeypatch, banners, capsys):
+def test_accelerate_page_demo(tmp_path, monkeypatch, banners):
     pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -108,7 +133,8 @@ def test_accelerate_page_demo(tmp_path, monkeypatch, banners, capsys):
         assert (stats.steps, stats.skipped) == (6, 1)
         skipped = _weights(model, optimizer)
 
-        clean_model, clean_opt = demo["train"](ampkit=True, steps=5, nan_at=None)
+        with unconfigured_logging():  # ampkit set up a second time: no second line
+            clean_model, clean_opt = demo["train"](ampkit=True, steps=5, nan_at=None)
         assert amp.stats(clean_opt).skipped == 0
         assert _same(skipped, _weights(clean_model, clean_opt))
     finally:
@@ -117,12 +143,12 @@ def test_accelerate_page_demo(tmp_path, monkeypatch, banners, capsys):
     _check_banner(
         banners(),
         "ampkit O2 (bf16) manages precision for this Accelerator (Accelerate); the framework's own mixed precision is off",
-        capsys,
+        "accelerate.md",
     )
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore:.*LeafSpec.*")
-def test_lightning_page_demo(tmp_path, monkeypatch, banners, capsys):
+def test_lightning_page_demo(tmp_path, monkeypatch, banners):
     pytest.importorskip("lightning")
     from ampkit.integrations.lightning import AmpkitPrecision
 
@@ -135,13 +161,14 @@ def test_lightning_page_demo(tmp_path, monkeypatch, banners, capsys):
     assert (stats.steps, stats.skipped) == (6, 1)
     skipped = _weights(model, trainer.optimizers[0])
 
-    clean, clean_trainer = demo["train"](plugins=[AmpkitPrecision("O2")], steps=5, nan_at=None)
+    with unconfigured_logging():  # ampkit set up a second time: no second line
+        clean, clean_trainer = demo["train"](plugins=[AmpkitPrecision("O2")], steps=5, nan_at=None)
     assert amp.stats(clean_trainer.optimizers[0]).skipped == 0
     assert _same(skipped, _weights(clean, clean_trainer.optimizers[0]))
     _check_banner(
         banners(),
         "ampkit O2 (bf16) manages precision for this Trainer (Lightning); the framework's own mixed precision is off",
-        capsys,
+        "lightning.md",
     )
 
 

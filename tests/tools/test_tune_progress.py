@@ -1,8 +1,10 @@
 """What ``ampkit.tune`` and ``ampkit tune`` say while they work: a line as each stage
 begins and ends, a status line (done so far, an estimate of what is left, what is
 measured now) whenever the tuner has been quiet for ``HEARTBEAT_S`` seconds, one long
-measurement included; on stderr with ``progress=True`` (and always in the CLI), to the
-``"ampkit"`` logger at INFO with ``progress=None``, nowhere with ``progress=False``.
+measurement included; on stderr with ``progress=True`` (and always in the CLI); with
+``progress=None`` (the default) to the ``"ampkit"`` logger at INFO where logging is
+configured, else on stderr through logging's last-resort handler; nowhere with
+``progress=False``.
 Time is a stand-in clock where a test needs long measurements, so that each test stays
 within a few seconds."""
 
@@ -16,6 +18,7 @@ import threading
 
 import pytest
 import torch
+from logging_setup import configured_logging, unconfigured_logging
 from torch import nn
 
 import ampkit as amp
@@ -140,7 +143,7 @@ def test_a_long_measurement_still_says_what_it_measures_at_least_every_10_s(monk
 
 def test_with_progress_off_nothing_is_written_and_by_default_it_is_logged_at_info(capfd, caplog, quick_probes):
     _tune(progress=False)
-    _tune()  # None: the "ampkit" logger, at INFO, which nothing here shows
+    _tune()  # None: the "ampkit" logger, at INFO, which pytest's logging (configured, at WARNING) hides
     assert capfd.readouterr() == ("", "")
     assert not [r for r in caplog.records if r.name == "ampkit" and r.levelno == logging.INFO]
     caplog.set_level(logging.INFO, logger="ampkit")
@@ -149,6 +152,48 @@ def test_with_progress_off_nothing_is_written_and_by_default_it_is_logged_at_inf
     for stage in STAGES:
         assert any(s.startswith(f"ampkit.tune: {stage}: ") for s in said), (stage, said)
     assert capfd.readouterr() == ("", "")  # logged, not written
+    assert not _watchers()
+
+
+def _each_stage_once(lines: list[str]) -> None:
+    """Each stage's first and last line said exactly once, and no line twice."""
+    said = [line for line in lines if line.startswith("ampkit.tune: ")]
+    for stage in STAGES:
+        begun = [s for s in said if s.startswith(f"ampkit.tune: {stage}: ") and " done in " not in s
+                 and " so far" not in s]  # fmt: skip
+        done = [s for s in said if s.startswith(f"ampkit.tune: {stage}: done in ")]
+        assert (len(begun), len(done)) == (1, 1), (stage, lines)
+    assert len(said) == len(set(said)), lines
+
+
+def test_by_default_a_script_without_logging_configured_sees_progress_on_stderr_once(capsys, quick_probes):
+    """No handler on the root or the "ampkit" logger (a plain script): the lines reach
+    stderr through logging's last-resort handler, each once; ``progress=False`` stays silent."""
+    with unconfigured_logging():
+        _tune(progress=False)
+        assert capsys.readouterr() == ("", "")
+        _tune()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    _each_stage_once(captured.err.splitlines())
+    assert not _watchers()
+
+
+def test_by_default_configured_logging_gets_progress_at_info_and_stderr_nothing(capsys, quick_probes):
+    with configured_logging(logging.INFO) as handler:
+        _tune()
+    said = [r.getMessage() for r in handler.records if r.name == "ampkit" and r.levelno == logging.INFO]
+    _each_stage_once(said)
+    assert capsys.readouterr() == ("", "")  # not also on stderr
+    with configured_logging(logging.INFO) as handler:
+        logging.getLogger("ampkit").setLevel(logging.WARNING)  # quietened: nothing anywhere
+        _tune()
+    assert not [r for r in handler.records if r.getMessage().startswith("ampkit.tune: ")]
+    assert capsys.readouterr() == ("", "")
+    with unconfigured_logging():
+        logging.getLogger("ampkit").setLevel(logging.WARNING)
+        _tune()
+    assert capsys.readouterr() == ("", "")
     assert not _watchers()
 
 

@@ -10,8 +10,9 @@ module is imported, so ``import ampkit`` still needs torch alone:
 - :mod:`ampkit.integrations.accelerate`: ampkit set up around ``accelerator.prepare``,
   the loss scaled in ``accelerator.backward`` (``pip install -e '.[accelerate]'``).
 
-Each logs one INFO line on the ``"ampkit"`` logger when ampkit takes over its
-framework's precision, once per process (:mod:`ampkit.integrations.banner`).
+Each says one line when ampkit takes over its framework's precision, once per process:
+on stderr by default, at INFO on the ``"ampkit"`` logger where logging is configured
+(:mod:`ampkit.integrations.banner`).
 
 A module whose framework is missing raises :class:`ampkit.integrations.MissingFramework`
 (an :class:`ampkit.AmpError`) naming the extra to install.

@@ -486,7 +486,7 @@ def prepare(
     optimizers to that session (``initialize(..., fresh=False)``, which takes no ``fp8``).
     From then on ``accelerator.backward(loss)`` scales the loss for the optimizers set up
     (see the module docs; :func:`release` undoes it), and the first call of the process
-    logs one INFO line on the ``"ampkit"`` logger (:mod:`ampkit.integrations.banner`).
+    says the one line of :mod:`ampkit.integrations.banner` (on stderr by default).
 
     Raises:
         AccelerateSetupError: an Accelerator with its own ``mixed_precision``, a

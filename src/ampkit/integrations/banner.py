@@ -2,30 +2,33 @@
 
 When :mod:`ampkit.integrations.hf`, :mod:`~ampkit.integrations.accelerate` or
 :mod:`~ampkit.integrations.lightning` sets ampkit up inside its framework, it says so
-once per process and framework (rank 0 alone in a distributed run), at ``INFO`` on the
-``"ampkit"`` logger (never through ``print`` or ``warnings``)::
+once per process and framework (rank 0 alone in a distributed run)::
 
     ampkit O2 (bf16) manages precision for this Trainer (Hugging Face); the framework's own mixed precision is off
 
-Show it with ``logging.basicConfig(level=logging.INFO)`` or
-``logging.getLogger("ampkit").setLevel(logging.INFO)`` and a handler.
+By default it is shown: where the application has configured logging (a handler on the
+``"ampkit"`` logger or the root, e.g. ``logging.basicConfig()``), it is a record at
+``INFO`` on the ``"ampkit"`` logger, which that configuration shows or hides as any
+other; where it has not, logging's last-resort handler writes it to stderr. Never
+through ``print`` or ``warnings``. ``logging.getLogger("ampkit").setLevel(logging.WARNING)``
+silences it.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
 
+from ampkit._internal import inform
 from ampkit._internal.dist import is_rank_zero
 from ampkit._internal.dtypes import dtype_name
 from ampkit.levels.opt_level import is_fp32_level
 
 __all__ = ["ANNOUNCED", "LOGGER_NAME", "announce", "banner"]
 
-#: The logger the line goes to.
-LOGGER_NAME = "ampkit"
+#: The logger the line goes to where logging is configured.
+LOGGER_NAME = inform.LOGGER_NAME
 #: The frameworks announced in this process (one line each, whatever the level).
 ANNOUNCED: set[str] = set()
 _LOCK = threading.Lock()
@@ -43,10 +46,11 @@ def banner(framework: str, what: str, level: str, dtype: torch.dtype | None) -> 
 
 
 def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -> bool:
-    """Log :func:`banner` at ``INFO`` on the ``"ampkit"`` logger the first time
-    ``framework`` is set up in this process; True when it was logged now, False when
-    ``framework`` was announced before (it is in :data:`ANNOUNCED`) or this process is
-    not rank 0 of a distributed run (which logs for all ranks).
+    """Say :func:`banner` the first time ``framework`` is set up in this process: at
+    ``INFO`` on the ``"ampkit"`` logger where logging is configured, else on stderr
+    through logging's last-resort handler (see the module docstring). True when it was
+    said now, False when ``framework`` was announced before (it is in :data:`ANNOUNCED`)
+    or this process is not rank 0 of a distributed run (which speaks for all ranks).
 
     Args:
         framework: the framework's name, the key of "once per process".
@@ -59,5 +63,5 @@ def announce(framework: str, what: str, level: str, dtype: torch.dtype | None) -
         ANNOUNCED.add(framework)
     if not is_rank_zero():
         return False
-    logging.getLogger(LOGGER_NAME).info("%s", banner(framework, what, level, dtype))
+    inform.inform("%s", banner(framework, what, level, dtype))
     return True

@@ -7,8 +7,10 @@ measurement (a large module, a probe run, a child process) is not a silent wait.
 
 Where the lines go (``progress=`` of :func:`ampkit.tune`):
 
-- ``None``: the ``"ampkit"`` logger at INFO, where the application's logging shows
-  INFO; nothing at all otherwise (no thread is started).
+- ``None`` (the default; ``ampkit._internal.inform``): the ``"ampkit"``
+  logger at INFO where the application configured logging (shown where that shows
+  INFO), else on stderr through logging's last-resort handler; where neither shows
+  them, nothing at all (no thread is started).
 - ``True``: the stream (stderr by default): a ``rich`` progress bar where rich is
   installed and the stream is a terminal, plain lines otherwise; nothing is logged.
 - ``False``: nowhere.
@@ -18,18 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from ampkit._internal.inform import inform, shows
 from ampkit.errors import AmpError
 
 __all__ = ["HEARTBEAT_S", "TICK_S", "Progress", "check_progress", "count", "monotonic"]
-
-_LOG = logging.getLogger("ampkit")
 
 #: The most seconds without a progress line while a stage goes on.
 HEARTBEAT_S = 5.0
@@ -43,7 +43,7 @@ def check_progress(progress: Any) -> None:
     """Raise :class:`ampkit.AmpError` unless ``progress`` is True, False or None."""
     if progress is not None and not isinstance(progress, bool):
         raise AmpError(f"progress {progress!r}: True (lines on stderr), False (none) or None (the 'ampkit' "
-                       "logger at INFO).")  # fmt: skip
+                       "logger at INFO, on stderr where logging is not configured).")  # fmt: skip
 
 
 def count(n: int, unit: str) -> str:
@@ -104,7 +104,7 @@ class Progress:
     def __init__(self, show: bool | None, name: str = "ampkit.tune", stream: IO[str] | None = None) -> None:
         check_progress(show)
         self.name = name
-        self.on = show is True or (show is None and _LOG.isEnabledFor(logging.INFO))
+        self.on = show is True or (show is None and shows())
         self._log = show is None
         self._stream = (stream if stream is not None else sys.stderr) if show else None
         self._lock = threading.RLock()
@@ -209,7 +209,7 @@ class Progress:
             self._last = monotonic()
             line = f"{self.name}: {text}" if self.name else text
             if self._log:
-                _LOG.info("%s", line)
+                inform("%s", line)
             elif self._bar is not None:
                 self._bar.console.print(line, markup=False, highlight=False)
             else:

@@ -102,8 +102,11 @@ def tune(
             in time stay fp32 (their reason says so). The probes run in full. Default: ``300.0``.
         include_emulated (bool): measure bf16/fp16/fp8 on a CPU that emulates them. Default: ``False``.
         progress (bool | None): a line per stage, a status line at least every 5 s: ``None``
-            logs them (``"ampkit"`` logger, INFO); ``True`` shows them on stderr (a rich bar
-            on a terminal, with rich installed), unlogged; ``False``: none. Default: ``None``.
+            logs them on the ``"ampkit"`` logger at INFO where the application configured
+            logging (a handler on that logger or the root), and shows them on stderr
+            through logging's last-resort handler where it did not, so that by default
+            they are seen; ``True`` shows them on stderr (a rich bar on a terminal, with
+            rich installed), unlogged; ``False``: none. Default: ``None``.
 
     Returns:
         A :class:`TunePlan`; ``ampkit.initialize(model, optimizer, plan=plan)`` applies
