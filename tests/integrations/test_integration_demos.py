@@ -99,8 +99,8 @@ def test_hf_page_demo(tmp_path, monkeypatch, banners):
     flag, run = demo["hf_bf16"], demo["with_ampkit"]
     assert type(flag) is transformers.Trainer and flag.args.bf16
     assert not _finite(flag.model)  # HF's bf16=True stepped on the NaN
-    # the stock Trainer with the one enable() line
-    assert isinstance(run, AmpkitTrainer) and not run.args.bf16
+    # the stock Trainer with bf16=True and the one enable() line: the flag taken over
+    assert isinstance(run, AmpkitTrainer) and run.args.bf16 and not run.accelerator.native_amp
     assert _finite(run.model)
     stats = amp.stats(run.amp_optimizer)
     assert (stats.steps, stats.skipped) == (6, 1)
@@ -109,7 +109,7 @@ def test_hf_page_demo(tmp_path, monkeypatch, banners):
     assert run.model.net[0].weight.dtype == torch.bfloat16  # O2: bf16 model, fp32 masters
 
     with unconfigured_logging():  # ampkit set up a second time: no second line
-        clean = demo["train"](ampkit=True, steps=5, nan_at=None)
+        clean = demo["train"](ampkit=True, steps=5, nan_at=None)  # without the flag
     assert amp.stats(clean.amp_optimizer).skipped == 0
     assert _same(skipped, _weights(clean.model, clean.amp_optimizer))
     _check_banner(

@@ -115,9 +115,9 @@ def fp32_reference(tmp_path_factory):
 @pytest.mark.parametrize(
     ("options", "says"),
     [
-        (dict(bf16=True), "Drop bf16=True"),
-        (dict(fp16=True), "Drop fp16=True"),
-        (dict(bf16_full_eval=True), "Drop bf16_full_eval=True"),
+        (dict(bf16=True), "Drop bf16=True; choose the dtype with amp_dtype='bfloat16' or 'float16'"),
+        (dict(fp16=True), "Drop fp16=True; choose the dtype with amp_dtype="),
+        (dict(bf16_full_eval=True), "Drop bf16_full_eval=True; choose the dtype with amp_dtype="),
         (dict(amp_level="O4"), "not an ampkit opt level"),
         (dict(amp_dtype="float8"), "not a 16-bit dtype"),
         (dict(amp_level="O2K", amp_dtype="float16"), "bf16 only"),
@@ -133,8 +133,10 @@ def test_arguments_are_checked(tmp_path, options, says):
 
 def test_plain_arguments_with_hf_mixed_precision_are_refused_by_the_trainer(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=True)
-    with pytest.raises(HfIntegrationError, match="cast twice"):
+    with pytest.raises(HfIntegrationError, match="cast twice") as refused:
         AmpkitTrainer(model=build_model(), args=args)
+    # plain TrainingArguments: both ways to choose the dtype are named
+    assert "AmpkitTrainingArguments(amp_dtype=" in str(refused.value) and "enable(trainer" in str(refused.value)
     assert isinstance(HfIntegrationError("x"), amp.AmpError)
 
 
@@ -936,6 +938,47 @@ def _enabled(out, steps=STEPS, opt_level="O2", train_n=64, dtype=None, plan=None
     return trainer
 
 
+def _own_forward(model):
+    """Whether ``model``'s forward is its class's own: Accelerate's ``prepare_model``
+    replaces it by its autocast wrapper (keeping the original as ``_original_forward``)
+    where the Accelerator's ``native_amp`` is on."""
+    return "_original_forward" not in vars(model) and model.forward.__func__ is type(model).forward
+
+
+@pytest.mark.parametrize(
+    ("flag", "level", "device"),
+    [
+        ("bf16", "O2", "cpu"),
+        ("bf16", "O1", "cpu"),
+        ("fp16", "O2", "cpu"),
+        pytest.param("fp16", "O2", "cuda", marks=pytest.mark.cuda),  # Accelerate's GradScaler, off
+        pytest.param("bf16", "O2", "cuda", marks=pytest.mark.cuda),
+    ],
+)
+def test_enable_takes_over_hfs_own_flag(tmp_path, flag, level, device):
+    """A user of ``TrainingArguments(bf16=True)`` adds the import and ``enable(trainer,
+    level)``, nothing else: ampkit computes in the flag's dtype; the autocast and GradScaler
+    of the Accelerator made when the Trainer was built are off (the model's forward is its
+    own, not Accelerate's autocast wrapper; no scaler); the NaN step is skipped and the
+    schedule held; and the run is bitwise the one built without the flag."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[flag]
+    runs = {}
+    for name, options in (("flag", {flag: True}), ("no flag", dict(dtype=dtype))):
+        options.update(use_cpu=device == "cpu", logging_steps=100)
+        trainer = _enabled(tmp_path / name, steps=6, opt_level=level, **options)
+        assert getattr(trainer.args, flag) is (name == "flag")  # the user's arguments as they were
+        assert (trainer.amp_level, trainer.amp_dtype) == (level, dtype)
+        assert not trainer.accelerator.native_amp and trainer.accelerator.scaler is None
+        before, skipped, after = _trained_over_the_nan(trainer)
+        assert (before["last_epoch"], skipped["last_epoch"], after["last_epoch"]) == (NAN_AT, NAN_AT, NAN_AT + 1)
+        assert _own_forward(trainer.model)
+        assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+        assert amp.stats(trainer.amp_optimizer).skipped == 1
+        runs[name] = _snapshot(trainer)
+        amp.reset()
+    _assert_equal(runs["flag"], runs["no flag"])
+
+
 def test_enable_trains_bitwise_as_ampkit_trainer(tmp_path):
     """The stock Trainer + ``enable(trainer, "O2")`` is AmpkitTrainer: the same weights,
     fp32 masters, optimizer state, LR schedule and ampkit counters after the same steps."""
@@ -993,8 +1036,13 @@ def _stock(out, **extra):
 @pytest.mark.parametrize(
     ("options", "settings", "says", "error"),
     [
-        (dict(bf16=True), {}, "Drop bf16=True", HfIntegrationError),
-        (dict(fp16=True), {}, "Drop fp16=True", HfIntegrationError),
+        (dict(bf16=True), dict(opt_level="O0"), "O0 trains in fp32, while bf16=True asks for bfloat16",
+         HfIntegrationError),
+        (dict(bf16=True), dict(dtype=torch.float16),
+         r"bf16=True asks for bfloat16 and enable\(dtype=torch.float16\) for another dtype", HfIntegrationError),
+        (dict(fp16=True), dict(opt_level="O2K"), "bf16 only, while fp16=True asks for float16", HfIntegrationError),
+        (dict(bf16_full_eval=True), {}, r"Drop bf16_full_eval=True; choose the dtype with enable\(trainer, level, dtype=",
+         HfIntegrationError),
         ({}, dict(opt_level="O4"), "not an ampkit opt level", HfIntegrationError),
         ({}, dict(dtype=torch.float32), "not a 16-bit dtype", HfIntegrationError),
         ({}, dict(opt_level="O2K", dtype=torch.float16), "bf16 only", HfIntegrationError),
@@ -1007,9 +1055,27 @@ def test_enable_refuses_and_leaves_the_trainer_as_it_was(tmp_path, options, sett
         settings = dict(plan=tmp_path / "plan.json")
         settings["plan"].write_text("{")
     trainer = _stock(tmp_path / "out", **options)
+    switches = (trainer.accelerator.native_amp, trainer.accelerator.scaler)
     with pytest.raises(error, match=says):
         enable(trainer, **settings)
     assert type(trainer) is Trainer and "_ampkit_options" not in vars(trainer)
+    assert (trainer.accelerator.native_amp, trainer.accelerator.scaler) == switches
+
+
+def test_enable_refuses_hfs_flag_on_another_trainer_subclass_and_says_what_to_do(tmp_path):
+    """A Trainer subclass may act on ``bf16=True`` itself (cast the model at construction,
+    open its own autocast): its flag is not taken over, and the error names this path's
+    way (drop the flag, ``enable(..., dtype=)``), not ``amp_dtype``."""
+
+    class MyTrainer(Trainer):
+        pass
+
+    trainer = MyTrainer(model=build_model(), args=training_arguments(str(tmp_path), 2, bf16=True))
+    with pytest.raises(HfIntegrationError, match="MyTrainer was built with bf16=True") as refused:
+        enable(trainer, "O2")
+    assert "enable(trainer, 'O2', dtype=torch.bfloat16)" in str(refused.value)
+    assert "amp_dtype" not in str(refused.value)
+    assert type(trainer) is MyTrainer and trainer.accelerator.native_amp
 
 
 def test_enable_refuses_what_would_set_the_level_twice_or_too_late(tmp_path):

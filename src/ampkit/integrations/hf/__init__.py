@@ -59,9 +59,14 @@ Trainer:
   trained; ``amp_save_weights="converted"`` makes ``save_model`` write the
   :func:`ampkit.convert` inference model instead (checkpoints stay fp32).
 
+HF's own ``bf16=True``/``fp16=True`` on a stock ``Trainer``/``Seq2SeqTrainer`` are taken
+over by :func:`enable`: ampkit computes in that dtype, the Accelerator's autocast and
+GradScaler are turned off.
+
 Not supported (refused with :class:`HfIntegrationError` naming the alternative):
-HF's own ``bf16``/``fp16``/``*_full_eval`` and Accelerate's ``mixed_precision``
-(they would cast on top of ampkit), DeepSpeed, FSDP and SageMaker model parallelism
+HF's own ``bf16``/``fp16`` elsewhere (ampkit's arguments classes, the mixin, another
+Trainer subclass given to :func:`enable`), ``*_full_eval`` and Accelerate's
+``mixed_precision`` (they would cast on top of ampkit), DeepSpeed, FSDP and SageMaker model parallelism
 (they own the optimizer and the weights' dtype), LOMO optimizers (they update inside
 backward). ``torch.distributed`` data
 parallelism (DDP) is set up as :mod:`ampkit.distributed` asks: ``initialize`` before

@@ -113,14 +113,14 @@ def check_arguments(args: TrainingArguments, options: AmpkitOptions | None = Non
             "inference model)."
         )
     hf_own = [name for name in ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval") if getattr(args, name, False)]
+    choose = _choose_dtype(args, options)
     if hf_own:
         what = ", ".join(f"{name}=True" for name in hf_own)
         raise HfIntegrationError(
             f"{what} turns on HF's own mixed precision (Accelerate's autocast and GradScaler, or "
             "a model cast in place for evaluation) on top of ampkit's "
             f"amp_level={level!r}: the model would be cast twice and HF's path does not skip "
-            f"inf/NaN steps. Drop {what}; choose the dtype with amp_dtype='bfloat16' or "
-            "'float16' (ampkit's casting covers evaluation too)."
+            f"inf/NaN steps. Drop {what}; {choose} (ampkit's casting covers evaluation too)."
         )
     optim = getattr(getattr(args, "optim", None), "value", getattr(args, "optim", None))
     if optim in ("lomo", "adalomo"):
@@ -134,8 +134,20 @@ def check_arguments(args: TrainingArguments, options: AmpkitOptions | None = Non
         raise HfIntegrationError(
             f"Accelerate's mixed_precision is {mixed!r} (from ACCELERATE_MIXED_PRECISION, e.g. "
             "`accelerate launch --mixed_precision`): it would cast on top of ampkit. Launch "
-            "with --mixed_precision no and choose the dtype with amp_dtype."
+            f"with --mixed_precision no; {choose}."
         )
+
+
+def _choose_dtype(args: Any, options: AmpkitOptions | None) -> str:
+    """How the user on this path chooses ampkit's dtype: :func:`enable`'s ``dtype=`` on a
+    stock Trainer, ``amp_dtype`` of :class:`AmpkitArguments`; with plain
+    ``TrainingArguments`` and no ``enable`` (an :class:`AmpkitTrainer` or the mixin), either."""
+    if options is not None:
+        return "choose the dtype with enable(trainer, level, dtype=torch.bfloat16 or torch.float16)"
+    if isinstance(args, AmpkitArguments):
+        return "choose the dtype with amp_dtype='bfloat16' or 'float16'"
+    return ("choose the dtype with AmpkitTrainingArguments(amp_dtype='bfloat16' or 'float16'), or build "
+            "the stock Trainer and call enable(trainer, level, dtype=torch.bfloat16 or torch.float16)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

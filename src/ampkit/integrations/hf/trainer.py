@@ -4,6 +4,7 @@ stock Trainer, and the check of the Trainer privates it overrides."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import warnings
@@ -49,6 +50,7 @@ from .._shared import (
 from ..banner import announce
 from .arguments import (
     AmpkitArguments,
+    AmpkitOptions,
     HfIntegrationError,
     check_arguments,
     dtype_of,
@@ -69,7 +71,7 @@ from .weights import (
 transformers = require("transformers", "hf")
 
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
-from transformers import Trainer  # noqa: E402
+from transformers import Seq2SeqTrainer, Trainer  # noqa: E402
 from transformers.utils import is_sagemaker_mp_enabled  # noqa: E402
 
 #: The private methods of ``transformers.Trainer`` :class:`AmpkitTrainerMixin` overrides,
@@ -548,11 +550,20 @@ def enable(
     Everything :class:`AmpkitTrainerMixin` does then runs on this trainer: ampkit set up
     in ``create_optimizer``, the loss scaled in HF's ``accelerator.backward``, skipped
     steps held from HF's LR scheduler, ``ampkit.pt`` in every checkpoint (a bitwise
-    resume), fp32 weights from ``save_model``. HF's own ``bf16``/``fp16`` flags stay
-    refused. The trainer's class becomes its class with the mixin first
-    (:class:`AmpkitTrainer` for a ``transformers.Trainer``, ``Ampkit<Name>`` for a
-    subclass; ``isinstance(trainer, Trainer)`` still holds); ``trainer.args`` is left as
-    it is.
+    resume), fp32 weights from ``save_model``. The trainer's class becomes its class
+    with the mixin first (:class:`AmpkitTrainer` for a ``transformers.Trainer``,
+    ``Ampkit<Name>`` for a subclass; ``isinstance(trainer, Trainer)`` still holds);
+    ``trainer.args`` is left as it is.
+
+    A ``transformers.Trainer`` or ``Seq2SeqTrainer`` built with HF's own ``bf16=True`` or
+    ``fp16=True`` is taken over, so that adding ``enable`` is the whole change: ampkit
+    computes in that dtype (``dtype`` may be None or the same), and this Trainer's
+    Accelerator, made when the Trainer was built, gets its autocast and GradScaler turned
+    off (``native_amp`` False, no ``scaler``: the two switches Accelerate casts and
+    scales by), so nothing casts or scales on top of ampkit. ``trainer.args`` still says
+    ``bf16=True``, and ``trainer.accelerator.mixed_precision`` still reads Accelerate's
+    process-wide state (``"bf16"``), which is left alone: any later Accelerator of the
+    process, e.g. of another Trainer built with the same arguments, needs it as it is.
 
     Args:
         trainer: the Trainer, constructed, not trained yet (its optimizer not prepared
@@ -578,9 +589,12 @@ def enable(
             :class:`AmpkitTrainer`, the mixin, or enabled before); arguments of
             :class:`AmpkitArguments` (their ``amp_*`` fields and these would both set
             the level: use :class:`AmpkitTrainer`); a Trainer that already trained (its
-            optimizer prepared); HF's own ``bf16``/``fp16`` flags or Accelerate's
-            ``mixed_precision``; DeepSpeed, FSDP, SageMaker model parallelism; a bad
-            setting. Nothing is changed then.
+            optimizer prepared); HF's ``bf16=True``/``fp16=True`` on another Trainer
+            subclass (which may act on them itself), with O0, with another ``dtype``, or
+            ``fp16=True`` with O2K; HF's ``bf16_full_eval``/``fp16_full_eval``;
+            Accelerate's ``mixed_precision`` from the environment or ``accelerate
+            launch``; DeepSpeed, FSDP, SageMaker model parallelism; a bad setting.
+            Nothing is changed then.
         ampkit.PlanError: a plan that cannot be read.
     """
     if not isinstance(trainer, Trainer):
@@ -606,19 +620,67 @@ def enable(
             "Trainer, before trainer.train()."
         )
     options = resolve_options(opt_level, dtype, fp8, save_weights, None if plan is None else os.fspath(plan))
-    check_arguments(trainer.args, options)
+    flag = next((name for name in ("bf16", "fp16") if getattr(trainer.args, name, False)), None)
+    if flag is not None:
+        options = _taking_over(trainer, flag, dtype, options)
+    check_arguments(trainer.args if flag is None else _without_hf_precision(trainer.args), options)
     mixed = getattr(trainer.accelerator, "mixed_precision", "no")
-    if mixed != "no":
+    if mixed != "no" and flag is None:
         raise HfIntegrationError(
             f"this Trainer's Accelerator has mixed_precision={mixed!r} (from "
             "ACCELERATE_MIXED_PRECISION or `accelerate launch --mixed_precision`): it would cast "
             "on top of ampkit. Launch with --mixed_precision no and choose the dtype with dtype=."
         )
     _refuse_backends(trainer)
+    if flag is not None:  # the last check passed: nothing is refused from here on
+        trainer.accelerator.native_amp = False  # no autocast around the model's forward (prepare_model)
+        trainer.accelerator.scaler = None  # no GradScaler in backward, clipping or the optimizer's step
     enabled = _enabled_class(type(trainer))
     trainer.__class__ = enabled
     trainer.__dict__["_ampkit_options"] = options
     return trainer
+
+
+#: The Trainer classes whose use of HF's ``bf16``/``fp16`` flags is known: they reach only
+#: the Accelerator made at construction, whose autocast and scaler :func:`enable` turns off.
+_FLAGS_TAKEN_OVER = (Trainer, Seq2SeqTrainer)
+
+
+def _taking_over(trainer: Trainer, flag: str, dtype: torch.dtype | None, options: AmpkitOptions) -> AmpkitOptions:
+    """``options`` computing in the dtype of HF's ``flag`` (``"bf16"``/``"fp16"``) set on
+    ``trainer.args``, which :func:`enable` then takes over; raises
+    :class:`HfIntegrationError` where it cannot (changing nothing)."""
+    name = {"bf16": "bfloat16", "fp16": "float16"}[flag]
+    instead = (f"drop {flag}=True from the TrainingArguments and pass the dtype to enable() "
+               f"(enable(trainer, {options.amp_level!r}, dtype=torch.{name}))")  # fmt: skip
+    if type(trainer) not in _FLAGS_TAKEN_OVER:
+        problem = (f"this {type(trainer).__name__} was built with {flag}=True, which a Trainer subclass may act on "
+                   "itself (casting the model, its own autocast), so ampkit takes the flag over only for "
+                   f"transformers' Trainer and Seq2SeqTrainer: {instead}")  # fmt: skip
+    elif not all(hasattr(trainer.accelerator, switch) for switch in ("native_amp", "scaler")):
+        problem = (f"this Accelerate release's Accelerator has no native_amp/scaler switches, so {flag}=True's "
+                   f"autocast and scaler cannot be turned off: {instead}")  # fmt: skip
+    elif options.amp_level == "O0":
+        problem = (f"O0 trains in fp32, while {flag}=True asks for {name} mixed precision: drop {flag}=True, "
+                   f"or choose a mixed-precision level (O1, O2, O2K, O3), which then computes in {name}")  # fmt: skip
+    elif dtype is not None and dtype != getattr(torch, name):
+        problem = (f"{flag}=True asks for {name} and enable(dtype={dtype}) for another dtype: drop {flag}=True "
+                   "(dtype= then decides), or drop dtype=")  # fmt: skip
+    elif options.amp_level == "O2K" and flag == "fp16":
+        problem = ("O2K keeps bf16 weights (compensated updates), so it is bf16 only, while fp16=True asks for "
+                   "float16: use bf16=True, or O2 (fp32 masters) for fp16")  # fmt: skip
+    else:
+        return dataclasses.replace(options, amp_dtype=name)
+    raise HfIntegrationError(f"{problem}.")
+
+
+def _without_hf_precision(args: Any) -> Any:
+    """A shallow copy of ``args`` with HF's ``bf16``/``fp16`` flags off and Accelerate's
+    ``mixed_precision`` "no" (what :func:`enable` takes over), for :func:`check_arguments`."""
+    checked = copy.copy(args)
+    checked.bf16 = checked.fp16 = False
+    checked.mixed_precision = "no"
+    return checked
 
 
 def check_trainer_contract(trainer_cls: type = Trainer) -> None:
