@@ -44,6 +44,7 @@ from .._shared import (
     dtype_from_env,
     install_hint,
     is_fp32_level,
+    level_names,
     master_weights_of,
     resolve_opt_level,
 )
@@ -651,6 +652,7 @@ def _taking_over(trainer: Trainer, flag: str, dtype: torch.dtype | None, options
     ``trainer.args``, which :func:`enable` then takes over; raises
     :class:`HfIntegrationError` where it cannot (changing nothing)."""
     name = {"bf16": "bfloat16", "fp16": "float16"}[flag]
+    base = OPT_LEVELS.get(options.amp_level)  # None: an unknown level, which check_arguments refuses
     instead = (f"drop {flag}=True from the TrainingArguments and pass the dtype to enable() "
                f"(enable(trainer, {options.amp_level!r}, dtype=torch.{name}))")  # fmt: skip
     if type(trainer) not in _FLAGS_TAKEN_OVER:
@@ -660,15 +662,16 @@ def _taking_over(trainer: Trainer, flag: str, dtype: torch.dtype | None, options
     elif not all(hasattr(trainer.accelerator, switch) for switch in ("native_amp", "scaler")):
         problem = (f"this Accelerate release's Accelerator has no native_amp/scaler switches, so {flag}=True's "
                    f"autocast and scaler cannot be turned off: {instead}")  # fmt: skip
-    elif options.amp_level == "O0":
-        problem = (f"O0 trains in fp32, while {flag}=True asks for {name} mixed precision: drop {flag}=True, "
-                   f"or choose a mixed-precision level (O1, O2, O2K, O3), which then computes in {name}")  # fmt: skip
+    elif base is not None and base.fp32:
+        problem = (f"{options.amp_level} trains in fp32, while {flag}=True asks for {name} mixed precision: drop "
+                   f"{flag}=True, or choose a mixed-precision level ({', '.join(level_names(lambda d: not d.fp32))}), "
+                   f"which then computes in {name}")  # fmt: skip
     elif dtype is not None and dtype != getattr(torch, name):
         problem = (f"{flag}=True asks for {name} and enable(dtype={dtype}) for another dtype: drop {flag}=True "
                    "(dtype= then decides), or drop dtype=")  # fmt: skip
-    elif options.amp_level == "O2K" and flag == "fp16":
-        problem = ("O2K keeps bf16 weights (compensated updates), so it is bf16 only, while fp16=True asks for "
-                   "float16: use bf16=True, or O2 (fp32 masters) for fp16")  # fmt: skip
+    elif base is not None and base.bf16_only and flag == "fp16":
+        problem = (f"{options.amp_level} ({base.description}) is bf16 only, while fp16=True asks for float16: use "
+                   f"bf16=True, or a level that takes fp16 ({', '.join(level_names(lambda d: not d.bf16_only))})")  # fmt: skip
     else:
         return dataclasses.replace(options, amp_dtype=name)
     raise HfIntegrationError(f"{problem}.")
