@@ -611,9 +611,14 @@ def render_first_step(result: dict[str, Any]) -> str:
 FIRST_STEP_COLD_S, FIRST_STEP_WARM_S = 10.0, 2.0
 
 
+def _compiled_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a first_step table whose level compiles update kernels (O2, O2K), in order."""
+    return [r for r in rows if r["level"] in ("O2", "O2K")]
+
+
 def _first_step_verdicts(rows: list[dict[str, Any]]) -> str:
     """Each target, met or missed, per compiled level (O2, O2K) of one table."""
-    compiled = [r for r in rows if r["level"] in ("O2", "O2K")]
+    compiled = _compiled_rows(rows)
 
     def verdict(key: str, limit: float, notice: str | None) -> str:
         missed = [f"{r['level']} ({r[key]:+.2f} s{', notice' if notice and r.get(notice) else ''})" for r in compiled
@@ -876,7 +881,7 @@ def _first_step_parts(entry: dict[str, Any]) -> dict[str, str]:
     and their cold and warm first steps."""
     result, m = entry["result"], entry["machine"]
     rows = {r["level"]: r for r in result["rows"]}
-    compiled = [rows[lvl] for lvl in ("O2", "O2K") if lvl in rows]
+    compiled = _compiled_rows(result["rows"])
     plain = [r for lvl, r in rows.items() if lvl != "fp32" and r not in compiled]
     return {
         "setting": (f"the bench's {result['size']} `{result['workload']}` workload, {_threads(m.get('threads'))}, each "
@@ -902,7 +907,7 @@ def snippet_first_step(entry: dict[str, Any], page_link: str) -> str:
         f"{_span([r['warm_first_s'] for r in compiled])} ({_span([r['warm_over_fp32_s'] for r in compiled])} more "
         "than fp32's)."
         for run in entry["result"].get("more", [])
-        if (compiled := [r for r in run["rows"] if r["level"] in ("O2", "O2K")])
+        if (compiled := _compiled_rows(run["rows"]))
     )
     return (f"Measured with `benchmarks/first_step.py` ([the recorded page]({page_link})): {f['setting']}, one run. "
             f"The first step took {f['fp32']} in fp32{plain}; at {f['compiled']} {f['cold']} on an empty cache and "
