@@ -98,7 +98,7 @@ def _run(workload: str, size: str, levels: list[str], tmp: Path, warm_cache: Pat
     for r in rows:
         r["cold_over_fp32_s"] = r["cold_first_s"] - rows[0]["cold_first_s"]
         r["warm_over_fp32_s"] = r["warm_first_s"] - rows[0]["warm_first_s"]
-    shape = "6 layers × 384" if workload == "chargpt" else size
+    shape = f"{CHARGPT['n_layers']} layers × {CHARGPT['d_model']}" if workload == "chargpt" else size
     return {"workload": workload, "size": shape, "rows": rows}
 
 
