@@ -50,7 +50,7 @@ __all__ = [
     "forward_hook_dicts",
     "forward_pre_hooks_of",
     "forward_pre_hooks_with_kwargs",
-    "flatten_dense", "unflatten_dense", "foreach_copy_", "foreach_mul_", "foreach_add_",
+    "flatten_dense", "unflatten_dense", "foreach_copy_", "foreach_mul_", "foreach_add_", "foreach_sub_",
     "global_autocast_enabled_in_guard",
     "guard_attr_equals",
     "guards_name",
@@ -279,6 +279,8 @@ foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 """``torch._foreach_mul_(tensors, scalar)``: scales lists of tensors in one kernel."""
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 """``torch._foreach_add_(tensors, scalar)``: adds a number to lists of tensors in one kernel."""
+foreach_sub_: Callable[..., Any] = torch._foreach_sub_
+"""``torch._foreach_sub_(tensors, others)``: subtracts a list of (0-dim) tensors, element by element."""
 flatten_dense: Callable[..., Any] = torch._C._nn.flatten_dense_tensors
 """``flatten_dense(tensors)``: one 1-D tensor of their elements, each in logical order (one C++ call)."""
 unflatten_dense: Callable[..., Any] = torch._C._nn.unflatten_dense_tensors

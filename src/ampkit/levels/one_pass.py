@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.trainer.optimizer_rules import OptimizerRule, Update, rule_for
+from ampkit.trainer.optimizer_rules import OptimizerRule, StepCounts, Update, counts_of, rule_for
 
 from . import update_kernels as _kernels
 from .update_kernels import AheadJob, Kernel, flat, same_layout
@@ -170,27 +170,37 @@ def step_params(
     *,
     mode: _kernels.KernelMode = "auto",
     chunk_numel: int = 1 << 20,
-) -> None:
+    skip: torch.Tensor | None = None,
+) -> list[StepCounts]:
     """Step each ``(master, model_param, grad16)`` of ``group`` in one pass with the
     kernels of ``rule`` (:func:`~ampkit.trainer.optimizer_rules.rule_for`; see the
     module docs): the master and its state updated in fp32 and ``model_param`` set to
-    the master rounded. State is created on first use as torch creates it."""
+    the master rounded. State is created on first use as torch creates it.
+
+    ``skip``: the step's found-inf flag (0-dim, on the grads' device), for a step
+    decided on the device: where it is > 0 the kernels leave masters, state and model
+    weights as they were, and the step counters are lowered again where they live on
+    the flag's device. Returns the counters to settle once the outcome is known
+    (:meth:`~ampkit.trainer.optimizer_rules.StepCounts.settle`; empty without ``skip``)."""
     if not items:
-        return
-    run = {"mode": _kernels.resolve_mode(mode), "chunk_numel": chunk_numel, "batch_numel": chunk_numel}
+        return []
+    run = {"mode": _kernels.resolve_mode(mode), "chunk_numel": chunk_numel, "batch_numel": chunk_numel,
+           "skip": skip}  # fmt: skip
     lows = [g.dtype for _, _, g in items]
     with torch.no_grad():
         if lows.count(lows[0]) == len(lows):  # one 16-bit dtype (the usual case)
-            _step(optimizer, group, rule, items, lows[0], run)
-            return
-        for low in dict.fromkeys(lows):
-            _step(optimizer, group, rule, [it for it in items if it[2].dtype == low], low, run)
+            counts = [_step(optimizer, group, rule, items, lows[0], run)]
+        else:
+            counts = [_step(optimizer, group, rule, [it for it in items if it[2].dtype == low], low, run)
+                      for low in dict.fromkeys(lows)]  # fmt: skip
+    return [c for c in counts if c is not None]
 
 
 def _step(optimizer: torch.optim.Optimizer, group: dict, rule: OptimizerRule, its: Sequence, low: torch.dtype,
-          run: dict) -> None:  # fmt: skip
+          run: dict) -> StepCounts | None:  # fmt: skip
     """The step of ``its`` (16-bit grads of dtype ``low``; one layout per item, as
-    :func:`select` checked): the rule's plan, then one kernel call per scalar set."""
+    :func:`select` checked): the rule's plan, then one kernel call per scalar set; the
+    counters to settle where ``run["skip"]`` is a flag."""
     ws = [model_p for _, model_p, _ in its]
     gs = [g for _, _, g in its]
     ps = [master for master, _, _ in its]
@@ -204,3 +214,5 @@ def _step(optimizer: torch.optim.Optimizer, group: dict, rule: OptimizerRule, it
             tensors = [[ws[i] for i in idx], [gs[i] for i in idx], [ps[i] for i in idx],
                        *[[states[i][key] for i in idx] for key in update.state_keys]]  # fmt: skip
         _kernel(update, low)(tensors, scalars, **static, **run)
+    skip = run["skip"]
+    return None if skip is None else counts_of(states, skip)

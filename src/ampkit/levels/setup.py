@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -49,6 +49,7 @@ from ampkit.trainer import api as optim
 from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
 from ampkit.trainer.managed import resolve_optimizer
+from ampkit.trainer.optimizer_rules import StepCounts
 
 from . import fp8 as _fp8
 from . import one_pass
@@ -511,6 +512,7 @@ class _CompensationState(StepExtension):
     buffers step inside the optimizer's own ``step``: no hook point needed)."""
 
     state_name = "compensation"
+    device_skip = True  # state only: right on a step skipped on the device too
 
     def __init__(self, comp: CompensatedUpdates) -> None:
         self.comp = comp
@@ -531,24 +533,36 @@ class _MasterStep(StepExtension):
     are stepped in one pass where :mod:`ampkit.levels.one_pass` has a kernel for their
     param group (their placeholder grads are taken off for the optimizer's step, which
     then skips them, and put back after it); the other held grads get their fp32
-    copies for the optimizer. After every taken step
-    the masters not written by the one pass are copied back into the model. Saved as
-    ``"master_weights"`` with the optimizer. Added to the optimizer, it routes the
-    model's gradients into the masters (:meth:`on_add`)."""
+    copies for the optimizer. Right after the optimizer's step the masters not written
+    by the one pass are copied back into the model. Saved as ``"master_weights"`` with
+    the optimizer. Added to the optimizer, it routes the model's gradients into the
+    masters (:meth:`on_add`).
+
+    Right on a step skipped on the device (:mod:`ampkit.trainer.device_skip`): the
+    one-pass kernels take the step's found-inf flag and leave masters, state and model
+    weights as they were where it is set; the optimizer's own (fused) step takes the
+    same flag; copying an unchanged master back writes the model weight it already
+    holds (the model weights are the masters rounded when the step starts: the masters
+    take in edits of the model first); the step counters the one pass advanced are
+    settled when the outcome is known."""
 
     state_name = "master_weights"
+    device_skip = True
 
     def __init__(self, masters: MasterWeights, models: list[nn.Module]) -> None:
         self.masters = masters
         self.models = models
         self._written: set[int] = set()
         self._lifted: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._counts: list[StepCounts] = []
+        self._managed: Callable[[], Any] = lambda: None
 
     def on_add(self, optimizer: Any) -> None:
         # backward accumulates into the model's parameters, which the masters stand for;
         # the gradient path routes their grads into the masters' (grad_hooks)
         optimizer.backward_params = self.masters.backward_params()
         optimizer.grad_path.set_masters(self.masters, self.models)
+        self._managed = weakref.ref(optimizer)
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         self._written = set()
@@ -559,6 +573,8 @@ class _MasterStep(StepExtension):
         if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
             mw.grads.materialize()
             return
+        managed = self._managed()
+        skip = managed.skip_flag if managed is not None else None
         opt = mw.optimizer
         model_of = {id(m): p for m, p in held}
         written: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -567,7 +583,7 @@ class _MasterStep(StepExtension):
             if rule is None:
                 continue
             items = one_pass.select(opt, group, rule, model_of)
-            one_pass.step_params(opt, group, rule, items)
+            self._counts += one_pass.step_params(opt, group, rule, items, skip=skip)
             written.extend((m, p) for m, p, _ in items)
         self._written = {id(m) for m, _ in written}
         mw.consumed(written)
@@ -576,19 +592,17 @@ class _MasterStep(StepExtension):
         self._lifted = mw.grads.lift(written)
 
     def after_update(self) -> None:
+        # Also where the optimizer raised mid-step (some masters may have moved): the
+        # model shows them (the one-pass ones wrote their weights already).
         self.masters.grads.restore(self._lifted)
         self._lifted = []
-
-    def on_error(self) -> None:
-        # The optimizer raised mid-step: some masters may have moved; the model shows
-        # them (the one-pass ones wrote their weights already).
         self.masters.publish(skip=self._written)
         self._written = set()
 
     def after_step(self, skipped: bool) -> None:
-        if not skipped:
-            self.masters.publish(skip=self._written)
-        self._written = set()
+        counts, self._counts = self._counts, []
+        for c in counts:
+            c.settle(skipped)
 
     def state_dict(self) -> Any:
         return self.masters.state_dict()

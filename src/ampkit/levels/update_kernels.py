@@ -38,6 +38,12 @@ cost more to make than the copies: about 2 us each), at most ``STAGING_ENTRIES``
 per kernel, dropped by :func:`ampkit.reset`. Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
+Every kernel also takes a *skip flag*, one more scalar after the update's own: where it
+is > 0 (a step found inf/NaN grads), every tensor the kernel writes keeps its value,
+bit for bit, and nothing is read back to the host: a step can be skipped on the device
+(:mod:`ampkit.trainer.device_skip`). The compiled kernel selects the old or new value of
+each element in the same pass; op by op the old values are copied aside first (only when a
+flag is given: a step decided on the host passes none and runs the update alone).
 With ``AMPKIT_COMPILE_AHEAD=1``, ``initialize`` compiles the kernels a level's first
 step will take in a background thread (:func:`compile_ahead`).
 """
@@ -45,10 +51,12 @@ step will take in a background thread (:func:`compile_ahead`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -228,6 +236,7 @@ class Kernel:
         self.exact = exact
         self.fn = fn
         self.mutated = tuple(mutated)
+        self.skippable = _skipping(fn, self.mutated)
         self.example_dtypes = tuple(example_dtypes)
         self._compiled: dict[tuple, Callable[..., None] | None] = {}
         # (thread, device, dtypes, shapes) -> per role (flat buffer, its views shaped as the tensors)
@@ -263,9 +272,11 @@ class Kernel:
         not surface halfway through a real step, and the compiled arithmetic must be the
         eager one bit for bit (no contraction into fused multiply-adds, which would break
         the exact rounding-error computations). Raises where either fails."""
-        compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        compiled = torch.compile(self.skippable, dynamic=True, fullgraph=True)
         g = torch.Generator().manual_seed(0)
-        scalars = (torch.rand(num_scalars, generator=g) * 0.5 + 0.25).to(scalars_device)
+        scalars = torch.rand(num_scalars, generator=g) * 0.5 + 0.25
+        scalars[-1] = 0.0  # the skip flag: off
+        scalars = scalars.to(scalars_device)
         probe = [(torch.randn(1031, generator=g) * 0.1).to(device, d) for d in self.example_dtypes]
         expected = [t.clone() for t in probe]
         compiled(*probe, scalars, **static)
@@ -273,6 +284,14 @@ class Kernel:
         same = _same_bits if self.exact else _close
         if not all(same(a, b) for a, b in zip(probe, expected)):
             raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+        skipped = [t.clone() for t in probe]
+        scalars[-1] = 1.0  # the skip flag: on, with inf/NaN among the inputs
+        for t in skipped:
+            t[::7] = float("nan")
+        kept = [t.clone() for t in skipped]
+        compiled(*skipped, scalars, **static)
+        if not all(_same_bits(a, b, nan_payload=True) for a, b in zip(skipped, kept)):
+            raise RuntimeError("the compiled kernel writes tensors on a skipped step")
         return compiled
 
     def __call__(
@@ -283,14 +302,19 @@ class Kernel:
         mode: Literal["compiled", "eager"],
         chunk_numel: int,
         batch_numel: int,
+        skip: torch.Tensor | None = None,
         **static: object,
     ) -> None:
         """Apply the kernel to ``tensors[role][i]`` for every ``i``: dense tensors with
         one shape and layout across roles (:func:`same_layout`), or their flat views
         (:func:`flat`). Small ones are joined per role in one C++ call each (no
-        per-tensor Python), large ones flattened and run one by one."""
+        per-tensor Python), large ones flattened and run one by one. ``skip``: the
+        step's found-inf flag (a 0-dim tensor on the tensors' device, > 0: leave every
+        written tensor as it was; read on the device only); None: the step is taken."""
         if not tensors or not tensors[0]:
             return
+        scalars = _with_flag(scalars, skip)
+        eager = self.fn if skip is None else self.skippable
         run: Callable[..., None] | None = None
         if mode == "compiled":
             run = self._compiled_fn(static, scalars.numel(), tensors[0][0].device, scalars.device)
@@ -310,35 +334,36 @@ class Kernel:
                     run(*args, scalars, **static)
                 else:
                     for start in range(0, n, chunk_numel):
-                        self.fn(*[a[start : start + chunk_numel] for a in args], scalars, **static)
+                        eager(*[a[start : start + chunk_numel] for a in args], scalars, **static)
             if len(small) <= BATCH_MIN_COUNT:
                 for i in small:
-                    self._one(run, [_flat(role[i]) for role in tensors], scalars, static)
+                    self._one(run, eager, [_flat(role[i]) for role in tensors], scalars, static)
                 return
             if len(small) == len(tensors[0]) and total <= batch_numel:
-                self._run_batch(run, tensors, None, scalars, static)  # the usual case: all in one call
+                self._run_batch(run, eager, tensors, None, scalars, static)  # the usual case: all in one call
                 return
             batch: list[int] = []
             size = 0
             for i in small + [-1]:
                 n = tensors[0][i].numel() if i >= 0 else 0
                 if batch and (i < 0 or size + n > batch_numel):
-                    self._run_batch(run, tensors, batch, scalars, static)
+                    self._run_batch(run, eager, tensors, batch, scalars, static)
                     batch, size = [], 0
                 if i >= 0:
                     batch.append(i)
                     size += n
 
-    def _one(self, run: Callable[..., None] | None, args: list[torch.Tensor], scalars: torch.Tensor,
-             static: dict) -> None:  # fmt: skip
+    def _one(self, run: Callable[..., None] | None, eager: Callable[..., None], args: list[torch.Tensor],
+             scalars: torch.Tensor, static: dict) -> None:  # fmt: skip
         """One call on one small tensor per role (flat). A one-element tensor runs op by
         op even in compiled mode: the compiled kernel is traced for sizes of 2 and more,
         and a size of 1 would compile (and cache) a second specialised copy."""
-        (run if run is not None and args[0].numel() > 1 else self.fn)(*args, scalars, **static)
+        (run if run is not None and args[0].numel() > 1 else eager)(*args, scalars, **static)
 
     def _run_batch(
         self,
         run: Callable[..., None] | None,
+        eager: Callable[..., None],
         tensors: Sequence[Sequence[torch.Tensor]],
         batch: list[int] | None,
         scalars: torch.Tensor,
@@ -348,12 +373,12 @@ class Kernel:
         mutated roles copied back."""
         roles = [list(role) if batch is None else [role[i] for i in batch] for role in tensors]
         if len(roles[0]) == 1:
-            self._one(run, [_flat(role[0]) for role in roles], scalars, static)
+            self._one(run, eager, [_flat(role[0]) for role in roles], scalars, static)
             return
         staging = self._staging_for(roles)
         for (_, views), role in zip(staging, roles):
             torch_compat.foreach_copy_(views, role)
-        (run or self.fn)(*[buf for buf, _ in staging], scalars, **static)
+        (run or eager)(*[buf for buf, _ in staging], scalars, **static)
         for pos in self.mutated:
             torch_compat.foreach_copy_(roles[pos], staging[pos][1])
 
@@ -383,6 +408,43 @@ class Kernel:
             return staging
 
 
+def _skipping(fn: Callable[..., None], mutated: tuple[int, ...]) -> Callable[..., None]:
+    """``fn`` with the skip flag (its scalars' last element): where it is > 0 the
+    tensors at ``mutated`` keep their values (selected element by element, on the
+    device: no host read)."""
+
+    def skippable(*args: torch.Tensor, **static: object) -> None:
+        keep = args[-1][-1] > 0
+        before = [args[i].clone() for i in mutated]
+        fn(*args, **static)
+        for i, old in zip(mutated, before):
+            args[i].copy_(torch.where(keep, old, args[i]))
+
+    # A code object of its own per update: torch.compile keeps its compiled graphs (at
+    # most ``recompile_limit``) per code object, so the updates must not share one.
+    own = types.FunctionType(
+        skippable.__code__.replace(co_name=fn.__name__), skippable.__globals__, fn.__name__,
+        skippable.__defaults__, skippable.__closure__,
+    )  # fmt: skip
+    return functools.wraps(fn)(own)  # its name: what the compile (and ampkit warmup) reports
+
+
+# Module state: a 0-dim zero flag per device (a taken step's), made once.
+_NO_SKIP: dict[torch.device, torch.Tensor] = {}
+
+
+def _with_flag(scalars: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
+    """``scalars`` with the skip flag appended (fp32; 0.0 when ``skip`` is None), on
+    ``skip``'s device when given (the kernel reads it there: no host sync), else on
+    ``scalars``' own."""
+    if skip is None:
+        flag = _NO_SKIP.get(scalars.device)
+        if flag is None:
+            flag = _NO_SKIP[scalars.device] = torch.zeros(1, dtype=torch.float32, device=scalars.device)
+        return torch.cat((scalars, flag))
+    return torch.cat((scalars.to(skip.device, non_blocking=True), skip.reshape(1).to(torch.float32)))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """:func:`flat` of ``t`` without autograd history (a compiled kernel traced for
     plain tensors would compile again for a parameter); ``t`` is dense."""
@@ -402,9 +464,14 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a.float(), bf, rtol=eps, atol=eps * scale, equal_nan=True)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_bits(a: torch.Tensor, b: torch.Tensor, nan_payload: bool = False) -> bool:
+    """Bit for bit equal; with ``nan_payload``, a NaN may come back as another NaN (a
+    16-bit NaN kept by a compiled kernel goes through fp32 and loses its payload)."""
     ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.view(ints), b.view(ints))
+    same = a.view(ints) == b.view(ints)
+    if nan_payload:
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
 
 
 # Kernel registry: which kernel flavour works in this process, per kernel (probed once).
@@ -473,8 +540,8 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
                 with torch.no_grad():  # as the step calls them: one graph, no recompile there
                     if kernel is None:
                         compiled_round_check()
-                    else:
-                        kernel._compiled_fn(static, num_scalars, device, torch.device("cpu"))
+                    else:  # the update's scalars and the skip flag
+                        kernel._compiled_fn(static, num_scalars + 1, device, torch.device("cpu"))
             except Exception as exc:  # reported by the compile itself; never raised in this thread
                 _LOG.debug("ampkit: compiling ahead stopped: %s", exc)
 

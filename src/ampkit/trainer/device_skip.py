@@ -20,9 +20,10 @@ optimizer state yet (a skipped first step must leave none, where the fused kerne
 create zeros), ``torch.amp.GradScaler`` steps it (it hands its own flag), the step is
 compiled, process-wide optimizer step hooks are registered (they run on taken steps
 only), the step has a closure or optimizer post-hooks, an extension acts around
-the update or asks to be told at once (all but those with ``device_skip = True``),
-fp32 master weights hold the parameters (O2/O2K), the ranks of a multi-process run
-agree on the step, or an overflow would make a loss scaler raise
+the update or asks to be told at once (all but those with ``device_skip = True``: O2's
+master weights and O2K's compensated updates hand the flag to their own kernels),
+the ranks of a multi-process run agree on the step, or an overflow would make a loss
+scaler raise
 (:meth:`~ampkit.LossScaler.overflow_raises`: the scale at its floor, or the skip one past
 ``max_consecutive_skips``), so that :class:`~ampkit.NumericsError` comes from ``step()``
 as always.
@@ -67,7 +68,7 @@ def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks:
     """Whether this step of ``state``'s optimizer can be skipped on the device (the
     module docstring lists what sends it to the host). No host sync."""
     opt = state.optimizer
-    if closure is not None or post_hooks or state.grad_path.masters is not None:
+    if closure is not None or post_hooks:
         return False
     if type(opt) not in FOUND_INF_OPTIMIZERS:  # their fused kernels take found_inf (torch >= 2.3)
         return False
@@ -118,12 +119,14 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
     _PENDING.add(state)
     if found is not None:
         opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
+        state.skip_flag = found
     try:
         return update_with(state.extensions, inner, args, kwargs)
     except BaseException:
         settle(state)
         raise
     finally:
+        state.skip_flag = None
         for name in ("grad_scale", "found_inf"):
             opt.__dict__.pop(name, None)
 

@@ -115,6 +115,10 @@ class ManagedOptimizer:
         #: the segments of a step skipped on the device whose outcome the host has not
         #: recorded yet (:mod:`ampkit.trainer.device_skip`)
         self.pending_outcome: list[Segment] | None = None
+        #: while the update of a step decided on the device runs: its found-inf flag
+        #: (0-dim float32, > 0: skipped), for extensions that run kernels of their own
+        #: (``before_update``); None otherwise
+        self.skip_flag: torch.Tensor | None = None
         self._extra = ExtraState("extra optimizer state", "this run")
         self._active = True
         self.step_grads = StepGrads(self, slots)

@@ -11,6 +11,7 @@ table up when a step runs (once per param group, never per parameter).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,9 @@ import torch
 
 from ampkit._internal import torch_compat
 
-__all__ = ["Update", "OptimizerRule", "RULES", "rule_for", "rule_of", "scalar", "Plan"]
+__all__ = [
+    "Update", "OptimizerRule", "RULES", "rule_for", "rule_of", "scalar", "Plan", "StepCounts", "counts_of",
+]
 
 #: A step's bookkeeping for a list of parameters: their state dicts (None where the
 #: update reads no state) and, per distinct scalar set, ``(update, positions, scalars)``
@@ -127,20 +130,91 @@ def rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Optimiz
     return None
 
 
+# Module state: what the host knows of step counters it advanced, id(tensor) -> (the
+# tensor, held weakly; its version when known; its value then). A counter changed since
+# (another version: a load, an edit) is read again.
+_KNOWN: dict[int, tuple[Any, int, float]] = {}
+
+
+def _known(t: torch.Tensor) -> float | None:
+    entry = _KNOWN.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != torch_compat.tensor_version(t):
+        return None
+    return entry[2]
+
+
+def _remember(steps: Sequence[torch.Tensor], values: Sequence[float]) -> None:
+    if len(_KNOWN) > 4 * len(steps) + 4096:  # counters of optimizers since dropped
+        for key in [k for k, entry in _KNOWN.items() if entry[0]() is None]:
+            del _KNOWN[key]
+    for t, v in zip(steps, values):
+        _KNOWN[id(t)] = (weakref.ref(t), torch_compat.tensor_version(t), v)
+
+
 def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
     """``state["step"] += 1`` for each of ``states``, and the new counts as floats. Where
     the steps are distinct 0-dim fp32 tensors on one device (torch's layout), one
-    stacked add, copied back, and one read of all counts (not one per parameter: each
-    read waits for the device where the steps live there); otherwise one by one."""
+    multi-tensor add and no read where the host knows the counts (it advanced them
+    last and nothing changed them since), else one read of all counts (not one per
+    parameter: each read waits for the device where the steps live there); otherwise
+    one by one."""
     steps = [state["step"] for state in states]
     if steps and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 for t in steps):
         devices = {t.device for t in steps}
         if len(devices) == 1 and len({id(t) for t in steps}) == len(steps):
+            known = [_known(t) for t in steps]
             torch_compat.foreach_add_(steps, 1.0)  # in place, one call (exact: integers in fp32)
-            return torch.stack(steps).tolist()
+            if None in known:
+                values = torch.stack(steps).tolist()
+            else:
+                values = [v + 1.0 for v in known]  # type: ignore[operator]
+            _remember(steps, values)
+            return values
     for state in states:
         state["step"] += 1
     return [float(state["step"]) for state in states]
+
+
+class StepCounts:
+    """The step counters a step skipped or taken on the device advanced (see
+    :func:`counts_of`): :meth:`settle` makes them right once the host knows the outcome."""
+
+    __slots__ = ("steps", "values", "undone")
+
+    def __init__(self, steps: list[torch.Tensor], values: list[float], undone: bool) -> None:
+        self.steps = steps
+        self.values = values  # the counts of a taken step
+        self.undone = undone  # already lowered on the device where the step was skipped
+
+    def settle(self, skipped: bool) -> None:
+        """The step was ``skipped`` (or taken): a skip lowers the counts now where the
+        device did not; the host knows the counts again either way."""
+        if skipped and not self.undone:
+            torch_compat.foreach_add_(self.steps, -1.0)
+        _remember(self.steps, [v - 1.0 for v in self.values] if skipped else self.values)
+
+
+def counts_of(states: Sequence[dict[str, Any]] | None, skip: torch.Tensor) -> StepCounts | None:
+    """After an update of ``states`` (those a rule's plan advanced) run with the
+    found-inf flag ``skip`` (0-dim, > 0: the step is skipped): where their ``step``
+    counters are tensors on ``skip``'s device, each is lowered by the flag there, as
+    torch's fused optimizers do (exact on a skipped step, unchanged on a taken one: no
+    host read); elsewhere (counters on the CPU, the flag on an accelerator) the counts
+    stay advanced until :meth:`StepCounts.settle` runs. None where the states keep no
+    counters."""
+    if not states or "step" not in states[0]:
+        return None
+    steps = [state["step"] for state in states]
+    values = []
+    for t in steps:
+        v = _known(t) if torch.is_tensor(t) else None
+        if v is None:  # not advanced by _advance_steps: read (a state changed meanwhile)
+            v = float(t)
+        values.append(v)
+    undone = all(torch.is_tensor(t) and t.device == skip.device for t in steps)
+    if undone:
+        torch_compat.foreach_sub_(steps, [skip] * len(steps))
+    return StepCounts(steps, values, undone)
 
 
 # --- Adam / AdamW ------------------------------------------------------------------------
