@@ -638,6 +638,7 @@ class _CompensatedStep(StepExtension):
         self._managed: Any = lambda: None
         self._plan: list[tuple[dict, OptimizerRule, list[nn.Parameter]]] | None = None
         self._counts: list[StepCounts] = []
+        self._own: set[int] = set()
 
     def on_add(self, optimizer: Any) -> None:
         self._managed = weakref.ref(optimizer)
@@ -649,7 +650,11 @@ class _CompensatedStep(StepExtension):
         low = [p for _, _, p in comp._low_params() if p.grad is not None]
         self._plan = plan = comp._plan(opt)  # the update right after uses it
         done = {id(p) for _, _, params in plan for p in params}
+        self._own = {id(group) for group, _, _ in plan if all(p.grad is None or id(p) in done for p in group["params"])}
         return all(id(p) in done for p in low)
+
+    def own_groups(self) -> set[int]:
+        return self._own
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         opt = self.comp.optimizer

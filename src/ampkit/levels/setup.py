@@ -30,7 +30,7 @@ import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -527,6 +527,15 @@ class _CompensationState(StepExtension):
         self.comp.load_state_dict(state)
 
 
+class _GroupPlan(NamedTuple):
+    """One param group's part of an O2 step that ampkit's kernels take (:class:`_MasterStep`)."""
+
+    group: dict
+    rule: Any
+    items: list  # (master, model parameter, 16-bit grad): one_pass.select
+    own: bool  # every grad of the group is stepped here
+
+
 class _MasterStep(StepExtension):
     """fp32 master weights (O2) on a managed step. Right before the optimizer's own
     step, the masters whose grads are held in 16 bits (``master_grads="on_demand"``)
@@ -547,7 +556,6 @@ class _MasterStep(StepExtension):
     settled when the outcome is known."""
 
     state_name = "master_weights"
-    device_skip = True
 
     def __init__(self, masters: MasterWeights, models: list[nn.Module]) -> None:
         self.masters = masters
@@ -556,6 +564,8 @@ class _MasterStep(StepExtension):
         self._lifted: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._counts: list[StepCounts] = []
         self._managed: Callable[[], Any] = lambda: None
+        self._plan: list[_GroupPlan] | None = None  # made by device_skip for the update right after
+        self._held = 0  # how many held grads the last plan saw
 
     def on_add(self, optimizer: Any) -> None:
         # backward accumulates into the model's parameters, which the masters stand for;
@@ -564,30 +574,54 @@ class _MasterStep(StepExtension):
         optimizer.grad_path.set_masters(self.masters, self.models)
         self._managed = weakref.ref(optimizer)
 
-    def before_update(self, args: tuple, kwargs: dict) -> None:
-        self._written = set()
+    @property  # type: ignore[override]
+    def device_skip(self) -> bool:  # asked once per step, right before the update
+        self._plan = self._make_plan()
+        return True
+
+    def own_groups(self) -> set[int]:
+        return {id(gp.group) for gp in self._plan or () if gp.own}
+
+    def _make_plan(self) -> list[_GroupPlan]:
+        """Per param group with an optimizer rule: the held grads its one pass steps;
+        whether that is every grad of the group."""
         mw = self.masters
         held = mw.grads.held()
+        self._held = len(held)
         if not held:
-            return
-        if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
-            mw.grads.materialize()
-            return
-        managed = self._managed()
-        skip = managed.skip_flag if managed is not None else None
+            return []
         opt = mw.optimizer
         model_of = {id(m): p for m, p in held}
-        written: list[tuple[nn.Parameter, torch.Tensor]] = []
+        plan = []
         for group in opt.param_groups:
             rule = one_pass.rule_for(opt, group)
             if rule is None:
                 continue
             items = one_pass.select(opt, group, rule, model_of)
-            self._counts += one_pass.step_params(opt, group, rule, items, skip=skip)
-            written.extend((m, p) for m, p, _ in items)
+            stepped = {id(m) for m, _, _ in items}
+            own = bool(items) and all(p.grad is None or id(p) in stepped for p in group["params"])
+            plan.append(_GroupPlan(group, rule, items, own))
+        return plan
+
+    def before_update(self, args: tuple, kwargs: dict) -> None:
+        self._written = set()
+        plan, self._plan = self._plan, None
+        mw = self.masters
+        if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
+            mw.grads.materialize()
+            return
+        managed = self._managed()
+        skip = managed.skip_flag if managed is not None else None
+        if skip is None or plan is None:  # decided on the host: the plan of now
+            plan = self._make_plan()
+        opt = mw.optimizer
+        written: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for gp in plan:
+            self._counts += one_pass.step_params(opt, gp.group, gp.rule, gp.items, skip=skip)
+            written.extend((m, p) for m, p, _ in gp.items)
         self._written = {id(m) for m, _ in written}
         mw.consumed(written)
-        if len(written) < len(held):
+        if len(written) < self._held:  # held grads no kernel took: fp32 copies for the optimizer
             mw.grads.materialize_except(self._written)
         self._lifted = mw.grads.lift(written)
 

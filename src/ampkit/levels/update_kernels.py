@@ -420,13 +420,17 @@ def _skipping(fn: Callable[..., None], mutated: tuple[int, ...]) -> Callable[...
         for i, old in zip(mutated, before):
             args[i].copy_(torch.where(keep, old, args[i]))
 
-    # A code object of its own per update: torch.compile keeps its compiled graphs (at
-    # most ``recompile_limit``) per code object, so the updates must not share one.
-    own = types.FunctionType(
-        skippable.__code__.replace(co_name=fn.__name__), skippable.__globals__, fn.__name__,
-        skippable.__defaults__, skippable.__closure__,
+    return functools.wraps(fn)(_own_code(skippable, fn.__name__))  # its name: what compiles report
+
+
+def _own_code(fn: Callable[..., None], name: str) -> Callable[..., None]:
+    """A copy of ``fn`` (a closure made by a wrapper) with a code object of its own,
+    named ``name``: torch.compile keeps its compiled graphs (at most
+    ``recompile_limit``) per code object, so wrappers of different updates must not
+    share one."""
+    return types.FunctionType(
+        fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__,
     )  # fmt: skip
-    return functools.wraps(fn)(own)  # its name: what the compile (and ampkit warmup) reports
 
 
 # Module state: a 0-dim zero flag per device (a taken step's), made once.

@@ -13,6 +13,11 @@ long passed the flag), or when anything asks for what it changes first (the
 scaler's scale or state, a state dict, ``release``). What a reader sees is what the
 host-decided step shows; only the moment the host learns it moves.
 
+``torch.optim.SGD`` is not fused for good (see ``ampkit.trainer.fused_step``), but a
+step of it that fits is run by torch's fused kernel, with the flag, where a probe finds
+that kernel bitwise the group's own (``fused_step.fused_for_one_step``: without
+momentum; with it, the fused kernel's momentum buffer differs in the last bits).
+
 A step is decided on the host as before (one read of its flag in ``step()``) when any of
 these holds: a parameter group is not fused (foreach and for-loop kernels take no flag),
 the optimizer is not exactly one of the classes above, a parameter with a grad has no
@@ -21,7 +26,8 @@ create zeros), ``torch.amp.GradScaler`` steps it (it hands its own flag), the st
 compiled, process-wide optimizer step hooks are registered (they run on taken steps
 only), the step has a closure or optimizer post-hooks, an extension acts around
 the update or asks to be told at once (all but those with ``device_skip = True``: O2's
-master weights and O2K's compensated updates hand the flag to their own kernels),
+master weights and O2K's compensated updates hand the flag to their own kernels, and a
+group they step entirely themselves need not be fused: ``StepExtension.own_groups``),
 the ranks of a multi-process run agree on the step, or an overflow would make a loss
 scaler raise
 (:meth:`~ampkit.LossScaler.overflow_raises`: the scale at its floor, or the skip one past
@@ -44,6 +50,7 @@ from ampkit.casting.engine import step_hook_installed
 
 from .decision import Segment, decide
 from .extensions import update_with
+from .fused_step import fused_for_one_step
 from .stats import flush_skip_reports
 
 if TYPE_CHECKING:
@@ -76,13 +83,19 @@ def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks:
         return False  # torch.amp.GradScaler.step hands its own flag (and maybe the scale)
     if torch.compiler.is_compiling() or torch_compat.global_optimizer_step_hooks() > step_hook_installed():
         return False  # a compiled step; others' hooks of every step (taken ones only), not ours
-    if not all(ext.device_skip for ext in state.extensions):
+    extensions = state.extensions
+    if not all(ext.device_skip for ext in extensions):
         return False
     if any(scaler.overflow_raises() for scaler in state.scalers):
         return False  # the error is raised by the step that overflows, as on the host
     groups = opt.param_groups
-    if not all(group.get("fused") for group in groups):
-        return False
+    # torch's fused kernels take the flag (an SGD group for this step where that is bitwise
+    # its own kernel); a group an extension steps entirely itself needs none (but torch's
+    # foreach kernels refuse a flag: all one or all the other)
+    if not all(group.get("fused") or fused_for_one_step(opt, group) for group in groups):
+        own: set[int] = set().union(*(ext.own_groups() for ext in extensions)) if extensions else set()
+        if not all(id(group) in own for group in groups):
+            return False
     # a parameter about to get its first state (an empty dict left by a read counts as
     # none) is stepped on the host: a skipped step must create none. SGD without
     # momentum keeps no state.
@@ -117,8 +130,16 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
     state.steps += 1
     state.pending_outcome = segments
     _PENDING.add(state)
+    switched: list[tuple[dict, Any]] = []  # SGD groups fused for this step (fits checked it)
     if found is not None:
-        opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
+        groups = opt.param_groups
+        if all(group.get("fused") or fused_for_one_step(opt, group) for group in groups):
+            for group in groups:
+                if not group.get("fused"):
+                    switched.append((group, group.get("foreach")))
+                    group["fused"], group["foreach"] = True, False
+            opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
+        # else ampkit's kernels step every group
         state.skip_flag = found
     try:
         return update_with(state.extensions, inner, args, kwargs)
@@ -127,6 +148,8 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
         raise
     finally:
         state.skip_flag = None
+        for group, foreach in switched:
+            group["fused"], group["foreach"] = None, foreach
         for name in ("grad_scale", "found_inf"):
             opt.__dict__.pop(name, None)
 

@@ -80,6 +80,14 @@ class StepExtension:
     #: of its optimizers decided on the host.
     device_skip: bool = False
 
+    def own_groups(self) -> set[int]:
+        """On a step about to be decided on the device (asked right after
+        :attr:`device_skip`): the ``id`` of each param group whose every grad this
+        extension steps itself, handing the step's flag to its own kernels, so the
+        optimizer's own step finds nothing to do there (its kernel then need not take a
+        found-inf flag). Default: none."""
+        return set()
+
     # --- hook points ----------------------------------------------------------------
     def on_scale_loss(
         self,

@@ -220,8 +220,10 @@ def test_one_host_sync_per_step():
                 self.n += 1
             return func(*args, **(kwargs or {}))
 
+    # (SGD with momentum: a foreach step, decided on the host; test_device_skip has the
+    # steps the device decides, which read nothing)
     model = mlp()
-    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1), num_losses=2)
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), num_losses=2)
     for i in range(3):
         opt.zero_grad()
         with amp.scale_loss(loss_of(model, i), opt) as s:
@@ -845,7 +847,10 @@ def test_session_extra_state():
 
 def test_overflow_logged_once_per_event_not_per_optimizer(caplog):
     a, b = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
-    oa, ob = amp.init_trainer([torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)])
+    # (momentum: steps decided in step(), which logs; a step decided on the device logs
+    # when its outcome is recorded)
+    oa, ob = amp.init_trainer([torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9),
+                               torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)])
     x, y = batch(0)
     with caplog.at_level(logging.INFO, logger="ampkit"):
         with amp.scale_loss(F.mse_loss(b(a(x)), y[:, :2]) * INF, [oa, ob]) as s:
@@ -929,8 +934,8 @@ def test_init_trainer_default_scale_follows_the_compute_dtype():
 def test_skipped_steps_warn_once_then_in_rate_limited_summaries(caplog, monkeypatch):
     """The first skip at WARNING, pointing at the user's line; then at most one summary
     per SKIP_SUMMARY_SECONDS, never one line per step."""
-    model = mlp()
-    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=1.0)
+    model = mlp()  # (momentum: decided in step(), the line the warning points at)
+    opt = amp.init_trainer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), scaler=1.0)
 
     def skipped_step() -> None:
         with amp.scale_loss(loss_of(model, 0) * INF, opt) as s:
