@@ -313,7 +313,7 @@ class Kernel:
         written tensor as it was; read on the device only); None: the step is taken."""
         if not tensors or not tensors[0]:
             return
-        scalars = _with_flag(scalars, skip)
+        scalars = _with_flag(scalars, skip, tensors[0][0].device)
         eager = self.fn if skip is None else self.skippable
         run: Callable[..., None] | None = None
         if mode == "compiled":
@@ -433,20 +433,21 @@ def _own_code(fn: Callable[..., None], name: str) -> Callable[..., None]:
     )  # fmt: skip
 
 
-# Module state: a 0-dim zero flag per device (a taken step's), made once.
+# Module state: a zero flag (a taken step's) per device, made once.
 _NO_SKIP: dict[torch.device, torch.Tensor] = {}
 
 
-def _with_flag(scalars: torch.Tensor, skip: torch.Tensor | None) -> torch.Tensor:
-    """``scalars`` with the skip flag appended (fp32; 0.0 when ``skip`` is None), on
-    ``skip``'s device when given (the kernel reads it there: no host sync), else on
-    ``scalars``' own."""
-    if skip is None:
-        flag = _NO_SKIP.get(scalars.device)
+def _with_flag(scalars: torch.Tensor, skip: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``scalars`` with the skip flag appended (fp32; 0.0 when ``skip`` is None), on the
+    CPU for CPU tensors, else on their ``device`` (where the kernel reads the flag: no
+    host sync; one compiled kernel whether or not a flag is given)."""
+    where = device if device.type != "cpu" else scalars.device
+    flag = skip
+    if flag is None:
+        flag = _NO_SKIP.get(where)
         if flag is None:
-            flag = _NO_SKIP[scalars.device] = torch.zeros(1, dtype=torch.float32, device=scalars.device)
-        return torch.cat((scalars, flag))
-    return torch.cat((scalars.to(skip.device, non_blocking=True), skip.reshape(1).to(torch.float32)))
+            flag = _NO_SKIP[where] = torch.zeros(1, dtype=torch.float32, device=where)
+    return torch.cat((scalars.to(where, non_blocking=True), flag.reshape(1).to(where, torch.float32)))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -530,7 +531,7 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
     todo: list[AheadJob] = []
     for job in jobs:
         kernel, static, _, device = job
-        done = bool(_round_check) if kernel is None else (device.type, "cpu", *sorted(static.items())) in kernel._compiled
+        done = bool(_round_check) if kernel is None else (device.type, device.type, *sorted(static.items())) in kernel._compiled
         if not done and job not in todo:
             todo.append(job)
     if not todo:
@@ -545,7 +546,8 @@ def compile_ahead(jobs: Sequence[AheadJob]) -> threading.Thread | None:
                     if kernel is None:
                         compiled_round_check()
                     else:  # the update's scalars and the skip flag
-                        kernel._compiled_fn(static, num_scalars + 1, device, torch.device("cpu"))
+                        scalars_at = device if device.type != "cpu" else torch.device("cpu")  # as _with_flag
+                        kernel._compiled_fn(static, num_scalars + 1, device, scalars_at)
             except Exception as exc:  # reported by the compile itself; never raised in this thread
                 _LOG.debug("ampkit: compiling ahead stopped: %s", exc)
 
