@@ -39,6 +39,7 @@ ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
 CONTRACT = "layers: tools > integrations > inference | distributed > levels > trainer > scaling > casting > _internal"
 FACE_CONTRACT = ("integrations use ampkit's public face: hf, lightning and accelerate import ampkit, ampkit.errors, "
                  "ampkit.distributed and the integrations' shared modules")
+TORCH_COMPAT_FACE = "torch_compat has one import face: no module outside it imports its modules"
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),
@@ -68,14 +69,16 @@ def test_layers_contract_is_kept():
 
 @needs_import_linter
 def test_layers_contract_catches_an_import_upwards(tmp_path):
-    """And the integrations' contract an import past the public face (one run of the
-    linter for both)."""
+    """And the integrations' contract an import past the public face, and torch_compat's
+    an import of one of its modules (one run of the linter for all three)."""
     src = tmp_path / "src"
     shutil.copytree(SRC, src / "ampkit", ignore=shutil.ignore_patterns("__pycache__"))
     policy = src / "ampkit" / "casting" / "policy.py"
     policy.write_text(policy.read_text() + "\n\nimport ampkit.tools.run  # noqa: E402,F401\n")
     accelerate = src / "ampkit" / "integrations" / "accelerate.py"
     accelerate.write_text(accelerate.read_text() + "\n\nimport ampkit.trainer.session  # noqa: E402,F401\n")
+    cast = src / "ampkit" / "casting" / "_cast.py"
+    cast.write_text(cast.read_text() + "\n\nfrom ampkit._internal.torch_compat.dispatch import raw_op  # noqa: E402,F401\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     # The copy must be the package analysed: it comes first on the path, and the check
     # below proves it was read (the real tree has no such import).
@@ -92,6 +95,8 @@ def test_layers_contract_catches_an_import_upwards(tmp_path):
     assert "- ampkit.casting.policy -> ampkit.tools" in out, out
     assert f"{FACE_CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "ampkit.integrations.accelerate is not allowed to import ampkit.trainer" in out, out
+    assert f"{TORCH_COMPAT_FACE} BROKEN" in " ".join(out.split()), out
+    assert "-   ampkit.casting._cast -> ampkit._internal.torch_compat.dispatch" in out, out
 
 
 # ---------------------------------------------------------------------------
