@@ -1,7 +1,7 @@
 """The package's architecture, checked: the layers contract (import-linter) holds and
 catches a violating import, no subpackage reaches into another's private names (module
 names, ``sys.modules`` lookups, or the private attributes of another's objects),
-torch's private names are reached only through ``_internal/torch_compat.py`` (and ``inductor_compat.py``), and files
+torch's private names are reached only through ``_internal/torch_compat/`` (and ``inductor_compat.py``), and files
 and functions keep to a size budget in code lines (docstrings, comments and blank lines
 not counted) whose allow-list can only shrink, and the layers below ``levels`` name no
 opt level.
@@ -39,6 +39,7 @@ ALLOWED = frozenset({"ampkit.compat.apex.amp._amp_state"})
 CONTRACT = "layers: tools > integrations > inference | distributed > levels > trainer > scaling > casting > _internal"
 FACE_CONTRACT = ("integrations use ampkit's public face: hf, lightning and accelerate import ampkit, ampkit.errors, "
                  "ampkit.distributed and the integrations' shared modules")
+TORCH_COMPAT_FACE = "torch_compat has one import face: no module outside it imports its modules"
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),
@@ -68,14 +69,16 @@ def test_layers_contract_is_kept():
 
 @needs_import_linter
 def test_layers_contract_catches_an_import_upwards(tmp_path):
-    """And the integrations' contract an import past the public face (one run of the
-    linter for both)."""
+    """And the integrations' contract an import past the public face, and torch_compat's
+    an import of one of its modules (one run of the linter for all three)."""
     src = tmp_path / "src"
     shutil.copytree(SRC, src / "ampkit", ignore=shutil.ignore_patterns("__pycache__"))
     policy = src / "ampkit" / "casting" / "policy.py"
     policy.write_text(policy.read_text() + "\n\nimport ampkit.tools.run  # noqa: E402,F401\n")
     accelerate = src / "ampkit" / "integrations" / "accelerate.py"
     accelerate.write_text(accelerate.read_text() + "\n\nimport ampkit.trainer.session  # noqa: E402,F401\n")
+    cast = src / "ampkit" / "casting" / "_cast.py"
+    cast.write_text(cast.read_text() + "\n\nfrom ampkit._internal.torch_compat.dispatch import raw_op  # noqa: E402,F401\n")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     # The copy must be the package analysed: it comes first on the path, and the check
     # below proves it was read (the real tree has no such import).
@@ -92,6 +95,8 @@ def test_layers_contract_catches_an_import_upwards(tmp_path):
     assert "- ampkit.casting.policy -> ampkit.tools" in out, out
     assert f"{FACE_CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "ampkit.integrations.accelerate is not allowed to import ampkit.trainer" in out, out
+    assert f"{TORCH_COMPAT_FACE} BROKEN" in " ".join(out.split()), out
+    assert "-   ampkit.casting._cast -> ampkit._internal.torch_compat.dispatch" in out, out
 
 
 # ---------------------------------------------------------------------------
@@ -323,8 +328,8 @@ def test_tests_use_no_private_ampkit_names():
 #: (file under src/ampkit, attribute) reaches that are not another subpackage's: torch's
 #: own privates, each at the one place that owns them.
 ATTRIBUTE_REACH_ALLOWED: dict[tuple[str, str], str] = {
-    ("_internal/torch_compat.py", "_modules"): "nn.Module's child dict (the torch boundary)",
-    ("_internal/torch_compat.py", "_buffers"): "nn.Module's buffer dict (the torch boundary)",
+    ("_internal/torch_compat/modules.py", "_modules"): "nn.Module's child dict (the torch boundary)",
+    ("_internal/torch_compat/modules.py", "_buffers"): "nn.Module's buffer dict (the torch boundary)",
     ("tools/run/forward_scope.py", "_enabled"): "torch.autocast's flag (the launcher's own patches)",
 }
 
@@ -391,7 +396,7 @@ def test_the_attribute_check_catches_a_planted_reach(tmp_path):
 
 
 # --- the torch boundary -------------------------------------------------------------------
-#: Private names ampkit may reach outside ``_internal/torch_compat.py``, each with why:
+#: Private names ampkit may reach outside ``_internal/torch_compat/``, each with why:
 #: Python's own privates, the frameworks' (one integration module each), and the launcher
 #: of ``ampkit run`` (its process-wide patches live with it by design).
 BOUNDARY_ALLOWED: dict[str, str] = {
@@ -405,7 +410,7 @@ BOUNDARY_ALLOWED: dict[str, str] = {
     "_wrap_closure": "Lightning's Precision hook (integrations/lightning/precision.py)",
 }
 #: The modules allowed to reach torch's private names (each one documented and tested per release).
-BOUNDARY_MODULES = (SRC / "_internal" / "torch_compat.py", SRC / "_internal" / "inductor_compat.py")
+BOUNDARY_MODULES = (*sorted((SRC / "_internal" / "torch_compat").glob("*.py")), SRC / "_internal" / "inductor_compat.py")
 
 
 def _own_names(paths: list[Path]) -> set[str]:
@@ -467,7 +472,7 @@ def _boundary_violations(paths: list[Path], own: set[str]) -> list[str]:
 
 def test_torch_private_names_are_reached_only_through_torch_compat():
     """Every private name of torch (``torch._*``, private modules, private attributes of
-    torch's objects) is used in ``_internal/torch_compat.py`` and ``inductor_compat.py`` alone, where each one is
+    torch's objects) is used in ``_internal/torch_compat/`` and ``inductor_compat.py`` alone, where each one is
     documented and tested per release; ``BOUNDARY_ALLOWED`` lists the few others."""
     paths = sorted(SRC.rglob("*.py"))
     found = _boundary_violations(paths, _own_names(paths))

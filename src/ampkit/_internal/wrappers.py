@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KNOWN_WRAPPERS", "register_wrapper", "unwrap_optimizer", "unwrap_optimizers", "wrapper_attribute"]
+__all__ = ["KNOWN_WRAPPERS", "unwrap_optimizer", "unwrap_optimizers", "wrapper_attribute"]
 
 #: (module of the wrapper class, its name, the instance attribute holding the wrapped
 #: optimizer). A class matches when one class of an object's MRO has this module and name.
@@ -34,15 +34,6 @@ KNOWN_WRAPPERS: list[tuple[str, str, str]] = [
 
 #: How many wrappers deep :func:`unwrap_optimizer` follows at most.
 MAX_DEPTH = 8
-
-
-def register_wrapper(module: str, name: str, attribute: str) -> None:
-    """Recognize instances of the class ``module.name`` (or of its subclasses) as
-    optimizer wrappers holding the optimizer in the instance attribute ``attribute``.
-    Registering the same triple again changes nothing."""
-    entry = (module, name, attribute)
-    if entry not in KNOWN_WRAPPERS:
-        KNOWN_WRAPPERS.append(entry)
 
 
 def wrapper_attribute(obj: Any) -> str | None:

@@ -26,14 +26,17 @@ Casting is done with forward hooks, never by replacing ``forward``:
 Hooks live on the module objects themselves, so a wrapper built afterwards
 (``DistributedDataParallel``, ``DataParallel`` replicas, ``torch.compile``) calls
 the same hooks. Casting a model twice replaces its hooks instead of stacking them.
+
+Here: the hooks (plain classes, pickled with a model under this module's path) and
+what installs and removes them. Which modules stay fp32 and which parameters are cast:
+:mod:`.kept_fp32` (its names are exported here too); the scopes the hooks open, eager
+and compiled: :mod:`.op_scope`.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -42,8 +45,22 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit._internal.dtypes import LOW_PRECISION
 from ampkit._internal.tree import map_leaves
-from ampkit.casting.engine import autocast
 from ampkit.errors import AmpError
+
+from . import op_scope
+from .kept_fp32 import (
+    NORM_LAYER_TYPES,
+    KeepRule,
+    check_keep_fp32,
+    is_norm_layer,
+    kept_fp32_modules,
+    kept_fp32_roots,
+    kept_with_roots,
+    looks_like_norm,
+    matches_rule,
+    params_to_cast,
+    takes_low_precision_input,
+)
 
 __all__ = [
     "CastInputs",
@@ -65,156 +82,9 @@ __all__ = [
     "cast_tensors",
 ]
 
-#: Normalization layers kept in fp32 by :func:`cast_model` (subclasses included):
-#: every BatchNorm (1d/2d/3d, lazy, SyncBatchNorm), InstanceNorm (1d/2d/3d, lazy),
-#: LayerNorm, GroupNorm, RMSNorm and LocalResponseNorm.
-NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = tuple(
-    t
-    for t in (
-        torch_compat.BATCH_NORM_BASE,
-        torch_compat.INSTANCE_NORM_BASE,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        getattr(nn, "RMSNorm", None),
-        nn.LocalResponseNorm,
-        nn.CrossMapLRN2d,
-    )
-    if t is not None
-)
-
 
 # Module state (weak keys): module -> hook handles installed by this file, so a second cast replaces them.
 HANDLES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def is_norm_layer(module: nn.Module, extra_types: tuple[type[nn.Module], ...] = ()) -> bool:
-    """True if ``module`` is a normalization layer: :data:`NORM_LAYER_TYPES`, one of
-    ``extra_types``, or a hand-written one (see :func:`looks_like_norm`)."""
-    return isinstance(module, NORM_LAYER_TYPES + tuple(extra_types)) or looks_like_norm(module)
-
-
-def looks_like_norm(module: nn.Module) -> bool:
-    """A hand-written normalization layer, as many codebases define their own
-    (nanoGPT's ``LayerNorm``, LLaMA's ``RMSNorm``, T5's ``LayerNorm``): a module whose
-    class name contains "norm" (any case), that holds parameters, all of them vectors
-    (at most 1-D: scale, shift), and no submodule with parameters of its own."""
-    if "norm" not in type(module).__name__.lower():
-        return False
-    own = list(module.parameters(recurse=False))
-    if not own or any(p.dim() > 1 for p in own):
-        return False
-    return not any(any(True for _ in child.parameters()) for child in module.children())
-
-
-KeepRule = type[nn.Module] | str
-
-
-def matches_rule(module: nn.Module, name: str, rules: Sequence[KeepRule]) -> bool:
-    """Whether ``module`` (qualified ``name``) matches one of ``rules``: a module class it
-    is an instance of, or a glob its name matches (``"blocks.*.attn"``)."""
-    return any(fnmatch.fnmatchcase(name, r) if isinstance(r, str) else isinstance(module, r) for r in rules)
-
-
-def kept_fp32_modules(
-    model: nn.Module,
-    keep_norm_fp32: bool = True,
-    extra_fp32_types: Iterable[type[nn.Module]] = (),
-    keep_fp32: Iterable[KeepRule] = (),
-) -> list[nn.Module]:
-    """The modules :func:`cast_model` keeps in fp32, in ``model.modules()`` order:
-    normalization layers (with ``keep_norm_fp32``; :func:`is_norm_layer` with
-    ``extra_fp32_types``) and the modules matching ``keep_fp32`` (classes, or globs of
-    qualified names such as ``"encoder.*.norm"``; kept whatever ``keep_norm_fp32``),
-    each with its whole subtree: a kept block keeps every layer inside it fp32."""
-    return [m for m, _ in _kept_with_roots(model, keep_norm_fp32, tuple(extra_fp32_types), tuple(keep_fp32))]
-
-
-def kept_fp32_roots(
-    model: nn.Module, keep_norm_fp32: bool = True, keep_fp32: Iterable[KeepRule] = ()
-) -> list[nn.Module]:
-    """The outermost of :func:`kept_fp32_modules`: kept modules with no kept ancestor
-    (each keeps its whole subtree fp32), in ``model.modules()`` order."""
-    return [m for m, root in _kept_with_roots(model, keep_norm_fp32, (), tuple(keep_fp32)) if root]
-
-
-def _kept_with_roots(
-    model: nn.Module,
-    keep_norm_fp32: bool,
-    extra: tuple[type[nn.Module], ...],
-    rules: tuple[KeepRule, ...],
-) -> list[tuple[nn.Module, bool]]:
-    """(module, is_root) for every kept module; a root is a kept module with no kept
-    ancestor (it gets the cast hooks; the modules under it run inside it in fp32)."""
-    out: list[tuple[nn.Module, bool]] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, name: str, under_kept: bool) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        kept = under_kept or (keep_norm_fp32 and is_norm_layer(module, extra)) or matches_rule(module, name, rules)
-        if kept:
-            out.append((module, not under_kept))
-        for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, kept)
-
-    visit(model, "", False)
-    return out
-
-
-def check_keep_fp32(models: Iterable[nn.Module], keep_fp32: Iterable[KeepRule]) -> None:
-    """Raise :class:`AmpError` if a qualified-name glob of ``keep_fp32`` matches no
-    module of ``models`` (a typo would otherwise keep nothing fp32, silently). Classes
-    need not occur: a list like ``[MyLayerNorm]`` may serve several models."""
-    model_list = list(models)
-    names = [name for m in model_list for name, _ in m.named_modules() if name]
-    for rule in keep_fp32:
-        if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names):
-            sample = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-            raise AmpError(
-                f"keep_fp32 glob {rule!r} matches no module name of the model (its names "
-                f"are qualified like {sample or 'none: the model has no submodules'}); fix the "
-                "pattern, or pass the module class instead."
-            )
-
-
-def params_to_cast(
-    model: nn.Module,
-    keep_norm_fp32: bool = True,
-    extra_fp32_types: tuple[type[nn.Module], ...] = (),
-    keep_fp32: Iterable[KeepRule] = (),
-) -> list[nn.Parameter]:
-    """The floating parameters :func:`cast_model` would convert, in
-    ``model.modules()`` order, each once (shared parameters are listed once; one
-    shared with a module kept fp32 stays fp32)."""
-    kept = kept_fp32_modules(model, keep_norm_fp32, extra_fp32_types, keep_fp32)
-    kept_ids = {id(m) for m in kept}
-    kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
-    seen: set[int] = set()
-    out: list[nn.Parameter] = []
-    for module in model.modules():
-        if id(module) in kept_ids:
-            continue
-        for p in module.parameters(recurse=False):
-            if p.is_floating_point() and id(p) not in kept_params and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def _takes_low_precision_input(module: nn.Module) -> bool:
-    """Norm layers whose torch kernels take a 16-bit input with fp32 weights and
-    compute statistics and weight grads in fp32 (checked against fp64: weight grads
-    as accurate as with an fp32 input). BatchNorm and InstanceNorm (cudnn and CPU
-    kernels), GroupNorm on CPU. LayerNorm is not among them: its CPU kernel
-    accumulates the weight grads of a bf16 input in bf16 (4% off on a 64x16x256
-    input), so it gets an fp32 input, as do RMSNorm and LocalResponseNorm."""
-    if isinstance(module, (torch_compat.BATCH_NORM_BASE, torch_compat.INSTANCE_NORM_BASE)):
-        return True
-    if isinstance(module, nn.GroupNorm):
-        devices = {t.device.type for t in module.parameters()} or {"cpu"}
-        return devices == {"cpu"}
-    return False
 
 
 def _is_cast_target(t: object, dtypes: tuple[torch.dtype, ...] | None) -> bool:
@@ -268,26 +138,6 @@ class CastOutputs:
         return f"CastOutputs({self.dtype}, only={self.only})"
 
 
-# Per thread: the ampkit.autocast objects of model forwards in flight (entered by
-# OpCastingEnter, left by OpCastingExit), and one reusable scope per (device, dtype,
-# policy) -- autocast objects keep a stack, so a thread reuses its own.
-_SCOPES = threading.local()
-# Module state (weak keys): model -> the policy its forward runs under (None: the default lists of its dtype).
-_MODEL_POLICY: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-
-
-def _scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool = True) -> Any:
-    cache = getattr(_SCOPES, "cache", None)
-    if cache is None:
-        cache = _SCOPES.cache = {}
-    key = (device_type, dtype, id(policy), enabled)
-    entry = cache.get(key)
-    if entry is None or entry[0] is not policy:
-        scope = autocast(policy, device_type=device_type, dtype=dtype if enabled else None, enabled=enabled)
-        entry = cache[key] = (policy, scope)
-    return entry[1]
-
-
 class OpCastingEnter:
     """Forward pre-hook of a cast model (O2, O2K): its forward runs inside
     ``ampkit.autocast`` with the policy of its compute dtype, so the policy's fp32 ops
@@ -309,7 +159,7 @@ class OpCastingEnter:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_dynamo_compiling():
             _traced_alone_enter()  # skips this frame if dynamo compiles the hook alone
-            _compiled_enter(self.dtype, self.device_type, self.enabled)
+            op_scope.compiled_enter(self.dtype, self.device_type, self.enabled)
             return
         if torch_compat.dynamo_loaded():  # what it calls must not become frames dynamo compiles
             _enter_outside_dynamo(self, module)
@@ -317,12 +167,7 @@ class OpCastingEnter:
             self._enter(module)
 
     def _enter(self, module: nn.Module) -> None:
-        scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module), self.enabled)
-        stack = getattr(_SCOPES, "stack", None)
-        if stack is None:
-            stack = _SCOPES.stack = []
-        scope.__enter__()
-        stack.append((module, scope))
+        op_scope.enter_scope(module, self.device_type, self.dtype, self.enabled)
 
 
 class OpCastingExit:
@@ -338,19 +183,12 @@ class OpCastingExit:
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         if torch.compiler.is_dynamo_compiling():
             _traced_alone_exit()  # skips this frame if dynamo compiles the hook alone
-            _compiled_exit()
+            op_scope.compiled_exit()
             return
         if torch_compat.dynamo_loaded():
             _exit_outside_dynamo(module)
         else:
-            _exit_scope(module)
-
-
-def _exit_scope(module: nn.Module) -> None:
-    stack = getattr(_SCOPES, "stack", None)
-    if stack and stack[-1][0] is module:
-        _, scope = stack.pop()
-        scope.__exit__(None, None, None)
+            op_scope.exit_scope(module)
 
 
 # ``torch.compile(module)`` runs the module's hooks outside its graph (always so while
@@ -375,18 +213,7 @@ def _traced_alone_exit() -> bool:
 torch_compat.mark_trace_constant(_traced_alone_enter)
 torch_compat.mark_trace_constant(_traced_alone_exit)
 _enter_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, module: hook._enter(module))
-_exit_outside_dynamo = torch_compat.run_outside_dynamo(_exit_scope)
-
-
-# Per thread: the calls in flight of cast models and of their entry points (EntryCasts):
-# (module, the scope an entry opened, or None / True: none).
-_ENTRIES = threading.local()
-
-
-def _entry_stack() -> list[tuple[nn.Module, Any]]:
-    if not hasattr(_ENTRIES, "stack"):
-        _ENTRIES.stack = []
-    return _ENTRIES.stack
+_exit_outside_dynamo = torch_compat.run_outside_dynamo(op_scope.exit_scope)
 
 
 class EntryCasts:
@@ -424,7 +251,7 @@ class EntryCasts:
         return self._enter(module, args, kwargs)
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        stack = _entry_stack()
+        stack = op_scope.entry_stack()
         if self.top or stack:
             stack.append((module, None))
             return None
@@ -435,7 +262,7 @@ class EntryCasts:
             self.called_outside = True  # its recomputations take this path again
         scope: Any = True
         if self.device_type is not None:
-            scope = _scope_for(self.device_type, self.dtype, _MODEL_POLICY.get(module))
+            scope = op_scope.scope_for(self.device_type, self.dtype, op_scope.MODEL_POLICY.get(module))
             scope.__enter__()
         stack.append((module, scope))
         return cast_tensors(args, self.dtype), cast_tensors(kwargs, self.dtype)
@@ -461,7 +288,7 @@ class EntryExit:
         return self._exit(module, output)
 
     def _exit(self, module: nn.Module, output: Any) -> Any:
-        stack = _entry_stack()
+        stack = op_scope.entry_stack()
         if not stack or stack[-1][0] is not module:
             return None
         _, scope = stack.pop()
@@ -519,47 +346,9 @@ def _set_entry_scope(model: nn.Module, device_type: str | None, policy: Any = No
             if isinstance(hook, EntryCasts) and not hook.top:
                 hook.device_type = device_type
                 if device_type is not None and policy is not None:
-                    _MODEL_POLICY[module] = policy
+                    op_scope.MODEL_POLICY[module] = policy
                 elif device_type is None:
-                    _MODEL_POLICY.pop(module, None)
-
-
-# Inside code torch.compile traces, the scope is torch's own autocast state, switched
-# with calls dynamo records in the graph (the default lists: a custom policy's changes
-# apply to eager calls only); what to restore is taken at trace time, on a stack per
-# thread (module calls nest, so their scopes close in the reverse order they opened).
-# The trace-time functions take constants only: dynamo before 2.12 refuses a module as
-# an argument of a function it runs at trace time.
-def _compiled_enter(dtype: torch.dtype, device_type: str, enabled: bool = True) -> None:
-    _trace_save(device_type)  # warns once where this torch cannot switch in the graph
-    torch.set_autocast_enabled(device_type, enabled)
-    if enabled:
-        torch.set_autocast_dtype(device_type, dtype)
-
-
-def _compiled_exit() -> None:
-    restore = _trace_restore()
-    if restore is not None:
-        device_type, enabled, dtype = restore
-        torch.set_autocast_enabled(device_type, enabled)
-        torch.set_autocast_dtype(device_type, dtype)
-
-
-def _trace_save(device_type: str) -> None:
-    if not torch_compat.GRAPH_AUTOCAST_SWITCHES:
-        torch_compat.warn_no_graph_switches()
-    stack = _SCOPES.__dict__.setdefault("traced", [])
-    stack.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
-
-
-def _trace_restore() -> tuple[str, bool, torch.dtype] | None:
-    stack = _SCOPES.__dict__.setdefault("traced", [])
-    return stack.pop() if stack else None
-
-
-# run by dynamo at trace time, their results constants in the graph
-torch_compat.mark_trace_constant(_trace_save)
-torch_compat.mark_trace_constant(_trace_restore)
+                    op_scope.MODEL_POLICY.pop(module, None)
 
 
 def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, policy: Any = None) -> None:
@@ -568,7 +357,7 @@ def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, polic
     device's lists). Replaces what an earlier call installed."""
     remove_op_casting(model)
     if policy is not None:
-        _MODEL_POLICY[model] = policy
+        op_scope.MODEL_POLICY[model] = policy
     _set_entry_scope(model, device_type, policy)
     # Outermost: the scope opens before the input casts and closes after the output casts.
     model.register_forward_pre_hook(OpCastingEnter(dtype, device_type), prepend=True)
@@ -576,7 +365,7 @@ def add_op_casting(model: nn.Module, dtype: torch.dtype, device_type: str, polic
 
 
 def remove_op_casting(model: nn.Module) -> None:
-    _MODEL_POLICY.pop(model, None)
+    op_scope.MODEL_POLICY.pop(model, None)
     _set_entry_scope(model, None)
     _remove_scope_hooks(model, enabled=True)
 
@@ -694,7 +483,7 @@ def cast_model(
     for module in model.modules():  # a re-cast replaces the hooks of the previous one
         remove_io_casts(module)
         remove_fp32_scope(module)
-    kept = _kept_with_roots(model, keep_norm_fp32, extra, rules)
+    kept = kept_with_roots(model, keep_norm_fp32, extra, rules)
     kept_ids = {id(m) for m, _ in kept}
     kept_params = {id(p) for m, _ in kept for p in m.parameters(recurse=False)}
     for module in model.modules():
@@ -705,7 +494,7 @@ def cast_model(
         _cast_own_tensors(m, torch.float32, keep=set())
         if not root:
             continue  # runs inside its kept ancestor, on its fp32 inputs
-        if _takes_low_precision_input(m):
+        if takes_low_precision_input(m):
             # The kernel accumulates in fp32 itself: feed it the 16-bit activation, so
             # the tensor it saves for backward is 16-bit too.
             add_io_casts(m, dtype, output_dtype=None)

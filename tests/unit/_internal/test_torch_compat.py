@@ -541,7 +541,8 @@ def test_unscale_and_check_sends_dtypes_the_device_kernel_lacks_to_the_composite
     monkeypatch.setitem(tc.FUSED_CHECK_DTYPES, "cpu", frozenset({torch.float32}))
     called = []
     real = tc.unscale_and_check_composite_
-    monkeypatch.setattr(tc, "unscale_and_check_composite_", lambda *a: (called.append(a[0]), real(*a)))
+    # patched where amp_unscale_and_check_ looks it up: its own module of the package
+    monkeypatch.setattr(tc.ops, "unscale_and_check_composite_", lambda *a: (called.append(a[0]), real(*a)))
     grads = [torch.full((4,), 2.0), torch.full((4,), 2.0, dtype=torch.bfloat16)]
     grads[1][0] = float("inf")
     found = torch.zeros(())

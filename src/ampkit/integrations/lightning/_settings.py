@@ -17,7 +17,7 @@ from ampkit.errors import AmpError
 
 from .._shared import OPT_LEVELS, default_device_type, is_fp32_level, level_names, resolve_opt_level
 
-__all__ = ["Settings", "device_type_of", "is_float_loss_scale"]
+__all__ = ["Settings", "device_type_of"]
 
 #: initialize() arguments the plugins take as parameters of their own.
 _OWN = {
@@ -29,10 +29,6 @@ _OWN = {
     "fresh": "nothing (each fit starts a fresh ampkit session)",
     "plan": "AmpkitPrecision(plan=...)",
 }
-
-
-def is_float_loss_scale(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def device_type_of(module: nn.Module) -> str:

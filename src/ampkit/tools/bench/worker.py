@@ -71,7 +71,6 @@ class TrainingRun:
         self.model, self.optimizer = self.recipe.prepare(model, optimizer)
         self.scheduler = self.workload.build_scheduler(self.optimizer, spec.steps)
         self.batches = self.workload.batches(torch.Generator().manual_seed(spec.seed))
-        self.step_count = 0
 
     def info(self) -> dict[str, Any]:
         """What the parent shows before training starts."""
@@ -110,7 +109,6 @@ class TrainingRun:
             losses.append(loss)
             skipped.append(was_skipped)
             scales.append(self.recipe.loss_scale())
-            self.step_count += 1
         self._sync()
         seconds = time.perf_counter() - start
         after = minor_page_faults()

@@ -33,12 +33,6 @@ class UsageError(Exception):
     code 2."""
 
 
-def writable(path: Path) -> bool:
-    """Whether ampkit writes a file at ``path``: the name is free or a regular file's
-    (no folder, symlink, FIFO or device), and its folder exists and takes a new file."""
-    return unwritable_reason(path) is None
-
-
 def unwritable(path: Path | None, what: str, prog: str) -> str | None:
     """The one-line error for an output file ``path`` that is a folder, a symlink, a
     FIFO or a device, or whose folder is missing or not writable (None when it can be

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-FP16_TINY = float(torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps)
 MAX_SCALE = 2.0**24  # LossScaler's default cap
 
 
