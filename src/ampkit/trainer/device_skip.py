@@ -13,11 +13,6 @@ long passed the flag), or when anything asks for what it changes first (the
 scaler's scale or state, a state dict, ``release``). What a reader sees is what the
 host-decided step shows; only the moment the host learns it moves.
 
-``torch.optim.SGD`` is not fused for good (see ``ampkit.trainer.fused_step``), but a
-step of it that fits is run by torch's fused kernel, with the flag, where a probe finds
-that kernel bitwise the group's own (``fused_step.fused_for_one_step``: without
-momentum; with it, the fused kernel's momentum buffer differs in the last bits).
-
 A step is decided on the host as before (one read of its flag in ``step()``) when any of
 these holds: a parameter group is not fused (foreach and for-loop kernels take no flag),
 the optimizer is not exactly one of the classes above, a parameter with a grad has no
@@ -50,7 +45,6 @@ from ampkit.casting.engine import step_hook_installed
 
 from .decision import Segment, decide
 from .extensions import update_with
-from .fused_step import fused_for_one_step
 from .stats import flush_skip_reports
 
 if TYPE_CHECKING:
@@ -89,10 +83,9 @@ def fits(state: ManagedOptimizer, closure: Callable[[], Any] | None, post_hooks:
     if any(scaler.overflow_raises() for scaler in state.scalers):
         return False  # the error is raised by the step that overflows, as on the host
     groups = opt.param_groups
-    # torch's fused kernels take the flag (an SGD group for this step where that is bitwise
-    # its own kernel); a group an extension steps entirely itself needs none (but torch's
-    # foreach kernels refuse a flag: all one or all the other)
-    if not all(group.get("fused") or fused_for_one_step(opt, group) for group in groups):
+    # torch's fused kernels take the flag; a group an extension steps entirely itself
+    # needs none (but torch's foreach kernels refuse a flag: all one or all the other)
+    if not all(group.get("fused") for group in groups):
         own: set[int] = set().union(*(ext.own_groups() for ext in extensions)) if extensions else set()
         if not all(id(group) in own for group in groups):
             return False
@@ -130,16 +123,9 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
     state.steps += 1
     state.pending_outcome = segments
     _PENDING.add(state)
-    switched: list[tuple[dict, Any]] = []  # SGD groups fused for this step (fits checked it)
     if found is not None:
-        groups = opt.param_groups
-        if all(group.get("fused") or fused_for_one_step(opt, group) for group in groups):
-            for group in groups:
-                if not group.get("fused"):
-                    switched.append((group, group.get("foreach")))
-                    group["fused"], group["foreach"] = True, False
+        if all(group.get("fused") for group in opt.param_groups):  # else ampkit's kernels step every group
             opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
-        # else ampkit's kernels step every group
         state.skip_flag = found
     try:
         return update_with(state.extensions, inner, args, kwargs)
@@ -148,8 +134,6 @@ def step(state: ManagedOptimizer, inner: Callable[..., Any], args: tuple, kwargs
         raise
     finally:
         state.skip_flag = None
-        for group, foreach in switched:
-            group["fused"], group["foreach"] = None, foreach
         for name in ("grad_scale", "found_inf"):
             opt.__dict__.pop(name, None)
 

@@ -46,10 +46,7 @@ from ampkit._internal import torch_compat
 
 from .optimizer_rules import rule_of
 
-__all__ = [
-    "use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "fused_for_one_step", "nonfinite_flag",
-    "unscale_and_flag",
-]
+__all__ = ["use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "nonfinite_flag", "unscale_and_flag"]
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # (class, dtype, device type, hyperparameters) -> whether fused matches the loop.
@@ -90,66 +87,34 @@ def _fused_steps_like_the_loop(optimizer: torch.optim.Optimizer, group: dict, pa
 
 
 def _fused_agrees(
-    cls: type[torch.optim.Optimizer], defaults: dict, group: dict, dtype: torch.dtype, device: torch.device,
-    exact_to: bool | None = None,
+    cls: type[torch.optim.Optimizer], defaults: dict, group: dict, dtype: torch.dtype, device: torch.device
 ) -> bool:
     """Whether ``cls(fused=True)`` steps like ``cls(foreach=False)`` with this group's
-    hyperparameters: two steps on 1031 random elements, within 1e-5 of the update; with
-    ``exact_to`` (the group's ``foreach``), three steps bit for bit like
-    ``cls(foreach=exact_to)``, parameter and state."""
+    hyperparameters: two steps on 1031 random elements, within 1e-5 of the update."""
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: group[k] for k in defaults if k in group and k in accepted and k not in _PROBE_SKIP}
-    if exact_to is not None:  # asked at every step: a scheduled learning rate must not probe again
-        kwargs["lr"] = 0.01
-    key = (cls, dtype, device.type, tuple(sorted((k, repr(v)) for k, v in kwargs.items())), exact_to)
+    key = (cls, dtype, device.type, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     known = _PROBED.get(key)
     if known is not None:
         return known
     try:
         g = torch.Generator().manual_seed(0)
         start = torch.randn(1031, generator=g).to(device, dtype)
-        grads = [torch.randn(1031, generator=g).to(device, dtype) for _ in range(2 if exact_to is None else 3)]
+        grads = [torch.randn(1031, generator=g).to(device, dtype) for _ in range(2)]
         results = []
-        for mode in ({"fused": True}, {"foreach": bool(exact_to)}):
+        for mode in ({"fused": True}, {"foreach": False}):
             p = torch.nn.Parameter(start.clone())
             opt = cls([p], **kwargs, **mode)
             for grad in grads:
                 p.grad = grad.clone()
                 opt.step()
             results.append(p.detach().double())
-            if exact_to is not None:  # and its state, bit for bit
-                results += [v.double() for v in opt.state[p].values() if torch.is_tensor(v) and v.numel() > 1]
-        if exact_to is not None:
-            half = len(results) // 2
-            agrees = len(results) % 2 == 0 and all(torch.equal(a, b) for a, b in zip(results[:half], results[half:]))
-        else:
-            scale = (results[1] - start.double()).abs().max().item()
-            agrees = bool((results[0] - results[1]).abs().max().item() <= 1e-5 * scale + 1e-30)
+        scale = (results[1] - start.double()).abs().max().item()
+        agrees = bool((results[0] - results[1]).abs().max().item() <= 1e-5 * scale + 1e-30)
     except Exception:  # a hyperparameter the fused kernel refuses, ...
         agrees = False
     _PROBED[key] = agrees
     return agrees
-
-
-def fused_for_one_step(optimizer: torch.optim.Optimizer, group: dict) -> bool:
-    """Whether torch's fused kernel may step ``group`` for one step in place of the kernel
-    it was built with, bit for bit, so that the step takes a found-inf flag
-    (:mod:`ampkit.trainer.device_skip`): a ``torch.optim.SGD`` group (which keeps
-    ``foreach``: see the module docs for why SGD is not fused for good) of dense
-    fp32/fp64 parameters on a device torch has fused kernels for, neither
-    ``differentiable`` nor ``capturable``, whose fused step a probe per configuration
-    finds bitwise its own kernel's. The caller makes sure every parameter with a grad
-    has its momentum buffer (the fused kernel fails on a mix)."""
-    if type(optimizer) is not torch.optim.SGD or group.get("fused") or group.get("differentiable") or group.get("capturable"):
-        return False
-    devices = _fused_devices()
-    params = group["params"]
-    if not all(p.device.type in devices and p.dtype in _FUSED_DTYPES and not p.is_sparse
-               and (p.grad is None or not p.grad.is_sparse) for p in params):  # fmt: skip
-        return False
-    kinds = {(p.dtype, p.device) for p in params}
-    foreach = bool(group.get("foreach"))
-    return all(_fused_agrees(type(optimizer), optimizer.defaults, group, d, dev, exact_to=foreach) for d, dev in kinds)
 
 
 def _foreach_fits(optimizer: torch.optim.Optimizer, group: dict) -> bool:

@@ -29,9 +29,6 @@ OPTIMIZERS = {
     "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
     "SGD-fused": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
-    # ampkit leaves SGD at foreach; a step runs torch's fused kernel where a probe finds it
-    # bitwise the same: without momentum (with momentum the buffers differ in the last bit)
-    "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, weight_decay=1e-3),
 }
 
 
@@ -45,7 +42,7 @@ def _run(opt_name: str, dtype: torch.dtype, on_host: bool, plan: list, scheduler
     if scheduler:  # O1 by amp.init, a scheduler held by ampkit (stepped on taken steps only)
         amp.init(dtype=dtype, device_type="cpu")
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=len(plan) + 1,
-                                                    cycle_momentum=opt_name not in ("Adagrad", "SGD"))
+                                                    cycle_momentum=opt_name != "Adagrad")
         amp.init_trainer(opt, LossScaler() if dtype == torch.float16 else 1.0, schedulers=[sched])
     else:
         model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype)
@@ -105,26 +102,16 @@ def test_a_fused_step_reads_nothing_and_shows_what_the_host_decided_step_shows(o
 
 
 def test_foreach_groups_and_a_closure_are_decided_on_the_host():
-    """A foreach group (its kernel takes no flag: SGD with momentum, whose fused kernel is
-    not bitwise foreach's) and a closure step read the flag once in step(), as before;
-    SGD without momentum, which ampkit also leaves at foreach, steps with torch's fused
-    kernel (bitwise the same), its groups unchanged after."""
+    """SGD (ampkit picks foreach: torch's fused SGD is not the loop's) and a closure
+    step read the flag once in step(), as before."""
     _, reads = _run("Adam", torch.bfloat16, on_host=False, plan=[None, None])
     assert reads == [1, 0]
     amp.reset()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1")
-    assert [(g["fused"], g["foreach"]) for g in opt.param_groups] == [(None, True)]
-    # no momentum: no state to create first; the second read is the first step's flag,
-    # at the next scale_loss (the device has passed it)
-    assert _reads_per_step(model, opt, 2) == [0, 1]
-    assert [(g["fused"], g["foreach"]) for g in opt.param_groups] == [(None, True)]
-    amp.reset()
-    model = _model()  # with momentum torch's fused buffers are not foreach's, bit for bit: on the host
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O1")
-    assert _reads_per_step(model, opt, 3) == [1, 1, 1]
+    assert [g["fused"] for g in opt.param_groups] == [None]
+    assert _reads_per_step(model, opt, 2) == [1, 1]
     amp.reset()
 
 
