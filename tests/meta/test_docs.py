@@ -324,7 +324,7 @@ def _page_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fresh_process() -> Forker:
+def page_process() -> Forker:
     """A new process per page, forked from one that imported torch and ampkit (a reader's
     fresh interpreter, without paying ``import torch`` once a page)."""
     forker = Forker(_page_env())
@@ -333,9 +333,9 @@ def fresh_process() -> Forker:
 
 
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: str(p.relative_to(DOCS)))
-def test_page_code_blocks_run(page: Path, tmp_path: Path, fresh_process: Forker) -> None:
+def test_page_code_blocks_run(page: Path, tmp_path: Path, page_process: Forker) -> None:
     blocks = [b for b in code_blocks(page) if b["lang"] in PYTHON and b["not_run"] is None]
-    proc = fresh_process.run(RUNNER, [str(page.relative_to(ROOT))], input=json.dumps(blocks), cwd=tmp_path,
+    proc = page_process.run(RUNNER, [str(page.relative_to(ROOT))], input=json.dumps(blocks), cwd=tmp_path,
                              env=_page_env(), timeout=240)  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
@@ -487,7 +487,7 @@ def test_every_guide_is_in_the_guides_reading_order() -> None:
     assert "## Install" in (DOCS / "guides" / "getting-started.md").read_text().split("## Three lines")[0]
 
 
-def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path: Path, fresh_process: Forker) -> None:
+def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path: Path, page_process: Forker) -> None:
     """docs/index.md: the install lines, a runnable example whose printed loss is the
     one the text states, the chooser naming each framework, and the headline table as
     benchmarks/docs_pages.py writes it from the recorded full run."""
@@ -502,7 +502,7 @@ def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path
     numbers = text.split(docs_pages.HEADLINE_START)[1].split(docs_pages.HEADLINE_END)[0]
     assert "| workload | precision | speed vs fp32 |" in numbers and "ampkit O2K" in numbers
     (block,) = [b for b in code_blocks(DOCS / "index.md") if b["lang"] in PYTHON]
-    proc = fresh_process.run(block["code"], cwd=tmp_path, env=_page_env(), timeout=120)
+    proc = page_process.run(block["code"], cwd=tmp_path, env=_page_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     first, last = (float(out.split(f"step {n}: loss ")[1].split()[0]) for n in (0, 59))
