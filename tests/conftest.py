@@ -100,6 +100,17 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+@pytest.fixture(scope="session")
+def forked_python():
+    """New Python processes without a new ``import torch`` each: forked from one server
+    process per test process that imported torch and ampkit (``tests/support/forked.py``)."""
+    from forked import Forker, fork_env
+
+    forker = Forker(fork_env())
+    yield forker
+    forker.close()
+
+
 @pytest.fixture(autouse=True)
 def _clean_ampkit_state(_torch_autocast_switches_restored):  # noqa: ARG001 (fixture order)
     """Undo any process-wide ampkit state a test left behind (amp.init, sessions)."""

@@ -10,7 +10,6 @@ import collections
 import datetime
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -37,34 +36,22 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-
-
-#: ``python SCRIPT ARGS`` in a forked process: the script as ``__main__``, its folder first on sys.path
-AS_SCRIPT = """
-import os, runpy, sys
-sys.argv = sys.argv[1:]
-sys.path[0] = os.path.dirname(sys.argv[0])
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 _FORKER: list[Forker] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_processes():
+@pytest.fixture(autouse=True)
+def _fresh_processes(forked_python: Forker):
     """Each script runs in a new process forked from one that imported torch and ampkit
     (``tests/support/forked.py``): a fresh process without ``import torch`` paid each time."""
-    _FORKER.append(Forker(_env()))
+    _FORKER.append(forked_python)
     yield
-    _FORKER.pop().close()
+    _FORKER.pop()
 
 
 def run_script(script: str, args: list[str], tmp_path: Path, timeout: int = 240) -> tuple[str, dict[str, Any]]:
     """Run ``benchmarks/SCRIPT ARGS --json FILE`` on one thread: (stdout, the record)."""
     out = tmp_path / f"{Path(script).stem}.json"
-    proc = _FORKER[0].run(AS_SCRIPT, [str(BENCH / script), *args, "--json", str(out)], cwd=Path.cwd(), env=_env(),
-                          timeout=timeout)  # fmt: skip
+    proc = _FORKER[0].run_script(BENCH / script, [*args, "--json", str(out)], timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith(f"wrote {out}")
     record = _strict_json(out.read_text())

@@ -27,7 +27,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from forked import Forker
+from forked import Forker, fork_env
 from locations import ROOT
 
 import ampkit
@@ -319,24 +319,18 @@ for b in blocks:
 '''
 
 
-def _page_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-
-
-@pytest.fixture(scope="module")
-def page_process() -> Forker:
+@pytest.fixture
+def page_process(forked_python: Forker) -> Forker:
     """A new process per page, forked from one that imported torch and ampkit (a reader's
     fresh interpreter, without paying ``import torch`` once a page)."""
-    forker = Forker(_page_env())
-    yield forker
-    forker.close()
+    return forked_python
 
 
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_code_blocks_run(page: Path, tmp_path: Path, page_process: Forker) -> None:
     blocks = [b for b in code_blocks(page) if b["lang"] in PYTHON and b["not_run"] is None]
     proc = page_process.run(RUNNER, [str(page.relative_to(ROOT))], input=json.dumps(blocks), cwd=tmp_path,
-                             env=_page_env(), timeout=240)  # fmt: skip
+                             env=fork_env(), timeout=240)  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 
@@ -502,7 +496,7 @@ def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path
     numbers = text.split(docs_pages.HEADLINE_START)[1].split(docs_pages.HEADLINE_END)[0]
     assert "| workload | precision | speed vs fp32 |" in numbers and "ampkit O2K" in numbers
     (block,) = [b for b in code_blocks(DOCS / "index.md") if b["lang"] in PYTHON]
-    proc = page_process.run(block["code"], cwd=tmp_path, env=_page_env(), timeout=120)
+    proc = page_process.run(block["code"], cwd=tmp_path, env=fork_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     first, last = (float(out.split(f"step {n}: loss ")[1].split()[0]) for n in (0, 59))

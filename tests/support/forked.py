@@ -8,6 +8,9 @@ ARGS`` as the interpreter would (``__main__``, ``sys.argv``, the exit code of
 ``SystemExit``, a traceback and exit code 1 for an exception, atexit handlers at the
 end). Only the imports done before the fork are shared, so a test that checks what
 happens at import, or under another environment at import, starts its own interpreter.
+
+``tests/conftest.py`` starts one server per test process (the ``forked_python``
+fixture), with :func:`fork_env`; :meth:`Forker.run_script` runs ``python SCRIPT ARGS``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from locations import ROOT
 
 SERVER = r"""
 import atexit, builtins, json, os, sys, threading, traceback
@@ -71,6 +76,21 @@ for line in sys.stdin:
 """
 
 
+#: ``python SCRIPT ARGS`` in a forked process: the script as ``__main__``, its folder first on sys.path
+AS_SCRIPT = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(sys.argv[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def fork_env(**extra: str) -> dict[str, str]:
+    """This process's environment, one thread, this checkout's ``src`` first on the path
+    (what the server was started with), and ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), **extra)
+
+
 class Forker:
     """One server process (see the module's docstring), started with ``env``; every
     :meth:`run` must ask for the same ``PYTHONPATH`` and thread counts, which decided
@@ -114,6 +134,11 @@ class Forker:
             raise subprocess.TimeoutExpired(["-c", "<code>", *args], timeout) from None
         out, err = (Path(files[name]).read_text() for name in ("stdout", "stderr"))
         return subprocess.CompletedProcess(["-c", "<code>", *args], rc, out, err)
+
+    def run_script(self, script: Path, args: list[str] = (), *, cwd: Path | None = None,
+                   env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:  # fmt: skip
+        """``python SCRIPT ARGS`` in a forked child (``cwd``: this process's; ``env``: :func:`fork_env`)."""
+        return self.run(AS_SCRIPT, [str(script), *args], cwd=cwd or Path.cwd(), env=env or fork_env(), timeout=timeout)
 
     def close(self) -> None:
         self.proc.stdin.close()
