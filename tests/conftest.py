@@ -27,31 +27,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ["AMPKIT_COMPILE_AHEAD"] = "0"
 
 
-#: The test files that take longest (measured with ``--durations``, 2 cores), longest
+#: The test files that take longest (measured with ``--durations``, one core), longest
 #: first. ``make test`` hands whole files to its two workers in collection order
 #: (``--dist loadfile --no-loadscope-reorder``): these start first, so the files left for
 #: the end are short and neither worker waits long for the other. Any other file follows
 #: them, files with more tests first (pytest-xdist's own order). Only the order changes.
 LONGEST_FILES = (
+    "meta/test_benchmark_json.py",
     "unit/distributed/test_fsdp.py",
     "meta/test_docs.py",
-    "unit/casting/test_compile.py",
-    "meta/test_benchmark_json.py",
     "tools/test_run.py",
+    "integrations/test_integration_hf.py",
     "unit/levels/test_fp8_compile.py",
-    "unit/distributed/test_distributed.py",
-    "tools/test_bench.py",
-    "tools/test_tune.py",
+    "unit/casting/test_compile.py",
     "tools/test_run_tied_plan.py",
-    "unit/casting/test_threads.py",
-    "tools/test_tune_hardening.py",
-    "tools/test_memory_bench.py",
-    "integrations/test_integration_lightning.py",
-    "unit/casting/test_lists.py",
+    "tools/test_run_idioms.py",
     "tools/test_warmup.py",
+    "tools/test_tune.py",
+    "tools/test_memory_bench.py",
+    "tools/test_bench.py",
+    "tools/test_tune_hardening.py",
+    "tools/test_gpu_check.py",
+    "unit/casting/test_threads.py",
     "meta/test_benchmark_run_overhead.py",
-    "scenarios/test_examples.py",
+    "unit/distributed/test_checkpoint_sweep.py",
+    "integrations/test_integration_lightning.py",
+    "unit/distributed/test_distributed.py",
+    "meta/test_architecture.py",
+    "unit/casting/test_lists.py",
+    "unit/levels/test_levels.py",
+    "integrations/test_integration_accelerate.py",
     "tools/test_step_limit.py",
+    "unit/inference/test_convert.py",
+    "unit/levels/test_compensated.py",
 )
 
 
