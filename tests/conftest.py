@@ -12,7 +12,6 @@ Accelerate), ``tools`` (the CLI, ``ampkit run``, the doctor, bench, tune, apex),
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -93,17 +92,21 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Tests marked ``fresh_process`` assert process-wide state (the kernels registered on
-    torch's dispatcher, the threads alive): they run alone in a new interpreter, so what
+    torch's dispatcher, the threads alive): they run alone in a new process, so what
     other tests left behind (a compile worker thread, kernels kept while a thread lives)
-    cannot decide their outcome."""
+    cannot decide their outcome. The process is forked from one that imported torch and
+    ampkit and ran nothing (``tests/support/forked.py``: one thread, no ampkit state) and
+    runs ``pytest`` on the test there, as ``python -m pytest NODEID`` would."""
     if pyfuncitem.get_closest_marker("fresh_process") is None:
         return None
     if os.environ.get("AMPKIT_FRESH_TEST") == pyfuncitem.nodeid:
-        return None  # this is the new interpreter: run the test here
+        return None  # this is the new process: run the test here
+    import forked
+
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "AMPKIT_FRESH_TEST": pyfuncitem.nodeid}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    args = ["-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    proc = forked.shared().run("import sys, pytest\nsys.exit(pytest.main(sys.argv[1:]))", args, cwd=root,
+                               env=forked.fork_env(AMPKIT_FRESH_TEST=pyfuncitem.nodeid), timeout=280)  # fmt: skip
     assert proc.returncode == 0, f"{pyfuncitem.nodeid} failed in a fresh process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return True
 
@@ -112,11 +115,15 @@ def pytest_pyfunc_call(pyfuncitem):
 def forked_python():
     """New Python processes without a new ``import torch`` each: forked from one server
     process per test process that imported torch and ampkit (``tests/support/forked.py``)."""
-    from forked import Forker, fork_env
+    import forked
 
-    forker = Forker(fork_env())
-    yield forker
-    forker.close()
+    return forked.shared()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import forked
+
+    forked.close_shared()
 
 
 @pytest.fixture(autouse=True)

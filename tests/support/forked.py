@@ -9,8 +9,10 @@ ARGS`` as the interpreter would (``__main__``, ``sys.argv``, the exit code of
 end). Only the imports done before the fork are shared, so a test that checks what
 happens at import, or under another environment at import, starts its own interpreter.
 
-``tests/conftest.py`` starts one server per test process (the ``forked_python``
-fixture), with :func:`fork_env`; :meth:`Forker.run_script` runs ``python SCRIPT ARGS``.
+One server per test process (:func:`shared`, started with :func:`fork_env` at its first
+use, closed by ``tests/conftest.py`` at the session's end) serves the ``forked_python``
+fixture and the tests marked ``fresh_process``; :meth:`Forker.run_script` runs ``python
+SCRIPT ARGS``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,22 @@ def fork_env(**extra: str) -> dict[str, str]:
     """This process's environment, one thread, this checkout's ``src`` first on the path
     (what the server was started with), and ``extra``."""
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), **extra)
+
+
+_SHARED: list[Forker] = []
+
+
+def shared() -> Forker:
+    """This process's server, started at the first call."""
+    if not _SHARED:
+        _SHARED.append(Forker(fork_env()))
+    return _SHARED[0]
+
+
+def close_shared() -> None:
+    """Stop this process's server, if one was started."""
+    while _SHARED:
+        _SHARED.pop().close()
 
 
 class Forker:
