@@ -86,6 +86,14 @@ sys.path[0] = os.path.dirname(sys.argv[0])
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+#: ``python -m MODULE ARGS`` in a forked process: the module as ``__main__``, the working folder first on sys.path
+AS_MODULE = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path[0] = os.getcwd()
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
 
 def fork_env(**extra: str) -> dict[str, str]:
     """This process's environment, one thread, this checkout's ``src`` first on the path
@@ -157,6 +165,15 @@ class Forker:
                    env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:  # fmt: skip
         """``python SCRIPT ARGS`` in a forked child (``cwd``: this process's; ``env``: :func:`fork_env`)."""
         return self.run(AS_SCRIPT, [str(script), *args], cwd=cwd or Path.cwd(), env=env or fork_env(), timeout=timeout)
+
+    def run_argv(self, argv: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 240) -> subprocess.CompletedProcess:  # fmt: skip
+        """``argv`` (``[sys.executable, SCRIPT, ARGS...]`` or ``[sys.executable, "-m", MODULE, ARGS...]``,
+        as a command list hands it to ``subprocess.run``) in a forked child."""
+        assert argv[0] == sys.executable and argv[1:], argv
+        if argv[1] == "-m":
+            return self.run(AS_MODULE, list(argv[2:]), cwd=cwd or Path.cwd(), env=env or fork_env(), timeout=timeout)
+        return self.run_script(Path(argv[1]), list(argv[2:]), cwd=cwd, env=env, timeout=timeout)
 
     def close(self) -> None:
         self.proc.stdin.close()
