@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples
 	$(VENV)/bin/lint-imports
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile --durations=25  # one test file per worker, both cores; the 25 slowest listed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25  # one test file per worker, both cores, the longest files first (tests/conftest.py); the 25 slowest listed
 
 test-fast: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile -m "not slow and not distributed"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not distributed"
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests benchmarks examples

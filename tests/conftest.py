@@ -12,7 +12,6 @@ Accelerate), ``tools`` (the CLI, ``ampkit run``, the doctor, bench, tune, apex),
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 os.environ["AMPKIT_COMPILE_AHEAD"] = "0"
 
 
+#: The test files that take longest (measured with ``--durations``, one core), longest
+#: first. ``make test`` hands whole files to its two workers in collection order
+#: (``--dist loadfile --no-loadscope-reorder``): these start first, so the files left for
+#: the end are short and neither worker waits long for the other. Any other file follows
+#: them, files with more tests first (pytest-xdist's own order). Only the order changes.
+LONGEST_FILES = (
+    "meta/test_benchmark_json.py",
+    "unit/distributed/test_fsdp.py",
+    "meta/test_docs.py",
+    "tools/test_run.py",
+    "integrations/test_integration_hf.py",
+    "unit/levels/test_fp8_compile.py",
+    "unit/casting/test_compile.py",
+    "tools/test_run_tied_plan.py",
+    "tools/test_run_idioms.py",
+    "tools/test_warmup.py",
+    "tools/test_tune.py",
+    "tools/test_memory_bench.py",
+    "tools/test_bench.py",
+    "tools/test_tune_hardening.py",
+    "tools/test_gpu_check.py",
+    "unit/casting/test_threads.py",
+    "meta/test_benchmark_run_overhead.py",
+    "unit/distributed/test_checkpoint_sweep.py",
+    "integrations/test_integration_lightning.py",
+    "unit/distributed/test_distributed.py",
+    "meta/test_architecture.py",
+    "unit/casting/test_lists.py",
+    "unit/levels/test_levels.py",
+    "integrations/test_integration_accelerate.py",
+    "tools/test_step_limit.py",
+    "unit/inference/test_convert.py",
+    "unit/levels/test_compensated.py",
+)
+
+
+def _longest_first(items: list) -> None:
+    tests = Path(__file__).resolve().parent
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+
+    def key(item) -> tuple[int, int]:
+        try:
+            name = item.path.relative_to(tests).as_posix()
+        except ValueError:
+            name = ""
+        return rank.get(name, len(rank)), -counts[item.path]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -39,19 +92,38 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Tests marked ``fresh_process`` assert process-wide state (the kernels registered on
-    torch's dispatcher, the threads alive): they run alone in a new interpreter, so what
+    torch's dispatcher, the threads alive): they run alone in a new process, so what
     other tests left behind (a compile worker thread, kernels kept while a thread lives)
-    cannot decide their outcome."""
+    cannot decide their outcome. The process is forked from one that imported torch and
+    ampkit and ran nothing (``tests/support/forked.py``: one thread, no ampkit state) and
+    runs ``pytest`` on the test there, as ``python -m pytest NODEID`` would."""
     if pyfuncitem.get_closest_marker("fresh_process") is None:
         return None
     if os.environ.get("AMPKIT_FRESH_TEST") == pyfuncitem.nodeid:
-        return None  # this is the new interpreter: run the test here
+        return None  # this is the new process: run the test here
+    import forked
+
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "AMPKIT_FRESH_TEST": pyfuncitem.nodeid}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    args = ["-q", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    proc = forked.shared().run("import sys, pytest\nsys.exit(pytest.main(sys.argv[1:]))", args, cwd=root,
+                               env=forked.fork_env(AMPKIT_FRESH_TEST=pyfuncitem.nodeid), timeout=280)  # fmt: skip
     assert proc.returncode == 0, f"{pyfuncitem.nodeid} failed in a fresh process:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     return True
+
+
+@pytest.fixture(scope="session")
+def forked_python():
+    """New Python processes without a new ``import torch`` each: forked from one server
+    process per test process that imported torch and ampkit (``tests/support/forked.py``)."""
+    import forked
+
+    return forked.shared()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import forked
+
+    forked.close_shared()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ import collections
 import datetime
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from forked import Forker
 from locations import ROOT, load_file
 
 from ampkit.tools.bench.machine import cpu_flags, write_record
@@ -36,12 +36,22 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
+_FORKER: list[Forker] = []
+
+
+@pytest.fixture(autouse=True)
+def _fresh_processes(forked_python: Forker):
+    """Each script runs in a new process forked from one that imported torch and ampkit
+    (``tests/support/forked.py``): a fresh process without ``import torch`` paid each time."""
+    _FORKER.append(forked_python)
+    yield
+    _FORKER.pop()
+
+
 def run_script(script: str, args: list[str], tmp_path: Path, timeout: int = 240) -> tuple[str, dict[str, Any]]:
     """Run ``benchmarks/SCRIPT ARGS --json FILE`` on one thread: (stdout, the record)."""
     out = tmp_path / f"{Path(script).stem}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+    proc = _FORKER[0].run_script(BENCH / script, [*args, "--json", str(out)], timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith(f"wrote {out}")
     record = _strict_json(out.read_text())

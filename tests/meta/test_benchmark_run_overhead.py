@@ -7,9 +7,6 @@ script does). No test asserts a timing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,12 +18,11 @@ SCRIPT = ROOT / "benchmarks" / "run_overhead.py"
 
 
 @pytest.mark.slow
-def test_run_overhead_json_holds_both_arms_the_ratio_and_the_profile(tmp_path):
+def test_run_overhead_json_holds_both_arms_the_ratio_and_the_profile(tmp_path, forked_python):
     out = tmp_path / "run_overhead.json"
     args = ["--rounds", "1", "--steps", "3", "--warmup", "1", "--layers", "1", "--profile", str(tmp_path / "prof"),
             "--json", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240, env=env)
+    proc = forked_python.run_script(SCRIPT, args, timeout=240)  # python SCRIPT ARGS, in a forked process
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     record = json.loads(out.read_text())
     assert list(record)[0] == "machine" and record["machine"]["torch"] == torch.__version__

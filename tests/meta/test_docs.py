@@ -6,9 +6,10 @@ warnings as errors and nitpicky references.
 Code blocks: a fence whose language is Python (``python``, ``py``, ``python3``,
 ``pycon``, also as ``{code-block}``) runs unless the line before it (blank lines
 aside) is a marker with its reason, e.g. ``<!-- not-run: needs CUDA -->``. The runnable
-blocks of one page run in order in one fresh interpreter (one thread, a temporary
-working folder), sharing their names as a reader's session would; ``pycon`` blocks
-are doctests (their printed output is compared).
+blocks of one page run in order in one fresh process (one thread, a temporary
+working folder; forked from one that imported torch and ampkit:
+``tests/support/forked.py``), sharing their names as a reader's session would;
+``pycon`` blocks are doctests (their printed output is compared).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from forked import Forker, fork_env
 from locations import ROOT
 
 import ampkit
@@ -317,14 +319,18 @@ for b in blocks:
 '''
 
 
+@pytest.fixture
+def page_process(forked_python: Forker) -> Forker:
+    """A new process per page, forked from one that imported torch and ampkit (a reader's
+    fresh interpreter, without paying ``import torch`` once a page)."""
+    return forked_python
+
+
 @pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: str(p.relative_to(DOCS)))
-def test_page_code_blocks_run(page: Path, tmp_path: Path) -> None:
+def test_page_code_blocks_run(page: Path, tmp_path: Path, page_process: Forker) -> None:
     blocks = [b for b in code_blocks(page) if b["lang"] in PYTHON and b["not_run"] is None]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(page.relative_to(ROOT))],
-        input=json.dumps(blocks), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240,
-    )  # fmt: skip
+    proc = page_process.run(RUNNER, [str(page.relative_to(ROOT))], input=json.dumps(blocks), cwd=tmp_path,
+                             env=fork_env(), timeout=240)  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 
@@ -475,7 +481,7 @@ def test_every_guide_is_in_the_guides_reading_order() -> None:
     assert "## Install" in (DOCS / "guides" / "getting-started.md").read_text().split("## Three lines")[0]
 
 
-def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path: Path) -> None:
+def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path: Path, page_process: Forker) -> None:
     """docs/index.md: the install lines, a runnable example whose printed loss is the
     one the text states, the chooser naming each framework, and the headline table as
     benchmarks/docs_pages.py writes it from the recorded full run."""
@@ -490,9 +496,9 @@ def test_landing_page_has_install_example_chooser_and_generated_numbers(tmp_path
     numbers = text.split(docs_pages.HEADLINE_START)[1].split(docs_pages.HEADLINE_END)[0]
     assert "| workload | precision | speed vs fp32 |" in numbers and "ampkit O2K" in numbers
     (block,) = [b for b in code_blocks(DOCS / "index.md") if b["lang"] in PYTHON]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run([sys.executable, "-c", block["code"]], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=120, check=True).stdout  # fmt: skip
+    proc = page_process.run(block["code"], cwd=tmp_path, env=fork_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
     first, last = (float(out.split(f"step {n}: loss ")[1].split()[0]) for n in (0, 59))
     assert abs(first - 1.41) < 0.006 and abs(last - 0.18) < 0.01 and "steps=60, skipped=0" in out, out
     assert "falling from 1.41 at step 0 to about 0.18 at step 59" in text

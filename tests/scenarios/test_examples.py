@@ -6,8 +6,6 @@ import contextlib
 import functools
 import io
 import math
-import subprocess
-import sys
 from types import ModuleType
 
 import pytest
@@ -71,12 +69,9 @@ def test_train_classifier_fp16_dynamic_scaling_on_cpu(capsys: pytest.CaptureFixt
     assert math.isfinite(metrics["test_loss"])
 
 
-@pytest.mark.slow  # a new interpreter
-def test_examples_run_as_scripts() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_classifier.py"), "--amp", "off", *TINY_CLASSIFIER],
-        capture_output=True, text=True, timeout=120,
-    )
+@pytest.mark.slow  # a new process (forked from one that imported torch and ampkit: tests/support/forked.py)
+def test_examples_run_as_scripts(forked_python) -> None:
+    proc = forked_python.run_script(EXAMPLES / "train_classifier.py", ["--amp", "off", *TINY_CLASSIFIER], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "test accuracy" in proc.stdout
 

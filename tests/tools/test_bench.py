@@ -38,16 +38,17 @@ LM_LOSS_RTOL = 0.05
 # End to end: `ampkit bench --quick` on the tiny size
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, str]:
+def bench_run(tmp_path_factory: pytest.TempPathFactory, forked_python) -> tuple[int, Path, str]:
     out = tmp_path_factory.mktemp("bench-out")
     capture = tmp_path_factory.mktemp("capture") / "stdout.txt"
-    # In a subprocess: the command as a user runs it, output captured for the table check.
+    # In a new process (forked from one that imported torch and ampkit: tests/support/forked.py):
+    # the command as a user runs it, output captured for the table check.
     # One workload (the character LM: the quickest where bf16 is emulated, ~50 s on one
     # core of an AVX2 CPU; the CNN's convolutions take twice that): the CLI end to end,
     # every precision in its own process. The wide MLP trains in a test below.
     cmd = [sys.executable, "-m", "ampkit", "bench", "--quick", "--size", "tiny", "--device", "cpu",
            "--workload", "lm", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+    proc = forked_python.run_argv(cmd, timeout=560)
     capture.write_text(proc.stdout + proc.stderr)
     return proc.returncode, out, proc.stdout + "\n" + proc.stderr
 

@@ -54,25 +54,26 @@ def test_the_default_plan_runs_the_cheap_stages_first_within_its_budget(tmp_path
 
 
 @pytest.mark.parametrize("stage", ["smoke", "speed", "bench-fp16", "step-limit", "fp8", "tune", "host"])
-def test_each_stage_command_is_accepted_by_its_script(tmp_path, stage):
+def test_each_stage_command_is_accepted_by_its_script(tmp_path, stage, forked_python):
     """On a CPU-only machine each command fails with its script's own "no CUDA GPU"
-    line: proof that every option the plan passes exists."""
+    line: proof that every option the plan passes exists. (Each command runs in a
+    process forked from one that imported torch and ampkit: ``tests/support/forked.py``.)"""
     gpu_check = _module()
     (s,) = [s for s in gpu_check.plan(tmp_path) if s.name == stage]
-    proc = subprocess.run(s.argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = forked_python.run_argv(list(s.argv), cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unrecognized arguments" not in proc.stderr and "invalid choice" not in proc.stderr
     assert "CUDA GPU" in proc.stderr
 
 
 @pytest.mark.slow
-def test_the_cpu_stand_in_runs_the_stages_and_the_docs_page_is_written_from_its_json(tmp_path):
+def test_the_cpu_stand_in_runs_the_stages_and_the_docs_page_is_written_from_its_json(tmp_path, forked_python):
     """``--device cpu``: the same scripts at tiny sizes write the same files; the page
     generated from the record shows each stage, the speed table with every arm run, the
     checks and the smoke cases, from the figures in the JSON."""
     out = tmp_path / "o"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--stages", "smoke,speed", "--out", str(out)],
-                          capture_output=True, text=True, timeout=280, cwd=ROOT)  # fmt: skip
+    proc = forked_python.run_script(SCRIPT, ["--device", "cpu", "--stages", "smoke,speed", "--out", str(out)], cwd=ROOT,
+                                    timeout=280)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((out / "gpu-check.json").read_text())
     assert [s["name"] for s in record["stages"]] == ["smoke", "speed"]

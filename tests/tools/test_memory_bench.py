@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from locations import ROOT
@@ -13,13 +11,10 @@ SCRIPT = ROOT / "benchmarks" / "memory.py"
 
 
 @pytest.mark.slow
-def test_memory_benchmark_quick_run(tmp_path):
+def test_memory_benchmark_quick_run(tmp_path, forked_python):
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "tiny", "--workloads", "cnn", "--modes", "O0,O2,O2K",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+    proc = forked_python.run_script(SCRIPT, ["--size", "tiny", "--workloads", "cnn", "--modes", "O0,O2,O2K",
+                                             "--json", str(out)], timeout=280)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step peak MiB" in proc.stdout
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
@@ -36,15 +31,13 @@ def test_memory_benchmark_quick_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_exact_step_bytes_per_parameter_on_the_wide_workload(tmp_path):
+def test_exact_step_bytes_per_parameter_on_the_wide_workload(tmp_path, forked_python):
     """AdamW at the peak of optimizer.step(), every tensor counted: O1 (fp32 weight,
     grad and two moments, fused kernel: no temporaries) 16 bytes per parameter; O2K
     (bf16 weight, compensation, grad and two moments, one in-place pass) 10."""
     out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--size", "tiny", "--workloads", "wide", "--modes", "O1,O2K", "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+    proc = forked_python.run_script(SCRIPT, ["--size", "tiny", "--workloads", "wide", "--modes", "O1,O2K", "--json",
+                                             str(out)], timeout=280)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
     assert rows["O1"]["opt_step_bytes_per_param"] == pytest.approx(16.0, abs=0.005)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,15 +30,13 @@ def test_synthetic_backward_gives_each_parameter_its_gradient_times_dl():
 
 
 @pytest.mark.slow
-def test_step_limit_prints_a_table_with_ratios_to_bf16(tmp_path):
+def test_step_limit_prints_a_table_with_ratios_to_bf16(tmp_path, forked_python):
     """The two references (bf16, bf16+fused) and one arm measured against them (ampkit-O1;
     every other arm's row is printed, recorded and checked alike), each a process."""
     out = tmp_path / "step_limit.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--workloads", "cnn", "--arms", "ampkit-O1,bf16,bf16+fused",
-         "--phase", "update", "--rounds", "1", "--steps", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+    proc = forked_python.run_script(SCRIPT, ["--workloads", "cnn", "--arms", "ampkit-O1,bf16,bf16+fused", "--phase",
+                                             "update", "--rounds", "1", "--steps", "1", "--json", str(out)],
+                                    timeout=280)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith("  ")}
     assert float(lines["bf16"][3]) == 1.0 and float(lines["bf16+fused"][4]) == 1.0  # their own ratios

@@ -5,14 +5,12 @@ and bad input is refused in one line before anything compiles."""
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from locations import ROOT
+from forked import Forker, fork_env
 
 from ampkit.tools.cli.main import main
 
@@ -69,27 +67,28 @@ code = main(sys.argv[1:])
 
 
 def _env(cache: Path, threads: int = 1) -> dict:
-    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1",
-                JOB_THREADS=str(threads))  # fmt: skip
+    return fork_env(TORCHINDUCTOR_CACHE_DIR=str(cache), JOB_THREADS=str(threads))
 
 
-def _job(level: str, cache: Path, threads: int = 1) -> dict:
-    out = subprocess.run([sys.executable, "-c", JOB, level], env=_env(cache, threads), capture_output=True, text=True,
-                         timeout=240, check=True)  # fmt: skip
+def _job(forker: Forker, level: str, cache: Path, threads: int = 1) -> dict:
+    """``JOB`` in a new process (forked from one that imported torch and ampkit and compiled
+    nothing: no graph in memory, no verdict on the CPU): its counters."""
+    out = forker.run(JOB, [level], cwd=cache.parent, env=_env(cache, threads), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path):
+def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path, forked_python):
     """The counters that find no miss in the jobs after the warm-up count the warm-up's
     own misses and checks of the CPU on the empty cache (what each job would pay).
     Inductor keeps a CPU kernel per thread count: a job at 2 threads finds the kernels
     warmed at 2 (and would miss those of 1 thread alone)."""
     cache = tmp_path / "inductor"
     report = tmp_path / "w.json"
-    done = subprocess.run([sys.executable, "-c", WARMUP, "warmup", "--json", str(report), "--threads", "1",
-                           "--threads", "2"], env=_env(cache), capture_output=True, text=True, timeout=400)  # fmt: skip
+    done = forked_python.run(WARMUP, ["warmup", "--json", str(report), "--threads", "1", "--threads", "2"], cwd=tmp_path,
+                             env=_env(cache), timeout=400)  # fmt: skip
     assert done.returncode == 0, done.stderr
     cold = json.loads(done.stdout.strip().splitlines()[-1])
     assert cold["inductor"].get("fxgraph_cache_miss", 0) > 0  # a cold cache: the update kernels' graphs miss
@@ -101,7 +100,7 @@ def test_after_warmup_the_jobs_first_step_compiles_nothing(tmp_path):
         ("O2", "adamw", 1, True), ("O2K", "adamw", 1, True), ("O2", "adamw", 2, True), ("O2K", "adamw", 2, True)]  # fmt: skip
     assert "Inductor's cache: " + str(cache) in done.stdout and "O2 bf16 adamw on cpu, 2 threads: " in done.stdout
     for level, threads in (("O2", 1), ("O2K", 1), ("O2", 2)):
-        warm = _job(level, cache, threads)
+        warm = _job(forked_python, level, cache, threads)
         assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, (level, warm)
         if X86_LINUX:  # the recorded verdict answers for it (about 0.9 s on an AVX-512 CPU)
             assert warm["isa_checks"] == 0, (level, warm)

@@ -24,9 +24,9 @@ def _launch(job: str, outdir: Path, world: int = 2, timeout: float = 400, **env:
 
 #: The jobs run one after another in a single launch of 2 ranks (``job_several``): one
 #: process start, process group and set of compiled update kernels for them all; each test
-#: reads its job's part. The sweep and the resumes (fresh processes, other world sizes)
-#: launch their own.
-ONE_LAUNCH = ("train", "dcp_save", "unscale", "doctor", "refusals", "skip", "accumulate", "dcp_corrupt")
+#: reads its job's part. The resumes (fresh processes, other world sizes) launch their own.
+ONE_LAUNCH = ("train", "dcp_save", "unscale", "doctor", "refusals", "skip", "accumulate", "dcp_corrupt",
+              "dcp_sweep")
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +142,13 @@ def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(launched):
 
 
 @pytest.mark.timeout(600)
-def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_both_ranks(tmp_path):
+def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_both_ranks(launched):
     """The floating entries of a 2-rank O2K checkpoint corrupted (-1, 1e38, NaN or inf, one
     each; in rank 1's shard alone where sharded) and the non-tensor entries replaced (a
     string, NaN, -1), rehashed, one case of every kind (section, layer type, entry name and
     bad value; drawn with a fixed seed among the layers that repeat a kind): both ranks
     refuse each alike with nothing changed, or accept it and train finite; 0 raw errors."""
-    r0, r1 = _launch("dcp_sweep", tmp_path, timeout=550)
+    r0, r1 = _job(launched, "dcp_sweep")
     assert r0["cases"] > 60, r0["cases"]
     assert r0["swept"] == r0["kinds"] == r1["swept"], (r0["swept"], r0["kinds"])  # every kind once, on both ranks
     assert r0["entries"] > r0["cases"]

@@ -29,6 +29,7 @@ import sys
 
 import pytest
 import torch
+from forked import fork_env
 from locations import ROOT
 from torch import nn
 
@@ -283,13 +284,13 @@ print("same", sys.argv[1])
 """
 
 
-def test_a_graph_cached_for_one_granularity_is_not_reused_for_another(tmp_path):
+def test_a_graph_cached_for_one_granularity_is_not_reused_for_another(tmp_path, forked_python):
     """Two scripts run one after the other share inductor's on-disk caches (on by default).
     Their fp8 layers get the same handle numbers, so a graph compiled for tensorwise
     scaling must not serve a rowwise layer of the same shapes: each run trains bitwise as
-    its eager twin, whichever ran first."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    its eager twin, whichever ran first. Each run is a new process (forked from one that
+    imported torch and ampkit and compiled nothing: ``tests/support/forked.py``)."""
+    env = fork_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     for granularity in ("tensorwise", "rowwise", "tensorwise"):
-        proc = subprocess.run([sys.executable, "-c", _CACHED_RUN, granularity], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = forked_python.run(_CACHED_RUN, [granularity], cwd=tmp_path, env=env, timeout=600)
         assert proc.returncode == 0 and f"same {granularity}" in proc.stdout, proc.stderr[-3000:]
