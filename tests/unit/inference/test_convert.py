@@ -668,6 +668,7 @@ def test_bench_lm_from_checkpoint_keeps_bits_per_char(lm_runs, level):
 # ---------------------------------------------------------------------------
 # export: torch.export program, lazy deploy extra
 # ---------------------------------------------------------------------------
+@pytest.mark.fresh_process  # torch.export: another test's leftovers in this process broke it
 def test_export_program_runs_the_converted_graph():
     conv = amp.convert(_cnn())
     x = torch.randn(4, 1, 8, 8)
@@ -706,6 +707,7 @@ def _ort_logits(session, x, batch=128):
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_process  # torch.export: another test's leftovers in this process broke it
 def test_onnx_cnn_from_o2_checkpoint_storage_and_fp16_compute(cnn_runs, tmp_path):
     pytest.importorskip("onnxruntime")
     from ampkit.inference.export import onnx_session
@@ -736,6 +738,7 @@ def test_onnx_cnn_from_o2_checkpoint_storage_and_fp16_compute(cnn_runs, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_process  # torch.export: another test's leftovers in this process broke it
 def test_onnx_lm_from_o1_checkpoint_keeps_bits_per_char(lm_runs, tmp_path):
     pytest.importorskip("onnxruntime")
     from ampkit.inference.export import onnx_session
@@ -842,6 +845,7 @@ def test_cli_converts_with_a_calibration_tensor_file(cli_files, capsys, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.fresh_process  # torch.export: another test's leftovers in this process broke it
 def test_cli_converts_exports_and_prints_the_table(cli_files, capsys, tmp_path):
     pytest.importorskip("onnxruntime")
     d = str(cli_files)
