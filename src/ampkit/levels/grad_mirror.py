@@ -149,6 +149,37 @@ class GradMirror:
         link.keep(master.grad)
         return False
 
+    def may_hold(self, model_p: torch.Tensor) -> bool:
+        """Whether :meth:`absorb` with ``keep`` can hold ``model_p``'s grad on the model
+        (``master_grads="on_demand"``, ``model_grads="copy"``, on ``ON_DEMAND_DEVICES``)."""
+        return (self.master_grads == "on_demand" and self.model_grads == "copy"
+                and model_p.device.type in ON_DEMAND_DEVICES)  # fmt: skip
+
+    def absorb_many(
+        self, model_params: list[torch.Tensor], unscale: Callable[[list[torch.Tensor]], None] | None
+    ) -> list[bool]:
+        """:meth:`absorb` with ``keep`` for each of ``model_params`` (grads of one
+        backward pass at a loss scale of 1 that :meth:`may_hold`); the usual case, a
+        fresh dense 16-bit grad held on the model, taken in one loop. Returns
+        :meth:`absorb`'s answer per parameter."""
+        holds = self.master_grads == "on_demand" and self.model_grads == "copy"
+        masters, links = self._masters, self._links
+        out = []
+        for model_p in model_params:
+            g = model_p.grad
+            master = masters[id(model_p)]
+            link = links.get(id(model_p))
+            if (holds and link is not None and g is not None and master.grad is None and g.layout == torch.strided
+                    and g.grad_fn is None and g.dtype != torch.float32 and g.device.type in ON_DEMAND_DEVICES):  # fmt: skip
+                link.viewable = False
+                link.show(g)
+                link.keep(None)
+                link.hold(master)
+                out.append(True)
+            else:
+                out.append(self.absorb(model_p, unscale, keep=True))
+        return out
+
     def show(self, model_params: Iterable[torch.Tensor]) -> None:
         """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad
         when the master has none), to be read and edited as the model's own."""

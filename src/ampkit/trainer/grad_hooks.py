@@ -202,7 +202,10 @@ def drop_guards() -> None:
 class _Param:
     """One parameter backward accumulates into (the model's, for a mastered one)."""
 
-    __slots__ = ("param", "stepped", "master", "node", "handles", "scale", "loss_id", "pre_task", "model", "hooks")
+    __slots__ = (
+        "param", "stepped", "master", "node", "handles", "scale", "loss_id", "pre_task", "model", "hooks", "pending",
+        "holds",
+    )
 
     def __init__(self, param: nn.Parameter, stepped: nn.Parameter, model: weakref.ref | None) -> None:
         self.param = param
@@ -216,6 +219,13 @@ class _Param:
         self.pre_task = -2  # graph task in which the pre-hook last ran
         self.model = model
         self.hooks: dict[int, Any] = {}  # param's post-accumulate hooks, ampkit's first
+        # a mastered grad that stays on the model (``holds``) produced at a scale of 1,
+        # taken in when the backward pass ends (with the pass's others, in one loop):
+        # its loss id
+        self.pending: tuple[int | None] | None = None
+        # the masters keep this parameter's first grad of a step on the model (held: no
+        # fp32 copy, nothing freed), so taking it in can wait for the end of the pass
+        self.holds = False
 
 
 class GradPath:
@@ -313,6 +323,7 @@ class GradPath:
                 "only be unscaled once. Give each parameter to one optimizer."
             )
         rec = self._params[id(param)] = _Param(param, stepped, self._model_of.get(id(param)))
+        rec.holds = rec.master is not None and self.masters is not None and self.masters.grads.may_hold(param)
         _OWNER[id(param)] = weakref.ref(self)
         if self._armed:
             self._attach(rec)
@@ -439,6 +450,11 @@ class GradPath:
                 rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
                 return
             assert self.masters is not None
+            if rec.holds and scale == 1.0 and len(rec.hooks) == 1 and rec.master.grad is None:
+                # held on the model as it is (the step checks it), no later hook reads
+                # p.grad: recorded when the pass ends, with the pass's others (_process)
+                rec.pending = (loss_id,)
+                return
             if not self.masters.grads.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
                 self._mark_checked(rec.stepped, loss_id)
             # else: held on the model or a view of the master's grad, checked by the step
@@ -492,7 +508,11 @@ class GradPath:
         the step), move reduced 16-bit grads into masters (checked as they move), show mirrors."""
         by_scale: dict[float, list[_Param]] = {}
         shown: list[nn.Parameter] = []
-        for rec in dict.fromkeys(touched):  # each once, in order
+        unique = list(dict.fromkeys(touched))  # each once, in order
+        pending = [rec for rec in unique if rec.pending is not None]
+        if pending:
+            self._absorb_pending(pending)
+        for rec in unique:
             if rec.master is not None:
                 if rec.scale is not None:
                     if not absorb_raw and _ddp_sync_of(rec.model) is False:
@@ -517,6 +537,22 @@ class GradPath:
                 r.scale = None
         if shown and self.masters is not None:
             self.masters.grads.show(shown)
+
+    def _absorb_pending(self, recs: list[_Param]) -> None:
+        """Move the 16-bit grads the hooks left pending (a scale of 1) into their
+        masters, as the hook would have at once: held on the model (checked by the
+        step) or widened into the master's grad (checked now)."""
+        assert self.masters is not None
+        by_loss: dict[int | None, list[_Param]] = {}
+        for rec in recs:
+            assert rec.pending is not None
+            by_loss.setdefault(rec.pending[0], []).append(rec)
+            rec.pending = None
+        for loss_id, group in by_loss.items():
+            left = self.masters.grads.absorb_many([rec.param for rec in group], self._unscaler(loss_id, 1.0))
+            for rec, unchecked in zip(group, left):
+                if not unchecked:
+                    self._mark_checked(rec.stepped, loss_id)
 
     def finish(self, absorb_raw: bool = False) -> None:
         """Process backward passes whose end was not seen (an exception inside backward)

@@ -174,7 +174,8 @@ def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads(monkeyp
     # master has no fp32 grad yet); from the second backward on the sum runs in fp32 and
     # each 16-bit grad is gone as soon as it was accumulated. (A hook of the user's on the
     # parameter would be shown the 16-bit sum at once: tests/unit/levels/test_o2_user_hooks.py.)
-    absorb = GradMirror.absorb
+    # (The first is taken in when its backward pass ends, with the pass's other held grads.)
+    absorb, absorb_many = GradMirror.absorb, GradMirror.absorb_many
 
     def spy(self, p, unscale, keep=False):
         held = absorb(self, p, unscale, keep)
@@ -182,7 +183,13 @@ def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads(monkeyp
             freed.append(p.grad is None)
         return held
 
+    def spy_many(self, params, unscale):
+        held = absorb_many(self, params, unscale)
+        freed.extend(weight.grad is None for p in params if p is weight)
+        return held
+
     monkeypatch.setattr(GradMirror, "absorb", spy)
+    monkeypatch.setattr(GradMirror, "absorb_many", spy_many)
     for i in range(64):
         with amp.scale_loss(_loss(model, i) / 64, opt) as s:
             s.backward()
