@@ -29,8 +29,8 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple, NoReturn
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -49,7 +49,6 @@ from ampkit.trainer import api as optim
 from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.grad_hooks import drop_guards, no_masters_guard
 from ampkit.trainer.managed import resolve_optimizer
-from ampkit.trainer.optimizer_rules import StepCounts
 
 from . import fp8 as _fp8
 from . import one_pass
@@ -59,6 +58,7 @@ from .fp8 import Fp8Recipe
 from .fp8.recipe import for_modules
 from .grad_mirror import ON_DEMAND_DEVICES
 from .master import MasterWeights
+from .master_step import MasterStep
 from .model_cast import (
     add_fp32_scope,
     add_op_casting,
@@ -451,13 +451,15 @@ def _attach_trainer(
         if level.fast_kernels and isinstance(opt, torch.optim.Adam):  # first: around every other extension
             managed.add_extension(_FloatLrForForeach(opt))
         if mw is not None:
-            managed.add_extension(_MasterStep(mw, models))
+            managed.add_extension(MasterStep(mw, models))
             if compiling_ahead:
                 ahead += _master_kernels(mw, scaler)
         if level.compensation is not None:
             comp = CompensatedUpdates(opt, level.compensation)  # type: ignore[arg-type]
             _COMPENSATED[opt] = comp
-            managed.add_extension(_CompensationState(comp))
+            # its buffers saved as "compensation" with the optimizer (they step inside the
+            # optimizer's own step: no extension of their own)
+            managed.register_extra_state("compensation", comp.state_dict, comp.load_state_dict, comp.check_state_dict)
             if compiling_ahead:
                 ahead += comp.kernels_ahead()
     if ahead:
@@ -505,147 +507,6 @@ class _FloatLrForForeach(StepExtension):
         for group, lr in self._swapped:
             group["lr"] = lr
         self._swapped = []
-
-
-class _CompensationState(StepExtension):
-    """O2K's compensation buffers, saved as ``"compensation"`` with the optimizer (the
-    buffers step inside the optimizer's own ``step``: no hook point needed)."""
-
-    state_name = "compensation"
-    device_skip = True  # state only: right on a step skipped on the device too
-
-    def __init__(self, comp: CompensatedUpdates) -> None:
-        self.comp = comp
-
-    def state_dict(self) -> Any:
-        return self.comp.state_dict()
-
-    def check_state_dict(self, state: Any) -> None:
-        self.comp.check_state_dict(state)
-
-    def load_state_dict(self, state: Any) -> None:
-        self.comp.load_state_dict(state)
-
-
-class _GroupPlan(NamedTuple):
-    """One param group's part of an O2 step that ampkit's kernels take (:class:`_MasterStep`)."""
-
-    group: dict
-    rule: Any
-    items: list  # (master, model parameter, 16-bit grad): one_pass.select
-    own: bool  # every grad of the group is stepped here
-
-
-class _MasterStep(StepExtension):
-    """fp32 master weights (O2) on a managed step. Right before the optimizer's own
-    step, the masters whose grads are held in 16 bits (``master_grads="on_demand"``)
-    are stepped in one pass where :mod:`ampkit.levels.one_pass` has a kernel for their
-    param group (their placeholder grads are taken off for the optimizer's step, which
-    then skips them, and put back after it); the other held grads get their fp32
-    copies for the optimizer. Right after the optimizer's step the masters not written
-    by the one pass are copied back into the model. Saved as ``"master_weights"`` with
-    the optimizer. Added to the optimizer, it routes the model's gradients into the
-    masters (:meth:`on_add`).
-
-    Right on a step skipped on the device (:mod:`ampkit.trainer.device_skip`): the
-    one-pass kernels take the step's found-inf flag and leave masters, state and model
-    weights as they were where it is set; the optimizer's own (fused) step takes the
-    same flag; copying an unchanged master back writes the model weight it already
-    holds (the model weights are the masters rounded when the step starts: the masters
-    take in edits of the model first); the step counters the one pass advanced are
-    settled when the outcome is known."""
-
-    state_name = "master_weights"
-
-    def __init__(self, masters: MasterWeights, models: list[nn.Module]) -> None:
-        self.masters = masters
-        self.models = models
-        self._written: set[int] = set()
-        self._lifted: list[tuple[nn.Parameter, torch.Tensor]] = []
-        self._counts: list[StepCounts] = []
-        self._managed: Callable[[], Any] = lambda: None
-        self._plan: list[_GroupPlan] | None = None  # made by device_skip for the update right after
-        self._held = 0  # how many held grads the last plan saw
-
-    def on_add(self, optimizer: Any) -> None:
-        # backward accumulates into the model's parameters, which the masters stand for;
-        # the gradient path routes their grads into the masters' (grad_hooks)
-        optimizer.backward_params = self.masters.backward_params()
-        optimizer.grad_path.set_masters(self.masters, self.models)
-        self._managed = weakref.ref(optimizer)
-
-    @property  # type: ignore[override]
-    def device_skip(self) -> bool:  # asked once per step, right before the update
-        self._plan = self._make_plan()
-        return True
-
-    def own_groups(self) -> set[int]:
-        return {id(gp.group) for gp in self._plan or () if gp.own}
-
-    def _make_plan(self) -> list[_GroupPlan]:
-        """Per param group with an optimizer rule: the held grads its one pass steps;
-        whether that is every grad of the group."""
-        mw = self.masters
-        held = mw.grads.held()
-        self._held = len(held)
-        if not held:
-            return []
-        opt = mw.optimizer
-        model_of = {id(m): p for m, p in held}
-        plan = []
-        for group in opt.param_groups:
-            rule = one_pass.rule_for(opt, group)
-            if rule is None:
-                continue
-            items = one_pass.select(opt, group, rule, model_of)
-            stepped = {id(m) for m, _, _ in items}
-            own = bool(items) and all(p.grad is None or id(p) in stepped for p in group["params"])
-            plan.append(_GroupPlan(group, rule, items, own))
-        return plan
-
-    def before_update(self, args: tuple, kwargs: dict) -> None:
-        self._written = set()
-        plan, self._plan = self._plan, None
-        mw = self.masters
-        if args or kwargs:  # a closure (or other arguments): the optimizer steps everything
-            mw.grads.materialize()
-            return
-        managed = self._managed()
-        skip = managed.skip_flag if managed is not None else None
-        if skip is None or plan is None:  # decided on the host: the plan of now
-            plan = self._make_plan()
-        opt = mw.optimizer
-        written: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for gp in plan:
-            self._counts += one_pass.step_params(opt, gp.group, gp.rule, gp.items, skip=skip)
-            written.extend((m, p) for m, p, _ in gp.items)
-        self._written = {id(m) for m, _ in written}
-        mw.consumed(written)
-        if len(written) < self._held:  # held grads no kernel took: fp32 copies for the optimizer
-            mw.grads.materialize_except(self._written)
-        self._lifted = mw.grads.lift(written)
-
-    def after_update(self) -> None:
-        # Also where the optimizer raised mid-step (some masters may have moved): the
-        # model shows them (the one-pass ones wrote their weights already).
-        self.masters.grads.restore(self._lifted)
-        self._lifted = []
-        self.masters.publish(skip=self._written)
-        self._written = set()
-
-    def after_step(self, skipped: bool) -> None:
-        counts, self._counts = self._counts, []
-        for c in counts:
-            c.settle(skipped)
-
-    def state_dict(self) -> Any:
-        return self.masters.state_dict()
-
-    def check_state_dict(self, state: Any) -> None:
-        self.masters.check_state_dict(state)
-
-    def load_state_dict(self, state: Any) -> None:
-        self.masters.load_state_dict(state)
 
 
 def _cast_state_to_params(opt: torch.optim.Optimizer) -> None:
