@@ -40,6 +40,7 @@ CONTRACT = "layers: tools > integrations > inference | distributed > levels > tr
 FACE_CONTRACT = ("integrations use ampkit's public face: hf, lightning and accelerate import ampkit, ampkit.errors, "
                  "ampkit.distributed and the integrations' shared modules")
 TORCH_COMPAT_FACE = "torch_compat has one import face: no module outside it imports its modules"
+LEVELS_CONTRACT = "levels, acyclic: its modules in the layers below, each importing only those under it"
 
 needs_import_linter = pytest.mark.skipif(
     not LINT_IMPORTS.exists(),
@@ -88,15 +89,39 @@ def test_layers_contract_catches_an_import_upwards(tmp_path):
     )
     assert Path(probe.stdout.strip()).resolve() == (src / "ampkit" / "__init__.py").resolve(), probe.stderr
 
+    rounding = src / "ampkit" / "levels" / "rounding.py"  # a subpackage's own layers
+    rounding.write_text(rounding.read_text() + "\n\nimport ampkit.levels.master_step  # noqa: E402,F401\n")
+
     result = _lint_imports(tmp_path / "pyproject.toml", tmp_path, pythonpath=src)
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
+    assert f"{LEVELS_CONTRACT} BROKEN" in " ".join(out.split()), out
+    assert "- ampkit.levels.rounding -> ampkit.levels.master_step" in out, out
     assert f"{CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "- ampkit.casting.policy -> ampkit.tools" in out, out
     assert f"{FACE_CONTRACT} BROKEN" in " ".join(out.split()), out
     assert "ampkit.integrations.accelerate is not allowed to import ampkit.trainer" in out, out
     assert f"{TORCH_COMPAT_FACE} BROKEN" in " ".join(out.split()), out
     assert "-   ampkit.casting._cast -> ampkit._internal.torch_compat.dispatch" in out, out
+
+
+def test_every_subpackage_of_more_than_three_modules_has_a_layers_contract():
+    """A package with more than three modules or subpackages is a container of a layers
+    contract in pyproject.toml (acyclic inside, its layers named), so a new import inside
+    it that closes a loop or climbs breaks ``lint-imports``."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layered = {c for contract in contracts if contract["type"] == "layers" for c in contract["containers"]}
+    missing = []
+    for init in sorted(SRC.rglob("__init__.py")):
+        package = init.parent
+        parts = [p for p in package.iterdir() if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()]
+        name = ".".join(("ampkit", *package.relative_to(SRC).parts))
+        if len(parts) > 3 and name not in layered:
+            missing.append(f"{name} ({len(parts)} modules)")
+    assert not missing, f"subpackages without a layers contract in pyproject.toml: {missing}"
+    assert {"ampkit.levels", "ampkit.trainer", "ampkit.tools.run"} <= layered  # the check reads real contracts
 
 
 # ---------------------------------------------------------------------------
