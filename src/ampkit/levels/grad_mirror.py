@@ -65,6 +65,9 @@ class GradMirror:
         self.model_grads = model_grads
         self.master_grads = master_grads
         self._links: dict[int, _Link] = {}  # id(model param) -> its two-views bookkeeping
+        # set by the gradient route (ampkit.trainer.grad_hooks): takes in the grads its
+        # hooks left pending, before anything reads which grads are held or derives them
+        self.before_read: Callable[[], None] | None = None
 
     def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         pairs = self._pairs_of()
@@ -156,33 +159,71 @@ class GradMirror:
                 and model_p.device.type in ON_DEMAND_DEVICES)  # fmt: skip
 
     def absorb_many(
-        self, model_params: list[torch.Tensor], unscale: Callable[[list[torch.Tensor]], None] | None
+        self, model_params: list[torch.Tensor], unscale: Callable[[list[torch.Tensor]], None] | None, keep: bool
     ) -> list[bool]:
-        """:meth:`absorb` with ``keep`` for each of ``model_params`` (grads of one
-        backward pass at a loss scale of 1 that :meth:`may_hold`); the usual case, a
-        fresh dense 16-bit grad held on the model, taken in one loop. Returns
+        """:meth:`absorb` for each of ``model_params`` (grads of one backward pass, one
+        loss and scale), with the same result, in a few multi-tensor calls instead of a
+        few per parameter: fresh grads held on the model in one loop; dense 16-bit grads
+        widened into new fp32 tensors in one copy, unscaled and checked in one call per
+        device, and added to the masters' grads they accumulate into in one more (the
+        same operations per element as :meth:`absorb`, bit for bit). Other grads (sparse,
+        kept aside, shown as views, fp32) go through :meth:`absorb`. Returns
         :meth:`absorb`'s answer per parameter."""
-        holds = self.master_grads == "on_demand" and self.model_grads == "copy"
+        holds = keep and self.master_grads == "on_demand" and self.model_grads == "copy"
         masters, links = self._masters, self._links
-        out = []
-        for model_p in model_params:
+        out: list[bool] = [False] * len(model_params)
+        batch: dict[torch.device, list[tuple[int, torch.Tensor, nn.Parameter, _Link, torch.Tensor]]] = {}
+        for i, model_p in enumerate(model_params):
             g = model_p.grad
             master = masters[id(model_p)]
             link = links.get(id(model_p))
-            if (holds and link is not None and g is not None and master.grad is None and g.layout == torch.strided
-                    and g.grad_fn is None and g.dtype != torch.float32 and g.device.type in ON_DEMAND_DEVICES):  # fmt: skip
-                link.viewable = False
-                link.show(g)
-                link.keep(None)
-                link.hold(master)
-                out.append(True)
-            else:
-                out.append(self.absorb(model_p, unscale, keep=True))
+            if (link is None or g is None or g.layout != torch.strided or g.grad_fn is not None
+                    or g.dtype == torch.float32):  # fmt: skip
+                out[i] = self.absorb(model_p, unscale, keep)
+                continue
+            mg = master.grad
+            if keep and mg is None:  # fresh: held, kept aside or viewed, as absorb decides
+                if holds and g.device.type in ON_DEMAND_DEVICES:
+                    link.viewable = False
+                    link.show(g)
+                    link.keep(None)
+                    link.hold(master)
+                    out[i] = True
+                    continue
+                if self.model_grads == "view" or g.device.type in KEEP_ASIDE_DEVICES:
+                    out[i] = self.absorb(model_p, unscale, keep)
+                    continue
+            elif mg is not None and (mg.layout != torch.strided or mg.dtype != torch.float32 or mg.shape != g.shape
+                                     or mg.device != g.device):  # fmt: skip
+                out[i] = self.absorb(model_p, unscale, keep)
+                continue
+            batch.setdefault(g.device, []).append((i, model_p, master, link, g))
+        with torch.no_grad():
+            for items in batch.values():
+                grads = [g for *_, g in items]
+                wide = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+                torch_compat.foreach_copy_(wide, grads)
+                del grads
+                for _, model_p, _, link, _ in items:
+                    link.viewable = False
+                    model_p.grad = None
+                    link.show(None)
+                items = [(i, model_p, master, link, None) for i, model_p, master, link, _ in items]  # 16-bit grads freed
+                if unscale is not None:
+                    unscale(wide)
+                sums = [(master.grad, w) for (_, _, master, _, _), w in zip(items, wide) if master.grad is not None]
+                if sums:
+                    torch_compat.foreach_add_([mg for mg, _ in sums], [w for _, w in sums])
+                for (_, _, master, link, _), w in zip(items, wide):
+                    if master.grad is None:
+                        master.grad = w
+                    link.keep(master.grad)
         return out
 
     def show(self, model_params: Iterable[torch.Tensor]) -> None:
         """Give each of ``model_params`` a 16-bit copy of its master's grad (or no grad
         when the master has none), to be read and edited as the model's own."""
+        copies: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, _Link, torch.Tensor]]] = {}
         with torch.no_grad():
             for model_p, master, link in self._linked(model_params):
                 if link.held and self._still_held(model_p, master, link):
@@ -201,9 +242,19 @@ class GradMirror:
                 g = master.grad
                 if g is not None and model_p.grad is not None and not g.is_sparse:
                     continue  # shown already (a hook read it), kept in line by the merge
+                if g is not None and g.layout == torch.strided:  # copied below, with the others
+                    copies.setdefault((g.device, model_p.dtype), []).append((model_p, link, g))
+                    continue
                 model_p.grad = None if g is None else g.detach().to(model_p.dtype)
                 link.show(model_p.grad)
                 link.keep(g)
+            for (_, dtype), items in copies.items():  # one multi-tensor copy per device and dtype
+                lows = [torch.empty_like(g, dtype=dtype) for _, _, g in items]
+                torch_compat.foreach_copy_(lows, [g for _, _, g in items])
+                for (model_p, link, g), low in zip(items, lows):
+                    model_p.grad = low
+                    link.show(low)
+                    link.keep(g)
 
     def settle(self, model_p: torch.Tensor) -> None:
         """Before backward adds into ``model_p.grad``: merge what was done to either
@@ -218,7 +269,7 @@ class GradMirror:
             self._release(model_p, master, link)
             return
         if link.held and self._still_held(model_p, master, link, zeroed_clears=True):
-            self.materialize_one(model_p, master)  # a second backward: the sum runs in fp32
+            self.materialize_one(model_p, master, read=False)  # a second backward: the sum runs in fp32
         self._reconcile_one(model_p, master, link)
         model_p.grad = None
         link.show(None)
@@ -391,6 +442,8 @@ class GradMirror:
         the gradient; the master's ``.grad`` is a placeholder), in ``param_groups``
         order, after applying what was done to either side since (clearing or zeroing
         through the optimizer or the model, a grad set on the master)."""
+        if self.before_read is not None:
+            self.before_read()
         out = []
         for model_p, master in self._pairs():
             link = self._links.get(id(model_p))
@@ -449,17 +502,20 @@ class GradMirror:
         """:meth:`materialize` for the held grads of masters whose ``id`` is not in ``skip``."""
         for master, model_p in self.held():
             if id(master) not in skip:
-                self.materialize_one(model_p, master)
+                self.materialize_one(model_p, master, read=False)
 
     def materialize(self) -> None:
         """Give every held grad its fp32 copy on the master (the exact widening of the
         model's 16-bit grad, with any edits made to it since): from then on the two
         grads are linked as under ``master_grads="always"``."""
         for master, model_p in self.held():
-            self.materialize_one(model_p, master)
+            self.materialize_one(model_p, master, read=False)  # (held() took them in)
 
-    def materialize_one(self, model_p: torch.Tensor, master: nn.Parameter) -> None:
-        """:meth:`materialize` for ``model_p`` (and its ``master``) alone."""
+    def materialize_one(self, model_p: torch.Tensor, master: nn.Parameter, read: bool = True) -> None:
+        """:meth:`materialize` for ``model_p`` (and its ``master``) alone; ``read=False``
+        from the gradient route's own hooks (no pending grads to take in first)."""
+        if read and self.before_read is not None:
+            self.before_read()
         link = self._links.get(id(model_p))
         if link is None or not link.held or not self._still_held(model_p, master, link):
             return

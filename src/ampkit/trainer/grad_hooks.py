@@ -78,6 +78,11 @@ def has_grad_path(param: torch.Tensor) -> bool:
 
 _task = torch_compat.current_graph_task_id
 
+#: The 16-bit grads the hooks leave pending within a backward pass before they take them
+#: in (:meth:`GradPath.take_pending`): at most this many bytes kept longer than one hook
+#: at a time would keep them (held grads, which stay on the model anyway, not counted).
+PENDING_BYTES = 64 << 20
+
 
 def _accumulator(p: torch.Tensor) -> Any:
     """The ``AccumulateGrad`` node of leaf ``p`` (kept alive by the caller)."""
@@ -219,10 +224,9 @@ class _Param:
         self.pre_task = -2  # graph task in which the pre-hook last ran
         self.model = model
         self.hooks: dict[int, Any] = {}  # param's post-accumulate hooks, ampkit's first
-        # a mastered grad that stays on the model (``holds``) produced at a scale of 1,
-        # taken in when the backward pass ends (with the pass's others, in one loop):
-        # its loss id
-        self.pending: tuple[int | None] | None = None
+        # a mastered grad taken in when the backward pass ends, with the pass's others
+        # in a few multi-tensor calls: its loss id and scale
+        self.pending: tuple[int | None, float] | None = None
         # the masters keep this parameter's first grad of a step on the model (held: no
         # fp32 copy, nothing freed), so taking it in can wait for the end of the pass
         self.holds = False
@@ -245,6 +249,7 @@ class GradPath:
         self._open: dict[int, list[_Param]] = {}
         self._stepping = False  # between before_step and after_step
         self._pass: tuple[int, int | None, float] = (-2, None, 1.0)  # graph task, its loss id and scale
+        self._pending_bytes = 0  # of the 16-bit grads left pending that a hook would have freed
         # this step's inf/NaN flags from the hooks, per loss id and device
         self._found: dict[int, dict[torch.device, torch.Tensor]] = {}
         self._inv: dict[tuple[torch.device, float], torch.Tensor] = {}
@@ -261,6 +266,14 @@ class GradPath:
     def set_masters(self, masters: MasterWeights, models: list[nn.Module]) -> None:
         """Route gradients of mastered parameters into ``masters`` (O2)."""
         self.masters = masters
+        me = weakref.ref(self)
+
+        def before_read() -> None:
+            path = me()
+            if path is not None:
+                path.take_pending()
+
+        masters.grads.before_read = before_read
         for model in models:
             ref = weakref.ref(model)
             for p in model.parameters():
@@ -450,10 +463,15 @@ class GradPath:
                 rec.scale, rec.loss_id = scale, loss_id  # DDP reduces it first
                 return
             assert self.masters is not None
-            if rec.holds and scale == 1.0 and len(rec.hooks) == 1 and rec.master.grad is None:
-                # held on the model as it is (the step checks it), no later hook reads
-                # p.grad: recorded when the pass ends, with the pass's others (_process)
-                rec.pending = (loss_id,)
+            if len(rec.hooks) == 1:  # no later hook of the parameter reads p.grad
+                # taken in with the pass's others when it ends (_process), in a few
+                # multi-tensor calls, or before anything reads the masters' grads
+                rec.pending = (loss_id, scale)
+                g = rec.param.grad
+                if g is not None and not (rec.holds and scale == 1.0 and rec.master.grad is None):
+                    self._pending_bytes += g.numel() * g.element_size()  # (a held grad stays either way)
+                    if self._pending_bytes > PENDING_BYTES:
+                        self.take_pending()
                 return
             if not self.masters.grads.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
                 self._mark_checked(rec.stepped, loss_id)
@@ -538,18 +556,29 @@ class GradPath:
         if shown and self.masters is not None:
             self.masters.grads.show(shown)
 
+    def take_pending(self) -> None:
+        """Take in now the mastered grads the hooks left pending: for code that reads
+        the masters' grads while a backward pass runs or after one that raised
+        (``GradMirror.before_read``), and when the pending 16-bit grads reach
+        ``PENDING_BYTES``."""
+        recs = [rec for touched in self._open.values() for rec in touched if rec.pending is not None]
+        if recs:
+            self._absorb_pending(list(dict.fromkeys(recs)))
+
     def _absorb_pending(self, recs: list[_Param]) -> None:
-        """Move the 16-bit grads the hooks left pending (a scale of 1) into their
-        masters, as the hook would have at once: held on the model (checked by the
-        step) or widened into the master's grad (checked now)."""
+        """Move the 16-bit grads the hooks left pending into their masters, with the
+        result the hooks' :meth:`GradMirror.absorb` would have had: held on the model
+        (checked by the step) or widened into the master's grad, unscaled and checked."""
         assert self.masters is not None
-        by_loss: dict[int | None, list[_Param]] = {}
+        self._pending_bytes = 0
+        by_loss: dict[tuple[int | None, float], list[_Param]] = {}
         for rec in recs:
             assert rec.pending is not None
-            by_loss.setdefault(rec.pending[0], []).append(rec)
+            by_loss.setdefault(rec.pending, []).append(rec)
             rec.pending = None
-        for loss_id, group in by_loss.items():
-            left = self.masters.grads.absorb_many([rec.param for rec in group], self._unscaler(loss_id, 1.0))
+        for (loss_id, scale), group in by_loss.items():
+            unscale = self._unscaler(loss_id, scale)
+            left = self.masters.grads.absorb_many([rec.param for rec in group], unscale, keep=scale == 1.0)
             for rec, unchecked in zip(group, left):
                 if not unchecked:
                     self._mark_checked(rec.stepped, loss_id)

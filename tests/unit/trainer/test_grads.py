@@ -174,7 +174,7 @@ def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads(monkeyp
     # master has no fp32 grad yet); from the second backward on the sum runs in fp32 and
     # each 16-bit grad is gone as soon as it was accumulated. (A hook of the user's on the
     # parameter would be shown the 16-bit sum at once: tests/unit/levels/test_o2_user_hooks.py.)
-    # (The first is taken in when its backward pass ends, with the pass's other held grads.)
+    # (Each is taken in when its backward pass ends, with the pass's others: absorb_many.)
     absorb, absorb_many = GradMirror.absorb, GradMirror.absorb_many
 
     def spy(self, p, unscale, keep=False):
@@ -183,8 +183,8 @@ def test_o2_accumulates_micro_batches_in_fp32_and_frees_the_16_bit_grads(monkeyp
             freed.append(p.grad is None)
         return held
 
-    def spy_many(self, params, unscale):
-        held = absorb_many(self, params, unscale)
+    def spy_many(self, params, unscale, keep):
+        held = absorb_many(self, params, unscale, keep)
         freed.extend(weight.grad is None for p in params if p is weight)
         return held
 
