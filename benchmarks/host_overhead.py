@@ -26,6 +26,11 @@ arm             what a step runs
 ``O1_scope``    ``amp.autocast(dtype=...)`` around forward and loss,
                 ``amp.init_trainer(AdamW)``, ``amp.scale_loss``
 ``O2``          ``amp.initialize(model, AdamW, opt_level="O2", dtype=...)``
+``O2_accel``    O2 on the route an accelerator takes: ``master_grads="always"`` and no
+                16-bit grad kept aside (``ampkit.levels.grad_mirror.KEEP_ASIDE_DEVICES``
+                emptied for this arm): every grad widened into its master's fp32 grad,
+                the fp32 masters stepped by torch's AdamW (on a CPU, a stand-in for the
+                host work of O2 on a GPU, where ``O2`` itself takes this route)
 ``O2K``         the same at ``"O2K"`` (bf16 on every device)
 ``O3``          the same at ``"O3"``
 ==============  ======================================================================
@@ -89,12 +94,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
+from ampkit.levels import grad_mirror
 from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, make_workload
 from ampkit.trainer import device_skip
 
-ARMS = ("torch_amp", "pure16", "O1_init", "O1_scope", "O2", "O2K", "O3")
-AMPKIT_ARMS = ("O1_init", "O1_scope", "O2", "O2K", "O3")
+ARMS = ("torch_amp", "pure16", "O1_init", "O1_scope", "O2", "O2_accel", "O2K", "O3")
+AMPKIT_ARMS = ("O1_init", "O1_scope", "O2", "O2_accel", "O2K", "O3")
 TARGETS = {"O1_init": 1.10, "O1_scope": 1.10, "O2": 1.10, "O2K": 1.20}
 WORKLOADS = ("tiny", "lm")
 LR = 1e-3
@@ -105,6 +111,7 @@ SETTLE_CODE = device_skip.settle.__code__
 EARLIER = " [an earlier step's flag]"
 TORCH_DIR = Path(torch.__file__).resolve().parent
 BENCH_DIR = AMPKIT_DIR / "tools" / "bench"  # the lm workload's model code: not ampkit's step
+KEEP_ASIDE = grad_mirror.KEEP_ASIDE_DEVICES  # restored for every arm but O2_accel
 
 
 def is_ampkit(filename: str) -> bool:
@@ -187,6 +194,7 @@ def setup(arm: str, wl: Workload, device: str, dtype: torch.dtype) -> Step:
     them again), so the torch arms run torch alone."""
     amp.reset()
     amp.casting.release_kernels()  # reset keeps them while other threads (inductor's) are alive
+    grad_mirror.KEEP_ASIDE_DEVICES = KEEP_ASIDE
     torch.manual_seed(0)
     model = wl.build()
     if arm in ("torch_amp", "pure16"):
@@ -221,6 +229,9 @@ def setup(arm: str, wl: Workload, device: str, dtype: torch.dtype) -> Step:
 
         def scope() -> contextlib.AbstractContextManager[Any]:
             return amp.autocast(device_type=device, dtype=dtype)
+    elif arm == "O2_accel":
+        grad_mirror.KEEP_ASIDE_DEVICES = ()  # until the next arm's set-up
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, master_grads="always")
     else:
         model, opt = amp.initialize(model, opt, opt_level=arm, dtype=torch.bfloat16 if arm == "O2K" else dtype)
 

@@ -4,7 +4,8 @@ gradient whatever user code does to either side.
 
 :class:`GradMirror` runs the steps of an O2 iteration that concern grads (the hooks of
 :mod:`ampkit.trainer.grad_hooks` call it): a 16-bit grad moved into its master's fp32
-grad as backward produces it, or held on the model (:meth:`GradMirror.absorb`); a copy
+grad when the backward pass ends, or held on the model (:meth:`GradMirror.absorb`, for a
+pass's grads together :meth:`GradMirror.absorb_many`); a copy
 shown to the model when backward ends (:meth:`GradMirror.show`); edits through either
 side merged (:meth:`GradMirror.reconcile`), including edits through ``.data``, found by
 comparing values (:func:`~ampkit.levels.rounding.rounds_to`); the copies taken off while the optimizer steps

@@ -23,9 +23,12 @@ gradients between micro-batches. Under DDP's ``no_sync`` the local sums stay in
 ``p.grad`` as DDP requires.
 
 **Parameters with an fp32 master** (O2, :class:`ampkit.levels.master.MasterWeights`): the
-post-accumulate hook moves each 16-bit gradient into its master's fp32 gradient as it is
-produced (unscaled and checked in fp32) and frees it; when the pass ends the model
-parameters get 16-bit copies to read and edit, merged back before the step. Under DDP
+post-accumulate hook notes each 16-bit gradient as pending; when the pass ends, all of
+them move into their masters' fp32 gradients (unscaled and checked in fp32) and are freed,
+in a few multi-tensor calls per device (:meth:`GradPath.take_pending`), and the model
+parameters get 16-bit copies to read and edit, merged back before the step. A gradient a
+later hook of the parameter reads moves at once; one that anything asks the masters for
+during the pass moves then (``GradMirror.before_read``); at most ``PENDING_BYTES`` wait. Under DDP
 (seen by a forward pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until
 DDP has reduced them, and move into the masters after the synchronized backward.
 
