@@ -425,6 +425,8 @@ class GradPath:
     # -- hooks ------------------------------------------------------------------------------
     def _before_accumulate(self, rec: _Param) -> None:
         rec.pre_task = task = _task()
+        if rec.pending is not None:  # it accumulates again (a nested backward) before its pass ended
+            self._absorb_pending([rec])
         p = rec.param
         if rec.master is None:
             if p.grad is None:  # backward assigns its (scaled) gradient: nothing to do
