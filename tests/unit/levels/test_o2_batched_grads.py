@@ -183,3 +183,29 @@ def test_pending_grads_are_taken_in_before_they_pass_the_byte_bound(monkeypatch)
     monkeypatch.setattr(grad_hooks, "PENDING_BYTES", 0)
     _same(reference, _run(torch.bfloat16, "always", per_hook=False, micro=2))
     assert sizes and set(sizes) == {1}  # one grad at a time (LayerNorm's stay fp32: no master)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_parameter_accumulating_in_a_nested_pass_equals_the_per_hook_route(dtype):
+    """A layer used both outside and inside a reentrant checkpoint accumulates in the outer
+    pass and again in the checkpoint's inner one, before the outer pass ends: its pending
+    grad is taken in first, as its hook used to."""
+    import torch.utils.checkpoint as checkpoint
+
+    def run(per_hook: bool) -> list:
+        model, opt = _setup(dtype, "on_demand", per_hook)
+        seen = []
+        for step in range(3):
+            for m in range(2):
+                x, y = _batch(step * 2 + m)
+                h = model[2](model[1](model[0](x)))
+                inner = checkpoint.checkpoint(lambda t: torch.tanh(model[3](t)), h, use_reentrant=True)
+                out = model[5](torch.relu(model[3](h)) + 0.1 * inner)
+                with amp.scale_loss(F.mse_loss(out.float(), y) / 2, opt) as scaled:
+                    scaled.backward()
+            seen += [p.grad.clone() for p in model.parameters()] + [m.grad.clone() for m in amp.master_params(opt)]
+            opt.step()
+            opt.zero_grad()
+        return seen + [p.detach().clone() for p in amp.master_params(opt)]
+
+    _same(run(True), run(False))
