@@ -168,8 +168,9 @@ class GradMirror:
         widened into new fp32 tensors in one copy, unscaled and checked in one call per
         device, and added to the masters' grads they accumulate into in one more (the
         same operations per element as :meth:`absorb`, bit for bit). Other grads (sparse,
-        kept aside, shown as views, fp32) go through :meth:`absorb`. Returns
-        :meth:`absorb`'s answer per parameter."""
+        kept aside, shown as views, fp32) go through :meth:`absorb`. ``unscale`` and
+        ``keep`` are :meth:`absorb`'s (the pass's unscaling, ``None`` leaving grads as
+        they are; the promise that it only checks, so a fresh grad may stay in 16 bits). Returns :meth:`absorb`'s answer per parameter."""
         holds = keep and self.master_grads == "on_demand" and self.model_grads == "copy"
         masters, links = self._masters, self._links
         out: list[bool] = [False] * len(model_params)

@@ -120,6 +120,8 @@ class MasterStep(StepExtension):
         self._lifted = mw.grads.lift(written)
 
     def after_update(self) -> None:
+        """Right after the optimizer's update, also where it raised: the lifted grads
+        put back and the masters not written by the one pass copied into the model."""
         # Also where the optimizer raised mid-step (some masters may have moved): the
         # model shows them (the one-pass ones wrote their weights already).
         self.masters.grads.restore(self._lifted)
@@ -133,6 +135,7 @@ class MasterStep(StepExtension):
             c.settle(skipped)
 
     def state_dict(self) -> Any:
+        """The masters' state (:meth:`MasterWeights.state_dict`), saved as ``"master_weights"``."""
         return self.masters.state_dict()
 
     def check_state_dict(self, state: Any) -> None:
