@@ -60,6 +60,7 @@ class MasterStep(StepExtension):
         self._managed: Callable[[], Any] = lambda: None
         self._plan: list[_GroupPlan] | None = None  # made by device_skip for the update right after
         self._held = 0  # how many held grads the last plan saw
+        self._load_hook: Any = None
 
     def on_add(self, optimizer: Any) -> None:
         # backward accumulates into the model's parameters, which the masters stand for;
@@ -67,6 +68,22 @@ class MasterStep(StepExtension):
         optimizer.backward_params = self.masters.backward_params()
         optimizer.grad_path.set_masters(self.masters, self.models)
         self._managed = weakref.ref(optimizer)
+        # parameters added since (add_param_group) get their masters before torch's
+        # load_state_dict casts the saved state to the dtype of the parameters it finds:
+        # found 16-bit, the fp32 moments would be rounded on the way in
+        masters, managed = weakref.ref(self.masters), self._managed
+
+        def masters_first(opt: torch.optim.Optimizer, state_dict: Any) -> None:
+            mw, state = masters(), managed()
+            if mw is not None and state is not None and state.active:  # not after a release
+                mw.refresh()
+
+        self._load_hook = self.masters.optimizer.register_load_state_dict_pre_hook(masters_first)
+
+    def on_remove(self, optimizer: Any) -> None:
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
 
     @property  # type: ignore[override]
     def device_skip(self) -> bool:  # asked once per step, right before the update

@@ -136,6 +136,9 @@ class ManagedOptimizer:
         if fast_kernels:
             self.kernels = use_fastest_kernel(optimizer)
             self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+        # groups added later (add_param_group) get it at their first step, as a load
+        # would give it to them: a resumed run steps them with the kernel the first run used
+        self._kernel_groups = len(optimizer.param_groups)
         # the optimizer's own state_dict/load_state_dict see a pending outcome recorded
         self._settle_hooks = device_skip.settle_on_state_dict(self)
 
@@ -289,6 +292,9 @@ class ManagedOptimizer:
         mark_step_called(opt)
         if not self._active:
             return inner(*args, **kwargs)
+        if self._kernel_hook is not None and len(opt.param_groups) != self._kernel_groups:
+            self.kernels = use_fastest_kernel(opt)
+            self._kernel_groups = len(opt.param_groups)
         if self.grad_path.masters is not None:
             refuse_unseen_torch_unscale(self.grad_path)
         # The optimizer's own step hooks keep torch's contract around ampkit's work:

@@ -512,6 +512,19 @@ def test_eval_under_no_grad_between_train_steps_keeps_grads_exact(level):
 # --- exact resume ---------------------------------------------------------------------------
 
 
+def _saved(model: nn.Module, opt: torch.optim.Optimizer) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def _load(model: nn.Module, opt: torch.optim.Optimizer, ckpt: bytes) -> None:
+    saved = torch.load(io.BytesIO(ckpt))
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    ampkit.load_state_dict(saved["amp"])
+
+
 def _resume_run(level: str, num_losses: int, steps: int, start: int, ckpt: bytes | None):
     """Build everything from scratch, optionally load ``ckpt``, train steps
     ``start..start+steps``; return (params, checkpoint bytes)."""
@@ -521,10 +534,7 @@ def _resume_run(level: str, num_losses: int, steps: int, start: int, ckpt: bytes
         model, opt, opt_level=level, num_losses=num_losses, loss_scale="dynamic"
     )
     if ckpt is not None:
-        saved = torch.load(io.BytesIO(ckpt))
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        ampkit.load_state_dict(saved["amp"])
+        _load(model, opt, ckpt)
     for step in range(start, start + steps):
         opt.zero_grad()
         out = model(_x(step)).float()
@@ -535,14 +545,9 @@ def _resume_run(level: str, num_losses: int, steps: int, start: int, ckpt: bytes
         if step == 1:  # one overflow, so the scalers' state matters
             model.head.weight.grad.view(-1)[0] = float("nan")
         opt.step()
-    buf = io.BytesIO()
-    torch.save(
-        {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": ampkit.state_dict()},
-        buf,
-    )
     params = [p.detach().clone() for p in model.parameters()]
     buffers = [b.detach().clone() for b in model.buffers()]
-    return params + buffers, buf.getvalue()
+    return params + buffers, _saved(model, opt)
 
 
 @pytest.mark.parametrize("num_losses", [1, 2])
@@ -551,6 +556,44 @@ def test_checkpoint_and_resume_is_bitwise(level, num_losses):
     straight, _ = _resume_run(level, num_losses, 5, 0, None)
     _, ckpt = _resume_run(level, num_losses, 3, 0, None)
     resumed, _ = _resume_run(level, num_losses, 2, 3, ckpt)
+    assert len(straight) == len(resumed)
+    for a, b in zip(straight, resumed):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _added_group_run(level: str, dtype: torch.dtype, optim: str, steps: int, start: int, ckpt: bytes | None):
+    """:func:`_resume_run` with half the parameters given to ``initialize`` and the
+    other half added with ``add_param_group`` (another learning rate) right after it,
+    before the first step and before a load."""
+    model = _all_norms(level)
+    params = list(model.parameters())
+    half = len(params) // 2
+    if optim == "adamw":
+        opt = torch.optim.AdamW(params[:half], lr=1e-3, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(params[:half], lr=1e-2, momentum=0.9)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=dtype, loss_scale="dynamic")
+    opt.add_param_group({"params": list(model.parameters())[half:], "lr": 5e-4 if optim == "adamw" else 5e-3})
+    if ckpt is not None:
+        _load(model, opt, ckpt)
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        with ampkit.scale_loss(model(_x(step)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    state = [v.clone() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [p.detach().clone() for p in model.parameters()] + state, _saved(model, opt)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+@pytest.mark.parametrize(("level", "dtype"), [(lv, BF16) for lv in LEVELS] + [("O1", torch.float16), ("O2", torch.float16)])
+def test_a_param_group_added_after_initialize_resumes_bitwise(level, dtype, optim):
+    # the added group's fp32 optimizer state must not pass through 16 bits on the load
+    # (the masters exist before torch casts the state to its parameters' dtype), and the
+    # resumed run steps the group with the kernel the first run used
+    straight, _ = _added_group_run(level, dtype, optim, 5, 0, None)
+    _, ckpt = _added_group_run(level, dtype, optim, 3, 0, None)
+    resumed, _ = _added_group_run(level, dtype, optim, 2, 3, ckpt)
     assert len(straight) == len(resumed)
     for a, b in zip(straight, resumed):
         assert a.dtype == b.dtype and torch.equal(a, b)
