@@ -27,7 +27,9 @@ fused Adam on fp16 gives NaN where the loop does not. Those groups, and 16-bit
 parameters generally, get ``foreach`` (the same per-element arithmetic as the
 loop); where something else steps a group's 16-bit parameters (O2K's compensated
 updates), its fp32 rest is fused on the CPU under the same conditions
-(:func:`fuse_wide_part`).
+(:func:`fuse_wide_part`). Adagrad steps sparse grads (``nn.Embedding(sparse=True)``),
+which its fused kernel refuses: :class:`SparseWatch` hands a group ampkit fused back to
+torch's own kernel at the first step that shows one.
 
 Memory: fused kernels allocate nothing; foreach implementations allocate
 full-size temporaries during the step (e.g. Adam's denominator), as on CUDA where
@@ -46,7 +48,8 @@ from ampkit._internal import torch_compat
 
 from .optimizer_rules import rule_of
 
-__all__ = ["use_fastest_kernel", "fuse_wide_part", "fuse_wide_parts", "nonfinite_flag", "unscale_and_flag"]
+__all__ = ["use_fastest_kernel", "SparseWatch", "fuse_wide_part", "fuse_wide_parts", "nonfinite_flag",
+           "unscale_and_flag"]
 
 _FUSED_DTYPES = (torch.float32, torch.float64)
 # (class, dtype, device type, hyperparameters) -> whether fused matches the loop.
@@ -151,6 +154,47 @@ def use_fastest_kernel(optimizer: torch.optim.Optimizer) -> list[str]:
     ):
         torch_compat.mark_step_supports_amp_scaling(optimizer)
     return choices
+
+
+class SparseWatch:
+    """The param groups :func:`use_fastest_kernel` fused for an optimizer whose rule
+    steps sparse grads (``OptimizerRule.sparse_grads``: Adagrad), watched until each of
+    their parameters has had a grad once (a module gives its parameter grads of one
+    layout: no cost per step after the first that sees them all). A group where a
+    sparse grad shows goes back to torch's own choice (``fused`` unset again: its
+    per-parameter loop takes sparse grads) before the optimizer steps, and its entry
+    in ``kernels`` (:func:`use_fastest_kernel`'s choices) becomes ``"as built"``."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[dict, list[torch.Tensor]]] = {}  # id(group) -> (group, unseen params)
+
+    def arm(self, optimizer: torch.optim.Optimizer, kernels: list[str]) -> None:
+        """Watch the groups ``kernels`` says are fused (again after a load, which brings
+        groups back with ``fused`` unset for :func:`use_fastest_kernel` to fuse)."""
+        rule = rule_of(type(optimizer))
+        if rule is None or not rule.sparse_grads:
+            return
+        self._pending = {id(g): (g, list(g["params"])) for g, choice in zip(optimizer.param_groups, kernels)
+                         if choice == "fused"}  # fmt: skip
+
+    def check(self, optimizer: torch.optim.Optimizer, kernels: list[str]) -> None:
+        """Right before a step: unfuse each watched group with a sparse grad; stop
+        watching the parameters that have had a dense one."""
+        if not self._pending:
+            return
+        for key, (group, params) in list(self._pending.items()):
+            left = [p for p in params if p.grad is None]
+            if any(p.grad is not None and p.grad.is_sparse for p in params):
+                group["fused"] = None
+                optimizer.__dict__.pop("_step_supports_amp_scaling", None)  # not every group is fused now
+                for i, g in enumerate(optimizer.param_groups):
+                    if g is group and i < len(kernels):
+                        kernels[i] = "as built"
+                left = []
+            if left:
+                self._pending[key] = (group, left)
+            else:
+                del self._pending[key]
 
 
 def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:

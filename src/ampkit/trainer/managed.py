@@ -22,7 +22,7 @@ from ampkit.scaling.loss_scaler import LossScaler
 from . import device_skip
 from .decision import Agreement, Segment, StepAgreement, decide
 from .extensions import StepExtension, _owners, update_with
-from .fused_step import use_fastest_kernel
+from .fused_step import SparseWatch, use_fastest_kernel
 from .grad_hooks import GradPath
 from .schedulers import mark_step_called
 from .session import ExtraRegister, ExtraState, require_keys
@@ -133,9 +133,10 @@ class ManagedOptimizer:
         # a load_state_dict brings back groups saved with both unset.
         self.kernels: list[str] = []
         self._kernel_hook: Any = None
+        self._sparse = SparseWatch()  # Adagrad: a fused group with sparse grads goes back to torch's kernel
         if fast_kernels:
-            self.kernels = use_fastest_kernel(optimizer)
-            self._kernel_hook = optimizer.register_load_state_dict_post_hook(use_fastest_kernel)
+            self._choose_kernels(optimizer)
+            self._kernel_hook = optimizer.register_load_state_dict_post_hook(self._choose_kernels)
         # groups added later (add_param_group) get it at their first step, as a load
         # would give it to them: a resumed run steps them with the kernel the first run used
         self._kernel_groups = len(optimizer.param_groups)
@@ -286,6 +287,15 @@ class ManagedOptimizer:
         for slot in self._slots:
             slot.owed = [s for s in slot.owed if s is not self]
 
+    def _choose_kernels(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's fastest kernel for the groups with ``foreach`` and ``fused`` unset
+        (:func:`~ampkit.trainer.fused_step.use_fastest_kernel`); ``kernels`` updated in
+        place (the choices of groups set before are kept: they now read "as built")."""
+        choices = use_fastest_kernel(optimizer)
+        kept = min(len(self.kernels), len(choices))
+        self.kernels[:] = [c if c != "as built" or i >= kept else self.kernels[i] for i, c in enumerate(choices)]
+        self._sparse.arm(optimizer, self.kernels)
+
     def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         opt = self.optimizer
         device_skip.settle(self)  # the previous step's outcome, if still pending
@@ -293,8 +303,9 @@ class ManagedOptimizer:
         if not self._active:
             return inner(*args, **kwargs)
         if self._kernel_hook is not None and len(opt.param_groups) != self._kernel_groups:
-            self.kernels = use_fastest_kernel(opt)
+            self._choose_kernels(opt)
             self._kernel_groups = len(opt.param_groups)
+        self._sparse.check(opt, self.kernels)
         if self.grad_path.masters is not None:
             refuse_unseen_torch_unscale(self.grad_path)
         # The optimizer's own step hooks keep torch's contract around ampkit's work:

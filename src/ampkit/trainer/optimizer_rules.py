@@ -84,6 +84,9 @@ class OptimizerRule:
             steps as the per-parameter loop does).
         fused_wide_part: the fused kernel also steps the fp32 rest of a group whose
             16-bit parameters something else steps (O2K's compensated updates).
+        sparse_grads: the optimizer steps sparse grads (``nn.Embedding(sparse=True)``),
+            which torch's fused kernel refuses: a group fused by ampkit goes back to
+            torch's own kernel once one shows (:class:`ampkit.trainer.fused_step.SparseWatch`).
     """
 
     name: str
@@ -94,6 +97,7 @@ class OptimizerRule:
     plan: Callable[[torch.optim.Optimizer, dict[str, Any], Sequence[torch.Tensor]], Plan] | None = None
     fused: bool = False
     fused_wide_part: bool = False
+    sparse_grads: bool = False
 
 
 def scalar(x: Any) -> float | None:
@@ -422,5 +426,5 @@ RULES: tuple[OptimizerRule, ...] = (
     OptimizerRule("adam", (torch.optim.Adam, torch.optim.AdamW), ("exp_avg", "exp_avg_sq"), counted=True,
                   updates_for=_adam_updates, plan=_adam_plan, fused=True, fused_wide_part=True),
     OptimizerRule("sgd", (torch.optim.SGD,), ("momentum_buffer",), updates_for=_sgd_updates, plan=_sgd_plan),
-    OptimizerRule("adagrad", (torch.optim.Adagrad,), fused=True),
+    OptimizerRule("adagrad", (torch.optim.Adagrad,), fused=True, sparse_grads=True),
 )  # fmt: skip

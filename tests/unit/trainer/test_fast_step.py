@@ -337,3 +337,74 @@ def test_o2k_adagrad_keeps_foreach_for_sparse_grads_and_reset_gives_the_group_ba
     assert opt.param_groups[0]["fused"] is True
     amp.reset()
     assert opt.param_groups[0]["foreach"] is True and opt.param_groups[0]["fused"] is None
+
+
+class _SparseRec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).float().pow(2).mean()
+
+
+def _sparse_run(level: str, fast_kernels: bool = True, steps: int = 4, ckpt: bytes | None = None):
+    """Adagrad over an ``nn.Embedding(sparse=True)`` (its own group) and a dense head."""
+    torch.manual_seed(0)
+    model = _SparseRec()
+    # the head's lr 0: its kernel (fused or not) cannot change the embedding's grads
+    opt = torch.optim.Adagrad([{"params": model.emb.parameters()}, {"params": model.head.parameters(), "lr": 0.0}],
+                              lr=0.1)  # fmt: skip
+    if level == "O1":
+        amp.init(torch.bfloat16, "cpu")
+        opt = amp.init_trainer(opt, fast_kernels=fast_kernels)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, fast_kernels=fast_kernels)
+    if ckpt is not None:
+        saved = torch.load(io.BytesIO(ckpt))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        amp.load_state_dict(saved["amp"])
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(steps):
+        with amp.scale_loss(model(ids), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(model(ids)))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}, buf)
+    return model, opt, losses, buf.getvalue()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "O2K"])
+def test_adagrad_with_sparse_grads_steps_and_only_the_sparse_group_leaves_the_fused_kernel(level):
+    # torch's fused Adagrad refuses sparse grads: the group that shows one goes back to
+    # torch's own kernel before the first step; the dense group keeps what ampkit chose
+    model, opt, losses, _ = _sparse_run(level)
+    assert losses[-1] < losses[0]
+    assert opt.param_groups[0].get("fused") is None
+    state = managed_state(opt)
+    if level in ("O1", "O2"):  # fp32 parameters: fused, the sparse group unfused again
+        assert state.kernels == ["as built", "fused"] and opt.param_groups[1].get("fused") is True
+    else:  # 16-bit parameters: foreach, which takes sparse grads (torch's loop steps them)
+        assert state.kernels == ["foreach", "foreach"]
+    amp.reset()
+    # the sparse group steps as with fast_kernels=False: torch's loop, bit for bit
+    plain, _, plain_losses, _ = _sparse_run(level, fast_kernels=False)
+    assert torch.equal(model.emb.weight, plain.emb.weight)
+
+
+def test_a_loaded_adagrad_checkpoint_unfuses_the_sparse_group_again():
+    # a load brings the group back with fused unset, which the load's kernel choice fuses:
+    # the next step hands it back to torch's kernel again, and the run resumes bitwise
+    straight, _, _, _ = _sparse_run("O2", steps=4)
+    amp.reset()
+    _, _, _, ckpt = _sparse_run("O2", steps=2)
+    amp.reset()
+    resumed, opt, _, _ = _sparse_run("O2", steps=2, ckpt=ckpt)
+    assert opt.param_groups[0].get("fused") is None
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
