@@ -163,7 +163,8 @@ class CompensatedUpdates:
         if managed is not None and managed.optimizer is optimizer:
             self._extension = _CompensatedStep(self)
             managed.add_extension(self._extension)
-            self._handles = fuse_wide_parts(optimizer, managed.kernels)  # the fp32 rest: fused where it fits
+            # the fp32 rest: fused where it fits (groups added later too, at their first step)
+            self._handles = fuse_wide_parts(optimizer, managed.kernels, managed.kernel_listeners)
         else:
             self._handles = [
                 optimizer.register_step_pre_hook(self._pre_step),

@@ -39,7 +39,7 @@ foreach is torch's default.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -221,18 +221,29 @@ def fuse_wide_part(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return True
 
 
-def fuse_wide_parts(optimizer: torch.optim.Optimizer, kernels: list[str]) -> list[Any]:
+def fuse_wide_parts(
+    optimizer: torch.optim.Optimizer, kernels: list[str],
+    listeners: list[Callable[[torch.optim.Optimizer, list[int]], None]] | None = None,
+) -> list[Any]:
     """:func:`fuse_wide_part` for each group that ``kernels`` (:func:`use_fastest_kernel`'s
-    choices, updated in place) says was set to ``foreach``, now and after every
+    choices, updated in place) says was set to ``foreach``, now, after every
     ``load_state_dict`` that brings back groups saved with ``foreach`` and ``fused``
-    unset (which :func:`use_fastest_kernel`, hooked first, sets to ``foreach`` again).
-    Returns handles whose ``remove()`` removes the hooks and puts ``foreach`` back on the
-    groups still fused this way (the optimizer then steps its 16-bit parameters itself)."""
+    unset (which :func:`use_fastest_kernel`, hooked first, sets to ``foreach`` again),
+    and, given the managed optimizer's ``listeners``, for groups added later when their
+    kernel is chosen (their first step). Returns handles whose ``remove()`` removes the
+    hooks and puts ``foreach`` back on the groups still fused this way (the optimizer
+    then steps its 16-bit parameters itself)."""
     fused: list[dict] = []  # the groups switched here
-    for i, choice in enumerate(kernels):
-        if choice == "foreach" and fuse_wide_part(optimizer, optimizer.param_groups[i]):
-            kernels[i] = "fused"
-            fused.append(optimizer.param_groups[i])
+
+    def fuse(opt: torch.optim.Optimizer, indices: Iterable[int]) -> None:
+        for i in indices:
+            if i < len(kernels) and kernels[i] == "foreach" and fuse_wide_part(opt, opt.param_groups[i]):
+                kernels[i] = "fused"
+                fused.append(opt.param_groups[i])
+
+    fuse(optimizer, range(len(kernels)))
+    if listeners is not None:
+        listeners.append(fuse)
     unset: list[int] = []
 
     def before_load(opt: torch.optim.Optimizer, state_dict: dict) -> None:
@@ -245,9 +256,13 @@ def fuse_wide_parts(optimizer: torch.optim.Optimizer, kernels: list[str]) -> lis
         for i in unset:
             if i < len(opt.param_groups) and fuse_wide_part(opt, opt.param_groups[i]):
                 fused.append(opt.param_groups[i])
+                if i < len(kernels):
+                    kernels[i] = "fused"
         unset.clear()
 
     def unfuse() -> None:
+        if listeners is not None and fuse in listeners:
+            listeners.remove(fuse)
         for group in fused:
             if group.get("fused") and any(group is g for g in optimizer.param_groups):
                 group["foreach"], group["fused"] = True, None

@@ -132,11 +132,17 @@ class ManagedOptimizer:
         # torch's fastest kernel for groups left at foreach=None/fused=None, again after
         # a load_state_dict brings back groups saved with both unset.
         self.kernels: list[str] = []
+        #: called with the optimizer and the indices of the groups a choice just covered
+        #: (at the first step of groups added later): O2K fuses their fp32 rest
+        self.kernel_listeners: list[Callable[[torch.optim.Optimizer, list[int]], None]] = []
         self._kernel_hook: Any = None
+        self._kernel_pre_hook: Any = None
+        self._owned: list[bool] | None = None  # per group, before a load: whether ampkit chooses its kernel
         self._sparse = SparseWatch()  # Adagrad: a fused group with sparse grads goes back to torch's kernel
         if fast_kernels:
             self._choose_kernels(optimizer)
-            self._kernel_hook = optimizer.register_load_state_dict_post_hook(self._choose_kernels)
+            self._kernel_pre_hook = optimizer.register_load_state_dict_pre_hook(self._before_load)
+            self._kernel_hook = optimizer.register_load_state_dict_post_hook(self._after_load)
         # groups added later (add_param_group) get it at their first step, as a load
         # would give it to them: a resumed run steps them with the kernel the first run used
         self._kernel_groups = len(optimizer.param_groups)
@@ -269,7 +275,7 @@ class ManagedOptimizer:
         device_skip.settle(self)
         self._active = False
         self.grad_path.remove()
-        for hook in (self._kernel_hook, *self._settle_hooks):
+        for hook in (self._kernel_hook, self._kernel_pre_hook, *self._settle_hooks):
             if hook is not None:
                 hook.remove()
         opt = self.optimizer
@@ -290,10 +296,36 @@ class ManagedOptimizer:
     def _choose_kernels(self, optimizer: torch.optim.Optimizer) -> None:
         """torch's fastest kernel for the groups with ``foreach`` and ``fused`` unset
         (:func:`~ampkit.trainer.fused_step.use_fastest_kernel`); ``kernels`` updated in
-        place (the choices of groups set before are kept: they now read "as built")."""
+        place (the choices of groups set before are kept: they now read "as built");
+        the listeners told of the groups new since."""
         choices = use_fastest_kernel(optimizer)
-        kept = min(len(self.kernels), len(choices))
-        self.kernels[:] = [c if c != "as built" or i >= kept else self.kernels[i] for i, c in enumerate(choices)]
+        known = min(len(self.kernels), len(choices))
+        self.kernels[:] = [c if c != "as built" or i >= known else self.kernels[i] for i, c in enumerate(choices)]
+        if len(choices) > known and known:  # groups added since the last choice
+            for listener in self.kernel_listeners:
+                listener(optimizer, list(range(known, len(choices))))
+        self._kernel_groups = len(choices)
+        self._sparse.arm(optimizer, self.kernels)
+
+    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        # which groups' kernels are ampkit's: chosen by it, or still unset as built
+        kernels = self.kernels
+        self._owned = [(i < len(kernels) and kernels[i] in ("fused", "foreach"))
+                       or (g.get("fused") is None and g.get("foreach") is None)
+                       for i, g in enumerate(optimizer.param_groups)]  # fmt: skip
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        # the loaded groups bring their saved flags: those saved unset get the choice
+        # again; ampkit's groups read what they hold now (a group saved fused is fused)
+        owned, self._owned = self._owned or [], None
+        choices = use_fastest_kernel(optimizer)
+        kernels = []
+        for i, (group, choice) in enumerate(zip(optimizer.param_groups, choices)):
+            if choice == "as built" and i < len(owned) and owned[i]:
+                choice = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "as built"
+            kernels.append(choice)
+        self.kernels[:] = kernels
+        self._kernel_groups = len(kernels)
         self._sparse.arm(optimizer, self.kernels)
 
     def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -304,8 +336,6 @@ class ManagedOptimizer:
             return inner(*args, **kwargs)
         if self._kernel_hook is not None and len(opt.param_groups) != self._kernel_groups:
             self._choose_kernels(opt)
-            self._kernel_groups = len(opt.param_groups)
-        self._sparse.check(opt, self.kernels)
         if self.grad_path.masters is not None:
             refuse_unseen_torch_unscale(self.grad_path)
         # The optimizer's own step hooks keep torch's contract around ampkit's work:
@@ -323,6 +353,7 @@ class ManagedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sparse.check(opt, self.kernels)  # the grads of this step are there now
         grads = self.step_grads
         was_unscaled = grads.unscaled
         grads.unscale()

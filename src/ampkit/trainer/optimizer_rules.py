@@ -86,7 +86,7 @@ class OptimizerRule:
             16-bit parameters something else steps (O2K's compensated updates).
         sparse_grads: the optimizer steps sparse grads (``nn.Embedding(sparse=True)``),
             which torch's fused kernel refuses: a group fused by ampkit goes back to
-            torch's own kernel once one shows (:class:`ampkit.trainer.fused_step.SparseWatch`).
+            torch's own kernel once one shows (``ampkit.trainer.fused_step.SparseWatch``).
     """
 
     name: str

@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from checkpoints import load, saved
 from torch import nn
 
 import ampkit as amp
@@ -362,10 +363,7 @@ def _sparse_run(level: str, fast_kernels: bool = True, steps: int = 4, ckpt: byt
     else:
         model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, fast_kernels=fast_kernels)
     if ckpt is not None:
-        saved = torch.load(io.BytesIO(ckpt))
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        amp.load_state_dict(saved["amp"])
+        load(model, opt, ckpt)
     ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
@@ -374,9 +372,7 @@ def _sparse_run(level: str, fast_kernels: bool = True, steps: int = 4, ckpt: byt
         opt.step()
         opt.zero_grad()
         losses.append(float(model(ids)))
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}, buf)
-    return model, opt, losses, buf.getvalue()
+    return model, opt, losses, saved(model, opt)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3", "O2K"])
@@ -408,3 +404,76 @@ def test_a_loaded_adagrad_checkpoint_unfuses_the_sparse_group_again():
     assert opt.param_groups[0].get("fused") is None
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def _late_sparse_run(level: str, steps: range, ckpt: bytes | None = None) -> tuple[nn.Module, bytes]:
+    """A dense head in the optimizer, a sparse embedding added with ``add_param_group``
+    after ampkit took the optimizer, used (so given a grad) from step 3 on."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(20, 6, sparse=True), nn.Linear(6, 1)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.Adagrad(head.parameters(), lr=0.1)
+    if level == "O1":
+        amp.init(torch.bfloat16, "cpu")
+        opt = amp.init_trainer(opt)
+    else:
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16)
+    opt.add_param_group({"params": model["emb"].parameters()})
+    if ckpt is not None:
+        load(model, opt, ckpt)
+    ids = torch.randint(0, 20, (8,), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    for step in steps:
+        feats = model["emb"](ids) if step >= 3 else x
+        with amp.scale_loss(model["head"](feats).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, saved(model, opt)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_sparse_group_added_later_and_first_used_after_a_resume_is_unfused(level):
+    # saved fused before its first grad: the resumed run watches it too
+    straight, _ = _late_sparse_run(level, range(5))
+    amp.reset()
+    _, ckpt = _late_sparse_run(level, range(3))
+    amp.reset()
+    resumed, _ = _late_sparse_run(level, range(3, 5), ckpt)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_reloading_a_checkpoint_saved_fused_unfuses_the_sparse_group_again():
+    # in one process: the group unfused at its first sparse grad, then a checkpoint
+    # from before brings it back fused; the next step must hand it back again
+    model, opt, _, ckpt = _sparse_run("O1", steps=0)  # saved fused (no grad seen yet)
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        with amp.scale_loss(model(ids), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.param_groups[0].get("fused") is None
+        opt.load_state_dict(torch.load(io.BytesIO(ckpt))["optimizer"])
+        assert opt.param_groups[0].get("fused") is True
+
+
+def test_a_closure_step_with_sparse_grads_is_unfused_once_the_closure_made_them():
+    torch.manual_seed(0)
+    model = _SparseRec()
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    amp.init(torch.bfloat16, "cpu")
+    opt = amp.init_trainer(opt)
+    ids = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(ids)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert float(opt.step(closure)) < float(first)
+    assert opt.param_groups[0].get("fused") is None
