@@ -115,12 +115,10 @@ class GradMirror:
             g is not None and keep and master.grad is None and g.layout == torch.strided and g.grad_fn is None
             and g.dtype != torch.float32
         )
-        if fresh and self.master_grads == "on_demand" and self.model_grads == "copy" and g.device.type in ON_DEMAND_DEVICES:
+        if fresh and self.may_hold(model_p):
             # The whole gradient, in 16 bits: it stays on the model (held), checked by
             # the step; the fp32 grad is its exact widening, derived only when needed.
-            link.show(g)
-            link.keep(None)
-            link.hold(master)
+            link.hold(g, master)
             return True
         model_p.grad = None
         link.show(None)
@@ -171,7 +169,6 @@ class GradMirror:
         kept aside, shown as views, fp32) go through :meth:`absorb`. ``unscale`` and
         ``keep`` are :meth:`absorb`'s (the pass's unscaling, ``None`` leaving grads as
         they are; the promise that it only checks, so a fresh grad may stay in 16 bits). Returns :meth:`absorb`'s answer per parameter."""
-        holds = keep and self.master_grads == "on_demand" and self.model_grads == "copy"
         masters, links = self._masters, self._links
         out: list[bool] = [False] * len(model_params)
         batch: dict[torch.device, list[tuple[int, torch.Tensor, nn.Parameter, _Link, torch.Tensor]]] = {}
@@ -185,11 +182,9 @@ class GradMirror:
                 continue
             mg = master.grad
             if keep and mg is None:  # fresh: held, kept aside or viewed, as absorb decides
-                if holds and g.device.type in ON_DEMAND_DEVICES:
+                if self.may_hold(model_p):
                     link.viewable = False
-                    link.show(g)
-                    link.keep(None)
-                    link.hold(master)
+                    link.hold(g, master)
                     out[i] = True
                     continue
                 if self.model_grads == "view" or g.device.type in KEEP_ASIDE_DEVICES:
@@ -653,9 +648,12 @@ class _Link:
     def clear(self) -> bool:  # nothing was left on either side
         return self._shown is None and self._kept is None and not self.held and self.aside is None and not self.viewing
 
-    def hold(self, master: nn.Parameter) -> None:
-        """Hold the gradient the model shows: the master gets a placeholder grad (the
-        last one again where it still fits: it has no memory to share)."""
+    def hold(self, g: torch.Tensor, master: nn.Parameter) -> None:
+        """Hold ``g``, the model's grad, as the gradient: shown, no fp32 grad kept, and
+        the master given a placeholder grad (the last one again where it still fits: it
+        has no memory to share)."""
+        self.show(g)
+        self.keep(None)
         holder = self._holder
         if holder is None or holder.shape != master.shape or holder.dtype != master.dtype or holder.device != master.device:
             holder = self._holder = torch.zeros((), dtype=master.dtype, device=master.device).expand_as(master)

@@ -293,40 +293,42 @@ class ManagedOptimizer:
         for slot in self._slots:
             slot.owed = [s for s in slot.owed if s is not self]
 
-    def _choose_kernels(self, optimizer: torch.optim.Optimizer) -> None:
+    def _choose_kernels(self, optimizer: torch.optim.Optimizer, owned: list[bool] | None = None) -> None:
         """torch's fastest kernel for the groups with ``foreach`` and ``fused`` unset
-        (:func:`~ampkit.trainer.fused_step.use_fastest_kernel`); ``kernels`` updated in
-        place (the choices of groups set before are kept: they now read "as built");
-        the listeners told of the groups new since."""
+        (:func:`~ampkit.trainer.fused_step.use_fastest_kernel`), recorded in ``kernels``
+        (in place); a group whose kernel is ampkit's (``owned``, by default
+        :meth:`_ampkit_groups` of now) but was set before reads what its flags hold.
+        The listeners are told of the groups new since the last choice."""
+        if owned is None:
+            owned = self._ampkit_groups(optimizer)
+        known = len(self.kernels)
         choices = use_fastest_kernel(optimizer)
-        known = min(len(self.kernels), len(choices))
-        self.kernels[:] = [c if c != "as built" or i >= known else self.kernels[i] for i, c in enumerate(choices)]
-        if len(choices) > known and known:  # groups added since the last choice
+        for i, group in enumerate(optimizer.param_groups):
+            if choices[i] == "as built" and i < len(owned) and owned[i]:
+                choices[i] = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "as built"
+        self.kernels[:] = choices
+        if known and len(choices) > known:  # groups added since (add_param_group)
             for listener in self.kernel_listeners:
                 listener(optimizer, list(range(known, len(choices))))
         self._kernel_groups = len(choices)
         self._sparse.arm(optimizer, self.kernels)
 
-    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
-        # which groups' kernels are ampkit's: chosen by it, or still unset as built
+    def _ampkit_groups(self, optimizer: torch.optim.Optimizer) -> list[bool]:
+        """Per param group, whether its kernel is ampkit's to choose: chosen by it
+        before, or ``foreach`` and ``fused`` still unset as built."""
         kernels = self.kernels
-        self._owned = [(i < len(kernels) and kernels[i] in ("fused", "foreach"))
-                       or (g.get("fused") is None and g.get("foreach") is None)
-                       for i, g in enumerate(optimizer.param_groups)]  # fmt: skip
+        return [(i < len(kernels) and kernels[i] in ("fused", "foreach"))
+                or (g.get("fused") is None and g.get("foreach") is None)
+                for i, g in enumerate(optimizer.param_groups)]  # fmt: skip
+
+    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+        self._owned = self._ampkit_groups(optimizer)  # before the load overwrites the flags
 
     def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
         # the loaded groups bring their saved flags: those saved unset get the choice
         # again; ampkit's groups read what they hold now (a group saved fused is fused)
         owned, self._owned = self._owned or [], None
-        choices = use_fastest_kernel(optimizer)
-        kernels = []
-        for i, (group, choice) in enumerate(zip(optimizer.param_groups, choices)):
-            if choice == "as built" and i < len(owned) and owned[i]:
-                choice = "fused" if group.get("fused") else "foreach" if group.get("foreach") else "as built"
-            kernels.append(choice)
-        self.kernels[:] = kernels
-        self._kernel_groups = len(kernels)
-        self._sparse.arm(optimizer, self.kernels)
+        self._choose_kernels(optimizer, owned)
 
     def _step(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         opt = self.optimizer
