@@ -120,6 +120,38 @@ def forked_python():
     return forked.shared()
 
 
+@pytest.fixture
+def forked_tune_children(forked_python, monkeypatch):
+    """``ampkit tune``'s child processes (the capture run, each confirming ``ampkit run``)
+    forked from the test process's server instead of started as new interpreters (about
+    2 s of ``import torch`` apiece): for tests of what the tuner makes of its children's
+    results. Each child still runs its command as ``python -m MODULE ARGS`` would, in a
+    fresh process, its output in its log; the time limit covers the whole child (a
+    ``then`` marker's extension added up front). The real process handling
+    (``ampkit.tools.tune.children.run_bounded``: process groups, stopping, the marker) is
+    tested where no test uses this fixture."""
+    import subprocess
+
+    import forked
+
+    from ampkit.errors import AmpError
+    from ampkit.tools.tune import script
+
+    def run_bounded(cmd, log, timeout, what, then=None, watch=None) -> int:
+        limit = timeout + (then[1] if then is not None else 0.0)
+        try:
+            proc = forked_python.run_argv(list(cmd), env=forked.fork_env(), timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise AmpError(f"{what} ran past its time limit of {limit:g} s and was stopped") from None
+        with open(log, "xb") as out:
+            out.write((proc.stdout + proc.stderr).encode())
+        if watch is not None:
+            watch()
+        return proc.returncode
+
+    monkeypatch.setattr(script, "run_bounded", run_bounded)
+
+
 def pytest_sessionfinish(session, exitstatus):
     import forked
 

@@ -11,7 +11,6 @@ import datetime
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -312,8 +311,7 @@ def test_first_step_json_holds_the_printed_table(tmp_path):
     The character GPT stands for both models (the bench's ``lm`` is the same code with the
     bench's own sizes); the notice column says whether ampkit announced a compile."""
     for argv, message in ((["--levels", "O2K,fp32"], "fp32 first"), (["--workloads", "lm,gpt"], "distinct names")):
-        bad = subprocess.run([sys.executable, str(BENCH / "first_step.py"), *argv],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        bad = _FORKER[0].run_script(BENCH / "first_step.py", argv, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
     stdout, record = run_script("first_step.py", ["--size", "tiny", "--levels", "fp32,O2K", "--workloads", "chargpt"],
                                 tmp_path, timeout=800)  # fmt: skip

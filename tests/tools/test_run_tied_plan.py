@@ -154,7 +154,7 @@ FAILING = {
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(FAILING))
-def test_ampkit_tune_reports_each_failed_confirming_run_with_its_error(case, tmp_path):
+def test_ampkit_tune_reports_each_failed_confirming_run_with_its_error(case, tmp_path, forked_tune_children):
     """The confirming runs at O2/O2K of these scripts fail (refused, or run at O1
     instead): the plan says so for each level, with the run's own words, in its report and
     its file, and is made from the runs that succeeded (fp32 and O1).
