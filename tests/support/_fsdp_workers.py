@@ -160,10 +160,10 @@ def job_train(rank: int, world: int, outdir: Path) -> dict:
         if comp is not None:  # count the parameters the one-pass compensated update steps
             real = comp._step_dedicated
 
-            def counting(optimizer: Any, group: dict, rule: str, params: list, real: Any = real,
-                         dedicated: list = dedicated) -> None:  # fmt: skip
+            def counting(optimizer: Any, group: dict, rule: str, params: list, skip: Any = None, *,
+                         real: Any = real, dedicated: list = dedicated) -> Any:  # fmt: skip
                 dedicated.append(len(params))
-                real(optimizer, group, rule, params)
+                return real(optimizer, group, rule, params, skip)
 
             comp._step_dedicated = counting
         losses = [step(model, opt, rank, n, on) for n in range(40)]

@@ -21,6 +21,7 @@ after it the grads come back.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from ampkit.errors import AmpError, StateError
 from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.fused_step import fuse_wide_parts
 from ampkit.trainer.managed import managed_state
-from ampkit.trainer.optimizer_rules import OptimizerRule, Update, rule_for
+from ampkit.trainer.optimizer_rules import OptimizerRule, StepCounts, Update, counts_of, rule_for
 
 from . import one_pass
 from . import update_kernels as _kernels
@@ -167,7 +168,7 @@ class CompensatedUpdates:
             self._handles = fuse_wide_parts(optimizer, managed.kernels, managed.kernel_listeners)
         else:
             self._handles = [
-                optimizer.register_step_pre_hook(self._pre_step),
+                optimizer.register_step_pre_hook(self._pre_step_hook),
                 optimizer.register_step_post_hook(self._post_step),
             ]
 
@@ -240,9 +241,19 @@ class CompensatedUpdates:
         if chunk:
             yield chunk
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _pre_step_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._pre_step(optimizer, args, kwargs)  # (a step pre-hook returns None: arguments unchanged)
+
+    def _pre_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, skip: torch.Tensor | None = None,
+        plan: list[tuple[dict, OptimizerRule, list[nn.Parameter]]] | None = None,
+    ) -> list[StepCounts]:
+        """The compensated part of a step, before the optimizer's own ``step``. ``skip``:
+        the found-inf flag of a step decided on the device (the dedicated kernels take
+        it; ``plan``: :meth:`_plan`'s, made for it right before). Returns the step
+        counters to settle once its outcome is known (none without ``skip``)."""
         if self._inside:
-            return None
+            return []
         # args[0] is the optimizer itself; anything after it is a closure.
         if len(args) > 1 or kwargs.get("closure") is not None:
             raise AmpError(
@@ -251,7 +262,7 @@ class CompensatedUpdates:
             )
         low = [p for _, _, p in self._low_params() if p.grad is not None]
         low_ids = {id(p) for p in low}
-        dedicated = self._plan(optimizer)
+        dedicated = self._plan(optimizer) if plan is None else plan
         done = {id(p) for _, _, params in dedicated for p in params}
         low = [p for p in low if id(p) not in done]
         every = [p for g in optimizer.param_groups for p in g["params"]]
@@ -261,9 +272,12 @@ class CompensatedUpdates:
         chunks = list(self._chunks(low)) or [[]]
         chunks[0] = fp32_first + chunks[0]
         self._inside = True
+        counts: list[StepCounts] = []
         try:
             for group, rule, params in dedicated:
-                self._step_dedicated(optimizer, group, rule, params)
+                c = self._step_dedicated(optimizer, group, rule, params, skip)
+                if c is not None:
+                    counts.append(c)
             for chunk in chunks:
                 if chunk:
                     self._step_chunk(optimizer, chunk, pending, every)
@@ -277,7 +291,7 @@ class CompensatedUpdates:
         self._set_aside = [(p, pending[id(p)]) for p in every if id(p) in pending]
         for p in every:
             p.grad = None
-        return None
+        return counts
 
     # -- dedicated updates ----------------------------------------------------------
 
@@ -334,11 +348,12 @@ class CompensatedUpdates:
         return True
 
     def _step_dedicated(
-        self, optimizer: torch.optim.Optimizer, group: dict, rule: OptimizerRule, params: list[nn.Parameter]
-    ) -> None:
+        self, optimizer: torch.optim.Optimizer, group: dict, rule: OptimizerRule, params: list[nn.Parameter],
+        skip: torch.Tensor | None = None,
+    ) -> StepCounts | None:
         assert self.kernel != "generic" and rule.plan is not None
         mode = _kernels.resolve_mode(self.kernel)
-        run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel}
+        run = {"mode": mode, "chunk_numel": self.chunk_numel, "batch_numel": self.chunk_numel, "skip": skip}
         # FSDP2's DTensor shards: the update is elementwise, so each rank steps its local shard
         plain = all(type(p) is nn.Parameter for p in params)
         if plain:  # plain tensors: as they are (the kernel detaches)
@@ -362,6 +377,9 @@ class CompensatedUpdates:
                                *[[states[i][key] if plain else local_tensor(states[i][key]) for i in idx]
                                  for key in keys]]  # fmt: skip
                 _kernel(update)(tensors, scalars, **static, **run)
+        if skip is None:
+            return None
+        return counts_of(states, skip)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._inside or self._set_aside is None:
@@ -609,17 +627,35 @@ def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) 
 
 class _CompensatedStep(StepExtension):
     """The compensated update of a managed optimizer's taken steps: the pre-step work
-    right before the optimizer's own ``step``, the grads put back right after. Its steps
-    are decided on the host (``device_skip`` False): the dedicated Kahan kernels take no
-    skip flag."""
+    right before the optimizer's own ``step``, the grads put back right after.
+
+    Its steps are decided on the host (``device_skip`` False): the dedicated Kahan
+    kernels take no skip flag (on torch 2.9 the compiled kernel with the flag's select is
+    not the eager one bit for bit)."""
 
     def __init__(self, comp: CompensatedUpdates) -> None:
         self.comp = comp
+        self._managed: Any = lambda: None
+        self._plan: list[tuple[dict, OptimizerRule, list[nn.Parameter]]] | None = None
+        self._counts: list[StepCounts] = []
+
+    def on_add(self, optimizer: Any) -> None:
+        self._managed = weakref.ref(optimizer)
+
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         opt = self.comp.optimizer
-        self.comp._pre_step(opt, (opt, *args), kwargs)
+        managed = self._managed()
+        skip = managed.skip_flag if managed is not None else None
+        plan, self._plan = self._plan, None
+        self._counts += self.comp._pre_step(opt, (opt, *args), kwargs, skip=skip, plan=plan if skip is not None else None)
 
     def after_update(self) -> None:
         opt = self.comp.optimizer
         self.comp._post_step(opt, (opt,), {})
+
+    def after_step(self, skipped: bool) -> None:
+        self._plan = None
+        counts, self._counts = self._counts, []
+        for c in counts:
+            c.settle(skipped)
