@@ -95,10 +95,8 @@ def _kernel(update: Update) -> Kernel:
     k = _DEDICATED.get(update)
     if k is None:
         n = len(update.state_keys)
-        # no skip flag: on torch 2.9 the compiled Kahan update with the flag's select is not
-        # the eager one bit for bit, so O2K's steps are decided on the host
         k = _DEDICATED[update] = Kernel(update.name, update.compensated, mutated=(0, 1, *range(3, 3 + n)),
-                                        example_dtypes=(_BF,) * (3 + n), takes_flag=False)  # fmt: skip
+                                        example_dtypes=(_BF,) * (3 + n))  # fmt: skip
     return k
 
 
@@ -629,19 +627,35 @@ class _CompensatedStep(StepExtension):
     """The compensated update of a managed optimizer's taken steps: the pre-step work
     right before the optimizer's own ``step``, the grads put back right after.
 
-    Its steps are decided on the host (``device_skip`` False): the dedicated Kahan
-    kernels take no skip flag (on torch 2.9 the compiled kernel with the flag's select is
-    not the eager one bit for bit)."""
+    Right on a step skipped on the device (:mod:`ampkit.trainer.device_skip`) where
+    every 16-bit grad goes through a dedicated kernel (:attr:`device_skip`): those take
+    the step's found-inf flag (weights, compensation and state kept where it is set),
+    the fp32 rest steps with torch's fused kernel and the same flag, and the step
+    counters the kernels advanced are settled once the outcome is known. The generic
+    path (fp32 copies rounded back) keeps the step decided on the host."""
 
     def __init__(self, comp: CompensatedUpdates) -> None:
         self.comp = comp
         self._managed: Any = lambda: None
         self._plan: list[tuple[dict, OptimizerRule, list[nn.Parameter]]] | None = None
         self._counts: list[StepCounts] = []
+        self._own: set[int] = set()
 
     def on_add(self, optimizer: Any) -> None:
         self._managed = weakref.ref(optimizer)
 
+    @property  # type: ignore[override]
+    def device_skip(self) -> bool:  # asked once per step, right before the update
+        comp = self.comp
+        opt = comp.optimizer
+        low = [p for _, _, p in comp._low_params() if p.grad is not None]
+        self._plan = plan = comp._plan(opt)  # the update right after uses it
+        done = {id(p) for _, _, params in plan for p in params}
+        self._own = {id(group) for group, _, _ in plan if all(p.grad is None or id(p) in done for p in group["params"])}
+        return all(id(p) in done for p in low)
+
+    def own_groups(self) -> set[int]:
+        return self._own
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         opt = self.comp.optimizer

@@ -66,7 +66,6 @@ import torch
 
 from ampkit._internal import inductor_compat, torch_compat
 from ampkit._internal import registry as _reset
-from ampkit.errors import AmpError
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
@@ -232,14 +231,12 @@ class Kernel:
         mutated: Sequence[int],
         example_dtypes: Sequence[torch.dtype],
         exact: bool = True,
-        takes_flag: bool = True,
     ) -> None:
         self.name = name
         self.exact = exact
         self.fn = fn
         self.mutated = tuple(mutated)
-        self.takes_flag = takes_flag
-        self.skippable = _skipping(fn, self.mutated) if takes_flag else fn
+        self.skippable = _skipping(fn, self.mutated)
         self.example_dtypes = tuple(example_dtypes)
         self._compiled: dict[tuple, Callable[..., None] | None] = {}
         # (thread, device, dtypes, shapes) -> per role (flat buffer, its views shaped as the tensors)
@@ -287,8 +284,6 @@ class Kernel:
         same = _same_bits if self.exact else _close
         if not all(same(a, b) for a, b in zip(probe, expected)):
             raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
-        if not self.takes_flag:
-            return compiled
         skipped = [t.clone() for t in probe]
         scalars[-1] = 1.0  # the skip flag: on, with inf/NaN among the inputs
         for t in skipped:
@@ -318,8 +313,6 @@ class Kernel:
         written tensor as it was; read on the device only); None: the step is taken."""
         if not tensors or not tensors[0]:
             return
-        if skip is not None and not self.takes_flag:
-            raise AmpError(f"the {self.name} update kernel takes no skip flag; decide the step on the host.")
         scalars = _with_flag(scalars, skip, tensors[0][0].device)
         eager = self.fn if skip is None else self.skippable
         run: Callable[..., None] | None = None

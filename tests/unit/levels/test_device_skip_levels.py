@@ -29,9 +29,8 @@ OPTIMIZERS = {
     "SGD-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
 }
 # Decided on the host, one read per step: the fp32 norm steps with torch's foreach SGD,
-# whose kernel takes no flag (ampkit does not fuse SGD: see ampkit.trainer.fused_step);
-# O2K's Kahan kernels take no flag (compiled with it, torch 2.9's is not bitwise eager's)
-ON_HOST = {("O2", "SGD"), ("O2", "SGD-momentum"), ("O2K", "AdamW"), ("O2K", "SGD"), ("O2K", "SGD-momentum")}
+# whose kernel takes no flag (ampkit does not fuse SGD: see ampkit.trainer.fused_step)
+ON_HOST = {("O2", "SGD"), ("O2", "SGD-momentum"), ("O2K", "SGD"), ("O2K", "SGD-momentum")}
 # (step, which grad, value written into it after backward) -- None: a clean step
 PLAN = [None, None, ("weight", INF), None, ("norm", NAN), ("weight", -INF), None, ("norm", INF), None]
 
