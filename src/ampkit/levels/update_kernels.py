@@ -43,7 +43,10 @@ is > 0 (a step found inf/NaN grads), every tensor the kernel writes keeps its va
 bit for bit, and nothing is read back to the host: a step can be skipped on the device
 (:mod:`ampkit.trainer.device_skip`). The compiled kernel selects the old or new value of
 each element in the same pass; op by op the old values are copied aside first (only when a
-flag is given: a step decided on the host passes none and runs the update alone).
+flag is given: a step decided on the host passes none and runs the update alone). Where
+the compiled kernel with the select is not the eager update bit for bit (seen with the
+exact Kahan update on torch 2.9's Inductor), the update is compiled without it, and a
+call given a flag reads it on the host first (one sync; logged once at INFO).
 With ``AMPKIT_COMPILE_AHEAD=1``, ``initialize`` compiles the kernels a level's first
 step will take in a background thread (:func:`compile_ahead`).
 """
@@ -69,7 +72,7 @@ from ampkit._internal import registry as _reset
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
-    "forget_compiled", "compile_ahead_enabled", "compiled_functions",
+    "forget_compiled", "compile_ahead_enabled", "compiled_functions", "compiled_without_flag",
 ]
 
 _LOG = logging.getLogger("ampkit")
@@ -187,6 +190,14 @@ def compiled_functions() -> int:
             f is not None for f in _round_check)
 
 
+def compiled_without_flag() -> list[str]:
+    """The names of the kernels compiled in this process without the skip flag's select
+    (its compiled form was not the eager update bit for bit): a step they run that was
+    decided on the device reads its flag on the host."""
+    with _lock:
+        return sorted({kernel.name for kernel in _ALL for f in kernel._compiled.values() if f is not None and not f[1]})
+
+
 def flat(t: torch.Tensor) -> torch.Tensor | None:
     """A 1-D view of every element of ``t`` in memory order, or None when ``t`` is
     not dense (gaps or overlaps between its elements)."""
@@ -238,20 +249,21 @@ class Kernel:
         self.mutated = tuple(mutated)
         self.skippable = _skipping(fn, self.mutated)
         self.example_dtypes = tuple(example_dtypes)
-        self._compiled: dict[tuple, Callable[..., None] | None] = {}
+        # key -> (the compiled kernel, whether it takes the skip flag), None: op by op
+        self._compiled: dict[tuple, tuple[Callable[..., None], bool] | None] = {}
         # (thread, device, dtypes, shapes) -> per role (flat buffer, its views shaped as the tensors)
         self._staging: OrderedDict[tuple, list[tuple[torch.Tensor, list[torch.Tensor]]]] = OrderedDict()
         _ALL.add(self)
 
     def _compiled_fn(self, static: dict, num_scalars: int, device: torch.device, scalars_device: torch.device,
-                     ) -> Callable[..., None] | None:  # fmt: skip
+                     ) -> tuple[Callable[..., None], bool] | None:  # fmt: skip
         key = (device.type, scalars_device.type, *sorted(static.items()))
         if key in self._compiled:
             return self._compiled[key]
         with _lock:
             if key in self._compiled:
                 return self._compiled[key]
-            compiled: Callable[..., None] | None
+            compiled: tuple[Callable[..., None], bool] | None
             try:
                 with _compile_notice(device.type, f"{self.name} update kernel"):
                     with inductor_compat.known_cpu_isa() if device.type == "cpu" else contextlib.nullcontext():
@@ -266,24 +278,37 @@ class Kernel:
             return compiled
 
     def _compile_and_probe(self, static: dict, num_scalars: int, device: torch.device,
-                           scalars_device: torch.device) -> Callable[..., None]:  # fmt: skip
-        """``torch.compile(fn)``, run once on scratch tensors on the device the kernel will
-        run on (a probe elsewhere would compile a second kernel): a compiler failure must
-        not surface halfway through a real step, and the compiled arithmetic must be the
-        eager one bit for bit (no contraction into fused multiply-adds, which would break
-        the exact rounding-error computations). Raises where either fails."""
-        compiled = torch.compile(self.skippable, dynamic=True, fullgraph=True)
+                           scalars_device: torch.device) -> tuple[Callable[..., None], bool]:  # fmt: skip
+        """``torch.compile(fn)`` with the skip flag's select, run once on scratch tensors on
+        the device the kernel will run on (a probe elsewhere would compile a second
+        kernel): a compiler failure must not surface halfway through a real step, and the
+        compiled arithmetic must be the eager one bit for bit (no contraction into fused
+        multiply-adds, which would break the exact rounding-error computations). Where only
+        the variant with the select fails that, the update is compiled alone (``False``:
+        it takes no flag). Raises where the update alone fails too."""
+        flagged = torch.compile(self.skippable, dynamic=True, fullgraph=True)
         g = torch.Generator().manual_seed(0)
         scalars = torch.rand(num_scalars, generator=g) * 0.5 + 0.25
         scalars[-1] = 0.0  # the skip flag: off
         scalars = scalars.to(scalars_device)
         probe = [(torch.randn(1031, generator=g) * 0.1).to(device, d) for d in self.example_dtypes]
         expected = [t.clone() for t in probe]
-        compiled(*probe, scalars, **static)
         self.fn(*expected, scalars, **static)
         same = _same_bits if self.exact else _close
-        if not all(same(a, b) for a, b in zip(probe, expected)):
-            raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+        compiled = flagged
+        while True:
+            out = [t.clone() for t in probe]
+            compiled(*out, scalars, **static)
+            if all(same(a, b) for a, b in zip(out, expected)):
+                break
+            if compiled is not flagged:
+                raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
+            compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)  # the update alone
+        if compiled is not flagged:
+            _LOG.info("ampkit: the compiled %s update kernel with the skip flag's select is not the eager update bit "
+                      "for bit on this torch; compiled without it, its steps read the flag on the host (one sync "
+                      "each).", self.name)  # fmt: skip
+            return compiled, False
         skipped = [t.clone() for t in probe]
         scalars[-1] = 1.0  # the skip flag: on, with inf/NaN among the inputs
         for t in skipped:
@@ -292,7 +317,7 @@ class Kernel:
         compiled(*skipped, scalars, **static)
         if not all(_same_bits(a, b, nan_payload=True) for a, b in zip(skipped, kept)):
             raise RuntimeError("the compiled kernel writes tensors on a skipped step")
-        return compiled
+        return flagged, True
 
     def __call__(
         self,
@@ -314,10 +339,16 @@ class Kernel:
         if not tensors or not tensors[0]:
             return
         scalars = _with_flag(scalars, skip, tensors[0][0].device)
-        eager = self.fn if skip is None else self.skippable
         run: Callable[..., None] | None = None
         if mode == "compiled":
-            run = self._compiled_fn(static, scalars.numel(), tensors[0][0].device, scalars.device)
+            compiled = self._compiled_fn(static, scalars.numel(), tensors[0][0].device, scalars.device)
+            if compiled is not None:
+                run, takes_flag = compiled
+                if skip is not None and not takes_flag:  # compiled without the select: read the flag here
+                    if bool(skip > 0):
+                        return
+                    skip = None  # taken: the update alone (it ignores the flag's scalar)
+        eager = self.fn if skip is None else self.skippable
         small: list[int] = []
         total = 0  # elements of the small ones
         with torch.no_grad():

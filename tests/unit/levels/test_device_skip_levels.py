@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from host_reads import counting_reads
 
 import ampkit as amp
+from ampkit.levels import update_kernels
 
 INF, NAN = float("inf"), float("nan")
 def _model() -> torch.nn.Module:
@@ -77,7 +78,8 @@ def test_a_step_decided_on_the_device_reads_nothing_and_shows_what_the_host_deci
     device, device_reads = _run(level, opt_name, on_host=False)
     host, host_reads = _run(level, opt_name, on_host=True)
     # (the first step creates the optimizer state on the host and may read more)
-    if (level, opt_name) in ON_HOST:
+    # a kernel compiled without the flag's select (not exact on this torch) reads the flag
+    if (level, opt_name) in ON_HOST or (level == "O2K" and update_kernels.compiled_without_flag()):
         assert device_reads[1:] == [1] * (len(PLAN) - 1), device_reads
     else:
         assert device_reads[1:] == [0] * (len(PLAN) - 1), device_reads
