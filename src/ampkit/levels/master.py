@@ -186,6 +186,20 @@ class MasterWeights:
         self._published[id(master)] = torch_compat.tensor_version(master)
         return master
 
+    def check_new_params(self, params: list[torch.Tensor]) -> None:
+        """Raise :class:`~ampkit.StateError` if ``params`` (a param group about to be
+        added) holds a model parameter that has a master already, or a 16-bit one twice:
+        it would get a second master, both stepped."""
+        seen: set[int] = set()
+        for p in params:
+            if id(p) in self._masters or (id(p) in seen and p.is_floating_point() and p.dtype != torch.float32):
+                raise StateError(
+                    "add_param_group: a model parameter is in the new param group twice, or already in another "
+                    "group of this optimizer (whose fp32 master stands for it); each parameter must be in one "
+                    "group, once. Change the existing group's options instead (optimizer.param_groups[i])."
+                )  # fmt: skip
+            seen.add(id(p))
+
     def _current_layout(self) -> tuple[int, ...]:
         return tuple(len(g["params"]) for g in self.optimizer.param_groups)
 

@@ -375,3 +375,47 @@ def test_the_grad_methods_of_0_3_forward_to_the_mirror_with_a_deprecation_warnin
     with pytest.raises(AttributeError, match="no attribute 'no_such_method'"):
         mw.no_such_method  # noqa: B018
     assert mw.held() == [] and not mw.is_placeholder(next(model.parameters()))
+
+
+@pytest.mark.parametrize("how", ["in another group", "twice in the new group", "a single tensor"])
+def test_o2_refuses_a_param_group_repeating_a_mastered_parameter_before_anything_changes(how):
+    """torch's own duplicate check compares a model parameter with the masters in the
+    groups, so it let one with a master already through, and a second master was made
+    for it (both stepped, the model showing one). At O2 ``add_param_group`` refuses it,
+    and a 16-bit one twice in the new group, before torch adds anything; training then
+    goes on bitwise as without the attempt. A new parameter is still added (and gets its
+    master); after ``ampkit.reset`` the optimizer's ``add_param_group`` is torch's again."""
+    import ampkit as amp
+
+    def run(attempt: bool) -> list[torch.Tensor]:
+        amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16)
+        if attempt:
+            bad = {"in another group": list(model[0].parameters()),
+                   "twice in the new group": [model[2].weight, model[2].bias, model[2].weight],
+                   "a single tensor": model[0].weight}[how]  # fmt: skip
+            layout = [list(g["params"]) for g in opt.param_groups]
+            with pytest.raises(StateError, match="twice, or already in another group"):
+                opt.add_param_group({"params": bad, "lr": 1e-3})
+            assert [list(g["params"]) for g in opt.param_groups] == layout
+        opt.add_param_group({"params": list(model[2].parameters())})
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 6, generator=g)
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        assert len(opt.param_groups) == 2 and all(p.dtype == torch.float32 for p in opt.param_groups[1]["params"])
+        out = [p.detach().clone() for p in model.parameters()]
+        out += [t.clone() for p in amp.master_params(opt) for t in opt.state[p].values()]
+        amp.reset()
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})  # torch's own again
+        assert "add_param_group" not in opt.__dict__
+        return out
+
+    refused, clean = run(True), run(False)
+    assert len(refused) == len(clean) and all(torch.equal(a, b) for a, b in zip(refused, clean))
