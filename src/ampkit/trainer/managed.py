@@ -124,8 +124,10 @@ class ManagedOptimizer:
         self.step_grads = StepGrads(self, slots)
         self._previous_step: Any = _MISSING
         self._previous_zero_grad: Any = _MISSING
+        self._previous_add_param_group: Any = _MISSING
         self._install_step()
         self._install_zero_grad()
+        self._install_add_param_group()
         # Hooks that make grads real as backward produces them (ampkit.trainer.grad_hooks).
         self.grad_path = GradPath(self)
         self.grad_path.refresh()
@@ -267,8 +269,30 @@ class ManagedOptimizer:
         self._zero_grad_function = zero_grad
         opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
 
+    def _install_add_param_group(self) -> None:
+        """A group added with ``add_param_group`` gets its kernel at its first step
+        (:meth:`_choose_kernels`); until then the optimizer does not say it takes
+        ``grad_scale``/``found_inf`` (torch's ``_step_supports_amp_scaling``, set by
+        :func:`~ampkit.trainer.fused_step.use_fastest_kernel` when every group is fused):
+        a ``torch.amp.GradScaler`` would hand them to a group not fused (torch's
+        for-loop kernel refuses them)."""
+        opt = self.optimizer
+        self._previous_add_param_group = opt.__dict__.get("add_param_group", _MISSING)
+        inner = opt.add_param_group
+        state = self
+
+        def add_param_group(self_opt: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+            inner(param_group)
+            if state._active:
+                self_opt.__dict__.pop("_step_supports_amp_scaling", None)  # set again once every group is fused
+
+        functools.update_wrapper(add_param_group, type(opt).add_param_group,
+                                 assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=())  # fmt: skip
+        self._add_param_group_function = add_param_group
+        opt.add_param_group = types.MethodType(add_param_group, opt)  # type: ignore[method-assign]
+
     def release(self) -> None:
-        """Stop managing the optimizer: its previous ``step`` and ``zero_grad`` come back
+        """Stop managing the optimizer: its previous ``step``, ``zero_grad`` and ``add_param_group`` come back
         (if something wrapped ours since, ours stays but only forwards)."""
         if not self._active:
             return
@@ -282,6 +306,7 @@ class ManagedOptimizer:
         for name, ours, previous in (
             ("step", self._step_function, self._previous_step),
             ("zero_grad", self._zero_grad_function, self._previous_zero_grad),
+            ("add_param_group", self._add_param_group_function, self._previous_add_param_group),
         ):
             if getattr(opt.__dict__.get(name), "__func__", None) is ours:
                 if previous is _MISSING:

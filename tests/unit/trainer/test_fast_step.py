@@ -308,6 +308,44 @@ def test_o2k_fused_rest_never_marks_the_optimizer_for_torch_gradscaler():
     amp.reset()
 
 
+@pytest.mark.parametrize("flags", [{"foreach": False}, {}], ids=["foreach=False", "unset"])
+def test_a_group_added_later_unmarks_the_optimizer_for_torch_gradscaler_until_it_is_fused(flags):
+    """An optimizer ampkit fused entirely is marked as taking grad_scale/found_inf
+    (torch's ``_step_supports_amp_scaling``). A group added with ``add_param_group`` takes
+    the mark off until its first step chooses its kernel: torch's GradScaler would
+    otherwise hand grad_scale/found_inf to a group stepped by torch's for-loop kernel,
+    which refuses them. A group left unset is fused at its first step and the mark comes
+    back; one built ``foreach=False`` keeps it off. The weights follow the same training
+    without ampkit; ``ampkit.reset`` gives ``add_param_group`` back."""
+    import torch.nn.functional as F
+
+    def train(managed: bool) -> list[torch.Tensor]:
+        amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+        if managed:
+            opt = amp.init_trainer(opt, 1.0)
+            assert opt._step_supports_amp_scaling is True
+        opt.add_param_group({"params": list(model[1].parameters()), **flags})
+        assert not getattr(opt, "_step_supports_amp_scaling", False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            opt.zero_grad()
+            scaler.scale(F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.randn(4, 2, generator=g))).backward()
+            scaler.step(opt)
+            scaler.update()
+        if managed:
+            assert getattr(opt, "_step_supports_amp_scaling", False) is (not flags)
+            amp.reset()
+            assert "add_param_group" not in opt.__dict__
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fused and for-loop Adam: last bits
+
+
 def test_o2k_adagrad_keeps_foreach_for_sparse_grads_and_reset_gives_the_group_back():
     """Adagrad steps sparse grads, which its fused kernel refuses: an O2K Adagrad group
     stays foreach and a sparse embedding trains. ampkit.reset() puts foreach back on a
