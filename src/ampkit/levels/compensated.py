@@ -652,7 +652,11 @@ class _CompensatedStep(StepExtension):
         self._plan = plan = comp._plan(opt)  # the update right after uses it
         done = {id(p) for _, _, params in plan for p in params}
         self._own = {id(group) for group, _, _ in plan if all(p.grad is None or id(p) in done for p in group["params"])}
-        return all(id(p) in done for p in low)
+        # a parameter without its compensation buffer yet (its first step, or state loaded
+        # without ampkit's): the step makes it, so a skipped one must be known first
+        fresh = any((b := comp.buffer(p)) is None or b.shape != p.shape or b.dtype != p.dtype
+                    for _, _, params in plan for p in params)  # fmt: skip
+        return not fresh and all(id(p) in done for p in low)
 
     def own_groups(self) -> set[int]:
         return self._own

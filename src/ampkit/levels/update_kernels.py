@@ -345,7 +345,7 @@ class Kernel:
             if compiled is not None:
                 run, takes_flag = compiled
                 if skip is not None and not takes_flag:  # compiled without the select: read the flag here
-                    if bool(skip > 0):
+                    if _skipped(skip):
                         return
                     skip = None  # taken: the update alone (it ignores the flag's scalar)
         eager = self.fn if skip is None else self.skippable
@@ -466,6 +466,24 @@ def _own_code(fn: Callable[..., None], name: str) -> Callable[..., None]:
 
 # Module state: a zero flag (a taken step's) per device, made once.
 _NO_SKIP: dict[torch.device, torch.Tensor] = {}
+
+
+# Module state: the skip flag last read on the host (a weak reference, its version, the
+# answer): the kernels a step runs (one per param group and scalar set) read it once.
+_last_read: tuple[weakref.ref, int, bool] | None = None
+
+
+def _skipped(skip: torch.Tensor) -> bool:
+    """Whether the step of flag ``skip`` is skipped, read on the host once per flag (for
+    the kernels compiled without the flag's select)."""
+    global _last_read
+    last = _last_read
+    version = torch_compat.tensor_version(skip)
+    if last is not None and last[0]() is skip and last[1] == version:
+        return last[2]
+    answer = bool(skip > 0)
+    _last_read = (weakref.ref(skip), version, answer)
+    return answer
 
 
 def _with_flag(scalars: torch.Tensor, skip: torch.Tensor | None, device: torch.device) -> torch.Tensor:

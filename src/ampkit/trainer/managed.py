@@ -61,6 +61,13 @@ def _settled(name: str, doc: str) -> Any:
     return property(get, put, doc=doc + " Settles a step skipped on the device first.")
 
 
+# A managed step is ampkit's bookkeeping around the optimizer's own: never traced. Under
+# ``torch.compile(opt.step)`` (or a compiled function calling it) it runs eagerly at a
+# graph break, as on every torch release (torch 2.9's Dynamo failed inside it).
+_step_outside_dynamo = torch_compat.run_outside_dynamo(
+    lambda state, inner, args, kwargs: state._step(inner, args, kwargs))  # fmt: skip
+
+
 class ManagedOptimizer:
     """ampkit's state for one managed optimizer; get it with :func:`managed_state`.
 
@@ -232,7 +239,7 @@ class ManagedOptimizer:
         state = self
 
         def step(self_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            return state._step(inner, args, kwargs)
+            return _step_outside_dynamo(state, inner, args, kwargs)
 
         functools.update_wrapper(
             step, type(opt).step, assigned=("__module__", "__name__", "__qualname__", "__doc__"), updated=()

@@ -141,9 +141,11 @@ def test_a_kernel_whose_compiled_select_is_not_exact_compiles_the_update_alone_a
         k(host, scalars, **run)  # decided on the host (no flag): compiles, then the update alone
         assert all(torch.equal(a, b) for ra, rb in zip(host, expected) for a, b in zip(ra, rb))
         taken, counts = [[t.clone() for t in role] for role in roles], collections.Counter()
+        flag = torch.zeros((), dtype=torch.float32)
         with counting_reads(counts):
-            k(taken, scalars, **run, skip=torch.zeros((), dtype=torch.float32))
-        assert sum(counts.values()) == 1  # the flag, read on the host
+            k([role[:5] for role in taken], scalars, **run, skip=flag)
+            k([role[5:] for role in taken], scalars, **run, skip=flag)  # the step's next group: the same flag
+        assert sum(counts.values()) == 1  # the flag, read on the host once a step
         assert all(torch.equal(a, b) for ra, rb in zip(taken, expected) for a, b in zip(ra, rb))
         skipped, counts = [[t.clone() for t in role] for role in roles], collections.Counter()
         with counting_reads(counts):

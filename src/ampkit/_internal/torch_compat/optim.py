@@ -23,11 +23,9 @@ def mark_step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
     optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
 
-@torch.compiler.disable
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Set ``optimizer._opt_called``: LR schedulers read it to warn about a scheduler
-    stepped before its optimizer. Run outside a compiled ``opt.step`` (torch 2.9's
-    Dynamo fails on the attribute set instead of breaking the graph there)."""
+    stepped before its optimizer."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
