@@ -90,7 +90,7 @@ class MasterStep(StepExtension):
             mw, state = masters(), managed()
             if mw is not None and state is not None and state.active:
                 params = param_group.get("params") if isinstance(param_group, dict) else None
-                if params is not None:
+                if params is not None and not isinstance(params, set):  # a set: torch's TypeError
                     params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
                     mw.check_new_params(params)
             else:  # released (ampkit.reset): torch's own from now on

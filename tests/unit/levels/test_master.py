@@ -401,6 +401,8 @@ def test_o2_refuses_a_param_group_repeating_a_mastered_parameter_before_anything
             with pytest.raises(StateError, match="twice, or already in another group"):
                 opt.add_param_group({"params": bad, "lr": 1e-3})
             assert [list(g["params"]) for g in opt.param_groups] == layout
+        with pytest.raises(TypeError, match="ordered collections"):  # torch's own refusal, as without ampkit
+            opt.add_param_group({"params": set(model[2].parameters())})
         opt.add_param_group({"params": list(model[2].parameters())})
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
