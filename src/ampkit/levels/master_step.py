@@ -61,7 +61,6 @@ class MasterStep(StepExtension):
         self._plan: list[_GroupPlan] | None = None  # made by device_skip for the update right after
         self._held = 0  # how many held grads the last plan saw
         self._load_hook: Any = None
-        self._add_group: Any = None  # the optimizer's add_param_group, as on_add wraps it
 
     def on_add(self, optimizer: Any) -> None:
         # backward accumulates into the model's parameters, which the masters stand for;
@@ -79,36 +78,17 @@ class MasterStep(StepExtension):
             if mw is not None and state is not None and state.active:  # not after a release
                 mw.refresh()
 
-        opt = self.masters.optimizer
-        self._load_hook = opt.register_load_state_dict_pre_hook(masters_first)
+        self._load_hook = self.masters.optimizer.register_load_state_dict_pre_hook(masters_first)
         # a model parameter that has a master already, added again (add_param_group): torch's
         # own check compares it with the masters and lets it through, and a second master
         # would be made for it, the first one still stepped; refused before torch adds the group
-        inner, holder = opt.add_param_group, weakref.ref(opt)
-
-        def add_param_group(param_group: dict[str, Any]) -> None:
-            mw, state = masters(), managed()
-            if mw is not None and state is not None and state.active:
-                params = param_group.get("params") if isinstance(param_group, dict) else None
-                if params is not None and not isinstance(params, set):  # a set: torch's TypeError
-                    params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
-                    mw.check_new_params(params)
-            else:  # released (ampkit.reset): torch's own from now on
-                o = holder()
-                if o is not None and o.__dict__.get("add_param_group") is add_param_group:
-                    del o.__dict__["add_param_group"]
-            inner(param_group)
-
-        self._add_group = add_param_group
-        opt.add_param_group = add_param_group
+        optimizer.group_checks.append(self.masters.check_new_params)
 
     def on_remove(self, optimizer: Any) -> None:
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
-        opt = self.masters.optimizer
-        if opt.__dict__.get("add_param_group") is self._add_group:
-            del opt.__dict__["add_param_group"]
+        optimizer.group_checks[:] = [c for c in optimizer.group_checks if c != self.masters.check_new_params]
 
     @property  # type: ignore[override]
     def device_skip(self) -> bool:  # asked once per step, right before the update

@@ -132,6 +132,10 @@ class ManagedOptimizer:
         self._previous_step: Any = _MISSING
         self._previous_zero_grad: Any = _MISSING
         self._previous_add_param_group: Any = _MISSING
+        #: called with the params of a group ``add_param_group`` is about to add (a list),
+        #: before torch adds it; one that raises refuses the group (O2's masters: a
+        #: parameter they stand for already)
+        self.group_checks: list[Callable[[list[torch.Tensor]], None]] = []
         self._install_step()
         self._install_zero_grad()
         self._install_add_param_group()
@@ -277,8 +281,9 @@ class ManagedOptimizer:
         opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
 
     def _install_add_param_group(self) -> None:
-        """A group added with ``add_param_group`` gets its kernel at its first step
-        (:meth:`_choose_kernels`); until then the optimizer does not say it takes
+        """``add_param_group`` runs :attr:`group_checks` on the new group's params first
+        (each may refuse it: nothing is added). A group added gets its kernel at its
+        first step (:meth:`_choose_kernels`); until then the optimizer does not say it takes
         ``grad_scale``/``found_inf`` (torch's ``_step_supports_amp_scaling``, set by
         :func:`~ampkit.trainer.fused_step.use_fastest_kernel` when every group is fused):
         a ``torch.amp.GradScaler`` would hand them to a group not fused (torch's
@@ -289,6 +294,12 @@ class ManagedOptimizer:
         state = self
 
         def add_param_group(self_opt: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+            params = param_group.get("params") if isinstance(param_group, dict) else None
+            if state._active and state.group_checks and params is not None and not isinstance(params, set):
+                # (a set: torch's own TypeError) a list, as torch makes it, for the checks to read
+                params = param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+                for check in state.group_checks:
+                    check(params)
             inner(param_group)
             if state._active:
                 self_opt.__dict__.pop("_step_supports_amp_scaling", None)  # set again once every group is fused
