@@ -295,26 +295,26 @@ class Kernel:
         expected = [t.clone() for t in probe]
         self.fn(*expected, scalars, **static)
         same = _same_bits if self.exact else _close
-        compiled = flagged
-        while True:
+
+        def matches_eager(compiled: Callable[..., None]) -> bool:
             out = [t.clone() for t in probe]
             compiled(*out, scalars, **static)
-            if all(same(a, b) for a, b in zip(out, expected)):
-                break
-            if compiled is not flagged:
+            return all(same(a, b) for a, b in zip(out, expected))
+
+        if not matches_eager(flagged):
+            alone = torch.compile(self.fn, dynamic=True, fullgraph=True)
+            if not matches_eager(alone):
                 raise RuntimeError("the compiled kernel's arithmetic differs from eager mode")
-            compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)  # the update alone
-        if compiled is not flagged:
             _LOG.info("ampkit: the compiled %s update kernel with the skip flag's select is not the eager update bit "
                       "for bit on this torch; compiled without it, its steps read the flag on the host (one sync "
                       "each).", self.name)  # fmt: skip
-            return compiled, False
+            return alone, False
         skipped = [t.clone() for t in probe]
         scalars[-1] = 1.0  # the skip flag: on, with inf/NaN among the inputs
         for t in skipped:
             t[::7] = float("nan")
         kept = [t.clone() for t in skipped]
-        compiled(*skipped, scalars, **static)
+        flagged(*skipped, scalars, **static)
         if not all(_same_bits(a, b, nan_payload=True) for a, b in zip(skipped, kept)):
             raise RuntimeError("the compiled kernel writes tensors on a skipped step")
         return flagged, True
