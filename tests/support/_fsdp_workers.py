@@ -221,12 +221,15 @@ def _dcp_load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
     ampkit.distributed.load_checkpoint(path, model, opt)
 
 
-def _amp_snapshot() -> list[torch.Tensor]:
-    """ampkit's state as AmpState saves it (every value a tensor), full tensors."""
+def _amp_snapshot(local: bool = False) -> list[torch.Tensor]:
+    """ampkit's state as AmpState saves it (every value a tensor): full tensors, to compare
+    across world sizes, or with ``local`` this rank's part of each (to compare on one rank:
+    no collective per tensor)."""
     import ampkit
 
     out = ampkit.distributed.AmpState().state_dict()
-    return [v.full_tensor() if hasattr(v, "full_tensor") else v for _, v in sorted(out.items())]
+    part = "to_local" if local else "full_tensor"
+    return [getattr(v, part)() if hasattr(v, part) else v for _, v in sorted(out.items())]
 
 
 def job_dcp_save(rank: int, world: int, outdir: Path) -> dict:
@@ -510,12 +513,12 @@ def job_dcp_sweep(rank: int, world: int, outdir: Path) -> dict:
         write_checksums(folder, rank, rank == 0)
         dist.barrier()
         counts["cases"] += 1
-        before = _local_state(model, opt) + _amp_snapshot()
+        before = _local_state(model, opt) + _amp_snapshot(local=True)
         try:
             _dcp_load(model, opt, folder)
         except ampkit.AmpError:
             counts["refused"] += 1
-            if not bitwise_equal(before, _local_state(model, opt) + _amp_snapshot()):
+            if not bitwise_equal(before, _local_state(model, opt) + _amp_snapshot(local=True)):
                 changed.append(name)
             continue
         except BaseException as e:  # noqa: BLE001 - counted: must be none

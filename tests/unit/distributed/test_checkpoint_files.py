@@ -6,6 +6,7 @@ refused, special files never block, and a refusal changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -341,6 +342,101 @@ def test_metadata_cannot_change_a_class_for_the_process(saved, tmp_path):
     hash(MetadataIndex("x"))
     model, opt = _build("O2K")
     load_checkpoint(saved / "O2K", model, opt)
+
+
+def _glob(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _str(text: str) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+
+def _unpickled(payload: bytes):
+    from ampkit.distributed.dcp_files import _unpickle_metadata
+
+    return _unpickle_metadata(io.BytesIO(payload))
+
+
+def _every_allowed():
+    from ampkit.distributed.dcp_files import _ALLOWED
+
+    return sorted(_ALLOWED)
+
+
+@pytest.mark.parametrize("module,name", _every_allowed())
+@pytest.mark.parametrize("how", ["attribute", "dict"])
+def test_no_allowed_object_can_be_changed_by_the_file(module, name, how):
+    """``BUILD`` aimed at each object the reader admits (the class or function itself, not
+    an instance), setting an attribute one way (slot state: ``setattr``) or the other (an
+    instance dict): refused, and the real object has no such attribute afterwards."""
+    import importlib
+    import pickle as pk
+
+    real = getattr(importlib.import_module(module), name)
+    before = dict(vars(real))
+    state = b"N}" + _str("planted") + b"K\x01s\x86" if how == "attribute" else b"}" + _str("planted") + b"K\x01s"
+    payload = b"\x80\x02" + _glob(module, name) + state + b"b."
+    with pytest.raises((pk.UnpicklingError, TypeError, AttributeError)) as err:
+        _unpickled(payload)
+    if isinstance(err.value, pk.UnpicklingError):
+        assert "sets the state of a type" in str(err.value)
+    assert not hasattr(real, "planted") and dict(vars(real)) == before
+
+
+def test_a_shared_enum_member_cannot_be_changed_by_the_file():
+    """DCP's memory-format enum is unpickled by value; its members are shared by the whole
+    process. State set on the member the file names reaches a stand-in, never the member."""
+    import pickle as pk
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    before = dict(vars(member))
+    enum = _glob("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+    for state in (b"}" + _str("_value_") + b"K\x07s", b"N}" + _str("_value_") + b"K\x07s\x86"):
+        with contextlib.suppress(pk.UnpicklingError, TypeError, AttributeError):
+            _unpickled(b"\x80\x02" + enum + b"K\x00\x85R" + state + b"b.")
+        assert dict(vars(member)) == before and _MEM_FORMAT_ENCODING(0) is member
+
+
+def test_metadata_unpickles_as_the_real_classes_and_pickles_again(saved):
+    """A checkpoint's ``.metadata`` read by the reader equals plain ``pickle``'s reading,
+    every object an instance of DCP's own classes (a storage entry is found by a key DCP
+    makes itself, and the whole pickles again, as DCP does to send it to other ranks), and
+    the cycle collector is as it was, after a good file and a refused one."""
+    import gc
+    import pickle as pk
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    raw = (saved / "O2K" / ".metadata").read_bytes()
+    md = _unpickled(raw)
+    assert md == pk.loads(raw) and type(md) is Metadata
+    tensors = [e for e in md.state_dict_metadata.values() if isinstance(e, TensorStorageMetadata)]
+    assert tensors and all(type(e) is TensorStorageMetadata and type(e.properties) is TensorProperties
+                           and all(type(c) is ChunkStorageMetadata for c in e.chunks) for e in tensors)  # fmt: skip
+    assert all(e.properties.memory_format is torch.contiguous_format for e in tensors)
+    key = next(iter(md.storage_data))
+    assert type(key) is MetadataIndex and type(md.storage_data[key]) is _StorageInfo
+    assert md.storage_data[MetadataIndex(key.fqn, key.offset, key.index)] is md.storage_data[key]
+    assert pk.loads(pk.dumps(md)) == md
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            _unpickled(raw)
+            with pytest.raises(pk.UnpicklingError):
+                _unpickled(b"\x80\x02" + _glob("os", "system") + b".")
+            assert gc.isenabled() is enabled
+        finally:
+            gc.enable()
 
 
 @pytest.mark.parametrize("how", ["none", "half", "twice"])
