@@ -1,13 +1,14 @@
 """New processes for tests without a new ``import torch`` each (about 2 s of CPU apiece).
 
-:class:`Forker` starts one Python process that imports torch and ampkit (and nothing of
-the test's) and then forks a child for each :meth:`Forker.run`: the child has the
-fresh state of a new interpreter (no ampkit state, no test's leftovers, one thread), its
-own working folder, environment, stdin, stdout and stderr, and runs ``python -c CODE
-ARGS`` as the interpreter would (``__main__``, ``sys.argv``, the exit code of
-``SystemExit``, a traceback and exit code 1 for an exception, atexit handlers at the
-end). Only the imports done before the fork are shared, so a test that checks what
-happens at import, or under another environment at import, starts its own interpreter.
+:class:`Forker` starts one Python process that imports torch, ampkit and Dynamo (which
+the first optimizer a process builds loads; nothing of the test's) and then forks a
+child for each :meth:`Forker.run`: the child has the fresh state of a new interpreter
+(no ampkit state, no test's leftovers, one thread), its own working folder, environment,
+stdin, stdout and stderr, and runs ``python -c CODE ARGS`` as the interpreter would
+(``__main__``, ``sys.argv``, the exit code of ``SystemExit``, a traceback and exit code
+1 for an exception, atexit handlers at the end). Only the imports done before the fork
+are shared, so a test that checks what happens at import, or under another environment
+at import, starts its own interpreter.
 
 One server per test process (:func:`shared`, started with :func:`fork_env` at its first
 use, closed by ``tests/conftest.py`` at the session's end) serves the ``forked_python``
@@ -33,6 +34,7 @@ import atexit, builtins, json, os, sys, threading, traceback
 import torch
 torch.set_num_threads(1)
 import ampkit  # noqa: F401
+import torch._dynamo  # noqa: F401  (what the first optimizer a child builds loads: about 1 s each)
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 for line in sys.stdin:
