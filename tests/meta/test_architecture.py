@@ -429,6 +429,7 @@ BOUNDARY_ALLOWED: dict[str, str] = {
     "_fields": "a namedtuple's field names (Python)",
     "_replace": "a namedtuple's copy with fields changed (Python)",
     "_asdict": "a namedtuple as a dict (Python)",
+    "_Unpickler": "Python's own unpickler, whose BUILD the DCP metadata reader refuses on classes (distributed/dcp_files.py)",
     "_is_overflow": "Accelerate's and HF Trainer's skip flag, set by integrations/accelerate.py and hf/callbacks.py",
     "_is_accelerate_prepared": "Accelerate's marker on prepared models (integrations/accelerate.py)",
     "_wrap_closure": "Lightning's Precision hook (integrations/lightning/precision.py)",

@@ -21,7 +21,6 @@ to ``dcp.load``):
 
 from __future__ import annotations
 
-import collections
 import gc
 import hashlib
 import io
@@ -29,6 +28,7 @@ import math
 import os
 import pickle
 import stat
+import threading
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,136 +81,62 @@ def _refused(path: Any, why: str) -> StateError:
     )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler (the C one: DCP's metadata of a large model holds tens of thousands of
-    objects) that builds DCP's metadata classes and nothing else: no function of the
-    file's choosing is ever called, and no class or shared object of the process can be
-    changed by the file.
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that builds DCP's metadata classes and nothing else: no function of
+    the file's choosing is ever called, and state is set (``BUILD``) only on instances of
+    the allowed classes, never on a class itself (which would change it for the whole
+    process). Python's own unpickler, whose opcodes can be refused one by one (and whose
+    memo is a dict: C's is an array as long as the largest index the file names, 64 GiB
+    from a 12-byte file)."""
 
-    The file names classes by module and name (``GLOBAL``); :meth:`find_class` answers
-    with objects made for this one load: for each of DCP's dataclasses and the path
-    classes an empty subclass, whose instances become instances of the real class once
-    the load is over (:meth:`finish`); for the memory-format enum and torch's layout
-    lookup, functions that return what the real ones return (the enum's members wrapped:
-    a member is shared by the whole process). State the file sets (``BUILD``) on one of
-    these stand-ins, instead of on an instance, is found afterwards and refused: it never
-    reached a real class. Immutable objects (``torch.Size``, ``OrderedDict``, dtypes,
-    layouts) are given as they are."""
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
-        self._real: dict[type, type] = {}  # stand-in class -> the real class
-        self._given: dict[str, Any] = {}  # "module.name" -> the stand-in answered
-        self._made: list[tuple[Any, dict[str, Any]]] = []  # each stand-in, its own attributes as made
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
-        key = f"{module}.{name}"
-        if key in self._given:
-            return self._given[key]
         if (module, name) in _ALLOWED:
-            real = super().find_class(module, name)
-            given = _stand_in(real)
-            if isinstance(given, type) and given is not real:
-                self._real[given] = real
-            if given is not real:
-                self._made.append((given, dict(vars(given))))
-            self._given[key] = given
-            return given
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
+            return super().find_class(module, name)
+        found = vars(torch).get(name) if module == "torch" else None  # (no lazy import of a torch submodule)
+        if isinstance(found, (torch.dtype, torch.layout)):
+            return found
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds")
 
-    def finish(self, loaded: Any) -> Any:
-        """``loaded`` with every stand-in instance made an instance of its real class;
-        raises :class:`pickle.UnpicklingError` when the file set state on a stand-in
-        itself (which, given the real class, would have changed it for the process)."""
-        for given, attrs in self._made:
-            now = vars(given)
-            if len(now) != len(attrs) or any(now.get(k, attrs) is not v for k, v in attrs.items()):
-                name = getattr(given, "__qualname__", "?")
-                raise pickle.UnpicklingError(f"it sets the state of a type ({name}), which DCP metadata never does")
-        if self._real:
-            _reclass(loaded, self._real)
-        return loaded
+    def load_build(self) -> None:
+        target = self.stack[-2]  # BUILD pops the state (the top), then sets it on this
+        if isinstance(target, type) or f"{type(target).__module__}.{type(target).__qualname__}" not in _BUILDABLE:
+            raise pickle.UnpicklingError(f"it sets the state of a {type(target).__name__}, which DCP metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
-class _Encoding:
-    """A member of DCP's memory-format enum as :class:`_MetadataUnpickler` gives it: equal
-    to that member alone (``TensorProperties.__setstate__`` compares), so state the file
-    sets on it never reaches the member, which the whole process shares."""
-
-    __slots__ = ("member",)
-
-    def __init__(self, member: Any) -> None:
-        self.member = member
-
-    def __eq__(self, other: object) -> bool:
-        return other is self.member
-
-    __hash__ = None  # type: ignore[assignment]
+#: The classes whose instances ``.metadata`` may set state on: DCP's dataclasses, each
+#: instance made fresh by the same pickle (not the enum, whose members are shared).
+_BUILDABLE = {
+    f"{module}.{name}" for module, name in _ALLOWED if module.startswith("torch.distributed") and name != "_MEM_FORMAT_ENCODING"
+}
 
 
-def _stand_in(real: Any) -> Any:
-    """What :meth:`_MetadataUnpickler.find_class` answers for the allowed ``real`` (see
-    there): new objects each call."""
-    import enum
-
-    if isinstance(real, type) and issubclass(real, enum.Enum):
-
-        def member(*args: Any) -> _Encoding:
-            return _Encoding(real(*args))
-
-        return member
-    if not isinstance(real, type):  # torch.serialization._get_layout
-
-        def call(*args: Any) -> Any:
-            return real(*args)
-
-        return call
-    if real.__flags__ & (1 << 8):  # Py_TPFLAGS_IMMUTABLETYPE: no attribute of it can be set
-        return real
-    return type(real.__name__, (real,), {"__slots__": (), "__module__": real.__module__,
-                                         "__qualname__": real.__qualname__})  # fmt: skip
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # loads under way in this process, whether the collector was on before the first
 
 
 def _unpickle_metadata(file: Any) -> Any:
     """DCP's metadata from the open binary ``file`` (:class:`_MetadataUnpickler`), with
     Python's cycle collector paused meanwhile: the tens of thousands of objects made would
     otherwise set off collections that walk every object of the process (torch's
-    included), several times the unpickling's own time."""
-    unpickler = _MetadataUnpickler(file)
-    collecting = gc.isenabled()
-    gc.disable()
+    included), half the reading's time. Loads in several threads share one pause; the
+    collector is switched back on when the last ends, if it was on when the first began."""
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
     try:
-        return unpickler.finish(unpickler.load())
+        return _MetadataUnpickler(file).load()
     finally:
-        if collecting:
-            gc.enable()
-
-
-def _reclass(root: Any, real: dict[type, type]) -> None:
-    """Make every instance of a stand-in class reachable from ``root`` (through dicts,
-    lists, tuples, sets and instances' attributes) an instance of its real class."""
-    seen: set[int] = set()
-    todo = [root]
-    while todo:
-        obj = todo.pop()
-        kind = type(obj)
-        cls = real.get(kind)
-        if (cls is None and kind not in _CONTAINERS) or id(obj) in seen:
-            continue  # (numbers, strings, sizes and dtypes hold nothing to visit)
-        seen.add(id(obj))
-        if cls is not None:
-            object.__setattr__(obj, "__class__", cls)  # (frozen dataclasses refuse setattr)
-            todo.extend(getattr(obj, "__dict__", {}).values())
-        elif kind is dict or kind is collections.OrderedDict:
-            todo.extend(obj.keys())
-            todo.extend(obj.values())
-        else:
-            todo.extend(obj)
-
-
-_CONTAINERS = frozenset({dict, collections.OrderedDict, list, tuple, set, frozenset})
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
 
 
 def _is_count(value: Any) -> bool:
@@ -404,9 +330,12 @@ def _read_metadata(reader: Any, rank: int | None) -> Any:
         with open(path, "rb") as f:
             md = _unpickle_metadata(f)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, RuntimeError,
-            IndexError, KeyError, RecursionError, MemoryError, UnicodeDecodeError) as exc:  # fmt: skip
+            IndexError, KeyError, RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as exc:  # fmt: skip
         raise _refused(folder, f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
-    _check_metadata(md, folder)
+    try:
+        _check_metadata(md, folder)
+    except (AttributeError, TypeError, ValueError, RecursionError) as exc:  # an object made without its fields
+        raise _refused(folder, f"{name} is malformed ({type(exc).__name__}: {exc})") from None
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     if getattr(md, "storage_meta", None) is None:
