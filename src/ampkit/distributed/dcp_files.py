@@ -21,6 +21,7 @@ to ``dcp.load``):
 
 from __future__ import annotations
 
+import bisect
 import gc
 import hashlib
 import io
@@ -107,6 +108,42 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     dispatch[pickle.BUILD[0]] = load_build
 
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._depths: dict[int, tuple[tuple, int]] = {}  # id -> (tuple, depth), tuples holding tuples
+
+    def _nested(self, made: tuple) -> None:
+        """``made`` holds tuples: refuse it if tuples nest more than ``_MAX_TUPLE_DEPTH``
+        deep in it. Hashing one (a dict key, a ``MetadataIndex``) recurses in C with no
+        limit, and a few hundred thousand levels crash the process."""
+        depths = self._depths
+        depth = 1 + max(depths[id(x)][1] if id(x) in depths else 1 for x in made if type(x) is tuple)
+        if depth > _MAX_TUPLE_DEPTH:
+            raise pickle.UnpicklingError(f"it nests tuples more than {_MAX_TUPLE_DEPTH} deep, which DCP metadata never does")
+        depths[id(made)] = (made, depth)  # (the tuple kept: its id is not reused meanwhile)
+
+
+def _tuple_checked(load: Any) -> Any:
+    """The tuple opcode ``load`` of Python's unpickler, then the nesting check of the tuple
+    it made where that holds a tuple (:meth:`_MetadataUnpickler._nested`)."""
+
+    def run(self: _MetadataUnpickler) -> None:
+        load(self)
+        made = self.stack[-1]
+        for item in made:
+            if type(item) is tuple:
+                self._nested(made)
+                return
+
+    return run
+
+
+for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
+    _MetadataUnpickler.dispatch[_op[0]] = _tuple_checked(pickle._Unpickler.dispatch[_op[0]])
+del _op
+
+
+_MAX_TUPLE_DEPTH = 64
 
 #: The classes whose instances ``.metadata`` may set state on: DCP's dataclasses, each
 #: instance made fresh by the same pickle (not the enum, whose members are shared).
@@ -215,19 +252,44 @@ def _check_metadata(md: Any, path: Any) -> None:
 
 
 def _tiles(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """Whether ``chunks`` (offsets, sizes) cover a tensor of ``size`` exactly once: their
-    volumes add up to its number of elements and no two overlap."""
-    volume = sum(math.prod(sizes) for _, sizes in chunks)
-    if volume != math.prod(size):
+    """Whether ``chunks`` (offsets, sizes, each inside the tensor) cover a tensor of
+    ``size`` exactly once.
+
+    Linear in the chunks where every chunk spans the tensor whole but along one dimension
+    (FSDP2's shards, any 1-d tensor): sorted along it, each must start where the one
+    before ends. Otherwise the chunks' edges cut each dimension into intervals, and the
+    chunks into whole cells of that grid: each cell must be covered once (a count per
+    cell, one slice-add per chunk). A grid of more than ``_MAX_CELLS`` cells is refused:
+    no world's shards cut one tensor that finely."""
+    if sum(math.prod(sizes) for _, sizes in chunks) != math.prod(size):
         return False
     live = [c for c in chunks if math.prod(c[1])]
-    if len(live) > 4096:  # more shards than any world writes one tensor in
+    if len(live) > _MAX_CHUNKS:  # more shards than any world writes one tensor in
         return False
-    for i, (off_a, size_a) in enumerate(live):
-        for off_b, size_b in live[i + 1 :]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(off_a, size_a, off_b, size_b)):
+    if len(live) <= 1 or not size:
+        return True  # (the volumes agree: one chunk covers it all)
+    whole = [k for k in range(len(size)) if all(off[k] == 0 and sz[k] == size[k] for off, sz in live)]
+    if len(whole) >= len(size) - 1:
+        dim = next((k for k in range(len(size)) if k not in whole), 0)
+        end = 0
+        for off, sz in sorted(live, key=lambda c: c[0][dim]):
+            if off[dim] != end:
                 return False
-    return True
+            end += sz[dim]
+        return end == size[dim]
+    edges = [sorted({0, n} | {off[k] for off, _ in live} | {off[k] + sz[k] for off, sz in live})
+             for k, n in enumerate(size)]  # fmt: skip
+    if math.prod(len(e) - 1 for e in edges) > _MAX_CELLS:
+        return False
+    counts = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
+    for off, sz in live:
+        counts[tuple(slice(bisect.bisect_left(e, o), bisect.bisect_left(e, o + n))
+                     for e, o, n in zip(edges, off, sz))] += 1  # fmt: skip
+    return bool((counts == 1).all())
+
+
+_MAX_CHUNKS = 1 << 16
+_MAX_CELLS = 1 << 22
 
 
 def _regular(path: Path, folder: Any) -> int:
