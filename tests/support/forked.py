@@ -1,8 +1,8 @@
 """New processes for tests without a new ``import torch`` each (about 2 s of CPU apiece).
 
-:class:`Forker` starts one Python process that imports torch, ampkit and Dynamo (which
-the first optimizer a process builds loads; nothing of the test's) and then forks a
-child for each :meth:`Forker.run`: the child has the fresh state of a new interpreter
+:class:`Forker` starts one Python process that imports torch, ampkit, Dynamo (which the
+first optimizer a process builds loads) and Inductor (a first compile's; nothing of the
+test's) and then forks a child for each :meth:`Forker.run`: the child has the fresh state of a new interpreter
 (no ampkit state, no test's leftovers, one thread), its own working folder, environment,
 stdin, stdout and stderr, and runs ``python -c CODE ARGS`` as the interpreter would
 (``__main__``, ``sys.argv``, the exit code of ``SystemExit``, a traceback and exit code
@@ -35,6 +35,7 @@ import torch
 torch.set_num_threads(1)
 import ampkit  # noqa: F401
 import torch._dynamo  # noqa: F401  (what the first optimizer a child builds loads: about 1 s each)
+import torch._inductor.compile_fx  # noqa: F401  (what a child's first compile loads: about 1 s)
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 for line in sys.stdin:
