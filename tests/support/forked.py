@@ -2,13 +2,13 @@
 
 :class:`Forker` starts one Python process that imports torch, ampkit, Dynamo (which the
 first optimizer a process builds loads) and Inductor (a first compile's; nothing of the
-test's) and then forks a child for each :meth:`Forker.run`: the child has the fresh state of a new interpreter
-(no ampkit state, no test's leftovers, one thread), its own working folder, environment,
-stdin, stdout and stderr, and runs ``python -c CODE ARGS`` as the interpreter would
-(``__main__``, ``sys.argv``, the exit code of ``SystemExit``, a traceback and exit code
-1 for an exception, atexit handlers at the end). Only the imports done before the fork
-are shared, so a test that checks what happens at import, or under another environment
-at import, starts its own interpreter.
+test's) and then forks a child for each :meth:`Forker.run`: the child has the fresh
+state of a new interpreter (no ampkit state, no test's leftovers, one thread), its own
+working folder, environment, stdin, stdout and stderr, and runs ``python -c CODE ARGS``
+as the interpreter would (``__main__``, ``sys.argv``, the exit code of ``SystemExit``, a
+traceback and exit code 1 for an exception, atexit handlers at the end). Only the
+imports done before the fork are shared, so a test that checks what happens at import,
+or under another environment at import, starts its own interpreter.
 
 One server per test process (:func:`shared`, started with :func:`fork_env` at its first
 use, closed by ``tests/conftest.py`` at the session's end) serves the ``forked_python``
