@@ -21,14 +21,18 @@ to ``dcp.load``):
 
 from __future__ import annotations
 
-import bisect
+import collections
+import enum
 import gc
 import hashlib
 import io
+import itertools
 import math
 import os
 import pickle
+import reprlib
 import stat
+import struct
 import threading
 import warnings
 from collections.abc import Iterable
@@ -142,6 +146,65 @@ for _op in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3):
     _MetadataUnpickler.dispatch[_op[0]] = _tuple_checked(pickle._Unpickler.dispatch[_op[0]])
 del _op
 
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None)})
+
+
+def _plain_key(key: Any) -> bool:
+    """Whether ``key`` may be hashed while unpickling: a str, number, None, dtype, layout
+    or ``torch.Size``, a flat tuple of those, or a ``MetadataIndex`` of a str, a size and
+    an int. A tuple shared within itself (``t = (u, u)``, ``u = (v, v)``, ...) or a
+    ``MetadataIndex`` holding one is tiny in the file and takes exponential time to hash."""
+    kind = type(key)
+    if kind in _ATOMS or kind is torch.Size or kind is torch.dtype or kind is torch.layout:
+        return True
+    if kind is tuple:
+        return len(key) <= 64 and all(type(x) in _ATOMS or type(x) is torch.Size for x in key)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if kind is MetadataIndex:
+        offset, index = getattr(key, "offset", None), getattr(key, "index", None)
+        return (type(getattr(key, "fqn", None)) is str and (offset is None or type(offset) is torch.Size)
+                and (index is None or type(index) is int))  # fmt: skip
+    return False
+
+
+def _keys_checked(load: Any, keys: Any) -> Any:
+    """The opcode ``load`` of Python's unpickler, after refusing any key or set element
+    (``keys(self)``: those it is about to hash) that is not :func:`_plain_key`."""
+
+    def run(self: _MetadataUnpickler) -> None:
+        for key in keys(self):
+            if not _plain_key(key):
+                raise pickle.UnpicklingError(f"it hashes a {type(key).__name__} as a key, which DCP metadata never does")
+        load(self)
+
+    return run
+
+
+def _reduce_args(self: _MetadataUnpickler) -> Any:
+    """What ``REDUCE`` is about to hash: the enum's value and the layout's name (they are
+    looked up in tables), and an ``OrderedDict``'s items (pickle gives it none: its items
+    follow with ``SETITEMS``)."""
+    func, args = self.stack[-2], self.stack[-1]
+    if func is collections.OrderedDict:
+        return () if args == () else [object()]  # (refused: an OrderedDict built from arguments)
+    if not isinstance(func, type) or issubclass(func, enum.Enum):  # torch's layout lookup (a function), the enum
+        return args if type(args) is tuple else [object()]
+    return ()
+
+
+_KEYED = {
+    pickle.SETITEM: lambda self: [self.stack[-2]],
+    pickle.SETITEMS: lambda self: self.stack[0::2],  # (the items since the mark)
+    pickle.DICT: lambda self: self.stack[0::2],
+    pickle.ADDITEMS: lambda self: list(self.stack),
+    pickle.FROZENSET: lambda self: list(self.stack),
+    pickle.REDUCE: _reduce_args,
+}
+for _op, _keys in _KEYED.items():
+    _MetadataUnpickler.dispatch[_op[0]] = _keys_checked(pickle._Unpickler.dispatch[_op[0]], _keys)
+del _op, _keys
+
 
 _MAX_TUPLE_DEPTH = 64
 
@@ -176,6 +239,17 @@ def _unpickle_metadata(file: Any) -> Any:
                 gc.enable()
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 160, 160, 40
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut short (two levels, 160 characters a string): a value the file
+    chose, shown in a refusal (a list that holds itself twice at each level is a few
+    hundred bytes in the file and gigabytes in full)."""
+    return _REPR.repr(value)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -184,7 +258,6 @@ def _check_metadata(md: Any, path: Any) -> None:
     """Raise unless ``md`` is shaped as DCP writes it."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
-        ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
         TensorProperties,
@@ -196,6 +269,7 @@ def _check_metadata(md: Any, path: Any) -> None:
     entries = getattr(md, "state_dict_metadata", None)
     if not isinstance(entries, dict):
         raise _refused(path, ".metadata has no table of entries")
+    verdicts: dict[tuple[int, tuple[int, ...]], str] = {}
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise _refused(path, f"an entry is named by a {type(fqn).__name__}")
@@ -208,19 +282,18 @@ def _check_metadata(md: Any, path: Any) -> None:
             and isinstance(entry.size, torch.Size)
             and all(_is_count(s) for s in entry.size)
             and isinstance(entry.chunks, list)
-            and all(
-                isinstance(c, ChunkStorageMetadata)
-                and isinstance(c.offsets, torch.Size)
-                and isinstance(c.sizes, torch.Size)
-                and len(c.offsets) == len(c.sizes) == len(entry.size)
-                and all(_is_count(o) and _is_count(s) and o + s <= n for o, s, n in zip(c.offsets, c.sizes, entry.size))
-                for c in entry.chunks
-            )
         )
         if not ok:
-            raise _refused(path, f"the entry {fqn!r} is malformed in .metadata")
-        if not _tiles(entry.size, [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]):
-            raise _refused(path, f"the chunks of {fqn!r} do not cover it exactly once")
+            raise _refused(path, f"the entry {_shown(fqn)} is malformed in .metadata")
+        # entries may share one list of chunks (pickle's memo): each list is checked once per size
+        key = (id(entry.chunks), tuple(entry.size))
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = verdicts[key] = _chunks_verdict(entry.size, entry.chunks)
+        if verdict == "malformed":
+            raise _refused(path, f"the entry {_shown(fqn)} is malformed in .metadata")
+        if verdict == "overlap":
+            raise _refused(path, f"the chunks of {_shown(fqn)} do not cover it exactly once")
     storage = getattr(md, "storage_data", None)
     if not isinstance(storage, dict):
         raise _refused(path, ".metadata has no storage table")
@@ -229,13 +302,13 @@ def _check_metadata(md: Any, path: Any) -> None:
             raise _refused(path, "the storage table of .metadata is malformed")
         name = info.relative_path
         if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-            raise _refused(path, f"an entry is stored in {name!r}, which is not a file name inside the folder")
+            raise _refused(path, f"an entry is stored in {_shown(name)}, which is not a file name inside the folder")
         if not (_is_count(info.offset) and _is_count(info.length)):
-            raise _refused(path, f"the entry {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
+            raise _refused(path, f"the entry {_shown(index.fqn)} has offset {_shown(info.offset)} and length {_shown(info.length)}")
         if getattr(info, "transform_descriptors", None):  # compression: save_checkpoint never writes it
-            raise _refused(path, f"the entry {index.fqn!r} is stored transformed (compressed), which ampkit does not read")
+            raise _refused(path, f"the entry {_shown(index.fqn)} is stored transformed (compressed), which ampkit does not read")
         if isinstance(entries.get(index.fqn), BytesStorageMetadata) and info.length > MAX_BYTES_ENTRY:
-            raise _refused(path, f"the entry {index.fqn!r} is {info.length} bytes, more than {MAX_BYTES_ENTRY}")
+            raise _refused(path, f"the entry {_shown(index.fqn)} is {info.length} bytes, more than {MAX_BYTES_ENTRY}")
     planner_data = getattr(md, "planner_data", None)
     if planner_data is not None and not (
         isinstance(planner_data, dict)
@@ -251,6 +324,24 @@ def _check_metadata(md: Any, path: Any) -> None:
         raise _refused(path, "the storage record of .metadata is malformed")
 
 
+def _chunks_verdict(size: torch.Size, chunks: list[Any]) -> str:
+    """``"malformed"`` unless every chunk is DCP's, its offsets and sizes whole numbers of
+    the tensor's rank that stay inside it; else ``"overlap"`` unless they cover it exactly
+    once (:func:`_tiles`); else ``"ok"``."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    for c in chunks:
+        if not (
+            isinstance(c, ChunkStorageMetadata)
+            and isinstance(c.offsets, torch.Size)
+            and isinstance(c.sizes, torch.Size)
+            and len(c.offsets) == len(c.sizes) == len(size)
+            and all(_is_count(o) and _is_count(s) and o + s <= n for o, s, n in zip(c.offsets, c.sizes, size))
+        ):
+            return "malformed"
+    return "ok" if _tiles(size, [(tuple(c.offsets), tuple(c.sizes)) for c in chunks]) else "overlap"
+
+
 def _tiles(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """Whether ``chunks`` (offsets, sizes, each inside the tensor) cover a tensor of
     ``size`` exactly once.
@@ -258,8 +349,9 @@ def _tiles(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int,
     Linear in the chunks where every chunk spans the tensor whole but along one dimension
     (FSDP2's shards, any 1-d tensor): sorted along it, each must start where the one
     before ends. Otherwise the chunks' edges cut each dimension into intervals, and the
-    chunks into whole cells of that grid: each cell must be covered once (a count per
-    cell, one slice-add per chunk). A grid of more than ``_MAX_CELLS`` cells is refused:
+    chunks into whole cells of that grid: each cell must be covered once, counted for all
+    chunks at once (a +-1 at each chunk's corners, summed along every dimension). More
+    than ``_MAX_CELLS`` cells, or more than ``_MAX_CUT_DIMS`` dimensions cut, are refused:
     no world's shards cut one tensor that finely."""
     if sum(math.prod(sizes) for _, sizes in chunks) != math.prod(size):
         return False
@@ -269,27 +361,40 @@ def _tiles(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int,
     if len(live) <= 1 or not size:
         return True  # (the volumes agree: one chunk covers it all)
     whole = [k for k in range(len(size)) if all(off[k] == 0 and sz[k] == size[k] for off, sz in live)]
-    if len(whole) >= len(size) - 1:
-        dim = next((k for k in range(len(size)) if k not in whole), 0)
+    cut = [k for k in range(len(size)) if k not in whole]
+    if len(cut) <= 1:
+        dim = cut[0] if cut else 0
         end = 0
         for off, sz in sorted(live, key=lambda c: c[0][dim]):
             if off[dim] != end:
                 return False
             end += sz[dim]
         return end == size[dim]
-    edges = [sorted({0, n} | {off[k] for off, _ in live} | {off[k] + sz[k] for off, sz in live})
-             for k, n in enumerate(size)]  # fmt: skip
-    if math.prod(len(e) - 1 for e in edges) > _MAX_CELLS:
+    if len(cut) > _MAX_CUT_DIMS:
         return False
-    counts = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
-    for off, sz in live:
-        counts[tuple(slice(bisect.bisect_left(e, o), bisect.bisect_left(e, o + n))
-                     for e, o, n in zip(edges, off, sz))] += 1  # fmt: skip
-    return bool((counts == 1).all())
+    offs = torch.tensor([[off[k] for off, _ in live] for k in cut], dtype=torch.int64)  # a row per cut dim
+    ends = offs + torch.tensor([[sz[k] for _, sz in live] for k in cut], dtype=torch.int64)
+    lows, highs, cells = [], [], []
+    for j, k in enumerate(cut):
+        edges = torch.unique(torch.cat([offs[j], ends[j], torch.tensor([0, size[k]])]))  # sorted
+        cells.append(edges.numel() - 1)
+        if math.prod(cells) > _MAX_CELLS:
+            return False
+        lows.append(torch.searchsorted(edges, offs[j]))
+        highs.append(torch.searchsorted(edges, ends[j]))
+    marks = torch.zeros([n + 1 for n in cells], dtype=torch.int64)
+    for corner in itertools.product((0, 1), repeat=len(cut)):
+        at = tuple(highs[j] if up else lows[j] for j, up in enumerate(corner))
+        sign = -1 if sum(corner) % 2 else 1
+        marks.index_put_(at, torch.full((len(live),), sign, dtype=torch.int64), accumulate=True)
+    for j in range(len(cut)):
+        marks = marks.cumsum(j)
+    return bool((marks[tuple(slice(0, n) for n in cells)] == 1).all())
 
 
 _MAX_CHUNKS = 1 << 16
 _MAX_CELLS = 1 << 22
+_MAX_CUT_DIMS = 6
 
 
 def _regular(path: Path, folder: Any) -> int:
@@ -392,7 +497,8 @@ def _read_metadata(reader: Any, rank: int | None) -> Any:
         with open(path, "rb") as f:
             md = _unpickle_metadata(f)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, RuntimeError,
-            IndexError, KeyError, RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as exc:  # fmt: skip
+            IndexError, KeyError, RecursionError, MemoryError, UnicodeDecodeError, OverflowError,
+            struct.error) as exc:  # fmt: skip
         raise _refused(folder, f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
     try:
         _check_metadata(md, folder)

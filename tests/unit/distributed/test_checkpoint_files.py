@@ -478,16 +478,53 @@ def test_tuples_nested_past_any_metadata_are_refused_before_they_are_hashed(wher
     assert got is None or got.storage_data is not None
 
 
+@pytest.mark.parametrize("where", ["dict key", "index fqn", "set", "enum value"])
+def test_a_tuple_shared_within_itself_is_refused_before_it_is_hashed(where):
+    """``t = (u, u)``, ``u = (v, v)``, ... 40 levels: 400 bytes in the file, 2**40 steps to
+    hash. As a dict key, inside a ``MetadataIndex`` key, in a frozenset or as the memory
+    format's value it is refused before anything hashes it."""
+    md = "torch.distributed.checkpoint.metadata"
+    dag = b"K\x01" + b"".join(b"r" + i.to_bytes(4, "little") + b"j" + i.to_bytes(4, "little") + b"\x86"
+                               for i in range(40))  # fmt: skip
+    body = {
+        "dict key": b"}" + dag + b"K\x00s",
+        "index fqn": b"}" + _glob(md, "MetadataIndex") + b"(" + dag + b"tRK\x00s",
+        "set": b"(" + dag + b"\x91",
+        "enum value": _glob(md, "_MEM_FORMAT_ENCODING") + b"(" + dag + b"tR",
+    }[where]
+    with pytest.raises(ampkit.StateError, match="as a key|cannot be read"):
+        _unpickled(b"\x80\x02" + body + b".")
+
+
+def test_a_refusal_shows_a_value_of_the_file_cut_short():
+    """A list holding one list twice at each of 30 levels (a few hundred bytes pickled; its
+    full repr would be gigabytes) where a file name belongs: the refusal's message stays
+    short."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    nest: list = ["x"]
+    for _ in range(30):
+        nest = [nest, nest]
+    md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): _StorageInfo(nest, 0, 1)})
+    payload = pickle.dumps(md, protocol=2)
+    assert len(payload) < 2000
+    with pytest.raises(ampkit.StateError, match="not a file name") as err:
+        _unpickled(payload)
+    assert len(str(err.value)) < 2000
+
+
 def _storage_info_without_fields() -> bytes:
     md, fs = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"
     key = _glob(md, "MetadataIndex") + b"(" + _str("a") + b"tR"
     return b"\x80\x02" + _glob(md, "Metadata") + b"(}N}(" + key + _glob(fs, "_StorageInfo") + b")\x81utR."
 
 
-@pytest.mark.parametrize("case", ["frame-2**64", "bytes8-2**64", "memo-2**24", "fields-missing"])
+@pytest.mark.parametrize("case", ["frame-2**64", "bytes8-2**64", "memo-2**24", "fields-missing", "cut-int",
+                                  "cut-frame"])
 def test_small_hostile_metadata_is_refused_without_a_large_allocation(saved, tmp_path, case):
-    """Lengths and a memo index past anything the file could hold, and an entry made
-    without its fields: each refused as a StateError on load, with the session unchanged
+    """Lengths and a memo index past anything the file could hold, an entry made without
+    its fields, and opcodes cut short: each refused as a StateError on load, with the session unchanged
     and no large allocation made while reading (C's unpickler keeps its memo as an array
     twice the largest index named: 256 MiB for the third, 12 bytes long; 64 GiB at the
     largest index)."""
@@ -499,6 +536,8 @@ def test_small_hostile_metadata_is_refused_without_a_large_allocation(saved, tmp
         "bytes8-2**64": b"\x80\x04\x8e" + huge,
         "memo-2**24": b"\x80\x02Nr" + (2**24).to_bytes(4, "little") + b".",
         "fields-missing": _storage_info_without_fields(),
+        "cut-int": b"\x80\x02J\x01\x02",  # a BININT cut short
+        "cut-frame": b"\x80\x04\x95\x01",
     }[case]
     folder = tmp_path / "ck"
     shutil.copytree(saved / "O2K", folder)
