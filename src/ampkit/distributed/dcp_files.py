@@ -223,7 +223,7 @@ def _unpickle_metadata(file: Any) -> Any:
     """DCP's metadata from the open binary ``file`` (:class:`_MetadataUnpickler`), with
     Python's cycle collector paused meanwhile: the tens of thousands of objects made would
     otherwise set off collections that walk every object of the process (torch's
-    included), half the reading's time. Loads in several threads share one pause; the
+    included), a third of the reading's time or more. Loads in several threads share one pause; the
     collector is switched back on when the last ends, if it was on when the first began."""
     with _gc_lock:
         if _gc_pauses[0] == 0:
