@@ -837,3 +837,25 @@ def test_tests_are_shaped_like_the_source():
     names = [p.name for p in tests.rglob("test_*.py") if "support" not in p.parts]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     assert [u for u in sorted(units) if not list((tests / "unit" / u).glob("test_*.py"))] == []  # none empty
+
+
+_IMPORT_CHECK = """
+import sys, torch
+before = set(sys.modules)
+import ampkit
+heavy = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "torch._inductor")))
+print(len(heavy), heavy[:5])
+"""
+
+
+def test_import_ampkit_loads_neither_dynamo_nor_inductor():
+    """``import ampkit`` in a new interpreter (not a forked one: the tests' fork server has
+    both loaded) loads no module of Dynamo or Inductor (about 1 s each): they load at the
+    first compile or optimizer. A decorator of Dynamo's at import did once (0.3 -> 1.2 s)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC.parent)}).stdout  # fmt: skip
+    assert out.startswith("0 "), out
+    planted = subprocess.run([sys.executable, "-c", _IMPORT_CHECK.replace("import ampkit", "import ampkit, torch._dynamo")],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": str(SRC.parent)}).stdout  # fmt: skip
+    assert not planted.startswith("0 "), planted  # the check sees a planted one
