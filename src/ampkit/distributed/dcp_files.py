@@ -463,11 +463,28 @@ def _reader_class() -> type:
 
             def __init__(self, path: str | os.PathLike[str]) -> None:
                 super().__init__(path)
-                self.ampkit_sums = _read_checksums(Path(path))
+                self._ampkit_folder(Path(self.path))
+
+            def _ampkit_folder(self, folder: Path) -> None:
+                self.ampkit_sums = _read_checksums(folder)
                 self.ampkit_verified: set[str] = set()
+                # what read_metadata read, per rank argument: read and checked once per
+                # reader (ampkit's load_checkpoint and dcp.load both ask), one view for both
+                self.ampkit_metadata: dict[int | None, Any] = {}
+                self.ampkit_read_from = folder
+
+            def reset(self, checkpoint_id: Any = None) -> None:
+                super().reset(checkpoint_id)
+                if Path(self.path) != self.ampkit_read_from:  # another folder: its own checksums
+                    self._ampkit_folder(Path(self.path))
 
             def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                return _read_metadata(self, kwargs.get("rank"))
+                rank = kwargs.get("rank")
+                md = self.ampkit_metadata.get(rank)
+                if md is None:
+                    md = self.ampkit_metadata[rank] = _read_metadata(self, rank)
+                md.storage_meta.load_id = self.load_id
+                return md
 
             def read_data(self, plan: Any, planner: Any) -> Any:
                 _verify_files(self, (self.storage_data[item.storage_index].relative_path for item in plan.items))
@@ -508,7 +525,6 @@ def _read_metadata(reader: Any, rank: int | None) -> Any:
 
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
-    md.storage_meta.load_id = reader.load_id
     return md
 
 

@@ -688,3 +688,33 @@ def test_a_compressed_entry_is_refused(saved, tmp_path):
         next(iter(md.storage_data.values())).transform_descriptors = ["stream.zstd/1"]
 
     assert "compressed" in _refused(tmp_path, _edited(saved, tmp_path, edit))
+
+
+def test_a_load_reads_the_metadata_once_and_a_file_swapped_after_the_check_is_not_read(saved, tmp_path):
+    """``load_checkpoint`` reads ``.metadata`` and DCP asks the reader for it again: the
+    second ask gets the view already read and checked (one unpickle per load); a file
+    replaced in between is not read. A reader reset to another folder reads that folder,
+    against that folder's checksums."""
+    from ampkit.distributed.dcp_files import checkpoint_planner, checkpoint_reader
+
+    folder = tmp_path / "ck"
+    shutil.copytree(saved / "O2K", folder)
+    reader = checkpoint_reader(folder)
+    first = reader.read_metadata()
+    (folder / ".metadata").write_bytes(b"\x80\x04garbage")
+    again = reader.read_metadata()
+    assert again is first and again.storage_meta.load_id == reader.load_id
+    model, opt = _build("O2K")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "amp": AmpState()}
+    dcp.load(state, storage_reader=reader, planner=checkpoint_planner())  # DCP's reset, then its own ask
+    assert reader.read_metadata() is first
+    expected = (saved / "O2K" / "ampkit_checksums_0.json").read_text()
+    assert json.loads(expected)["sha256"] == reader.ampkit_sums
+    reader.reset(str(saved / "O2"))
+    other = reader.read_metadata()
+    assert other is not first and set(other.state_dict_metadata) != set(first.state_dict_metadata)
+    assert reader.ampkit_sums == json.loads((saved / "O2" / "ampkit_checksums_0.json").read_text())["sha256"]
+    # the first folder's metadata, garbage now, is refused by a new reader
+    with pytest.raises(ampkit.StateError, match="checksum|cannot be read"):
+        checkpoint_reader(folder).read_metadata()
