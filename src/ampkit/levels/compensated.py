@@ -41,7 +41,14 @@ from ampkit.errors import AmpError, StateError
 from ampkit.trainer.extensions import StepExtension
 from ampkit.trainer.fused_step import fuse_wide_parts
 from ampkit.trainer.managed import managed_state
-from ampkit.trainer.optimizer_rules import OptimizerRule, StepCounts, Update, counts_of, rule_for
+from ampkit.trainer.optimizer_rules import (
+    OptimizerRule,
+    StepCounts,
+    Update,
+    counts_of,
+    rule_for,
+    zeros_tiled,
+)
 
 from . import one_pass
 from . import update_kernels as _kernels
@@ -199,8 +206,7 @@ class CompensatedUpdates:
         compensation yet), so that a checkpoint's layout does not depend on which
         parameters have been stepped (:class:`ampkit.distributed.AmpState` loads into
         the entries it finds)."""
-        for _, _, p in self._low_params():
-            self._buffer_for(p, p.detach())
+        self._buffers_for([p for _, _, p in self._low_params()])
 
     def buffer(self, param: nn.Parameter) -> torch.Tensor | None:
         """The Kahan compensation buffer of ``param`` (None before its first step
@@ -214,6 +220,23 @@ class CompensatedUpdates:
             self._buffers[id(p)] = buf
             self._params[id(p)] = p
         return buf
+
+    def _buffers_for(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """:meth:`_buffer_for` of each of ``params`` (plain parameters), the missing ones
+        made together: pieces of one buffer per dtype and device where they can be
+        (:func:`~ampkit.trainer.optimizer_rules.zeros_tiled`)."""
+        buffers = self._buffers
+        missing = [p for p in params if (b := buffers.get(id(p))) is None or b.shape != p.shape or b.dtype != p.dtype]
+        if missing:
+            groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+            for p in missing:
+                groups.setdefault((p.dtype, p.device), []).append(p)
+            for group in groups.values():
+                if all(type(p) is nn.Parameter for p in group):
+                    for p, buf in zip(group, zeros_tiled([p.detach() for p in group])):
+                        buffers[id(p)] = buf
+                        self._params[id(p)] = p
+        return [self._buffer_for(p, p.detach()) for p in params]
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if device.type == "cpu":
@@ -356,7 +379,7 @@ class CompensatedUpdates:
         plain = all(type(p) is nn.Parameter for p in params)
         if plain:  # plain tensors: as they are (the kernel detaches)
             ws = params
-            cs = [self._buffer_for(p, p) for p in params]
+            cs = self._buffers_for(params)
             gs = [p.grad for p in params]
         else:
             ws = [local_tensor(p.detach()) for p in params]

@@ -35,7 +35,11 @@ multi-tensor copy per role), run in one call, and copied back (one multi-tensor 
 per written role; at most ``batch_numel`` elements per role and call). The staging
 buffers and their views are kept for the next call with the same shapes (the views
 cost more to make than the copies: about 2 us each), at most ``STAGING_ENTRIES`` sets
-per kernel, dropped by :func:`ampkit.reset`. Results are deterministic for a given mode;
+per kernel, dropped by :func:`ampkit.reset`. A role whose tensors are already the
+consecutive pieces of one buffer (:func:`tiled`: the masters, moments and compensation
+that ampkit makes, :func:`~ampkit.trainer.optimizer_rules.zeros_tiled`) is run on that
+buffer directly, with no copy in or out; a role of tensors made apart (a load, a swap
+through ``.data``) is staged as before. Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
 Scalars travel as a tensor so that a changing learning rate recompiles nothing.
 Every kernel also takes a *skip flag*, one more scalar after the update's own: where it
@@ -55,7 +59,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -72,7 +78,7 @@ from ampkit._internal import registry as _reset
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
-    "forget_compiled", "compile_ahead_enabled", "compiled_functions", "compiled_without_flag",
+    "forget_compiled", "compile_ahead_enabled", "compiled_functions", "compiled_without_flag", "tiled",
 ]
 
 _LOG = logging.getLogger("ampkit")
@@ -406,21 +412,30 @@ class Kernel:
         if len(roles[0]) == 1:
             self._one(run, eager, [_flat(role[0]) for role in roles], scalars, static)
             return
-        staging = self._staging_for(roles)
-        for (_, views), role in zip(staging, roles):
-            torch_compat.foreach_copy_(views, role)
-        (run or eager)(*[buf for buf, _ in staging], scalars, **static)
+        direct = _tiled_roles(roles)
+        staging = self._staging_for(roles, [d is None for d in direct])
+        args = []
+        for tiled, staged, role in zip(direct, staging, roles):
+            if tiled is None:
+                torch_compat.foreach_copy_(staged[1], role)
+                tiled = staged[0]
+            args.append(tiled)
+        (run or eager)(*args, scalars, **static)
         for pos in self.mutated:
-            torch_compat.foreach_copy_(roles[pos], staging[pos][1])
+            if direct[pos] is None:
+                torch_compat.foreach_copy_(roles[pos], staging[pos][1])
 
-    def _staging_for(self, roles: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-        """A flat buffer per role and its views shaped as the role's tensors (the roles
-        share shapes; a role is of one dtype, as every caller groups them, and its first
-        tensor's dtype keys it): kept from an earlier call with the same shapes, dtypes, device and
-        thread, else made (and the least recently used set dropped beyond ``STAGING_ENTRIES``)."""
+    def _staging_for(
+        self, roles: list[list[torch.Tensor]], staged: list[bool],
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor]] | None]:  # fmt: skip
+        """A flat buffer per role where ``staged`` (None elsewhere) and its views shaped as
+        the role's tensors (the roles share shapes; a role is of one dtype, as every caller
+        groups them, and its first tensor's dtype keys it): kept from an earlier call with the
+        same shapes, dtypes, staged roles, device and thread, else made (and the least recently
+        used set dropped beyond ``STAGING_ENTRIES``)."""
         first = roles[0]
         key = (
-            threading.get_ident(), first[0].device, tuple(role[0].dtype for role in roles),
+            threading.get_ident(), first[0].device, tuple(role[0].dtype for role in roles), tuple(staged),
             tuple([t.shape for t in first]),
         )  # fmt: skip
         with _staging_lock:  # threads share the LRU (each stages into its own buffers)
@@ -429,7 +444,10 @@ class Kernel:
                 self._staging.move_to_end(key)
                 return staging
             staging = []
-            for role in roles:
+            for role, need in zip(roles, staged):
+                if not need:
+                    staging.append(None)
+                    continue
                 buf = torch_compat.flatten_dense(role)  # the role's size, dtype and device (values overwritten)
                 staging.append((buf, list(torch_compat.unflatten_dense(buf, role))))
             self._staging[key] = staging
@@ -437,6 +455,56 @@ class Kernel:
                 self._staging.popitem(last=False)
             _WITH_STAGING.add(self)
             return staging
+
+
+def tiled(role: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D tensor of which ``role``'s tensors are the consecutive pieces, in order and
+    with no gap (contiguous, of one dtype, inside the first one's storage: state made by
+    :func:`~ampkit.trainer.optimizer_rules.zeros_tiled`), or None. A kernel runs on it
+    in place of a staging copy. Checked at every call (a ``.data`` swap or a load replaces
+    tensors): their addresses, sizes, contiguity and dtype, no per-tensor Python call."""
+    if not _PLAIN.issuperset(map(type, role)):  # a subclass may have no storage of its own
+        return None
+    first = role[0]
+    if role[1].data_ptr() != first.data_ptr() + first.nbytes:  # (the usual answer for tensors made apart)
+        return None
+    ptrs = list(map(torch.Tensor.data_ptr, role))
+    sizes = list(map(_NBYTES, role))
+    if list(itertools.accumulate(sizes[:-1], initial=ptrs[0])) != ptrs:
+        return None
+    dtype = first.dtype
+    if not all(map(torch.Tensor.is_contiguous, role)) or set(map(_DTYPE, role)) != {dtype}:
+        return None
+    if any(map(torch.Tensor.is_neg, role)) or any(map(torch.Tensor.is_conj, role)):
+        return None  # a lazily negated or conjugated view: its storage holds other values
+    storage = first.untyped_storage()
+    if ptrs[-1] + sizes[-1] > storage.data_ptr() + storage.nbytes():
+        return None
+    numel = (ptrs[-1] + sizes[-1] - ptrs[0]) // first.element_size()
+    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, first.storage_offset(), (numel,))
+
+
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_NBYTES = operator.attrgetter("nbytes")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _tiled_roles(roles: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor | None]:
+    """:func:`tiled` per role; None also for a role whose memory overlaps an earlier
+    tiled role's (it is staged: the kernel writes each role's buffer of its own)."""
+    out: list[torch.Tensor | None] = []
+    spans: list[tuple[int, int]] = []
+    for role in roles:
+        flat_role = tiled(role)
+        if flat_role is not None:
+            start = flat_role.data_ptr()
+            end = start + flat_role.nbytes
+            if any(start < e and s < end for s, e in spans):
+                flat_role = None
+            else:
+                spans.append((start, end))
+        out.append(flat_role)
+    return out
 
 
 def _skipping(fn: Callable[..., None], mutated: tuple[int, ...]) -> Callable[..., None]:

@@ -22,6 +22,7 @@ from ampkit._internal import torch_compat
 
 __all__ = [
     "Update", "OptimizerRule", "RULES", "rule_for", "rule_of", "scalar", "Plan", "StepCounts", "counts_of",
+    "zeros_tiled",
 ]
 
 #: A step's bookkeeping for a list of parameters: their state dicts (None where the
@@ -110,6 +111,23 @@ def scalar(x: Any) -> float | None:
     if torch.is_tensor(x) and x.numel() == 1 and not x.requires_grad and x.device.type == "cpu":
         return float(x.item())
     return None
+
+
+def zeros_tiled(likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeros shaped as each of ``likes``, as ``torch.zeros_like`` makes them; where
+    ``likes`` are plain contiguous tensors of one dtype and device, consecutive pieces
+    of one buffer, so that an update kernel runs on the buffer in place of copying them
+    in and out (:func:`ampkit.levels.update_kernels.tiled`)."""
+    if not likes:
+        return []
+    first = likes[0]
+    if len(likes) > 1 and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous() and t.dtype == first.dtype
+        and t.device == first.device for t in likes
+    ):  # fmt: skip
+        flat = torch.zeros(sum(t.numel() for t in likes), dtype=first.dtype, device=first.device)
+        return list(torch_compat.unflatten_dense(flat, likes))
+    return [torch.zeros_like(t, memory_format=torch.preserve_format) for t in likes]
 
 
 def rule_of(cls: type) -> OptimizerRule | None:
@@ -302,11 +320,10 @@ def _adam_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: 
     decoupled = type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
     states = [optimizer.state[p] for p in params]
     if not all(states):
-        for p, state in zip(params, states):
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        fresh = [i for i, state in enumerate(states) if not state]
+        likes = [params[i] for i in fresh]
+        for i, m, v in zip(fresh, zeros_tiled(likes), zeros_tiled(likes)):
+            states[i].update(step=torch.tensor(0.0, dtype=torch.float32), exp_avg=m, exp_avg_sq=v)
     values = _advance_steps(states)
     by_step: dict[float, list[int] | None]
     if len(set(values)) == 1:
@@ -405,11 +422,9 @@ def _sgd_plan(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: S
     first: list[int] = []
     later: list[int] = []
     for i, state in enumerate(states):
-        if state.get("momentum_buffer") is None:
-            state["momentum_buffer"] = torch.zeros_like(params[i], memory_format=torch.preserve_format)
-            first.append(i)
-        else:
-            later.append(i)
+        (first if state.get("momentum_buffer") is None else later).append(i)
+    for i, buf in zip(first, zeros_tiled([params[i] for i in first])):
+        states[i]["momentum_buffer"] = buf
     return states, [
         (update, idx if len(idx) < len(states) else None,
          torch.tensor([lr, wd, decay, gain, sign, momentum], dtype=torch.float32))
