@@ -155,7 +155,6 @@ class MasterWeights:
     def _adopt(self, wanted: set[int] | None) -> None:
         """Swap in masters for ``wanted`` params (None: every non-fp32 floating
         param not yet mastered) across all param groups."""
-        chosen: list[tuple[list[nn.Parameter], int, nn.Parameter]] = []
         for group in self.optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
@@ -166,17 +165,16 @@ class MasterWeights:
                         continue
                 elif id(p) not in wanted:
                     continue
-                chosen.append((params, i, p))
-        values = _fp32_copies([p for _, _, p in chosen])
-        for (params, i, p), value in zip(chosen, values):
-            params[i] = self._make_master(p, value)
+                params[i] = self._make_master(p)
         for group in self.optimizer.param_groups:
             if self._model_of and type(group["params"]) is list:
                 group["params"] = _MasterList(group["params"], self)
         self._layout = self._current_layout()
 
-    def _make_master(self, p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
-        master = nn.Parameter(value, requires_grad=p.requires_grad)
+    def _make_master(self, p: nn.Parameter) -> nn.Parameter:
+        master = nn.Parameter(
+            p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad
+        )
         if p.grad is not None:
             master.grad = p.grad.detach().to(torch.float32)
             p.grad = None
@@ -450,27 +448,6 @@ class MasterWeights:
                            finite=True, hint=CORRUPT_CHECKPOINT,
                            max_abs=min(torch.finfo(model_dtype).max, ABSURD_MAGNITUDE))  # its square: fp32
         return saved
-
-
-def _fp32_copies(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """fp32 copies of ``params``' values (as ``p.detach().to(torch.float32, copy=True)``);
-    plain contiguous parameters on one device are copied into consecutive pieces of one
-    buffer, so that the one-pass kernel steps the masters there in place of copying them in
-    and out (:func:`ampkit.levels.update_kernels.tiled`)."""
-    out: list[torch.Tensor | None] = [None] * len(params)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        if type(p) is nn.Parameter and p.is_contiguous():
-            by_device.setdefault(p.device, []).append(i)
-    for idx in by_device.values():
-        if len(idx) > 1:
-            likes = [params[i].detach() for i in idx]
-            flat = torch.empty(sum(t.numel() for t in likes), dtype=torch.float32, device=likes[0].device)
-            views = torch_compat.unflatten_dense(flat, likes)
-            torch_compat.foreach_copy_(list(views), likes)
-            for i, view in zip(idx, views):
-                out[i] = view
-    return [p.detach().to(torch.float32, copy=True) if v is None else v for p, v in zip(params, out)]
 
 
 class _MasterList(list):

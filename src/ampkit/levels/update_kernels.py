@@ -57,6 +57,7 @@ step will take in a background thread (:func:`compile_ahead`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import itertools
@@ -75,6 +76,7 @@ import torch
 
 from ampkit._internal import inductor_compat, torch_compat
 from ampkit._internal import registry as _reset
+from ampkit.trainer.optimizer_rules import BATCHED_BELOW_NUMEL
 
 __all__ = [
     "Kernel", "KernelMode", "flat", "same_layout", "resolve_mode", "compile_ahead", "COMPILE_AHEAD_VAR",
@@ -95,7 +97,7 @@ KernelMode = Literal["auto", "compiled", "eager"]
 # From this size on a tensor gets a call of its own: below it a call's overhead costs
 # more than concatenating and copying back (measured on CPU: AdamW over 20 tensors of
 # 16k-65k elements took 2.4 ms per step in own calls, 2.8-3.5 ms batched).
-DIRECT_NUMEL = 1 << 14
+DIRECT_NUMEL = BATCHED_BELOW_NUMEL
 # Small tensors are batched only when there are more than this many: below it the
 # per-call overhead is small and batching's copies would cost memory for nothing.
 BATCH_MIN_COUNT = 8
@@ -424,6 +426,8 @@ class Kernel:
         for pos in self.mutated:
             if direct[pos] is None:
                 torch_compat.foreach_copy_(roles[pos], staging[pos][1])
+            else:  # written through the buffer: autograd's in-place check must see each change
+                torch.autograd.graph.increment_version(roles[pos])
 
     def _staging_for(
         self, roles: list[list[torch.Tensor]], staged: list[bool],
@@ -491,7 +495,9 @@ _DTYPE = operator.attrgetter("dtype")
 
 def _tiled_roles(roles: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor | None]:
     """:func:`tiled` per role; None also for a role whose memory overlaps an earlier
-    tiled role's (it is staged: the kernel writes each role's buffer of its own)."""
+    tiled role's (it is staged: the kernel writes each role's buffer of its own), and
+    None for every role where a staged tensor lies in the storage of a tiled one (roles
+    that alias each other are written back in role order, as when all are staged)."""
     out: list[torch.Tensor | None] = []
     spans: list[tuple[int, int]] = []
     for role in roles:
@@ -504,6 +510,18 @@ def _tiled_roles(roles: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor |
             else:
                 spans.append((start, end))
         out.append(flat_role)
+    if spans and None in out:
+        storages = []
+        for flat_role in out:
+            if flat_role is not None:
+                storage = flat_role.untyped_storage()
+                storages.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        ptrs = sorted(p for role, flat_role in zip(roles, out) if flat_role is None
+                      for p in map(torch.Tensor.data_ptr, role))  # fmt: skip
+        for start, end in storages:
+            i = bisect.bisect_left(ptrs, start)
+            if i < len(ptrs) and ptrs[i] < end:  # a staged tensor inside a tiled role's storage
+                return [None] * len(roles)
     return out
 
 

@@ -11,7 +11,9 @@ table up when a step runs (once per param group, never per parameter).
 
 from __future__ import annotations
 
+import operator
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +24,7 @@ from ampkit._internal import torch_compat
 
 __all__ = [
     "Update", "OptimizerRule", "RULES", "rule_for", "rule_of", "scalar", "Plan", "StepCounts", "counts_of",
-    "zeros_tiled",
+    "zeros_tiled", "BATCHED_BELOW_NUMEL",
 ]
 
 #: A step's bookkeeping for a list of parameters: their state dicts (None where the
@@ -113,21 +115,42 @@ def scalar(x: Any) -> float | None:
     return None
 
 
+#: The update kernels run a tensor of this many elements or more in a call of its own and
+#: join smaller ones (``ampkit.levels.update_kernels.DIRECT_NUMEL`` is this value): the
+#: tensors :func:`zeros_tiled` lays out one after another.
+BATCHED_BELOW_NUMEL = 1 << 14
+
+
 def zeros_tiled(likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeros shaped as each of ``likes``, as ``torch.zeros_like`` makes them; where
-    ``likes`` are plain contiguous tensors of one dtype and device, consecutive pieces
-    of one buffer, so that an update kernel runs on the buffer in place of copying them
-    in and out (:func:`ampkit.levels.update_kernels.tiled`)."""
-    if not likes:
-        return []
-    first = likes[0]
-    if len(likes) > 1 and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_contiguous() and t.dtype == first.dtype
-        and t.device == first.device for t in likes
-    ):  # fmt: skip
-        flat = torch.zeros(sum(t.numel() for t in likes), dtype=first.dtype, device=first.device)
-        return list(torch_compat.unflatten_dense(flat, likes))
-    return [torch.zeros_like(t, memory_format=torch.preserve_format) for t in likes]
+    """Zeros shaped as each of ``likes``, as ``torch.zeros_like`` makes them; those below
+    :data:`BATCHED_BELOW_NUMEL` elements that are plain contiguous tensors of the first
+    one's dtype and device are made as consecutive pieces of one buffer, in order, so
+    that an update kernel runs on the buffer in place of copying them in and out
+    (:func:`ampkit.levels.update_kernels.tiled`)."""
+    out = [None] * len(likes)
+    small = [i for i, t in enumerate(likes) if t.numel() < BATCHED_BELOW_NUMEL]
+    if len(small) > 1:
+        first = likes[small[0]]
+        small = [i for i in small if _plain_contiguous(likes[i], first)]
+    if len(small) > 1:
+        first = likes[small[0]]
+        flat = torch.zeros(sum(likes[i].numel() for i in small), dtype=first.dtype, device=first.device)
+        for i, view in zip(small, torch_compat.unflatten_dense(flat, [likes[i] for i in small])):
+            out[i] = view
+    return [torch.zeros_like(t, memory_format=torch.preserve_format) if z is None else z for t, z in zip(likes, out)]
+
+
+def _plain_contiguous(t: torch.Tensor, first: torch.Tensor) -> bool:
+    """Whether ``torch.zeros_like(t)`` is a plain tensor with the strides a piece of a
+    flat buffer has (contiguous ones: not those of a channels_last 1x1 kernel, which
+    ``is_contiguous`` also accepts), of ``first``'s dtype and device."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype != first.dtype or t.device != first.device:
+        return False
+    expected, stride = [], 1
+    for size in reversed(t.shape):
+        expected.append(stride)
+        stride *= size
+    return t.stride() == tuple(reversed(expected))
 
 
 def rule_of(cls: type) -> OptimizerRule | None:
@@ -158,6 +181,17 @@ def rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Optimiz
 _KNOWN: dict[int, tuple[Any, int, float]] = {}
 
 
+# Module state: a cache of _KNOWN for the lists of counters remembered last (an update's
+# counters are one list, step after step): (id of the first, length) -> (the counters,
+# their versions, their counts), written with _KNOWN's entries and valid while every
+# counter is the same object at the same version (then _KNOWN says the same). At most
+# _LISTS_KEPT lists (they hold their counters).
+_KNOWN_LISTS: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[float]]] = OrderedDict()
+_LISTS_KEPT = 16
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
 def _known(t: torch.Tensor) -> float | None:
     entry = _KNOWN.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != torch_compat.tensor_version(t):
@@ -165,12 +199,34 @@ def _known(t: torch.Tensor) -> float | None:
     return entry[2]
 
 
+def _known_all(steps: list[torch.Tensor]) -> list[float | None]:
+    """:func:`_known` of each of ``steps``: for a list remembered together and unchanged
+    since, in a few passes with no Python call per counter."""
+    entry = _KNOWN_LISTS.get((id(steps[0]), len(steps))) if steps else None
+    if entry is not None and all(map(operator.is_, entry[0], steps)) and torch_compat.tensor_versions(steps) == entry[1]:
+        return list(entry[2])
+    return [_known(t) for t in steps]
+
+
 def _remember(steps: Sequence[torch.Tensor], values: Sequence[float]) -> None:
+    if not steps:
+        return
     if len(_KNOWN) > 4 * len(steps) + 4096:  # counters of optimizers since dropped
         for key in [k for k, entry in _KNOWN.items() if entry[0]() is None]:
             del _KNOWN[key]
-    for t, v in zip(steps, values):
-        _KNOWN[id(t)] = (weakref.ref(t), torch_compat.tensor_version(t), v)
+    versions = _versions(list(steps))
+    if versions is None:
+        return
+    known = _KNOWN
+    for t, version, v in zip(steps, versions, values):
+        entry = known.get(id(t))
+        ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(t)
+        known[id(t)] = (ref, version, v)
+    key = (id(steps[0]), len(steps))
+    _KNOWN_LISTS.pop(key, None)
+    _KNOWN_LISTS[key] = (list(steps), versions, list(values))
+    while len(_KNOWN_LISTS) > _LISTS_KEPT:
+        _KNOWN_LISTS.popitem(last=False)
 
 
 def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
@@ -181,10 +237,10 @@ def _advance_steps(states: Sequence[dict[str, Any]]) -> list[float]:
     parameter: each read waits for the device where the steps live there); otherwise
     one by one."""
     steps = [state["step"] for state in states]
-    if steps and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 for t in steps):
-        devices = {t.device for t in steps}
-        if len(devices) == 1 and len({id(t) for t in steps}) == len(steps):
-            known = [_known(t) for t in steps]
+    if (steps and set(map(type, steps)) == {torch.Tensor} and set(map(_DTYPE, steps)) == {torch.float32}
+            and not any(map(torch.Tensor.dim, steps))):  # fmt: skip
+        if len(set(map(_DEVICE, steps))) == 1 and len(set(map(id, steps))) == len(steps):
+            known = _known_all(steps)
             torch_compat.foreach_add_(steps, 1.0)  # in place, one call (exact: integers in fp32)
             if None in known:
                 values = torch.stack(steps).tolist()
@@ -201,19 +257,29 @@ class StepCounts:
     """The step counters a step skipped or taken on the device advanced (see
     :func:`counts_of`): :meth:`settle` makes them right once the host knows the outcome."""
 
-    __slots__ = ("steps", "values", "undone")
+    __slots__ = ("steps", "values", "undone", "versions")
 
     def __init__(self, steps: list[torch.Tensor], values: list[float], undone: bool) -> None:
         self.steps = steps
         self.values = values  # the counts of a taken step
         self.undone = undone  # already lowered on the device where the step was skipped
+        self.versions = _versions(steps)  # as the step left them: a change since is not ours
 
     def settle(self, skipped: bool) -> None:
         """The step was ``skipped`` (or taken): a skip lowers the counts now where the
-        device did not; the host knows the counts again either way."""
+        device did not; the host knows the counts again, unless a counter was changed
+        since the step (by anyone but ampkit: an edit between a step and the moment its
+        outcome is settled), which is then read at its next step."""
+        unchanged = self.versions is not None and _versions(self.steps) == self.versions
         if skipped and not self.undone:
             torch_compat.foreach_add_(self.steps, -1.0)
-        _remember(self.steps, [v - 1.0 for v in self.values] if skipped else self.values)
+        if unchanged:
+            _remember(self.steps, [v - 1.0 for v in self.values] if skipped else self.values)
+
+
+def _versions(steps: list[Any]) -> list[int] | None:
+    """The counters' versions, or None where one is not a tensor (a count the host cannot know)."""
+    return torch_compat.tensor_versions(steps) if all(map(torch.is_tensor, steps)) else None
 
 
 def counts_of(states: Sequence[dict[str, Any]] | None, skip: torch.Tensor) -> StepCounts | None:
@@ -227,13 +293,11 @@ def counts_of(states: Sequence[dict[str, Any]] | None, skip: torch.Tensor) -> St
     if not states or "step" not in states[0]:
         return None
     steps = [state["step"] for state in states]
-    values = []
-    for t in steps:
-        v = _known(t) if torch.is_tensor(t) else None
-        if v is None:  # not advanced by _advance_steps: read (a state changed meanwhile)
-            v = float(t)
-        values.append(v)
-    undone = all(torch.is_tensor(t) and t.device == skip.device for t in steps)
+    tensors = all(map(torch.is_tensor, steps))
+    known = _known_all(steps) if tensors else [_known(t) if torch.is_tensor(t) else None for t in steps]
+    # where the host does not know a count (not advanced by _advance_steps: a state changed meanwhile): read
+    values = [float(t) if v is None else v for t, v in zip(steps, known)]
+    undone = tensors and set(map(_DEVICE, steps)) == {skip.device}
     if undone:
         torch_compat.foreach_sub_(steps, [skip] * len(steps))
     return StepCounts(steps, values, undone)

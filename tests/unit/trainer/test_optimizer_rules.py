@@ -188,3 +188,54 @@ def test_a_family_added_in_the_table_is_stepped_by_its_kernels(monkeypatch, leve
     assert len(CALLS) == 3 * 4
     for a, b in zip(own[0] + own[1], by_rule[0] + by_rule[1]):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _counters_run(level: str, how: str) -> tuple[list[torch.Tensor], list[float]]:
+    """Three AdamW steps at ``level``, the step counters set to 100 (``how``: "edit" in
+    place, "load" through the optimizer's state dict, "replace" one counter by a new tensor
+    and edit the rest), two more steps: the parameters and the counts."""
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)])
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level=level, dtype=BF16)
+    g = torch.Generator().manual_seed(3)
+
+    def step() -> None:
+        with amp.scale_loss(model(torch.randn(4, 6, generator=g)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    if how == "load":
+        sd = opt.state_dict()
+        for s in sd["state"].values():
+            s["step"] = torch.tensor(100.0)
+        opt.load_state_dict(sd)
+    else:
+        for i, s in enumerate(opt.state.values()):
+            if how == "replace" and i == 3:
+                s["step"] = torch.tensor(100.0)
+            else:
+                s["step"].fill_(100.0)
+    for _ in range(2):
+        step()
+    out = [p.detach().clone() for p in model.parameters()], [float(s["step"]) for s in opt.state.values()]
+    amp.reset()
+    return out
+
+
+@pytest.mark.parametrize("level", ["O2", "O2K"])
+def test_step_counters_changed_by_the_user_are_read_again(level):
+    """The host's knowledge of the counters it advanced (kept per list of counters, step
+    after step) is dropped for a counter edited in place or replaced: the next steps use
+    101 and 102, as after loading the same counts. The edit falls between a step skipped
+    or taken on the device and the moment its outcome is settled (the next scale_loss):
+    the settling must not take the edited counters for the ones the step left."""
+    loaded = _counters_run(level, "load")
+    assert set(loaded[1]) == {102.0}
+    for how in ("edit", "replace"):
+        params, counts = _counters_run(level, how)
+        assert counts == loaded[1]
+        assert all(torch.equal(a, b) for a, b in zip(params, loaded[0])), how

@@ -131,6 +131,7 @@ from .tensors import (
     tensor_hooks_of,
     tensor_is_view,
     tensor_version,
+    tensor_versions,
 )
 
 __all__ = [
@@ -149,7 +150,7 @@ __all__ = [
     "composite_implicit_call", "reinstall_global_forward_hooks", "remove_global_forward_hooks",
     "reset_compiled_code", "run_outside_dynamo", "scaled_mm", "skip_code_in_dynamo",
     "WRAPPER_PATH_PARTS", "own_parameters", "replace_buffer", "replace_child", "submodules_of",
-    "swap_module_class", "tensor_is_view", "tensor_version", "tree_flatten", "tree_map",
+    "swap_module_class", "tensor_is_view", "tensor_version", "tensor_versions", "tree_flatten", "tree_map",
     "torch_function_mode_active", "skip_if_traced_alone", "skip_traced_frame", "traced_frame_code",
     "traced_object", "tracing_for_compile", "TORCH_RELEASE", "release_of",
     "GRAPH_AUTOCAST_SWITCHES", "warn_no_graph_switches", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE",
