@@ -94,13 +94,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit as amp
-from ampkit.levels import grad_mirror
+from ampkit.levels import grad_mirror, update_kernels
 from ampkit.tools.bench.machine import write_record
 from ampkit.tools.bench.workloads import SIZES, make_workload
 from ampkit.trainer import device_skip
 
 ARMS = ("torch_amp", "pure16", "O1_init", "O1_scope", "O2", "O2_accel", "O2K", "O3")
 AMPKIT_ARMS = ("O1_init", "O1_scope", "O2", "O2_accel", "O2K", "O3")
+# On request only: a level with its update kernels staging every role (as before ampkit laid
+# out the state they write in one buffer), to measure that layout side by side.
+STAGED_ARMS = ("O2_staged", "O2K_staged")
 TARGETS = {"O1_init": 1.10, "O1_scope": 1.10, "O2": 1.10, "O2K": 1.20}
 WORKLOADS = ("tiny", "lm")
 LR = 1e-3
@@ -192,6 +195,18 @@ def setup(arm: str, wl: Workload, device: str, dtype: torch.dtype) -> Step:
     """A fresh model (seed 0), its optimizer and the step of ``arm``; ampkit's state
     reset first, its kernels and global module hooks removed (an ampkit scope installs
     them again), so the torch arms run torch alone."""
+    if arm in STAGED_ARMS:
+        level_step = setup(arm.removesuffix("_staged"), wl, device, dtype)
+        tiled = update_kernels.tiled
+
+        def staged(x: torch.Tensor, y: torch.Tensor) -> None:
+            update_kernels.tiled = lambda role: None  # every role staged, for this step only
+            try:
+                level_step(x, y)
+            finally:
+                update_kernels.tiled = tiled
+
+        return staged
     amp.reset()
     amp.casting.release_kernels()  # reset keeps them while other threads (inductor's) are alive
     grad_mirror.KEEP_ASIDE_DEVICES = KEEP_ASIDE
@@ -456,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaving rounds (default 5)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before each block (default 5)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS + STAGED_ARMS)}")
     p.add_argument("--count-steps", type=int, default=3, help="steps over which host reads are counted (default 3)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="cProfile each arm (default on)")
@@ -468,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     workloads = [w.strip() for w in args.workload.split(",") if w.strip()]
-    unknown = [a for a in arms if a not in ARMS] + [w for w in workloads if w not in WORKLOADS]
+    unknown = [a for a in arms if a not in ARMS + STAGED_ARMS] + [w for w in workloads if w not in WORKLOADS]
     if unknown:
         p.error(f"unknown arm(s) or workload(s) {', '.join(unknown)}")
     if min(args.steps, args.rounds, args.count_steps, args.profile_steps) < 1 or args.warmup < 0:
