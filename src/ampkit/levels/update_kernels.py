@@ -510,7 +510,7 @@ def _tiled_roles(roles: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor |
             else:
                 spans.append((start, end))
         out.append(flat_role)
-    if spans and None in out:
+    if spans and any(t is None for t in out):  # (identity: `in` would call Tensor.__eq__)
         storages = []
         for flat_role in out:
             if flat_role is not None:

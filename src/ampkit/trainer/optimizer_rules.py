@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ampkit._internal import registry as _reset
 from ampkit._internal import torch_compat
 
 __all__ = [
@@ -176,25 +177,43 @@ def rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Optimiz
 
 
 # Module state: what the host knows of step counters it advanced, id(tensor) -> (the
-# tensor, held weakly; its version when known; its value then). A counter changed since
-# (another version: a load, an edit) is read again.
-_KNOWN: dict[int, tuple[Any, int, float]] = {}
+# tensor, held weakly; its stamp when known: version and data pointer; its value then).
+# A counter changed since (another version: a load, an edit; another pointer: a swap
+# through ``.data``) is read again. Not seen: a write the version does not count
+# (``step.data.fill_(n)``); such a counter's count is read only after a load.
+_KNOWN: dict[int, tuple[Any, tuple[int, int], float]] = {}
 
 
 # Module state: a cache of _KNOWN for the lists of counters remembered last (an update's
 # counters are one list, step after step): (id of the first, length) -> (the counters,
-# their versions, their counts), written with _KNOWN's entries and valid while every
-# counter is the same object at the same version (then _KNOWN says the same). At most
-# _LISTS_KEPT lists (they hold their counters).
-_KNOWN_LISTS: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[float]]] = OrderedDict()
+# their stamps, their counts), written with _KNOWN's entries and valid while every
+# counter is the same object with the same stamp (then _KNOWN says the same). At most
+# _LISTS_KEPT lists (they hold their counters); both emptied by ``ampkit.reset()``.
+_KNOWN_LISTS: OrderedDict[tuple[int, int], tuple[list[torch.Tensor], list[tuple[int, int]], list[float]]] = (
+    OrderedDict()
+)
 _LISTS_KEPT = 16
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
 
+@_reset.on_reset
+def _forget_counts() -> None:
+    _KNOWN.clear()
+    _KNOWN_LISTS.clear()
+
+
+def _stamps(steps: list[Any]) -> list[tuple[int, int]] | None:
+    """Each counter's version and data pointer, or None where one is not a tensor (a
+    count the host cannot know)."""
+    if not all(map(torch.is_tensor, steps)):
+        return None
+    return list(zip(torch_compat.tensor_versions(steps), map(torch.Tensor.data_ptr, steps)))
+
+
 def _known(t: torch.Tensor) -> float | None:
     entry = _KNOWN.get(id(t))
-    if entry is None or entry[0]() is not t or entry[1] != torch_compat.tensor_version(t):
+    if entry is None or entry[0]() is not t or entry[1] != (torch_compat.tensor_version(t), t.data_ptr()):
         return None
     return entry[2]
 
@@ -203,7 +222,7 @@ def _known_all(steps: list[torch.Tensor]) -> list[float | None]:
     """:func:`_known` of each of ``steps``: for a list remembered together and unchanged
     since, in a few passes with no Python call per counter."""
     entry = _KNOWN_LISTS.get((id(steps[0]), len(steps))) if steps else None
-    if entry is not None and all(map(operator.is_, entry[0], steps)) and torch_compat.tensor_versions(steps) == entry[1]:
+    if entry is not None and all(map(operator.is_, entry[0], steps)) and _stamps(steps) == entry[1]:
         return list(entry[2])
     return [_known(t) for t in steps]
 
@@ -214,17 +233,17 @@ def _remember(steps: Sequence[torch.Tensor], values: Sequence[float]) -> None:
     if len(_KNOWN) > 4 * len(steps) + 4096:  # counters of optimizers since dropped
         for key in [k for k, entry in _KNOWN.items() if entry[0]() is None]:
             del _KNOWN[key]
-    versions = _versions(list(steps))
-    if versions is None:
+    stamps = _stamps(list(steps))
+    if stamps is None:
         return
     known = _KNOWN
-    for t, version, v in zip(steps, versions, values):
+    for t, stamp, v in zip(steps, stamps, values):
         entry = known.get(id(t))
         ref = entry[0] if entry is not None and entry[0]() is t else weakref.ref(t)
-        known[id(t)] = (ref, version, v)
+        known[id(t)] = (ref, stamp, v)
     key = (id(steps[0]), len(steps))
     _KNOWN_LISTS.pop(key, None)
-    _KNOWN_LISTS[key] = (list(steps), versions, list(values))
+    _KNOWN_LISTS[key] = (list(steps), stamps, list(values))
     while len(_KNOWN_LISTS) > _LISTS_KEPT:
         _KNOWN_LISTS.popitem(last=False)
 
@@ -257,29 +276,24 @@ class StepCounts:
     """The step counters a step skipped or taken on the device advanced (see
     :func:`counts_of`): :meth:`settle` makes them right once the host knows the outcome."""
 
-    __slots__ = ("steps", "values", "undone", "versions")
+    __slots__ = ("steps", "values", "undone", "stamps")
 
     def __init__(self, steps: list[torch.Tensor], values: list[float], undone: bool) -> None:
         self.steps = steps
         self.values = values  # the counts of a taken step
         self.undone = undone  # already lowered on the device where the step was skipped
-        self.versions = _versions(steps)  # as the step left them: a change since is not ours
+        self.stamps = _stamps(steps)  # as the step left them: a change since is not ours
 
     def settle(self, skipped: bool) -> None:
         """The step was ``skipped`` (or taken): a skip lowers the counts now where the
         device did not; the host knows the counts again, unless a counter was changed
         since the step (by anyone but ampkit: an edit between a step and the moment its
         outcome is settled), which is then read at its next step."""
-        unchanged = self.versions is not None and _versions(self.steps) == self.versions
+        unchanged = self.stamps is not None and _stamps(self.steps) == self.stamps
         if skipped and not self.undone:
             torch_compat.foreach_add_(self.steps, -1.0)
         if unchanged:
             _remember(self.steps, [v - 1.0 for v in self.values] if skipped else self.values)
-
-
-def _versions(steps: list[Any]) -> list[int] | None:
-    """The counters' versions, or None where one is not a tensor (a count the host cannot know)."""
-    return torch_compat.tensor_versions(steps) if all(map(torch.is_tensor, steps)) else None
 
 
 def counts_of(states: Sequence[dict[str, Any]] | None, skip: torch.Tensor) -> StepCounts | None:

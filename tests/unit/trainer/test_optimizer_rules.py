@@ -193,7 +193,8 @@ def test_a_family_added_in_the_table_is_stepped_by_its_kernels(monkeypatch, leve
 def _counters_run(level: str, how: str) -> tuple[list[torch.Tensor], list[float]]:
     """Three AdamW steps at ``level``, the step counters set to 100 (``how``: "edit" in
     place, "load" through the optimizer's state dict, "replace" one counter by a new tensor
-    and edit the rest), two more steps: the parameters and the counts."""
+    and edit the rest, "swap" each through ``.data``), two more steps: the parameters and
+    the counts."""
     amp.reset()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)])
@@ -217,6 +218,8 @@ def _counters_run(level: str, how: str) -> tuple[list[torch.Tensor], list[float]
         for i, s in enumerate(opt.state.values()):
             if how == "replace" and i == 3:
                 s["step"] = torch.tensor(100.0)
+            elif how == "swap":  # through .data: the same object and version, other memory
+                s["step"].data = torch.tensor(100.0)
             else:
                 s["step"].fill_(100.0)
     for _ in range(2):
@@ -235,7 +238,7 @@ def test_step_counters_changed_by_the_user_are_read_again(level):
     the settling must not take the edited counters for the ones the step left."""
     loaded = _counters_run(level, "load")
     assert set(loaded[1]) == {102.0}
-    for how in ("edit", "replace"):
+    for how in ("edit", "replace", "swap"):
         params, counts = _counters_run(level, how)
         assert counts == loaded[1]
         assert all(torch.equal(a, b) for a, b in zip(params, loaded[0])), how
