@@ -36,8 +36,8 @@ per written role; at most ``batch_numel`` elements per role and call). The stagi
 buffers and their views are kept for the next call with the same shapes (the views
 cost more to make than the copies: about 2 us each), at most ``STAGING_ENTRIES`` sets
 per kernel, dropped by :func:`ampkit.reset`. A role whose tensors are already the
-consecutive pieces of one buffer (:func:`tiled`: the masters, moments and compensation
-that ampkit makes, :func:`~ampkit.trainer.optimizer_rules.zeros_tiled`) is run on that
+consecutive pieces of one buffer (:func:`tiled`: the moments and compensation that
+ampkit makes, :func:`~ampkit.trainer.optimizer_rules.zeros_tiled`) is run on that
 buffer directly, with no copy in or out; a role of tensors made apart (a load, a swap
 through ``.data``) is staged as before. Results are deterministic for a given mode;
 the two modes may differ in the last bit (fused multiply-adds, evaluation order).
