@@ -215,27 +215,28 @@ class CompensatedUpdates:
 
     def _buffer_for(self, p: nn.Parameter, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(id(p))
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        if not _buffer_fits(buf, like):
             buf = torch.zeros_like(like, memory_format=torch.preserve_format)
             self._buffers[id(p)] = buf
             self._params[id(p)] = p
         return buf
 
     def _buffers_for(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        """:meth:`_buffer_for` of each of ``params`` (plain parameters), the missing ones
-        made together: pieces of one buffer per dtype and device where they can be
+        """:meth:`_buffer_for` of each of ``params``; the missing ones made together:
+        pieces of one buffer per dtype and device where they can be
         (:func:`~ampkit.trainer.optimizer_rules.zeros_tiled`)."""
-        buffers = self._buffers
-        missing = [p for p in params if (b := buffers.get(id(p))) is None or b.shape != p.shape or b.dtype != p.dtype]
-        if missing:
-            groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-            for p in missing:
-                groups.setdefault((p.dtype, p.device), []).append(p)
-            for group in groups.values():
-                if all(type(p) is nn.Parameter for p in group):
-                    for p, buf in zip(group, zeros_tiled([p.detach() for p in group])):
-                        buffers[id(p)] = buf
-                        self._params[id(p)] = p
+        bufs = [self._buffers.get(id(p)) for p in params]
+        missing = [p for p, buf in zip(params, bufs) if not _buffer_fits(buf, p)]
+        if not missing:  # every step after the first
+            return bufs  # type: ignore[return-value]
+        groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in missing:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        for group in groups.values():
+            if all(type(p) is nn.Parameter for p in group):
+                for p, buf in zip(group, zeros_tiled([p.detach() for p in group])):
+                    self._buffers[id(p)] = buf
+                    self._params[id(p)] = p
         return [self._buffer_for(p, p.detach()) for p in params]
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
@@ -635,6 +636,12 @@ def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
     return state
 
 
+def _buffer_fits(buf: torch.Tensor | None, like: torch.Tensor) -> bool:
+    """Whether ``buf`` is a compensation buffer for a parameter shaped as ``like``: made,
+    of its shape and dtype (else one is made anew: zeros)."""
+    return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
+
+
 def _tensor_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """Bytes of ``params`` and ``optimizer``'s state tensors on this rank (a DTensor
     counts its local shard)."""
@@ -677,7 +684,7 @@ class _CompensatedStep(StepExtension):
         self._own = {id(group) for group, _, _ in plan if all(p.grad is None or id(p) in done for p in group["params"])}
         # a parameter without its compensation buffer yet (its first step, or state loaded
         # without ampkit's): the step makes it, so a skipped one must be known first
-        fresh = any((b := comp.buffer(p)) is None or b.shape != p.shape or b.dtype != p.dtype
+        fresh = any(not _buffer_fits(comp.buffer(p), p)
                     for _, _, params in plan for p in params)  # fmt: skip
         return not fresh and all(id(p) in done for p in low)
 
