@@ -516,8 +516,8 @@ def _tiled_roles(roles: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor |
             if flat_role is not None:
                 storage = flat_role.untyped_storage()
                 storages.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-        ptrs = sorted(p for role, flat_role in zip(roles, out) if flat_role is None
-                      for p in map(torch.Tensor.data_ptr, role))  # fmt: skip
+        ptrs = sorted(itertools.chain.from_iterable(
+            map(torch.Tensor.data_ptr, role) for role, flat_role in zip(roles, out) if flat_role is None))  # fmt: skip
         for start, end in storages:
             i = bisect.bisect_left(ptrs, start)
             if i < len(ptrs) and ptrs[i] < end:  # a staged tensor inside a tiled role's storage
