@@ -37,6 +37,17 @@ logger = logging.getLogger("ampkit")
 # ---------------------------------------------------------------------------
 # Engine state: the fp16-on-CPU warning is given once per process.
 _warned_fp16_cpu = False
+# Engine state: the policy of a scope given a dtype alone, one per dtype (a Policy is
+# immutable): a scope entered every step then finds its resolution cached (by identity).
+_DEFAULT_POLICIES: dict[torch.dtype, Policy] = {}
+
+
+def _default_policy(dtype: torch.dtype) -> Policy:
+    policy = _DEFAULT_POLICIES.get(dtype)
+    if policy is None:
+        policy = _DEFAULT_POLICIES.setdefault(dtype, Policy(dtype=dtype))
+    return policy
+
 
 
 def _warn_fp16_cpu() -> None:
@@ -87,7 +98,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         if policy is not None and not isinstance(policy, Policy):
             raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
         if policy is None:
-            policy = Policy(dtype=check_compute_dtype(dtype) if dtype else default_dtype(self.device_type))
+            policy = _default_policy(check_compute_dtype(dtype) if dtype else default_dtype(self.device_type))
         elif dtype is not None:
             policy = policy.override(dtype=check_compute_dtype(dtype))
         self.policy = policy
