@@ -287,6 +287,8 @@ class CompensatedUpdates:
         dedicated = self._plan(optimizer) if plan is None else plan
         done = {id(p) for _, _, params in dedicated for p in params}
         low = [p for p in low if id(p) not in done]
+        if not low:  # every 16-bit grad has a dedicated kernel (the usual case)
+            return self._dedicated_only(optimizer, dedicated, skip)
         every = [p for g in optimizer.param_groups for p in g["params"]]
         # Grads of everything not stepped yet; fp32 parameters go with the first chunk.
         pending = {id(p): p.grad for p in every if p.grad is not None}
@@ -313,6 +315,29 @@ class CompensatedUpdates:
         self._set_aside = [(p, pending[id(p)]) for p in every if id(p) in pending]
         for p in every:
             p.grad = None
+        return counts
+
+    def _dedicated_only(
+        self, optimizer: torch.optim.Optimizer, dedicated: list[tuple[dict, OptimizerRule, list[nn.Parameter]]],
+        skip: torch.Tensor | None,
+    ) -> list[StepCounts]:
+        """:meth:`_pre_step` where every 16-bit grad goes through a dedicated kernel: those
+        run, their grads are set aside until the step ends, and the fp32 rest keeps its
+        grads for the step the user called, which updates it as it would have alone
+        (with the same found-inf flag, on a step skipped on the device)."""
+        counts: list[StepCounts] = []
+        self._inside = True
+        try:
+            for group, rule, params in dedicated:
+                c = self._step_dedicated(optimizer, group, rule, params, skip)
+                if c is not None:
+                    counts.append(c)
+        finally:
+            self._inside = False
+        aside = [(p, p.grad) for _, _, params in dedicated for p in params]
+        for p, _ in aside:
+            p.grad = None
+        self._set_aside = aside
         return counts
 
     # -- dedicated updates ----------------------------------------------------------

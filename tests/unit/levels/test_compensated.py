@@ -551,3 +551,62 @@ def test_no_cpp_compiler_is_said_once(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("finds no C++ compiler") == 1, out.stderr
+
+
+def _global_step_hook_calls(of: torch.optim.Optimizer) -> tuple[list[str], list]:
+    """torch's process-wide optimizer step hooks, recording their calls for ``of``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    calls: list[str] = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("pre") if o is of else None),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append("post") if o is of else None)]  # fmt: skip
+    return calls, handles
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_the_fp32_rest_is_stepped_once_by_the_step_the_user_called(managed):
+    """Every bf16 grad through a dedicated kernel: the fp32 rest (a LayerNorm kept in
+    fp32) is updated by the optimizer's own step, as torch's AdamW steps it alone (bit
+    for bit), and torch's global step hooks run once per ``step()`` (they ran twice when
+    the rest was stepped by a second call of the optimizer's step)."""
+    import ampkit as amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if managed:
+        model, opt = amp.initialize(model, opt, opt_level="O2K")
+    else:
+        model[0].to(torch.bfloat16)
+        model[2].to(torch.bfloat16)
+        comp = CompensatedUpdates(opt)
+    norm = [model[1].weight, model[1].bias]
+    ref = [nn.Parameter(p.detach().clone()) for p in norm]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    calls, handles = _global_step_hook_calls(opt)
+    try:
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            h = model[0](x.to(torch.bfloat16)).float()
+            loss = model[2](model[1](h).to(torch.bfloat16)).float().pow(2).mean()
+            if managed:
+                with amp.scale_loss(loss, opt) as s:
+                    s.backward()
+            else:
+                loss.backward()
+            for r, p in zip(ref, norm):
+                r.grad = p.grad.clone()
+            before = [p.detach().clone() for p in model[0].parameters()]
+            opt.step()
+            ref_opt.step()
+            assert all(torch.equal(p, r) for p, r in zip(norm, ref))
+            assert all(p.grad is not None for p in model.parameters())  # set aside and put back
+            assert not any(torch.equal(b, p) for b, p in zip(before, model[0].parameters()))  # bf16 stepped too
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
+        if not managed:
+            comp.remove()
+    assert calls == ["pre", "post"] * 3
