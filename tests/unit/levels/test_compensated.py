@@ -555,7 +555,10 @@ def test_no_cpp_compiler_is_said_once(tmp_path):
 
 def _global_step_hook_calls(of: torch.optim.Optimizer) -> tuple[list[str], list]:
     """torch's process-wide optimizer step hooks, recording their calls for ``of``."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     calls: list[str] = []
     handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("pre") if o is of else None),
