@@ -264,6 +264,16 @@ class CompensatedUpdates:
             yield chunk
 
     def _pre_step_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._inside and ("found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__):
+            # torch.amp.GradScaler hands a fused optimizer its flag and scale to apply inside
+            # its kernel: the dedicated updates would step with scaled grads, skipped or not
+            raise AmpError(
+                "compensated updates on an optimizer stepped by torch.amp.GradScaler with fused=True: "
+                "the scaler leaves the grads scaled for the fused kernel, which the compensated "
+                "16-bit updates cannot take. Nothing was changed. Use ampkit's loss scaling "
+                "(ampkit.initialize or ampkit.init_trainer, then ampkit.scale_loss), or a "
+                "non-fused optimizer with the scaler (it unscales the grads before step())."
+            )
         self._pre_step(optimizer, args, kwargs)  # (a step pre-hook returns None: arguments unchanged)
 
     def _pre_step(
@@ -287,7 +297,7 @@ class CompensatedUpdates:
         dedicated = self._plan(optimizer) if plan is None else plan
         done = {id(p) for _, _, params in dedicated for p in params}
         low = [p for p in low if id(p) not in done]
-        if not low:  # every 16-bit grad has a dedicated kernel (the usual case)
+        if not low and self._extension is not None:  # every 16-bit grad has a dedicated kernel (the usual case)
             return self._dedicated_only(optimizer, dedicated, skip)
         every = [p for g in optimizer.param_groups for p in g["params"]]
         # Grads of everything not stepped yet; fp32 parameters go with the first chunk.
@@ -321,10 +331,12 @@ class CompensatedUpdates:
         self, optimizer: torch.optim.Optimizer, dedicated: list[tuple[dict, OptimizerRule, list[nn.Parameter]]],
         skip: torch.Tensor | None,
     ) -> list[StepCounts]:
-        """:meth:`_pre_step` where every 16-bit grad goes through a dedicated kernel: those
-        run, their grads are set aside until the step ends, and the fp32 rest keeps its
-        grads for the step the user called, which updates it as it would have alone
-        (with the same found-inf flag, on a step skipped on the device)."""
+        """:meth:`_pre_step` of a managed optimizer where every 16-bit grad goes through a
+        dedicated kernel: those run, their grads are set aside until the update ends (the
+        managed step puts them back also where the optimizer's step raises), and the fp32
+        rest keeps its grads for the step the user called, which updates it as it would
+        have alone (with the same found-inf flag, on a step skipped on the device). Not on
+        torch's step hooks: no post-hook runs after a step that raised."""
         counts: list[StepCounts] = []
         self._inside = True
         try:

@@ -164,14 +164,17 @@ def _compare_buffers(
             return found
     total = sum(t.numel() for t in like)
     sides = []
-    for _ in range(2):
-        buf = torch.zeros(-(-total // 4) * 4, dtype=dtype)  # the padding stays zero on both sides
-        views, at = [], 0
-        for t in like:
-            views.append(buf[at : at + t.numel()].view(t.shape))
-            at += t.numel()
-        sides.append((buf, views))
-    ends = torch.tensor(list(itertools.accumulate(t.numel() for t in like)), dtype=torch.int64)
+    # plain CPU tensors whatever the caller's mode: a set made inside torch.inference_mode()
+    # or under a default device (meta) would refuse or fail every later call that reuses it
+    with torch.inference_mode(False), torch.no_grad():
+        for _ in range(2):
+            buf = torch.zeros(-(-total // 4) * 4, dtype=dtype, device="cpu")  # the padding stays zero
+            views, at = [], 0
+            for t in like:
+                views.append(buf[at : at + t.numel()].view(t.shape))
+                at += t.numel()
+            sides.append((buf, views))
+        ends = torch.tensor(list(itertools.accumulate(t.numel() for t in like)), dtype=torch.int64, device="cpu")
     made = (sides[0], sides[1], ends)
     with _buffers_lock:
         _BUFFERS[key] = made

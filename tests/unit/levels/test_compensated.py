@@ -569,9 +569,11 @@ def _global_step_hook_calls(of: torch.optim.Optimizer) -> tuple[list[str], list]
 @pytest.mark.parametrize("managed", [True, False])
 def test_the_fp32_rest_is_stepped_once_by_the_step_the_user_called(managed):
     """Every bf16 grad through a dedicated kernel: the fp32 rest (a LayerNorm kept in
-    fp32) is updated by the optimizer's own step, as torch's AdamW steps it alone (bit
-    for bit), and torch's global step hooks run once per ``step()`` (they ran twice when
-    the rest was stepped by a second call of the optimizer's step)."""
+    fp32) is updated as torch's AdamW steps it alone (bit for bit). Managed (O2K), by the
+    optimizer's own step: torch's global step hooks run once per ``step()`` (they ran
+    twice when the rest was stepped by a second call of the optimizer's step). On torch's
+    step hooks (an optimizer ampkit does not manage) the rest is still stepped inside the
+    pre-hook, where a failure puts every grad back (no post-hook runs after a raise)."""
     import ampkit as amp
 
     torch.manual_seed(0)
@@ -612,4 +614,52 @@ def test_the_fp32_rest_is_stepped_once_by_the_step_the_user_called(managed):
             handle.remove()
         if not managed:
             comp.remove()
-    assert calls == ["pre", "post"] * 3
+    assert calls == (["pre", "post"] * 3 if managed else ["pre", "pre", "post", "post"] * 3)
+
+
+def test_a_step_that_raises_after_the_compensated_part_keeps_every_grad():
+    """An optimizer ampkit does not manage: a step pre-hook registered after
+    ``CompensatedUpdates`` raises; every grad is on its parameter afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comp = CompensatedUpdates(opt)
+
+    def guard(o, a, k):
+        raise RuntimeError("refusing this step")
+
+    opt.register_step_pre_hook(guard)
+    h = model[0](torch.randn(4, 8).to(torch.bfloat16)).float()
+    model[2](model[1](h).to(torch.bfloat16)).float().pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="refusing"):
+        opt.step()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    comp.remove()
+
+
+def test_torch_grad_scaler_with_a_fused_optimizer_is_refused_before_anything_changes():
+    """torch.amp.GradScaler hands a fused optimizer its grads still scaled (with the flag
+    and scale for the fused kernel): the compensated bf16 updates would step with them.
+    Refused with an AmpError; weights, grads, state and the scaler's scale unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    comp = CompensatedUpdates(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    h = model[0](torch.randn(4, 8).to(torch.bfloat16)).float()
+    scaler.scale(model[2](model[1](h).to(torch.bfloat16)).float().pow(2).mean()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(AmpError, match="GradScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert not opt.state
+    buf = comp.buffer(model[0].weight)
+    assert buf is None or not buf.any()
+    comp.remove()

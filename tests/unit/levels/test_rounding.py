@@ -96,3 +96,41 @@ def test_the_kept_buffers_follow_the_shapes():
     for _ in range(3):
         assert unrounded(a) == []
         assert unrounded(b) == [2]
+
+
+@pytest.mark.parametrize("first_under", ["inference_mode", "meta_device"])
+def test_the_kept_buffers_do_not_depend_on_the_first_callers_mode(first_under):
+    """The first call for a list of shapes made inside ``torch.inference_mode()`` (a load
+    of weights in an eval block) or under a default device (``torch.device("meta")``):
+    that call and every later one, in or out of the mode, answer as ``rounds_to``."""
+    pairs = [(h.to(BF16), h) for h in (torch.randn(3), torch.randn(4), torch.randn(2, 2))]
+    old = pairs[1][0][0].clone()
+    pairs[1][0][0] = old * 2 + 1
+    mode = torch.inference_mode() if first_under == "inference_mode" else torch.device("meta")
+    with mode:
+        assert unrounded(pairs) == [1]
+    assert unrounded(pairs) == [1]
+    with torch.inference_mode():
+        assert unrounded(pairs) == [1]
+    pairs[1][0][0] = old
+    assert unrounded(pairs) == []
+
+
+def test_o2_weights_loaded_in_inference_mode_then_trained():
+    """O2's load hook checks the model's weights against the masters inside the caller's
+    ``torch.inference_mode()``; the steps after it (outside) check them again."""
+    import ampkit as amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    with torch.inference_mode():
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(model.parameters(), amp.master_params(opt)))
