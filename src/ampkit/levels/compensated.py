@@ -264,16 +264,8 @@ class CompensatedUpdates:
             yield chunk
 
     def _pre_step_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._inside and ("found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__):
-            # torch.amp.GradScaler hands a fused optimizer its flag and scale to apply inside
-            # its kernel: the dedicated updates would step with scaled grads, skipped or not
-            raise AmpError(
-                "compensated updates on an optimizer stepped by torch.amp.GradScaler with fused=True: "
-                "the scaler leaves the grads scaled for the fused kernel, which the compensated "
-                "16-bit updates cannot take. Nothing was changed. Use ampkit's loss scaling "
-                "(ampkit.initialize or ampkit.init_trainer, then ampkit.scale_loss), or a "
-                "non-fused optimizer with the scaler (it unscales the grads before step())."
-            )
+        if not self._inside:
+            _refuse_scaled_handoff(optimizer)
         self._pre_step(optimizer, args, kwargs)  # (a step pre-hook returns None: arguments unchanged)
 
     def _pre_step(
@@ -673,6 +665,26 @@ def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
     return state
 
 
+def _refuse_scaled_handoff(optimizer: torch.optim.Optimizer) -> None:
+    """Raise, before anything changes, where ``torch.amp.GradScaler.step`` hands a fused
+    optimizer its scale and inf flag to apply inside torch's kernel (the grads still
+    scaled): the compensated 16-bit updates would step with the scaled grads, on skipped
+    steps too."""
+    if "found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__:
+        # the scaler sets them for this one call and removes them after it, which a raise
+        # skips: left on the optimizer they would reach every later step's fused kernel
+        optimizer.__dict__.pop("found_inf", None)
+        optimizer.__dict__.pop("grad_scale", None)
+        raise StateError(
+            "compensated updates (O2K) on a fused optimizer stepped by torch.amp.GradScaler: "
+            "the scaler leaves the grads scaled for torch's fused kernel, which the "
+            "compensated 16-bit updates cannot take. Nothing was changed. Use ampkit's "
+            "loss scaling (ampkit.scale_loss after ampkit.initialize or "
+            "ampkit.init_trainer; ampkit.GradScaler has torch.amp.GradScaler's interface), "
+            "or a non-fused optimizer with the scaler (it unscales the grads before step())."
+        )
+
+
 def _buffer_fits(buf: torch.Tensor | None, like: torch.Tensor) -> bool:
     """Whether ``buf`` is a compensation buffer for a parameter shaped as ``like``: made,
     of its shape and dtype (else one is made anew: zeros)."""
@@ -727,6 +739,10 @@ class _CompensatedStep(StepExtension):
 
     def own_groups(self) -> set[int]:
         return self._own
+
+    def before_check(self) -> None:
+        # (before ampkit's own device skip hands the optimizer a flag: one there now is torch's)
+        _refuse_scaled_handoff(self.comp.optimizer)
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         opt = self.comp.optimizer

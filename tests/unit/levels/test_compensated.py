@@ -663,3 +663,31 @@ def test_torch_grad_scaler_with_a_fused_optimizer_is_refused_before_anything_cha
     buf = comp.buffer(model[0].weight)
     assert buf is None or not buf.any()
     comp.remove()
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_o2k_under_torch_grad_scaler_with_a_fused_optimizer_is_refused(opt_class):
+    """``initialize(..., "O2K")`` then ``torch.amp.GradScaler`` with a fused optimizer: the
+    scaler hands the grads over still scaled (pre-existing: the bf16 weights took SGD
+    steps 1024 times too large). A StateError before anything changes; ampkit's own
+    ``GradScaler`` with the same optimizer trains."""
+    import ampkit as amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    opt = opt_class(model.parameters(), lr=1e-2, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2K")
+    x = torch.randn(4, 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StateError, match="torch.amp.GradScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert (amp.stats(opt).steps, amp.stats(opt).skipped) == (0, 0) and not any(opt.state.values())
+    opt.zero_grad()
+    ours = amp.GradScaler("cpu", init_scale=1024.0)
+    ours.scale(model(x).float().pow(2).mean()).backward()
+    ours.step(opt)
+    ours.update()
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
