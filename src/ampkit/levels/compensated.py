@@ -681,7 +681,8 @@ def _refuse_scaled_handoff(optimizer: torch.optim.Optimizer) -> None:
             "compensated 16-bit updates cannot take. Nothing was changed. Use ampkit's "
             "loss scaling (ampkit.scale_loss after ampkit.initialize or "
             "ampkit.init_trainer; ampkit.GradScaler has torch.amp.GradScaler's interface), "
-            "or a non-fused optimizer with the scaler (it unscales the grads before step())."
+            "or a non-fused optimizer with the scaler (it unscales the grads before step()); "
+            "under `ampkit run`, another level or the script's scaler off (enabled=False)."
         )
 
 
