@@ -382,7 +382,7 @@ class ManagedOptimizer:
         if self._kernel_hook is not None and len(opt.param_groups) != self._kernel_groups:
             self._choose_kernels(opt)
         if self.grad_path.masters is not None:
-            refuse_unseen_torch_unscale(self.grad_path)
+            refuse_unseen_torch_unscale(self.grad_path, opt)
         # The optimizer's own step hooks keep torch's contract around ampkit's work:
         # pre-hooks run first, on every call as torch runs them, before anything is
         # checked or updated -- what they do to the grads (on the model or the

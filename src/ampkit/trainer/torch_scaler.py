@@ -17,17 +17,21 @@ if TYPE_CHECKING:
 __all__ = ["refuse_unseen_torch_unscale"]
 
 
-def refuse_unseen_torch_unscale(grad_path: GradPath) -> None:
+def refuse_unseen_torch_unscale(grad_path: GradPath, optimizer: torch.optim.Optimizer) -> None:
     """O2: raise, before anything changes, when ``torch.amp.GradScaler.step`` calls
-    this step after unscaling the masters' grads where ampkit could not see it (its
-    fused kernel leaves version counters alone; ``ampkit run`` tells ampkit, a
-    script's own ``initialize`` cannot): the model's grads would still show the
-    scaled values and the step would take them for an edit."""
+    this step (of ``optimizer``) after unscaling the masters' grads where ampkit could
+    not see it (its fused kernel leaves version counters alone; ``ampkit run`` tells
+    ampkit, a script's own ``initialize`` cannot): the model's grads would still show
+    the scaled values and the step would take them for an edit. The scale and flag the
+    scaler hands a fused optimizer for this one call are taken off it first (the raise
+    skips the scaler's own removal: they would reach every later step's fused kernel)."""
     if grad_path.take_followed():
         return
     scaler = _torch_scaler_stepping()
     if scaler is None or not scaler.is_enabled():
         return
+    optimizer.__dict__.pop("grad_scale", None)
+    optimizer.__dict__.pop("found_inf", None)
     raise StateError(
         "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
         "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "

@@ -665,19 +665,34 @@ def test_torch_grad_scaler_with_a_fused_optimizer_is_refused_before_anything_cha
     comp.remove()
 
 
+@pytest.mark.parametrize("level", ["O2", "O2K"])
 @pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
-def test_o2k_under_torch_grad_scaler_with_a_fused_optimizer_is_refused(opt_class):
-    """``initialize(..., "O2K")`` then ``torch.amp.GradScaler`` with a fused optimizer: the
-    scaler hands the grads over still scaled (pre-existing: the bf16 weights took SGD
-    steps 1024 times too large). A StateError before anything changes; ampkit's own
-    ``GradScaler`` with the same optimizer trains."""
+def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(opt_class, level):
+    """``initialize`` then ``torch.amp.GradScaler`` with a fused optimizer: the scaler
+    hands the grads over still scaled (pre-existing at O2K: the bf16 weights took SGD
+    steps 1024 times too large; O2 refused already). A StateError before anything
+    changes, and the scale and flag the scaler set for that call are not left on the
+    optimizer (they would reach every later fused step: the fp32 norms' grads divided by
+    1024); ampkit's own ``GradScaler`` then trains as on a fresh optimizer."""
     import ampkit as amp
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-    opt = opt_class(model.parameters(), lr=1e-2, fused=True)
-    model, opt = amp.initialize(model, opt, opt_level="O2K")
+    def make():
+        amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+        opt = opt_class(model.parameters(), lr=1e-2, fused=True)
+        return amp.initialize(model, opt, opt_level=level)
+
+    def ours(model, opt, x):
+        scaler = amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return [p.detach().clone() for p in model.parameters()]
+
     x = torch.randn(4, 8)
+    want = ours(*make(), x)
+    model, opt = make()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(model(x).float().pow(2).mean()).backward()
     before = [p.detach().clone() for p in model.parameters()]
@@ -685,9 +700,6 @@ def test_o2k_under_torch_grad_scaler_with_a_fused_optimizer_is_refused(opt_class
         scaler.step(opt)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert (amp.stats(opt).steps, amp.stats(opt).skipped) == (0, 0) and not any(opt.state.values())
+    assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
     opt.zero_grad()
-    ours = amp.GradScaler("cpu", init_scale=1024.0)
-    ours.scale(model(x).float().pow(2).mean()).backward()
-    ours.step(opt)
-    ours.update()
-    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(ours(model, opt, x), want))
