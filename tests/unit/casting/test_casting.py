@@ -867,9 +867,8 @@ def test_reset_leaves_no_global_optimizer_hook():
 
 def test_scopes_given_a_dtype_alone_share_one_policy():
     """A scope entered every step with ``dtype=`` alone builds no policy of its own (its
-    resolution is then found, not redone: 58 -> 9 us an entry and exit on the tiny
-    benchmark's machine); the shared policy is the one ``Policy(dtype=...)`` makes, and
-    each dtype has its own."""
+    resolution is then found, not redone); the shared policy is the one
+    ``Policy(dtype=...)`` makes, and each dtype has its own."""
     a, b = amp.autocast(device_type="cpu", dtype=torch.bfloat16), amp.autocast(device_type="cpu", dtype=torch.bfloat16)
     assert a.policy is b.policy and a.policy == amp.Policy(dtype=torch.bfloat16)
     half = amp.autocast(device_type="cpu", dtype=torch.float16).policy
