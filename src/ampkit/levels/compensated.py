@@ -264,9 +264,13 @@ class CompensatedUpdates:
             yield chunk
 
     def _pre_step_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        skip = None
         if not self._inside:
             _refuse_scaled_handoff(optimizer)
-        self._pre_step(optimizer, args, kwargs)  # (a step pre-hook returns None: arguments unchanged)
+            # torch.amp.GradScaler after its unscale_: the grads are real and its inf flag
+            # goes to the fused kernel (it calls step() on a skipped step too): ours take it
+            skip = optimizer.__dict__.get("found_inf")
+        self._pre_step(optimizer, args, kwargs, skip=skip)  # (a step pre-hook returns None: arguments unchanged)
 
     def _pre_step(
         self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, skip: torch.Tensor | None = None,
@@ -667,18 +671,20 @@ def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
 
 def _refuse_scaled_handoff(optimizer: torch.optim.Optimizer) -> None:
     """Raise, before anything changes, where ``torch.amp.GradScaler.step`` hands a fused
-    optimizer its scale and inf flag to apply inside torch's kernel (the grads still
-    scaled): the compensated 16-bit updates would step with the scaled grads, on skipped
-    steps too."""
-    if "found_inf" in optimizer.__dict__ or "grad_scale" in optimizer.__dict__:
+    optimizer its scale to apply inside torch's kernel (the grads still scaled: no
+    ``unscale_`` before ``step``): the compensated 16-bit updates would step with the
+    scaled grads. After ``unscale_`` the scaler hands the flag alone (``grad_scale`` None),
+    which is fine."""
+    if optimizer.__dict__.get("grad_scale") is not None:
         # the scaler sets them for this one call and removes them after it, which a raise
         # skips: left on the optimizer they would reach every later step's fused kernel
         optimizer.__dict__.pop("found_inf", None)
         optimizer.__dict__.pop("grad_scale", None)
         raise StateError(
-            "compensated updates (O2K) on a fused optimizer stepped by torch.amp.GradScaler: "
-            "the scaler leaves the grads scaled for torch's fused kernel, which the "
-            "compensated 16-bit updates cannot take. Nothing was changed. Use ampkit's "
+            "compensated updates (O2K) on a fused optimizer stepped by torch.amp.GradScaler "
+            "without its unscale_: the scaler leaves the grads scaled for torch's fused kernel, "
+            "which the compensated 16-bit updates cannot take. Nothing was changed. Call "
+            "scaler.unscale_(optimizer) before scaler.step(optimizer), or use ampkit's "
             "loss scaling (ampkit.scale_loss after ampkit.initialize or "
             "ampkit.init_trainer; ampkit.GradScaler has torch.amp.GradScaler's interface), "
             "or a non-fused optimizer with the scaler (it unscales the grads before step()); "

@@ -703,3 +703,51 @@ def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(o
     assert "grad_scale" not in opt.__dict__ and "found_inf" not in opt.__dict__
     opt.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(ours(model, opt, x), want))
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_torch_grad_scaler_after_its_unscale_trains_and_skips(managed):
+    """``scaler.unscale_(opt)``, clipping, ``scaler.step(opt)`` with a fused optimizer (the
+    migration guide's loop): the scaler hands the inf flag alone, the grads real. A step
+    with an inf grad leaves every weight, the optimizer state and the compensation as
+    they were (pre-existing, on an optimizer ampkit does not manage: the dedicated
+    kernels stepped the bf16 weights with the inf grads); the others train."""
+    import ampkit as amp
+
+    amp.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if managed:
+        model, opt = amp.initialize(model, opt, opt_level="O2K")
+    else:
+        model[0].to(torch.bfloat16)
+        model[2].to(torch.bfloat16)
+        comp = CompensatedUpdates(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    low = [model[0].weight, model[2].weight]
+    for i in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        h = model[0](x.to(torch.bfloat16)).float()
+        scaler.scale(model[2](model[1](h).to(torch.bfloat16)).float().pow(2).mean()).backward()
+        if i == 2:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+        buffers = [comp.buffer(p).clone() for p in low] if not managed and i == 2 else []
+        scaler.step(opt)
+        scaler.update()
+        same = [torch.equal(b, p) for b, p in zip(before, model.parameters())]
+        if i == 2:
+            assert all(same), same
+            assert all(torch.equal(v, s[k]) for s, t in zip(state, opt.state.values()) for k, v in t.items())
+            assert all(torch.equal(b, comp.buffer(p)) for b, p in zip(buffers, low))
+            assert scaler.get_scale() == 512.0
+        else:
+            assert not any(same), (i, same)
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        opt.zero_grad()
+    if not managed:
+        comp.remove()
