@@ -553,6 +553,24 @@ def test_no_cpp_compiler_is_said_once(tmp_path):
     assert out.stderr.count("finds no C++ compiler") == 1, out.stderr
 
 
+def _norm_model(setup: str, opt_class: type = torch.optim.AdamW, fused: bool = True):
+    """A Linear, an fp32 LayerNorm, a Linear (seed 0) and an optimizer (lr 1e-2), set up
+    by ``initialize`` at ``setup`` ("O2", "O2K"), or with ``CompensatedUpdates`` on the
+    plain optimizer ("hooks": the Linears cast to bf16). Returns (model, optimizer, the
+    CompensatedUpdates or None)."""
+    import ampkit as amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
+    opt = opt_class(model.parameters(), lr=1e-2, fused=fused)
+    if setup != "hooks":
+        model, opt = amp.initialize(model, opt, opt_level=setup)
+        return model, opt, None
+    model[0].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    return model, opt, CompensatedUpdates(opt)
+
+
 def _global_step_hook_calls(of: torch.optim.Optimizer) -> tuple[list[str], list]:
     """torch's process-wide optimizer step hooks, recording their calls for ``of``."""
     from torch.optim.optimizer import (
@@ -576,15 +594,7 @@ def test_the_fp32_rest_is_stepped_once_by_the_step_the_user_called(managed):
     pre-hook, where a failure puts every grad back (no post-hook runs after a raise)."""
     import ampkit as amp
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    if managed:
-        model, opt = amp.initialize(model, opt, opt_level="O2K")
-    else:
-        model[0].to(torch.bfloat16)
-        model[2].to(torch.bfloat16)
-        comp = CompensatedUpdates(opt)
+    model, opt, comp = _norm_model("O2K" if managed else "hooks")
     norm = [model[1].weight, model[1].bias]
     ref = [nn.Parameter(p.detach().clone()) for p in norm]
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, fused=True)
@@ -620,12 +630,7 @@ def test_the_fp32_rest_is_stepped_once_by_the_step_the_user_called(managed):
 def test_a_step_that_raises_after_the_compensated_part_keeps_every_grad():
     """An optimizer ampkit does not manage: a step pre-hook registered after
     ``CompensatedUpdates`` raises; every grad is on its parameter afterwards."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-    model[0].to(torch.bfloat16)
-    model[2].to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    comp = CompensatedUpdates(opt)
+    model, opt, comp = _norm_model("hooks", fused=False)
 
     def guard(o, a, k):
         raise RuntimeError("refusing this step")
@@ -644,12 +649,7 @@ def test_torch_grad_scaler_with_a_fused_optimizer_is_refused_before_anything_cha
     """torch.amp.GradScaler hands a fused optimizer its grads still scaled (with the flag
     and scale for the fused kernel): the compensated bf16 updates would step with them.
     Refused with an AmpError; weights, grads, state and the scaler's scale unchanged."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-    model[0].to(torch.bfloat16)
-    model[2].to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    comp = CompensatedUpdates(opt)
+    model, opt, comp = _norm_model("hooks")
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     h = model[0](torch.randn(4, 8).to(torch.bfloat16)).float()
     scaler.scale(model[2](model[1](h).to(torch.bfloat16)).float().pow(2).mean()).backward()
@@ -678,10 +678,7 @@ def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(o
 
     def make():
         amp.reset()
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-        opt = opt_class(model.parameters(), lr=1e-2, fused=True)
-        return amp.initialize(model, opt, opt_level=level)
+        return _norm_model(level, opt_class)[:2]
 
     def ours(model, opt, x):
         scaler = amp.GradScaler("cpu", init_scale=1024.0)
@@ -715,15 +712,7 @@ def test_torch_grad_scaler_after_its_unscale_trains_and_skips(managed):
     import ampkit as amp
 
     amp.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    if managed:
-        model, opt = amp.initialize(model, opt, opt_level="O2K")
-    else:
-        model[0].to(torch.bfloat16)
-        model[2].to(torch.bfloat16)
-        comp = CompensatedUpdates(opt)
+    model, opt, comp = _norm_model("O2K" if managed else "hooks")
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     low = [model[0].weight, model[2].weight]
     for i in range(4):
