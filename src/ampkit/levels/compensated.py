@@ -49,6 +49,7 @@ from ampkit.trainer.optimizer_rules import (
     rule_for,
     zeros_tiled,
 )
+from ampkit.trainer.torch_scaler import refuse_scaled_handoff
 
 from . import one_pass
 from . import update_kernels as _kernels
@@ -266,7 +267,7 @@ class CompensatedUpdates:
     def _pre_step_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         skip = None
         if not self._inside:
-            _refuse_scaled_handoff(optimizer)
+            refuse_scaled_handoff(optimizer)
             # torch.amp.GradScaler after its unscale_: the grads are real and its inf flag
             # goes to the fused kernel (it calls step() on a skipped step too): ours take it
             skip = optimizer.__dict__.get("found_inf")
@@ -669,29 +670,6 @@ def _checked_generator_state(state: Any, device: str) -> torch.Tensor:
     return state
 
 
-def _refuse_scaled_handoff(optimizer: torch.optim.Optimizer) -> None:
-    """Raise, before anything changes, where ``torch.amp.GradScaler.step`` hands a fused
-    optimizer its scale to apply inside torch's kernel (the grads still scaled: no
-    ``unscale_`` before ``step``): the compensated 16-bit updates would step with the
-    scaled grads. After ``unscale_`` the scaler hands the flag alone (``grad_scale`` None),
-    which is fine."""
-    if optimizer.__dict__.get("grad_scale") is not None:
-        # the scaler sets them for this one call and removes them after it, which a raise
-        # skips: left on the optimizer they would reach every later step's fused kernel
-        optimizer.__dict__.pop("found_inf", None)
-        optimizer.__dict__.pop("grad_scale", None)
-        raise StateError(
-            "compensated updates (O2K) on a fused optimizer stepped by torch.amp.GradScaler "
-            "without its unscale_: the scaler leaves the grads scaled for torch's fused kernel, "
-            "which the compensated 16-bit updates cannot take. Nothing was changed. Call "
-            "scaler.unscale_(optimizer) before scaler.step(optimizer), or use ampkit's "
-            "loss scaling (ampkit.scale_loss after ampkit.initialize or "
-            "ampkit.init_trainer; ampkit.GradScaler has torch.amp.GradScaler's interface), "
-            "or a non-fused optimizer with the scaler (it unscales the grads before step()); "
-            "under `ampkit run`, another level or the script's scaler off (enabled=False)."
-        )
-
-
 def _buffer_fits(buf: torch.Tensor | None, like: torch.Tensor) -> bool:
     """Whether ``buf`` is a compensation buffer for a parameter shaped as ``like``: made,
     of its shape and dtype (else one is made anew: zeros)."""
@@ -720,6 +698,8 @@ class _CompensatedStep(StepExtension):
     counters the kernels advanced are settled once the outcome is known. The generic
     path (fp32 copies rounded back) keeps the step decided on the host."""
 
+    steps_grads_itself = True  # the dedicated kernels read the 16-bit grads
+
     def __init__(self, comp: CompensatedUpdates) -> None:
         self.comp = comp
         self._managed: Any = lambda: None
@@ -746,10 +726,6 @@ class _CompensatedStep(StepExtension):
 
     def own_groups(self) -> set[int]:
         return self._own
-
-    def before_check(self) -> None:
-        # (before ampkit's own device skip hands the optimizer a flag: one there now is torch's)
-        _refuse_scaled_handoff(self.comp.optimizer)
 
     def before_update(self, args: tuple, kwargs: dict) -> None:
         opt = self.comp.optimizer

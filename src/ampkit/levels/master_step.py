@@ -50,6 +50,7 @@ class MasterStep(StepExtension):
     settled when the outcome is known."""
 
     state_name = "master_weights"
+    steps_grads_itself = True  # the one-pass kernels read the model's grads
 
     def __init__(self, masters: MasterWeights, models: list[nn.Module]) -> None:
         self.masters = masters

@@ -79,6 +79,11 @@ class StepExtension:
     #: ``scale_loss`` or ``step()`` at the latest). False (the default) keeps every step
     #: of its optimizers decided on the host.
     device_skip: bool = False
+    #: True: this extension's kernels read the grads the optimizer's own step would (O2's
+    #: one-pass update, O2K's compensated update), so a scale handed to the optimizer for
+    #: torch's fused kernel to apply (``torch.amp.GradScaler.step`` without ``unscale_``)
+    #: would not reach them: such a step is refused before anything changes. Default: False.
+    steps_grads_itself: bool = False
 
     def own_groups(self) -> set[int]:
         """On a step about to be decided on the device (asked right after

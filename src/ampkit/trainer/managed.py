@@ -28,7 +28,7 @@ from .schedulers import mark_step_called
 from .session import ExtraRegister, ExtraState, require_keys
 from .stats import StepStats
 from .step_grads import StepGrads, StepStage
-from .torch_scaler import refuse_unseen_torch_unscale
+from .torch_scaler import refuse_scaled_handoff, refuse_unseen_torch_unscale
 
 __all__ = [
     "ManagedOptimizer",
@@ -383,6 +383,8 @@ class ManagedOptimizer:
             self._choose_kernels(opt)
         if self.grad_path.masters is not None:
             refuse_unseen_torch_unscale(self.grad_path, opt)
+        if "grad_scale" in opt.__dict__ and any(ext.steps_grads_itself for ext in self._extensions):
+            refuse_scaled_handoff(opt)  # torch's GradScaler without unscale_: the grads still scaled
         # The optimizer's own step hooks keep torch's contract around ampkit's work:
         # pre-hooks run first, on every call as torch runs them, before anything is
         # checked or updated -- what they do to the grads (on the model or the

@@ -14,7 +14,7 @@ from ampkit.errors import StateError
 if TYPE_CHECKING:
     from .grad_hooks import GradPath
 
-__all__ = ["refuse_unseen_torch_unscale"]
+__all__ = ["refuse_unseen_torch_unscale", "refuse_scaled_handoff"]
 
 
 def refuse_unseen_torch_unscale(grad_path: GradPath, optimizer: torch.optim.Optimizer) -> None:
@@ -30,9 +30,8 @@ def refuse_unseen_torch_unscale(grad_path: GradPath, optimizer: torch.optim.Opti
     scaler = _torch_scaler_stepping()
     if scaler is None or not scaler.is_enabled():
         return
-    optimizer.__dict__.pop("grad_scale", None)
-    optimizer.__dict__.pop("found_inf", None)
-    raise StateError(
+    raise _refusal(
+        optimizer,
         "torch.amp.GradScaler.step() called the step of an optimizer with fp32 master "
         "weights (O2): its unscale_ changed the masters' grads where ampkit cannot see "
         "it, so the model's grads (what clip_grad_norm_(model.parameters()) reads) "
@@ -55,3 +54,37 @@ def _torch_scaler_stepping() -> Any:
             return frame.f_locals.get("self")
         frame = frame.f_back
     return None
+
+
+def refuse_scaled_handoff(optimizer: torch.optim.Optimizer) -> None:
+    """Raise, before anything changes, where ``torch.amp.GradScaler.step`` hands a fused
+    ``optimizer`` its scale for torch's kernel to apply (the grads still scaled: no
+    ``unscale_`` before ``step``) while kernels of ampkit's read the same grads (O2K's
+    compensated updates; :attr:`StepExtension.steps_grads_itself
+    <ampkit.trainer.extensions.StepExtension.steps_grads_itself>`): they would step with
+    the scaled grads. After ``unscale_`` the scaler hands its inf flag alone
+    (``grad_scale`` None), which is fine. The scale and flag, set for this one call, are
+    taken off the optimizer first (the raise skips the scaler's own removal: they would
+    reach every later step's fused kernel)."""
+    if optimizer.__dict__.get("grad_scale") is None:
+        return
+    raise _refusal(
+        optimizer,
+        "compensated updates (O2K) on a fused optimizer stepped by torch.amp.GradScaler "
+        "without its unscale_: the scaler leaves the grads scaled for torch's fused kernel, "
+        "which the compensated 16-bit updates cannot take. Nothing was changed. Call "
+        "scaler.unscale_(optimizer) before scaler.step(optimizer), or use ampkit's loss "
+        "scaling (ampkit.scale_loss after ampkit.initialize or ampkit.init_trainer; "
+        "ampkit.GradScaler has torch.amp.GradScaler's interface), or a non-fused optimizer "
+        "with the scaler (it unscales the grads before step()); under `ampkit run`, another "
+        "level or the script's scaler off (enabled=False)."
+    )
+
+
+def _refusal(optimizer: torch.optim.Optimizer, message: str) -> StateError:
+    """The error refusing a step handed over by ``torch.amp.GradScaler.step``, after taking
+    off ``optimizer`` the scale and flag the scaler set for this one call (the raise skips
+    the scaler's own removal: they would reach every later step's fused kernel)."""
+    optimizer.__dict__.pop("grad_scale", None)
+    optimizer.__dict__.pop("found_inf", None)
+    return StateError(message)

@@ -665,15 +665,19 @@ def test_torch_grad_scaler_with_a_fused_optimizer_is_refused_before_anything_cha
     comp.remove()
 
 
+@pytest.mark.parametrize("ampkit_unscale_first", [False, True])
 @pytest.mark.parametrize("level", ["O2", "O2K"])
 @pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
-def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(opt_class, level):
+def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(opt_class, level,
+                                                                               ampkit_unscale_first):
     """``initialize`` then ``torch.amp.GradScaler`` with a fused optimizer: the scaler
     hands the grads over still scaled (pre-existing at O2K: the bf16 weights took SGD
     steps 1024 times too large; O2 refused already). A StateError before anything
     changes, and the scale and flag the scaler set for that call are not left on the
     optimizer (they would reach every later fused step: the fp32 norms' grads divided by
-    1024); ampkit's own ``GradScaler`` then trains as on a fresh optimizer."""
+    1024); ampkit's own ``GradScaler`` then trains as on a fresh optimizer. Also where
+    ``ampkit.unscale(opt)`` ran first (before clipping: the step's own checks are done
+    by then, and O2K's refusal, made there, was skipped)."""
     import ampkit as amp
 
     def make():
@@ -692,6 +696,8 @@ def test_o2_and_o2k_under_torch_grad_scaler_with_a_fused_optimizer_are_refused(o
     model, opt = make()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(model(x).float().pow(2).mean()).backward()
+    if ampkit_unscale_first:
+        amp.unscale(opt)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(StateError, match="torch.amp.GradScaler"):
         scaler.step(opt)
