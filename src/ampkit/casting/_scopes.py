@@ -49,7 +49,6 @@ def _default_policy(dtype: torch.dtype) -> Policy:
     return policy
 
 
-
 def _warn_fp16_cpu() -> None:
     global _warned_fp16_cpu
     if not _warned_fp16_cpu:

@@ -137,7 +137,8 @@ def unrounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
 def _differing_bits(lows: list[torch.Tensor], highs: list[torch.Tensor], dtype: torch.dtype) -> list[int]:
     """Positions where 2-byte ``lows[i]`` (of ``dtype``, on the CPU) is not bit for bit
     ``highs[i]`` rounded to ``dtype``: both sides copied (rounded) into flat buffers of
-    ``dtype`` (:func:`_compare_buffers`), compared as 16-bit integers. A position listed
+    ``dtype`` (:func:`_compare_buffers`), compared bit for bit (as 64-bit words; where
+    they differ, as 16-bit integers to find which tensors). A position listed
     may still round to it (``-0.0`` against ``0.0``): the caller confirms with
     :func:`rounds_to`; NaNs of the same bits count as equal here and get no copy."""
     (low_buf, low_views), (high_buf, high_views), ends = _compare_buffers(lows, dtype)
