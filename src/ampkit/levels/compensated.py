@@ -303,12 +303,8 @@ class CompensatedUpdates:
         chunks = list(self._chunks(low)) or [[]]
         chunks[0] = fp32_first + chunks[0]
         self._inside = True
-        counts: list[StepCounts] = []
         try:
-            for group, rule, params in dedicated:
-                c = self._step_dedicated(optimizer, group, rule, params, skip)
-                if c is not None:
-                    counts.append(c)
+            counts = self._step_all_dedicated(optimizer, dedicated, skip)
             for chunk in chunks:
                 if chunk:
                     self._step_chunk(optimizer, chunk, pending, every)
@@ -334,13 +330,9 @@ class CompensatedUpdates:
         rest keeps its grads for the step the user called, which updates it as it would
         have alone (with the same found-inf flag, on a step skipped on the device). Not on
         torch's step hooks: no post-hook runs after a step that raised."""
-        counts: list[StepCounts] = []
         self._inside = True
         try:
-            for group, rule, params in dedicated:
-                c = self._step_dedicated(optimizer, group, rule, params, skip)
-                if c is not None:
-                    counts.append(c)
+            counts = self._step_all_dedicated(optimizer, dedicated, skip)
         finally:
             self._inside = False
         aside = [(p, p.grad) for _, _, params in dedicated for p in params]
@@ -350,6 +342,19 @@ class CompensatedUpdates:
         return counts
 
     # -- dedicated updates ----------------------------------------------------------
+
+    def _step_all_dedicated(
+        self, optimizer: torch.optim.Optimizer, dedicated: list[tuple[dict, OptimizerRule, list[nn.Parameter]]],
+        skip: torch.Tensor | None,
+    ) -> list[StepCounts]:
+        """:meth:`_step_dedicated` of each ``(group, rule, params)`` of ``dedicated``
+        (:meth:`_plan`'s); the step counters to settle."""
+        counts = []
+        for group, rule, params in dedicated:
+            c = self._step_dedicated(optimizer, group, rule, params, skip)
+            if c is not None:
+                counts.append(c)
+        return counts
 
     def _plan(self, optimizer: torch.optim.Optimizer) -> list[tuple[dict, OptimizerRule, list[nn.Parameter]]]:
         """(group, rule, params) for the parameters a dedicated update steps; the rest
