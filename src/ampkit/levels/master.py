@@ -44,6 +44,7 @@ from ampkit._internal.validate import (
 from ampkit.errors import AmpError, StateError
 
 from .grad_mirror import GradMirror
+from .grad_route import GradRoute
 from .rounding import compared_ahead, unrounded
 
 __all__ = ["MasterWeights", "MODEL_GRADS", "MASTER_GRADS"]
@@ -136,6 +137,9 @@ class MasterWeights:
         self._published: dict[int, int] = {}  # id(master) -> its version when last published
         #: the model's 16-bit grads and the masters' fp32 grads, one gradient
         self.grads = GradMirror(self._masters, self._model_of, self._pairs, model_grads, master_grads)
+        #: what the gradient route of a managed optimizer drives (a
+        #: :class:`~ampkit.trainer.master_grads.MasterGrads`; ampkit's own)
+        self.route = GradRoute(self)
         if params is None:
             wanted = None
         else:
@@ -340,13 +344,13 @@ class MasterWeights:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def materialize(self) -> None:
-        """Give every held grad its fp32 copy on the master (:meth:`GradMirror.materialize
-        <ampkit.levels.grad_mirror.GradMirror.materialize>`)."""
+        """Give every held grad its fp32 copy on the master (the exact widening of the
+        model's 16-bit grad, with any edits made to it since)."""
         self.grads.materialize()
 
     def held(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(master, model parameter)`` for every held grad (:meth:`GradMirror.held
-        <ampkit.levels.grad_mirror.GradMirror.held>`)."""
+        """``(master, model parameter)`` for every held grad (the model's 16-bit grad is
+        the gradient; the master's ``.grad`` is a placeholder), in ``param_groups`` order."""
         return self.grads.held()
 
     def is_placeholder(self, master: torch.Tensor) -> bool:

@@ -67,7 +67,7 @@ class MasterStep(StepExtension):
         # backward accumulates into the model's parameters, which the masters stand for;
         # the gradient path routes their grads into the masters' (grad_hooks)
         optimizer.backward_params = self.masters.backward_params()
-        optimizer.grad_path.set_masters(self.masters, self.models)
+        optimizer.grad_path.set_masters(self.masters.route, self.models)
         self._managed = weakref.ref(optimizer)
         # parameters added since (add_param_group) get their masters before torch's
         # load_state_dict casts the saved state to the dtype of the parameters it finds:

@@ -22,13 +22,14 @@ pass per (device, dtype); accumulation pays one more pass per micro-batch and ge
 gradients between micro-batches. Under DDP's ``no_sync`` the local sums stay in
 ``p.grad`` as DDP requires.
 
-**Parameters with an fp32 master** (O2, :class:`ampkit.levels.master.MasterWeights`): the
+**Parameters with an fp32 master** (O2; the masters plug in as a
+:class:`~ampkit.trainer.master_grads.MasterGrads`, the only calls made to them): the
 post-accumulate hook notes each 16-bit gradient as pending; when the pass ends, all of
 them move into their masters' fp32 gradients (unscaled and checked in fp32) and are freed,
 in a few multi-tensor calls per device (:meth:`GradPath.take_pending`), and the model
 parameters get 16-bit copies to read and edit, merged back before the step. A gradient a
 later hook of the parameter reads moves at once; one that anything asks the masters for
-during the pass moves then (``GradMirror.before_read``); at most ``PENDING_BYTES`` wait. Under DDP
+during the pass moves then (``MasterGrads.on_read``); at most ``PENDING_BYTES`` wait. Under DDP
 (seen by a forward pre-hook on the model) the 16-bit gradients stay in ``p.grad`` until
 DDP has reduced them, and move into the masters after the synchronized backward.
 
@@ -58,10 +59,9 @@ from ampkit.errors import AmpError, StateError
 from ampkit.scaling.loss_scaler import group_grads
 
 from .fused_step import unscale_and_flag
+from .master_grads import MasterGrads
 
 if TYPE_CHECKING:
-    from ampkit.levels.master import MasterWeights
-
     from .managed import ManagedOptimizer
 
 __all__ = ["GradPath", "WatchDDP", "watch_ddp", "no_masters_guard"]
@@ -108,14 +108,14 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 # forward with grad enabled (True), will not (``no_sync``: False); absent: not under DDP.
 # Module state: DDP models are process-wide objects (weak keys: no model kept alive).
 _DDP_SYNC: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-# model -> the MasterWeights whose masters it holds (weakly). Module state, like
+# model -> the MasterGrads of the masters it holds (weakly). Module state, like
 # _DDP_SYNC: the model's forward hook finds its masters here (weak keys).
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.WeakKeyDictionary()
 
 
 class WatchDDP:
     """Forward pre-hook of a model set up with fp32 masters: rounds into the model the
-    masters changed since the last step (see ``MasterWeights.publish_changed``) and
+    masters changed since the last step (``MasterGrads.before_forward``) and
     records whether the call runs inside ``DistributedDataParallel`` and whether DDP
     will reduce its grads. A plain, stateless object, so the model pickles and
     deep-copies (a copy is not watched: the registry is keyed by the module)."""
@@ -138,8 +138,7 @@ class WatchDDP:
         for ref in masters:
             mw = ref()
             if mw is not None:
-                mw.publish_changed()
-                mw.grads.drop_stale_views()
+                mw.before_forward()
         if not torch.is_grad_enabled():
             return
         ddp = torch_compat.active_ddp_module()
@@ -159,7 +158,7 @@ torch_compat.mark_trace_constant(_watch_traced_alone)
 _watch_outside_dynamo = torch_compat.run_outside_dynamo(lambda hook, module: hook._watch(module))
 
 
-def watch_ddp(model: nn.Module, masters: MasterWeights) -> None:
+def watch_ddp(model: nn.Module, masters: MasterGrads) -> None:
     """Install :class:`WatchDDP` on ``model`` (once) for ``masters``."""
     refs = _WATCHED.setdefault(model, [])
     refs[:] = [r for r in refs if r() is not None and r() is not masters] + [weakref.ref(masters)]
@@ -242,7 +241,7 @@ class GradPath:
 
     def __init__(self, state: ManagedOptimizer) -> None:
         self._state = weakref.ref(state)
-        self.masters: MasterWeights | None = None
+        self.masters: MasterGrads | None = None
         self._params: dict[int, _Param] = {}  # id(backward param) -> record
         # ids of parameters left without hooks: FSDP2's sharded DTensor parameters (FSDP
         # assigns their grads, no accumulator runs); the step unscales their grads.
@@ -266,7 +265,7 @@ class GradPath:
         self._frozen: list[torch.Tensor] = []
 
     # -- setup ------------------------------------------------------------------------
-    def set_masters(self, masters: MasterWeights, models: list[nn.Module]) -> None:
+    def set_masters(self, masters: MasterGrads, models: list[nn.Module]) -> None:
         """Route gradients of mastered parameters into ``masters`` (O2)."""
         self.masters = masters
         me = weakref.ref(self)
@@ -276,7 +275,7 @@ class GradPath:
             if path is not None:
                 path.take_pending()
 
-        masters.grads.before_read = before_read
+        masters.on_read(before_read)
         for model in models:
             ref = weakref.ref(model)
             for p in model.parameters():
@@ -289,7 +288,7 @@ class GradPath:
         ``master_grads="on_demand"``): the step checks and reads these."""
         if self.masters is None:
             return []
-        return [model_p for _, model_p in self.masters.grads.held()]
+        return self.masters.held()
 
     def _reinstall(self) -> None:
         for rec in list(self._params.values()):
@@ -339,7 +338,7 @@ class GradPath:
                 "only be unscaled once. Give each parameter to one optimizer."
             )
         rec = self._params[id(param)] = _Param(param, stepped, self._model_of.get(id(param)))
-        rec.holds = rec.master is not None and self.masters is not None and self.masters.grads.may_hold(param)
+        rec.holds = rec.master is not None and self.masters is not None and self.masters.may_hold(param)
         _OWNER[id(param)] = weakref.ref(self)
         if self._armed:
             self._attach(rec)
@@ -399,7 +398,7 @@ class GradPath:
             return
         self.finish(absorb_raw=True)
         if self.masters is not None:
-            self.masters.grads.materialize()  # no hooks from now on: the masters hold the grads
+            self.masters.materialize()  # no hooks from now on: the masters hold the grads
         self._active = False
         for rec in self._params.values():
             self._unhook(rec)
@@ -446,14 +445,14 @@ class GradPath:
         assert mw is not None
         if rec.scale is not None:  # 16-bit grads held for DDP, still scaled
             loss_id, scale = self._current()
-            if not mw.grads.settle_raw(p):
+            if not mw.before_accumulate(p, raw=True):
                 rec.scale = None
             elif scale != rec.scale:
                 with torch.no_grad():
                     p.grad.mul_(scale / rec.scale)
                 rec.scale, rec.loss_id = scale, loss_id
             return
-        mw.grads.settle(p)
+        mw.before_accumulate(p, raw=False)
 
     def _after_accumulate(self, rec: _Param) -> None:
         task = _task()
@@ -478,11 +477,11 @@ class GradPath:
                     if self._pending_bytes > PENDING_BYTES:
                         self.take_pending()
                 return
-            if not self.masters.grads.absorb(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
+            if not self.masters.take_in(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
                 self._mark_checked(rec.stepped, loss_id)
             # else: held on the model or a view of the master's grad, checked by the step
             if len(rec.hooks) > 1:  # hooks after this one read p.grad: real, in 16 bits
-                self.masters.grads.show([rec.param])
+                self.masters.show([rec.param])
             return
         if scale != 1.0:
             if len(rec.hooks) > 1 and _ddp_sync_of(rec.model) is None:  # hooks after this one read it
@@ -541,7 +540,7 @@ class GradPath:
                     if not absorb_raw and _ddp_sync_of(rec.model) is False:
                         continue  # under no_sync: DDP reduces the whole sum later
                     assert self.masters is not None
-                    self.masters.grads.absorb(rec.param, self._unscaler(rec.loss_id, rec.scale))
+                    self.masters.take_in(rec.param, self._unscaler(rec.loss_id, rec.scale), keep=False)
                     self._mark_checked(rec.stepped, rec.loss_id)
                     rec.scale = None
                 shown.append(rec.param)
@@ -559,12 +558,12 @@ class GradPath:
             for r in recs:
                 r.scale = None
         if shown and self.masters is not None:
-            self.masters.grads.show(shown)
+            self.masters.show(shown)
 
     def take_pending(self) -> None:
         """Take in now the mastered grads the hooks left pending: for code that reads
         the masters' grads while a backward pass runs or after one that raised
-        (``GradMirror.before_read``), and when the pending 16-bit grads reach
+        (``MasterGrads.on_read``), and when the pending 16-bit grads reach
         ``PENDING_BYTES``."""
         recs = [rec for touched in self._open.values() for rec in touched if rec.pending is not None]
         if recs:
@@ -572,7 +571,7 @@ class GradPath:
 
     def _absorb_pending(self, recs: list[_Param]) -> None:
         """Move the 16-bit grads the hooks left pending into their masters, with the
-        result the hooks' :meth:`GradMirror.absorb` would have had: held on the model
+        result the hooks' :meth:`MasterGrads.take_in` would have had: held on the model
         (checked by the step) or widened into the master's grad, unscaled and checked."""
         assert self.masters is not None
         self._pending_bytes = 0
@@ -583,7 +582,7 @@ class GradPath:
             rec.pending = None
         for (loss_id, scale), group in by_loss.items():
             unscale = self._unscaler(loss_id, scale)
-            left = self.masters.grads.absorb_many([rec.param for rec in group], unscale, keep=scale == 1.0)
+            left = self.masters.take_in_many([rec.param for rec in group], unscale, keep=scale == 1.0)
             for rec, unchecked in zip(group, left):
                 if not unchecked:
                     self._mark_checked(rec.stepped, loss_id)
@@ -631,7 +630,7 @@ class GradPath:
         out = []
         for p in params:
             g = p.grad
-            if g is None or (masters is not None and masters.grads.is_placeholder(p)):
+            if g is None or (masters is not None and masters.is_placeholder(p)):
                 continue
             seen = self._checked.get(id(p))
             if seen is None:  # no check at backward vouches for it: read at every close
@@ -645,7 +644,7 @@ class GradPath:
         """Before the grads are checked (``unscale``/``step``): merge edits made through
         the model's 16-bit grads into the fp32 masters (O2)."""
         if self.masters is not None:
-            self.masters.grads.reconcile(self._mastered())
+            self.masters.reconcile(self._mastered())
 
     def before_zero_grad(self) -> None:
         """Before ``optimizer.zero_grad()`` (O2): the grads of a backward whose end was not
@@ -668,7 +667,7 @@ class GradPath:
                     rec.scale = rec.loss_id = None
                 else:
                     rec.param.grad.zero_()
-        self.masters.grads.after_zero_grad(self._mastered())
+        self.masters.after_zero_grad(self._mastered())
 
     def _mastered(self) -> list[nn.Parameter]:
         """The model parameters whose grads are shown from a master (not held for DDP)."""
@@ -680,14 +679,14 @@ class GradPath:
         masters, so the unscale acts on the grads the step will use."""
         self.finish(absorb_raw=True)
         if self.masters is not None:
-            self.masters.grads.materialize()  # it unscales the masters' grads
+            self.masters.materialize()  # it unscales the masters' grads
         self.reconcile()
 
     def after_outside_unscale(self) -> None:
         """After it: O2, the model's 16-bit grads show the unscaled masters' grads
-        (:meth:`ampkit.levels.grad_mirror.GradMirror.follow_masters`)."""
+        (:meth:`ampkit.trainer.master_grads.MasterGrads.follow`)."""
         if self.masters is not None:
-            self.masters.grads.follow_masters(self._mastered())
+            self.masters.follow(self._mastered())
         self._followed = True
 
     def take_followed(self) -> bool:
@@ -702,8 +701,7 @@ class GradPath:
         mw = self.masters
         self._stepping = True
         if mw is not None:
-            mw.grads.hide(self._mastered())
-            mw.sync_from_model()  # its per-tensor temporaries come after the copies are freed
+            mw.before_step(self._mastered())
 
     def after_step(self) -> None:
         """After the step: the model's params show their (fp32) grads again, as 16-bit
@@ -711,4 +709,4 @@ class GradPath:
         mw = self.masters
         self._stepping = False
         if mw is not None:
-            mw.grads.show(self._mastered())
+            mw.show(self._mastered())

@@ -507,7 +507,7 @@ class ManagedOptimizer:
             if masters is not None:
                 # The optimizer reads its (fp32 master) params' grads right after this
                 # call: held 16-bit grads (master_grads="on_demand") become fp32 ones now.
-                masters.grads.materialize()
+                masters.materialize()
             events, overflow = self._resolve_step()
             self._report(events)
             if overflow:
