@@ -107,6 +107,7 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         # fp32 module rule (casting off, the policy's module rules still on).
         self._intercept_all = False
         self._from_rule = False
+        self._module_hooks = True  # the global module hooks on while it is open (see open_scope)
         self._stacks: list[contextlib.ExitStack] = []
         if self.enabled and self.device_type == "cpu" and policy.dtype is torch.float16:
             _warn_fp16_cpu()
@@ -152,7 +153,8 @@ class autocast(contextlib.ContextDecorator):  # noqa: N801 - mirrors torch.autoc
         frame = self._make_frame(resolved)
         if resolved is not None:
             kernel_registry.ensure(self.device_type, resolved.intercepted)
-        module_hooks.ensure()
+        if self._module_hooks:
+            module_hooks.ensure()
         _install_step_hook()
         # casts are cached only inside module calls (one outermost call at a time): a
         # scope that starts outside one leaves torch's autocast cache off until it does
@@ -215,14 +217,22 @@ def open_scope(
     cache_enabled: bool = True,
     from_rule: bool = False,
     intercept_all: bool = False,
+    dtype: torch.dtype | None = None,
+    module_hooks: bool = True,
 ) -> autocast:
     """An :class:`autocast` with the engine's own switches, which are no part of the
     public signature: ``from_rule`` (the disabled scope of an fp32 module rule: module
-    rules stay on inside it) and ``intercept_all`` (every op of the policy's lists runs
-    through ampkit's kernels, even where torch's own would do: for tests of the kernels)."""
-    scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled)
+    rules stay on inside it), ``intercept_all`` (every op of the policy's lists runs
+    through ampkit's kernels, even where torch's own would do: for tests of the kernels)
+    and ``module_hooks=False`` (entering it does not put the global module hooks on,
+    which make every module call take torch's slower path: for a scope opened inside a
+    module's call whose policy has no module rules, the opener counting the call itself
+    with ``module_call_started``). ``dtype`` as
+    :class:`autocast`'s."""
+    scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled, dtype=dtype)
     scope._from_rule = from_rule
     scope._intercept_all = intercept_all
+    scope._module_hooks = module_hooks
     return scope
 
 

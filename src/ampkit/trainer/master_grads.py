@@ -68,7 +68,8 @@ class MasterGrads(Protocol):
     def before_accumulate(self, param: torch.Tensor, raw: bool) -> bool:
         """Backward is about to add into ``param.grad``: merge what was done to either
         view since, then free the 16-bit copy. ``raw``: the 16-bit grad is held
-        unreduced for DDP; returns whether it still is (False: cleared)."""
+        unreduced for DDP; returns whether it still is (False: cleared through either
+        view, or ``param`` has no master). Without ``raw``: True."""
         ...
 
     def take_in(self, param: torch.Tensor, unscale: Unscale, keep: bool) -> bool:

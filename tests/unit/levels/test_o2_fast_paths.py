@@ -330,3 +330,48 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
     assert (weight.grad is refs[-1]()) is (rule == "cpu")
     mw = amp.levels.master_weights_of(opt)
     assert torch.equal(weight.grad, mw.master_of(weight).grad.to(BF16))
+
+
+class _Probe(nn.Module):
+    """Records, inside the model's forward, whether the global module hooks are on and
+    whether torch's autocast cache is (the cast cache's epoch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ampkit.casting import engine as casting
+
+        self.seen.append((casting.module_hooks.installed(), torch.is_autocast_cache_enabled(),
+                          torch.is_autocast_enabled("cpu")))  # fmt: skip
+        return self.lin(x)
+
+
+@pytest.mark.fresh_process  # one thread: the global hooks go when the last scope closes
+@pytest.mark.parametrize("level", ["O2", "O2K"])  # (O3 runs no op-level scope)
+def test_a_cast_models_scope_puts_the_global_module_hooks_on_only_for_module_rules(level):
+    """The global module hooks make every module call take torch's slower path: a cast
+    model's own scope puts them on only where its policy has module rules to apply. Its
+    call is the cast cache's epoch either way (the cache on inside, off and every switch
+    as it was after), and the model computes the same bits with and without."""
+    from ampkit.casting import engine as casting
+
+    outs = []
+    for use_rules in (False, True):
+        amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(_Probe(), nn.LayerNorm(8), nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters())
+        policy = amp.Policy(dtype=BF16, module_rules={"2": BF16}) if use_rules else None
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=BF16, policy=policy)
+        cache_before = torch.is_autocast_cache_enabled()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        outs.append(model(x))
+        hooks_on, cache_on, autocast_on = model[0].seen[-1]
+        assert hooks_on is use_rules
+        assert cache_on and autocast_on
+        assert torch.is_autocast_cache_enabled() is cache_before and not torch.is_autocast_enabled("cpu")
+        assert not casting.module_hooks.installed()  # one thread, no scope left open
+    assert torch.equal(outs[0], outs[1]) and outs[0].dtype == outs[1].dtype

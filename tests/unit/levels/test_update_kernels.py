@@ -87,8 +87,10 @@ def test_each_thread_stages_apart_and_reset_drops_every_staging():
     k = _kernel()
     scalars = torch.tensor([2.0, 3.0])
     results: dict[str, bool] = {}
+    both = threading.Barrier(2)  # both alive at once: two thread idents, two stagings
 
     def run(name: str, seed: int) -> None:
+        both.wait()
         roles = _roles(SHAPES, seed)
         expected = _per_tensor(roles, scalars)
         for _ in range(20):  # both threads at once, on the same shapes
