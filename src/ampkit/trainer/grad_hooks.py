@@ -167,6 +167,8 @@ def watch_ddp(model: nn.Module, masters: MasterGrads) -> None:
 
 
 def _ddp_sync_of(model_ref: weakref.ref[nn.Module] | None) -> bool | None:
+    if not _DDP_SYNC:  # no model under DDP (every hook asks: no weak reference made for a lookup)
+        return None
     model = model_ref() if model_ref is not None else None
     return None if model is None else _DDP_SYNC.get(model)
 
