@@ -149,7 +149,12 @@ class _ModuleHooks:
         if not scopes:
             return None
         frame = scopes[-1]
-        _call_started(module, frame)
+        modules = state.module_stack
+        if not modules and not _is_compiled_module(module):
+            # (a torch.compile'd module: compiled code keeps no cast cache, and with the
+            # cache switch left off dynamo tells this scope from plain torch.autocast)
+            _start_cache_epoch(module, frame)
+        modules.append(module)
         if frame.policy is None or not frame.policy.module_rules or not frame.rules:
             return None  # no rule to look up (the common case: one check per module call)
         # a torch.compile'd module's own rule is the model's inside it, applied here,
@@ -177,37 +182,12 @@ class _ModuleHooks:
         rules = state.rule_stack
         if rules and rules[-1][0] is module:
             rules.pop()[1].close()
-        module_call_ended(module)
+        modules = state.module_stack
+        if modules and modules[-1] is module:
+            modules.pop()
+            if not modules:
+                _end_cache_epoch(module)
         return None
-
-
-def _call_started(module: nn.Module, frame: _Frame) -> None:
-    """``module``'s call starts inside a scope (``frame`` the innermost): on the thread's
-    stack of module calls, the outermost one starting the cast cache's epoch."""
-    modules = _state.module_stack
-    if not modules and not _is_compiled_module(module):
-        # (a torch.compile'd module: compiled code keeps no cast cache, and with the
-        # cache switch left off dynamo tells this scope from plain torch.autocast)
-        _start_cache_epoch(module, frame)
-    modules.append(module)
-
-
-def module_call_started(module: nn.Module) -> None:
-    """Right after a scope opened inside ``module``'s call, by code that opened it
-    without the global module hooks (a cast model's own scope, whose policy has no module
-    rules): the call counts as the hooks would have counted it, so the cast cache lives
-    for the whole call. :func:`module_call_ended` before the scope closes."""
-    if _state.scopes:
-        _call_started(module, _state.scopes[-1])
-
-
-def module_call_ended(module: nn.Module) -> None:
-    """``module``'s call ends: off the stack; the outermost one ends the epoch."""
-    modules = _state.module_stack
-    if modules and modules[-1] is module:
-        modules.pop()
-        if not modules:
-            _end_cache_epoch(module)
 
 
 # ---------------------------------------------------------------------------

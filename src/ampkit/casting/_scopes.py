@@ -225,10 +225,9 @@ def open_scope(
     rules stay on inside it), ``intercept_all`` (every op of the policy's lists runs
     through ampkit's kernels, even where torch's own would do: for tests of the kernels)
     and ``module_hooks=False`` (entering it does not put the global module hooks on,
-    which make every module call take torch's slower path: for a scope opened inside a
-    module's call whose policy has no module rules, the opener counting the call itself
-    with ``module_call_started``). ``dtype`` as
-    :class:`autocast`'s."""
+    which make every module call take torch's slower path: for a scope whose policy has
+    no module rules, opened inside a module's call, where the cast cache of the calls
+    inside goes with them). ``dtype`` as :class:`autocast`'s."""
     scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled, dtype=dtype)
     scope._from_rule = from_rule
     scope._intercept_all = intercept_all
@@ -370,8 +369,11 @@ class _Replay:
         _state.module_stack[:] = self._modules
         stack.callback(_state.module_stack.__setitem__, slice(None), saved)
         for policy, device_type, enabled, cache_enabled, rules in self._frames:
+            # the module stack is the forward's already: the hooks only for module rules
+            hooks = policy is not None and bool(policy.module_rules)
             stack.enter_context(
-                open_scope(policy, device_type, enabled=enabled, cache_enabled=cache_enabled, from_rule=not enabled and rules)
+                open_scope(policy, device_type, enabled=enabled, cache_enabled=cache_enabled,
+                           from_rule=not enabled and rules, module_hooks=hooks)  # fmt: skip
             )
         self._stack = stack
         return self

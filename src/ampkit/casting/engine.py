@@ -22,8 +22,6 @@ from ._kernels import (
 )
 from ._module_rules import (
     model_name,
-    module_call_ended,
-    module_call_started,
     module_hooks,
     remove_step_hook,
     step_hook_installed,
@@ -53,8 +51,6 @@ __all__ = [  # the public API: autocast, init, checkpoint_context, is_active, cu
     "kernel_registry",
     "logger",
     "model_name",
-    "module_call_ended",
-    "module_call_started",
     "module_hooks",
     "open_scope",
     "probe_rnn",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ampkit._internal import torch_compat
-from ampkit.casting.engine import module_call_ended, module_call_started, open_scope
+from ampkit.casting.engine import open_scope
 
 __all__ = ["MODEL_POLICY", "compiled_enter", "compiled_exit", "enter_scope", "entry_stack", "exit_scope", "scope_for"]
 
@@ -33,8 +33,9 @@ def scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool =
     key = (device_type, dtype, id(policy), enabled)
     entry = cache.get(key)
     if entry is None or entry[0] is not policy:
-        # the global module hooks only for module rules (they would make every module call
-        # take torch's slower path): the scope's opener counts its module's call itself
+        # the global module hooks only for module rules: they make every module call take
+        # torch's slower path. Without them the model's children start no cast cache of
+        # their own: casts of fp32 weights are made at each use, as in compiled code.
         rules = policy is not None and bool(policy.module_rules)
         scope = open_scope(policy, device_type, enabled=enabled, dtype=dtype if enabled else None,
                            module_hooks=rules)  # fmt: skip
@@ -43,14 +44,12 @@ def scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool =
 
 
 def enter_scope(module: nn.Module, device_type: str, dtype: torch.dtype, enabled: bool) -> None:
-    """Open ``module``'s scope (its policy from :data:`MODEL_POLICY`) for this call, the
-    call counted as the scope's outermost module call (the cast cache lives for it)."""
+    """Open ``module``'s scope (its policy from :data:`MODEL_POLICY`) for this call."""
     scope = scope_for(device_type, dtype, MODEL_POLICY.get(module), enabled)
     stack = getattr(_SCOPES, "stack", None)
     if stack is None:
         stack = _SCOPES.stack = []
     scope.__enter__()
-    module_call_started(module)
     stack.append((module, scope))
 
 
@@ -59,10 +58,7 @@ def exit_scope(module: nn.Module) -> None:
     stack = getattr(_SCOPES, "stack", None)
     if stack and stack[-1][0] is module:
         _, scope = stack.pop()
-        try:
-            module_call_ended(module)
-        finally:
-            scope.__exit__(None, None, None)
+        scope.__exit__(None, None, None)
 
 
 # Per thread: the calls in flight of cast models and of their entry points (EntryCasts):

@@ -332,46 +332,56 @@ def test_o2_produced_grad_is_kept_on_cpu_and_freed_at_once_elsewhere(rule, monke
     assert torch.equal(weight.grad, mw.master_of(weight).grad.to(BF16))
 
 
-class _Probe(nn.Module):
-    """Records, inside the model's forward, whether the global module hooks are on and
-    whether torch's autocast cache is (the cast cache's epoch)."""
+class _TiedProbe(nn.Module):
+    """An fp32 weight used by two children (an embedding kept in fp32, tied to the head,
+    which is called twice),
+    and a record, taken inside the forward, of whether the global module hooks are on,
+    torch's autocast cache is on and autocast is."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
         self.seen: list[tuple[bool, bool, bool]] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         from ampkit.casting import engine as casting
 
         self.seen.append((casting.module_hooks.installed(), torch.is_autocast_cache_enabled(),
                           torch.is_autocast_enabled("cpu")))  # fmt: skip
-        return self.lin(x)
+        h = self.norm(self.emb(idx))
+        return self.head(h) + self.head(h * 0.5)  # two calls of one child: two casts of the weight
 
 
 @pytest.mark.fresh_process  # one thread: the global hooks go when the last scope closes
 @pytest.mark.parametrize("level", ["O2", "O2K"])  # (O3 runs no op-level scope)
 def test_a_cast_models_scope_puts_the_global_module_hooks_on_only_for_module_rules(level):
     """The global module hooks make every module call take torch's slower path: a cast
-    model's own scope puts them on only where its policy has module rules to apply. Its
-    call is the cast cache's epoch either way (the cache on inside, off and every switch
-    as it was after), and the model computes the same bits with and without."""
+    model's own scope puts them on only where its policy has module rules to apply.
+    Without them no child call starts a cast cache (fp32 weights are cast at each use, as
+    in compiled code); every switch is as it was after the call; a model whose fp32
+    weight two children use computes the same bits, grads included, either way."""
     from ampkit.casting import engine as casting
 
-    outs = []
+    results = []
     for use_rules in (False, True):
         amp.reset()
         torch.manual_seed(0)
-        model = nn.Sequential(_Probe(), nn.LayerNorm(8), nn.Linear(8, 2))
+        model = _TiedProbe()
         opt = torch.optim.AdamW(model.parameters())
-        policy = amp.Policy(dtype=BF16, module_rules={"2": BF16}) if use_rules else None
-        model, opt = amp.initialize(model, opt, opt_level=level, dtype=BF16, policy=policy)
+        policy = amp.Policy(dtype=BF16, module_rules={"head": BF16}) if use_rules else None  # (its dtype anyway)
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=BF16, policy=policy, keep_fp32=["emb"])
+        assert model.emb.weight.dtype == torch.float32
         cache_before = torch.is_autocast_cache_enabled()
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-        outs.append(model(x))
-        hooks_on, cache_on, autocast_on = model[0].seen[-1]
-        assert hooks_on is use_rules
-        assert cache_on and autocast_on
+        idx = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+        out = model(idx)
+        hooks_on, cache_on, autocast_on = model.seen[-1]
+        assert hooks_on is use_rules and autocast_on
+        assert cache_on is False  # (a child's call would start one, with the hooks on)
         assert torch.is_autocast_cache_enabled() is cache_before and not torch.is_autocast_enabled("cpu")
+        out.float().square().mean().backward()
+        results.append([out] + [p.grad for p in model.parameters()])
         assert not casting.module_hooks.installed()  # one thread, no scope left open
-    assert torch.equal(outs[0], outs[1]) and outs[0].dtype == outs[1].dtype
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results))
