@@ -217,6 +217,16 @@ class Plan:
     fp8_plan: Any = None
 
 
+def _fp32_rule_keys(policy: Policy | None) -> tuple[type[nn.Module] | str, ...]:
+    """The keys (classes, name globs) of ``policy``'s module rules that pin modules to fp32:
+    at a level that casts the model to 16 bits such a module must keep fp32 weights (its
+    ops cannot run in fp32 on 16-bit weights), so ``initialize`` keeps them as
+    ``keep_fp32`` keeps modules."""
+    if policy is None:
+        return ()
+    return tuple(key for key, dtype in policy.module_rules.items() if dtype is torch.float32)
+
+
 def make_plan(
     models: Any, optimizers: Any, opt_level: str | None, device_type: str | None, fp8: Any, fresh: Any,
     overrides: dict[str, Any],
@@ -244,6 +254,10 @@ def make_plan(
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     device_type = _device_type(model_list, device_type)
     level = resolve_opt_level(opt_level, device_type, **overrides)
+    kept_by_rules = _fp32_rule_keys(policy) if level.cast_model_type is not None else ()
+    if kept_by_rules:  # an fp32 module rule at a level that casts the model: the module kept in fp32
+        keep = (*level.keep_fp32, *(k for k in kept_by_rules if k not in level.keep_fp32))
+        level = resolve_opt_level(opt_level, device_type, **{**overrides, "keep_fp32": keep})
     if policy is not None and not (level.op_casting or level.model_op_casting):
         raise AmpError(
             f"a policy only applies with op-level casting, which {level.name} leaves off; "

@@ -1149,3 +1149,53 @@ def test_non_reentrant_checkpointing_of_a_submodule_recomputes_the_forwards_dtyp
         return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
     assert torch.allclose(run(True), run(False), rtol=0, atol=1e-2)
+
+
+class _RuledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.l(x), -1)
+
+
+def _ruled_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), _RuledBlock(), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O2K"])
+def test_a_policys_module_rules_name_modules_as_the_model_does_and_fp32_ones_keep_the_module_fp32(level):
+    """Name globs are relative to the model given to ``initialize`` at every level (at O2
+    and O2K the model's own scope opens inside its call: its first child was taken for
+    the root, so ``"2"`` went unmatched). A rule pinning fp32 at a level that casts the
+    model keeps the module's weights in fp32, as ``keep_fp32`` does (its ops could not run
+    in fp32 on 16-bit weights: a class rule made the forward raise)."""
+    seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    model = _ruled_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={"1.l": torch.float32, "2": torch.float16})
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, policy=policy)
+    for name in ("1.l", "2"):
+        model.get_submodule(name).register_forward_hook(
+            lambda mod, args, out, name=name: seen.__setitem__(name, (args[0].dtype, out.dtype)))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    with ampkit.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert seen["1.l"][0] == torch.float32  # run on fp32 input, casting off
+    assert seen["2"][1] == torch.float16  # the fp16 rule matched "2"
+    assert model[1].l.weight.dtype == torch.float32
+    assert model[0].weight.dtype == (torch.float32 if level == "O1" else torch.bfloat16)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_fp32_rule_that_names_no_module_is_refused_before_anything_changes():
+    model = _ruled_model()
+    opt = torch.optim.AdamW(model.parameters())
+    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={"l": torch.float32})  # the name is "1.l"
+    with pytest.raises(AmpError, match="matches no module name"):
+        ampkit.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, policy=policy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert opt.param_groups[0]["params"] == list(model.parameters())
