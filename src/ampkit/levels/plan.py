@@ -17,6 +17,7 @@ from torch import nn
 from ampkit._internal.dtypes import default_device_type
 from ampkit._internal.env import dtype_from_env
 from ampkit._internal.wrappers import unwrap_optimizers
+from ampkit.casting.engine import model_name, unwrap_module
 from ampkit.casting.policy import Policy, check_device_type
 from ampkit.errors import AmpError, DistributedError, PolicyError, StateError
 from ampkit.scaling.loss_scaler import LossScaler
@@ -25,7 +26,7 @@ from ampkit.trainer import api as optim
 from . import fp8 as _fp8
 from . import one_pass, sharding
 from .master import MasterWeights
-from .model_cast import check_keep_fp32, kept_fp32_modules
+from .model_cast import check_keep_fp32, kept_fp32_modules, params_to_cast
 from .opt_level import OptLevel, is_fp32_level, level_or_env, resolve_opt_level
 from .sharding import is_fsdp2
 
@@ -217,14 +218,27 @@ class Plan:
     fp8_plan: Any = None
 
 
-def _fp32_rule_keys(policy: Policy | None) -> tuple[type[nn.Module] | str, ...]:
-    """The keys (classes, name globs) of ``policy``'s module rules that pin modules to fp32:
-    at a level that casts the model to 16 bits such a module must keep fp32 weights (its
-    ops cannot run in fp32 on 16-bit weights), so ``initialize`` keeps them as
-    ``keep_fp32`` keeps modules."""
-    if policy is None:
-        return ()
-    return tuple(key for key, dtype in policy.module_rules.items() if dtype is torch.float32)
+def _check_fp32_rules(models: list[nn.Module], policy: Policy | None, level: OptLevel) -> None:
+    """At a level that casts the model: refuse a module rule that would run a module's
+    16-bit weights in fp32 (its ops would fail on them mid-forward). A module's rule is its
+    own, else its enclosing module's (a rule applies to the calls inside, as the hooks
+    apply it); names as the rules see them (relative to the model, wrappers left out)."""
+    if policy is None or not any(d is torch.float32 for d in policy.module_rules.values()):
+        return
+    for model in models:
+        cast = {id(p) for p in params_to_cast(model, level.keep_norm_fp32, keep_fp32=level.keep_fp32)}
+        rule: dict[str, torch.dtype | None] = {}
+        for name, module in unwrap_module(model).named_modules(remove_duplicate=False):  # parents first
+            name = model_name(name)
+            own = policy.module_dtype(module, name)
+            rule[name] = own if own is not None else rule.get(name.rpartition(".")[0]) if name else None
+            if rule[name] is torch.float32 and any(id(p) in cast for p in module.parameters(recurse=False)):
+                raise PolicyError(
+                    f"the policy's module rules pin {name or 'the model'!r} ({type(module).__name__}) to fp32, "
+                    f"but {level.name} casts its weights to {level.cast_model_type}: its ops cannot run in fp32 on "
+                    f"them. Keep the module in fp32 with initialize(keep_fp32=[...]) (module classes or name "
+                    "globs, as module rules take them) instead of the rule, or pin it to a 16-bit dtype."
+                )
 
 
 def make_plan(
@@ -254,10 +268,6 @@ def make_plan(
         raise PolicyError(f"policy must be an ampkit.Policy, got {type(policy).__name__}.")
     device_type = _device_type(model_list, device_type)
     level = resolve_opt_level(opt_level, device_type, **overrides)
-    kept_by_rules = _fp32_rule_keys(policy) if level.cast_model_type is not None else ()
-    if kept_by_rules:  # an fp32 module rule at a level that casts the model: the module kept in fp32
-        keep = (*level.keep_fp32, *(k for k in kept_by_rules if k not in level.keep_fp32))
-        level = resolve_opt_level(opt_level, device_type, **{**overrides, "keep_fp32": keep})
     if policy is not None and not (level.op_casting or level.model_op_casting):
         raise AmpError(
             f"a policy only applies with op-level casting, which {level.name} leaves off; "
@@ -270,6 +280,7 @@ def make_plan(
     plan = Plan(level, policy, device_type, model_list, opt_list, one_model, one_opt, fresh, _make_scaler(level))
     if level.cast_model_type is not None:
         check_keep_fp32(model_list, level.keep_fp32)
+        _check_fp32_rules(model_list, policy, level)
     sharding.check_models(model_list, level.name, level.cast_model_type is not None)
     if any(is_fsdp2(m) for m in model_list):
         _check_fsdp_optimizers(model_list, opt_list)

@@ -238,10 +238,10 @@ def initialize(
             apex's ``patch_torch_functions``). None: True at O1, else False. Default: ``None``.
         policy (ampkit.Policy | None): what op-level casting does (``op_casting`` or
             ``model_op_casting``; raises where neither is on). None: the default
-            :class:`ampkit.Policy` of the device. Its module rules' name globs are
-            relative to the models given; at a level that casts the model (O2, O2K), a
-            rule pinning fp32 also keeps the module's weights in fp32, as ``keep_fp32``
-            does (and, like it, refuses a glob that names no module). Default: ``None``.
+            :class:`ampkit.Policy` of the device. Inside a cast model (O2, O2K) its
+            module rules' name globs are relative to the models given; a rule pinning
+            fp32 a module whose weights the level casts is refused (keep that module
+            with ``keep_fp32``). Default: ``None``.
         loss_scale (float | str | None): ``"dynamic"`` or a static scale > 0. None: with
             fp16, ``"dynamic"`` at O1/O2 and 1.0 at O0/O3/O2K; with bf16, 1.0 at every
             level. Default: ``None``.
@@ -364,8 +364,10 @@ def _apply(plan: Plan, named_by_models: bool = False) -> None:
         _cast_models(plan, masters)
     if level.op_casting:
         casting.init(dtype=level.dtype, device_type=plan.device_type, policy=plan.policy)
-    # a tuning plan, and a policy's name rules, name modules as the models do
-    named = named_by_models or (plan.policy is not None and any(isinstance(k, str) for k in plan.policy.module_rules))
+    # a tuning plan names modules as the models do; so do a policy's name rules inside a cast
+    # model, whose scope opens inside its call (else its first child would be the root)
+    named = named_by_models or (level.model_op_casting and plan.policy is not None
+                                and any(isinstance(k, str) for k in plan.policy.module_rules))  # fmt: skip
     for m in model_list if named else ():
         casting.module_hooks.name_rules_relative_to(m)
     if plan.fp8_plan is not None:

@@ -1166,17 +1166,17 @@ def _ruled_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O2K"])
-def test_a_policys_module_rules_name_modules_as_the_model_does_and_fp32_ones_keep_the_module_fp32(level):
+def test_a_policys_module_rules_name_modules_as_the_model_does_at_every_level(level):
     """Name globs are relative to the model given to ``initialize`` at every level (at O2
     and O2K the model's own scope opens inside its call: its first child was taken for
-    the root, so ``"2"`` went unmatched). A rule pinning fp32 at a level that casts the
-    model keeps the module's weights in fp32, as ``keep_fp32`` does (its ops could not run
-    in fp32 on 16-bit weights: a class rule made the forward raise)."""
+    the root, so ``"2"`` matched nothing); an fp32 rule on a module whose weights stay
+    fp32 (kept) runs it in fp32."""
     seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     model = _ruled_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={"1.l": torch.float32, "2": torch.float16})
-    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, policy=policy)
+    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={"1": torch.float32, "2": torch.float16})
+    keep = {} if level == "O1" else {"keep_fp32": ["1.l"]}
+    model, opt = ampkit.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, policy=policy, **keep)
     for name in ("1.l", "2"):
         model.get_submodule(name).register_forward_hook(
             lambda mod, args, out, name=name: seen.__setitem__(name, (args[0].dtype, out.dtype)))
@@ -1184,18 +1184,28 @@ def test_a_policys_module_rules_name_modules_as_the_model_does_and_fp32_ones_kee
     with ampkit.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
         scaled.backward()
     opt.step()
-    assert seen["1.l"][0] == torch.float32  # run on fp32 input, casting off
+    assert seen["1.l"][0] == torch.float32  # inside the fp32 rule: fp32 input, casting off
     assert seen["2"][1] == torch.float16  # the fp16 rule matched "2"
     assert model[1].l.weight.dtype == torch.float32
     assert model[0].weight.dtype == (torch.float32 if level == "O1" else torch.bfloat16)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_an_fp32_rule_that_names_no_module_is_refused_before_anything_changes():
+@pytest.mark.parametrize("key", ["1.l", "1", _RuledBlock, "*"], ids=["glob", "parent-glob", "class", "root"])
+def test_an_fp32_rule_on_cast_weights_is_refused_before_anything_changes(key):
+    """At O2 a module whose weights are cast cannot run in fp32 (its forward raised, or
+    the rule went unmatched): refused at initialize, naming keep_fp32; a rule's module
+    counts with the modules inside it that have no rule of their own."""
     model = _ruled_model()
     opt = torch.optim.AdamW(model.parameters())
-    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={"l": torch.float32})  # the name is "1.l"
-    with pytest.raises(AmpError, match="matches no module name"):
+    policy = ampkit.Policy(dtype=torch.bfloat16, module_rules={key: torch.float32})
+    with pytest.raises(ampkit.PolicyError, match="keep_fp32"):
         ampkit.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, policy=policy)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert opt.param_groups[0]["params"] == list(model.parameters())
+    # a 16-bit rule inside the fp32 one leaves no cast weight run in fp32: taken
+    inner = ampkit.Policy(dtype=torch.bfloat16, module_rules={"1": torch.float32, "1.l": torch.bfloat16})
+    model = _ruled_model()
+    model, _ = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O2",
+                                 dtype=torch.bfloat16, policy=inner)  # fmt: skip
+    assert model(torch.randn(2, 8)).dtype == torch.float32  # (the model's output cast)
