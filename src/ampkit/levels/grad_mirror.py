@@ -76,15 +76,10 @@ class GradMirror:
 
     def _linked(self, model_params: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, nn.Parameter, _Link]]:
         """(model param, its master, their link) for those of ``model_params`` with a master."""
-        masters, links = self._masters, self._links
         for model_p in model_params:
-            key = id(model_p)
-            master = masters.get(key)
+            master = self._masters.get(id(model_p))
             if master is not None:
-                link = links.get(key)
-                if link is None:
-                    link = links[key] = _Link()
-                yield model_p, master, link
+                yield model_p, master, self._link(model_p)
 
     def _link(self, model_p: torch.Tensor) -> _Link:
         link = self._links.get(id(model_p))
@@ -228,7 +223,7 @@ class GradMirror:
         copies: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, _Link, torch.Tensor]]] = {}
         with torch.no_grad():
             for model_p, master, link in self._linked(model_params):
-                if link.held and (_held_as_is(model_p, master, link) or self._still_held(model_p, master, link)):
+                if link.held and self._still_held(model_p, master, link):
                     continue  # the model's grad is the gradient
                 if link.viewable and model_p.grad is None and link.holds(master.grad):
                     model_p.grad = _high_halves(master.grad)  # shares the fp32 grad's memory
@@ -356,7 +351,7 @@ class GradMirror:
                 continue
             g = model_p.grad
             link = self._link(model_p)
-            if link.held and (_held_as_is(model_p, master, link) or self._still_held(model_p, master, link)):
+            if link.held and self._still_held(model_p, master, link):
                 continue  # the step reads it
             # a grad view (model_grads="view") costs nothing: show() makes it again
             keep = (
@@ -372,7 +367,7 @@ class GradMirror:
                 link.aside = g
 
     def _reconcile_one(self, model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> None:
-        if link.held and (_held_as_is(model_p, master, link) or self._still_held(model_p, master, link)):
+        if link.held and self._still_held(model_p, master, link):
             return  # held: the model's grad (edited or not) is the gradient
         cur = model_p.grad
         g = master.grad
@@ -447,11 +442,9 @@ class GradMirror:
         if self.before_read is not None:
             self.before_read()
         out = []
-        links = self._links
         for model_p, master in self._pairs():
-            link = links.get(id(model_p))
-            if link is not None and link.held and (_held_as_is(model_p, master, link)
-                                                   or self._still_held(model_p, master, link)):  # fmt: skip
+            link = self._links.get(id(model_p))
+            if link is not None and link.held and self._still_held(model_p, master, link):
                 out.append((master, model_p))
         return out
 
@@ -546,18 +539,6 @@ class GradMirror:
             if master.grad is None:
                 master.grad = g
 
-
-
-def _held_as_is(model_p: torch.Tensor, master: nn.Parameter, link: _Link) -> bool:
-    """Whether ``link``'s held grad stands as it was held (nothing done to either side
-    since): what :meth:`GradMirror._still_held` finds without changing anything, checked
-    without its call (the common case, per parameter several times a step)."""
-    holder = link.placeholder
-    return (holder is not None and link.held and master.grad is holder and model_p.grad is not None
-            and _version(holder) == link.placeholder_version)  # fmt: skip
-
-
-_version = torch_compat.tensor_version
 
 
 def _clear_both(model_p: torch.Tensor, master: nn.Parameter, cur: torch.Tensor | None, g: torch.Tensor | None) -> None:
