@@ -218,20 +218,21 @@ def open_scope(
     from_rule: bool = False,
     intercept_all: bool = False,
     dtype: torch.dtype | None = None,
-    module_hooks: bool = True,
+    in_module_call: bool = False,
 ) -> autocast:
     """An :class:`autocast` with the engine's own switches, which are no part of the
     public signature: ``from_rule`` (the disabled scope of an fp32 module rule: module
     rules stay on inside it), ``intercept_all`` (every op of the policy's lists runs
     through ampkit's kernels, even where torch's own would do: for tests of the kernels)
-    and ``module_hooks=False`` (entering it does not put the global module hooks on,
-    which make every module call take torch's slower path: for a scope whose policy has
-    no module rules, opened inside a module's call, where the cast cache of the calls
-    inside goes with them). ``dtype`` as :class:`autocast`'s."""
+    and ``in_module_call`` (the scope opens inside a module's call, whose module stack is
+    already what it is: a cast model's own scope, a checkpoint's recomputation; entering
+    it puts the global module hooks on only where the policy has module rules to apply,
+    as the hooks make every module call take torch's slower path, and without them the
+    calls inside start no cast cache). ``dtype`` as :class:`autocast`'s."""
     scope = autocast(policy, device_type, enabled=enabled, cache_enabled=cache_enabled, dtype=dtype)
     scope._from_rule = from_rule
     scope._intercept_all = intercept_all
-    scope._module_hooks = module_hooks
+    scope._module_hooks = not in_module_call or bool(scope.policy.module_rules)
     return scope
 
 
@@ -369,11 +370,9 @@ class _Replay:
         _state.module_stack[:] = self._modules
         stack.callback(_state.module_stack.__setitem__, slice(None), saved)
         for policy, device_type, enabled, cache_enabled, rules in self._frames:
-            # the module stack is the forward's already: the hooks only for module rules
-            hooks = policy is not None and bool(policy.module_rules)
             stack.enter_context(
                 open_scope(policy, device_type, enabled=enabled, cache_enabled=cache_enabled,
-                           from_rule=not enabled and rules, module_hooks=hooks)  # fmt: skip
+                           from_rule=not enabled and rules, in_module_call=True)  # fmt: skip
             )
         self._stack = stack
         return self

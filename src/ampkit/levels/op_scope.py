@@ -33,12 +33,10 @@ def scope_for(device_type: str, dtype: torch.dtype, policy: Any, enabled: bool =
     key = (device_type, dtype, id(policy), enabled)
     entry = cache.get(key)
     if entry is None or entry[0] is not policy:
-        # the global module hooks only for module rules: they make every module call take
-        # torch's slower path. Without them the model's children start no cast cache of
-        # their own: casts of fp32 weights are made at each use, as in compiled code.
-        rules = policy is not None and bool(policy.module_rules)
+        # (without module rules, no global module hooks: the model's children start no
+        # cast cache; fp32 weights are cast at each use, as in compiled code)
         scope = open_scope(policy, device_type, enabled=enabled, dtype=dtype if enabled else None,
-                           module_hooks=rules)  # fmt: skip
+                           in_module_call=True)  # fmt: skip
         entry = cache[key] = (policy, scope)
     return entry[1]
 
