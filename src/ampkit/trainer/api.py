@@ -197,8 +197,8 @@ def init_trainer(
             optimizer: ``fused=True`` for Adam, AdamW and Adagrad on fp32/fp64
             parameters, else ``foreach=True`` (``ampkit.trainer.fused_step``; again after
             ``optimizer.load_state_dict``); fused results may differ from the loop's in
-            the last bits on AVX-512 CPUs (~0.15% of an AdamW step's elements; AVX2:
-            bitwise). False leaves the optimizer exactly as built. Default: ``True``.
+            the last bits of a small fraction of the elements, by CPU (~0.15% of an
+            AdamW step's elements on an AVX-512 CPU, 0.13% on an AVX2-only one). False leaves the optimizer exactly as built. Default: ``True``.
         doctor (bool | None): watch these optimizers with the process-wide
             :func:`ampkit.doctor` (``ampkit.doctor.current()`` returns it), the attacher
             registered as ``"doctor"`` (``ampkit.trainer.extensions.register_attacher``;

@@ -15,11 +15,10 @@ Fused only where it is the same optimizer: the class has a rule with ``fused`` i
 :mod:`ampkit.trainer.optimizer_rules` (Adam, AdamW or Adagrad, exactly), every parameter is fp32 or fp64 on a device torch has fused kernels
 for, and a probe (the fused and the per-parameter step on the same random
 tensors, the group's own hyperparameters, run once per configuration) gives the
-same result within 1e-5 of the update. Whether it is bitwise depends on the CPU
-kind (torch 2.13): on an AVX2 CPU the fp32 results are bitwise the loop's; on an
-AVX-512 CPU the fused kernel's vectorized arithmetic leaves the last bits of ~0.15% of
-the elements different (by up to 2.4e-7, an ulp of a weight near 1; AdamW, three steps
-of 1M elements, measured on an AVX-512-bf16 CPU); ``fast_kernels=False`` keeps the loop
+same result within 1e-5 of the update. It is not bitwise the loop's: the fused
+kernel's vectorized arithmetic leaves the last bits of a small fraction of the elements
+different, by CPU (torch 2.13, AdamW: ~0.15% by up to 2.4e-7, an ulp of a weight near 1,
+on an AVX-512-bf16 CPU; 0.13% on an AVX2-only AMD EPYC; none on another AVX2 CPU); ``fast_kernels=False`` keeps the loop
 where its bits matter. Left out on purpose, as measured on torch 2.13 (CPU): fused SGD on
 bf16/fp16 leaves most elements unchanged, and fused SGD with momentum fails when
 only some parameters have a momentum buffer (a layer unfrozen mid-training);

@@ -206,11 +206,12 @@ def test_nonfinite_flag_compiles_without_graph_breaks():
     assert check(t).item() == 1.0
 
 
-def test_fused_adamw_against_the_loop_per_cpu_kind():
-    """What the docs claim of the fused kernel ampkit switches to, per CPU kind (this
-    test depends on the CPU and says which branch ran): within an ulp or two of 1
-    everywhere; bitwise the per-parameter loop on AVX2 (torch 2.13); on AVX-512 the
-    last bits of a small fraction of elements differ (measured ~0.15%)."""
+def test_fused_adamw_against_the_loop_within_two_ulps_and_a_small_fraction_of_elements():
+    """What the docs claim of the fused kernel ampkit switches to, on any CPU: within an
+    ulp or two of the per-parameter loop everywhere, and the last bits differ in at most
+    a small fraction of the elements (measured with torch 2.13: ~0.15% on an AVX-512
+    CPU, 0.13% on an AVX2-only AMD EPYC, none on another AVX2 CPU). Not bitwise: which
+    elements differ depends on the CPU, so no CPU is promised bitwise equality."""
     g = torch.Generator().manual_seed(0)
     start = torch.randn(65536, generator=g)
     grads = [torch.randn(65536, generator=g) for _ in range(3)]
@@ -225,12 +226,8 @@ def test_fused_adamw_against_the_loop_per_cpu_kind():
     fused, loop = results
     eps = torch.finfo(torch.float32).eps
     assert bool(((fused - loop).abs() <= 2 * eps * loop.abs().clamp_min(1.0)).all())  # an ulp or two
-    capability = torch.backends.cpu.get_cpu_capability()
     differing = float((fused != loop).float().mean())
-    if capability == "AVX2":
-        assert differing == 0.0, capability
-    else:
-        assert differing < 0.01, (capability, differing)
+    assert differing < 0.01, (torch.backends.cpu.get_cpu_capability(), differing)
 
 
 def _o2k(**opt_kw):
