@@ -434,9 +434,10 @@ def _sweep_cases(state: dict, rank: int, model: nn.Module) -> list[tuple[str, st
             bad = (-1.0, 1e38, float("nan"), float("inf"))[len(out) % 4]  # one a tensor, in turn: the suite's time
             out.append((f"{'.'.join(map(str, path))}={bad}", _sweep_kind(model, path, bad),
                         _replaced(state, path, _poisoned(tree, bad, rank))))  # fmt: skip
-        else:
+        else:  # the same on every rank: one case per entry name (the single-process sweep
+            # of test_checkpoint_sweep.py tries each bad value of each), its bad value drawn
             for bad in ("0.1", float("nan"), -1.0):
-                out.append((f"{'.'.join(map(str, path))}={bad!r}", _sweep_kind(model, path, bad),
+                out.append((f"{'.'.join(map(str, path))}={bad!r}", _sweep_kind(model, path, None),
                             _replaced(state, path, bad)))  # fmt: skip
 
     walk(state, ())
@@ -447,8 +448,8 @@ def _sweep_kind(model: nn.Module, path: tuple, bad: Any) -> str:
     """What a corruption exercises: the section (model, optim, amp), the type of the layer
     a model entry or optimizer state belongs to (Linear, LayerNorm, Embedding), the entry's
     own name with its indices dropped (``weight``, ``exp_avg_sq``, ``lr``,
-    ``trainers/#/scalers/#/scale``) and the bad value. Entries that differ only in which
-    layer of a type or which index they belong to are the same kind."""
+    ``trainers/#/scalers/#/scale``) and the bad value (``None``: any). Entries that differ
+    only in which layer of a type or which index they belong to are the same kind."""
     fqn = path[1] if path[0] == "model" else path[2] if path[:2] == ("optim", "state") else None
     layer = type(model.get_submodule(fqn.rsplit(".", 1)[0])).__name__ if fqn else "-"
     entry = re.sub(r"\d+", "#", str(path[-1]).rsplit(".", 1)[-1])

@@ -145,11 +145,12 @@ def test_a_corrupt_checkpoint_is_refused_whole_on_every_rank(launched):
 def test_a_corruption_sweep_of_a_sharded_checkpoint_is_refused_or_harmless_on_both_ranks(launched):
     """The floating entries of a 2-rank O2K checkpoint corrupted (-1, 1e38, NaN or inf, one
     each; in rank 1's shard alone where sharded) and the non-tensor entries replaced (a
-    string, NaN, -1), rehashed, one case of every kind (section, layer type, entry name and
-    bad value; drawn with a fixed seed among the layers that repeat a kind): both ranks
+    string, NaN or -1, one drawn per entry: the single-process sweep tries each), rehashed,
+    one case of every kind (section, layer type, entry name and, for tensors, bad value;
+    drawn with a fixed seed among the layers that repeat a kind): both ranks
     refuse each alike with nothing changed, or accept it and train finite; 0 raw errors."""
     r0, r1 = _job(launched, "dcp_sweep")
-    assert r0["cases"] > 60, r0["cases"]
+    assert r0["cases"] > 40, r0["cases"]
     assert r0["swept"] == r0["kinds"] == r1["swept"], (r0["swept"], r0["kinds"])  # every kind once, on both ranks
     assert r0["entries"] > r0["cases"]
     for r in (r0, r1):
