@@ -465,7 +465,9 @@ def cast_model(
             fp32, with hooks that run it on fp32 inputs and hand its output back in
             ``dtype``. Default True.
         cast_outputs: dtype the model's fp16/bf16 outputs are cast to (default
-            fp32); None leaves outputs in ``dtype``.
+            fp32); None leaves outputs in ``dtype``. A model kept fp32 as a whole
+            (``keep_fp32`` matching the model itself, or a norm layer as the model)
+            has its fp32 outputs cast to it (None: to ``dtype``).
         extra_fp32_types: further module classes to keep in fp32 like norm layers.
         keep_fp32: module classes or qualified-name globs (``"blocks.*.ln_1"``) kept
             in fp32 like norm layers, also with ``keep_norm_fp32=False``.
@@ -494,12 +496,18 @@ def cast_model(
         _cast_own_tensors(m, torch.float32, keep=set())
         if not root:
             continue  # runs inside its kept ancestor, on its fp32 inputs
+        # A kept module hands its output back in ``dtype`` to the cast model around it; the
+        # model itself kept (a glob "*", its class, a norm layer as the whole model) has
+        # none around it: its outputs are the model's, cast as ``cast_outputs`` says.
+        whole = m is model
         if takes_low_precision_input(m):
             # The kernel accumulates in fp32 itself: feed it the 16-bit activation, so
             # the tensor it saves for backward is 16-bit too.
-            add_io_casts(m, dtype, output_dtype=None)
+            add_io_casts(m, dtype, output_dtype=cast_outputs if whole else None)
         else:
-            add_io_casts(m, torch.float32, output_dtype=dtype, output_only=(torch.float32,))
+            out = (dtype if cast_outputs is None else cast_outputs) if whole else dtype
+            add_io_casts(m, torch.float32, output_dtype=None if out == torch.float32 else out,
+                         output_only=(torch.float32,))  # fmt: skip
             if not is_norm_layer(m, extra) or any(True for _ in m.children()):
                 # A kept block (linears inside): op-level casting of the model's forward
                 # must not run its matmuls in 16 bits.

@@ -924,6 +924,41 @@ def test_keep_fp32_keeps_a_whole_block_and_its_matmuls_fp32(level, rule):
     assert not ampkit.step_skipped(opt) and not torch.equal(before, model.block[0].weight)
 
 
+@pytest.mark.parametrize("outputs", [FP32, None, torch.float16], ids=["fp32", "None", "fp16"])
+@pytest.mark.parametrize(("level", "whole"), [
+    *((level, whole) for level in ("O2", "O2K", "O3") for whole in ("glob *", "class")),
+    ("O2", "norm layer"), ("O2K", "norm layer"),  # O3 keeps no norm layer
+])  # fmt: skip
+def test_a_model_kept_fp32_as_a_whole_returns_what_cast_model_outputs_says(level, whole, outputs):
+    """The model itself kept fp32 (a glob ``"*"``, which also matches the model's own empty
+    name; its class; a norm layer as the whole model, kept by the level's norm rule) has
+    no cast model around it: its outputs are cast as ``cast_model_outputs`` says (default
+    fp32; None: the level's dtype), like a cast model's, where they were the level's dtype
+    whatever it said. A model kept whole computes what the fp32 model computes, bitwise."""
+    torch.manual_seed(0)
+    if whole == "norm layer":
+        model, keep = nn.LayerNorm(8), ()
+    else:
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+        keep = ["*"] if whole == "glob *" else [nn.Sequential]
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level=level, keep_fp32=keep, cast_model_outputs=outputs)
+    assert {p.dtype for p in model.parameters()} == {FP32}
+    x = torch.randn(4, 8)
+    y = model(x)
+    assert y.dtype == (outputs or BF16), (y.dtype, outputs)
+    if whole != "norm layer":  # a norm layer takes the 16-bit input (as inside a cast model)
+        want = reference(x)
+        assert torch.equal(y, want.to(y.dtype))
+    with ampkit.scale_loss(y.float().sum(), opt) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert not ampkit.step_skipped(opt)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.grad is not None)
+
+
 @pytest.mark.parametrize("bad", ["blocks.*", ["nope"], ("inp", "Block")])
 def test_keep_fp32_glob_matching_no_module_is_refused_before_anything_changes(bad):
     model = Outer()
