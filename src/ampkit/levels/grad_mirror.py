@@ -25,7 +25,6 @@ from torch import nn
 from ampkit._internal import torch_compat
 from ampkit.errors import AmpError
 
-from . import rounding as _rounding
 from .rounding import compared_ahead, rounds_to
 
 __all__ = ["GradMirror"]
@@ -293,8 +292,7 @@ class GradMirror:
         # held grads (the master's grad a placeholder) are not compared: their model grad
         # is the gradient (a device that holds grads and compares ahead would otherwise
         # run a comparison kernel per grad and read the results for nothing)
-        one_by_one = _rounding.COMPARED_ONE_BY_ONE
-        ahead = [(p.grad, m.grad) for p, m in pairs if p.device.type not in one_by_one and not self.is_placeholder(m)]
+        ahead = [(p.grad, m.grad) for p, m in pairs if not self.is_placeholder(m)]
         with torch.no_grad(), compared_ahead(ahead):
             for model_p, master in pairs:
                 self._reconcile_one(model_p, master, self._link(model_p))

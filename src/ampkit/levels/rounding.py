@@ -36,19 +36,25 @@ def compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | Non
     """Inside: :func:`rounds_to` answers for the dense, same-shaped ``pairs`` on a
     device other than the CPU from one comparison of all of them, read back in one
     host sync (each ``torch.equal`` there waits for the device: an O2 step of a
-    135M-parameter model on an H200 made 200 of them). Pairs it was not given, or
+    135M-parameter model on an H200 made 200 of them). On the CPU, the small pairs
+    :func:`unrounded` compares at once are compared so too, bit for bit: those whose
+    bits agree are answered True (a pair whose bits differ is compared by
+    :func:`rounds_to` when asked: ``-0.0`` against ``0.0``). Pairs it was not given, or
     changed since (their version), are compared as before."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    if "cpu" in COMPARED_ONE_BY_ONE:  # the CPU's pairs left out at once (no per-pair check below)
+    cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if "cpu" in COMPARED_ONE_BY_ONE:  # the CPU's pairs set apart at once (no per-pair check below)
+        pairs = list(pairs)
+        cpu = [(low, g) for low, g in pairs if low is not None and g is not None and low.is_cpu]
         pairs = [(low, g) for low, g in pairs if low is not None and not low.is_cpu]
     for low, g in pairs:
         if (low is not None and g is not None and low.device.type not in COMPARED_ONE_BY_ONE and low.device == g.device
                 and low.shape == g.shape and not (low.is_sparse or g.is_sparse)):  # fmt: skip
             by_device.setdefault(low.device, []).append((low, g))
-    if not by_device:
+    results: dict[tuple[int, int, int, int], bool] = _equal_bits_on_cpu(cpu) if len(cpu) > 1 else {}
+    if not by_device and not results:
         yield
         return
-    results: dict[tuple[int, int, int, int], bool] = {}
     with torch.no_grad():
         for group in by_device.values():
             # NaN != NaN: unequal, as torch.equal has it
@@ -106,22 +112,8 @@ def unrounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
         return []
     lows, highs = zip(*pairs)
     n = len(pairs)
-    batched: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-    if "cpu" in COMPARED_ONE_BY_ONE:  # else compared ahead (compared_ahead): rounds_to answers
-        ok = list(map(all, zip(
-            map(operator.lt, map(torch.Tensor.numel, lows), itertools.repeat(_COMPARE_CHUNK)),
-            map(_IS_CPU, lows), map(_IS_CPU, highs),
-            map(operator.is_, map(_LAYOUT, lows), itertools.repeat(torch.strided)),
-            map(operator.is_, map(_LAYOUT, highs), itertools.repeat(torch.strided)),
-            map(operator.eq, map(_SHAPE, lows), map(_SHAPE, highs)),
-            map(operator.eq, map(torch.Tensor.element_size, lows), itertools.repeat(2)))))  # fmt: skip
-        keys = list(zip(map(_DTYPE, lows), map(_DTYPE, highs)))
-        if all(ok) and keys.count(keys[0]) == n:  # the usual case: one model, one 16-bit dtype
-            batched[keys[0]] = list(range(n))
-        else:
-            for i, key in enumerate(keys):
-                if ok[i]:
-                    batched.setdefault(key, []).append(i)
+    # else compared ahead (compared_ahead): rounds_to answers
+    batched = _batchable(lows, highs) if "cpu" in COMPARED_ONE_BY_ONE else {}
     in_batch = set().union(*batched.values()) if batched else set()
     out = [] if len(in_batch) == n else [i for i in range(n) if i not in in_batch and not rounds_to(*pairs[i])]
     with torch.no_grad():
@@ -132,6 +124,47 @@ def unrounded(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
             candidates = _differing_bits([lows[i] for i in idx], [highs[i] for i in idx], low_dtype)
             out.extend(idx[j] for j in candidates if not rounds_to(*pairs[idx[j]]))
     return sorted(out)
+
+
+def _batchable(lows: Sequence[torch.Tensor], highs: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.dtype], list[int]]:
+    """The positions of the ``(lows[i], highs[i])`` pairs that :func:`_differing_bits`
+    compares at once (small dense CPU pairs of one shape, a 2-byte 16-bit ``lows[i]``),
+    by their two dtypes; read for all of them at once (no Python call per pair)."""
+    n = len(lows)
+    ok = list(map(all, zip(
+        map(operator.lt, map(torch.Tensor.numel, lows), itertools.repeat(_COMPARE_CHUNK)),
+        map(_IS_CPU, lows), map(_IS_CPU, highs),
+        map(operator.is_, map(_LAYOUT, lows), itertools.repeat(torch.strided)),
+        map(operator.is_, map(_LAYOUT, highs), itertools.repeat(torch.strided)),
+        map(operator.eq, map(_SHAPE, lows), map(_SHAPE, highs)),
+        map(operator.eq, map(torch.Tensor.element_size, lows), itertools.repeat(2)))))  # fmt: skip
+    keys = list(zip(map(_DTYPE, lows), map(_DTYPE, highs)))
+    if all(ok) and keys.count(keys[0]) == n:  # the usual case: one model, one 16-bit dtype
+        return {keys[0]: list(range(n))}
+    batched: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, key in enumerate(keys):
+        if ok[i]:
+            batched.setdefault(key, []).append(i)
+    return batched
+
+
+def _equal_bits_on_cpu(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int, int, int], bool]:
+    """:func:`compared_ahead`'s answers for CPU ``pairs``: True, by the key
+    :func:`rounds_to` looks up, for each pair :func:`_batchable` takes whose bits agree
+    (:func:`_differing_bits`, a few multi-tensor calls for all of them)."""
+    lows, highs = zip(*pairs)
+    results: dict[tuple[int, int, int, int], bool] = {}
+    with torch.no_grad():
+        for (low_dtype, _), idx in _batchable(lows, highs).items():
+            if len(idx) < 2:
+                continue
+            differ = set(_differing_bits([lows[i] for i in idx], [highs[i] for i in idx], low_dtype))
+            version = torch_compat.tensor_version
+            for j, i in enumerate(idx):
+                if j not in differ:
+                    low, g = pairs[i]
+                    results[(id(low), version(low), id(g), version(g))] = True
+    return results
 
 
 def _differing_bits(lows: list[torch.Tensor], highs: list[torch.Tensor], dtype: torch.dtype) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -318,6 +319,46 @@ def test_comparisons_made_ahead_on_the_device_decide_as_one_by_one(monkeypatch):
     assert ahead[0] == one_by_one[0]
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ahead[1], one_by_one[1]))
     assert calls == []
+
+
+@pytest.mark.parametrize("route", ["fp16", "always"])
+def test_on_the_cpu_the_shown_grads_are_compared_in_a_few_calls_whatever_the_model_size(monkeypatch, route):
+    """On the CPU, O2's grads shown on the model and kept in fp32 on the masters (fp16's
+    scaled grads; ``master_grads="always"``) are compared with their masters' at the
+    step in a few multi-tensor calls, as the weights are, not one ``torch.equal`` per
+    parameter: a step of a 6-layer model makes as many comparisons as one of a 2-layer
+    model. (That ``.data`` edits are still seen, bitwise as compared one by one:
+    ``test_comparisons_made_ahead_on_the_device_decide_as_one_by_one``.)"""
+    import ampkit as amp
+
+    def comparisons(depth: int) -> int:
+        amp.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(depth)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        kw = {"dtype": torch.float16} if route == "fp16" else {"dtype": torch.bfloat16, "master_grads": "always"}
+        model, opt = amp.initialize(model, opt, opt_level="O2", **kw)
+        calls = []
+        real_equal = torch.equal
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            if i == 2:  # past the first steps (state made, the scale settled)
+                monkeypatch.setattr(torch, "equal", lambda a, b: (calls.append(1), real_equal(a, b))[1])
+            opt.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fp16 on a CPU
+                loss = model(torch.randn(4, 8, generator=g)).float().pow(2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            assert not amp.step_skipped(opt)
+        monkeypatch.setattr(torch, "equal", real_equal)
+        amp.reset()
+        return len(calls)
+
+    small, large = comparisons(2), comparisons(6)
+    assert small == large, (small, large)  # per parameter: 4 more grads and 4 more weights
+    assert large <= 8, large
 
 
 def test_held_grads_are_not_compared_ahead_only_the_weights_are(monkeypatch):
