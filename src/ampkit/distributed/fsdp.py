@@ -169,6 +169,13 @@ def fully_shard(
     kept_ids = {id(m) for m in kept}
     # the outermost kept modules are units; what is inside one stays in it
     kept_roots = kept_fp32_roots(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
+    if any(m is model for m in kept_roots):  # torch would shard the root twice (an assertion mid-way)
+        raise DistributedError(
+            f"fully_shard(opt_level={level.name!r}): keep_fp32 (or the level's rule for norm layers) "
+            "keeps the whole model fp32, so the level has nothing to cast. Shard it with opt_level='O1' "
+            "(fp32 weights, 16-bit compute by op), or keep submodules only (a glob like 'blocks.*.attn' "
+            "matches names under the model; '*' matches the model itself too)."
+        )
     if unit_rules is None:
         unit_names = _default_units(model)
     else:

@@ -125,10 +125,11 @@ def check_keep_fp32(models: Iterable[nn.Module], keep_fp32: Iterable[KeepRule]) 
     module of ``models`` (a typo would otherwise keep nothing fp32, silently). Classes
     need not occur: a list like ``[MyLayerNorm]`` may serve several models."""
     model_list = list(models)
-    names = [name for m in model_list for name, _ in m.named_modules() if name]
+    names = [name for m in model_list for name, _ in m.named_modules()]  # "" (the model itself) too
     for rule in keep_fp32:
         if isinstance(rule, str) and not any(fnmatch.fnmatchcase(n, rule) for n in names):
-            sample = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+            named = [n for n in names if n]
+            sample = ", ".join(repr(n) for n in named[:8]) + (", ..." if len(named) > 8 else "")
             raise AmpError(
                 f"keep_fp32 glob {rule!r} matches no module name of the model (its names "
                 f"are qualified like {sample or 'none: the model has no submodules'}); fix the "

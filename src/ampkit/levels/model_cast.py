@@ -374,8 +374,11 @@ def add_fp32_scope(module: nn.Module, device_type: str) -> None:
     """Run ``module``'s forward with casting off (a kept-fp32 block inside a model whose
     forward runs under op-level casting: its matmuls stay fp32). Replaces an earlier one."""
     remove_fp32_scope(module)
-    module.register_forward_pre_hook(OpCastingEnter(torch.float32, device_type, enabled=False), prepend=True)
-    module.register_forward_hook(OpCastingExit(enabled=False), always_call=True)
+    # On a module that carries the model's own op-level casting too (a model kept fp32 as
+    # a whole, cast again after initialize): opened inside it, or its 16 bits would win.
+    inside = any(isinstance(h, OpCastingEnter) and h.enabled for h in torch_compat.module_hook_dicts(module).pre.values())
+    module.register_forward_pre_hook(OpCastingEnter(torch.float32, device_type, enabled=False), prepend=not inside)
+    module.register_forward_hook(OpCastingExit(enabled=False), always_call=True, prepend=inside)
 
 
 def remove_fp32_scope(module: nn.Module) -> None:
@@ -467,7 +470,8 @@ def cast_model(
         cast_outputs: dtype the model's fp16/bf16 outputs are cast to (default
             fp32); None leaves outputs in ``dtype``. A model kept fp32 as a whole
             (``keep_fp32`` matching the model itself, or a norm layer as the model)
-            has its fp32 outputs cast to it (None: to ``dtype``).
+            computes in fp32 on fp32 inputs; its 16-bit outputs are cast so too, its
+            fp32 ones left as they are.
         extra_fp32_types: further module classes to keep in fp32 like norm layers.
         keep_fp32: module classes or qualified-name globs (``"blocks.*.ln_1"``) kept
             in fp32 like norm layers, also with ``keep_norm_fp32=False``.
@@ -496,22 +500,23 @@ def cast_model(
         _cast_own_tensors(m, torch.float32, keep=set())
         if not root:
             continue  # runs inside its kept ancestor, on its fp32 inputs
-        # A kept module hands its output back in ``dtype`` to the cast model around it; the
-        # model itself kept (a glob "*", its class, a norm layer as the whole model) has
-        # none around it: its outputs are the model's, cast as ``cast_outputs`` says.
-        whole = m is model
-        if takes_low_precision_input(m):
+        if m is model:
+            # The model itself kept (a glob "*", which matches its empty name; its class; a
+            # norm layer as the whole model): no cast model around it to hand 16 bits to.
+            # It computes in fp32 on fp32 inputs, and its outputs are cast as a cast
+            # model's are: 16-bit ones to ``cast_outputs``, fp32 ones left as they are.
+            add_io_casts(m, torch.float32, output_dtype=cast_outputs)
+        elif takes_low_precision_input(m):
             # The kernel accumulates in fp32 itself: feed it the 16-bit activation, so
             # the tensor it saves for backward is 16-bit too.
-            add_io_casts(m, dtype, output_dtype=cast_outputs if whole else None)
+            add_io_casts(m, dtype, output_dtype=None)
+            continue
         else:
-            out = (dtype if cast_outputs is None else cast_outputs) if whole else dtype
-            add_io_casts(m, torch.float32, output_dtype=None if out == torch.float32 else out,
-                         output_only=(torch.float32,))  # fmt: skip
-            if not is_norm_layer(m, extra) or any(True for _ in m.children()):
-                # A kept block (linears inside): op-level casting of the model's forward
-                # must not run its matmuls in 16 bits.
-                add_fp32_scope(m, _device_type_of(m))
+            add_io_casts(m, torch.float32, output_dtype=dtype, output_only=(torch.float32,))
+        if not is_norm_layer(m, extra) or any(True for _ in m.children()):
+            # A kept block (linears inside): op-level casting of the model's forward
+            # must not run its matmuls in 16 bits.
+            add_fp32_scope(m, _device_type_of(m))
     if id(model) not in kept_ids:
         add_io_casts(model, dtype, output_dtype=cast_outputs)
         _add_entry_casts(model, dtype, cast_outputs, kept_ids)

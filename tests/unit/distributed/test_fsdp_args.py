@@ -27,6 +27,8 @@ def _model() -> nn.Module:
         ({"opt_level": "O2", "units": ["blocks.*"]}, "units glob 'blocks.\\*' matches no module"),
         ({"opt_level": "O2", "units": [3]}, "units takes module classes or qualified-name globs"),
         ({"opt_level": "O2", "keep_fp32": [nn.functional.relu]}, "keep_fp32 takes module classes"),
+        ({"opt_level": "O3", "keep_fp32": ["*"]}, "keeps the whole model fp32"),  # "*" matches "" too
+        ({"opt_level": "O2K", "keep_fp32": [nn.Sequential]}, "keeps the whole model fp32"),
     ],
 )
 def test_bad_arguments_are_refused_before_sharding(kwargs, match):
@@ -36,6 +38,14 @@ def test_bad_arguments_are_refused_before_sharding(kwargs, match):
         amp.distributed.fully_shard(model, **kwargs)
     assert amp.distributed.shard_plan(model) is None  # nothing applied
     assert all(torch.equal(a, b) and a.dtype == torch.float32 for a, b in zip(before, model.parameters()))
+    assert type(model) is nn.Sequential and not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_norm_layer_as_the_whole_model_is_refused_at_o2():
+    model = nn.LayerNorm(8)  # kept fp32 by O2's rule for norm layers: the whole model
+    with pytest.raises(amp.DistributedError, match="keeps the whole model fp32"):
+        amp.distributed.fully_shard(model, opt_level="O2")
+    assert type(model) is nn.LayerNorm and amp.distributed.shard_plan(model) is None
 
 
 def test_a_16_bit_model_and_a_non_module_are_refused():

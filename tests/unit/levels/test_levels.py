@@ -924,39 +924,81 @@ def test_keep_fp32_keeps_a_whole_block_and_its_matmuls_fp32(level, rule):
     assert not ampkit.step_skipped(opt) and not torch.equal(before, model.block[0].weight)
 
 
+class _Whole(nn.Module):
+    """A model returning its fp32 result and a bf16 copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.net(x)
+        return y, y.to(BF16)
+
+
 @pytest.mark.parametrize("outputs", [FP32, None, torch.float16], ids=["fp32", "None", "fp16"])
-@pytest.mark.parametrize(("level", "whole"), [
-    *((level, whole) for level in ("O2", "O2K", "O3") for whole in ("glob *", "class")),
-    ("O2", "norm layer"), ("O2K", "norm layer"),  # O3 keeps no norm layer
-])  # fmt: skip
-def test_a_model_kept_fp32_as_a_whole_returns_what_cast_model_outputs_says(level, whole, outputs):
-    """The model itself kept fp32 (a glob ``"*"``, which also matches the model's own empty
-    name; its class; a norm layer as the whole model, kept by the level's norm rule) has
-    no cast model around it: its outputs are cast as ``cast_model_outputs`` says (default
-    fp32; None: the level's dtype), like a cast model's, where they were the level's dtype
-    whatever it said. A model kept whole computes what the fp32 model computes, bitwise."""
+@pytest.mark.parametrize("keep", [["*"], [_Whole]], ids=["glob *", "class"])
+@pytest.mark.parametrize("level", ["O2", "O2K", "O3"])
+def test_a_model_kept_fp32_as_a_whole_computes_fp32_and_casts_outputs_as_a_cast_model(level, keep, outputs):
+    """The model itself kept fp32 (a glob ``"*"``, which also matches the model's own
+    empty name; its class) has no cast model around it: it computes what the fp32 model
+    computes, bitwise (also after ``cast_model`` again, whose fp32 scope must stay inside
+    the model's op-level casting), and its outputs are cast as a cast model's are: 16-bit
+    ones to ``cast_model_outputs`` (None: left), fp32 ones left fp32. It returned its
+    outputs in the level's dtype whatever ``cast_model_outputs`` said."""
     torch.manual_seed(0)
-    if whole == "norm layer":
-        model, keep = nn.LayerNorm(8), ()
-    else:
-        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
-        keep = ["*"] if whole == "glob *" else [nn.Sequential]
+    model = _Whole()
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ampkit.initialize(model, opt, opt_level=level, keep_fp32=keep, cast_model_outputs=outputs)
     assert {p.dtype for p in model.parameters()} == {FP32}
     x = torch.randn(4, 8)
-    y = model(x)
-    assert y.dtype == (outputs or BF16), (y.dtype, outputs)
-    if whole != "norm layer":  # a norm layer takes the 16-bit input (as inside a cast model)
-        want = reference(x)
-        assert torch.equal(y, want.to(y.dtype))
-    with ampkit.scale_loss(y.float().sum(), opt) as scaled:
+    want, _ = reference(x)
+    for recast in (False, True):
+        if recast:
+            ampkit.cast_model(model, BF16, keep_fp32=keep, cast_outputs=outputs)
+        y, low = model(x)
+        assert y.dtype == FP32 and torch.equal(y, want), recast
+        assert low.dtype == (outputs or BF16) and torch.equal(low, want.to(BF16).to(low.dtype)), recast
+    with ampkit.scale_loss(y.sum(), opt) as scaled:
         scaled.backward()
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert not ampkit.step_skipped(opt)
-    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.grad is not None)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.BatchNorm1d, lambda n: nn.GroupNorm(2, n)],
+                         ids=["LayerNorm", "BatchNorm1d", "GroupNorm"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_a_norm_layer_as_the_whole_model_computes_on_its_fp32_input(norm, dtype):
+    """A norm layer given as the whole model at O2 (kept fp32 by the level's norm rule):
+    its input is the user's fp32 data, not rounded to 16 bits (inside a cast model
+    BatchNorm and GroupNorm take the 16-bit activation: fp16 made 1e5-sized data inf and
+    every step was skipped); output fp32, bitwise the fp32 layer's."""
+    torch.manual_seed(0)
+    model = norm(8)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", dtype=dtype)
+    x = torch.randn(4, 8) * 1e5
+    y = model(x)
+    assert y.dtype == FP32 and torch.equal(y, reference(x))
+    with ampkit.scale_loss(y.pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not ampkit.step_skipped(opt)
+
+
+def test_keep_fp32_star_keeps_a_model_without_submodules():
+    """``"*"`` matches the model's own empty name, also where the model has no
+    submodules (it was refused as matching no module name)."""
+    model = nn.Linear(4, 4)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampkit.initialize(model, opt, opt_level="O2", keep_fp32=["*"])
+    x = torch.randn(2, 4)
+    assert model.weight.dtype == FP32 and torch.equal(model(x), reference(x))
 
 
 @pytest.mark.parametrize("bad", ["blocks.*", ["nope"], ("inp", "Block")])
