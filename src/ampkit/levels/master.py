@@ -323,7 +323,7 @@ class MasterWeights:
             pairs = self._pairs()
         else:
             pairs = [(p, m) for p in params if (m := self._masters.get(id(p))) is not None]
-        with torch.no_grad(), compared_ahead(pairs):
+        with torch.no_grad(), compared_ahead(pairs, cpu=False):  # the CPU's: unrounded batches them
             for i in unrounded(pairs):
                 model_p, master = pairs[i]
                 master.copy_(model_p)

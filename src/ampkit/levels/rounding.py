@@ -32,26 +32,29 @@ COMPARED_ONE_BY_ONE = frozenset({"cpu"})
 
 
 @contextlib.contextmanager
-def compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]]) -> Iterator[None]:
+def compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | None]], cpu: bool = True) -> Iterator[None]:
     """Inside: :func:`rounds_to` answers for the dense, same-shaped ``pairs`` on a
     device other than the CPU from one comparison of all of them, read back in one
     host sync (each ``torch.equal`` there waits for the device: an O2 step of a
     135M-parameter model on an H200 made 200 of them). On the CPU, the small pairs
     :func:`unrounded` compares at once are compared so too, bit for bit: those whose
-    bits agree are answered True (a pair whose bits differ is compared by
-    :func:`rounds_to` when asked: ``-0.0`` against ``0.0``). Pairs it was not given, or
-    changed since (their version), are compared as before."""
+    bits agree are answered True (NaNs of the same bits too, as :func:`unrounded` has
+    them: nothing was edited; a pair whose bits differ is compared by :func:`rounds_to`
+    when asked: ``-0.0`` against ``0.0``); ``cpu=False`` leaves the
+    CPU's pairs alone (a caller that passes them to :func:`unrounded`, which batches
+    them itself). Pairs it was not given, or changed since (their version), are
+    compared as before."""
     by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+    on_cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
     if "cpu" in COMPARED_ONE_BY_ONE:  # the CPU's pairs set apart at once (no per-pair check below)
         pairs = list(pairs)
-        cpu = [(low, g) for low, g in pairs if low is not None and g is not None and low.is_cpu]
+        on_cpu = [(low, g) for low, g in pairs if low is not None and g is not None and low.is_cpu] if cpu else []
         pairs = [(low, g) for low, g in pairs if low is not None and not low.is_cpu]
     for low, g in pairs:
         if (low is not None and g is not None and low.device.type not in COMPARED_ONE_BY_ONE and low.device == g.device
                 and low.shape == g.shape and not (low.is_sparse or g.is_sparse)):  # fmt: skip
             by_device.setdefault(low.device, []).append((low, g))
-    results: dict[tuple[int, int, int, int], bool] = _equal_bits_on_cpu(cpu) if len(cpu) > 1 else {}
+    results: dict[tuple[int, int, int, int], bool] = _equal_bits_on_cpu(on_cpu) if len(on_cpu) > 1 else {}
     if not by_device and not results:
         yield
         return
