@@ -1,7 +1,8 @@
 """Whether a 16-bit tensor is exactly an fp32 one rounded (a model grad and its master's
 grad, a model weight and its master): how O2 finds edits made through ``.data``, which
 leave version counters alone. :func:`rounds_to` compares; :func:`compared_ahead` makes
-the comparisons of a whole step on a GPU in one host sync."""
+the comparisons of a whole step on a GPU in one host sync, and those of a step's small
+tensors on the CPU in a few multi-tensor calls (:func:`unrounded` the same for a list)."""
 
 from __future__ import annotations
 
