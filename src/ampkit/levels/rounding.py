@@ -39,9 +39,9 @@ def compared_ahead(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor | Non
     host sync (each ``torch.equal`` there waits for the device: an O2 step of a
     135M-parameter model on an H200 made 200 of them). On the CPU, the small pairs
     :func:`unrounded` compares at once are compared so too, bit for bit: those whose
-    bits agree are answered True (NaNs of the same bits too, as :func:`unrounded` has
-    them: nothing was edited; a pair whose bits differ is compared by :func:`rounds_to`
-    when asked: ``-0.0`` against ``0.0``); ``cpu=False`` leaves the
+    bits agree and hold no NaN are answered True (a pair whose bits differ, or with a
+    NaN, is compared by :func:`rounds_to` when asked, as one by one: ``-0.0`` against
+    ``0.0``, NaN unequal to itself); ``cpu=False`` leaves the
     CPU's pairs alone (a caller that passes them to :func:`unrounded`, which batches
     them itself). Pairs it was not given, or changed since (their version), are
     compared as before."""
@@ -155,20 +155,33 @@ def _batchable(lows: Sequence[torch.Tensor], highs: Sequence[torch.Tensor]) -> d
 def _equal_bits_on_cpu(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int, int, int], bool]:
     """:func:`compared_ahead`'s answers for CPU ``pairs``: True, by the key
     :func:`rounds_to` looks up, for each pair :func:`_batchable` takes whose bits agree
-    (:func:`_differing_bits`, a few multi-tensor calls for all of them)."""
+    (:func:`_differing_bits`, a few multi-tensor calls for all of them) and that holds
+    no NaN (``torch.equal``'s answer there is False: a NaN counts as an edit)."""
     lows, highs = zip(*pairs)
     results: dict[tuple[int, int, int, int], bool] = {}
     with torch.no_grad():
         for (low_dtype, _), idx in _batchable(lows, highs).items():
             if len(idx) < 2:
                 continue
-            differ = set(_differing_bits([lows[i] for i in idx], [highs[i] for i in idx], low_dtype))
+            some_lows = [lows[i] for i in idx]
+            differ = set(_differing_bits(some_lows, [highs[i] for i in idx], low_dtype))
+            differ.update(_with_nan(some_lows, low_dtype))  # NaN != NaN, as torch.equal has it
             version = torch_compat.tensor_version
             for j, i in enumerate(idx):
                 if j not in differ:
                     low, g = pairs[i]
                     results[(id(low), version(low), id(g), version(g))] = True
     return results
+
+
+def _with_nan(lows: list[torch.Tensor], dtype: torch.dtype) -> list[int]:
+    """Positions of the ``lows`` holding a NaN, read from the flat buffer
+    :func:`_differing_bits` has just filled with them (one check for all)."""
+    (low_buf, _), _, ends = _compare_buffers(lows, dtype)
+    nan = torch.isnan(low_buf)
+    if not bool(nan.any()):
+        return []
+    return torch.searchsorted(ends, nan.nonzero().view(-1), right=True).unique().tolist()
 
 
 def _differing_bits(lows: list[torch.Tensor], highs: list[torch.Tensor], dtype: torch.dtype) -> list[int]:

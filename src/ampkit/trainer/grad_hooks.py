@@ -479,8 +479,9 @@ class GradPath:
                     if self._pending_bytes > PENDING_BYTES:
                         self.take_pending()
                 return
+            before = self._before_take_in(rec)
             if not self.masters.take_in(rec.param, self._unscaler(loss_id, scale), keep=scale == 1.0):
-                self._mark_checked(rec.stepped, loss_id)
+                self._mark_checked(rec.stepped, loss_id, before)
             # else: held on the model or a view of the master's grad, checked by the step
             if len(rec.hooks) > 1:  # hooks after this one read p.grad: real, in 16 bits
                 self.masters.show([rec.param])
@@ -542,8 +543,9 @@ class GradPath:
                     if not absorb_raw and _ddp_sync_of(rec.model) is False:
                         continue  # under no_sync: DDP reduces the whole sum later
                     assert self.masters is not None
+                    before = self._before_take_in(rec)
                     self.masters.take_in(rec.param, self._unscaler(rec.loss_id, rec.scale), keep=False)
-                    self._mark_checked(rec.stepped, rec.loss_id)
+                    self._mark_checked(rec.stepped, rec.loss_id, before)
                     rec.scale = None
                 shown.append(rec.param)
             elif rec.scale is not None:
@@ -584,10 +586,11 @@ class GradPath:
             rec.pending = None
         for (loss_id, scale), group in by_loss.items():
             unscale = self._unscaler(loss_id, scale)
+            befores = [self._before_take_in(rec) for rec in group]
             left = self.masters.take_in_many([rec.param for rec in group], unscale, keep=scale == 1.0)
-            for rec, unchecked in zip(group, left):
+            for rec, unchecked, before in zip(group, left, befores):
                 if not unchecked:
-                    self._mark_checked(rec.stepped, loss_id)
+                    self._mark_checked(rec.stepped, loss_id, before)
 
     def finish(self, absorb_raw: bool = False) -> None:
         """Process backward passes whose end was not seen (an exception inside backward)
@@ -599,12 +602,31 @@ class GradPath:
             self._process([r for r in self._params.values() if r.scale is not None], absorb_raw=True)
 
     # -- the step's check -----------------------------------------------------------------
-    def _mark_checked(self, stepped: torch.Tensor, loss_id: int | None) -> None:
+    @staticmethod
+    def _before_take_in(rec: _Param) -> tuple[torch.Tensor | None, int]:
+        """The master's grad a take-in adds to, and its version (:meth:`_mark_checked`)."""
+        g = rec.stepped.grad
+        return g, (0 if g is None else torch_compat.tensor_version(g))
+
+    def _mark_checked(self, stepped: torch.Tensor, loss_id: int | None,
+                      before: tuple[torch.Tensor | None, int]) -> None:  # fmt: skip
+        """Record ``stepped``'s grad as checked by the take-in that just moved a checked
+        16-bit grad into it, where that check covers all of it: the grad is new
+        (``before``: the grad and its version right before the take-in; no grad), or it
+        was added into a grad recorded checked and unchanged since. Else (an edit merged
+        into the sum between two backward passes, a grad set from outside) the step
+        checks it (:meth:`unchecked`)."""
         if loss_id is None:
             return
         g = stepped.grad
-        if g is not None:
-            self._checked[id(stepped)] = (weakref.ref(g), torch_compat.tensor_version(g))
+        if g is None:
+            return
+        old, version = before
+        if old is not None:
+            seen = self._checked.get(id(stepped))
+            if old is not g or seen is None or seen[0]() is not old or seen[1] != version:
+                return
+        self._checked[id(stepped)] = (weakref.ref(g), torch_compat.tensor_version(g))
 
     def forget_flags(self) -> None:
         """A fresh step (the previous one was abandoned): drop the hooks' flags."""

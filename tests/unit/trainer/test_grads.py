@@ -6,6 +6,7 @@ reference."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -568,6 +569,46 @@ def test_a_nonfinite_micro_batch_of_an_accumulated_step_skips_it(level, override
             scaled.backward()
         if where == f"data{micro}":
             model[2].weight.grad.data[1, 1] = float("nan")
+    opt.step()
+    assert amp.step_skipped(opt)
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "level,overrides",
+    [("O1", {}), ("O2", {}), ("O2", {"master_grads": "always"}), ("O2", {"model_grads": "view"}), ("O2K", {}),
+     ("O3", {}), ("O1", {"dtype": torch.float16}), ("O2", {"dtype": torch.float16})],
+)  # fmt: skip
+@pytest.mark.parametrize("edit", ["index", "data", "master"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_nonfinite_edit_between_accumulated_backwards_skips_the_step(level, overrides, edit, bad):
+    """A grad edited to inf or NaN between two backward passes of one step (by index, through
+    ``.data``, or on the optimizer's param, O2's master): the second pass adds into it, and
+    the step is skipped with the weights as they were. At O2 the take-in of the second
+    pass vouched for the whole sum, its check covering only the part it added: an inf was
+    stepped into the weights (a NaN was caught only because ``torch.equal(nan, nan)`` is
+    False)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, **overrides)
+    dtype = model[0].weight.dtype
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    for micro in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on a CPU
+            loss = model(x.to(dtype)).float().square().mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if micro == 0:
+            with torch.no_grad():
+                if edit == "index":
+                    model[0].bias.grad[0] = bad
+                elif edit == "data":
+                    model[0].bias.grad.data[0] = bad
+                else:  # the optimizer's own param: O2's master, else the model's
+                    opt.param_groups[0]["params"][1].grad[0] = bad
     opt.step()
     assert amp.step_skipped(opt)
     assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
