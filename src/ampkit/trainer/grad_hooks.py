@@ -629,8 +629,17 @@ class GradPath:
         self._checked[id(stepped)] = (weakref.ref(g), torch_compat.tensor_version(g))
 
     def forget_flags(self) -> None:
-        """A fresh step (the previous one was abandoned): drop the hooks' flags."""
+        """A fresh step (the previous one was abandoned): drop the hooks' flags and what
+        their checks vouched for (:meth:`forget_checks`)."""
         self._found.clear()
+        self._checked.clear()
+
+    def forget_checks(self) -> None:
+        """A step was skipped: the checks at backward vouch for no grad any longer (one
+        they found inf in, kept for the next step, would be vouched for again with what
+        that step adds). The step checks each once more. The hooks' flags stay: this
+        step's, where the skip is settled inside ``step()``."""
+        self._checked.clear()
 
     def take_found(self, loss_id: int) -> list[torch.Tensor]:
         """The hooks' inf/NaN flags for ``loss_id`` since the last call (one per device)."""

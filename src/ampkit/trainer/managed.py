@@ -466,6 +466,8 @@ class ManagedOptimizer:
         extensions' ``after_step(skipped)`` (first, for a skipped step)."""
         self._skipped += skipped
         self._last_skipped = skipped
+        if skipped:  # its grads, if kept for the next step, hold what the check found
+            self.grad_path.forget_checks()
         if skipped and after_step:
             self._after_step(True)
         try:

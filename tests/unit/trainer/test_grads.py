@@ -614,6 +614,33 @@ def test_a_nonfinite_edit_between_accumulated_backwards_skips_the_step(level, ov
     assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize(
+    "level,overrides",
+    [("O1", {}), ("O2", {}), ("O2", {"master_grads": "always"}), ("O2", {"model_grads": "view"}), ("O2K", {}),
+     ("O1", {"dtype": torch.float16}), ("O2", {"dtype": torch.float16})],
+)  # fmt: skip
+def test_a_skipped_steps_grads_kept_for_the_next_step_skip_it_too(level, overrides):
+    """No ``zero_grad()`` after a step skipped for inf grads: the next backward adds into
+    them, and that step is skipped too, the weights as they were. At O2 the check of the
+    next backward's part vouched for the whole sum (the grad unchanged since a check that
+    had found inf in it): the second step wrote inf into the weights."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, **overrides)
+    x = torch.ones(2, 4, dtype=model.weight.dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fp16 on a CPU
+            loss = model(x).float().sum() * (1e39 if step == 0 else 1.0)  # inf grads, no NaN
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()  # no zero_grad() between the steps
+        assert amp.step_skipped(opt), step
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
 _FP16_SETUPS = {
     "init": None,
     "O1": {},
