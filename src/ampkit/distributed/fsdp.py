@@ -96,6 +96,18 @@ def _level_for(model: nn.Module, opt_level: str, overrides: dict[str, Any]) -> O
         raise DistributedError(str(exc)) from None
 
 
+def _refuse_kept_whole(model: nn.Module, kept_roots: list[nn.Module], level: str) -> None:
+    """Raise :class:`DistributedError` where the model itself is kept fp32 (torch would
+    shard it twice: an assertion mid-way, the model's class already swapped)."""
+    if any(m is model for m in kept_roots):
+        raise DistributedError(
+            f"fully_shard(opt_level={level!r}): keep_fp32 (or the level's rule for norm layers) "
+            "keeps the whole model fp32, so the level has nothing to cast. Shard it with opt_level='O1' "
+            "(fp32 weights, 16-bit compute by op), or keep submodules only (a glob like 'blocks.*.attn' "
+            "matches names under the model; '*' matches the model itself too)."
+        )
+
+
 def fully_shard(
     model: nn.Module,
     *,
@@ -169,13 +181,7 @@ def fully_shard(
     kept_ids = {id(m) for m in kept}
     # the outermost kept modules are units; what is inside one stays in it
     kept_roots = kept_fp32_roots(model, keep_norm_fp32=keep_norms, keep_fp32=keep) if casts else []
-    if any(m is model for m in kept_roots):  # torch would shard the root twice (an assertion mid-way)
-        raise DistributedError(
-            f"fully_shard(opt_level={level.name!r}): keep_fp32 (or the level's rule for norm layers) "
-            "keeps the whole model fp32, so the level has nothing to cast. Shard it with opt_level='O1' "
-            "(fp32 weights, 16-bit compute by op), or keep submodules only (a glob like 'blocks.*.attn' "
-            "matches names under the model; '*' matches the model itself too)."
-        )
+    _refuse_kept_whole(model, kept_roots, level.name)
     if unit_rules is None:
         unit_names = _default_units(model)
     else:
