@@ -632,7 +632,7 @@ class GradPath:
         """A fresh step (the previous one was abandoned): drop the hooks' flags and what
         their checks vouched for (:meth:`forget_checks`)."""
         self._found.clear()
-        self._checked.clear()
+        self.forget_checks()
 
     def forget_checks(self) -> None:
         """A step was skipped: the checks at backward vouch for no grad any longer (one
